@@ -1,0 +1,97 @@
+// CPU ops: the numerical reference of mpipe. Free functions in pairs,
+// <op>_forward / <op>_backward, outputs first, then inputs, then sizes, with the
+// dimension vocabulary used everywhere: N rows, B batch, T time, C channels, OC output
+// channels, H heads, V vocabulary. GEMMs go through BLAS (cblas_sgemm); everything
+// else is an OpenMP loop whose reduction order does not depend on the thread count.
+//
+// Which outputs are overwritten and which are accumulated is stated per function:
+// parameter gradients are always accumulated (+=), so micro-batches sum into them;
+// input gradients follow `mode`.
+#pragma once
+#include <cstdint>
+
+namespace mpipe::cpu {
+
+enum class GradMode { overwrite, accumulate };
+
+// Threads for our loops and for BLAS; called once at start-up.
+void set_threads(int threads);
+int threads();
+
+// out (N, OC) = inp (N, C) · weight (OC, C)^T + bias (OC); bias may be null. Overwrites out.
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                    int64_t N, int64_t C, int64_t OC);
+// dinp (N, C) per mode (skipped when null); dweight (OC, C) and dbias (OC) accumulate
+// (dbias skipped when null).
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                     const float* inp, const float* weight, int64_t N, int64_t C, int64_t OC,
+                     GradMode mode);
+
+// out = max(inp, 0). Overwrites out (may alias inp).
+void relu_forward(float* out, const float* inp, int64_t n);
+// dinp = dout * (out > 0), per mode; `out` is the forward's output.
+void relu_backward(float* dinp, const float* dout, const float* out, int64_t n, GradMode mode);
+
+// GELU, tanh approximation (GPT-2's). Overwrites out.
+void gelu_forward(float* out, const float* inp, int64_t n);
+void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n, GradMode mode);
+
+// LayerNorm over the last dimension, eps 1e-5. Overwrites out (N, C), mean (N), rstd (N).
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                       const float* weight, const float* bias, int64_t N, int64_t C);
+// dinp per mode; dweight, dbias accumulate.
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean,
+                        const float* rstd, int64_t N, int64_t C, GradMode mode);
+
+// out (B, T, C) = wte[tokens] + wpe[t]. Overwrites out. Tokens are checked < V.
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
+                       int64_t B, int64_t T, int64_t C, int64_t V);
+// dwte (V, C) and dwpe (T, C) accumulate.
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                        int64_t B, int64_t T, int64_t C);
+
+// Causal multi-head self-attention core. qkv (B, T, 3C) holds q, k, v side by side.
+// Overwrites out (B, T, C) and probs (B, H, T, T) (kept for backward).
+void attention_forward(float* out, float* probs, const float* qkv, int64_t B, int64_t T,
+                       int64_t C, int64_t H);
+// Overwrites dqkv (B, T, 3C); dprobs (B, H, T, T) is scratch.
+void attention_backward(float* dqkv, float* dprobs, const float* dout, const float* qkv,
+                        const float* probs, int64_t B, int64_t T, int64_t C, int64_t H);
+
+// Softmax cross-entropy. Overwrites lse (N) with each row's log-sum-exp; returns the sum
+// over rows of -log p(target), accumulated in a fixed order. Targets are checked < V.
+double crossentropy_forward(float* lse, const float* logits, const int32_t* targets,
+                            int64_t N, int64_t V);
+// dlogits (N, V) = scale * (softmax(logits) - onehot(target)). Overwrites.
+void crossentropy_backward(float* dlogits, const float* logits, const float* lse,
+                           const int32_t* targets, float scale, int64_t N, int64_t V);
+
+// Dropout mask key: the mask of element e of sample s is a pure function of
+// (seed, step, sample_begin + s, site, e), so recomputation and any batch split agree.
+struct DropoutKey {
+  uint64_t seed = 0;
+  uint64_t step = 0;
+  uint64_t sample_begin = 0;  // index within the step of this call's first sample
+  uint32_t site = 0;          // global layer index * 16 + site within the layer
+};
+// out = inp * mask / (1 - p) over B samples of per_sample elements each. Overwrites out
+// (may alias inp). The backward is the same call on the gradient.
+void dropout_apply(float* out, const float* inp, int64_t B, int64_t per_sample, float p,
+                   const DropoutKey& key);
+
+// y (+)= x
+void add(float* y, const float* x, int64_t n);
+void copy(float* y, const float* x, int64_t n);
+void scale(float* y, float factor, int64_t n);
+// Sum of squares in double, in a fixed order (chunked per 4096 elements).
+double sum_squares(const float* x, int64_t n);
+
+// AdamW with decoupled weight decay; `step` counts from 1.
+void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float lr,
+                  float beta1, float beta2, float eps, float weight_decay, int64_t step);
+// SGD with (heavy-ball) momentum and decoupled weight decay.
+void sgd_update(float* params, const float* grads, float* velocity, int64_t n, float lr,
+                float momentum, float weight_decay);
+
+}  // namespace mpipe::cpu

@@ -1,0 +1,55 @@
+// Errors: one family of checks that throw with context, and the user/internal split.
+//
+// UserError is for things the user can fix (config, data file, sizes): main reports it
+// as one line with a hint and exits with code 2. Error is for broken invariants: it
+// carries file:line and the failing expression. Both are caught once, in main.
+#pragma once
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+namespace mpipe {
+
+template <class... Args>
+std::string cat(Args&&... args) {
+  std::ostringstream out;
+  (out << ... << std::forward<Args>(args));
+  return out.str();
+}
+
+// An internal error: a bug or a broken invariant.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A problem with the user's input; `hint` says what to do about it.
+class UserError : public std::runtime_error {
+ public:
+  UserError(std::string what, std::string hint)
+      : std::runtime_error(std::move(what)), hint_(std::move(hint)) {}
+  const std::string& hint() const { return hint_; }
+
+ private:
+  std::string hint_;
+};
+
+[[noreturn]] void throw_check_failure(const char* file, int line, const char* expr,
+                                      const std::string& message);
+
+}  // namespace mpipe
+
+// MPIPE_CHECK(cond, parts...): throws mpipe::Error "file:line: check `cond` failed: parts".
+#define MPIPE_CHECK(cond, ...)                                                         \
+  do {                                                                                 \
+    if (!(cond)) [[unlikely]]                                                          \
+      ::mpipe::throw_check_failure(__FILE__, __LINE__, #cond, ::mpipe::cat(__VA_ARGS__)); \
+  } while (0)
+
+// MPIPE_REQUIRE(cond, hint, parts...): throws mpipe::UserError when cond is false.
+#define MPIPE_REQUIRE(cond, hint, ...)                                   \
+  do {                                                                   \
+    if (!(cond)) [[unlikely]]                                            \
+      throw ::mpipe::UserError(::mpipe::cat(__VA_ARGS__), (hint));       \
+  } while (0)

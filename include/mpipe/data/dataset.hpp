@@ -1,0 +1,33 @@
+// Datasets: every batch is a pure function of (seed, step, sample index), so any rank,
+// any micro-batch split and a resumed run see the same samples.
+//   synthetic  gpt: an order-2 Markov chain with a known entropy floor;
+//              mlp: labels from a fixed random teacher network
+//   text:PATH  byte-level tokens of any file (gpt)
+//   tokens:PATH flat little-endian uint16 token ids (gpt)
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "mpipe/core/tensor.hpp"
+#include "mpipe/nn/model.hpp"
+
+namespace mpipe {
+
+class Dataset {
+ public:
+  virtual ~Dataset() = default;
+  // Fills inputs (count, ...) and targets with the samples [first, first + count) of the
+  // global sample sequence (sample s of step k is k * batch_size + s).
+  virtual void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs,
+                    const Tensor& targets) const = 0;
+  // One line for the log: what the data is and, where known, the best achievable loss.
+  virtual std::string describe() const = 0;
+};
+
+// Parses --data (synthetic | text:PATH | tokens:PATH) for the model; UserError on a
+// bad spec or file.
+std::unique_ptr<Dataset> make_dataset(const std::string& spec, const ModelConfig& model,
+                                      std::uint64_t seed);
+
+}  // namespace mpipe

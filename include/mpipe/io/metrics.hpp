@@ -1,0 +1,23 @@
+// Metrics: one JSON object per step (JSON lines), floats printed with 9 significant
+// digits so float32 values round-trip.
+#pragma once
+#include <cstdio>
+#include <string>
+
+#include "mpipe/pipeline/trainer.hpp"
+
+namespace mpipe {
+
+class MetricsWriter {
+ public:
+  explicit MetricsWriter(const std::string& path);  // UserError if it cannot be opened
+  ~MetricsWriter();
+  MetricsWriter(const MetricsWriter&) = delete;
+  MetricsWriter& operator=(const MetricsWriter&) = delete;
+  void write(const StepResult& r, double samples_per_s, double tokens_per_s);
+
+ private:
+  std::FILE* file_ = nullptr;
+};
+
+}  // namespace mpipe

@@ -1,0 +1,274 @@
+// Layer: the unit a model is a flat list of, and a pipeline stage a range of.
+//
+// forward(x) returns y and fills a per-call Context with what backward needs, so many
+// micro-batches can be in flight at once; both live in the pass's Arena. backward(ctx,
+// dy, dx) writes dx per GradMode and *accumulates* (+=) into the parameter gradients.
+// The public forward/backward check shapes and call the virtual *_impl (as in
+// tiny-cuda-nn's object.h). Each layer reports its cost for the partitioner and `plan`.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/core/arena.hpp"
+#include "mpipe/core/tensor.hpp"
+
+namespace mpipe {
+
+using cpu::GradMode;
+
+enum class Init { normal, zeros, ones };
+
+// A parameter a layer declares. A tied parameter names the (layer, parameter) that owns
+// it; the stage holding both shares one storage, otherwise it keeps a copy whose
+// gradient is summed with the owner's.
+struct ParamSpec {
+  std::string name;
+  Shape shape;
+  Init init = Init::zeros;
+  float std = 0.0f;          // for Init::normal
+  bool decay = false;        // AdamW weight decay applies
+  int tied_layer = -1;       // owner's global layer index, or -1
+  std::string tied_name;     // owner's parameter name
+};
+
+struct Cost {
+  double forward_flops = 0;    // per call at the given input shape
+  double backward_flops = 0;
+  double param_bytes = 0;
+  double activation_bytes = 0;  // what the context keeps between forward and backward
+};
+
+// One forward or backward pass over a micro-batch: where memory comes from and where in
+// training it is (for dropout masks and the loss).
+struct Pass {
+  Arena* arena = nullptr;
+  std::uint64_t seed = 0;
+  std::uint64_t step = 0;
+  std::uint64_t sample_begin = 0;  // index within the step of the micro-batch's first sample
+  bool training = true;
+  Tensor targets;                  // (B, T) or (B) int32, for the loss layer
+  float loss_scale = 1.0f;         // d(total loss)/d(per-row loss): 1 / rows in the step
+};
+
+// What backward needs from one forward call. Trivially destructible: it lives in the
+// arena. Composite layers keep their children's contexts in `children`.
+struct Context {
+  static constexpr int max_saved = 8;
+  Tensor input;
+  Tensor saved[max_saved];
+  Context* children = nullptr;
+  double value = 0.0;  // the loss layer's summed loss
+};
+
+class Layer {
+ public:
+  virtual ~Layer() = default;
+
+  virtual std::string kind() const = 0;
+  virtual Shape output_shape(const Shape& in) const = 0;
+  virtual DType input_dtype() const { return DType::f32; }
+  virtual Cost cost(const Shape& in) const = 0;
+  virtual std::vector<ParamSpec> param_specs() const { return {}; }
+  // Receives views of this layer's parameters and gradients, in param_specs() order.
+  virtual void bind(std::span<const Tensor> params, std::span<const Tensor> grads) {}
+
+  Tensor forward(const Tensor& x, Context& ctx, const Pass& pass);
+  // dx may be empty when no input gradient is wanted (the first layer).
+  void backward(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                const Pass& pass);
+
+  int global_index() const { return global_index_; }
+  // Composite layers pass the index on to their parts (it keys dropout masks).
+  virtual void set_global_index(int index) { global_index_ = index; }
+
+ protected:
+  virtual Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) = 0;
+  virtual void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+                             GradMode mode, const Pass& pass) = 0;
+
+ private:
+  int global_index_ = -1;
+};
+
+// ---- the layers ----------------------------------------------------------------------
+
+// y (.., OC) = x (.., C) · W^T + b, W stored (OC, C) as PyTorch does.
+class Linear final : public Layer {
+ public:
+  Linear(int64_t in, int64_t out, bool bias, float init_std);
+  std::string kind() const override { return "linear"; }
+  Shape output_shape(const Shape& in) const override;
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  // For composite layers: prefix parameter names and tie the weight to another layer.
+  void tie_weight(int layer, std::string name) { tied_layer_ = layer; tied_name_ = std::move(name); }
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  int64_t in_, out_;
+  bool has_bias_;
+  float init_std_;
+  int tied_layer_ = -1;
+  std::string tied_name_;
+  Tensor weight_, bias_, dweight_, dbias_;
+};
+
+class ReLU final : public Layer {
+ public:
+  std::string kind() const override { return "relu"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+};
+
+class GELU final : public Layer {
+ public:
+  std::string kind() const override { return "gelu"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+};
+
+class LayerNorm final : public Layer {
+ public:
+  explicit LayerNorm(int64_t channels) : channels_(channels) {}
+  std::string kind() const override { return "layernorm"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  int64_t channels_;
+  Tensor weight_, bias_, dweight_, dbias_;
+};
+
+// Inverted dropout with counter-based masks; `site` tells apart the dropouts of one
+// global layer. The mask is recomputed in backward, never stored.
+class Dropout final : public Layer {
+ public:
+  Dropout(float p, int site) : p_(p), site_(site) {}
+  std::string kind() const override { return "dropout"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  float p_;
+  int site_;
+};
+
+// The mask key of dropout site `site` of global layer `layer` in this pass.
+cpu::DropoutKey dropout_key(const Pass& pass, int layer, int site);
+
+// Token + learned position embedding: tokens (B, T) int32 -> (B, T, C), then dropout.
+class Embedding final : public Layer {
+ public:
+  Embedding(int64_t vocab, int64_t max_seq, int64_t channels, float dropout);
+  std::string kind() const override { return "embedding"; }
+  DType input_dtype() const override { return DType::i32; }
+  Shape output_shape(const Shape& in) const override;
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  int64_t vocab_, max_seq_, channels_;
+  float dropout_;
+  Tensor wte_, wpe_, dwte_, dwpe_;
+};
+
+// Causal multi-head self-attention: qkv projection, attention core, output projection.
+class CausalSelfAttention final : public Layer {
+ public:
+  CausalSelfAttention(int64_t channels, int64_t heads, float init_std, float proj_std);
+  std::string kind() const override { return "attention"; }
+  void set_global_index(int index) override;
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  int64_t channels_, heads_;
+  Linear qkv_, proj_;
+};
+
+// Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))),
+// the MLP being Linear(C, 4C), GELU, Linear(4C, C).
+class TransformerBlock final : public Layer {
+ public:
+  TransformerBlock(int64_t channels, int64_t heads, float dropout, float init_std, float proj_std);
+  std::string kind() const override { return "block"; }
+  void set_global_index(int index) override;
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  int64_t channels_;
+  LayerNorm ln1_, ln2_;
+  CausalSelfAttention attn_;
+  Linear fc_, fc_proj_;
+  GELU gelu_;
+  float dropout_;
+};
+
+// Softmax cross-entropy over the last dimension against pass.targets. Its output is the
+// micro-batch's summed loss, shape (1); backward ignores dy and writes
+// dlogits = loss_scale * (softmax - onehot).
+class CrossEntropyLoss final : public Layer {
+ public:
+  std::string kind() const override { return "cross_entropy"; }
+  Shape output_shape(const Shape& in) const override { return Shape{1}; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+};
+
+}  // namespace mpipe

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs mpipe's system dependencies on Debian 12 with apt-get. Idempotent and quiet
+# when everything is present. Usage: scripts/setup.sh [--test]
+#   (no flag)  what building and running needs
+#   --test     also what the tests and plots need (PyTorch, h5py, numpy, matplotlib)
+set -euo pipefail
+
+build_pkgs=(build-essential cmake ninja-build pkg-config git
+            openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools
+            libcli11-dev doctest-dev libopenblas-openmp-dev libopenblas0-openmp)
+test_pkgs=(python3 python3-torch python3-h5py python3-numpy python3-matplotlib)
+
+want=("${build_pkgs[@]}")
+[[ "${1:-}" == "--test" ]] && want+=("${test_pkgs[@]}")
+
+missing=()
+for pkg in "${want[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$pkg")
+done
+((${#missing[@]} == 0)) && exit 0
+
+if [[ $(id -u) -ne 0 ]]; then
+  if command -v sudo >/dev/null; then SUDO=sudo; else
+    echo "setup.sh: missing packages (${missing[*]}) and not root; hint: run as root or install them" >&2
+    exit 2
+  fi
+else
+  SUDO=
+fi
+echo "setup.sh: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

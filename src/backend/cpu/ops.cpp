@@ -1,0 +1,405 @@
+// CPU ops: BLAS for the GEMMs, OpenMP loops for the rest. See ops.hpp for contracts.
+#include "mpipe/backend/cpu/ops.hpp"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "mpipe/core/error.hpp"
+#include "mpipe/core/rng.hpp"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace mpipe::cpu {
+
+namespace {
+int g_threads = 1;
+}
+
+void set_threads(int threads) {
+  g_threads = std::max(1, threads);
+  omp_set_num_threads(g_threads);
+  openblas_set_num_threads(g_threads);
+}
+int threads() { return g_threads; }
+
+// ---- matmul ------------------------------------------------------------------------
+
+void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
+                    int64_t N, int64_t C, int64_t OC) {
+  if (bias) {
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; ++n) std::copy(bias, bias + OC, out + n * OC);
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OC, C, 1.0f, inp, C, weight, C,
+              bias ? 1.0f : 0.0f, out, OC);
+}
+
+void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                     const float* inp, const float* weight, int64_t N, int64_t C, int64_t OC,
+                     GradMode mode) {
+  if (dinp) {
+    // dinp (N, C) = dout (N, OC) · weight (OC, C)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C,
+                mode == GradMode::accumulate ? 1.0f : 0.0f, dinp, C);
+  }
+  // dweight (OC, C) += dout^T (OC, N) · inp (N, C)
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f,
+              dweight, C);
+  if (dbias) {
+    // Each output channel is summed over rows by one thread, in row order.
+    constexpr int64_t strip = 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t o0 = 0; o0 < OC; o0 += strip) {
+      const int64_t o1 = std::min(OC, o0 + strip);
+      float acc[strip] = {};
+      for (int64_t n = 0; n < N; ++n) {
+        const float* row = dout + n * OC;
+        for (int64_t o = o0; o < o1; ++o) acc[o - o0] += row[o];
+      }
+      for (int64_t o = o0; o < o1; ++o) dbias[o] += acc[o - o0];
+    }
+  }
+}
+
+// ---- activations -------------------------------------------------------------------
+
+void relu_forward(float* out, const float* inp, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) out[i] = inp[i] > 0.0f ? inp[i] : 0.0f;
+}
+
+void relu_backward(float* dinp, const float* dout, const float* out, int64_t n, GradMode mode) {
+  if (mode == GradMode::accumulate) {
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) dinp[i] += out[i] > 0.0f ? dout[i] : 0.0f;
+  } else {
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) dinp[i] = out[i] > 0.0f ? dout[i] : 0.0f;
+  }
+}
+
+namespace {
+constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
+}
+
+void gelu_forward(float* out, const float* inp, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    out[i] = 0.5f * x * (1.0f + std::tanh(kGeluScale * (x + 0.044715f * x * x * x)));
+  }
+}
+
+void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n, GradMode mode) {
+  const bool accumulate = mode == GradMode::accumulate;
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = inp[i];
+    const float u = kGeluScale * (x + 0.044715f * x * x * x);
+    const float th = std::tanh(u);
+    const float sech2 = 1.0f - th * th;
+    const float grad = 0.5f * (1.0f + th) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
+    const float d = grad * dout[i];
+    dinp[i] = accumulate ? dinp[i] + d : d;
+  }
+}
+
+// ---- layernorm ---------------------------------------------------------------------
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
+                       const float* weight, const float* bias, int64_t N, int64_t C) {
+  constexpr float eps = 1e-5f;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    float m = 0.0f;
+    for (int64_t c = 0; c < C; ++c) m += x[c];
+    m /= static_cast<float>(C);
+    float var = 0.0f;
+    for (int64_t c = 0; c < C; ++c) var += (x[c] - m) * (x[c] - m);
+    var /= static_cast<float>(C);
+    const float s = 1.0f / std::sqrt(var + eps);
+    float* y = out + n * C;
+    for (int64_t c = 0; c < C; ++c) y[c] = (x[c] - m) * s * weight[c] + bias[c];
+    mean[n] = m;
+    rstd[n] = s;
+  }
+}
+
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean,
+                        const float* rstd, int64_t N, int64_t C, GradMode mode) {
+  const bool accumulate = mode == GradMode::accumulate;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    const float* dy = dout + n * C;
+    const float m = mean[n], s = rstd[n];
+    float dnorm_mean = 0.0f, dnorm_norm_mean = 0.0f;
+    for (int64_t c = 0; c < C; ++c) {
+      const float norm = (x[c] - m) * s;
+      const float dnorm = weight[c] * dy[c];
+      dnorm_mean += dnorm;
+      dnorm_norm_mean += dnorm * norm;
+    }
+    dnorm_mean /= static_cast<float>(C);
+    dnorm_norm_mean /= static_cast<float>(C);
+    float* dx = dinp + n * C;
+    for (int64_t c = 0; c < C; ++c) {
+      const float norm = (x[c] - m) * s;
+      const float d = (weight[c] * dy[c] - dnorm_mean - norm * dnorm_norm_mean) * s;
+      dx[c] = accumulate ? dx[c] + d : d;
+    }
+  }
+  // Parameter gradients: each channel strip summed over rows in row order by one thread.
+  constexpr int64_t strip = 64;
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < C; c0 += strip) {
+    const int64_t c1 = std::min(C, c0 + strip);
+    float dw[strip] = {}, db[strip] = {};
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = inp + n * C;
+      const float* dy = dout + n * C;
+      const float m = mean[n], s = rstd[n];
+      for (int64_t c = c0; c < c1; ++c) {
+        dw[c - c0] += (x[c] - m) * s * dy[c];
+        db[c - c0] += dy[c];
+      }
+    }
+    for (int64_t c = c0; c < c1; ++c) {
+      dweight[c] += dw[c - c0];
+      dbias[c] += db[c - c0];
+    }
+  }
+}
+
+// ---- embedding ---------------------------------------------------------------------
+
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
+                       int64_t B, int64_t T, int64_t C, int64_t V) {
+  for (int64_t i = 0; i < B * T; ++i)
+    MPIPE_CHECK(tokens[i] >= 0 && tokens[i] < V, "token ", tokens[i], " outside vocabulary ", V);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < B * T; ++i) {
+    const float* te = wte + static_cast<int64_t>(tokens[i]) * C;
+    const float* pe = wpe + (i % T) * C;
+    float* y = out + i * C;
+    for (int64_t c = 0; c < C; ++c) y[c] = te[c] + pe[c];
+  }
+}
+
+void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
+                        int64_t B, int64_t T, int64_t C) {
+  // Threads own channel strips, so rows sharing a token never race and the order of
+  // accumulation (row order) is fixed.
+  constexpr int64_t strip = 64;
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < C; c0 += strip) {
+    const int64_t c1 = std::min(C, c0 + strip);
+    for (int64_t i = 0; i < B * T; ++i) {
+      const float* dy = dout + i * C;
+      float* te = dwte + static_cast<int64_t>(tokens[i]) * C;
+      float* pe = dwpe + (i % T) * C;
+      for (int64_t c = c0; c < c1; ++c) {
+        te[c] += dy[c];
+        pe[c] += dy[c];
+      }
+    }
+  }
+}
+
+// ---- attention ---------------------------------------------------------------------
+// Per (batch, head): S = Q K^T / sqrt(hs) and O = P V as BLAS GEMMs on strided views of
+// qkv; the causal softmax in between. Called inside an OpenMP loop over (b, h), where
+// OpenMP-flavoured OpenBLAS runs each call on the calling thread.
+
+void attention_forward(float* out, float* probs, const float* qkv, int64_t B, int64_t T,
+                       int64_t C, int64_t H) {
+  const int64_t hs = C / H;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    const float* q = qkv + b * T * 3 * C + h * hs;
+    const float* k = q + C;
+    const float* v = q + 2 * C;
+    float* p = probs + bh * T * T;  // (T, T)
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, scale, q, 3 * C, k, 3 * C,
+                0.0f, p, T);
+    for (int64_t t = 0; t < T; ++t) {
+      float* row = p + t * T;
+      float mx = row[0];
+      for (int64_t s = 1; s <= t; ++s) mx = std::max(mx, row[s]);
+      float sum = 0.0f;
+      for (int64_t s = 0; s <= t; ++s) {
+        row[s] = std::exp(row[s] - mx);
+        sum += row[s];
+      }
+      const float inv = 1.0f / sum;
+      for (int64_t s = 0; s <= t; ++s) row[s] *= inv;
+      for (int64_t s = t + 1; s < T; ++s) row[s] = 0.0f;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, p, T, v, 3 * C, 0.0f,
+                out + b * T * C + h * hs, C);
+  }
+}
+
+void attention_backward(float* dqkv, float* dprobs, const float* dout, const float* qkv,
+                        const float* probs, int64_t B, int64_t T, int64_t C, int64_t H) {
+  const int64_t hs = C / H;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < B * H; ++bh) {
+    const int64_t b = bh / H, h = bh % H;
+    const float* q = qkv + b * T * 3 * C + h * hs;
+    const float* k = q + C;
+    const float* v = q + 2 * C;
+    float* dq = dqkv + b * T * 3 * C + h * hs;
+    float* dk = dq + C;
+    float* dv = dq + 2 * C;
+    const float* p = probs + bh * T * T;
+    float* dp = dprobs + bh * T * T;
+    const float* dy = dout + b * T * C + h * hs;
+    // dP (T, T) = dO (T, hs) · V^T ; dV (T, hs) = P^T · dO
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, dy, C, v, 3 * C, 0.0f,
+                dp, T);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, p, T, dy, C, 0.0f, dv,
+                3 * C);
+    // dS = P * (dP - rowsum(P * dP)), in place over dP; zero where masked.
+    for (int64_t t = 0; t < T; ++t) {
+      const float* prow = p + t * T;
+      float* drow = dp + t * T;
+      float dot = 0.0f;
+      for (int64_t s = 0; s <= t; ++s) dot += prow[s] * drow[s];
+      for (int64_t s = 0; s <= t; ++s) drow[s] = prow[s] * (drow[s] - dot);
+      for (int64_t s = t + 1; s < T; ++s) drow[s] = 0.0f;
+    }
+    // dQ = scale · dS · K ; dK = scale · dS^T · Q
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, scale, dp, T, k, 3 * C,
+                0.0f, dq, 3 * C);
+    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, scale, dp, T, q, 3 * C, 0.0f,
+                dk, 3 * C);
+  }
+}
+
+// ---- cross-entropy -----------------------------------------------------------------
+
+double crossentropy_forward(float* lse, const float* logits, const int32_t* targets,
+                            int64_t N, int64_t V) {
+  for (int64_t n = 0; n < N; ++n)
+    MPIPE_CHECK(targets[n] >= 0 && targets[n] < V, "target ", targets[n], " outside ", V, " classes");
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = logits + n * V;
+    float mx = row[0];
+    for (int64_t i = 1; i < V; ++i) mx = std::max(mx, row[i]);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < V; ++i) sum += std::exp(row[i] - mx);
+    lse[n] = mx + std::log(sum);
+  }
+  double loss = 0.0;
+  for (int64_t n = 0; n < N; ++n) loss += static_cast<double>(lse[n]) - logits[n * V + targets[n]];
+  return loss;
+}
+
+void crossentropy_backward(float* dlogits, const float* logits, const float* lse,
+                           const int32_t* targets, float scale, int64_t N, int64_t V) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = logits + n * V;
+    float* d = dlogits + n * V;
+    for (int64_t i = 0; i < V; ++i) d[i] = scale * std::exp(row[i] - lse[n]);
+    d[targets[n]] -= scale;
+  }
+}
+
+// ---- dropout -----------------------------------------------------------------------
+
+void dropout_apply(float* out, const float* inp, int64_t B, int64_t per_sample, float p,
+                   const DropoutKey& key) {
+  const float keep_scale = 1.0f / (1.0f - p);
+  // Threshold on 32-bit words: keep when word >= p * 2^32.
+  const auto threshold = static_cast<uint32_t>(std::min(4294967295.0, std::ldexp(static_cast<double>(p), 32)));
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < B; ++b) {
+    const RandomStream stream = make_stream(
+        key.seed, Stream::dropout, static_cast<uint32_t>(key.sample_begin + b), key.site,
+        static_cast<uint32_t>(key.step));
+    const float* x = inp + b * per_sample;
+    float* y = out + b * per_sample;
+    for (int64_t e0 = 0; e0 < per_sample; e0 += 4) {
+      const Philox4 words = stream.block(static_cast<uint64_t>(e0 / 4));
+      const int64_t e1 = std::min(per_sample, e0 + 4);
+      for (int64_t e = e0; e < e1; ++e) y[e] = words[e - e0] >= threshold ? x[e] * keep_scale : 0.0f;
+    }
+  }
+}
+
+// ---- elementwise and reductions ------------------------------------------------------
+
+void add(float* y, const float* x, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
+}
+
+void copy(float* y, const float* x, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i];
+}
+
+void scale(float* y, float factor, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) y[i] *= factor;
+}
+
+double sum_squares(const float* x, int64_t n) {
+  // A fixed number of chunks, each summed in order, then the chunks in order: the
+  // result depends on n alone, not on the thread count.
+  constexpr int64_t chunks = 64;
+  double partial[chunks];
+  const int64_t per = (n + chunks - 1) / chunks;
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    double acc = 0.0;
+    const int64_t end = std::min(n, (c + 1) * per);
+    for (int64_t i = c * per; i < end; ++i) acc += static_cast<double>(x[i]) * x[i];
+    partial[c] = acc;
+  }
+  double total = 0.0;
+  for (double p : partial) total += p;
+  return total;
+}
+
+// ---- optimizers --------------------------------------------------------------------
+
+void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float lr,
+                  float beta1, float beta2, float eps, float weight_decay, int64_t step) {
+  const float bias1 = 1.0f - std::pow(beta1, static_cast<float>(step));
+  const float bias2 = 1.0f - std::pow(beta2, static_cast<float>(step));
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grads[i];
+    const float mi = beta1 * m[i] + (1.0f - beta1) * g;
+    const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float mhat = mi / bias1;
+    const float vhat = vi / bias2;
+    params[i] -= lr * (mhat / (std::sqrt(vhat) + eps) + weight_decay * params[i]);
+  }
+}
+
+void sgd_update(float* params, const float* grads, float* velocity, int64_t n, float lr,
+                float momentum, float weight_decay) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    const float vel = momentum * velocity[i] + grads[i];
+    velocity[i] = vel;
+    params[i] -= lr * (vel + weight_decay * params[i]);
+  }
+}
+
+}  // namespace mpipe::cpu

@@ -1,0 +1,72 @@
+// Arena implementation.
+#include "mpipe/core/arena.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace mpipe {
+
+namespace {
+std::size_t round_up(std::size_t n) { return (n + Arena::alignment - 1) / Arena::alignment * Arena::alignment; }
+}  // namespace
+
+void Arena::Free::operator()(std::byte* p) const { std::free(p); }
+
+Arena::Arena(std::size_t initial_bytes) {
+  if (initial_bytes > 0) add_block(initial_bytes);
+}
+
+void Arena::add_block(std::size_t bytes) {
+  bytes = round_up(std::max<std::size_t>(bytes, 1 << 20));
+  Block block;
+  block.memory.reset(static_cast<std::byte*>(std::aligned_alloc(alignment, bytes)));
+  MPIPE_CHECK(block.memory, "out of memory allocating ", bytes, " bytes of activations");
+  block.size = bytes;
+  blocks_.push_back(std::move(block));
+  ++growths_;
+}
+
+void* Arena::allocate(std::size_t bytes) {
+  bytes = round_up(std::max<std::size_t>(bytes, 1));
+  while (current_ < blocks_.size() && offset_ + bytes > blocks_[current_].size) {
+    ++current_;
+    offset_ = 0;
+  }
+  if (current_ == blocks_.size()) {
+    add_block(std::max(bytes, capacity()));  // geometric growth during the first step
+    offset_ = 0;
+  }
+  std::byte* p = blocks_[current_].memory.get() + offset_;
+  offset_ += bytes;
+  used_total_ += bytes;
+  high_water_ = std::max(high_water_, used_total_);
+  return p;
+}
+
+Tensor Arena::tensor(Shape shape, DType dtype) {
+  Tensor t;
+  t.shape = shape;
+  t.dtype = dtype;
+  t.data = allocate(static_cast<std::size_t>(shape.numel()) * dtype_size(dtype));
+  return t;
+}
+
+std::size_t Arena::capacity() const {
+  std::size_t total = 0;
+  for (const auto& b : blocks_) total += b.size;
+  return total;
+}
+
+void Arena::reset() {
+  if (blocks_.size() > 1) {
+    // Fold the chain into one block that holds the whole high-water mark.
+    std::size_t need = high_water_ + high_water_ / 16;
+    blocks_.clear();
+    add_block(need);
+  }
+  current_ = 0;
+  offset_ = 0;
+  used_total_ = 0;
+}
+
+}  // namespace mpipe

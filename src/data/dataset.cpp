@@ -1,0 +1,214 @@
+// The datasets behind --data.
+#include "mpipe/data/dataset.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <vector>
+
+#include "mpipe/core/rng.hpp"
+
+namespace mpipe {
+
+namespace {
+
+// ---- synthetic tokens: order-2 Markov chain ----------------------------------------
+// Token x[t] is one of 4 candidates fixed per previous token x[t-1]; which candidate is
+// likeliest rotates with x[t-2]. A bigram model can reach ln 4 nats; one that attends
+// two tokens back reaches the chain's entropy H = -sum p ln p.
+class MarkovTokens final : public Dataset {
+ public:
+  static constexpr int k = 4;
+  static constexpr float probs[k] = {0.7f, 0.1f, 0.1f, 0.1f};
+
+  MarkovTokens(int vocab, int seq_len, std::uint64_t seed)
+      : vocab_(vocab), seq_len_(seq_len), seed_(seed), candidates_(static_cast<std::size_t>(vocab) * k) {
+    const RandomStream setup = make_stream(seed, Stream::data_setup, 0, 0, 0);
+    const std::uint64_t max_stride = std::max(1, (vocab - 1) / (k - 1));
+    for (int b = 0; b < vocab; ++b) {
+      const std::uint64_t first = setup.below(2 * b, vocab);
+      const std::uint64_t stride = 1 + setup.below(2 * b + 1, max_stride);
+      for (int j = 0; j < k; ++j) candidates_[b * k + j] = static_cast<int32_t>((first + j * stride) % vocab);
+    }
+  }
+
+  void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
+    const int64_t T = seq_len_;
+    int32_t* in = inputs.i32();
+    int32_t* out = targets.i32();
+#pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < count; ++s) {
+      const std::uint64_t sample = first + static_cast<std::uint64_t>(s);
+      const RandomStream rng = make_stream(seed_, Stream::data, static_cast<std::uint32_t>(sample),
+                                           static_cast<std::uint32_t>(sample >> 32), 0);
+      int32_t prev2 = static_cast<int32_t>(rng.below(0, vocab_));
+      int32_t prev1 = static_cast<int32_t>(rng.below(1, vocab_));
+      in[s * T] = prev2;
+      for (int64_t t = 0; t < T; ++t) {
+        int32_t next = prev1;
+        if (t > 0) {
+          const float u = rng.uniform(4 * (t + 2));
+          int j = 0;
+          float acc = probs[0];
+          while (j < k - 1 && u >= acc) acc += probs[++j];
+          next = candidates_[prev1 * k + (j + prev2) % k];
+          prev2 = prev1;
+          prev1 = next;
+        }
+        // t = 0 predicts the second (uniform) token from the first.
+        out[s * T + t] = next;
+        if (t + 1 < T) in[s * T + t + 1] = next;
+      }
+    }
+  }
+
+  std::string describe() const override {
+    double h = 0.0;
+    for (float p : probs) h -= p * std::log(p);
+    const double floor = (std::log(static_cast<double>(vocab_)) + (seq_len_ - 1) * h) / seq_len_;
+    return cat("synthetic order-2 Markov chain over ", vocab_, " tokens; loss floor ", floor,
+               " nats/token (bigram-only ", (std::log(static_cast<double>(vocab_)) + (seq_len_ - 1) * std::log(4.0)) / seq_len_, ")");
+  }
+
+ private:
+  int vocab_, seq_len_;
+  std::uint64_t seed_;
+  std::vector<int32_t> candidates_;  // (V, 4)
+};
+
+// ---- synthetic classification: a random teacher ------------------------------------
+class TeacherClassification final : public Dataset {
+ public:
+  static constexpr int teacher_hidden = 32;
+
+  TeacherClassification(int inputs, int classes, std::uint64_t seed)
+      : inputs_(inputs), classes_(classes), seed_(seed),
+        w1_(static_cast<std::size_t>(teacher_hidden) * inputs), w2_(static_cast<std::size_t>(classes) * teacher_hidden) {
+    const RandomStream a = make_stream(seed, Stream::data_setup, 1, 0, 0);
+    const RandomStream b = make_stream(seed, Stream::data_setup, 2, 0, 0);
+    for (std::size_t i = 0; i < w1_.size(); ++i) w1_[i] = a.normal(i) / std::sqrt(static_cast<float>(inputs));
+    for (std::size_t i = 0; i < w2_.size(); ++i) w2_[i] = b.normal(i);
+  }
+
+  void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
+    float* x = inputs.f32();
+    int32_t* y = targets.i32();
+#pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < count; ++s) {
+      const std::uint64_t sample = first + static_cast<std::uint64_t>(s);
+      const RandomStream rng = make_stream(seed_, Stream::data, static_cast<std::uint32_t>(sample),
+                                           static_cast<std::uint32_t>(sample >> 32), 0);
+      float* row = x + s * inputs_;
+      for (int i = 0; i < inputs_; ++i) row[i] = rng.normal(static_cast<std::uint64_t>(i));
+      float hidden[teacher_hidden];
+      for (int h = 0; h < teacher_hidden; ++h) {
+        float acc = 0.0f;
+        for (int i = 0; i < inputs_; ++i) acc += w1_[h * inputs_ + i] * row[i];
+        hidden[h] = acc > 0.0f ? acc : 0.0f;
+      }
+      int best = 0;
+      float best_logit = -INFINITY;
+      for (int c = 0; c < classes_; ++c) {
+        float acc = 0.0f;
+        for (int h = 0; h < teacher_hidden; ++h) acc += w2_[c * teacher_hidden + h] * hidden[h];
+        if (acc > best_logit) best_logit = acc, best = c;
+      }
+      y[s] = best;
+    }
+  }
+
+  std::string describe() const override {
+    return cat("synthetic classification: ", inputs_, " Gaussian features labelled by a fixed random ReLU teacher over ",
+               classes_, " classes (loss floor 0)");
+  }
+
+ private:
+  int inputs_, classes_;
+  std::uint64_t seed_;
+  std::vector<float> w1_, w2_;
+};
+
+// ---- token files -------------------------------------------------------------------
+// Each sample is a window of seq_len + 1 tokens at a position drawn from (seed, sample).
+class TokenFile final : public Dataset {
+ public:
+  TokenFile(std::vector<int32_t> tokens, std::string what, int seq_len, std::uint64_t seed)
+      : tokens_(std::move(tokens)), what_(std::move(what)), seq_len_(seq_len), seed_(seed) {}
+
+  void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
+    const int64_t T = seq_len_;
+    const std::uint64_t positions = tokens_.size() - static_cast<std::size_t>(T);  // windows of T + 1
+    for (int64_t s = 0; s < count; ++s) {
+      const std::uint64_t sample = first + static_cast<std::uint64_t>(s);
+      const RandomStream rng = make_stream(seed_, Stream::data, static_cast<std::uint32_t>(sample),
+                                           static_cast<std::uint32_t>(sample >> 32), 0);
+      const int32_t* window = tokens_.data() + rng.below(0, positions);
+      std::memcpy(inputs.i32() + s * T, window, T * sizeof(int32_t));
+      std::memcpy(targets.i32() + s * T, window + 1, T * sizeof(int32_t));
+    }
+  }
+
+  std::string describe() const override { return cat(what_, ", ", tokens_.size(), " tokens"); }
+
+ private:
+  std::vector<int32_t> tokens_;
+  std::string what_;
+  int seq_len_;
+  std::uint64_t seed_;
+};
+
+std::vector<char> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  MPIPE_REQUIRE(in, "check the path given to --data", "cannot open data file '", path, "'");
+  const std::streamsize size = in.tellg();
+  MPIPE_REQUIRE(size > 0, "give a file with data in it", "data file '", path, "' is empty");
+  std::vector<char> bytes(static_cast<std::size_t>(size));
+  in.seekg(0);
+  MPIPE_REQUIRE(in.read(bytes.data(), size), "check the file", "cannot read data file '", path, "'");
+  return bytes;
+}
+
+}  // namespace
+
+std::unique_ptr<Dataset> make_dataset(const std::string& spec, const ModelConfig& model,
+                                      std::uint64_t seed) {
+  const std::string hint = "use --data synthetic, text:PATH or tokens:PATH";
+  if (spec == "synthetic") {
+    if (model.kind == "mlp") return std::make_unique<TeacherClassification>(model.inputs, model.classes, seed);
+    MPIPE_REQUIRE(model.vocab >= MarkovTokens::k, "use --vocab 4 or more",
+                  "synthetic data needs a vocabulary of at least 4 tokens, got ", model.vocab);
+    return std::make_unique<MarkovTokens>(model.vocab, model.seq_len, seed);
+  }
+  const auto colon = spec.find(':');
+  MPIPE_REQUIRE(colon != std::string::npos && colon + 1 < spec.size(), hint, "bad --data '", spec, "'");
+  const std::string kind = spec.substr(0, colon), path = spec.substr(colon + 1);
+  MPIPE_REQUIRE(kind == "text" || kind == "tokens", hint, "unknown data kind '", kind, "' in --data");
+  MPIPE_REQUIRE(model.kind == "gpt", "use --data synthetic with --model mlp",
+                "--data ", kind, ": files of tokens are for --model gpt");
+  const std::vector<char> bytes = read_file(path);
+  std::vector<int32_t> tokens;
+  if (kind == "text") {
+    MPIPE_REQUIRE(model.vocab >= 256, "use --vocab 256 or more with text data",
+                  "--data text: needs byte tokens (vocabulary 256), but --vocab is ", model.vocab);
+    tokens.assign(reinterpret_cast<const unsigned char*>(bytes.data()),
+                  reinterpret_cast<const unsigned char*>(bytes.data()) + bytes.size());
+  } else {
+    MPIPE_REQUIRE(bytes.size() % 2 == 0, "the file must hold little-endian uint16 token ids",
+                  "token file '", path, "' has an odd size (", bytes.size(), " bytes)");
+    tokens.resize(bytes.size() / 2);
+    int32_t largest = 0;
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      const auto lo = static_cast<unsigned char>(bytes[2 * i]), hi = static_cast<unsigned char>(bytes[2 * i + 1]);
+      tokens[i] = lo | (hi << 8);
+      largest = std::max(largest, tokens[i]);
+    }
+    MPIPE_REQUIRE(largest < model.vocab, cat("use --vocab ", largest + 1, " or more"), "token file '", path,
+                  "' holds token id ", largest, ", outside --vocab ", model.vocab);
+  }
+  MPIPE_REQUIRE(tokens.size() > static_cast<std::size_t>(model.seq_len),
+                "use a longer file or a smaller --seq-len", "data file '", path, "' has ", tokens.size(),
+                " tokens, too short for one sample of --seq-len ", model.seq_len, " (needs ", model.seq_len + 1, ")");
+  return std::make_unique<TokenFile>(std::move(tokens), cat(kind, " file ", path), model.seq_len, seed);
+}
+
+}  // namespace mpipe

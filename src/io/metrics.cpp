@@ -1,0 +1,33 @@
+// JSON-lines metrics writer.
+#include "mpipe/io/metrics.hpp"
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+
+namespace mpipe {
+
+MetricsWriter::MetricsWriter(const std::string& path) {
+  file_ = std::fopen(path.c_str(), "w");
+  MPIPE_REQUIRE(file_, "check that the directory exists and is writable",
+                "cannot write metrics file '", path, "': ", std::strerror(errno));
+}
+
+MetricsWriter::~MetricsWriter() {
+  if (file_) std::fclose(file_);
+}
+
+void MetricsWriter::write(const StepResult& r, double samples_per_s, double tokens_per_s) {
+  // JSON has no NaN or Infinity: a skipped step's non-finite numbers become null.
+  auto num = [](double v) { return std::isfinite(v) ? cat(std::setprecision(9), v) : std::string("null"); };
+  std::fprintf(file_,
+               "{\"step\": %lld, \"loss\": %s, \"lr\": %s, \"grad_norm\": %s, \"skipped\": %s, "
+               "\"step_time_s\": %s, \"samples_per_s\": %s, \"tokens_per_s\": %s}\n",
+               static_cast<long long>(r.step), num(static_cast<float>(r.loss)).c_str(), num(r.lr).c_str(),
+               num(r.grad_norm).c_str(), r.skipped ? "true" : "false", num(r.seconds).c_str(),
+               num(samples_per_s).c_str(), num(tokens_per_s).c_str());
+  std::fflush(file_);
+}
+
+}  // namespace mpipe

@@ -1,0 +1,437 @@
+// The layers: shape checks in Layer, the math in backend/cpu/ops, composition here.
+#include "mpipe/nn/layer.hpp"
+
+#include <cmath>
+
+namespace mpipe {
+
+namespace {
+
+// Parameters of composite layers are their parts' parameters under a prefix.
+void append_specs(std::vector<ParamSpec>& out, const std::string& prefix, const Layer& part) {
+  for (ParamSpec spec : part.param_specs()) {
+    spec.name = prefix + spec.name;
+    out.push_back(std::move(spec));
+  }
+}
+
+// Hands consecutive slices of params/grads to the parts, in param_specs() order.
+void bind_parts(std::span<const Tensor> params, std::span<const Tensor> grads,
+                std::initializer_list<Layer*> parts) {
+  std::size_t at = 0;
+  for (Layer* part : parts) {
+    const std::size_t n = part->param_specs().size();
+    part->bind(params.subspan(at, n), grads.subspan(at, n));
+    at += n;
+  }
+  MPIPE_CHECK(at == params.size(), "bound ", at, " of ", params.size(), " parameters");
+}
+
+double f32_bytes(double elements) { return 4.0 * elements; }
+
+}  // namespace
+
+// ---- Layer -------------------------------------------------------------------------
+
+Tensor Layer::forward(const Tensor& x, Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(x.dtype == input_dtype(), kind(), " layer ", global_index_, ": wrong input dtype");
+  ctx.input = x;
+  Tensor y = forward_impl(x, ctx, pass);
+  MPIPE_CHECK(y.shape == output_shape(x.shape), kind(), " layer ", global_index_, ": output ",
+              y.shape.str(), " expected ", output_shape(x.shape).str());
+  return y;
+}
+
+void Layer::backward(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) {
+  MPIPE_CHECK(dy.shape == output_shape(ctx.input.shape), kind(), " layer ", global_index_,
+              ": dy ", dy.shape.str(), " expected ", output_shape(ctx.input.shape).str());
+  MPIPE_CHECK(dx.empty() || dx.shape == ctx.input.shape, kind(), " layer ", global_index_,
+              ": dx ", dx.shape.str(), " expected ", ctx.input.shape.str());
+  backward_impl(ctx, dy, dx, mode, pass);
+}
+
+// ---- Linear ------------------------------------------------------------------------
+
+Linear::Linear(int64_t in, int64_t out, bool bias, float init_std)
+    : in_(in), out_(out), has_bias_(bias), init_std_(init_std) {}
+
+Shape Linear::output_shape(const Shape& in) const {
+  Shape out = in;
+  out[-1] = out_;
+  return out;
+}
+
+Cost Linear::cost(const Shape& in) const {
+  const double rows = static_cast<double>(in.rows());
+  return {2.0 * rows * in_ * out_, 4.0 * rows * in_ * out_,
+          f32_bytes(static_cast<double>(in_) * out_ + (has_bias_ ? out_ : 0)), f32_bytes(rows * out_)};
+}
+
+std::vector<ParamSpec> Linear::param_specs() const {
+  std::vector<ParamSpec> specs;
+  specs.push_back({"weight", Shape{out_, in_}, Init::normal, init_std_, true, tied_layer_, tied_name_});
+  if (has_bias_) specs.push_back({"bias", Shape{out_}, Init::zeros, 0.0f, false});
+  return specs;
+}
+
+void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  weight_ = params[0];
+  dweight_ = grads[0];
+  if (has_bias_) {
+    bias_ = params[1];
+    dbias_ = grads[1];
+  }
+}
+
+Tensor Linear::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(x.shape[-1] == in_, "linear layer ", global_index(), ": input ", x.shape.str(),
+              " has not ", in_, " features");
+  Tensor y = pass.arena->tensor(output_shape(x.shape));  // (N, OC)
+  cpu::matmul_forward(y.f32(), x.f32(), weight_.f32(), has_bias_ ? bias_.f32() : nullptr,
+                      x.shape.rows(), in_, out_);
+  return y;
+}
+
+void Linear::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                           const Pass& pass) {
+  cpu::matmul_backward(dx.empty() ? nullptr : dx.f32(), dweight_.f32(),
+                       has_bias_ ? dbias_.f32() : nullptr, dy.f32(), ctx.input.f32(),
+                       weight_.f32(), ctx.input.shape.rows(), in_, out_, mode);
+}
+
+// ---- ReLU, GELU --------------------------------------------------------------------
+
+Cost ReLU::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {n, n, 0, f32_bytes(n)};
+}
+
+Tensor ReLU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  Tensor y = pass.arena->tensor(x.shape);
+  cpu::relu_forward(y.f32(), x.f32(), x.numel());
+  ctx.saved[0] = y;  // backward needs only the sign of the output
+  return y;
+}
+
+void ReLU::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                         const Pass& pass) {
+  cpu::relu_backward(dx.f32(), dy.f32(), ctx.saved[0].f32(), dy.numel(), mode);
+}
+
+Cost GELU::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {8 * n, 16 * n, 0, f32_bytes(n)};
+}
+
+Tensor GELU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  Tensor y = pass.arena->tensor(x.shape);
+  cpu::gelu_forward(y.f32(), x.f32(), x.numel());
+  return y;
+}
+
+void GELU::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                         const Pass& pass) {
+  cpu::gelu_backward(dx.f32(), dy.f32(), ctx.input.f32(), dy.numel(), mode);
+}
+
+// ---- LayerNorm ---------------------------------------------------------------------
+
+Cost LayerNorm::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {8 * n, 12 * n, f32_bytes(2.0 * channels_), f32_bytes(n + 2.0 * in.rows())};
+}
+
+std::vector<ParamSpec> LayerNorm::param_specs() const {
+  return {{"weight", Shape{channels_}, Init::ones, 0.0f, false},
+          {"bias", Shape{channels_}, Init::zeros, 0.0f, false}};
+}
+
+void LayerNorm::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  weight_ = params[0];
+  bias_ = params[1];
+  dweight_ = grads[0];
+  dbias_ = grads[1];
+}
+
+Tensor LayerNorm::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(x.shape[-1] == channels_, "layernorm: input ", x.shape.str());
+  const int64_t rows = x.shape.rows();
+  Tensor y = pass.arena->tensor(x.shape);
+  ctx.saved[0] = pass.arena->tensor(Shape{rows});  // mean (N)
+  ctx.saved[1] = pass.arena->tensor(Shape{rows});  // rstd (N)
+  cpu::layernorm_forward(y.f32(), ctx.saved[0].f32(), ctx.saved[1].f32(), x.f32(), weight_.f32(),
+                         bias_.f32(), rows, channels_);
+  return y;
+}
+
+void LayerNorm::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+                              GradMode mode, const Pass& pass) {
+  cpu::layernorm_backward(dx.f32(), dweight_.f32(), dbias_.f32(), dy.f32(), ctx.input.f32(),
+                          weight_.f32(), ctx.saved[0].f32(), ctx.saved[1].f32(),
+                          ctx.input.shape.rows(), channels_, mode);
+}
+
+// ---- Dropout -----------------------------------------------------------------------
+
+cpu::DropoutKey dropout_key(const Pass& pass, int layer, int site) {
+  return {pass.seed, pass.step, pass.sample_begin, static_cast<uint32_t>(layer * 16 + site)};
+}
+
+Cost Dropout::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {n, n, 0, f32_bytes(n)};
+}
+
+Tensor Dropout::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  if (!pass.training || p_ == 0.0f) return x;
+  Tensor y = pass.arena->tensor(x.shape);
+  cpu::dropout_apply(y.f32(), x.f32(), x.shape[0], x.numel() / x.shape[0], p_,
+                     dropout_key(pass, global_index(), site_));
+  return y;
+}
+
+void Dropout::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                            const Pass& pass) {
+  const int64_t n = dy.numel();
+  if (!pass.training || p_ == 0.0f) {
+    if (mode == GradMode::accumulate) cpu::add(dx.f32(), dy.f32(), n);
+    else cpu::copy(dx.f32(), dy.f32(), n);
+    return;
+  }
+  if (mode == GradMode::overwrite) {
+    cpu::dropout_apply(dx.f32(), dy.f32(), dy.shape[0], n / dy.shape[0], p_,
+                       dropout_key(pass, global_index(), site_));
+  } else {
+    Tensor tmp = pass.arena->tensor(dy.shape);
+    cpu::dropout_apply(tmp.f32(), dy.f32(), dy.shape[0], n / dy.shape[0], p_,
+                       dropout_key(pass, global_index(), site_));
+    cpu::add(dx.f32(), tmp.f32(), n);
+  }
+}
+
+// ---- Embedding ---------------------------------------------------------------------
+
+Embedding::Embedding(int64_t vocab, int64_t max_seq, int64_t channels, float dropout)
+    : vocab_(vocab), max_seq_(max_seq), channels_(channels), dropout_(dropout) {}
+
+Shape Embedding::output_shape(const Shape& in) const { return Shape{in[0], in[1], channels_}; }
+
+Cost Embedding::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel()) * channels_;
+  return {n, 2 * n, f32_bytes(static_cast<double>(vocab_ + max_seq_) * channels_), f32_bytes(n)};
+}
+
+std::vector<ParamSpec> Embedding::param_specs() const {
+  return {{"wte", Shape{vocab_, channels_}, Init::normal, 0.02f, true},
+          {"wpe", Shape{max_seq_, channels_}, Init::normal, 0.02f, true}};
+}
+
+void Embedding::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  wte_ = params[0];
+  wpe_ = params[1];
+  dwte_ = grads[0];
+  dwpe_ = grads[1];
+}
+
+Tensor Embedding::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const int64_t B = x.shape[0], T = x.shape[1];
+  MPIPE_CHECK(x.shape.rank == 2 && T <= max_seq_, "embedding: tokens ", x.shape.str());
+  Tensor y = pass.arena->tensor(Shape{B, T, channels_});  // (B, T, C)
+  cpu::embedding_forward(y.f32(), x.i32(), wte_.f32(), wpe_.f32(), B, T, channels_, vocab_);
+  if (pass.training && dropout_ > 0.0f)
+    cpu::dropout_apply(y.f32(), y.f32(), B, T * channels_, dropout_, dropout_key(pass, global_index(), 0));
+  return y;
+}
+
+void Embedding::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+                              GradMode mode, const Pass& pass) {
+  const int64_t B = ctx.input.shape[0], T = ctx.input.shape[1];
+  Tensor grad = dy;
+  if (pass.training && dropout_ > 0.0f) {
+    grad = pass.arena->tensor(dy.shape);
+    cpu::dropout_apply(grad.f32(), dy.f32(), B, T * channels_, dropout_, dropout_key(pass, global_index(), 0));
+  }
+  cpu::embedding_backward(dwte_.f32(), dwpe_.f32(), grad.f32(), ctx.input.i32(), B, T, channels_);
+}
+
+// ---- CausalSelfAttention -------------------------------------------------------------
+
+CausalSelfAttention::CausalSelfAttention(int64_t channels, int64_t heads, float init_std, float proj_std)
+    : channels_(channels), heads_(heads), qkv_(channels, 3 * channels, true, init_std),
+      proj_(channels, channels, true, proj_std) {
+  MPIPE_CHECK(channels % heads == 0, "channels ", channels, " heads ", heads);
+}
+
+void CausalSelfAttention::set_global_index(int index) {
+  Layer::set_global_index(index);
+  qkv_.set_global_index(index);
+  proj_.set_global_index(index);
+}
+
+Cost CausalSelfAttention::cost(const Shape& in) const {
+  const double B = static_cast<double>(in[0]), T = static_cast<double>(in[1]), C = static_cast<double>(channels_);
+  const Cost a = qkv_.cost(in), b = proj_.cost(in);
+  const double core = 4.0 * B * T * T * C;  // QK^T and PV
+  return {a.forward_flops + b.forward_flops + core, a.backward_flops + b.backward_flops + 2 * core,
+          a.param_bytes + b.param_bytes,
+          a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T * T + B * T * C)};
+}
+
+std::vector<ParamSpec> CausalSelfAttention::param_specs() const {
+  std::vector<ParamSpec> specs;
+  append_specs(specs, "c_attn.", qkv_);
+  append_specs(specs, "c_proj.", proj_);
+  return specs;
+}
+
+void CausalSelfAttention::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  bind_parts(params, grads, {&qkv_, &proj_});
+}
+
+Tensor CausalSelfAttention::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const int64_t B = x.shape[0], T = x.shape[1], C = channels_;
+  ctx.children = pass.arena->objects<Context>(2);
+  Tensor qkv = qkv_.forward(x, ctx.children[0], pass);                // (B, T, 3C)
+  Tensor att = pass.arena->tensor(Shape{B, T, C});                    // (B, T, C)
+  Tensor probs = pass.arena->tensor(Shape{B, heads_, T, T});          // (B, H, T, T)
+  cpu::attention_forward(att.f32(), probs.f32(), qkv.f32(), B, T, C, heads_);
+  ctx.saved[0] = qkv;
+  ctx.saved[1] = probs;
+  return proj_.forward(att, ctx.children[1], pass);
+}
+
+void CausalSelfAttention::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+                                        GradMode mode, const Pass& pass) {
+  const int64_t B = dy.shape[0], T = dy.shape[1], C = channels_;
+  Tensor datt = pass.arena->tensor(Shape{B, T, C});                   // (B, T, C)
+  proj_.backward(ctx.children[1], dy, datt, GradMode::overwrite, pass);
+  Tensor dqkv = pass.arena->tensor(Shape{B, T, 3 * C});               // (B, T, 3C)
+  Tensor dprobs = pass.arena->tensor(Shape{B, heads_, T, T});         // (B, H, T, T) scratch
+  cpu::attention_backward(dqkv.f32(), dprobs.f32(), datt.f32(), ctx.saved[0].f32(),
+                          ctx.saved[1].f32(), B, T, C, heads_);
+  qkv_.backward(ctx.children[0], dqkv, dx, mode, pass);
+}
+
+// ---- TransformerBlock ----------------------------------------------------------------
+
+TransformerBlock::TransformerBlock(int64_t channels, int64_t heads, float dropout, float init_std,
+                                   float proj_std)
+    : channels_(channels), ln1_(channels), ln2_(channels),
+      attn_(channels, heads, init_std, proj_std), fc_(channels, 4 * channels, true, init_std),
+      fc_proj_(4 * channels, channels, true, proj_std), dropout_(dropout) {}
+
+void TransformerBlock::set_global_index(int index) {
+  Layer::set_global_index(index);
+  for (Layer* part : std::initializer_list<Layer*>{&ln1_, &attn_, &ln2_, &fc_, &gelu_, &fc_proj_})
+    part->set_global_index(index);
+}
+
+Cost TransformerBlock::cost(const Shape& in) const {
+  Shape wide = in;
+  wide[-1] = 4 * channels_;
+  Cost total;
+  for (const Cost& c : {ln1_.cost(in), attn_.cost(in), ln2_.cost(in), fc_.cost(in), gelu_.cost(wide),
+                        fc_proj_.cost(wide)}) {
+    total.forward_flops += c.forward_flops;
+    total.backward_flops += c.backward_flops;
+    total.param_bytes += c.param_bytes;
+    total.activation_bytes += c.activation_bytes;
+  }
+  total.activation_bytes += f32_bytes(static_cast<double>(in.numel()));  // the residual sum
+  return total;
+}
+
+std::vector<ParamSpec> TransformerBlock::param_specs() const {
+  std::vector<ParamSpec> specs;
+  append_specs(specs, "ln_1.", ln1_);
+  append_specs(specs, "attn.", attn_);
+  append_specs(specs, "ln_2.", ln2_);
+  append_specs(specs, "mlp.c_fc.", fc_);
+  append_specs(specs, "mlp.c_proj.", fc_proj_);
+  return specs;
+}
+
+void TransformerBlock::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  bind_parts(params, grads, {&ln1_, &attn_, &ln2_, &fc_, &fc_proj_});
+}
+
+// Children: 0 ln1, 1 attn, 2 ln2, 3 fc, 4 gelu, 5 fc_proj. Dropout sites 1 (attention
+// output) and 2 (MLP output) are applied in place on buffers no context keeps.
+Tensor TransformerBlock::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const int64_t n = x.numel(), B = x.shape[0], per_sample = n / B;
+  const bool drop = pass.training && dropout_ > 0.0f;
+  Context* c = ctx.children = pass.arena->objects<Context>(6);
+  Tensor h1 = ln1_.forward(x, c[0], pass);
+  Tensor a = attn_.forward(h1, c[1], pass);  // (B, T, C), owned by this call
+  if (drop) cpu::dropout_apply(a.f32(), a.f32(), B, per_sample, dropout_, dropout_key(pass, global_index(), 1));
+  cpu::add(a.f32(), x.f32(), n);             // a is now x2 = x + drop(attn(ln1(x)))
+  Tensor h2 = ln2_.forward(a, c[2], pass);
+  Tensor m = fc_.forward(h2, c[3], pass);
+  Tensor g = gelu_.forward(m, c[4], pass);
+  Tensor f = fc_proj_.forward(g, c[5], pass);
+  if (drop) cpu::dropout_apply(f.f32(), f.f32(), B, per_sample, dropout_, dropout_key(pass, global_index(), 2));
+  cpu::add(f.f32(), a.f32(), n);             // y = x2 + drop(mlp(ln2(x2)))
+  return f;
+}
+
+void TransformerBlock::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+                                     GradMode mode, const Pass& pass) {
+  const int64_t n = dy.numel(), B = dy.shape[0], per_sample = n / B;
+  const bool drop = pass.training && dropout_ > 0.0f;
+  const Context* c = ctx.children;
+  Tensor scratch = drop ? pass.arena->tensor(dy.shape) : Tensor{};    // (B, T, C)
+  // MLP branch.
+  Tensor df = dy;
+  if (drop) {
+    cpu::dropout_apply(scratch.f32(), dy.f32(), B, per_sample, dropout_, dropout_key(pass, global_index(), 2));
+    df = scratch;
+  }
+  Tensor dg = pass.arena->tensor(c[5].input.shape);                   // (B, T, 4C)
+  fc_proj_.backward(c[5], df, dg, GradMode::overwrite, pass);
+  gelu_.backward(c[4], dg, dg, GradMode::overwrite, pass);            // elementwise, in place
+  Tensor dh = pass.arena->tensor(dy.shape);                           // (B, T, C)
+  fc_.backward(c[3], dg, dh, GradMode::overwrite, pass);
+  Tensor dx2 = pass.arena->tensor(dy.shape);                          // (B, T, C)
+  cpu::copy(dx2.f32(), dy.f32(), n);
+  ln2_.backward(c[2], dh, dx2, GradMode::accumulate, pass);
+  // Attention branch.
+  Tensor da = dx2;
+  if (drop) {
+    cpu::dropout_apply(scratch.f32(), dx2.f32(), B, per_sample, dropout_, dropout_key(pass, global_index(), 1));
+    da = scratch;
+  }
+  attn_.backward(c[1], da, dh, GradMode::overwrite, pass);            // dh is now d(h1)
+  if (mode == GradMode::accumulate) cpu::add(dx.f32(), dx2.f32(), n);
+  else cpu::copy(dx.f32(), dx2.f32(), n);
+  ln1_.backward(c[0], dh, dx, GradMode::accumulate, pass);
+}
+
+// ---- CrossEntropyLoss --------------------------------------------------------------
+
+Cost CrossEntropyLoss::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {4 * n, 3 * n, 0, f32_bytes(static_cast<double>(in.rows()))};
+}
+
+Tensor CrossEntropyLoss::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const int64_t rows = x.shape.rows(), V = x.shape[-1];
+  MPIPE_CHECK(pass.targets.numel() == rows, "cross-entropy: ", pass.targets.numel(),
+              " targets for ", rows, " rows");
+  ctx.saved[0] = pass.arena->tensor(Shape{rows});  // log-sum-exp (N)
+  ctx.saved[1] = pass.targets;
+  ctx.value = cpu::crossentropy_forward(ctx.saved[0].f32(), x.f32(), pass.targets.i32(), rows, V);
+  Tensor loss = pass.arena->tensor(Shape{1});
+  loss.f32()[0] = static_cast<float>(ctx.value);
+  return loss;
+}
+
+void CrossEntropyLoss::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+                                     GradMode mode, const Pass& pass) {
+  MPIPE_CHECK(mode == GradMode::overwrite, "cross-entropy writes its gradient");
+  const int64_t rows = ctx.input.shape.rows(), V = ctx.input.shape[-1];
+  cpu::crossentropy_backward(dx.f32(), ctx.input.f32(), ctx.saved[0].f32(), ctx.saved[1].i32(),
+                             pass.loss_scale, rows, V);
+}
+
+}  // namespace mpipe
