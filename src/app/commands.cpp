@@ -19,8 +19,8 @@ constexpr int exit_internal_error = 1;
 }  // namespace
 
 void add_train_options(CLI::App& cmd, TrainConfig& c) {
-  cmd.set_config("--config", "", "TOML file with any of these options (command-line values win)");
-  cmd.allow_config_extras(false);  // an unknown key in the file is an error, as on the command line
+  cmd.add_option("--config", "TOML file with any of these options (command-line values win)")
+      ->check(CLI::ExistingFile);
   auto& m = c.model;
   auto& o = c.optimizer;
   cmd.add_option("--model", m.kind, "Model: gpt or mlp")->capture_default_str();
@@ -50,11 +50,42 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--metrics", c.metrics, "Write one JSON object per step to FILE");
 }
 
+// CLI11 2.1 reads config files only for the top-level app, so a subcommand's file is
+// applied here, the way CLI11 applies one: each key fills the option of the same name
+// unless the command line already gave it. Unknown keys and sections are errors.
+void apply_config_file(CLI::App& command) {
+  const CLI::Option* config = command.get_option("--config");
+  if (config->count() == 0) return;
+  const std::string path = config->as<std::string>();
+  std::vector<CLI::ConfigItem> items;
+  try {
+    items = CLI::ConfigTOML().from_file(path);
+  } catch (const CLI::ParseError& e) {
+    throw UserError(cat("cannot read config file '", path, "': ", e.what()), "check the TOML syntax");
+  }
+  for (const CLI::ConfigItem& item : items) {
+    if (item.name == "++" || item.name == "--") continue;  // section markers
+    MPIPE_REQUIRE(item.parents.empty(), "put every option at the top level of the file",
+                  "config file '", path, "': sections are not supported ([", item.parents.front(), "])");
+    CLI::Option* option = command.get_option_no_throw("--" + item.name);
+    MPIPE_REQUIRE(option && item.name != "config", cat("see 'mpipe ", command.get_name(), " --help' for the names"),
+                  "config file '", path, "': unknown option '", item.name, "'");
+    if (option->count() > 0) continue;  // the command line wins
+    option->add_result(item.inputs);
+    try {
+      option->run_callback();
+    } catch (const CLI::ParseError& e) {
+      throw UserError(cat("config file '", path, "': ", item.name, ": ", e.what()), "check the value's type");
+    }
+  }
+}
+
 int run_train(const TrainConfig& config) {
+  validate(config);
   cpu::set_threads(config.threads);
-  Trainer trainer(config);
   std::unique_ptr<MetricsWriter> metrics;
   if (!config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
+  Trainer trainer(config);
 
   const auto& m = config.model;
   std::printf("mpipe %s (%s): %s model, %d layers, %zu parameters, %d threads\n", version(), git_hash(),
@@ -104,6 +135,10 @@ int run_main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
+    if (train->parsed()) apply_config_file(*train);
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
+    return exit_user_error;
   } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {

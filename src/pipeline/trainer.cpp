@@ -22,9 +22,9 @@ void validate(const TrainConfig& c) {
 
 Trainer::Trainer(const TrainConfig& config) : config_(config), model_(config.model) {
   validate(config);
+  dataset_ = make_dataset(config.data, config.model, config.seed);  // bad files fail fast
   params_ = std::make_unique<ParamStore>(model_, 0, model_.size(), config.seed);
   optimizer_ = std::make_unique<Optimizer>(*params_, config.optimizer);
-  dataset_ = make_dataset(config.data, config.model, config.seed);
   const int64_t micro = config.batch_size / config.micro_batches;
   shapes_ = model_.shapes(micro);
   // The mini-batch's inputs and targets, allocated once.

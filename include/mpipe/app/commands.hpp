@@ -9,6 +9,8 @@ namespace mpipe {
 
 // Registers the train options on `command`, writing into `config`.
 void add_train_options(CLI::App& command, TrainConfig& config);
+// Applies the command's --config TOML file, if given, under the command-line values.
+void apply_config_file(CLI::App& command);
 // Runs training as configured; returns the process exit code.
 int run_train(const TrainConfig& config);
 

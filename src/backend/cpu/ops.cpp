@@ -68,7 +68,7 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
 
 void relu_forward(float* out, const float* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) out[i] = inp[i] > 0.0f ? inp[i] : 0.0f;
+  for (int64_t i = 0; i < n; ++i) out[i] = inp[i] < 0.0f ? 0.0f : inp[i];  // NaN passes, as in PyTorch
 }
 
 void relu_backward(float* dinp, const float* dout, const float* out, int64_t n, GradMode mode) {

@@ -1,0 +1,118 @@
+// Writes what the PyTorch reference needs to rebuild and check our model: initial
+// parameters (keyed by global layer and name), every step's batch, the gradients of
+// step 0, and the loss and learning rate of 10 training steps. HDF5, read with h5py.
+// Usage: reference_dump --model gpt|mlp --out FILE.h5
+#include <hdf5.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mpipe/pipeline/trainer.hpp"
+
+using namespace mpipe;
+
+namespace {
+
+void write(hid_t file, const std::string& path, const void* data, hid_t type, std::vector<hsize_t> dims) {
+  hid_t lcpl = H5Pcreate(H5P_LINK_CREATE);
+  H5Pset_create_intermediate_group(lcpl, 1);
+  hid_t space = H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr);
+  hid_t set = H5Dcreate2(file, path.c_str(), type, space, lcpl, H5P_DEFAULT, H5P_DEFAULT);
+  MPIPE_CHECK(set >= 0, "cannot create ", path);
+  MPIPE_CHECK(H5Dwrite(set, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data) >= 0, "cannot write ", path);
+  H5Dclose(set);
+  H5Sclose(space);
+  H5Pclose(lcpl);
+}
+
+std::vector<hsize_t> dims_of(const Shape& s) {
+  std::vector<hsize_t> d;
+  for (int i = 0; i < s.rank; ++i) d.push_back(static_cast<hsize_t>(s[i]));
+  return d;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string model = "gpt", out = "reference.h5";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--model") == 0) model = argv[i + 1];
+    if (std::strcmp(argv[i], "--out") == 0) out = argv[i + 1];
+  }
+  TrainConfig c;
+  c.model.kind = model;
+  c.model.layers = 2;
+  c.model.d_model = 32;
+  c.model.heads = 4;
+  c.model.seq_len = 16;
+  c.model.vocab = 50;
+  c.model.hidden = 48;
+  c.model.inputs = 20;
+  c.model.classes = 7;
+  c.batch_size = 8;
+  c.micro_batches = 2;  // torch runs the whole batch: this checks accumulation too
+  c.steps = 10;
+  c.seed = 3;
+  c.optimizer.lr = 1e-2f;
+  c.optimizer.weight_decay = 0.1f;
+  c.optimizer.warmup = 2;
+  c.optimizer.clip_grad = 0.0f;  // torch's clip_grad_norm_ adds 1e-6 to the norm; compared elsewhere
+  cpu::set_threads(2);
+  Trainer trainer(c);
+
+  hid_t file = H5Fcreate(out.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  MPIPE_CHECK(file >= 0, "cannot create ", out);
+  const int layers = trainer.model().size();
+  write(file, "/config/layers", &layers, H5T_NATIVE_INT, {1});
+  const int sizes[] = {c.model.layers, c.model.d_model, c.model.heads, c.model.seq_len, c.model.vocab,
+                       c.model.hidden, c.model.inputs,  c.model.classes, c.batch_size};
+  write(file, "/config/sizes", sizes, H5T_NATIVE_INT, {9});
+  const float opt[] = {c.optimizer.beta1, c.optimizer.beta2, c.optimizer.eps, c.optimizer.weight_decay};
+  write(file, "/config/adamw", opt, H5T_NATIVE_FLOAT, {4});
+
+  // which: initial parameters (with their decay flags), gradients, or final parameters.
+  enum Which { initial, grads, final };
+  auto write_all = [&](const std::string& group, Which which) {
+    for (const ParamEntry& e : trainer.params().entries()) {
+      if (e.alias) continue;
+      const Tensor t = which == grads ? trainer.params().grad(e) : trainer.params().param(e);
+      write(file, group + "/" + std::to_string(e.layer) + "/" + e.name, t.data, H5T_NATIVE_FLOAT, dims_of(e.shape));
+      if (which == initial) {
+        const int decay = e.decay;
+        write(file, "/decay/" + std::to_string(e.layer) + "/" + e.name, &decay, H5T_NATIVE_INT, {1});
+      }
+    }
+  };
+  write_all("/params", initial);
+
+  // Every step's batch, drawn exactly as the trainer draws it.
+  const Shape in = trainer.model().input_shape(c.batch_size), tg = trainer.model().target_shape(c.batch_size);
+  std::vector<float> in_f(in.numel());
+  std::vector<std::int32_t> in_i(in.numel()), targets(tg.numel());
+  for (int step = 0; step < c.steps; ++step) {
+    const bool tokens = model == "gpt";
+    Tensor x = tokens ? make_tensor(in_i.data(), in) : make_tensor(in_f.data(), in);
+    trainer.dataset().fill(static_cast<std::uint64_t>(step) * c.batch_size, c.batch_size, x, make_tensor(targets.data(), tg));
+    const std::string base = "/batch/" + std::to_string(step);
+    write(file, base + "/inputs", x.data, tokens ? H5T_NATIVE_INT32 : H5T_NATIVE_FLOAT, dims_of(in));
+    write(file, base + "/targets", targets.data(), H5T_NATIVE_INT32, dims_of(tg));
+  }
+
+  const double loss0 = trainer.compute_gradients(0);
+  write(file, "/loss0", &loss0, H5T_NATIVE_DOUBLE, {1});
+  write_all("/grads", grads);
+
+  std::vector<double> losses;
+  std::vector<float> lrs;
+  for (int step = 0; step < c.steps; ++step) {
+    const StepResult r = trainer.step(step);
+    losses.push_back(r.loss);
+    lrs.push_back(r.lr);
+  }
+  write(file, "/losses", losses.data(), H5T_NATIVE_DOUBLE, {losses.size()});
+  write(file, "/lrs", lrs.data(), H5T_NATIVE_FLOAT, {lrs.size()});
+  write_all("/final", final);
+  H5Fclose(file);
+  return 0;
+}

@@ -1,0 +1,47 @@
+// "No heap allocation in the step loop", checked: this binary counts every operator new,
+// and a training step after the first must make none.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
+#include "mpipe/pipeline/trainer.hpp"
+
+namespace {
+std::atomic<long> g_allocations{0};
+}
+
+void* operator new(std::size_t size) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(size ? size : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+
+using namespace mpipe;
+
+TEST_CASE("a training step after the first allocates nothing on the heap") {
+  for (const char* kind : {"gpt", "mlp"}) {
+    TrainConfig c;
+    c.model.kind = kind;
+    c.model.layers = 2;
+    c.model.d_model = 32;
+    c.model.heads = 4;
+    c.model.seq_len = 16;
+    c.model.vocab = 64;
+    c.model.dropout = 0.1f;
+    c.batch_size = 8;
+    c.micro_batches = 2;
+    c.steps = 10;
+    INFO(kind);  // doctest's INFO allocates: before the count starts
+    Trainer trainer(c);
+    trainer.step(0);  // sizes the arena
+    const long before = g_allocations.load();
+    const std::size_t growths = trainer.arena().growths();
+    for (int step = 1; step < 4; ++step) trainer.step(step);
+    CHECK(g_allocations.load() == before);
+    CHECK(trainer.arena().growths() == growths);
+  }
+}

@@ -1,0 +1,133 @@
+// Datasets: batches are a function of (seed, sample index) only; file errors are
+// user errors naming the file.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "mpipe/data/dataset.hpp"
+
+using namespace mpipe;
+namespace fs = std::filesystem;
+
+namespace {
+
+ModelConfig gpt(int vocab = 256, int seq_len = 8) {
+  ModelConfig m;
+  m.kind = "gpt";
+  m.vocab = vocab;
+  m.seq_len = seq_len;
+  return m;
+}
+
+struct Batch {
+  std::vector<std::int32_t> inputs, targets;
+  Batch(int samples, int T) : inputs(samples * T), targets(samples * T) {}
+  void fill(const Dataset& d, std::uint64_t first, int count, int T, int offset = 0) {
+    d.fill(first, count, make_tensor(inputs.data() + offset * T, Shape{count, T}),
+           make_tensor(targets.data() + offset * T, Shape{count, T}));
+  }
+};
+
+fs::path temp_file(const std::string& name, const std::string& bytes) {
+  const fs::path path = fs::temp_directory_path() / ("mpipe-test-" + name);
+  std::ofstream(path, std::ios::binary) << bytes;
+  return path;
+}
+
+std::string user_error(const std::string& spec, const ModelConfig& model) {
+  try {
+    make_dataset(spec, model, 1);
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("synthetic tokens: a sample is the same however the batch is split") {
+  const int T = 8;
+  auto data = make_dataset("synthetic", gpt(), 5);
+  Batch whole(6, T), parts(6, T);
+  whole.fill(*data, 100, 6, T);
+  parts.fill(*data, 100, 2, T, 0);
+  parts.fill(*data, 102, 4, T, 2);
+  CHECK(whole.inputs == parts.inputs);
+  CHECK(whole.targets == parts.targets);
+  // Targets are the inputs shifted by one.
+  for (int s = 0; s < 6; ++s)
+    for (int t = 0; t + 1 < T; ++t) CHECK(whole.inputs[s * T + t + 1] == whole.targets[s * T + t]);
+  // Another seed, other data.
+  auto other = make_dataset("synthetic", gpt(), 6);
+  Batch b(6, T);
+  b.fill(*other, 100, 6, T);
+  CHECK(b.inputs != whole.inputs);
+}
+
+TEST_CASE("synthetic tokens: the chain's empirical entropy matches the stated floor") {
+  const int T = 64, V = 32, S = 400;
+  auto data = make_dataset("synthetic", gpt(V, T), 1);
+  Batch b(S, T);
+  b.fill(*data, 0, S, T);
+  // Conditional entropy of x[t] given (x[t-2], x[t-1]), estimated from counts.
+  std::vector<int> counts(V * V * V, 0), context(V * V, 0);
+  for (int s = 0; s < S; ++s)
+    for (int t = 1; t < T; ++t) {
+      const int a = b.inputs[s * T + t - 1], c = b.inputs[s * T + t], next = b.targets[s * T + t];
+      ++counts[(a * V + c) * V + next];
+      ++context[a * V + c];
+    }
+  double h = 0.0, n = 0.0;
+  for (int i = 0; i < V * V * V; ++i)
+    if (counts[i] > 0) {
+      h -= counts[i] * std::log(static_cast<double>(counts[i]) / context[i / V]);
+      n += counts[i];
+    }
+  const double chain = -(0.7 * std::log(0.7) + 3 * 0.1 * std::log(0.1));
+  CHECK(h / n == doctest::Approx(chain).epsilon(0.08));
+}
+
+TEST_CASE("text data: byte tokens, windows inside the file") {
+  const std::string text = "the quick brown fox jumps over the lazy dog";
+  const fs::path path = temp_file("text.txt", text);
+  auto data = make_dataset("text:" + path.string(), gpt(256, 8), 1);
+  Batch b(4, 8);
+  b.fill(*data, 0, 4, 8);
+  for (int s = 0; s < 4; ++s) {
+    const std::string window(b.inputs.begin() + s * 8, b.inputs.begin() + s * 8 + 8);
+    CHECK(text.find(window) != std::string::npos);
+  }
+  fs::remove(path);
+}
+
+TEST_CASE("token files: uint16 little-endian ids") {
+  std::string bytes;
+  for (int i = 0; i < 20; ++i) bytes += {static_cast<char>(i * 37 % 256), static_cast<char>(i % 3)};
+  const fs::path path = temp_file("tokens.bin", bytes);
+  auto data = make_dataset("tokens:" + path.string(), gpt(1024, 4), 1);
+  Batch b(3, 4);
+  b.fill(*data, 0, 3, 4);
+  for (int32_t token : b.inputs) CHECK(token < 1024);
+  fs::remove(path);
+}
+
+TEST_CASE("bad data: one clear user error naming the problem") {
+  CHECK(user_error("text:/nonexistent/file.txt", gpt()).find("cannot open data file '/nonexistent/file.txt'") != std::string::npos);
+  const fs::path empty = temp_file("empty", "");
+  CHECK(user_error("text:" + empty.string(), gpt()).find("is empty") != std::string::npos);
+  const fs::path short_text = temp_file("short", "abc");
+  CHECK(user_error("text:" + short_text.string(), gpt(256, 8)).find("too short") != std::string::npos);
+  const fs::path odd = temp_file("odd.bin", "abc");
+  CHECK(user_error("tokens:" + odd.string(), gpt()).find("odd size") != std::string::npos);
+  const fs::path big = temp_file("big.bin", std::string("\xff\xff\x01\x00", 4));
+  CHECK(user_error("tokens:" + big.string(), gpt(256)).find("token id 65535") != std::string::npos);
+  CHECK(user_error("text:" + short_text.string(), gpt(100)).find("--vocab") != std::string::npos);
+  CHECK(user_error("csv:foo", gpt()).find("unknown data kind") != std::string::npos);
+  CHECK(user_error("nonsense", gpt()).find("bad --data") != std::string::npos);
+  for (const auto& p : {empty, short_text, odd, big}) fs::remove(p);
+}

@@ -1,0 +1,194 @@
+// Every layer's backward against finite differences, and the accumulate/overwrite contract.
+#include <doctest/doctest.h>
+
+#include "gradcheck.hpp"
+
+using namespace mpipe;
+using namespace mpipe::test;
+
+namespace {
+
+struct Input {
+  std::vector<float> data;
+  Tensor tensor;
+  explicit Input(Shape shape, std::uint32_t tag = 3, float scale = 1.0f)
+      : data(random_vector(static_cast<std::size_t>(shape.numel()), tag, scale)),
+        tensor(make_tensor(data.data(), shape)) {}
+};
+
+Pass training_pass() {
+  Pass pass;
+  pass.seed = 5;
+  pass.step = 3;
+  pass.sample_begin = 2;
+  pass.training = true;
+  return pass;
+}
+
+}  // namespace
+
+TEST_CASE("linear: gradients match finite differences, with and without bias") {
+  Linear with_bias(5, 7, true, 0.3f), without_bias(5, 7, false, 0.3f);
+  Input x(Shape{3, 4, 5});
+  gradcheck(with_bias, x.tensor);
+  gradcheck(without_bias, x.tensor);
+}
+
+TEST_CASE("relu: gradients match finite differences away from the kink") {
+  ReLU relu;
+  Input x(Shape{3, 10});
+  for (float& v : x.data) v = v >= 0 ? v + 0.1f : v - 0.1f;  // no element within ε of 0
+  gradcheck(relu, x.tensor);
+}
+
+TEST_CASE("gelu: gradients match finite differences") {
+  GELU gelu;
+  Input x(Shape{3, 10}, 3, 2.0f);
+  gradcheck(gelu, x.tensor);
+}
+
+TEST_CASE("layernorm: gradients match finite differences") {
+  LayerNorm ln(8);
+  Input x(Shape{4, 8});
+  gradcheck(ln, x.tensor);
+}
+
+TEST_CASE("dropout: gradients match finite differences and the mask drops about p") {
+  Dropout dropout(0.3f, 0);
+  dropout.set_global_index(2);
+  Input x(Shape{4, 64});
+  GradCheckOptions opt;
+  opt.pass = training_pass();
+  gradcheck(dropout, x.tensor, opt);
+
+  Arena arena;
+  Pass pass = training_pass();
+  pass.arena = &arena;
+  Context ctx;
+  Tensor y = dropout.forward(x.tensor, ctx, pass);
+  int zeros = 0;
+  for (std::int64_t i = 0; i < y.numel(); ++i) {
+    if (y.f32()[i] == 0.0f) ++zeros;
+    else CHECK(y.f32()[i] == doctest::Approx(x.data[i] / 0.7f));
+  }
+  CHECK(zeros > 0.2 * y.numel());
+  CHECK(zeros < 0.4 * y.numel());
+}
+
+TEST_CASE("dropout: the mask of a sample does not depend on how the batch is split") {
+  Dropout dropout(0.5f, 1);
+  dropout.set_global_index(4);
+  Input x(Shape{4, 32});
+  Arena arena;
+  Pass whole = training_pass();
+  whole.arena = &arena;
+  whole.sample_begin = 0;
+  Context c1, c2;
+  Tensor all = dropout.forward(x.tensor, c1, whole);
+  Pass second_half = whole;
+  second_half.sample_begin = 2;
+  Tensor half = dropout.forward(make_tensor(x.data.data() + 64, Shape{2, 32}), c2, second_half);
+  for (int i = 0; i < 64; ++i) CHECK(half.f32()[i] == all.f32()[64 + i]);
+  // Another step or another layer draws another mask.
+  Pass next_step = whole;
+  next_step.step += 1;
+  Context c3;
+  Tensor other = dropout.forward(x.tensor, c3, next_step);
+  int differ = 0;
+  for (int i = 0; i < 128; ++i) differ += (other.f32()[i] == 0.0f) != (all.f32()[i] == 0.0f);
+  CHECK(differ > 10);
+}
+
+TEST_CASE("embedding: parameter gradients match finite differences, dropout on") {
+  Embedding embedding(11, 6, 8, 0.1f);
+  embedding.set_global_index(0);
+  std::vector<std::int32_t> tokens{1, 5, 5, 10, 0, 3, 3, 3, 7, 2};  // repeats exercise accumulation
+  GradCheckOptions opt;
+  opt.input_gradient = false;
+  opt.pass = training_pass();
+  gradcheck(embedding, make_tensor(tokens.data(), Shape{2, 5}), opt);
+}
+
+TEST_CASE("attention: gradients match finite differences") {
+  CausalSelfAttention attention(8, 2, 0.3f, 0.3f);
+  Input x(Shape{2, 5, 8});
+  gradcheck(attention, x.tensor);
+}
+
+TEST_CASE("attention: causal, the output at t does not depend on later tokens") {
+  CausalSelfAttention attention(8, 2, 0.3f, 0.3f);
+  LayerHarness h(attention);
+  Input x(Shape{1, 6, 8});
+  Pass pass = training_pass();
+  pass.arena = &h.arena;
+  Context c1, c2;
+  Tensor y1 = attention.forward(x.tensor, c1, pass);
+  std::vector<float> first(y1.f32(), y1.f32() + 3 * 8);
+  for (int i = 4 * 8; i < 6 * 8; ++i) x.data[i] += 1.0f;  // change tokens 4 and 5
+  Tensor y2 = attention.forward(x.tensor, c2, pass);
+  for (int i = 0; i < 3 * 8; ++i) CHECK(y2.f32()[i] == first[i]);
+}
+
+TEST_CASE("transformer block: gradients match finite differences, dropout on") {
+  TransformerBlock block(8, 2, 0.1f, 0.3f, 0.2f);
+  block.set_global_index(1);
+  Input x(Shape{2, 5, 8});
+  GradCheckOptions opt;
+  opt.pass = training_pass();
+  gradcheck(block, x.tensor, opt);
+}
+
+TEST_CASE("cross-entropy: gradients match finite differences") {
+  CrossEntropyLoss loss;
+  Input x(Shape{2, 3, 7});
+  std::vector<std::int32_t> targets{0, 6, 3, 3, 1, 2};
+  GradCheckOptions opt;
+  opt.pass.targets = make_tensor(targets.data(), Shape{2, 3});
+  opt.pass.loss_scale = 1.0f / 6.0f;
+  gradcheck(loss, x.tensor, opt);
+}
+
+TEST_CASE("backward: accumulate adds to dx what overwrite writes") {
+  LayerNorm ln(8);
+  TransformerBlock block(8, 2, 0.0f, 0.3f, 0.2f);
+  for (Layer* layer : std::initializer_list<Layer*>{&ln, &block}) {
+    LayerHarness h(*layer);
+    Input x(Shape{2, 3, 8});
+    Pass pass = training_pass();
+    pass.arena = &h.arena;
+    Context ctx;
+    Tensor y = layer->forward(x.tensor, ctx, pass);
+    std::vector<float> dy = random_vector(static_cast<std::size_t>(y.numel()), 9);
+    std::vector<float> written(x.data.size(), 5.0f), accumulated(x.data.size(), 1.0f);
+    layer->backward(ctx, make_tensor(dy.data(), y.shape), make_tensor(written.data(), x.tensor.shape),
+                    GradMode::overwrite, pass);
+    layer->backward(ctx, make_tensor(dy.data(), y.shape), make_tensor(accumulated.data(), x.tensor.shape),
+                    GradMode::accumulate, pass);
+    for (std::size_t i = 0; i < written.size(); ++i) CHECK(accumulated[i] == doctest::Approx(written[i] + 1.0f));
+  }
+}
+
+TEST_CASE("parameter gradients accumulate across calls") {
+  Linear linear(4, 3, true, 0.3f);
+  LayerHarness h(linear);
+  Input x(Shape{2, 4});
+  Pass pass = training_pass();
+  pass.arena = &h.arena;
+  std::vector<float> dy = random_vector(6, 9);
+  for (int call = 0; call < 2; ++call) {
+    Context ctx;
+    linear.forward(x.tensor, ctx, pass);
+    linear.backward(ctx, make_tensor(dy.data(), Shape{2, 3}), Tensor{}, GradMode::overwrite, pass);
+  }
+  // Two identical calls: the gradient is twice one call's.
+  std::vector<float> single(12, 0.0f);
+  std::vector<float> bias_single(3, 0.0f);
+  Linear fresh(4, 3, true, 0.3f);
+  fresh.bind(std::vector<Tensor>{make_tensor(h.params[0].data(), Shape{3, 4}), make_tensor(h.params[1].data(), Shape{3})},
+             std::vector<Tensor>{make_tensor(single.data(), Shape{3, 4}), make_tensor(bias_single.data(), Shape{3})});
+  Context ctx;
+  fresh.forward(x.tensor, ctx, pass);
+  fresh.backward(ctx, make_tensor(dy.data(), Shape{2, 3}), Tensor{}, GradMode::overwrite, pass);
+  for (int i = 0; i < 12; ++i) CHECK(h.grads[0][i] == doctest::Approx(2.0f * single[i]));
+  for (int i = 0; i < 3; ++i) CHECK(h.grads[1][i] == doctest::Approx(2.0f * bias_single[i]));
+}

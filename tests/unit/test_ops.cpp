@@ -1,0 +1,113 @@
+// Ops whose contract is more than their gradient: RNG, reductions, optimizers, schedule.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/core/arena.hpp"
+#include "mpipe/core/rng.hpp"
+#include "mpipe/nn/optimizer.hpp"
+
+using namespace mpipe;
+
+TEST_CASE("philox: known-answer vectors of Random123") {
+  // Philox4x32-10 test vectors from Random123's kat_vectors.
+  CHECK(philox4x32({0, 0, 0, 0}, 0) == Philox4{0x6627e8d5u, 0xe169c58du, 0xbc57ac4cu, 0x9b00dbd8u});
+  CHECK(philox4x32({0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu}, 0xffffffffffffffffull) ==
+        Philox4{0x408f276du, 0x41c83b0eu, 0xa20bc7c6u, 0x6d5451fdu});
+  CHECK(philox4x32({0x243f6a88u, 0x85a308d3u, 0x13198a2eu, 0x03707344u}, 0x299f31d0a4093822ull) ==
+        Philox4{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u});
+}
+
+TEST_CASE("random streams: normals have mean 0 and variance 1; below() stays in range") {
+  const RandomStream s = make_stream(42, Stream::init, 1, 2, 3);
+  double sum = 0, sq = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) {
+    const double x = s.normal(i);
+    sum += x;
+    sq += x * x;
+  }
+  CHECK(std::abs(sum / n) < 0.01);
+  CHECK(std::abs(sq / n - 1.0) < 0.02);
+  for (int i = 0; i < 1000; ++i) CHECK(s.below(i, 7) < 7);
+}
+
+TEST_CASE("sum_squares does not depend on the thread count") {
+  std::vector<float> x(100003);
+  const RandomStream s = make_stream(1, Stream::init, 0, 0, 0);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = s.normal(i);
+  cpu::set_threads(1);
+  const double one = cpu::sum_squares(x.data(), static_cast<int64_t>(x.size()));
+  cpu::set_threads(2);
+  const double two = cpu::sum_squares(x.data(), static_cast<int64_t>(x.size()));
+  CHECK(one == two);
+  double exact = 0;
+  for (float v : x) exact += static_cast<double>(v) * v;
+  CHECK(one == doctest::Approx(exact).epsilon(1e-12));
+}
+
+TEST_CASE("matmul matches a naive triple loop, bias included") {
+  const int64_t N = 5, C = 7, OC = 3;
+  std::vector<float> x(N * C), w(OC * C), b(OC), y(N * OC);
+  const RandomStream s = make_stream(3, Stream::init, 0, 0, 0);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = s.normal(i);
+  for (std::size_t i = 0; i < w.size(); ++i) w[i] = s.normal(1000 + i);
+  for (std::size_t i = 0; i < b.size(); ++i) b[i] = s.normal(2000 + i);
+  cpu::matmul_forward(y.data(), x.data(), w.data(), b.data(), N, C, OC);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t o = 0; o < OC; ++o) {
+      double acc = b[o];
+      for (int64_t c = 0; c < C; ++c) acc += static_cast<double>(x[n * C + c]) * w[o * C + c];
+      CHECK(y[n * OC + o] == doctest::Approx(acc).epsilon(1e-5));
+    }
+}
+
+TEST_CASE("adamw: one step from zero state moves each parameter by lr against the gradient sign") {
+  std::vector<float> p{1.0f, -2.0f, 0.5f}, g{0.3f, -0.1f, 0.0f}, m(3, 0.0f), v(3, 0.0f);
+  cpu::adamw_update(p.data(), g.data(), m.data(), v.data(), 3, 0.1f, 0.9f, 0.999f, 1e-8f, 0.0f, 1);
+  CHECK(p[0] == doctest::Approx(0.9f));
+  CHECK(p[1] == doctest::Approx(-1.9f));
+  CHECK(p[2] == doctest::Approx(0.5f));
+  // Decoupled weight decay shrinks by lr * wd * p, independent of the gradient.
+  std::vector<float> q{2.0f}, zero{0.0f}, m1{0.0f}, v1{0.0f};
+  cpu::adamw_update(q.data(), zero.data(), m1.data(), v1.data(), 1, 0.1f, 0.9f, 0.999f, 1e-8f, 0.5f, 1);
+  CHECK(q[0] == doctest::Approx(2.0f - 0.1f * 0.5f * 2.0f));
+}
+
+TEST_CASE("sgd with momentum follows the heavy-ball recurrence") {
+  std::vector<float> p{1.0f}, g{0.5f}, vel{0.0f};
+  cpu::sgd_update(p.data(), g.data(), vel.data(), 1, 0.1f, 0.9f, 0.0f);
+  CHECK(p[0] == doctest::Approx(0.95f));
+  cpu::sgd_update(p.data(), g.data(), vel.data(), 1, 0.1f, 0.9f, 0.0f);
+  CHECK(vel[0] == doctest::Approx(0.95f));
+  CHECK(p[0] == doctest::Approx(0.95f - 0.095f));
+}
+
+TEST_CASE("learning rate: linear warm-up, then cosine down to lr * min_lr_ratio") {
+  OptimizerConfig c;
+  c.lr = 1.0f;
+  c.warmup = 10;
+  c.min_lr_ratio = 0.1f;
+  CHECK(learning_rate(c, 0, 110) == doctest::Approx(0.1f));
+  CHECK(learning_rate(c, 9, 110) == doctest::Approx(1.0f));
+  CHECK(learning_rate(c, 10, 110) == doctest::Approx(1.0f));
+  CHECK(learning_rate(c, 60, 110) == doctest::Approx(0.55f));
+  CHECK(learning_rate(c, 110, 110) == doctest::Approx(0.1f));
+}
+
+TEST_CASE("arena: the first step grows it, reset folds the blocks, later steps reuse it") {
+  Arena arena;
+  for (int step = 0; step < 3; ++step) {
+    for (int i = 0; i < 40; ++i) {
+      Tensor t = arena.tensor(Shape{1024, 64});
+      CHECK(reinterpret_cast<std::uintptr_t>(t.data) % Arena::alignment == 0);
+    }
+    const std::size_t growths = arena.growths();
+    arena.reset();
+    if (step == 0) CHECK(arena.growths() == growths + 1);  // the fold
+    else CHECK(arena.growths() == growths);
+  }
+  CHECK(arena.capacity() >= 40u * 1024u * 64u * 4u);
+}
