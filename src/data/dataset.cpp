@@ -6,6 +6,7 @@
 #include <fstream>
 #include <vector>
 
+#include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/rng.hpp"
 
 namespace mpipe {
@@ -86,31 +87,30 @@ class TeacherClassification final : public Dataset {
         w1_(static_cast<std::size_t>(teacher_hidden) * inputs), w2_(static_cast<std::size_t>(classes) * teacher_hidden) {
     const RandomStream a = make_stream(seed, Stream::data_setup, 1, 0, 0);
     const RandomStream b = make_stream(seed, Stream::data_setup, 2, 0, 0);
-    for (std::size_t i = 0; i < w1_.size(); ++i) w1_[i] = a.normal(i) / std::sqrt(static_cast<float>(inputs));
-    for (std::size_t i = 0; i < w2_.size(); ++i) w2_[i] = b.normal(i);
+    a.fill_normal(w1_.data(), w1_.size(), 1.0f / std::sqrt(static_cast<float>(inputs)));
+    b.fill_normal(w2_.data(), w2_.size());
   }
 
   void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
+    if (static_cast<std::size_t>(count * teacher_hidden) > hidden_.size()) hidden_.resize(count * teacher_hidden);
     float* x = inputs.f32();
     int32_t* y = targets.i32();
 #pragma omp parallel for schedule(static)
     for (int64_t s = 0; s < count; ++s) {
       const std::uint64_t sample = first + static_cast<std::uint64_t>(s);
-      const RandomStream rng = make_stream(seed_, Stream::data, static_cast<std::uint32_t>(sample),
-                                           static_cast<std::uint32_t>(sample >> 32), 0);
-      float* row = x + s * inputs_;
-      for (int i = 0; i < inputs_; ++i) row[i] = rng.normal(static_cast<std::uint64_t>(i));
-      float hidden[teacher_hidden];
-      for (int h = 0; h < teacher_hidden; ++h) {
-        float acc = 0.0f;
-        for (int i = 0; i < inputs_; ++i) acc += w1_[h * inputs_ + i] * row[i];
-        hidden[h] = acc > 0.0f ? acc : 0.0f;
-      }
+      make_stream(seed_, Stream::data, static_cast<std::uint32_t>(sample), static_cast<std::uint32_t>(sample >> 32), 0)
+          .fill_normal(x + s * inputs_, static_cast<std::uint64_t>(inputs_));
+    }
+    // The teacher's hidden layer for the whole batch in one GEMM: (count, 32).
+    cpu::matmul_forward(hidden_.data(), x, w1_.data(), nullptr, count, inputs_, teacher_hidden);
+#pragma omp parallel for schedule(static)
+    for (int64_t s = 0; s < count; ++s) {
+      const float* hidden = hidden_.data() + s * teacher_hidden;
       int best = 0;
       float best_logit = -INFINITY;
       for (int c = 0; c < classes_; ++c) {
         float acc = 0.0f;
-        for (int h = 0; h < teacher_hidden; ++h) acc += w2_[c * teacher_hidden + h] * hidden[h];
+        for (int h = 0; h < teacher_hidden; ++h) acc += w2_[c * teacher_hidden + h] * std::max(hidden[h], 0.0f);
         if (acc > best_logit) best_logit = acc, best = c;
       }
       y[s] = best;
@@ -126,6 +126,7 @@ class TeacherClassification final : public Dataset {
   int inputs_, classes_;
   std::uint64_t seed_;
   std::vector<float> w1_, w2_;
+  mutable std::vector<float> hidden_;  // scratch, grown on the first call only
 };
 
 // ---- token files -------------------------------------------------------------------

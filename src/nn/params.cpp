@@ -35,8 +35,15 @@ void initialise(float* data, std::int64_t n, const ParamSpec& spec, std::uint64_
       // Keyed by the owning (layer, parameter): any stage holding it draws the same values.
       const RandomStream stream = make_stream(seed, Stream::init, static_cast<std::uint32_t>(layer),
                                               static_cast<std::uint32_t>(index), 0);
+      constexpr std::int64_t chunk = 1 << 16;  // a multiple of 4: chunks start on block boundaries
 #pragma omp parallel for schedule(static)
-      for (std::int64_t i = 0; i < n; ++i) data[i] = spec.std * stream.normal(static_cast<std::uint64_t>(i));
+      for (std::int64_t begin = 0; begin < n; begin += chunk) {
+        const std::int64_t count = std::min(chunk, n - begin);
+        for (std::int64_t b = 0; b * 4 < count; ++b) {  // element i is normals4(i / 4)[i % 4]
+          const auto v = stream.normals4(static_cast<std::uint64_t>((begin / 4) + b));
+          for (std::int64_t j = 0; j < 4 && b * 4 + j < count; ++j) data[begin + b * 4 + j] = spec.std * v[j];
+        }
+      }
       break;
     }
   }

@@ -40,12 +40,28 @@ struct RandomStream {
   std::uint32_t word(std::uint64_t i) const { return block(i / 4)[i % 4]; }
   // Uniform in [0, 1) with 24 bits.
   float uniform(std::uint64_t i) const { return static_cast<float>(word(i) >> 8) * 0x1p-24f; }
-  // Standard normal: Box-Muller on the first two words of block i.
-  float normal(std::uint64_t i) const {
-    const Philox4 w = block(i);
-    const double u1 = (static_cast<double>(w[0]) + 1.0) * 0x1p-32;  // (0, 1]
-    const double u2 = static_cast<double>(w[1]) * 0x1p-32;
-    return static_cast<float>(std::sqrt(-2.0 * std::log(u1)) * std::cos(2.0 * M_PI * u2));
+  // Four standard normals from block `index`: Box-Muller on words (0, 1) and (2, 3).
+  // Element i of the stream is normals4(i / 4)[i % 4].
+  std::array<float, 4> normals4(std::uint64_t index) const {
+    const Philox4 w = block(index);
+    std::array<float, 4> out;
+    for (int pair = 0; pair < 2; ++pair) {
+      const float u1 = (static_cast<float>(w[2 * pair] >> 8) + 1.0f) * 0x1p-24f;  // (0, 1]
+      const float u2 = static_cast<float>(w[2 * pair + 1] >> 8) * 0x1p-24f;
+      const float r = std::sqrt(-2.0f * std::log(u1));
+      const float theta = 6.28318530717958647692f * u2;
+      out[2 * pair] = r * std::cos(theta);
+      out[2 * pair + 1] = r * std::sin(theta);
+    }
+    return out;
+  }
+  float normal(std::uint64_t i) const { return normals4(i / 4)[i % 4]; }
+  // Fills out[0, n) with elements [0, n) of the stream's normals.
+  void fill_normal(float* out, std::uint64_t n, float scale = 1.0f) const {
+    for (std::uint64_t k = 0; k * 4 < n; ++k) {
+      const auto v = normals4(k);
+      for (std::uint64_t j = 0; j < 4 && k * 4 + j < n; ++j) out[k * 4 + j] = scale * v[j];
+    }
   }
   // Uniform integer in [0, n) (multiply-shift; bias below 2^-32 * n).
   std::uint64_t below(std::uint64_t i, std::uint64_t n) const {

@@ -377,8 +377,8 @@ double sum_squares(const float* x, int64_t n) {
 
 void adamw_update(float* params, const float* grads, float* m, float* v, int64_t n, float lr,
                   float beta1, float beta2, float eps, float weight_decay, int64_t step) {
-  const float bias1 = 1.0f - std::pow(beta1, static_cast<float>(step));
-  const float bias2 = 1.0f - std::pow(beta2, static_cast<float>(step));
+  const float inv_bias1 = 1.0f / (1.0f - std::pow(beta1, static_cast<float>(step)));
+  const float inv_bias2 = 1.0f / (1.0f - std::pow(beta2, static_cast<float>(step)));
 #pragma omp parallel for simd schedule(static)
   for (int64_t i = 0; i < n; ++i) {
     const float g = grads[i];
@@ -386,9 +386,7 @@ void adamw_update(float* params, const float* grads, float* m, float* v, int64_t
     const float vi = beta2 * v[i] + (1.0f - beta2) * g * g;
     m[i] = mi;
     v[i] = vi;
-    const float mhat = mi / bias1;
-    const float vhat = vi / bias2;
-    params[i] -= lr * (mhat / (std::sqrt(vhat) + eps) + weight_decay * params[i]);
+    params[i] -= lr * (mi * inv_bias1 / (std::sqrt(vi * inv_bias2) + eps) + weight_decay * params[i]);
   }
 }
 

@@ -1,0 +1,64 @@
+#!/usr/bin/python3
+"""PyTorch side of scripts/bench_cpu.sh: median training-step time of the same model
+mpipe trains (scripts/mpipe_torch.py), with the same sizes, micro-batches, optimizer
+and thread count. Prints one number: the median step time in seconds."""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mpipe_torch import GPT, MLP  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["gpt", "mlp"], required=True)
+    ap.add_argument("--threads", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--inputs", type=int, default=1024)
+    ap.add_argument("--classes", type=int, default=16)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--micro-batches", type=int, default=1)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    if a.model == "gpt":
+        model = GPT(a.layers, a.d_model, a.heads, a.seq_len, a.vocab)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        x = torch.randint(0, a.vocab, (a.batch_size, a.seq_len))
+        y = torch.randint(0, a.vocab, (a.batch_size, a.seq_len))
+    else:
+        model = MLP(a.layers, a.hidden, a.inputs, a.classes)
+        x = torch.randn(a.batch_size, a.inputs)
+        y = torch.randint(0, a.classes, (a.batch_size,))
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    rest = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}], lr=1e-3)
+    micro = a.batch_size // a.micro_batches
+    times = []
+    for step in range(a.steps):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=False)
+        for m in range(a.micro_batches):
+            loss = model(x[m * micro:(m + 1) * micro], y[m * micro:(m + 1) * micro]) / a.micro_batches
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        times.append(time.perf_counter() - start)
+    print(f"{statistics.median(times[3:]):.6f}")
+
+
+if __name__ == "__main__":
+    main()

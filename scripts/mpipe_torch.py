@@ -1,0 +1,89 @@
+"""mpipe's models in PyTorch, layer for layer and name for name: the reference twin used
+by tests/reference/check_reference.py and the PyTorch side of scripts/bench_cpu.sh.
+
+Global layer indices and parameter names follow mpipe's: GPT is layer 0 embedding,
+1..N blocks, N+1 final LayerNorm, N+2 the head tied to wte; the MLP is Linear/ReLU
+pairs then the output Linear. named() maps (layer, name) to the torch parameter.
+"""
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class GPT(torch.nn.Module):
+    """GPT-2 as mpipe builds it: layer 0 embedding, 1..N blocks, N+1 final LayerNorm,
+    N+2 tied head, N+3 loss; parameters named as in mpipe."""
+
+    def __init__(self, n_layer, C, H, T, V):
+        super().__init__()
+        self.H = H
+        self.wte = torch.nn.Parameter(torch.zeros(V, C))
+        self.wpe = torch.nn.Parameter(torch.zeros(T, C))
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(n_layer):
+            b = torch.nn.Module()
+            b.ln_1 = torch.nn.LayerNorm(C, eps=1e-5)
+            b.c_attn = torch.nn.Linear(C, 3 * C)
+            b.c_proj = torch.nn.Linear(C, C)
+            b.ln_2 = torch.nn.LayerNorm(C, eps=1e-5)
+            b.c_fc = torch.nn.Linear(C, 4 * C)
+            b.mlp_proj = torch.nn.Linear(4 * C, C)
+            self.blocks.append(b)
+        self.ln_f = torch.nn.LayerNorm(C, eps=1e-5)
+
+    def named(self):
+        """(global layer, mpipe name) -> torch parameter."""
+        n = len(self.blocks)
+        out = {(0, "wte"): self.wte, (0, "wpe"): self.wpe}
+        for i, b in enumerate(self.blocks):
+            for name, p in [("ln_1.weight", b.ln_1.weight), ("ln_1.bias", b.ln_1.bias),
+                            ("attn.c_attn.weight", b.c_attn.weight), ("attn.c_attn.bias", b.c_attn.bias),
+                            ("attn.c_proj.weight", b.c_proj.weight), ("attn.c_proj.bias", b.c_proj.bias),
+                            ("ln_2.weight", b.ln_2.weight), ("ln_2.bias", b.ln_2.bias),
+                            ("mlp.c_fc.weight", b.c_fc.weight), ("mlp.c_fc.bias", b.c_fc.bias),
+                            ("mlp.c_proj.weight", b.mlp_proj.weight), ("mlp.c_proj.bias", b.mlp_proj.bias)]:
+                out[(1 + i, name)] = p
+        out[(n + 1, "weight")] = self.ln_f.weight
+        out[(n + 1, "bias")] = self.ln_f.bias
+        return out
+
+    def forward(self, idx, targets):
+        B, T = idx.shape
+        x = self.wte[idx] + self.wpe[:T]
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        for b in self.blocks:
+            h = b.ln_1(x)
+            q, k, v = b.c_attn(h).split(x.shape[-1], dim=2)
+            hs = x.shape[-1] // self.H
+            q, k, v = (t.view(B, T, self.H, hs).transpose(1, 2) for t in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)
+            att = att.masked_fill(mask, float("-inf")).softmax(dim=-1)
+            y = (att @ v).transpose(1, 2).contiguous().view(B, T, -1)
+            x = x + b.c_proj(y)
+            x = x + b.mlp_proj(F.gelu(b.c_fc(b.ln_2(x)), approximate="tanh"))
+        logits = self.ln_f(x) @ self.wte.t()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, n_layer, hidden, inputs, classes):
+        super().__init__()
+        widths = [inputs] + [hidden] * n_layer
+        self.hidden = torch.nn.ModuleList(torch.nn.Linear(a, b) for a, b in zip(widths, widths[1:]))
+        self.out = torch.nn.Linear(hidden, classes)
+
+    def named(self):
+        out = {}
+        for i, lin in enumerate(self.hidden):  # Linear at 2i, ReLU at 2i+1
+            out[(2 * i, "weight")] = lin.weight
+            out[(2 * i, "bias")] = lin.bias
+        n = 2 * len(self.hidden)
+        out[(n, "weight")] = self.out.weight
+        out[(n, "bias")] = self.out.bias
+        return out
+
+    def forward(self, x, targets):
+        for lin in self.hidden:
+            x = F.relu(lin(x))
+        return F.cross_entropy(self.out(x), targets.long())
