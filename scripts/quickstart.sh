@@ -8,4 +8,4 @@ bash scripts/setup.sh
 [[ -f build/release/CMakeCache.txt ]] || cmake --preset release >/dev/null
 cmake --build --preset release -j "$(nproc)" --target mpipe
 
-exec build/release/mpipe train --config inputs/quickstart.toml --threads "$(nproc)" "$@"
+exec build/release/mpipe train --config inputs/quickstart.toml "$@"   # --threads 0: all cores

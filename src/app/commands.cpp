@@ -2,7 +2,10 @@
 // train command's report.
 #include "mpipe/app/commands.hpp"
 
+#include <sched.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 #include <cstdio>
 #include <iostream>
@@ -15,6 +18,13 @@ namespace mpipe {
 
 namespace {
 constexpr int exit_user_error = 2;
+
+// The cores this process may run on (what the launcher or Slurm gave it).
+int available_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
+}
 constexpr int exit_internal_error = 1;
 }  // namespace
 
@@ -45,7 +55,8 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--clip-grad", o.clip_grad, "Clip the global gradient norm to this (0: off)")->capture_default_str();
   cmd.add_option("--steps", c.steps, "Train up to this step")->capture_default_str();
   cmd.add_option("--seed", c.seed, "Seed of initialisation, data and dropout")->capture_default_str();
-  cmd.add_option("--threads", c.threads, "Threads per process (BLAS and loops)")->capture_default_str();
+  cmd.add_option("--threads", c.threads, "Threads per process (BLAS and loops); 0: every core this process may use")
+      ->capture_default_str();
   cmd.add_option("--log-every", c.log_every, "Print a line every N steps")->capture_default_str();
   cmd.add_option("--metrics", c.metrics, "Write one JSON object per step to FILE");
 }
@@ -82,14 +93,14 @@ void apply_config_file(CLI::App& command) {
 
 int run_train(const TrainConfig& config) {
   validate(config);
-  cpu::set_threads(config.threads);
+  cpu::set_threads(config.threads > 0 ? config.threads : available_cores());
   std::unique_ptr<MetricsWriter> metrics;
   if (!config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
   Trainer trainer(config);
 
   const auto& m = config.model;
   std::printf("mpipe %s (%s): %s model, %d layers, %zu parameters, %d threads\n", version(), git_hash(),
-              m.kind.c_str(), trainer.model().size(), trainer.params().count(), config.threads);
+              m.kind.c_str(), trainer.model().size(), trainer.params().count(), cpu::threads());
   std::printf("data: %s\n", trainer.dataset().describe().c_str());
   std::printf("batch %d = %d micro-batches of %d; %s, lr %g, %d steps\n", config.batch_size,
               config.micro_batches, config.batch_size / config.micro_batches, config.optimizer.kind.c_str(),

@@ -16,7 +16,7 @@ void validate(const TrainConfig& c) {
   MPIPE_REQUIRE(c.batch_size % c.micro_batches == 0, "pick --micro-batches dividing --batch-size",
                 "--batch-size ", c.batch_size, " is not divisible by --micro-batches ", c.micro_batches);
   MPIPE_REQUIRE(c.steps > 0, "e.g. --steps 100", "--steps must be positive, got ", c.steps);
-  MPIPE_REQUIRE(c.threads > 0, "e.g. --threads 2", "--threads must be positive, got ", c.threads);
+  MPIPE_REQUIRE(c.threads >= 0, "e.g. --threads 2, or 0 for every core", "--threads must be >= 0, got ", c.threads);
   MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
 }
 

@@ -15,3 +15,4 @@ mpipe_cli_test(missing_config 2 "error: .*no/such.toml" train --config /no/such.
 mpipe_cli_test(quickstart_config 0 "step +3/3 \\| loss" train --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --steps 3 --threads 1)
 mpipe_cli_test(mlp_config 0 "step +2/2 \\| loss .* samples/s" train --config ${CMAKE_SOURCE_DIR}/inputs/mlp.toml --steps 2 --threads 1)
 mpipe_cli_test(gpt_small_config 0 "gpt model, 16 layers, 123702528 parameters" train --config ${CMAKE_SOURCE_DIR}/inputs/gpt-small.toml --steps 1 --threads 2 --batch-size 1 --micro-batches 1 --seq-len 64)
+mpipe_cli_test(negative_threads 2 "error: --threads must be >= 0, got -1; hint" train --threads -1)

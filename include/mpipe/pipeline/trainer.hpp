@@ -23,7 +23,7 @@ struct TrainConfig {
   int micro_batches = 1;
   int steps = 100;          // the step training runs up to
   std::uint64_t seed = 1;
-  int threads = 1;
+  int threads = 0;          // 0: every core the process may use
   int log_every = 10;
   std::string metrics;      // JSON-lines file, or empty
 };
