@@ -1,3 +1,19 @@
-// doctest's main for every test binary: a failed check makes the process exit non-zero.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+// doctest's main for every test binary: MPI around the run (the executor needs it, as
+// a singleton or under mpiexec), and a failed check makes the process exit non-zero on
+// every rank.
+#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+#include <mpi.h>
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  doctest::Context context(argc, argv);
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank != 0) context.setOption("out", "/dev/null");  // one report, from rank 0
+  int failed = context.run() != 0 ? 1 : 0;
+  // A check that failed on any rank fails the run on every rank.
+  MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return failed;
+}

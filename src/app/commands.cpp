@@ -1,14 +1,18 @@
-// Command-line parsing, the error policy (one line, exit 2 for user errors) and the
-// train command's report.
+// Command-line parsing, the error policy (one line on rank 0, exit 2 for user errors,
+// no hang), the train command's report and the plan command.
 #include "mpipe/app/commands.hpp"
 
+#include <mpi.h>
 #include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
-
+#include <cmath>
 #include <cstdio>
-#include <iostream>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <limits>
 #include <memory>
 
 #include "mpipe/core/version.hpp"
@@ -17,15 +21,200 @@
 namespace mpipe {
 
 namespace {
-constexpr int exit_user_error = 2;
 
-// The cores this process may run on (what the launcher or Slurm gave it).
-int available_cores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return std::max(1L, sysconf(_SC_NPROCESSORS_ONLN));
-}
+constexpr int exit_user_error = 2;
 constexpr int exit_internal_error = 1;
+
+// Threads per rank when --threads is 0: the cores the launcher bound this rank to, or,
+// when it did not bind (all cores visible), the node's cores shared by its ranks.
+int default_threads(const Communicator& world) {
+  cpu_set_t set;
+  int visible = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  const int online = visible;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) visible = CPU_COUNT(&set);
+  if (visible < online || world.size() == 1) return std::max(1, visible);
+  MPI_Comm node;
+  MPI_Comm_split_type(world.get(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &node);
+  int local = 1;
+  MPI_Comm_size(node, &local);
+  MPI_Comm_free(&node);
+  return std::max(1, visible / local);
+}
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (bytes >= 1024 && u < 4) bytes /= 1024, ++u;
+  char text[32];
+  std::snprintf(text, sizeof text, u ? "%.1f %s" : "%.0f %s", bytes, units[u]);
+  return text;
+}
+
+std::string human_count(double n) {
+  char text[32];
+  if (n >= 1e9) std::snprintf(text, sizeof text, "%.2fG", n / 1e9);
+  else if (n >= 1e6) std::snprintf(text, sizeof text, "%.2fM", n / 1e6);
+  else if (n >= 1e3) std::snprintf(text, sizeof text, "%.1fk", n / 1e3);
+  else std::snprintf(text, sizeof text, "%.0f", n);
+  return text;
+}
+
+// Per-stage figures of a partition for one micro-batch: what plan prints and train echoes.
+struct StageFigures {
+  double params = 0, forward_flops = 0, backward_flops = 0, activation = 0, boundary = 0;
+};
+
+std::vector<StageFigures> stage_figures(const Model& model, const Partition& part, int micro) {
+  const auto shapes = model.shapes(micro);
+  std::vector<StageFigures> out(part.stages());
+  for (int s = 0; s < part.stages(); ++s) {
+    for (int i = part.begin(s); i < part.end(s); ++i) {
+      const Cost c = model.layer(i).cost(shapes[i]);
+      out[s].params += c.param_bytes / 4;
+      out[s].forward_flops += c.forward_flops;
+      out[s].backward_flops += c.backward_flops;
+      out[s].activation += c.activation_bytes;
+    }
+    out[s].boundary = static_cast<double>(shapes[part.begin(s)].numel()) * 4;
+  }
+  return out;
+}
+
+// Micro-batches whose activations a stage holds at once under the schedule.
+int in_flight(const Schedule& compute_only, int stage) {
+  int live = 0, peak = 0;
+  for (const Action& a : compute_only.actions[stage]) {
+    live += a.kind == ActionKind::forward ? 1 : -1;
+    peak = std::max(peak, live);
+  }
+  return peak;
+}
+
+void print_plan(const TrainConfig& config, const Model& model, const Partition& part, const GridShape& grid) {
+  const int K = grid.stages, D = grid.replicas, M = config.micro_batches;
+  const int micro = config.batch_size / (M * D);
+  std::printf("grid: %d replica%s x %d stage%s = %d rank%s, rank order %s\n", D, D > 1 ? "s" : "", K, K > 1 ? "s" : "",
+              D * K, D * K > 1 ? "s" : "", grid.rank_order.c_str());
+  std::printf("batch %d = %d replica%s x %d micro-batches of %d; schedule %s, remat %s\n", config.batch_size, D,
+              D > 1 ? "s" : "", M, micro, config.pipeline.schedule.c_str(), config.pipeline.remat.c_str());
+  const Schedule compute = make_schedule(config.pipeline.schedule, K, M);
+  const auto figures = stage_figures(model, part, micro);
+  std::printf("partition (%s): %s\n", config.pipeline.balance.empty() ? config.pipeline.partition.c_str() : "balance",
+              part.to_text().c_str());
+  std::printf("%-6s %-9s %-28s %10s %12s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb", "act. no remat",
+              "act. remat");
+  for (int s = 0; s < K; ++s) {
+    std::string kinds;
+    for (int i = part.begin(s); i < part.end(s); ++i) {
+      const std::string k = model.layer(i).kind();
+      if (kinds.find(k) == std::string::npos) kinds += (kinds.empty() ? "" : ",") + k;
+    }
+    if (kinds.size() > 28) kinds = kinds.substr(0, 25) + "...";
+    const int live = in_flight(compute, s);
+    const StageFigures& f = figures[s];
+    // Without remat every in-flight micro-batch keeps its activations; with remat only
+    // its input, plus one micro-batch's activations while recomputing.
+    std::printf("%-6d %-9s %-28s %10s %12.3f %16s %16s\n", s, cat(part.begin(s), "-", part.end(s) - 1).c_str(),
+                kinds.c_str(), human_count(f.params).c_str(), (f.forward_flops + f.backward_flops) / 1e9,
+                human_bytes(live * f.activation).c_str(), human_bytes(live * f.boundary + f.activation).c_str());
+  }
+  const Schedule lowered = lower(compute);
+  StageCosts costs = StageCosts::uniform(K);
+  for (int s = 0; s < K; ++s) {
+    costs.forward[s] = figures[s].forward_flops;
+    costs.backward[s] = figures[s].backward_flops;
+  }
+  const double theory = simulate(lowered, StageCosts::uniform(K)).bubble_fraction;
+  const double predicted = simulate(lowered, costs).bubble_fraction;
+  std::printf("bubble: %.1f%% for equal stages ((K-1)/(M+K-1) for gpipe), %.1f%% predicted from this partition's FLOPs\n",
+              100 * theory, 100 * predicted);
+}
+
+void print_schedule_grid(const TrainConfig& config, const GridShape& grid) {
+  const Schedule lowered = lower(make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches));
+  std::printf("schedule %s (forward 1 unit, backward 2):\n%s", lowered.name.c_str(),
+              render(lowered, StageCosts::uniform(grid.stages)).c_str());
+}
+
+// Phase statistics over steps, one set per rank, gathered to rank 0 for the table.
+struct PhaseStats {
+  double min[PhaseTimes::count], sum[PhaseTimes::count], max[PhaseTimes::count];
+  double steps = 0, stage = 0, bubble = 0;
+  PhaseStats() {
+    std::fill(std::begin(min), std::end(min), std::numeric_limits<double>::infinity());
+    std::fill(std::begin(sum), std::end(sum), 0.0);
+    std::fill(std::begin(max), std::end(max), 0.0);
+  }
+  void add(const PhaseTimes& t, double bubble_fraction) {
+    for (int i = 0; i < PhaseTimes::count; ++i) {
+      min[i] = std::min(min[i], t[i]);
+      sum[i] += t[i];
+      max[i] = std::max(max[i], t[i]);
+    }
+    bubble += bubble_fraction;
+    ++steps;
+  }
+};
+
+void print_phase_table(const PhaseStats& mine, const Communicator& world, int stages, double theory) {
+  constexpr int n = sizeof(PhaseStats) / sizeof(double);
+  std::vector<PhaseStats> all(world.rank() == 0 ? world.size() : 0);
+  MPI_CHECK(MPI_Gather(&mine, n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, 0, world.get()));
+  if (world.rank() != 0 || mine.steps == 0) return;
+  std::printf("time per step in ms, min / avg / max over %g steps (the first excluded) and replicas\n", mine.steps);
+  std::printf("%-6s", "stage");
+  for (int i = 0; i < PhaseTimes::count; ++i) std::printf(" %20s", PhaseTimes::name(i));
+  std::printf("\n");
+  for (int s = 0; s < stages; ++s) {
+    double lo[PhaseTimes::count], total[PhaseTimes::count], hi[PhaseTimes::count], count = 0;
+    std::fill(std::begin(lo), std::end(lo), std::numeric_limits<double>::infinity());
+    std::fill(std::begin(total), std::end(total), 0.0);
+    std::fill(std::begin(hi), std::end(hi), 0.0);
+    for (const PhaseStats& r : all) {
+      if (static_cast<int>(r.stage) != s) continue;
+      for (int i = 0; i < PhaseTimes::count; ++i) {
+        lo[i] = std::min(lo[i], r.min[i]);
+        total[i] += r.sum[i];
+        hi[i] = std::max(hi[i], r.max[i]);
+      }
+      count += r.steps;
+    }
+    std::printf("%-6d", s);
+    for (int i = 0; i < PhaseTimes::count; ++i)
+      std::printf(" %20s", cat(std::round(lo[i] * 1e4) / 10, "/", std::round(total[i] / count * 1e4) / 10, "/",
+                               std::round(hi[i] * 1e4) / 10).c_str());
+    std::printf("\n");
+  }
+  std::printf("bubble: measured %.1f%% (mean over steps and ranks), schedule's theoretical %.1f%%\n",
+              100 * mine.bubble / mine.steps, 100 * theory);
+}
+
+// Runs `phase` on every rank and agrees on the outcome, so that a rank that fails
+// during set-up never leaves the others waiting in a collective. On failure the first
+// failing rank prints its message and every rank returns the same exit code.
+int agree(const Communicator& world, const std::function<void()>& phase) {
+  int code = 0;
+  std::string message;
+  try {
+    phase();
+  } catch (const UserError& e) {
+    code = exit_user_error;
+    message = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
+  } catch (const std::exception& e) {
+    code = exit_internal_error;
+    message = cat("mpipe: internal error on rank ", world.rank(), ": ", e.what());
+  }
+  int failed[2] = {code ? world.rank() : world.size(), code};
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed[0], 1, MPI_INT, MPI_MIN, world.get()));
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed[1], 1, MPI_INT, MPI_MAX, world.get()));
+  if (failed[0] == world.size()) return 0;
+  if (failed[0] == world.rank()) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "%s\n", message.c_str());
+  }
+  return failed[1];
+}
+
 }  // namespace
 
 void add_train_options(CLI::App& cmd, TrainConfig& c) {
@@ -33,6 +222,7 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
       ->check(CLI::ExistingFile);
   auto& m = c.model;
   auto& o = c.optimizer;
+  auto& p = c.pipeline;
   cmd.add_option("--model", m.kind, "Model: gpt or mlp")->capture_default_str();
   cmd.add_option("--layers", m.layers, "Transformer blocks (gpt) or hidden blocks (mlp)")->capture_default_str();
   cmd.add_option("--d-model", m.d_model, "Channels of the residual stream (gpt)")->capture_default_str();
@@ -45,7 +235,7 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--dropout", m.dropout, "Dropout probability")->capture_default_str();
   cmd.add_option("--data", c.data, "synthetic, text:PATH (bytes) or tokens:PATH (uint16)")->capture_default_str();
   cmd.add_option("--batch-size", c.batch_size, "Global mini-batch, in samples")->capture_default_str();
-  cmd.add_option("--micro-batches", c.micro_batches, "Micro-batches per mini-batch")->capture_default_str();
+  cmd.add_option("--micro-batches", c.micro_batches, "Micro-batches per mini-batch and replica")->capture_default_str();
   cmd.add_option("--optimizer", o.kind, "adamw or sgd")->capture_default_str();
   cmd.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str();
   cmd.add_option("--min-lr-ratio", o.min_lr_ratio, "Cosine decay ends at lr times this")->capture_default_str();
@@ -55,10 +245,20 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--clip-grad", o.clip_grad, "Clip the global gradient norm to this (0: off)")->capture_default_str();
   cmd.add_option("--steps", c.steps, "Train up to this step")->capture_default_str();
   cmd.add_option("--seed", c.seed, "Seed of initialisation, data and dropout")->capture_default_str();
-  cmd.add_option("--threads", c.threads, "Threads per process (BLAS and loops); 0: every core this process may use")
+  cmd.add_option("--threads", c.threads, "Threads per rank (BLAS and loops); 0: the cores given to the rank")
       ->capture_default_str();
   cmd.add_option("--log-every", c.log_every, "Print a line every N steps")->capture_default_str();
   cmd.add_option("--metrics", c.metrics, "Write one JSON object per step to FILE");
+  cmd.add_option("--stages", p.grid.stages, "Pipeline stages K (0: world size / replicas)")->capture_default_str();
+  cmd.add_option("--replicas", p.grid.replicas, "Data-parallel replicas D (0: world size / stages)")->capture_default_str();
+  cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks) or data")
+      ->capture_default_str();
+  cmd.add_option("--schedule", p.schedule, "gpipe or 1f1b")->capture_default_str();
+  cmd.add_option("--remat", p.remat, "Re-materialization: always, except-last or never")->capture_default_str();
+  cmd.add_option("--partition", p.partition, "Balance stages by uniform, params, flops or time")->capture_default_str();
+  cmd.add_option("--balance", p.balance, "Layers per stage, e.g. 3,5 (overrides --partition)");
+  cmd.add_option("--p2p-timeout", p.p2p_timeout, "Seconds a point-to-point wait may block")->capture_default_str();
+  cmd.add_option("--bucket-mb", p.bucket_mb, "Data-parallel allreduce bucket size in MiB")->capture_default_str();
 }
 
 // CLI11 2.1 reads config files only for the top-level app, so a subcommand's file is
@@ -91,89 +291,169 @@ void apply_config_file(CLI::App& command) {
   }
 }
 
-int run_train(const TrainConfig& config) {
-  validate(config);
-  cpu::set_threads(config.threads > 0 ? config.threads : available_cores());
+int run_plan(const TrainConfig& config, int ranks) {
+  MPIPE_REQUIRE(ranks > 0, "e.g. --ranks 4", "--ranks must be positive, got ", ranks);
+  validate(config, ranks);
+  const GridShape grid = resolve_grid(config.pipeline.grid, ranks);
+  Model model(config.model);
+  const int micro = config.batch_size / (config.micro_batches * grid.replicas);
+  Partition part;
+  if (!config.pipeline.balance.empty()) {
+    part = partition_from_balance(parse_balance(config.pipeline.balance), model.size());
+  } else if (config.pipeline.partition == "time") {
+    cpu::set_threads(config.threads > 0 ? config.threads : 1);
+    part = partition_min_max(measure_layer_times(model, micro, config.seed), grid.stages);
+  } else {
+    part = partition_min_max(layer_costs(model, config.pipeline.partition, micro), grid.stages);
+  }
+  std::printf("mpipe %s (git %s) plan for %d ranks\n", version(), git_hash(), ranks);
+  std::printf("layers (%d):", model.size());
+  for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
+  std::printf("\n");
+  print_plan(config, model, part, grid);
+  std::printf("ranks:");
+  for (int r = 0; r < ranks; ++r) {
+    const bool by_pipeline = grid.rank_order == "pipeline";
+    const int stage = by_pipeline ? r % grid.stages : r / grid.replicas;
+    const int replica = by_pipeline ? r / grid.stages : r % grid.replicas;
+    std::printf(" %d=s%d/r%d", r, stage, replica);
+  }
+  std::printf("\n");
+  print_schedule_grid(config, grid);
+  return 0;
+}
+
+int run_train(const TrainConfig& config, const Communicator& world) {
+  const bool root = world.rank() == 0;
+  std::unique_ptr<Executor> exec;
   std::unique_ptr<MetricsWriter> metrics;
-  if (!config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
-  Trainer trainer(config);
+  int code = agree(world, [&] {
+    validate(config, world.size());
+    if (root && !config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
+    exec = std::make_unique<Executor>(config, world);
+  });
+  if (code) return code;
+  cpu::set_threads(config.threads > 0 ? config.threads : default_threads(world));
+  if ((code = agree(world, [&] { exec->connect(); }))) return code;
+  if ((code = agree(world, [&] { exec->allocate(); }))) return code;
 
   const auto& m = config.model;
-  std::printf("mpipe %s (%s): %s model, %d layers, %zu parameters, %d threads\n", version(), git_hash(),
-              m.kind.c_str(), trainer.model().size(), trainer.params().count(), cpu::threads());
-  std::printf("data: %s\n", trainer.dataset().describe().c_str());
-  std::printf("batch %d = %d micro-batches of %d; %s, lr %g, %d steps\n", config.batch_size,
-              config.micro_batches, config.batch_size / config.micro_batches, config.optimizer.kind.c_str(),
-              config.optimizer.lr, config.steps);
-  std::fflush(stdout);
-
-  const int64_t tokens_per_sample = m.kind == "gpt" ? m.seq_len : 0;
-  double total_seconds = 0.0;
-  int64_t timed_steps = 0;
-  for (int64_t step = 0; step < config.steps; ++step) {
-    const StepResult r = trainer.step(step);
-    const double samples_per_s = config.batch_size / r.seconds;
-    const double tokens_per_s = samples_per_s * static_cast<double>(tokens_per_sample);
-    if (step > 0) {  // the first step sizes the arena and warms caches
-      total_seconds += r.seconds;
-      ++timed_steps;
-    }
-    if (metrics) metrics->write(r, samples_per_s, tokens_per_s);
-    if (r.skipped)
-      std::printf("step %lld: non-finite gradients (norm %g); update skipped\n", static_cast<long long>(step + 1), r.grad_norm);
-    if ((step + 1) % config.log_every == 0 || step == 0 || step + 1 == config.steps) {
-      std::printf("step %6lld/%d | loss %.6f | lr %.3e | grad norm %8.4f | %8.2f ms | ", static_cast<long long>(step + 1),
-                  config.steps, r.loss, r.lr, r.grad_norm, r.seconds * 1e3);
-      if (tokens_per_sample > 0) std::printf("%.0f tok/s\n", tokens_per_s);
-      else std::printf("%.0f samples/s\n", samples_per_s);
-      std::fflush(stdout);
-    }
+  const Grid& grid = exec->grid();
+  if (root) {
+    std::printf("mpipe %s (git %s): %s model, %d layers, %lld parameters, %d thread%s per rank\n", version(), git_hash(),
+                m.kind.c_str(), exec->model().size(), static_cast<long long>(exec->model().parameter_count()),
+                cpu::threads(), cpu::threads() > 1 ? "s" : "");
+    if (const Dataset* data = exec->dataset()) std::printf("data: %s\n", data->describe().c_str());
+    print_plan(config, exec->model(), exec->partition(), grid.shape());
+    std::printf("%s, lr %g, %d steps\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps);
+    std::fflush(stdout);
   }
-  if (timed_steps > 0)
-    std::printf("done: %lld steps, mean step %.2f ms (first step excluded), arena %.1f MiB\n",
-                static_cast<long long>(config.steps), 1e3 * total_seconds / timed_steps,
-                trainer.arena().capacity() / 1048576.0);
+
+  const double theory = simulate(exec->schedule(), StageCosts::uniform(grid.stages())).bubble_fraction;
+  const int64_t tokens_per_sample = m.kind == "gpt" ? m.seq_len : 0;
+  PhaseStats stats;
+  stats.stage = grid.stage();
+  try {
+    for (int64_t step = 0; step < config.steps; ++step) {
+      const StepResult r = exec->step(step);
+      if (step > 0) stats.add(exec->last_times(), r.bubble_fraction);  // the first step sizes the arenas
+      if (!root) continue;
+      const double samples_per_s = config.batch_size / r.seconds;
+      const double tokens_per_s = samples_per_s * static_cast<double>(tokens_per_sample);
+      if (metrics) metrics->write(r, samples_per_s, tokens_per_s);
+      if (r.skipped)
+        std::printf("step %lld: non-finite loss or gradients (norm %g); update skipped on every rank\n",
+                    static_cast<long long>(step + 1), r.grad_norm);
+      if ((step + 1) % config.log_every == 0 || step == 0 || step + 1 == config.steps) {
+        std::printf("step %6lld/%d | loss %.6f | lr %.3e | grad norm %8.4f | %8.2f ms | bubble %4.1f%% | ",
+                    static_cast<long long>(step + 1), config.steps, r.loss, r.lr, r.grad_norm, r.seconds * 1e3,
+                    100 * r.bubble_fraction);
+        if (tokens_per_sample > 0) std::printf("%.0f tok/s\n", tokens_per_s);
+        else std::printf("%.0f samples/s\n", samples_per_s);
+        std::fflush(stdout);
+      }
+    }
+  } catch (const std::exception& e) {
+    // One rank failed mid-run: the others may be waiting on it, so end the whole job.
+    std::fflush(stdout);
+    std::fprintf(stderr, "mpipe: error: %s\n", e.what());
+    std::fflush(stderr);
+    MPI_Abort(world.get(), exit_internal_error);
+  }
+  print_phase_table(stats, world, grid.stages(), theory);
+  double peak = static_cast<double>(exec->peak_activation_bytes());
+  std::vector<double> peaks(root ? world.size() : 0);
+  MPI_CHECK(MPI_Gather(&peak, 1, MPI_DOUBLE, peaks.data(), 1, MPI_DOUBLE, 0, world.get()));
+  if (root) {
+    std::printf("peak activation memory per rank:");
+    for (double p : peaks) std::printf(" %s", human_bytes(p).c_str());
+    std::printf("\n");
+  }
   return 0;
 }
 
 int run_main(int argc, char** argv) {
+  // MPI comes up first for train, so that under mpirun only rank 0 reports.
+  bool training = false;
+  for (int i = 1; i < argc; ++i)
+    if (std::strcmp(argv[i], "train") == 0) training = true;
+  int rank = 0, already = 0;
+  MPI_Initialized(&already);  // tests call run_main with MPI up
+  const bool own_mpi = training && !already;
+  if (own_mpi) {
+    int provided = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+  }
+  if (training) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  auto finish = [&](int code) {
+    if (own_mpi) MPI_Finalize();
+    return code;
+  };
+
   CLI::App app{"mpipe: GPipe micro-batch pipeline-parallel training on MPI", "mpipe"};
   app.set_version_flag("--version", cat("mpipe ", version(), " (git ", git_hash(), ")"));
   app.require_subcommand(1);
-  TrainConfig train_config;
-  CLI::App* train = app.add_subcommand("train", "Train a model");
+  TrainConfig train_config, plan_config;
+  CLI::App* train = app.add_subcommand("train", "Train a model (under mpirun/srun: one stage per rank)");
   add_train_options(*train, train_config);
+  CLI::App* plan = app.add_subcommand("plan", "Print the grid, partition, schedule and bubble for --ranks, without MPI");
+  add_train_options(*plan, plan_config);
+  int plan_ranks = 1;
+  plan->add_option("--ranks", plan_ranks, "Number of ranks to plan for")->capture_default_str();
 
   try {
     app.parse(argc, argv);
     if (train->parsed()) apply_config_file(*train);
-  } catch (const UserError& e) {
-    std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
-    return exit_user_error;
+    if (plan->parsed()) apply_config_file(*plan);
   } catch (const CLI::CallForHelp& e) {
-    return app.exit(e);
+    return finish(rank == 0 ? app.exit(e) : 0);
   } catch (const CLI::CallForAllHelp& e) {
-    return app.exit(e);
+    return finish(rank == 0 ? app.exit(e) : 0);
   } catch (const CLI::CallForVersion& e) {
-    return app.exit(e);
+    return finish(rank == 0 ? app.exit(e) : 0);
   } catch (const CLI::ParseError& e) {
-    std::fprintf(stderr, "mpipe: error: %s; hint: see 'mpipe %s--help'\n", e.what(),
-                 train->parsed() ? "train " : "");
-    return exit_user_error;
+    if (rank == 0)
+      std::fprintf(stderr, "mpipe: error: %s; hint: see 'mpipe %s--help'\n", e.what(),
+                   train->parsed() ? "train " : plan->parsed() ? "plan " : "");
+    return finish(exit_user_error);
+  } catch (const UserError& e) {
+    if (rank == 0) std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
+    return finish(exit_user_error);
   }
 
+  if (train->parsed()) {
+    const Communicator world = Communicator::borrow(MPI_COMM_WORLD);
+    return finish(run_train(train_config, world));
+  }
   try {
-    if (train->parsed()) return run_train(train_config);
+    return run_plan(plan_config, plan_ranks);
   } catch (const UserError& e) {
-    std::fflush(stdout);
     std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
     return exit_user_error;
   } catch (const std::exception& e) {
-    std::fflush(stdout);
     std::fprintf(stderr, "mpipe: internal error: %s\n", e.what());
     return exit_internal_error;
   }
-  return 0;
 }
 
 }  // namespace mpipe

@@ -66,6 +66,14 @@ Shape Model::target_shape(int64_t batch) const {
   return Shape{batch};
 }
 
+int64_t Model::parameter_count() const {
+  int64_t n = 0;
+  for (const auto& layer : layers_)
+    for (const ParamSpec& spec : layer->param_specs())
+      if (spec.tied_layer < 0) n += spec.shape.numel();
+  return n;
+}
+
 int64_t Model::rows_per_sample() const { return config_.kind == "gpt" ? config_.seq_len : 1; }
 
 std::vector<Shape> Model::shapes(int64_t batch) const {

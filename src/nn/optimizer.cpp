@@ -34,14 +34,15 @@ void Optimizer::update(float lr, std::int64_t t) {
   float* params = store_.params().data();
   const float* grads = store_.grads().data();
   for (const ParamEntry& e : store_.entries()) {
-    if (e.alias) continue;
+    if (e.alias) continue;  // the owner's entry updates these values
     const float wd = e.decay ? config_.weight_decay : 0.0f;
-    const std::size_t o = e.offset;
+    const std::size_t o = e.offset;  // gradients and optimizer state
+    float* p = params + e.param_offset;
     if (config_.kind == "adamw")
-      cpu::adamw_update(params + o, grads + o, first_.data() + o, second_.data() + o, e.numel(), lr,
-                        config_.beta1, config_.beta2, config_.eps, wd, t);
+      cpu::adamw_update(p, grads + o, first_.data() + o, second_.data() + o, e.numel(), lr, config_.beta1,
+                        config_.beta2, config_.eps, wd, t);
     else
-      cpu::sgd_update(params + o, grads + o, first_.data() + o, e.numel(), lr, config_.momentum, wd);
+      cpu::sgd_update(p, grads + o, first_.data() + o, e.numel(), lr, config_.momentum, wd);
   }
 }
 

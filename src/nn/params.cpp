@@ -79,16 +79,16 @@ ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
         MPIPE_CHECK(owner_specs[owner_index].shape == spec.shape, "tied shapes differ");
         e.owner_layer = spec.tied_layer;
         e.owner_index = owner_index;
+        e.tied_copy = true;
         for (const ParamEntry& other : entries_)
           if (other.layer == e.owner_layer && other.index == owner_index) {
             e.alias = true;
-            e.offset = other.offset;
+            e.param_offset = other.offset;
           }
       }
-      if (!e.alias) {
-        e.offset = total;
-        total += padded(e.numel());
-      }
+      e.offset = total;
+      if (!e.alias) e.param_offset = e.offset;
+      total += padded(e.numel());
       entries_.push_back(e);
     }
   }
@@ -116,11 +116,11 @@ ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
 std::size_t ParamStore::count() const {
   std::size_t n = 0;
   for (const ParamEntry& e : entries_)
-    if (!e.alias) n += static_cast<std::size_t>(e.numel());
+    if (!e.tied_copy) n += static_cast<std::size_t>(e.numel());
   return n;
 }
 
-Tensor ParamStore::param(const ParamEntry& e) const { return make_tensor(params_.data() + e.offset, e.shape); }
+Tensor ParamStore::param(const ParamEntry& e) const { return make_tensor(params_.data() + e.param_offset, e.shape); }
 Tensor ParamStore::grad(const ParamEntry& e) const { return make_tensor(grads_.data() + e.offset, e.shape); }
 
 void ParamStore::zero_grads() { std::memset(grads_.data(), 0, grads_.size() * sizeof(float)); }
@@ -129,7 +129,23 @@ void ParamStore::grad_sum_squares(std::span<double> per_layer) const {
   MPIPE_CHECK(per_layer.size() == static_cast<std::size_t>(end_ - begin_), "per-layer span");
   std::fill(per_layer.begin(), per_layer.end(), 0.0);
   for (const ParamEntry& e : entries_)
-    if (!e.alias) per_layer[e.layer - begin_] += cpu::sum_squares(grads_.data() + e.offset, e.numel());
+    if (!e.tied_copy) per_layer[e.layer - begin_] += cpu::sum_squares(grads_.data() + e.offset, e.numel());
+}
+
+void ParamStore::sum_local_tied_grads() {
+  for (const ParamEntry& copy : entries_) {
+    if (!copy.alias) continue;
+    for (const ParamEntry& owner : entries_)
+      if (owner.layer == copy.owner_layer && owner.index == copy.owner_index) {
+        float* a = grads_.data() + owner.offset;
+        float* b = grads_.data() + copy.offset;
+        // The copy's values are the owner's, so only the owner's gradient may count.
+        for (std::int64_t i = 0; i < owner.numel(); ++i) {
+          a[i] += b[i];
+          b[i] = 0.0f;
+        }
+      }
+  }
 }
 
 }  // namespace mpipe

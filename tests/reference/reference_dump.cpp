@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "mpipe/pipeline/trainer.hpp"
+#include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;
 
@@ -59,7 +59,11 @@ int main(int argc, char** argv) {
   c.optimizer.warmup = 2;
   c.optimizer.clip_grad = 0.0f;  // torch's clip_grad_norm_ adds 1e-6 to the norm; compared elsewhere
   cpu::set_threads(2);
-  Trainer trainer(c);
+  MPI_Init(&argc, &argv);
+  const Communicator self = Communicator::borrow(MPI_COMM_SELF);
+  Executor trainer(c, self);
+  trainer.connect();
+  trainer.allocate();
 
   hid_t file = H5Fcreate(out.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
   MPIPE_CHECK(file >= 0, "cannot create ", out);
@@ -75,7 +79,7 @@ int main(int argc, char** argv) {
   enum Which { initial, grads, final };
   auto write_all = [&](const std::string& group, Which which) {
     for (const ParamEntry& e : trainer.params().entries()) {
-      if (e.alias) continue;
+      if (e.tied_copy) continue;
       const Tensor t = which == grads ? trainer.params().grad(e) : trainer.params().param(e);
       write(file, group + "/" + std::to_string(e.layer) + "/" + e.name, t.data, H5T_NATIVE_FLOAT, dims_of(e.shape));
       if (which == initial) {
@@ -93,7 +97,7 @@ int main(int argc, char** argv) {
   for (int step = 0; step < c.steps; ++step) {
     const bool tokens = model == "gpt";
     Tensor x = tokens ? make_tensor(in_i.data(), in) : make_tensor(in_f.data(), in);
-    trainer.dataset().fill(static_cast<std::uint64_t>(step) * c.batch_size, c.batch_size, x, make_tensor(targets.data(), tg));
+    trainer.dataset()->fill(static_cast<std::uint64_t>(step) * c.batch_size, c.batch_size, x, make_tensor(targets.data(), tg));
     const std::string base = "/batch/" + std::to_string(step);
     write(file, base + "/inputs", x.data, tokens ? H5T_NATIVE_INT32 : H5T_NATIVE_FLOAT, dims_of(in));
     write(file, base + "/targets", targets.data(), H5T_NATIVE_INT32, dims_of(tg));
@@ -114,5 +118,6 @@ int main(int argc, char** argv) {
   write(file, "/lrs", lrs.data(), H5T_NATIVE_FLOAT, {lrs.size()});
   write_all("/final", final);
   H5Fclose(file);
+  MPI_Finalize();
   return 0;
 }

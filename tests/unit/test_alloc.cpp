@@ -6,7 +6,7 @@
 #include <cstdlib>
 #include <new>
 
-#include "mpipe/pipeline/trainer.hpp"
+#include "local_trainer.hpp"
 
 namespace {
 std::atomic<long> g_allocations{0};
@@ -21,6 +21,7 @@ void operator delete(void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 using namespace mpipe;
+using mpipe::test::Trainer;
 
 TEST_CASE("a training step after the first allocates nothing on the heap") {
   for (const char* kind : {"gpt", "mlp"}) {

@@ -4,7 +4,7 @@
 #include <cstdio>
 #include <string>
 
-#include "mpipe/pipeline/trainer.hpp"
+#include "mpipe/pipeline/executor.hpp"
 
 namespace mpipe {
 

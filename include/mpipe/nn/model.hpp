@@ -39,6 +39,8 @@ class Model {
   Shape input_shape(int64_t batch) const;
   DType input_dtype() const;
   Shape target_shape(int64_t batch) const;
+  // Parameters of the whole model, a tied weight counted once.
+  int64_t parameter_count() const;
   // Loss rows (predicted tokens or samples) per sample: T for gpt, 1 for mlp.
   int64_t rows_per_sample() const;
   // Input shape of every layer for a micro-batch of `batch`: shapes[i] enters layer i,

@@ -34,10 +34,16 @@ struct ParamEntry {
   int index = 0;             // position in the layer's param_specs()
   std::string name;          // e.g. "attn.c_attn.weight"
   Shape shape;
-  std::size_t offset = 0;    // into the flat buffers
+  std::size_t offset = 0;        // of its gradient (and, unless alias, its values)
+  std::size_t param_offset = 0;  // of its values: the owner's when alias
   bool decay = false;
-  bool alias = false;        // shares the storage of a tied owner in this range
-  int owner_layer = -1;      // who initialises it (itself, or the tied owner)
+  // A tied copy (the GPT head's view of wte) keeps its own gradient, which is summed
+  // with the owner's after backward. When the owner lives in the same store the copy
+  // shares the owner's values (alias) and the optimizer skips it; otherwise it holds
+  // values of its own that the same updates keep identical to the owner's.
+  bool tied_copy = false;
+  bool alias = false;
+  int owner_layer = -1;          // who initialises it (itself, or the tied owner)
   int owner_index = -1;
   std::int64_t numel() const { return shape.numel(); }
 };
@@ -50,12 +56,16 @@ class ParamStore {
   std::span<const ParamEntry> entries() const { return entries_; }
   std::span<float> params() const { return params_.span(); }
   std::span<float> grads() const { return grads_.span(); }
-  std::size_t count() const;  // parameters stored here (aliases counted once)
+  std::size_t count() const;  // parameters of this range, tied copies not counted
   Tensor param(const ParamEntry& e) const;
   Tensor grad(const ParamEntry& e) const;
   void zero_grads();
-  // Sum of squared gradients per layer of the range, in layer order.
+  // Sum of squared gradients per layer of the range, in layer order; tied copies are
+  // left out (their gradient equals the owner's once summed).
   void grad_sum_squares(std::span<double> per_layer) const;
+  // Where owner and tied copy both live here: the owner's gradient becomes their sum and
+  // the copy's is zeroed (its values are the owner's).
+  void sum_local_tied_grads();
   int begin() const { return begin_; }
   int end() const { return end_; }
 

@@ -1,0 +1,142 @@
+// The executor: the one interpreter of lowered schedules, and the only code that
+// touches both the communicators and the layers.
+//
+// Each rank runs one stage (a contiguous range of layers) of one replica. A step:
+// zero gradients, draw this replica's share of the mini-batch, post every receive,
+// walk the stage's action list (F, B, sends, receives), sum gradients over replicas
+// in buckets started while the last backward still runs, sum tied-weight gradients
+// between first and last stage, agree on the loss and the global gradient norm, clip,
+// update. With one rank it is the plain single-process trainer.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mpipe/core/arena.hpp"
+#include "mpipe/data/dataset.hpp"
+#include "mpipe/nn/model.hpp"
+#include "mpipe/nn/optimizer.hpp"
+#include "mpipe/nn/params.hpp"
+#include "mpipe/pipeline/grid.hpp"
+#include "mpipe/pipeline/partition.hpp"
+#include "mpipe/pipeline/schedule.hpp"
+
+namespace mpipe {
+
+struct PipelineConfig {
+  GridShape grid;                  // --stages, --replicas (0: inferred), --rank-order
+  std::string schedule = "gpipe";  // gpipe | 1f1b
+  std::string remat = "never";     // always | except-last | never
+  std::string partition = "flops"; // uniform | params | flops | time
+  std::string balance;             // "a,b,..." layers per stage; overrides partition
+  double p2p_timeout = 600.0;      // seconds a point-to-point wait may block
+  double bucket_mb = 25.0;         // data-parallel allreduce bucket size
+};
+
+struct TrainConfig {
+  ModelConfig model;
+  OptimizerConfig optimizer;
+  PipelineConfig pipeline;
+  std::string data = "synthetic";
+  int batch_size = 32;      // global mini-batch, in samples
+  int micro_batches = 1;    // per replica
+  int steps = 100;          // the step training runs up to
+  std::uint64_t seed = 1;
+  int threads = 0;          // 0: every core the process may use
+  int log_every = 10;
+  std::string metrics;      // JSON-lines file, or empty
+};
+
+// Checks everything that needs no communication; UserError on a problem. `world` is
+// the number of ranks, or 0 when not known yet.
+void validate(const TrainConfig& config, int world = 0);
+
+struct StepResult {
+  std::int64_t step = 0;
+  double loss = 0.0;            // mean over the mini-batch's loss rows
+  double grad_norm = 0.0;       // global, before clipping
+  float lr = 0.0f;
+  bool skipped = false;         // non-finite loss or gradients: no update anywhere
+  double seconds = 0.0;
+  double bubble_fraction = 0.0; // measured, averaged over ranks
+};
+
+// Seconds one rank spent in each phase of a step.
+struct PhaseTimes {
+  static constexpr int count = 8;
+  static const char* name(int i);
+  double forward = 0, backward = 0, recompute = 0, p2p_wait = 0, allreduce = 0, optimizer = 0, idle = 0, step = 0;
+  double& operator[](int i) { return (&forward)[i]; }
+  double operator[](int i) const { return (&forward)[i]; }
+};
+
+class Executor {
+ public:
+  // Three phases so that a failure on one rank never leaves another in a collective:
+  // the constructor does only local work (validation, the model); connect() is
+  // collective (grid, partition); allocate() is local again (parameters, data, buffers).
+  Executor(const TrainConfig& config, const Communicator& world);
+  void connect();
+  void allocate();
+  ~Executor();
+
+  StepResult step(std::int64_t step);
+  // Forward and backward over the mini-batch of `step` with every gradient reduction
+  // (replicas, tied weights) but no update; returns the mean loss.
+  double compute_gradients(std::int64_t step);
+
+  const TrainConfig& config() const { return config_; }
+  const Grid& grid() const { return *grid_; }
+  const Partition& partition() const { return partition_; }
+  const Schedule& schedule() const { return schedule_; }
+  Model& model() { return model_; }
+  ParamStore& params() { return *params_; }
+  const Dataset* dataset() const { return dataset_.get(); }
+  const Arena& arena() const { return persistent_; }
+  const PhaseTimes& last_times() const { return times_; }
+  // Peak bytes of activations and scratch held by this rank so far.
+  std::size_t peak_activation_bytes() const;
+
+ private:
+  struct Bucket {
+    int lowest_layer;          // starts when this layer's last backward is done
+    std::size_t begin, end;    // span of the gradient buffer
+  };
+  Pass make_pass(std::int64_t step, int micro_batch, Arena* arena) const;
+  bool rematerialize(int micro_batch) const;
+  void run_forward(std::int64_t step, int micro_batch);
+  void run_backward(std::int64_t step, int micro_batch);
+  Context* forward_layers(const Pass& pass, int micro_batch, Tensor* output);
+  void reduce_gradients();
+  void run_pipeline(std::int64_t step);
+
+  TrainConfig config_;
+  const Communicator& world_;
+  Model model_;
+  std::unique_ptr<Grid> grid_;
+  Partition partition_;
+  Schedule schedule_;
+  int begin_ = 0, end_ = 0;  // this stage's layers
+  int micro_ = 0;            // samples per micro-batch
+  std::vector<Shape> shapes_;
+  std::unique_ptr<ParamStore> params_;
+  std::unique_ptr<Optimizer> optimizer_;
+  std::unique_ptr<Dataset> dataset_;
+  Arena persistent_, scratch_;
+  std::vector<FloatBuffer> recv_act_, recv_grad_;  // [micro-batch]
+  std::vector<MPI_Request> recv_act_req_, recv_grad_req_, send_req_, bucket_req_;
+  std::vector<Tensor> outputs_, input_grads_;      // [micro-batch], in persistent_
+  std::vector<Context*> contexts_;                 // [micro-batch], null when rematerialized
+  std::vector<Bucket> buckets_;
+  std::vector<std::pair<std::size_t, std::size_t>> tied_spans_;  // (offset, count) of gradients
+  std::vector<double> reduce_buffer_;              // per-layer norms, loss, bubble
+  std::unique_ptr<std::byte[]> batch_memory_;
+  Tensor inputs_, targets_;                        // this replica's share of the batch
+  double loss_sum_ = 0.0;
+  std::int64_t updates_ = 0;
+  PhaseTimes times_;
+  int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP
+};
+
+}  // namespace mpipe

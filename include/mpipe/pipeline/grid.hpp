@@ -1,0 +1,50 @@
+// The process grid: world = D replicas x K stages, and the communicators over it.
+//
+// Rank order `pipeline` (default) puts a replica's stages on consecutive ranks
+// (rank = replica * K + stage), so pipeline neighbours share a node; `data` puts a
+// stage's replicas on consecutive ranks (rank = stage * D + replica).
+#pragma once
+#include <string>
+
+#include "mpipe/pipeline/comm.hpp"
+
+namespace mpipe {
+
+struct GridShape {
+  int stages = 1;
+  int replicas = 1;
+  std::string rank_order = "pipeline";  // pipeline | data
+};
+
+// Fills in whichever of stages/replicas is 0 from the world size; UserError when the
+// world size is not replicas x stages.
+GridShape resolve_grid(GridShape requested, int world_size);
+
+class Grid {
+ public:
+  Grid(const Communicator& world, const GridShape& shape);
+
+  const GridShape& shape() const { return shape_; }
+  int stages() const { return shape_.stages; }
+  int replicas() const { return shape_.replicas; }
+  int stage() const { return stage_; }
+  int replica() const { return replica_; }
+  int world_rank() const { return world_->rank(); }
+  bool first_stage() const { return stage_ == 0; }
+  bool last_stage() const { return stage_ == shape_.stages - 1; }
+  // World rank of (stage, replica).
+  int rank_of(int stage, int replica) const;
+
+  const Communicator& world() const { return *world_; }
+  const Communicator& pipeline() const { return pipeline_; }  // this replica's stages, rank = stage
+  const Communicator& data() const { return data_; }          // this stage's replicas, rank = replica
+  const Communicator& tied() const { return tied_; }          // first and last stage; null elsewhere or K = 1
+
+ private:
+  const Communicator* world_;
+  GridShape shape_;
+  int stage_ = 0, replica_ = 0;
+  Communicator pipeline_, data_, tied_;
+};
+
+}  // namespace mpipe

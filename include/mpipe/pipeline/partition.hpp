@@ -1,0 +1,39 @@
+// Partitioning a model's flat layer list into K contiguous stages.
+//
+// `--balance a,b,...` gives layers per stage. Otherwise each layer gets a cost
+// (uniform, params, flops, or measured time) and the partition that minimises the
+// largest stage cost is found exactly by dynamic programming (not a greedy cut).
+#pragma once
+#include <string>
+#include <vector>
+
+#include "mpipe/nn/model.hpp"
+
+namespace mpipe {
+
+struct Partition {
+  std::vector<int> bounds;        // K + 1 layer indices: stage s owns [bounds[s], bounds[s+1])
+  std::vector<double> layer_cost; // the costs it was made from (empty for --balance)
+  int stages() const { return static_cast<int>(bounds.size()) - 1; }
+  int begin(int stage) const { return bounds[stage]; }
+  int end(int stage) const { return bounds[stage + 1]; }
+  double stage_cost(int stage) const;
+  std::string to_text() const;    // "0-3 | 4-7"
+};
+
+// From --balance; UserError if the counts are not positive or do not add up.
+Partition partition_from_balance(const std::vector<int>& layers_per_stage, int layers);
+// Minimises the largest stage cost over contiguous partitions into `stages` non-empty
+// ranges; UserError if there are more stages than layers.
+Partition partition_min_max(const std::vector<double>& layer_costs, int stages);
+
+// Per-layer costs for `method` (uniform | params | flops) at one micro-batch of `micro`
+// samples. `time` is measured by the caller (measure_layer_times).
+std::vector<double> layer_costs(const Model& model, const std::string& method, int micro);
+// Forward + backward seconds of each layer on one micro-batch, measured in turn on this
+// process (each layer's parameters exist only while it is measured).
+std::vector<double> measure_layer_times(Model& model, int micro, unsigned long long seed);
+
+std::vector<int> parse_balance(const std::string& text);  // "2,3,3"; UserError if malformed
+
+}  // namespace mpipe

@@ -1,0 +1,74 @@
+// Schedules as data. A schedule is, for each stage, the ordered list of actions it
+// runs in one training step: generators (gpipe, 1f1b) produce compute-only lists,
+// lower() adds the sends and receives, validate() and simulate() are pure functions,
+// and render() draws the step-by-stage grid. The executor interprets lowered lists.
+//
+// Text form of an action: F3 / B3 (forward / backward of micro-batch 3), SF3 / RF3
+// (send / receive micro-batch 3's activation), SB3 / RB3 (send / receive its gradient).
+#pragma once
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mpipe {
+
+enum class ActionKind : unsigned char { forward, backward, send_act, recv_act, send_grad, recv_grad };
+
+struct Action {
+  ActionKind kind = ActionKind::forward;
+  int micro_batch = 0;
+  bool operator==(const Action&) const = default;
+  bool is_compute() const { return kind == ActionKind::forward || kind == ActionKind::backward; }
+};
+
+std::string to_string(const Action& action);
+Action parse_action(const std::string& text);  // Error on malformed text
+
+struct Schedule {
+  std::string name;
+  int stages = 1;
+  int micro_batches = 1;
+  std::vector<std::vector<Action>> actions;  // [stage] -> ordered actions
+
+  std::string to_text() const;  // one line per stage: "stage 0: F0 F1 B0 B1"
+};
+
+// Generators: compute-only lists, backward always in ascending micro-batch order.
+Schedule gpipe_schedule(int stages, int micro_batches);
+Schedule one_f_one_b_schedule(int stages, int micro_batches);
+// By name (gpipe | 1f1b); UserError for an unknown name.
+Schedule make_schedule(const std::string& name, int stages, int micro_batches);
+std::vector<std::string> schedule_names();
+
+// Adds the receive before and the send after each compute action that needs one.
+Schedule lower(const Schedule& compute_only);
+
+// Per-stage costs for simulate(): seconds (or any unit) per forward / backward of one
+// micro-batch, and the latency of one point-to-point message.
+struct StageCosts {
+  std::vector<double> forward, backward;
+  double message = 0.0;
+  static StageCosts uniform(int stages, double forward = 1.0, double backward = 2.0);
+};
+
+struct Simulation {
+  bool deadlock = false;
+  std::string blocked;                         // what each stuck stage waits for
+  double makespan = 0.0;
+  double bubble_fraction = 0.0;                // 1 - busy / (stages * makespan)
+  std::vector<std::vector<double>> start, end; // [stage][action index]
+};
+
+// Runs a lowered schedule on one process: sends never block, a receive waits for its
+// send plus the message latency, compute actions take their stage's cost.
+Simulation simulate(const Schedule& lowered, const StageCosts& costs);
+
+// Checks a lowered schedule: every micro-batch's forward and backward exactly once per
+// stage, backward after forward and in ascending order, every send matched by one
+// receive on the neighbour, no deadlock. Returns the problem, or nothing.
+std::optional<std::string> validate(const Schedule& lowered);
+
+// The step-by-stage grid of the compute actions, from a unit-cost simulation.
+std::string render(const Schedule& lowered, const StageCosts& costs);
+
+}  // namespace mpipe

@@ -1,0 +1,384 @@
+// The executor: one switch over action kinds, the communication around it, and the
+// gradient reductions that make every stage count and replica agree.
+#include "mpipe/pipeline/executor.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+namespace mpipe {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+}  // namespace
+
+const char* PhaseTimes::name(int i) {
+  static const char* names[count] = {"forward", "backward", "recompute", "p2p wait", "allreduce", "optimizer", "idle", "step"};
+  return names[i];
+}
+
+void validate(const TrainConfig& c, int world) {
+  validate(c.model);
+  validate(c.optimizer);
+  const auto& p = c.pipeline;
+  MPIPE_REQUIRE(c.batch_size > 0, "e.g. --batch-size 32", "--batch-size must be positive, got ", c.batch_size);
+  MPIPE_REQUIRE(c.micro_batches > 0, "e.g. --micro-batches 4", "--micro-batches must be positive, got ", c.micro_batches);
+  MPIPE_REQUIRE(c.steps > 0, "e.g. --steps 100", "--steps must be positive, got ", c.steps);
+  MPIPE_REQUIRE(c.threads >= 0, "e.g. --threads 2, or 0 for every core", "--threads must be >= 0, got ", c.threads);
+  MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
+  MPIPE_REQUIRE(p.remat == "always" || p.remat == "except-last" || p.remat == "never",
+                "use --remat always, except-last or never", "unknown --remat '", p.remat, "'");
+  MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
+  MPIPE_REQUIRE(p.bucket_mb > 0, "e.g. --bucket-mb 25", "--bucket-mb must be positive, got ", p.bucket_mb);
+  make_schedule(p.schedule, 1, 1);  // throws UserError for an unknown name
+  GridShape grid = p.grid;
+  if (world > 0) grid = resolve_grid(grid, world);
+  const int replicas = std::max(1, grid.replicas);
+  if (replicas == 1)
+    MPIPE_REQUIRE(c.batch_size % c.micro_batches == 0, "pick --micro-batches dividing --batch-size",
+                  "--batch-size ", c.batch_size, " is not divisible by --micro-batches ", c.micro_batches);
+  else
+    MPIPE_REQUIRE(c.batch_size % (c.micro_batches * replicas) == 0,
+                  cat("pick a --batch-size that is a multiple of ", c.micro_batches * replicas),
+                  "--batch-size ", c.batch_size, " does not split into --micro-batches ", c.micro_batches, " x ",
+                  replicas, " replicas");
+  const int layers = Model(c.model).size();
+  if (!p.balance.empty()) {
+    const Partition part = partition_from_balance(parse_balance(p.balance), layers);
+    MPIPE_REQUIRE(grid.stages == 0 || part.stages() == grid.stages, "give one count per stage",
+                  "--balance has ", part.stages(), " stages, the grid has ", grid.stages);
+  } else {
+    MPIPE_REQUIRE(p.partition == "uniform" || p.partition == "params" || p.partition == "flops" || p.partition == "time",
+                  "use --partition uniform, params, flops or time", "unknown --partition '", p.partition, "'");
+  }
+  MPIPE_REQUIRE(grid.stages <= layers, "use fewer stages or a deeper model", "more stages (", grid.stages,
+                ") than layers (", layers, "); see 'mpipe plan' for the layer list");
+}
+
+Executor::Executor(const TrainConfig& config, const Communicator& world)
+    : config_(config), world_(world), model_(config.model) {
+  validate(config, world.size());
+  config_.pipeline.grid = resolve_grid(config.pipeline.grid, world.size());
+  micro_ = config.batch_size / (config.micro_batches * config_.pipeline.grid.replicas);
+  shapes_ = model_.shapes(micro_);
+}
+
+Executor::~Executor() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  for (auto* list : {&recv_act_req_, &recv_grad_req_, &send_req_, &bucket_req_})
+    for (MPI_Request& r : *list)
+      if (r != MPI_REQUEST_NULL) {
+        MPI_Cancel(&r);
+        MPI_Request_free(&r);
+      }
+}
+
+void Executor::connect() {
+  grid_ = std::make_unique<Grid>(world_, config_.pipeline.grid);
+  const auto& p = config_.pipeline;
+  const int K = grid_->stages();
+  if (!p.balance.empty()) {
+    partition_ = partition_from_balance(parse_balance(p.balance), model_.size());
+  } else if (p.partition == "time") {
+    // Measured once, on world rank 0, so every rank cuts at the same layers.
+    std::vector<double> costs(model_.size(), 0.0);
+    if (world_.rank() == 0) costs = measure_layer_times(model_, micro_, config_.seed);
+    world_.broadcast(costs, 0);
+    partition_ = partition_min_max(costs, K);
+  } else {
+    partition_ = partition_min_max(layer_costs(model_, p.partition, micro_), K);
+  }
+  begin_ = partition_.begin(grid_->stage());
+  end_ = partition_.end(grid_->stage());
+}
+
+void Executor::allocate() {
+  const int M = config_.micro_batches, K = grid_->stages(), D = grid_->replicas();
+  schedule_ = lower(make_schedule(config_.pipeline.schedule, K, M));
+  if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
+  params_ = std::make_unique<ParamStore>(model_, begin_, end_, config_.seed);
+  optimizer_ = std::make_unique<Optimizer>(*params_, config_.optimizer);
+
+  const bool first = grid_->first_stage(), last = grid_->last_stage();
+  if (first || last) {
+    dataset_ = make_dataset(config_.data, config_.model, config_.seed);
+    const int share = config_.batch_size / D;
+    const Shape in = model_.input_shape(share), tg = model_.target_shape(share);
+    batch_memory_ = std::make_unique<std::byte[]>(static_cast<std::size_t>(in.numel() + tg.numel()) * 4);
+    inputs_ = {batch_memory_.get(), in, model_.input_dtype(), Device::cpu};
+    targets_ = {batch_memory_.get() + in.numel() * 4, tg, DType::i32, Device::cpu};
+  }
+  recv_act_.clear();
+  recv_grad_.clear();
+  for (int mb = 0; mb < M; ++mb) {
+    if (!first) recv_act_.emplace_back(static_cast<std::size_t>(shapes_[begin_].numel()));
+    if (!last) recv_grad_.emplace_back(static_cast<std::size_t>(shapes_[end_].numel()));
+  }
+  recv_act_req_.assign(M, MPI_REQUEST_NULL);
+  recv_grad_req_.assign(M, MPI_REQUEST_NULL);
+  send_req_.reserve(2 * static_cast<std::size_t>(M));
+  outputs_.assign(M, Tensor{});
+  input_grads_.assign(M, Tensor{});
+  contexts_.assign(M, nullptr);
+  reduce_buffer_.assign(model_.size() + 2, 0.0);
+
+  // Buckets of whole layers, from the last layer down: gradients become final in that
+  // order during the last micro-batch's backward.
+  buckets_.clear();
+  if (D > 1) {
+    const auto entries = params_->entries();
+    const double limit = config_.pipeline.bucket_mb * 1048576.0 / sizeof(float);
+    std::size_t hi = params_->grads().size(), lo = hi;
+    for (int layer = end_ - 1; layer >= begin_; --layer) {
+      for (const ParamEntry& e : entries)
+        if (e.layer == layer) lo = std::min(lo, e.offset);
+      const bool bottom = layer == begin_;
+      if (lo < hi && (static_cast<double>(hi - lo) >= limit || bottom)) {
+        buckets_.push_back({layer, lo, hi});
+        hi = lo;
+      }
+    }
+    if (!buckets_.empty()) buckets_.back().begin = 0;  // padding before the first entry
+  }
+  bucket_req_.assign(buckets_.size(), MPI_REQUEST_NULL);
+
+  // Tied weights split over stages: the owner's and the copy's gradient spans, in entry
+  // order (the owner and the copy each hold one entry per tie, so the two ranks agree).
+  tied_spans_.clear();
+  if (K > 1) {
+    for (const ParamEntry& e : params_->entries()) {
+      bool tied = e.tied_copy && !e.alias;  // an alias copy is summed locally
+      for (int layer = end_; layer < model_.size() && !tied; ++layer)  // a copy of e on a later stage?
+        for (const ParamSpec& spec : model_.layer(layer).param_specs())
+          if (spec.tied_layer == e.layer && spec.tied_name == e.name) tied = true;
+      if (tied) {
+        MPIPE_CHECK(!grid_->tied().null(), "stage ", grid_->stage(), " holds a tied weight but is not first or last");
+        tied_spans_.emplace_back(e.offset, static_cast<std::size_t>(e.numel()));
+      }
+    }
+  }
+
+  if (const char* fail = std::getenv("MPIPE_TEST_FAIL")) {
+    // Test hook: MPIPE_TEST_FAIL=RANK:STEP makes that rank throw in its first forward
+    // of that step, to check that one failing rank ends the whole job.
+    if (std::sscanf(fail, "%d:%d", &fail_rank_, &fail_step_) != 2) fail_rank_ = fail_step_ = -1;
+  }
+}
+
+std::size_t Executor::peak_activation_bytes() const { return persistent_.high_water() + scratch_.high_water(); }
+
+bool Executor::rematerialize(int micro_batch) const {
+  const std::string& mode = config_.pipeline.remat;
+  return mode == "always" || (mode == "except-last" && micro_batch != config_.micro_batches - 1);
+}
+
+Pass Executor::make_pass(std::int64_t step, int mb, Arena* arena) const {
+  Pass pass;
+  pass.arena = arena;
+  pass.seed = config_.seed;
+  pass.step = static_cast<std::uint64_t>(step);
+  const int share = config_.batch_size / grid_->replicas();
+  pass.sample_begin = static_cast<std::uint64_t>(grid_->replica() * share + mb * micro_);
+  pass.training = true;
+  if (grid_->last_stage()) {
+    const Shape tg = model_.target_shape(micro_);
+    pass.targets = {static_cast<std::byte*>(targets_.data) + static_cast<std::size_t>(mb) * tg.numel() * 4, tg,
+                    DType::i32, Device::cpu};
+  }
+  pass.loss_scale = 1.0f / static_cast<float>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
+  return pass;
+}
+
+Context* Executor::forward_layers(const Pass& pass, int mb, Tensor* output) {
+  const int n = end_ - begin_;
+  Tensor x;
+  if (grid_->first_stage()) {
+    const Shape in = shapes_[0];
+    x = {static_cast<std::byte*>(inputs_.data) + static_cast<std::size_t>(mb) * in.numel() * 4, in,
+         model_.input_dtype(), Device::cpu};
+  } else {
+    x = make_tensor(recv_act_[mb].data(), shapes_[begin_]);
+  }
+  Context* contexts = pass.arena->objects<Context>(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) x = model_.layer(begin_ + i).forward(x, contexts[i], pass);
+  *output = x;
+  return contexts;
+}
+
+void Executor::run_forward(std::int64_t step, int mb) {
+  if (world_.rank() == fail_rank_ && step == fail_step_)
+    throw Error("injected failure (MPIPE_TEST_FAIL)");
+  const auto start = Clock::now();
+  const bool remat = rematerialize(mb);
+  Tensor out;
+  Context* contexts = forward_layers(make_pass(step, mb, remat ? &scratch_ : &persistent_), mb, &out);
+  if (grid_->last_stage()) loss_sum_ += contexts[end_ - begin_ - 1].value;
+  if (remat) {
+    // Keep only what leaves the stage; the contexts die with the scratch arena.
+    if (!grid_->last_stage()) {
+      Tensor kept = persistent_.tensor(out.shape);
+      std::memcpy(kept.data, out.data, out.bytes());
+      out = kept;
+    }
+    scratch_.reset();
+    contexts = nullptr;
+  }
+  outputs_[mb] = out;
+  contexts_[mb] = contexts;
+  times_.forward += since(start);
+}
+
+void Executor::run_backward(std::int64_t step, int mb) {
+  const int n = end_ - begin_;
+  Context* contexts = contexts_[mb];
+  if (!contexts) {
+    // Recompute the forward with the same pass, hence the same dropout masks.
+    const auto start = Clock::now();
+    Tensor unused;
+    contexts = forward_layers(make_pass(step, mb, &scratch_), mb, &unused);
+    times_.recompute += since(start);
+  }
+  const auto start = Clock::now();
+  const Pass pass = make_pass(step, mb, &scratch_);
+  static float loss_gradient = 1.0f;  // the loss layer ignores its incoming gradient
+  Tensor dy = grid_->last_stage() ? make_tensor(&loss_gradient, Shape{1})
+                                  : make_tensor(recv_grad_[mb].data(), shapes_[end_]);
+  const bool last_micro_batch = mb == config_.micro_batches - 1;
+  std::size_t next_bucket = 0;
+  for (int i = n - 1; i >= 0; --i) {
+    const Shape& in = shapes_[begin_ + i];
+    Tensor dx;
+    if (i > 0) dx = scratch_.tensor(in);
+    else if (!grid_->first_stage()) dx = input_grads_[mb] = persistent_.tensor(in);
+    model_.layer(begin_ + i).backward(contexts[i], dy, dx, GradMode::overwrite, pass);
+    dy = dx;
+    // This layer's gradients are final after the last micro-batch: start the buckets
+    // it completes, so the allreduce overlaps the rest of the backward.
+    while (last_micro_batch && next_bucket < buckets_.size() && buckets_[next_bucket].lowest_layer == begin_ + i) {
+      const Bucket& b = buckets_[next_bucket];
+      bucket_req_[next_bucket++] = grid_->data().iallreduce_sum(params_->grads().subspan(b.begin, b.end - b.begin));
+    }
+  }
+  scratch_.reset();
+  times_.backward += since(start);
+}
+
+void Executor::run_pipeline(std::int64_t step) {
+  const auto start = Clock::now();
+  const int M = config_.micro_batches;
+  const int stage = grid_->stage();
+  const Communicator& pipe = grid_->pipeline();
+  const double timeout = config_.pipeline.p2p_timeout;
+  loss_sum_ = 0.0;
+  params_->zero_grads();
+  if (dataset_) {
+    const int share = config_.batch_size / grid_->replicas();
+    dataset_->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
+                   share, inputs_, targets_);
+  }
+  // Every receive of the step is posted before any compute.
+  for (int mb = 0; mb < M; ++mb) {
+    if (!grid_->first_stage())
+      recv_act_req_[mb] = pipe.irecv(recv_act_[mb].span(), stage - 1, message_tag(mb, Direction::forward));
+    if (!grid_->last_stage())
+      recv_grad_req_[mb] = pipe.irecv(recv_grad_[mb].span(), stage + 1, message_tag(mb, Direction::backward));
+  }
+  send_req_.clear();
+  for (const Action& action : schedule_.actions[stage]) {
+    const int mb = action.micro_batch;
+    try {
+      switch (action.kind) {
+        case ActionKind::forward: run_forward(step, mb); break;
+        case ActionKind::backward: run_backward(step, mb); break;
+        case ActionKind::recv_act:
+          times_.p2p_wait += wait_for(recv_act_req_[mb], timeout, "the activation of micro-batch", mb);
+          break;
+        case ActionKind::recv_grad:
+          times_.p2p_wait += wait_for(recv_grad_req_[mb], timeout, "the gradient of micro-batch", mb);
+          break;
+        case ActionKind::send_act:
+          send_req_.push_back(pipe.isend(outputs_[mb].span(), stage + 1, message_tag(mb, Direction::forward)));
+          break;
+        case ActionKind::send_grad:
+          send_req_.push_back(pipe.isend(input_grads_[mb].span(), stage - 1, message_tag(mb, Direction::backward)));
+          break;
+      }
+    } catch (const std::exception& e) {
+      throw Error(cat("rank ", world_.rank(), " (stage ", stage, ", replica ", grid_->replica(), ") at step ", step,
+                      " during ", to_string(action), ": ", e.what()));
+    }
+  }
+  times_.p2p_wait += wait_all(send_req_, timeout, "a send to a neighbour stage, request");
+  const double pipeline_time = since(start);
+  const double busy = times_.forward + times_.backward + times_.recompute;
+  reduce_buffer_[model_.size() + 1] = pipeline_time > 0 ? std::max(0.0, 1.0 - busy / pipeline_time) : 0.0;
+}
+
+void Executor::reduce_gradients() {
+  const auto start = Clock::now();
+  const double timeout = config_.pipeline.p2p_timeout;
+  wait_all(bucket_req_, timeout, "the gradient allreduce of bucket");
+  // Tied weights: owner (first stage) and copy (last stage) end with the sum of both.
+  params_->sum_local_tied_grads();
+  for (const auto& [offset, count] : tied_spans_) grid_->tied().allreduce_sum(params_->grads().subspan(offset, count));
+  times_.allreduce += since(start);
+}
+
+double Executor::compute_gradients(std::int64_t step) {
+  run_pipeline(step);
+  reduce_gradients();
+  // One allreduce over the world agrees on the loss, the per-layer gradient norms and
+  // the bubble. Each per-layer entry has exactly one non-zero contributor (replica 0 of
+  // the owning stage) and x + 0 = x, so the norm is bitwise the same for every K and D.
+  const auto start = Clock::now();
+  const int L = model_.size();
+  std::span<double> per_layer(reduce_buffer_.data(), static_cast<std::size_t>(L));
+  std::fill(per_layer.begin(), per_layer.end(), 0.0);
+  if (grid_->replica() == 0) params_->grad_sum_squares(per_layer.subspan(begin_, end_ - begin_));
+  reduce_buffer_[L] = grid_->last_stage() ? loss_sum_ : 0.0;
+  world_.allreduce_sum(reduce_buffer_);
+  times_.allreduce += since(start);
+  return reduce_buffer_[L] / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
+}
+
+StepResult Executor::step(std::int64_t step) {
+  const auto start = Clock::now();
+  times_ = PhaseTimes{};
+  StepResult r;
+  r.step = step;
+  r.loss = compute_gradients(step);
+  const int L = model_.size();
+  double total = 0.0;
+  for (int i = 0; i < L; ++i) total += reduce_buffer_[i];  // global layer order
+  r.grad_norm = std::sqrt(total);
+  r.bubble_fraction = reduce_buffer_[L + 1] / world_.size();
+  r.lr = learning_rate(config_.optimizer, step, config_.steps);
+  // Every rank sees the same loss and norm, so every rank skips or steps alike.
+  if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss)) {
+    r.skipped = true;
+  } else {
+    const auto opt_start = Clock::now();
+    const float clip = config_.optimizer.clip_grad;
+    if (clip > 0.0f && r.grad_norm > clip) {
+      const auto factor = static_cast<float>(clip / r.grad_norm);
+      cpu::scale(params_->grads().data(), factor, static_cast<int64_t>(params_->grads().size()));
+    }
+    optimizer_->update(r.lr, ++updates_);
+    times_.optimizer += since(opt_start);
+  }
+  persistent_.reset();
+  r.seconds = since(start);
+  times_.step = r.seconds;
+  times_.idle = std::max(0.0, r.seconds - (times_.forward + times_.backward + times_.recompute + times_.p2p_wait +
+                                           times_.allreduce + times_.optimizer));
+  return r;
+}
+
+}  // namespace mpipe

@@ -1,0 +1,46 @@
+// Process grid and communicator construction.
+#include "mpipe/pipeline/grid.hpp"
+
+namespace mpipe {
+
+GridShape resolve_grid(GridShape g, int world) {
+  MPIPE_REQUIRE(g.rank_order == "pipeline" || g.rank_order == "data", "use --rank-order pipeline or data",
+                "unknown rank order '", g.rank_order, "'");
+  MPIPE_REQUIRE(g.stages >= 0 && g.replicas >= 0, "use positive counts", "--stages and --replicas must not be negative");
+  if (g.stages == 0 && g.replicas == 0) g.replicas = 1;
+  if (g.stages == 0) {
+    MPIPE_REQUIRE(world % g.replicas == 0, cat("launch a multiple of ", g.replicas, " ranks"),
+                  "world size ", world, " is not divisible by --replicas ", g.replicas);
+    g.stages = world / g.replicas;
+  } else if (g.replicas == 0) {
+    MPIPE_REQUIRE(world % g.stages == 0, cat("launch a multiple of ", g.stages, " ranks"),
+                  "world size ", world, " is not divisible by --stages ", g.stages);
+    g.replicas = world / g.stages;
+  }
+  MPIPE_REQUIRE(g.stages * g.replicas == world, cat("launch ", g.stages * g.replicas, " ranks, or change --stages/--replicas"),
+                "world size ", world, " is not --replicas ", g.replicas, " x --stages ", g.stages);
+  return g;
+}
+
+Grid::Grid(const Communicator& world, const GridShape& shape) : world_(&world), shape_(shape) {
+  MPIPE_CHECK(shape.stages * shape.replicas == world.size(), "grid ", shape.replicas, "x", shape.stages,
+              " on ", world.size(), " ranks");
+  const int r = world.rank();
+  if (shape.rank_order == "pipeline") {
+    stage_ = r % shape.stages;
+    replica_ = r / shape.stages;
+  } else {
+    stage_ = r / shape.replicas;
+    replica_ = r % shape.replicas;
+  }
+  pipeline_ = Communicator::split(world, replica_, stage_);
+  data_ = Communicator::split(world, stage_, replica_);
+  const bool tied_member = shape.stages > 1 && (first_stage() || last_stage());
+  tied_ = Communicator::split(world, tied_member ? replica_ : MPI_UNDEFINED, stage_);
+}
+
+int Grid::rank_of(int stage, int replica) const {
+  return shape_.rank_order == "pipeline" ? replica * shape_.stages + stage : stage * shape_.replicas + replica;
+}
+
+}  // namespace mpipe

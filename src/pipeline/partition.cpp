@@ -1,0 +1,139 @@
+// Exact min-max contiguous partitioning and the per-layer cost models.
+#include "mpipe/pipeline/partition.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <sstream>
+
+#include "mpipe/core/rng.hpp"
+#include "mpipe/nn/params.hpp"
+
+namespace mpipe {
+
+double Partition::stage_cost(int stage) const {
+  if (layer_cost.empty()) return end(stage) - begin(stage);
+  return std::accumulate(layer_cost.begin() + begin(stage), layer_cost.begin() + end(stage), 0.0);
+}
+
+std::string Partition::to_text() const {
+  std::string out;
+  for (int s = 0; s < stages(); ++s) out += cat(s ? " | " : "", begin(s), "-", end(s) - 1);
+  return out;
+}
+
+Partition partition_from_balance(const std::vector<int>& counts, int layers) {
+  MPIPE_REQUIRE(!counts.empty(), "e.g. --balance 3,5", "--balance is empty");
+  Partition p;
+  p.bounds.push_back(0);
+  for (int c : counts) {
+    MPIPE_REQUIRE(c > 0, "every stage needs at least one layer", "--balance has a stage of ", c, " layers");
+    p.bounds.push_back(p.bounds.back() + c);
+  }
+  MPIPE_REQUIRE(p.bounds.back() == layers, cat("the model has ", layers, " layers; see 'mpipe plan' for the list"),
+                "--balance adds up to ", p.bounds.back(), " layers, the model has ", layers);
+  return p;
+}
+
+Partition partition_min_max(const std::vector<double>& cost, int stages) {
+  const int L = static_cast<int>(cost.size());
+  MPIPE_REQUIRE(stages <= L, "use fewer stages or a deeper model",
+                "more stages (", stages, ") than layers (", L, ")");
+  std::vector<double> prefix(L + 1, 0.0);
+  for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + cost[i];
+  // best[k][i]: the smallest largest-stage cost splitting layers [0, i) into k stages.
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(stages + 1, std::vector<double>(L + 1, inf));
+  std::vector<std::vector<int>> cut(stages + 1, std::vector<int>(L + 1, 0));
+  best[0][0] = 0.0;
+  for (int k = 1; k <= stages; ++k)
+    for (int i = k; i <= L - (stages - k); ++i)
+      for (int j = k - 1; j < i; ++j) {
+        const double c = std::max(best[k - 1][j], prefix[i] - prefix[j]);
+        // Ties go to the later cut, which puts fewer layers on later stages (the last
+        // stage also holds the loss and the head).
+        if (c < best[k][i] || (c == best[k][i] && j > cut[k][i])) {
+          best[k][i] = c;
+          cut[k][i] = j;
+        }
+      }
+  Partition p;
+  p.layer_cost = cost;
+  p.bounds.assign(stages + 1, 0);
+  p.bounds[stages] = L;
+  for (int k = stages, i = L; k > 0; --k) {
+    i = cut[k][i];
+    p.bounds[k - 1] = i;
+  }
+  return p;
+}
+
+std::vector<double> layer_costs(const Model& model, const std::string& method, int micro) {
+  const auto shapes = model.shapes(micro);
+  std::vector<double> costs;
+  for (int i = 0; i < model.size(); ++i) {
+    const Cost c = model.layer(i).cost(shapes[i]);
+    if (method == "uniform") costs.push_back(1.0);
+    else if (method == "params") costs.push_back(c.param_bytes);
+    else if (method == "flops") costs.push_back(c.forward_flops + c.backward_flops);
+    else throw UserError(cat("unknown partition method '", method, "'"), "use --partition uniform, params, flops or time");
+  }
+  return costs;
+}
+
+std::vector<double> measure_layer_times(Model& model, int micro, unsigned long long seed) {
+  const auto shapes = model.shapes(micro);
+  std::vector<double> seconds(model.size(), 0.0);
+  Arena arena;
+  // Inputs of the right kind for every layer: tokens for the embedding, noise otherwise.
+  std::vector<float> noise;
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(shapes[0].numel()), 0);
+  std::vector<std::int32_t> targets(static_cast<std::size_t>(model.target_shape(micro).numel()), 0);
+  for (int i = 0; i < model.size(); ++i) {
+    ParamStore store(model, i, i + 1, seed);
+    Layer& layer = model.layer(i);
+    Tensor x;
+    if (layer.input_dtype() == DType::i32) {
+      x = make_tensor(tokens.data(), shapes[i]);
+    } else {
+      noise.resize(static_cast<std::size_t>(shapes[i].numel()));
+      make_stream(seed, Stream::data_setup, 9, static_cast<std::uint32_t>(i), 0).fill_normal(noise.data(), noise.size());
+      x = make_tensor(noise.data(), shapes[i]);
+    }
+    Pass pass;
+    pass.arena = &arena;
+    pass.targets = make_tensor(targets.data(), model.target_shape(micro));
+    pass.loss_scale = 1.0f;
+    double best = std::numeric_limits<double>::infinity();
+    for (int repeat = 0; repeat < 3; ++repeat) {  // the best of 3, after the arena warmed up
+      const auto start = std::chrono::steady_clock::now();
+      Context ctx;
+      Tensor y = layer.forward(x, ctx, pass);
+      Tensor dx = layer.input_dtype() == DType::f32 ? arena.tensor(shapes[i]) : Tensor{};
+      layer.backward(ctx, y, dx, GradMode::overwrite, pass);
+      best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      arena.reset();
+    }
+    seconds[i] = best;
+  }
+  return seconds;
+}
+
+std::vector<int> parse_balance(const std::string& text) {
+  std::vector<int> out;
+  std::stringstream in(text);
+  std::string item;
+  while (std::getline(in, item, ',')) {
+    try {
+      std::size_t used = 0;
+      out.push_back(std::stoi(item, &used));
+      MPIPE_REQUIRE(used == item.size(), "e.g. --balance 3,5", "--balance '", text, "' is not a list of integers");
+    } catch (const std::logic_error&) {
+      throw UserError(cat("--balance '", text, "' is not a list of integers"), "e.g. --balance 3,5");
+    }
+  }
+  return out;
+}
+
+}  // namespace mpipe

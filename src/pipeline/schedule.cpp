@@ -1,0 +1,272 @@
+// Schedule generators, lowering, validation, simulation and rendering.
+#include "mpipe/pipeline/schedule.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <sstream>
+
+#include "mpipe/core/error.hpp"
+
+namespace mpipe {
+
+namespace {
+
+const char* prefix(ActionKind kind) {
+  switch (kind) {
+    case ActionKind::forward: return "F";
+    case ActionKind::backward: return "B";
+    case ActionKind::send_act: return "SF";
+    case ActionKind::recv_act: return "RF";
+    case ActionKind::send_grad: return "SB";
+    case ActionKind::recv_grad: return "RB";
+  }
+  return "?";
+}
+
+Schedule empty_schedule(const std::string& name, int stages, int micro_batches) {
+  MPIPE_CHECK(stages >= 1 && micro_batches >= 1, "stages ", stages, " micro-batches ", micro_batches);
+  Schedule s;
+  s.name = name;
+  s.stages = stages;
+  s.micro_batches = micro_batches;
+  s.actions.resize(stages);
+  return s;
+}
+
+}  // namespace
+
+std::string to_string(const Action& a) { return prefix(a.kind) + std::to_string(a.micro_batch); }
+
+Action parse_action(const std::string& text) {
+  for (ActionKind kind : {ActionKind::send_act, ActionKind::recv_act, ActionKind::send_grad, ActionKind::recv_grad,
+                          ActionKind::forward, ActionKind::backward}) {
+    const std::string p = prefix(kind);
+    if (text.size() > p.size() && text.compare(0, p.size(), p) == 0 &&
+        std::all_of(text.begin() + static_cast<long>(p.size()), text.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      return {kind, std::stoi(text.substr(p.size()))};
+  }
+  throw Error(cat("not an action: '", text, "'"));
+}
+
+std::string Schedule::to_text() const {
+  std::string out;
+  for (int s = 0; s < stages; ++s) {
+    out += "stage " + std::to_string(s) + ":";
+    for (const Action& a : actions[s]) out += " " + to_string(a);
+    out += "\n";
+  }
+  return out;
+}
+
+// GPipe: every forward, then every backward (torchgpipe's clock: micro-batch m reaches
+// stage s at tick m + s).
+Schedule gpipe_schedule(int stages, int micro_batches) {
+  Schedule s = empty_schedule("gpipe", stages, micro_batches);
+  for (int stage = 0; stage < stages; ++stage) {
+    for (int mb = 0; mb < micro_batches; ++mb) s.actions[stage].push_back({ActionKind::forward, mb});
+    for (int mb = 0; mb < micro_batches; ++mb) s.actions[stage].push_back({ActionKind::backward, mb});
+  }
+  return s;
+}
+
+// 1F1B (PipeDream-Flush): stage s runs K-1-s warm-up forwards, then alternates one
+// forward and one backward, then drains the remaining backwards. At most K-s
+// micro-batches are in flight on stage s instead of M.
+Schedule one_f_one_b_schedule(int stages, int micro_batches) {
+  Schedule s = empty_schedule("1f1b", stages, micro_batches);
+  for (int stage = 0; stage < stages; ++stage) {
+    const int warmup = std::min(stages - 1 - stage, micro_batches);
+    auto& list = s.actions[stage];
+    int next_forward = 0, next_backward = 0;
+    for (; next_forward < warmup; ++next_forward) list.push_back({ActionKind::forward, next_forward});
+    while (next_forward < micro_batches) {
+      list.push_back({ActionKind::forward, next_forward++});
+      list.push_back({ActionKind::backward, next_backward++});
+    }
+    while (next_backward < micro_batches) list.push_back({ActionKind::backward, next_backward++});
+  }
+  return s;
+}
+
+std::vector<std::string> schedule_names() { return {"gpipe", "1f1b"}; }
+
+Schedule make_schedule(const std::string& name, int stages, int micro_batches) {
+  if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
+  if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
+  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe or --schedule 1f1b");
+}
+
+Schedule lower(const Schedule& in) {
+  Schedule out = in;
+  for (int stage = 0; stage < in.stages; ++stage) {
+    auto& list = out.actions[stage];
+    list.clear();
+    const bool first = stage == 0, last = stage == in.stages - 1;
+    for (const Action& a : in.actions[stage]) {
+      MPIPE_CHECK(a.is_compute(), "lower() takes compute-only schedules, got ", to_string(a));
+      if (a.kind == ActionKind::forward) {
+        if (!first) list.push_back({ActionKind::recv_act, a.micro_batch});
+        list.push_back(a);
+        if (!last) list.push_back({ActionKind::send_act, a.micro_batch});
+      } else {
+        if (!last) list.push_back({ActionKind::recv_grad, a.micro_batch});
+        list.push_back(a);
+        if (!first) list.push_back({ActionKind::send_grad, a.micro_batch});
+      }
+    }
+  }
+  return out;
+}
+
+StageCosts StageCosts::uniform(int stages, double forward, double backward) {
+  StageCosts c;
+  c.forward.assign(stages, forward);
+  c.backward.assign(stages, backward);
+  return c;
+}
+
+Simulation simulate(const Schedule& s, const StageCosts& costs) {
+  MPIPE_CHECK(static_cast<int>(costs.forward.size()) == s.stages && static_cast<int>(costs.backward.size()) == s.stages,
+              "costs for ", costs.forward.size(), " stages, schedule has ", s.stages);
+  Simulation sim;
+  sim.start.resize(s.stages);
+  sim.end.resize(s.stages);
+  for (int st = 0; st < s.stages; ++st) {
+    sim.start[st].assign(s.actions[st].size(), 0.0);
+    sim.end[st].assign(s.actions[st].size(), 0.0);
+  }
+  // Arrival time of each message: key (receiving stage, kind of the receive, micro-batch).
+  std::map<std::tuple<int, ActionKind, int>, double> arrivals;
+  std::vector<std::size_t> next(s.stages, 0);
+  std::vector<double> clock(s.stages, 0.0);
+  double busy = 0.0;
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int st = 0; st < s.stages; ++st) {
+      while (next[st] < s.actions[st].size()) {
+        const Action& a = s.actions[st][next[st]];
+        double start = clock[st], end = start;
+        switch (a.kind) {
+          case ActionKind::forward: end = start + costs.forward[st]; busy += costs.forward[st]; break;
+          case ActionKind::backward: end = start + costs.backward[st]; busy += costs.backward[st]; break;
+          case ActionKind::send_act:
+            arrivals[{st + 1, ActionKind::recv_act, a.micro_batch}] = start + costs.message;
+            break;
+          case ActionKind::send_grad:
+            arrivals[{st - 1, ActionKind::recv_grad, a.micro_batch}] = start + costs.message;
+            break;
+          case ActionKind::recv_act:
+          case ActionKind::recv_grad: {
+            const auto it = arrivals.find({st, a.kind, a.micro_batch});
+            if (it == arrivals.end()) goto blocked;  // its send has not run yet
+            end = std::max(start, it->second);
+            break;
+          }
+        }
+        sim.start[st][next[st]] = start;
+        sim.end[st][next[st]] = end;
+        clock[st] = end;
+        ++next[st];
+        progress = true;
+      }
+    blocked:;
+    }
+  }
+  for (int st = 0; st < s.stages; ++st) {
+    if (next[st] < s.actions[st].size()) {
+      sim.deadlock = true;
+      sim.blocked += cat("stage ", st, " waits at ", to_string(s.actions[st][next[st]]), " (action ", next[st], "); ");
+    }
+    sim.makespan = std::max(sim.makespan, clock[st]);
+  }
+  if (sim.makespan > 0) sim.bubble_fraction = 1.0 - busy / (s.stages * sim.makespan);
+  return sim;
+}
+
+std::optional<std::string> validate(const Schedule& s) {
+  if (static_cast<int>(s.actions.size()) != s.stages) return cat("schedule has ", s.actions.size(), " lists for ", s.stages, " stages");
+  for (int st = 0; st < s.stages; ++st) {
+    std::vector<int> forward_at(s.micro_batches, -1), backward_at(s.micro_batches, -1);
+    int last_backward = -1;
+    for (int i = 0; i < static_cast<int>(s.actions[st].size()); ++i) {
+      const Action& a = s.actions[st][i];
+      if (a.micro_batch < 0 || a.micro_batch >= s.micro_batches)
+        return cat("stage ", st, " action ", i, " (", to_string(a), "): micro-batch out of range");
+      if (a.kind == ActionKind::forward) {
+        if (forward_at[a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");
+        forward_at[a.micro_batch] = i;
+      } else if (a.kind == ActionKind::backward) {
+        if (backward_at[a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");
+        if (forward_at[a.micro_batch] < 0) return cat("stage ", st, ": ", to_string(a), " before its forward");
+        if (a.micro_batch < last_backward)
+          return cat("stage ", st, ": ", to_string(a), " after B", last_backward, " (backwards must ascend)");
+        backward_at[a.micro_batch] = i;
+        last_backward = a.micro_batch;
+      }
+    }
+    for (int mb = 0; mb < s.micro_batches; ++mb)
+      if (forward_at[mb] < 0 || backward_at[mb] < 0) return cat("stage ", st, ": micro-batch ", mb, " is missing F or B");
+  }
+  // Every send matched by exactly one receive on the neighbour, and every receive by a send.
+  std::map<std::tuple<int, ActionKind, int>, int> sends, receives;
+  for (int st = 0; st < s.stages; ++st)
+    for (const Action& a : s.actions[st]) {
+      if (a.kind == ActionKind::send_act) {
+        if (st + 1 >= s.stages) return cat("stage ", st, ": ", to_string(a), " has no next stage");
+        ++sends[{st + 1, ActionKind::recv_act, a.micro_batch}];
+      } else if (a.kind == ActionKind::send_grad) {
+        if (st == 0) return cat("stage 0: ", to_string(a), " has no previous stage");
+        ++sends[{st - 1, ActionKind::recv_grad, a.micro_batch}];
+      } else if (a.kind == ActionKind::recv_act || a.kind == ActionKind::recv_grad) {
+        ++receives[{st, a.kind, a.micro_batch}];
+      }
+    }
+  for (const auto& [key, n] : sends)
+    if (n != 1 || receives[key] != 1)
+      return cat("stage ", std::get<0>(key), ": ", n, " sends but ", receives[key], " receives of ",
+                 to_string({std::get<1>(key), std::get<2>(key)}));
+  for (const auto& [key, n] : receives)
+    if (!sends.count(key))
+      return cat("stage ", std::get<0>(key), ": ", to_string({std::get<1>(key), std::get<2>(key)}), " is never sent");
+  // Stages with neighbours must exchange every micro-batch.
+  for (int st = 0; st < s.stages; ++st)
+    for (int mb = 0; mb < s.micro_batches; ++mb) {
+      if (st > 0 && !receives.count({st, ActionKind::recv_act, mb}))
+        return cat("stage ", st, ": never receives the activation of micro-batch ", mb);
+      if (st + 1 < s.stages && !receives.count({st, ActionKind::recv_grad, mb}))
+        return cat("stage ", st, ": never receives the gradient of micro-batch ", mb);
+    }
+  const Simulation sim = simulate(s, StageCosts::uniform(s.stages));
+  if (sim.deadlock) return cat("deadlock: ", sim.blocked, "\n", render(s, StageCosts::uniform(s.stages)));
+  return std::nullopt;
+}
+
+std::string render(const Schedule& s, const StageCosts& costs) {
+  const Simulation sim = simulate(s, costs);
+  // One column per unit of time; a compute action fills its columns with its label.
+  const auto columns = static_cast<std::size_t>(std::ceil(sim.makespan));
+  std::ostringstream out;
+  out << "time    ";
+  for (std::size_t c = 0; c < columns; ++c) out << (c % 5 == 0 ? std::to_string(c) : std::string()) << std::string(c % 5 == 0 ? 4 - std::to_string(c).size() : 4, ' ');
+  out << "\n";
+  for (int st = 0; st < s.stages; ++st) {
+    std::vector<std::string> cells(columns, " .  ");
+    for (std::size_t i = 0; i < s.actions[st].size(); ++i) {
+      const Action& a = s.actions[st][i];
+      if (!a.is_compute() || i >= sim.end[st].size() || sim.end[st][i] <= sim.start[st][i]) continue;
+      std::string label = to_string(a);
+      label.resize(4, ' ');
+      for (auto c = static_cast<std::size_t>(sim.start[st][i]); c < columns && c < static_cast<std::size_t>(std::ceil(sim.end[st][i])); ++c)
+        cells[c] = label;
+    }
+    out << "stage " << st << (st < 10 ? " " : "");
+    for (const auto& cell : cells) out << cell;
+    out << "\n";
+  }
+  out << cat("makespan ", sim.makespan, ", bubble ", std::round(sim.bubble_fraction * 1000) / 10, "%\n");
+  return out.str();
+}
+
+}  // namespace mpipe
