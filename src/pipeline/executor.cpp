@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 namespace mpipe {
 
@@ -97,6 +98,24 @@ void Executor::connect() {
   }
   begin_ = partition_.begin(grid_->stage());
   end_ = partition_.end(grid_->stage());
+  // Tied weights: every tie must join the same two stages (GPT has one tie).
+  auto stage_of = [&](int layer) {
+    int s = 0;
+    while (partition_.end(s) <= layer) ++s;
+    return s;
+  };
+  int owner_stage = 0, copy_stage = 0;
+  bool found = false;
+  for (int layer = 0; layer < model_.size(); ++layer)
+    for (const ParamSpec& spec : model_.layer(layer).param_specs())
+      if (spec.tied_layer >= 0) {
+        const int a = stage_of(spec.tied_layer), b = stage_of(layer);
+        MPIPE_CHECK(!found || (a == owner_stage && b == copy_stage), "tied weights across different stage pairs");
+        owner_stage = a;
+        copy_stage = b;
+        found = true;
+      }
+  grid_->connect_tied(owner_stage, copy_stage);
 }
 
 void Executor::allocate() {
@@ -159,16 +178,19 @@ void Executor::allocate() {
         for (const ParamSpec& spec : model_.layer(layer).param_specs())
           if (spec.tied_layer == e.layer && spec.tied_name == e.name) tied = true;
       if (tied) {
-        MPIPE_CHECK(!grid_->tied().null(), "stage ", grid_->stage(), " holds a tied weight but is not first or last");
+        MPIPE_CHECK(!grid_->tied().null(), "stage ", grid_->stage(), " holds a tied weight but no tied group");
         tied_spans_.emplace_back(e.offset, static_cast<std::size_t>(e.numel()));
       }
     }
   }
 
   if (const char* fail = std::getenv("MPIPE_TEST_FAIL")) {
-    // Test hook: MPIPE_TEST_FAIL=RANK:STEP makes that rank throw in its first forward
-    // of that step, to check that one failing rank ends the whole job.
-    if (std::sscanf(fail, "%d:%d", &fail_rank_, &fail_step_) != 2) fail_rank_ = fail_step_ = -1;
+    // Test hook: MPIPE_TEST_FAIL=RANK:STEP[:stall] makes that world rank throw (or hang)
+    // in its first forward of that step, to check that one failing or stuck rank ends
+    // the whole job.
+    char mode[16] = "";
+    if (std::sscanf(fail, "%d:%d:%15s", &fail_rank_, &fail_step_, mode) < 2) fail_rank_ = fail_step_ = -1;
+    fail_stall_ = std::strcmp(mode, "stall") == 0;
   }
 }
 
@@ -213,8 +235,11 @@ Context* Executor::forward_layers(const Pass& pass, int mb, Tensor* output) {
 }
 
 void Executor::run_forward(std::int64_t step, int mb) {
-  if (world_.rank() == fail_rank_ && step == fail_step_)
+  if (world_.rank() == fail_rank_ && step == fail_step_) {
+    if (fail_stall_)
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     throw Error("injected failure (MPIPE_TEST_FAIL)");
+  }
   const auto start = Clock::now();
   const bool remat = rematerialize(mb);
   Tensor out;

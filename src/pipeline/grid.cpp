@@ -35,8 +35,11 @@ Grid::Grid(const Communicator& world, const GridShape& shape) : world_(&world), 
   }
   pipeline_ = Communicator::split(world, replica_, stage_);
   data_ = Communicator::split(world, stage_, replica_);
-  const bool tied_member = shape.stages > 1 && (first_stage() || last_stage());
-  tied_ = Communicator::split(world, tied_member ? replica_ : MPI_UNDEFINED, stage_);
+}
+
+void Grid::connect_tied(int owner_stage, int copy_stage) {
+  const bool member = owner_stage != copy_stage && (stage_ == owner_stage || stage_ == copy_stage);
+  tied_ = Communicator::split(*world_, member ? replica_ : MPI_UNDEFINED, stage_);
 }
 
 int Grid::rank_of(int stage, int replica) const {

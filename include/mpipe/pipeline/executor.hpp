@@ -136,7 +136,8 @@ class Executor {
   double loss_sum_ = 0.0;
   std::int64_t updates_ = 0;
   PhaseTimes times_;
-  int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP
+  int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP[:stall]
+  bool fail_stall_ = false;
 };
 
 }  // namespace mpipe

@@ -11,8 +11,8 @@
 namespace mpipe {
 
 struct GridShape {
-  int stages = 1;
-  int replicas = 1;
+  int stages = 0;    // 0: inferred from the world size
+  int replicas = 0;  // 0: inferred (1 when stages is inferred too)
   std::string rank_order = "pipeline";  // pipeline | data
 };
 
@@ -38,7 +38,10 @@ class Grid {
   const Communicator& world() const { return *world_; }
   const Communicator& pipeline() const { return pipeline_; }  // this replica's stages, rank = stage
   const Communicator& data() const { return data_; }          // this stage's replicas, rank = replica
-  const Communicator& tied() const { return tied_; }          // first and last stage; null elsewhere or K = 1
+  const Communicator& tied() const { return tied_; }          // the two stages of a tied weight; else null
+  // Collective over the world: joins, in each replica, the stages holding the owner and
+  // the copy of a tied weight (GPT's embedding and head) when they differ.
+  void connect_tied(int owner_stage, int copy_stage);
 
  private:
   const Communicator* world_;

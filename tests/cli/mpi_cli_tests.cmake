@@ -1,0 +1,12 @@
+# mpipe_mpi_test(name ranks exit-code regex args...): the real binary under mpiexec.
+set(SMALL train --model gpt --layers 2 --d-model 16 --heads 2 --seq-len 8 --vocab 32 --batch-size 8 --steps 3 --threads 1)
+mpipe_mpi_test(trains_k4 4 0 "bubble: measured [0-9.]+%" ${SMALL} --micro-batches 4 --schedule 1f1b)
+mpipe_mpi_test(world_not_dk 3 2 "error: world size 3 is not divisible by --stages 2; hint" ${SMALL} --stages 2)
+mpipe_mpi_test(more_stages_than_layers 8 2 "error: more stages \\(8\\) than layers \\(6\\)" ${SMALL} --stages 8 --replicas 0)
+mpipe_mpi_test(batch_not_md 4 2 "error: --batch-size 8 does not split into --micro-batches 3 x 2 replicas" ${SMALL} --micro-batches 3 --stages 2)
+mpipe_mpi_test(balance_sum 2 2 "error: --balance adds up to 5 layers, the model has 6" ${SMALL} --balance 2,3)
+mpipe_mpi_test(balance_stages 2 2 "error: --balance has 3 stages, the grid has 2" ${SMALL} --balance 2,2,2)
+mpipe_mpi_test(rank_fails 4 1 "error: rank 2 \\(stage 2, replica 0\\) at step 1 during F0: injected failure" ${SMALL} --micro-batches 4)
+set_tests_properties(mpi.rank_fails PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};MPIPE_TEST_FAIL=2:1")
+mpipe_mpi_test(rank_stalls 2 1 "rank 1 \\(stage 1, replica 0\\) at step 1 during RF0: timed out after 2 s waiting for the activation of micro-batch 0" ${SMALL} --micro-batches 2 --p2p-timeout 2)
+set_tests_properties(mpi.rank_stalls PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};MPIPE_TEST_FAIL=0:1:stall")
