@@ -323,10 +323,12 @@ void Executor::run_pipeline(std::int64_t step) {
         case ActionKind::forward: run_forward(step, mb); break;
         case ActionKind::backward: run_backward(step, mb); break;
         case ActionKind::recv_act:
-          times_.p2p_wait += wait_for(recv_act_req_[mb], timeout, "the activation of micro-batch", mb);
+          times_.p2p_wait += wait_for(recv_act_req_[mb], timeout, "the activation of micro-batch", mb,
+                                      static_cast<long>(recv_act_[mb].size()));
           break;
         case ActionKind::recv_grad:
-          times_.p2p_wait += wait_for(recv_grad_req_[mb], timeout, "the gradient of micro-batch", mb);
+          times_.p2p_wait += wait_for(recv_grad_req_[mb], timeout, "the gradient of micro-batch", mb,
+                                      static_cast<long>(recv_grad_[mb].size()));
           break;
         case ActionKind::send_act:
           send_req_.push_back(pipe.isend(outputs_[mb].span(), stage + 1, message_tag(mb, Direction::forward)));
@@ -368,7 +370,10 @@ double Executor::compute_gradients(std::int64_t step) {
   std::fill(per_layer.begin(), per_layer.end(), 0.0);
   if (grid_->replica() == 0) params_->grad_sum_squares(per_layer.subspan(begin_, end_ - begin_));
   reduce_buffer_[L] = grid_->last_stage() ? loss_sum_ : 0.0;
-  world_.allreduce_sum(reduce_buffer_);
+  // Non-blocking and waited on with wait_for: a rank that finished early sleeps instead
+  // of spinning in MPI while its neighbour still computes.
+  MPI_Request request = world_.iallreduce_sum(reduce_buffer_);
+  wait_for(request, config_.pipeline.p2p_timeout, "the loss and gradient-norm allreduce, step", static_cast<int>(step), -1);
   times_.allreduce += since(start);
   return reduce_buffer_[L] / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
 }

@@ -252,7 +252,7 @@ std::string render(const Schedule& s, const StageCosts& costs) {
   for (std::size_t c = 0; c < columns; ++c) out << (c % 5 == 0 ? std::to_string(c) : std::string()) << std::string(c % 5 == 0 ? 4 - std::to_string(c).size() : 4, ' ');
   out << "\n";
   for (int st = 0; st < s.stages; ++st) {
-    std::vector<std::string> cells(columns, " .  ");
+    std::vector<std::string> cells(columns, ".   ");
     for (std::size_t i = 0; i < s.actions[st].size(); ++i) {
       const Action& a = s.actions[st][i];
       if (!a.is_compute() || i >= sim.end[st].size() || sim.end[st][i] <= sim.start[st][i]) continue;

@@ -159,6 +159,19 @@ TEST_CASE("data parallelism: replicas stay bitwise identical; D = 2 matches D = 
   }
 }
 
+TEST_CASE("rank order data gives the same training as rank order pipeline") {
+  TrainConfig pipeline_order = tiny_gpt("1f1b", "except-last", 2);
+  pipeline_order.pipeline.grid.replicas = 2;
+  TrainConfig data_order = pipeline_order;
+  data_order.pipeline.grid.rank_order = "data";
+  const RunResult a = run(pipeline_order, 4), b = run(data_order, 4);
+  if (world().rank() == 0) {
+    CHECK(a.losses == b.losses);
+    CHECK(std::memcmp(a.params.data(), b.params.data(), a.params.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(b.params.data(), b.replica_params.data(), b.params.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("the tied head keeps the embedding's values on another stage") {
   const Communicator sub = Communicator::split(world(), world().rank() < 2 ? 0 : MPI_UNDEFINED, world().rank());
   if (sub.null()) return;

@@ -49,6 +49,7 @@ class Communicator {
   MPI_Request iallreduce_sum(std::span<float> data) const;  // in place
   void allreduce_sum(std::span<float> data) const;
   void allreduce_sum(std::span<double> data) const;
+  MPI_Request iallreduce_sum(std::span<double> data) const;  // in place
   void allreduce_max(std::span<double> data) const;
   void broadcast(std::span<double> data, int root) const;
   void barrier() const;
@@ -61,8 +62,9 @@ class Communicator {
 
 // Waits for `request`, polling so that a wait past `timeout_s` seconds throws an Error
 // naming `what` and `index` ("activation of micro-batch", 3) instead of hanging.
+// For a receive, expected_count (>= 0) is checked against the floats that arrived.
 // Returns the seconds spent waiting.
-double wait_for(MPI_Request& request, double timeout_s, const char* what, int index);
+double wait_for(MPI_Request& request, double timeout_s, const char* what, int index, long expected_count);
 // Waits for all requests (nulls allowed), with the same timeout.
 double wait_all(std::span<MPI_Request> requests, double timeout_s, const char* what);
 

@@ -1,0 +1,158 @@
+// Schedules as data: generators, lowering, validation and simulation over a grid of
+// (K, M), the text form, and the partitioner against brute force.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+
+#include "mpipe/pipeline/partition.hpp"
+#include "mpipe/pipeline/schedule.hpp"
+
+using namespace mpipe;
+
+TEST_CASE("every generated schedule is valid for K <= 16 and M <= 64, M < K included") {
+  for (const std::string& name : schedule_names())
+    for (int K : {1, 2, 3, 4, 5, 8, 13, 16})
+      for (int M : {1, 2, 3, 4, 7, 8, 16, 31, 64}) {
+        const Schedule s = lower(make_schedule(name, K, M));
+        const auto problem = validate(s);
+        INFO(name << " K=" << K << " M=" << M << ": " << problem.value_or(""));
+        CHECK(!problem.has_value());
+      }
+}
+
+TEST_CASE("gpipe's simulated bubble is (K-1)/(M+K-1) with equal stages") {
+  for (int K : {1, 2, 4, 8, 16})
+    for (int M : {1, 2, 4, 8, 32, 64}) {
+      const Simulation sim = simulate(lower(gpipe_schedule(K, M)), StageCosts::uniform(K, 1.0, 2.0));
+      CHECK(!sim.deadlock);
+      CHECK(sim.bubble_fraction == doctest::Approx(static_cast<double>(K - 1) / (M + K - 1)));
+      CHECK(sim.makespan == doctest::Approx(3.0 * (M + K - 1)));
+    }
+}
+
+TEST_CASE("1f1b has gpipe's bubble but at most K - s micro-batches in flight on stage s") {
+  for (int K : {2, 4, 8})
+    for (int M : {1, 4, 16, 64}) {
+      const Schedule s = one_f_one_b_schedule(K, M);
+      const double bubble = simulate(lower(s), StageCosts::uniform(K)).bubble_fraction;
+      CHECK(bubble == doctest::Approx(static_cast<double>(K - 1) / (M + K - 1)));
+      for (int stage = 0; stage < K; ++stage) {
+        int live = 0, peak = 0;
+        for (const Action& a : s.actions[stage]) {
+          live += a.kind == ActionKind::forward ? 1 : -1;
+          peak = std::max(peak, live);
+        }
+        CHECK(peak == std::min(K - stage, M));
+      }
+    }
+}
+
+TEST_CASE("backwards run in ascending micro-batch order in every schedule") {
+  for (const std::string& name : schedule_names()) {
+    const Schedule s = make_schedule(name, 4, 9);
+    for (const auto& list : s.actions) {
+      int last = -1;
+      for (const Action& a : list)
+        if (a.kind == ActionKind::backward) {
+          CHECK(a.micro_batch == last + 1);
+          last = a.micro_batch;
+        }
+    }
+  }
+}
+
+TEST_CASE("the validator finds broken schedules and says where") {
+  Schedule s = lower(gpipe_schedule(2, 2));
+  SUBCASE("a receive never sent deadlocks") {
+    Schedule broken = s;
+    auto& list = broken.actions[0];
+    list.erase(std::find(list.begin(), list.end(), Action{ActionKind::send_act, 1}));
+    const auto problem = validate(broken);
+    REQUIRE(problem);
+    CHECK(problem->find("RF1") != std::string::npos);
+  }
+  SUBCASE("a backward before its forward") {
+    Schedule broken = gpipe_schedule(1, 2);
+    std::swap(broken.actions[0][0], broken.actions[0][2]);  // B0 F1 F0 B1
+    const auto problem = validate(lower(broken));
+    REQUIRE(problem);
+    CHECK(problem->find("before its forward") != std::string::npos);
+  }
+  SUBCASE("backwards out of order") {
+    Schedule broken = gpipe_schedule(1, 2);
+    std::swap(broken.actions[0][2], broken.actions[0][3]);
+    const auto problem = validate(lower(broken));
+    REQUIRE(problem);
+    CHECK(problem->find("ascend") != std::string::npos);
+  }
+  SUBCASE("a cycle of waits is a deadlock, reported with the grid") {
+    // Stage 0 waits for micro-batch 0's gradient before sending its activation.
+    Schedule broken = lower(gpipe_schedule(2, 1));  // stage 0: F0 SF0 RB0 B0
+    auto& list = broken.actions[0];
+    std::rotate(list.begin(), list.begin() + 2, list.begin() + 3);  // RB0 F0 SF0 B0
+    const auto problem = validate(broken);
+    REQUIRE(problem);
+    CHECK(problem->find("deadlock: stage 0 waits at RB0") != std::string::npos);
+    CHECK(problem->find("stage 1 waits at RF0") != std::string::npos);
+  }
+}
+
+TEST_CASE("actions round-trip through their text form") {
+  const Schedule s = lower(one_f_one_b_schedule(3, 5));
+  for (const auto& list : s.actions)
+    for (const Action& a : list) CHECK(parse_action(to_string(a)) == a);
+  CHECK(to_string({ActionKind::send_grad, 12}) == "SB12");
+  CHECK_THROWS(parse_action("X3"));
+  CHECK_THROWS(parse_action("F"));
+  CHECK(s.to_text().find("stage 2: RF0 F0 B0 SB0") == 0 + s.to_text().find("stage 2:"));
+}
+
+TEST_CASE("render draws the diagonal of gpipe") {
+  const std::string grid = render(lower(gpipe_schedule(2, 2)), StageCosts::uniform(2, 1.0, 1.0));
+  // Stage 0's B0 waits for stage 1's, one tick later.
+  CHECK(grid.find("stage 0 F0  F1  .   .   B0  B1  ") != std::string::npos);
+  CHECK(grid.find("stage 1 .   F0  F1  B0  B1  .   ") != std::string::npos);
+  CHECK(grid.find("bubble 33.3%") != std::string::npos);
+}
+
+TEST_CASE("the partitioner finds the exact min-max split (brute force agrees)") {
+  const std::vector<std::vector<double>> cases = {
+      {1, 1, 1, 1, 1, 1, 1, 1}, {5, 1, 1, 1, 1, 5}, {9, 1, 2, 8, 3, 3, 7, 1, 1, 6}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};
+  for (const auto& costs : cases)
+    for (int K = 1; K <= 5; ++K) {
+      const Partition p = partition_min_max(costs, K);
+      double worst = 0;
+      for (int s = 0; s < K; ++s) {
+        CHECK(p.end(s) > p.begin(s));
+        worst = std::max(worst, p.stage_cost(s));
+      }
+      // Brute force over all cut positions.
+      const int L = static_cast<int>(costs.size());
+      double best = 1e300;
+      std::function<void(int, int, double)> search = [&](int start, int stages_left, double so_far) {
+        if (stages_left == 1) {
+          double c = 0;
+          for (int i = start; i < L; ++i) c += costs[i];
+          best = std::min(best, std::max(so_far, c));
+          return;
+        }
+        double c = 0;
+        for (int end = start + 1; end <= L - stages_left + 1; ++end) {
+          c += costs[end - 1];
+          search(end, stages_left - 1, std::max(so_far, c));
+        }
+      };
+      search(0, K, 0.0);
+      CHECK(worst == best);
+    }
+}
+
+TEST_CASE("partition errors are user errors") {
+  CHECK_THROWS_AS(partition_min_max({1, 1}, 3), UserError);
+  CHECK_THROWS_AS(partition_from_balance({2, 2}, 5), UserError);
+  CHECK_THROWS_AS(partition_from_balance({0, 5}, 5), UserError);
+  CHECK_THROWS_AS(parse_balance("2,x"), UserError);
+  CHECK(partition_from_balance(parse_balance("2,3"), 5).to_text() == "0-1 | 2-4");
+}
