@@ -345,6 +345,7 @@ int run_train(const TrainConfig& config, const Communicator& world) {
                 cpu::threads(), cpu::threads() > 1 ? "s" : "");
     if (const Dataset* data = exec->dataset()) std::printf("data: %s\n", data->describe().c_str());
     print_plan(config, exec->model(), exec->partition(), grid.shape());
+    if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(config, grid.shape());
     std::printf("%s, lr %g, %d steps\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps);
     std::fflush(stdout);
   }

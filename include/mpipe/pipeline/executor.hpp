@@ -67,8 +67,10 @@ struct PhaseTimes {
   static constexpr int count = 8;
   static const char* name(int i);
   double forward = 0, backward = 0, recompute = 0, p2p_wait = 0, allreduce = 0, optimizer = 0, idle = 0, step = 0;
-  double& operator[](int i) { return (&forward)[i]; }
-  double operator[](int i) const { return (&forward)[i]; }
+  double operator[](int i) const {
+    const double all[count] = {forward, backward, recompute, p2p_wait, allreduce, optimizer, idle, step};
+    return all[i];
+  }
 };
 
 class Executor {
