@@ -28,6 +28,6 @@ if [[ "${MPIPE_TEST_ASAN:-1}" != 0 && ( -z "$label" || "$label" == unit ) ]]; th
   echo "== asan build"
   build asan
   echo "== unit tests (ASan + UBSan)"
-  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ASAN_OPTIONS=abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --preset asan -j "$jobs" -L unit
 fi

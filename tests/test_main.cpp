@@ -5,6 +5,8 @@
 #include <doctest/doctest.h>
 #include <mpi.h>
 
+#include "mpipe/core/sanitizer.hpp"
+
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   doctest::Context context(argc, argv);
