@@ -4,6 +4,7 @@
 
 #include <mpi.h>
 #include <sched.h>
+#include <csignal>
 #include <unistd.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include <memory>
 
 #include "mpipe/core/version.hpp"
+#include "mpipe/io/checkpoint.hpp"
 #include "mpipe/io/metrics.hpp"
 
 namespace mpipe {
@@ -23,6 +25,10 @@ namespace mpipe {
 namespace {
 
 constexpr int exit_user_error = 2;
+
+// Set by SIGTERM / SIGUSR1 (what Slurm sends before preempting or at the time limit).
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int signal) { g_stop_signal = signal; }
 constexpr int exit_internal_error = 1;
 
 // Threads per rank when --threads is 0: the cores the launcher bound this rank to, or,
@@ -259,6 +265,12 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--balance", p.balance, "Layers per stage, e.g. 3,5 (overrides --partition)");
   cmd.add_option("--p2p-timeout", p.p2p_timeout, "Seconds a point-to-point wait may block")->capture_default_str();
   cmd.add_option("--bucket-mb", p.bucket_mb, "Data-parallel allreduce bucket size in MiB")->capture_default_str();
+  cmd.add_option("--checkpoint-dir", c.checkpoint_dir, "Write HDF5 checkpoints DIR/ckpt-<step>.h5 (must exist)");
+  cmd.add_option("--checkpoint-every", c.checkpoint_every, "Steps between checkpoints (0: only the final one)")
+      ->capture_default_str();
+  cmd.add_option("--keep", c.keep, "Complete checkpoints to keep (0: all)")->capture_default_str();
+  cmd.add_option("--resume", c.resume, "auto (newest good checkpoint in --checkpoint-dir), never, or a file")
+      ->capture_default_str();
 }
 
 // CLI11 2.1 reads config files only for the top-level app, so a subcommand's file is
@@ -329,6 +341,7 @@ int run_train(const TrainConfig& config, const Communicator& world) {
   std::unique_ptr<MetricsWriter> metrics;
   int code = agree(world, [&] {
     validate(config, world.size());
+    check_checkpoint_options(config);
     if (root && !config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
     exec = std::make_unique<Executor>(config, world);
   });
@@ -336,6 +349,15 @@ int run_train(const TrainConfig& config, const Communicator& world) {
   cpu::set_threads(config.threads > 0 ? config.threads : default_threads(world));
   if ((code = agree(world, [&] { exec->connect(); }))) return code;
   if ((code = agree(world, [&] { exec->allocate(); }))) return code;
+  int64_t first_step = 0;
+  std::string resumed_from;
+  if ((code = agree(world, [&] {
+         resumed_from = resolve_resume(config, exec->model(), world);
+         if (!resumed_from.empty()) first_step = load_checkpoint(*exec, resumed_from);
+       })))
+    return code;
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);
 
   const auto& m = config.model;
   const Grid& grid = exec->grid();
@@ -347,6 +369,8 @@ int run_train(const TrainConfig& config, const Communicator& world) {
     print_plan(config, exec->model(), exec->partition(), grid.shape());
     if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(config, grid.shape());
     std::printf("%s, lr %g, %d steps\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps);
+    if (!resumed_from.empty())
+      std::printf("resumed from %s: %lld steps done\n", resumed_from.c_str(), static_cast<long long>(first_step));
     std::fflush(stdout);
   }
 
@@ -354,10 +378,36 @@ int run_train(const TrainConfig& config, const Communicator& world) {
   const int64_t tokens_per_sample = m.kind == "gpt" ? m.seq_len : 0;
   PhaseStats stats;
   stats.stage = grid.stage();
+  // Writes the checkpoint of `done` completed steps on every rank; false if it failed.
+  int64_t last_saved = resumed_from.empty() ? -1 : first_step;
+  auto checkpoint = [&](int64_t done) {
+    if (config.checkpoint_dir.empty() || done == last_saved) return true;
+    try {
+      const std::string path = save_checkpoint(*exec, done);
+      last_saved = done;
+      if (root) std::printf("checkpoint %s written\n", path.c_str());
+      return true;
+    } catch (const std::exception& e) {
+      if (root) std::fprintf(stderr, "mpipe: error: %s\n", e.what());
+      return false;
+    }
+  };
+  bool preempted = false;
   try {
-    for (int64_t step = 0; step < config.steps; ++step) {
+    for (int64_t step = first_step; step < config.steps; ++step) {
+      if (g_stop_signal) exec->request_stop();
       const StepResult r = exec->step(step);
-      if (step > 0) stats.add(exec->last_times(), r.bubble_fraction);  // the first step sizes the arenas
+      if (step > first_step) stats.add(exec->last_times(), r.bubble_fraction);  // the first step sizes the arenas
+      if (r.stop) {
+        // Every rank saw the same flag in the step's allreduce: stop here, together.
+        preempted = true;
+        if (root) std::printf("step %lld: stop signal received; checkpointing and exiting with code %d\n",
+                              static_cast<long long>(step + 1), exit_preempted);
+        if (!checkpoint(step + 1)) return exit_internal_error;
+        break;
+      }
+      if (config.checkpoint_every > 0 && (step + 1) % config.checkpoint_every == 0 && step + 1 < config.steps)
+        if (!checkpoint(step + 1)) return exit_internal_error;
       if (!root) continue;
       const double samples_per_s = config.batch_size / r.seconds;
       const double tokens_per_s = samples_per_s * static_cast<double>(tokens_per_sample);
@@ -381,6 +431,7 @@ int run_train(const TrainConfig& config, const Communicator& world) {
     std::fflush(stderr);
     MPI_Abort(world.get(), exit_internal_error);
   }
+  if (!preempted && !checkpoint(config.steps)) return exit_internal_error;
   print_phase_table(stats, world, grid.stages(), theory);
   double peak = static_cast<double>(exec->peak_activation_bytes());
   std::vector<double> peaks(root ? world.size() : 0);
@@ -390,7 +441,7 @@ int run_train(const TrainConfig& config, const Communicator& world) {
     for (double p : peaks) std::printf(" %s", human_bytes(p).c_str());
     std::printf("\n");
   }
-  return 0;
+  return preempted ? exit_preempted : 0;
 }
 
 int run_main(int argc, char** argv) {
@@ -421,6 +472,12 @@ int run_main(int argc, char** argv) {
   add_train_options(*plan, plan_config);
   int plan_ranks = 1;
   plan->add_option("--ranks", plan_ranks, "Number of ranks to plan for")->capture_default_str();
+  CLI::App* inspect = app.add_subcommand("inspect", "Show a checkpoint: tree, shapes, parameter counts, step, config");
+  std::string inspect_path;
+  bool inspect_stats = false, inspect_verify = false;
+  inspect->add_option("file", inspect_path, "Checkpoint file (ckpt-*.h5)")->required();
+  inspect->add_flag("--stats", inspect_stats, "Per-tensor min, max, mean, std and norm");
+  inspect->add_flag("--verify", inspect_verify, "Check every checksum; exit code 2 on damage");
 
   try {
     app.parse(argc, argv);
@@ -435,7 +492,7 @@ int run_main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     if (rank == 0)
       std::fprintf(stderr, "mpipe: error: %s; hint: see 'mpipe %s--help'\n", e.what(),
-                   train->parsed() ? "train " : plan->parsed() ? "plan " : "");
+                   train->parsed() ? "train " : plan->parsed() ? "plan " : inspect->parsed() ? "inspect " : "");
     return finish(exit_user_error);
   } catch (const UserError& e) {
     if (rank == 0) std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
@@ -447,6 +504,7 @@ int run_main(int argc, char** argv) {
     return finish(run_train(train_config, world));
   }
   try {
+    if (inspect->parsed()) return run_inspect(inspect_path, inspect_stats, inspect_verify);
     return run_plan(plan_config, plan_ranks);
   } catch (const UserError& e) {
     std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());

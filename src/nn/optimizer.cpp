@@ -30,6 +30,11 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerConfig& config)
   validate(config);
 }
 
+std::vector<std::string> Optimizer::state_names() const {
+  if (config_.kind == "adamw") return {"exp_avg", "exp_avg_sq"};
+  return {"momentum_buffer"};
+}
+
 void Optimizer::update(float lr, std::int64_t t) {
   float* params = store_.params().data();
   const float* grads = store_.grads().data();

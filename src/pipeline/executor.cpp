@@ -146,7 +146,7 @@ void Executor::allocate() {
   outputs_.assign(M, Tensor{});
   input_grads_.assign(M, Tensor{});
   contexts_.assign(M, nullptr);
-  reduce_buffer_.assign(model_.size() + 2, 0.0);
+  reduce_buffer_.assign(model_.size() + 3, 0.0);  // per layer, loss, bubble, stop
 
   // Buckets of whole layers, from the last layer down: gradients become final in that
   // order during the last micro-batch's backward.
@@ -370,6 +370,7 @@ double Executor::compute_gradients(std::int64_t step) {
   std::fill(per_layer.begin(), per_layer.end(), 0.0);
   if (grid_->replica() == 0) params_->grad_sum_squares(per_layer.subspan(begin_, end_ - begin_));
   reduce_buffer_[L] = grid_->last_stage() ? loss_sum_ : 0.0;
+  reduce_buffer_[L + 2] = stop_requested_ ? 1.0 : 0.0;
   // Non-blocking and waited on with wait_for: a rank that finished early sleeps instead
   // of spinning in MPI while its neighbour still computes.
   MPI_Request request = world_.iallreduce_sum(reduce_buffer_);
@@ -389,6 +390,7 @@ StepResult Executor::step(std::int64_t step) {
   for (int i = 0; i < L; ++i) total += reduce_buffer_[i];  // global layer order
   r.grad_norm = std::sqrt(total);
   r.bubble_fraction = reduce_buffer_[L + 1] / world_.size();
+  r.stop = reduce_buffer_[L + 2] > 0.0;
   r.lr = learning_rate(config_.optimizer, step, config_.steps);
   // Every rank sees the same loss and norm, so every rank skips or steps alike.
   if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss)) {

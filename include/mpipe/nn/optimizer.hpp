@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "mpipe/nn/params.hpp"
 
@@ -29,8 +30,10 @@ class Optimizer {
   Optimizer(ParamStore& store, const OptimizerConfig& config);
   // One update with learning rate lr; `t` counts updates from 1 (Adam's bias correction).
   void update(float lr, std::int64_t t);
-  // Optimizer state in the ParamStore's layout: Adam's m and v, or SGD's velocity.
+  // Optimizer state in the ParamStore's gradient layout: Adam's m and v, or SGD's
+  // velocity; state_names() names them (as checkpoints do).
   std::span<float> state(int which) const { return (which == 0 ? first_ : second_).span(); }
+  std::vector<std::string> state_names() const;
 
  private:
   ParamStore& store_;

@@ -46,6 +46,10 @@ struct TrainConfig {
   int threads = 0;          // 0: every core the process may use
   int log_every = 10;
   std::string metrics;      // JSON-lines file, or empty
+  std::string checkpoint_dir;    // where checkpoints go; empty: none
+  int checkpoint_every = 0;      // steps between checkpoints; 0: only the final one
+  int keep = 0;                  // complete checkpoints kept; 0: all
+  std::string resume = "auto";   // auto | never | PATH
 };
 
 // Checks everything that needs no communication; UserError on a problem. `world` is
@@ -60,6 +64,7 @@ struct StepResult {
   bool skipped = false;         // non-finite loss or gradients: no update anywhere
   double seconds = 0.0;
   double bubble_fraction = 0.0; // measured, averaged over ranks
+  bool stop = false;            // some rank asked to stop after this step
 };
 
 // Seconds one rank spent in each phase of a step.
@@ -94,6 +99,13 @@ class Executor {
   const Schedule& schedule() const { return schedule_; }
   Model& model() { return model_; }
   ParamStore& params() { return *params_; }
+  Optimizer& optimizer() { return *optimizer_; }
+  // Optimizer updates made so far (Adam's t); a checkpoint carries it.
+  std::int64_t updates() const { return updates_; }
+  void set_updates(std::int64_t updates) { updates_ = updates; }
+  // A stop (preemption) asked for on this rank; step() agrees on it over every rank and
+  // reports it in StepResult::stop.
+  void request_stop() { stop_requested_ = true; }
   const Dataset* dataset() const { return dataset_.get(); }
   const Arena& arena() const { return persistent_; }
   const PhaseTimes& last_times() const { return times_; }
@@ -140,6 +152,7 @@ class Executor {
   PhaseTimes times_;
   int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP[:stall]
   bool fail_stall_ = false;
+  bool stop_requested_ = false;
 };
 
 }  // namespace mpipe

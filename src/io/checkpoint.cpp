@@ -1,0 +1,568 @@
+// HDF5 checkpoints: parallel write, verification, atomic replacement, resume, inspect.
+#include "mpipe/io/checkpoint.hpp"
+
+#include <fcntl.h>
+#include <hdf5.h>
+#include <unistd.h>
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <sstream>
+
+#include "mpipe/core/version.hpp"
+
+namespace mpipe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// ---- small HDF5 helpers ------------------------------------------------------------
+
+// Closes an HDF5 handle with the right function when it goes out of scope.
+class Handle {
+ public:
+  Handle() = default;
+  Handle(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
+  Handle(Handle&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = H5I_INVALID_HID; }
+  Handle& operator=(Handle&& o) noexcept {
+    std::swap(id_, o.id_);
+    std::swap(close_, o.close_);
+    return *this;
+  }
+  Handle(const Handle&) = delete;
+  ~Handle() {
+    if (id_ >= 0 && close_) close_(id_);
+  }
+  hid_t get() const { return id_; }
+  bool ok() const { return id_ >= 0; }
+
+ private:
+  hid_t id_ = H5I_INVALID_HID;
+  herr_t (*close_)(hid_t) = nullptr;
+};
+
+void quiet_hdf5() {
+  // Our messages say what went wrong in one line; HDF5's own error stack is noise.
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+}
+
+#define H5_CHECK(expr, ...)                                                    \
+  do {                                                                         \
+    if ((expr) < 0) throw Error(cat("HDF5: ", __VA_ARGS__));                   \
+  } while (0)
+
+uint32_t crc32_of(const void* data, std::size_t bytes) {
+  return static_cast<uint32_t>(crc32_z(0L, static_cast<const Bytef*>(data), bytes));
+}
+
+std::string layer_key(int layer) {
+  char text[16];
+  std::snprintf(text, sizeof text, "%04d", layer);
+  return text;
+}
+
+// One dataset of parameters or optimizer state, as every rank names it.
+struct DatasetSpec {
+  std::string path;
+  Shape shape;
+  int layer;
+  std::string name;
+};
+
+std::vector<DatasetSpec> parameter_datasets(const Model& model, const std::string& root) {
+  std::vector<DatasetSpec> out;
+  for (int layer = 0; layer < model.size(); ++layer)
+    for (const ParamSpec& spec : model.layer(layer).param_specs())
+      if (spec.tied_layer < 0) out.push_back({root + "/" + layer_key(layer) + "/" + spec.name, spec.shape, layer, spec.name});
+  return out;
+}
+
+std::vector<hsize_t> dims(const Shape& s) {
+  std::vector<hsize_t> d;
+  for (int i = 0; i < s.rank; ++i) d.push_back(static_cast<hsize_t>(s[i]));
+  return d;
+}
+
+void write_string_attribute(hid_t object, const char* name, const std::string& value) {
+  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(type.get(), std::max<std::size_t>(1, value.size()));
+  H5Tset_strpad(type.get(), H5T_STR_NULLTERM);
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle attr(H5Acreate2(object, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  H5_CHECK(attr.get(), "cannot create attribute ", name);
+  H5_CHECK(H5Awrite(attr.get(), type.get(), value.c_str()), "cannot write attribute ", name);
+}
+
+template <class T>
+void write_scalar_attribute(hid_t object, const char* name, hid_t type, T value) {
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle attr(H5Acreate2(object, name, type, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  H5_CHECK(attr.get(), "cannot create attribute ", name);
+  H5_CHECK(H5Awrite(attr.get(), type, &value), "cannot write attribute ", name);
+}
+
+std::optional<std::string> read_string_attribute(hid_t object, const char* name) {
+  if (H5Aexists(object, name) <= 0) return std::nullopt;
+  Handle attr(H5Aopen(object, name, H5P_DEFAULT), H5Aclose);
+  Handle type(H5Aget_type(attr.get()), H5Tclose);
+  if (H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) > 0) return std::nullopt;
+  std::string value(H5Tget_size(type.get()), '\0');
+  Handle mem(H5Tcopy(H5T_C_S1), H5Tclose);
+  H5Tset_size(mem.get(), value.size());
+  if (H5Aread(attr.get(), mem.get(), value.data()) < 0) return std::nullopt;
+  value.resize(std::strlen(value.c_str()));
+  return value;
+}
+
+template <class T>
+std::optional<T> read_scalar_attribute(hid_t object, const char* name, hid_t type) {
+  if (H5Aexists(object, name) <= 0) return std::nullopt;
+  Handle attr(H5Aopen(object, name, H5P_DEFAULT), H5Aclose);
+  T value{};
+  if (H5Aread(attr.get(), type, &value) < 0) return std::nullopt;
+  return value;
+}
+
+// Reads a float dataset of `count` elements into `out` and checks its CRC-32.
+std::optional<std::string> read_checked(hid_t file, const std::string& path, float* out, std::size_t count) {
+  if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) return cat("dataset ", path, " is missing");
+  Handle set(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose);
+  if (!set.ok()) return cat("dataset ", path, " cannot be opened");
+  Handle space(H5Dget_space(set.get()), H5Sclose);
+  if (static_cast<std::size_t>(H5Sget_simple_extent_npoints(space.get())) != count)
+    return cat("dataset ", path, " has ", H5Sget_simple_extent_npoints(space.get()), " elements, expected ", count);
+  if (H5Dread(set.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out) < 0)
+    return cat("dataset ", path, " cannot be read (truncated file?)");
+  const auto stored = read_scalar_attribute<uint32_t>(set.get(), "crc32", H5T_NATIVE_UINT32);
+  if (!stored) return cat("dataset ", path, " has no checksum");
+  if (*stored != crc32_of(out, count * sizeof(float))) return cat("dataset ", path, " fails its checksum (altered or damaged)");
+  return std::nullopt;
+}
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+struct TrainState {
+  int64_t step = 0, updates = 0, samples = 0;
+  uint64_t seed = 0;
+};
+
+}  // namespace
+
+// ---- names, signature, config ------------------------------------------------------
+
+std::string checkpoint_path(const std::string& dir, std::int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "ckpt-%08lld.h5", static_cast<long long>(step));
+  return (fs::path(dir) / name).string();
+}
+
+std::string model_signature(const Model& model) {
+  const ModelConfig& c = model.config();
+  std::string s = cat(c.kind, " layers=", c.layers);
+  if (c.kind == "gpt") s += cat(" d_model=", c.d_model, " heads=", c.heads, " seq_len=", c.seq_len, " vocab=", c.vocab);
+  else s += cat(" hidden=", c.hidden, " inputs=", c.inputs, " classes=", c.classes);
+  std::string layout;
+  for (const DatasetSpec& d : parameter_datasets(model, "")) layout += d.path + d.shape.str() + ";";
+  char hash[16];
+  std::snprintf(hash, sizeof hash, "%08x", static_cast<unsigned>(crc32_of(layout.data(), layout.size())));
+  return s + " layout=" + hash;
+}
+
+std::string to_toml(const TrainConfig& c) {
+  std::ostringstream o;
+  o.precision(9);
+  const auto& m = c.model;
+  const auto& p = c.optimizer;
+  const auto& q = c.pipeline;
+  o << "model = \"" << m.kind << "\"\nlayers = " << m.layers << "\nd-model = " << m.d_model << "\nheads = " << m.heads
+    << "\nseq-len = " << m.seq_len << "\nvocab = " << m.vocab << "\nhidden = " << m.hidden << "\ninputs = " << m.inputs
+    << "\nclasses = " << m.classes << "\ndropout = " << m.dropout << "\ndata = \"" << c.data
+    << "\"\nbatch-size = " << c.batch_size << "\nmicro-batches = " << c.micro_batches << "\noptimizer = \"" << p.kind
+    << "\"\nlr = " << p.lr << "\nmin-lr-ratio = " << p.min_lr_ratio << "\nweight-decay = " << p.weight_decay
+    << "\nmomentum = " << p.momentum << "\nwarmup = " << p.warmup << "\nclip-grad = " << p.clip_grad
+    << "\nsteps = " << c.steps << "\nseed = " << c.seed << "\nthreads = " << c.threads << "\nstages = " << q.grid.stages
+    << "\nreplicas = " << q.grid.replicas << "\nrank-order = \"" << q.grid.rank_order << "\"\nschedule = \"" << q.schedule
+    << "\"\nremat = \"" << q.remat << "\"\npartition = \"" << q.partition << "\"\n";
+  if (!q.balance.empty()) o << "balance = \"" << q.balance << "\"\n";
+  o << "checkpoint-every = " << c.checkpoint_every << "\nkeep = " << c.keep << "\n";
+  return o.str();
+}
+
+// ---- verification --------------------------------------------------------------------
+
+std::optional<std::string> verify_checkpoint(const std::string& path, const std::string* signature) {
+  quiet_hdf5();
+  if (!fs::is_regular_file(path)) return cat("'", path, "' is not a file");
+  if (H5Fis_hdf5(path.c_str()) <= 0) return cat("'", path, "' is not an HDF5 file");
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (!file.ok()) return cat("'", path, "' cannot be opened as HDF5 (truncated or damaged)");
+  const auto format = read_string_attribute(file.get(), "format");
+  if (!format || *format != checkpoint_format) return cat("'", path, "' is not an mpipe checkpoint");
+  const auto version = read_scalar_attribute<int>(file.get(), "format_version", H5T_NATIVE_INT);
+  if (!version || *version != checkpoint_format_version)
+    return cat("'", path, "' has checkpoint format version ", version.value_or(-1), "; this mpipe reads version ",
+               checkpoint_format_version);
+  const auto stored_signature = read_string_attribute(file.get(), "model_signature");
+  if (signature && (!stored_signature || *stored_signature != *signature))
+    return cat("'", path, "' holds another model (", stored_signature.value_or("?"), "), not this one (", *signature, ")");
+  // Every float dataset against its checksum.
+  struct Visit {
+    hid_t file;
+    std::optional<std::string> problem;
+    std::size_t datasets = 0;
+    std::vector<float> buffer;
+  } visit{file.get(), std::nullopt, 0, {}};
+  const herr_t rc = H5Ovisit2(
+      file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
+      [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
+        auto* v = static_cast<Visit*>(data);
+        if (info->type != H5O_TYPE_DATASET) return 0;
+        Handle set(H5Dopen2(v->file, name, H5P_DEFAULT), H5Dclose);
+        Handle space(H5Dget_space(set.get()), H5Sclose);
+        const auto n = static_cast<std::size_t>(std::max<hssize_t>(0, H5Sget_simple_extent_npoints(space.get())));
+        Handle type(H5Dget_type(set.get()), H5Tclose);
+        if (H5Tget_class(type.get()) != H5T_FLOAT) return 0;  // /train scalars are checked when read
+        v->buffer.resize(n);
+        if (auto p = read_checked(v->file, std::string("/") + name, v->buffer.data(), n)) {
+          v->problem = *p;
+          return 1;
+        }
+        ++v->datasets;
+        return 0;
+      },
+      &visit, H5O_INFO_BASIC);
+  if (visit.problem) return cat("'", path, "': ", *visit.problem);
+  if (rc < 0) return cat("'", path, "' cannot be walked (damaged)");
+  if (visit.datasets == 0) return cat("'", path, "' holds no parameters");
+  return std::nullopt;
+}
+
+void check_checkpoint_options(const TrainConfig& c) {
+  MPIPE_REQUIRE(c.checkpoint_every >= 0, "e.g. --checkpoint-every 100", "--checkpoint-every must be >= 0, got ",
+                c.checkpoint_every);
+  MPIPE_REQUIRE(c.keep >= 0, "e.g. --keep 3 (0 keeps all)", "--keep must be >= 0, got ", c.keep);
+  if (c.checkpoint_dir.empty()) {
+    MPIPE_REQUIRE(c.checkpoint_every == 0, "give --checkpoint-dir DIR", "--checkpoint-every needs --checkpoint-dir");
+  } else {
+    std::error_code ec;
+    MPIPE_REQUIRE(fs::is_directory(c.checkpoint_dir, ec), cat("create it: mkdir -p ", c.checkpoint_dir),
+                  "checkpoint directory '", c.checkpoint_dir, "' does not exist");
+    MPIPE_REQUIRE(::access(c.checkpoint_dir.c_str(), W_OK | X_OK) == 0, "choose a directory you can write to",
+                  "checkpoint directory '", c.checkpoint_dir, "' is not writable");
+  }
+  if (c.resume != "auto" && c.resume != "never") {
+    MPIPE_REQUIRE(fs::is_regular_file(c.resume), "give --resume auto, never or an existing checkpoint file",
+                  "--resume: no checkpoint file '", c.resume, "'");
+  }
+}
+
+// ---- saving --------------------------------------------------------------------------
+
+std::string save_checkpoint(Executor& exec, std::int64_t step) {
+  quiet_hdf5();
+  const TrainConfig& config = exec.config();
+  const Grid& grid = exec.grid();
+  const Communicator& world = grid.world();
+  const std::string final_path = checkpoint_path(config.checkpoint_dir, step);
+  const std::string temp_path = (fs::path(config.checkpoint_dir) / ("." + fs::path(final_path).filename().string() + ".tmp")).string();
+  const Model& model = exec.model();
+  const auto params = parameter_datasets(model, "/model");
+  const auto names = exec.optimizer().state_names();
+  int failed = 0;
+  std::string problem;
+
+  if (grid.replica() == 0) {
+    try {
+      // Every dataset is created by every writer (HDF5 metadata is collective); each
+      // writes only its own layers' data.
+      const Communicator& comm = grid.pipeline();
+      Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+      H5Pset_fapl_mpio(fapl.get(), comm.get(), MPI_INFO_NULL);
+      H5Pset_coll_metadata_write(fapl.get(), true);
+      Handle file(H5Fcreate(temp_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
+      H5_CHECK(file.get(), "cannot create '", temp_path, "'");
+      Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
+      H5Pset_create_intermediate_group(lcpl.get(), 1);
+      Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+      H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
+      H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY);
+
+      // All datasets: parameters, then each optimizer state with the same keys.
+      std::vector<DatasetSpec> all = params;
+      for (const std::string& state : names)
+        for (const DatasetSpec& d : params)
+          all.push_back({"/optimizer/" + state + d.path.substr(std::strlen("/model")), d.shape, d.layer, d.name});
+      std::vector<Handle> sets;
+      for (const DatasetSpec& d : all) {
+        const auto dd = dims(d.shape);
+        Handle space(H5Screate_simple(static_cast<int>(dd.size()), dd.data(), nullptr), H5Sclose);
+        sets.emplace_back(H5Dcreate2(file.get(), d.path.c_str(), H5T_IEEE_F32LE, space.get(), lcpl.get(), dcpl.get(),
+                                     H5P_DEFAULT), H5Dclose);
+        H5_CHECK(sets.back().get(), "cannot create ", d.path);
+      }
+      // This rank's data, and the checksums every writer must agree on.
+      std::vector<uint32_t> crcs(all.size(), 0);
+      const ParamStore& store = exec.params();
+      for (std::size_t i = 0; i < all.size(); ++i) {
+        const DatasetSpec& d = all[i];
+        if (d.layer < store.begin() || d.layer >= store.end()) continue;
+        const ParamEntry* entry = nullptr;
+        for (const ParamEntry& e : store.entries())
+          if (e.layer == d.layer && e.name == d.name && !e.tied_copy) entry = &e;
+        MPIPE_CHECK(entry, "no entry for ", d.path);
+        const std::size_t which = i / params.size();  // 0 parameters, 1.. optimizer states
+        const float* data = which == 0 ? store.params().data() + entry->param_offset
+                                       : exec.optimizer().state(static_cast<int>(which - 1)).data() + entry->offset;
+        H5_CHECK(H5Dwrite(sets[i].get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), "cannot write ", d.path,
+                 " (disk full?)");
+        crcs[i] = crc32_of(data, static_cast<std::size_t>(entry->numel()) * sizeof(float));
+      }
+      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, crcs.data(), static_cast<int>(crcs.size()), MPI_UINT32_T, MPI_MAX, comm.get()));
+      for (std::size_t i = 0; i < all.size(); ++i) write_scalar_attribute<uint32_t>(sets[i].get(), "crc32", H5T_STD_U32LE, crcs[i]);
+      sets.clear();
+
+      // Training state and provenance, the same on every writer.
+      TrainState state{step, exec.updates(), step * config.batch_size, config.seed};
+      Handle train(H5Gcreate2(file.get(), "/train", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+      write_scalar_attribute<int64_t>(train.get(), "step", H5T_STD_I64LE, state.step);
+      write_scalar_attribute<int64_t>(train.get(), "optimizer_updates", H5T_STD_I64LE, state.updates);
+      write_scalar_attribute<int64_t>(train.get(), "samples_consumed", H5T_STD_I64LE, state.samples);
+      write_scalar_attribute<int64_t>(train.get(), "data_position", H5T_STD_I64LE, state.samples);
+      write_scalar_attribute<uint64_t>(train.get(), "seed", H5T_STD_U64LE, state.seed);
+      write_string_attribute(train.get(), "data", config.data);
+      write_string_attribute(file.get(), "format", checkpoint_format);
+      write_scalar_attribute<int>(file.get(), "format_version", H5T_STD_I32LE, checkpoint_format_version);
+      write_string_attribute(file.get(), "mpipe_version", cat(version(), " (git ", git_hash(), ")"));
+      write_string_attribute(file.get(), "model_signature", model_signature(model));
+      write_string_attribute(file.get(), "optimizer", config.optimizer.kind);
+      write_string_attribute(file.get(), "config", to_toml(config));
+      H5_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), "cannot flush '", temp_path, "'");
+    } catch (const std::exception& e) {
+      failed = 1;
+      problem = e.what();
+    }
+  }
+  // Agree before world rank 0 (a writer) verifies and renames.
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, world.get()));
+  if (!failed && world.rank() == 0) {
+    try {
+      fsync_path(temp_path, false);
+      const std::string signature = model_signature(model);
+      if (auto bad = verify_checkpoint(temp_path, &signature)) throw Error(cat("verification failed: ", *bad));
+      std::error_code ec;
+      fs::rename(temp_path, final_path, ec);
+      if (ec) throw Error(cat("cannot rename '", temp_path, "' to '", final_path, "': ", ec.message()));
+      fsync_path(config.checkpoint_dir, true);
+      // Prune only older complete checkpoints, and only now that the new one is in place.
+      if (config.keep > 0) {
+        std::vector<std::string> complete;
+        for (const auto& entry : fs::directory_iterator(config.checkpoint_dir)) {
+          const std::string name = entry.path().filename().string();
+          if (name.size() == 16 && name.rfind("ckpt-", 0) == 0 && name.substr(13) == ".h5") complete.push_back(entry.path().string());
+        }
+        std::sort(complete.begin(), complete.end());
+        for (std::size_t i = 0; i + static_cast<std::size_t>(config.keep) < complete.size(); ++i)
+          if (complete[i] < final_path) fs::remove(complete[i], ec);
+      }
+    } catch (const std::exception& e) {
+      failed = 2;
+      problem = e.what();
+    }
+  }
+  MPI_CHECK(MPI_Bcast(&failed, 1, MPI_INT, 0, world.get()));
+  if (failed) {
+    std::error_code ec;
+    if (world.rank() == 0) fs::remove(temp_path, ec);  // never leave a partial file behind
+    if (!problem.empty()) throw Error(cat("checkpoint ", final_path, ": ", problem));
+    throw Error(cat("checkpoint ", final_path, " failed on another rank"));
+  }
+  return final_path;
+}
+
+// ---- resuming ----------------------------------------------------------------------
+
+std::string resolve_resume(const TrainConfig& config, const Model& model, const Communicator& world) {
+  std::string chosen, warning, error;
+  if (world.rank() == 0 && config.resume != "never") {
+    const std::string signature = model_signature(model);
+    if (config.resume != "auto") {
+      if (auto bad = verify_checkpoint(config.resume, &signature)) error = *bad;
+      else chosen = config.resume;
+    } else if (!config.checkpoint_dir.empty()) {
+      std::vector<std::string> candidates;
+      for (const auto& entry : fs::directory_iterator(config.checkpoint_dir)) {
+        const std::string name = entry.path().filename().string();
+        if (name.rfind(".ckpt-", 0) == 0 && name.size() > 4 && name.substr(name.size() - 4) == ".tmp") {
+          std::error_code ec;
+          fs::remove(entry.path(), ec);  // a stray temporary from a run that died while writing
+        } else if (name.size() == 16 && name.rfind("ckpt-", 0) == 0 && name.substr(13) == ".h5") {
+          candidates.push_back(entry.path().string());
+        }
+      }
+      std::sort(candidates.rbegin(), candidates.rend());
+      for (const std::string& c : candidates) {
+        if (auto bad = verify_checkpoint(c, &signature)) {
+          std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", bad->c_str());
+          continue;
+        }
+        chosen = c;
+        break;
+      }
+    }
+  }
+  // Broadcast the choice (or the error) from rank 0.
+  int code = error.empty() ? 0 : 1;
+  MPI_CHECK(MPI_Bcast(&code, 1, MPI_INT, 0, world.get()));
+  std::string text = code ? error : chosen;
+  int length = static_cast<int>(text.size());
+  MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT, 0, world.get()));
+  text.resize(static_cast<std::size_t>(length));
+  MPI_CHECK(MPI_Bcast(text.data(), length, MPI_CHAR, 0, world.get()));
+  if (code) throw UserError(cat("cannot resume: ", text), "give a good checkpoint, or --resume auto / never");
+  return text;
+}
+
+std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
+  quiet_hdf5();
+  ParamStore& store = exec.params();
+  std::string problem;
+  TrainState state;
+  try {
+    Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    H5_CHECK(file.get(), "cannot open '", path, "'");
+    const auto optimizer = read_string_attribute(file.get(), "optimizer");
+    const auto names = exec.optimizer().state_names();
+    for (const ParamEntry& e : store.entries()) {
+      if (e.alias) continue;  // the owner's values, loaded with the owner
+      // A tied copy on another stage loads the owner's values and state.
+      const std::string key = "/" + layer_key(e.owner_layer) + "/" +
+                              (e.tied_copy ? exec.model().layer(e.owner_layer).param_specs()[e.owner_index].name : e.name);
+      if (auto p = read_checked(file.get(), "/model" + key, store.params().data() + e.param_offset,
+                                static_cast<std::size_t>(e.numel())))
+        throw Error(*p);
+      if (optimizer && *optimizer == exec.config().optimizer.kind)
+        for (std::size_t s = 0; s < names.size(); ++s)
+          if (auto p = read_checked(file.get(), "/optimizer/" + names[s] + key,
+                                    exec.optimizer().state(static_cast<int>(s)).data() + e.offset,
+                                    static_cast<std::size_t>(e.numel())))
+            throw Error(*p);
+    }
+    Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
+    H5_CHECK(train.get(), "'", path, "' has no /train group");
+    state.step = read_scalar_attribute<int64_t>(train.get(), "step", H5T_NATIVE_INT64).value_or(-1);
+    state.updates = read_scalar_attribute<int64_t>(train.get(), "optimizer_updates", H5T_NATIVE_INT64).value_or(-1);
+    if (state.step < 0 || state.updates < 0) throw Error(cat("'", path, "' lacks its training state"));
+  } catch (const std::exception& e) {
+    problem = e.what();
+  }
+  int failed = problem.empty() ? 0 : 1;
+  const Communicator& world = exec.grid().world();
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, world.get()));
+  if (failed) throw UserError(cat("cannot load checkpoint: ", problem.empty() ? "failed on another rank" : problem),
+                              "check the file with 'mpipe inspect --verify'");
+  exec.set_updates(state.updates);
+  return state.step;
+}
+
+// ---- inspect -------------------------------------------------------------------------
+
+int run_inspect(const std::string& path, bool stats, bool verify) {
+  quiet_hdf5();
+  MPIPE_REQUIRE(fs::is_regular_file(path), "give the path of a checkpoint file", "no file '", path, "'");
+  MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)",
+                "'", path, "' is not an HDF5 file");
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  MPIPE_REQUIRE(file.ok(), "the file is damaged; use an older checkpoint", "'", path, "' cannot be opened");
+  const auto format = read_string_attribute(file.get(), "format");
+  MPIPE_REQUIRE(format && *format == checkpoint_format, "this is some other HDF5 file", "'", path,
+                "' is not an mpipe checkpoint");
+  std::printf("%s\n", path.c_str());
+  for (const char* a : {"format", "mpipe_version", "model_signature", "optimizer"})
+    std::printf("  %-16s %s\n", a, read_string_attribute(file.get(), a).value_or("?").c_str());
+  std::printf("  %-16s %d\n", "format_version", read_scalar_attribute<int>(file.get(), "format_version", H5T_NATIVE_INT).value_or(-1));
+  {
+    Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
+    if (train.ok())
+      for (const char* a : {"step", "optimizer_updates", "samples_consumed"})
+        std::printf("  %-16s %lld\n", a,
+                    static_cast<long long>(read_scalar_attribute<int64_t>(train.get(), a, H5T_NATIVE_INT64).value_or(-1)));
+  }
+  // The tree, with per-layer parameter counts.
+  struct Walk {
+    hid_t file;
+    bool stats;
+    std::vector<std::pair<std::string, long long>> per_layer;
+    long long total = 0;
+  } walk{file.get(), stats, {}, 0};
+  std::printf("tree:\n");
+  H5Ovisit2(
+      file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
+      [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
+        auto* w = static_cast<Walk*>(data);
+        const std::string n = name;
+        if (info->type == H5O_TYPE_GROUP) {
+          if (n != ".") std::printf("  /%s/\n", name);
+          return 0;
+        }
+        if (info->type != H5O_TYPE_DATASET) return 0;
+        Handle set(H5Dopen2(w->file, name, H5P_DEFAULT), H5Dclose);
+        Handle space(H5Dget_space(set.get()), H5Sclose);
+        hsize_t d[8] = {};
+        const int rank = H5Sget_simple_extent_dims(space.get(), d, nullptr);
+        std::string shape = "(";
+        for (int i = 0; i < rank; ++i) shape += (i ? ", " : "") + std::to_string(d[i]);
+        shape += ")";
+        const long long count = H5Sget_simple_extent_npoints(space.get());
+        std::printf("  /%-40s float32 %-16s", name, shape.c_str());
+        if (n.rfind("model/", 0) == 0) {
+          w->total += count;
+          const std::string layer = n.substr(6, n.find('/', 6) - 6);
+          if (w->per_layer.empty() || w->per_layer.back().first != layer) w->per_layer.emplace_back(layer, 0);
+          w->per_layer.back().second += count;
+        }
+        if (w->stats) {
+          std::vector<float> v(static_cast<std::size_t>(count));
+          if (H5Dread(set.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0 && count > 0) {
+            double lo = v[0], hi = v[0], sum = 0, sq = 0;
+            for (float x : v) {
+              lo = std::min<double>(lo, x);
+              hi = std::max<double>(hi, x);
+              sum += x;
+              sq += static_cast<double>(x) * x;
+            }
+            const double mean = sum / count;
+            std::printf(" min %+.4e max %+.4e mean %+.4e std %.4e norm %.4e", lo, hi, mean,
+                        std::sqrt(std::max(0.0, sq / count - mean * mean)), std::sqrt(sq));
+          }
+        }
+        std::printf("\n");
+        return 0;
+      },
+      &walk, H5O_INFO_BASIC);
+  std::printf("parameters per layer:");
+  for (const auto& [layer, count] : walk.per_layer) std::printf(" %s:%lld", layer.c_str(), count);
+  std::printf("\nparameters: %lld\n", walk.total);
+  std::printf("config:\n%s", read_string_attribute(file.get(), "config").value_or("?\n").c_str());
+  if (verify) {
+    if (auto bad = verify_checkpoint(path)) {
+      std::printf("verify: FAILED\n");
+      throw UserError(cat("checkpoint damaged: ", *bad), "use an older checkpoint");
+    }
+    std::printf("verify: every checksum matches\n");
+  }
+  return 0;
+}
+
+}  // namespace mpipe
