@@ -224,6 +224,8 @@ int agree(const Communicator& world, const std::function<void()>& phase) {
 }  // namespace
 
 void add_train_options(CLI::App& cmd, TrainConfig& c) {
+  // An option given twice takes the last value, so scripts can append overrides.
+  cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   cmd.add_option("--config", "TOML file with any of these options (command-line values win)")
       ->check(CLI::ExistingFile);
   auto& m = c.model;

@@ -1,0 +1,146 @@
+#!/usr/bin/env bash
+# Checkpoint tests with the real binary under mpiexec and real HDF5 files.
+# Usage: checkpoint_test.sh MPIPE CASE   (CASE: layout | resume | reshard | preempt |
+#        damaged | bad-input | keep)
+set -euo pipefail
+mpipe=$1 case=$2
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+work=$(mktemp -d)
+trap 'chattr -i "$work"/* 2>/dev/null || true; rm -rf "$work"' EXIT
+model=(train --model gpt --layers 3 --d-model 32 --heads 4 --seq-len 16 --vocab 64 --dropout 0.1
+       --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1)
+run() { local n=$1; shift; mpiexec -n "$n" --oversubscribe "$mpipe" "$@"; }
+fail() { echo "FAIL: $*"; exit 1; }
+losses() { /usr/bin/python3 -c "import json,sys; print(' '.join(str(json.loads(l)['loss']) for l in open(sys.argv[1])))" "$1"; }
+same_tensors() {  # two checkpoints' /model and /optimizer, compared by h5diff
+  h5diff "$1" "$2" /model /model || fail "/model of $1 and $2 differ"
+  h5diff "$1" "$2" /optimizer /optimizer || fail "/optimizer of $1 and $2 differ"
+}
+expect_error() {  # CODE REGEX command...: exit code and one error line matching REGEX
+  local code=$1 regex=$2; shift 2
+  set +e; out=$("$@" 2>&1); rc=$?; set -e
+  [[ $rc -eq $code ]] || fail "expected exit $code, got $rc: $out"
+  grep -Eq -- "$regex" <<<"$out" || fail "output does not match /$regex/: $out"
+  [[ $(grep -c 'error' <<<"$out") -eq 1 ]] || fail "expected one error line: $out"
+}
+
+case $case in
+layout)
+  # The same run with K = 1 and K = 4 writes identical /model and /optimizer.
+  mkdir "$work/k1" "$work/k4"
+  run 1 "${model[@]}" --steps 4 --checkpoint-dir "$work/k1" >/dev/null
+  run 4 "${model[@]}" --steps 4 --checkpoint-dir "$work/k4" --schedule 1f1b --remat always >/dev/null
+  same_tensors "$work/k1/ckpt-00000004.h5" "$work/k4/ckpt-00000004.h5"
+  "$mpipe" inspect "$work/k4/ckpt-00000004.h5" --verify --stats > "$work/inspect.txt"
+  grep "verify: every checksum matches" "$work/inspect.txt" >/dev/null || fail "inspect: $(cat "$work/inspect.txt")"
+  h5ls -r "$work/k4/ckpt-00000004.h5" | grep "/model/0000/wte .*Dataset {64, 32}" >/dev/null || fail "h5ls does not show /model/0000/wte"
+  /usr/bin/python3 "$(dirname "$0")/../../scripts/inspect_checkpoint.py" "$work/k4/ckpt-00000004.h5" > "$work/py.txt"
+  grep "crc ok" "$work/py.txt" >/dev/null && ! grep "crc BAD" "$work/py.txt" || fail "inspect_checkpoint.py: $(cat "$work/py.txt")"
+  ;;
+resume)
+  # Stopped after step 3 and resumed (same K): the same losses, an identical final
+  # checkpoint. The "stop" is the step-3 checkpoint of the unbroken run, copied away.
+  mkdir "$work/full" "$work/part"
+  run 2 "${model[@]}" --steps 6 --checkpoint-dir "$work/full" --checkpoint-every 3 --metrics "$work/full.jsonl" >/dev/null
+  cp "$work/full/ckpt-00000003.h5" "$work/part/"
+  out=$(run 2 "${model[@]}" --steps 6 --checkpoint-dir "$work/part" --metrics "$work/b.jsonl")
+  grep "resumed from .*ckpt-00000003.h5" <<<"$out" >/dev/null || fail "did not resume: $out"
+  [[ "$(losses "$work/full.jsonl" | cut -d' ' -f4-)" == "$(losses "$work/b.jsonl")" ]] || fail "losses differ"
+  same_tensors "$work/full/ckpt-00000006.h5" "$work/part/ckpt-00000006.h5"
+  ;;
+reshard)
+  # K = 4, D = 1 -> K = 2, D = 1: training continues bitwise as the unbroken run.
+  # K = 4, D = 1 -> K = 2, D = 2 (micro-batches of the same size): the same up to the
+  # order in which the replicas' gradients are summed.
+  mkdir "$work/k4" "$work/k2" "$work/d2"
+  run 4 "${model[@]}" --steps 6 --checkpoint-dir "$work/k4" --checkpoint-every 3 --metrics "$work/k4.jsonl" >/dev/null
+  cp "$work/k4/ckpt-00000003.h5" "$work/k2/"
+  cp "$work/k4/ckpt-00000003.h5" "$work/d2/"
+  out=$(run 2 "${model[@]}" --steps 6 --checkpoint-dir "$work/k2" --metrics "$work/k2.jsonl")
+  grep "resumed from" <<<"$out" >/dev/null || fail "did not resume: $out"
+  [[ "$(losses "$work/k4.jsonl" | cut -d' ' -f4-)" == "$(losses "$work/k2.jsonl")" ]] || fail "losses after K 4 -> 2 differ"
+  same_tensors "$work/k4/ckpt-00000006.h5" "$work/k2/ckpt-00000006.h5"
+  out=$(run 4 "${model[@]}" --steps 6 --checkpoint-dir "$work/d2" --stages 2 --replicas 2 --micro-batches 2 \
+    --metrics "$work/d2.jsonl")
+  grep "resumed from" <<<"$out" >/dev/null || fail "did not resume: $out"
+  /usr/bin/python3 - "$(losses "$work/k4.jsonl" | cut -d' ' -f4-)" "$(losses "$work/d2.jsonl")" <<'PY' || fail "losses after K 4 -> 2 x D 2 differ"
+import sys
+a, b = ([float(x) for x in s.split()] for s in sys.argv[1:])
+assert len(a) == len(b) == 3 and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b)), (a, b)
+PY
+  ;;
+preempt)
+  # SIGUSR1 (Slurm's --signal) mid-run: a checkpoint, exit code 75, and resuming
+  # finishes exactly as an unbroken run.
+  mkdir "$work/full" "$work/cut"
+  run 2 "${model[@]}" --steps 40 --checkpoint-dir "$work/full" >/dev/null
+  set +e
+  mpiexec -n 2 --oversubscribe "$mpipe" "${model[@]}" --steps 40 --checkpoint-dir "$work/cut" --metrics "$work/m.jsonl" \
+    > "$work/log" 2>&1 &
+  pid=$!
+  for _ in $(seq 200); do [[ -s "$work/m.jsonl" && $(wc -l < "$work/m.jsonl") -ge 3 ]] && break; sleep 0.05; done
+  kill -USR1 "$pid"
+  wait "$pid"; rc=$?
+  set -e
+  [[ $rc -eq 75 ]] || fail "preempted run exited $rc, expected 75: $(cat "$work/log")"
+  grep -q "stop signal received" "$work/log" || fail "no stop message"
+  ls "$work/cut"/ckpt-*.h5 >/dev/null || fail "no checkpoint after the signal"
+  out=$(run 2 "${model[@]}" --steps 40 --checkpoint-dir "$work/cut")
+  grep "resumed from" <<<"$out" >/dev/null || fail "did not resume: $out"
+  same_tensors "$work/full/ckpt-00000040.h5" "$work/cut/ckpt-00000040.h5"
+  ;;
+damaged)
+  # A truncated newest file is skipped with a warning; an altered one fails its
+  # checksum; neither is ever loaded.
+  mkdir "$work/d"
+  run 1 "${model[@]}" --steps 4 --checkpoint-dir "$work/d" --checkpoint-every 2 >/dev/null
+  good="$work/d/ckpt-00000002.h5" newest="$work/d/ckpt-00000004.h5"
+  cp "$newest" "$work/altered.h5"
+  /usr/bin/python3 - "$work/altered.h5" <<'PY'
+import h5py, sys
+with h5py.File(sys.argv[1], "r+") as f:   # change one weight, keep the old checksum
+    d = f["/model/0001/mlp.c_fc.weight"]; v = d[()]; v[0, 0] += 1.0; d[...] = v
+PY
+  expect_error 2 "fails its checksum" "$mpipe" inspect "$work/altered.h5" --verify
+  truncate -s 100000 "$newest"
+  out=$(run 1 "${model[@]}" --steps 5 --checkpoint-dir "$work/d" 2>&1) || fail "auto resume failed: $out"
+  grep -q "warning: skipping checkpoint: '.*ckpt-00000004.h5'" <<<"$out" || fail "no warning for the damaged file: $out"
+  grep -q "resumed from .*ckpt-00000002.h5" <<<"$out" || fail "did not fall back to step 2: $out"
+  expect_error 2 "cannot resume: .*altered.h5.*fails its checksum" run 1 "${model[@]}" --steps 5 --resume "$work/altered.h5"
+  ;;
+bad-input)
+  mkdir "$work/d"
+  run 1 "${model[@]}" --steps 2 --checkpoint-dir "$work/d" >/dev/null
+  expect_error 2 "checkpoint directory '/no/such/dir' does not exist; hint" run 2 "${model[@]}" --steps 2 --checkpoint-dir /no/such/dir
+  echo "not hdf5" > "$work/text.h5"
+  expect_error 2 "is not an HDF5 file" run 2 "${model[@]}" --steps 2 --resume "$work/text.h5"
+  other=("${model[@]}")
+  other[4]=2   # --layers 2 instead of 3
+  expect_error 2 "holds another model" run 2 "${other[@]}" --steps 4 --resume "$work/d/ckpt-00000002.h5"
+  cp "$work/d/ckpt-00000002.h5" "$work/v99.h5"
+  /usr/bin/python3 -c "import h5py,sys; f=h5py.File(sys.argv[1],'r+'); f.attrs.modify('format_version', 99)" "$work/v99.h5"
+  expect_error 2 "format version 99" run 2 "${model[@]}" --steps 4 --resume "$work/v99.h5"
+  expect_error 2 "no checkpoint file '/no/such.h5'" run 2 "${model[@]}" --steps 4 --resume /no/such.h5
+  expect_error 2 "is not an HDF5 file" "$mpipe" inspect "$work/text.h5"
+  /usr/bin/python3 -c "import h5py,sys; h5py.File(sys.argv[1],'w')['x']=[1.0]" "$work/other.h5"
+  expect_error 2 "is not an mpipe checkpoint" "$mpipe" inspect "$work/other.h5"
+  # A directory that cannot take the file: the run fails cleanly, the old checkpoint stays.
+  before=$(md5sum "$work/d/ckpt-00000002.h5")
+  mkdir "$work/d/.ckpt-00000004.h5.tmp"   # the temporary name is taken by a directory
+  set +e; out=$(run 2 "${model[@]}" --steps 4 --checkpoint-dir "$work/d" --resume never 2>&1); rc=$?; set -e
+  [[ $rc -ne 0 ]] || fail "a failed checkpoint exited 0"
+  grep -q "error: checkpoint .*ckpt-00000004.h5" <<<"$out" || fail "no checkpoint error: $out"
+  [[ "$(md5sum "$work/d/ckpt-00000002.h5")" == "$before" ]] || fail "the old checkpoint changed"
+  [[ ! -e "$work/d/ckpt-00000004.h5" ]] || fail "a failed checkpoint was left in place"
+  ;;
+keep)
+  mkdir "$work/d"
+  run 2 "${model[@]}" --steps 8 --checkpoint-dir "$work/d" --checkpoint-every 2 --keep 2 >/dev/null
+  [[ "$(cd "$work/d" && ls)" == "$(printf 'ckpt-00000006.h5\nckpt-00000008.h5')" ]] || fail "keep 2 left: $(ls -a "$work/d")"
+  touch "$work/d/.ckpt-00000010.h5.tmp"   # a stray temporary of a run that died
+  run 2 "${model[@]}" --steps 10 --checkpoint-dir "$work/d" --keep 2 >/dev/null
+  [[ "$(cd "$work/d" && ls -A)" == "$(printf 'ckpt-00000008.h5\nckpt-00000010.h5')" ]] || fail "after resume: $(ls -A "$work/d")"
+  ;;
+*) fail "unknown case $case" ;;
+esac
+echo "ok: checkpoint $case"
