@@ -38,12 +38,15 @@ int default_threads(const Communicator& world) {
   int visible = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
   const int online = visible;
   if (sched_getaffinity(0, sizeof(set), &set) == 0) visible = CPU_COUNT(&set);
-  if (visible < online || world.size() == 1) return std::max(1, visible);
-  MPI_Comm node;
-  MPI_Comm_split_type(world.get(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &node);
+  // Collective on every rank whatever its binding, so that no rank is left waiting.
   int local = 1;
-  MPI_Comm_size(node, &local);
-  MPI_Comm_free(&node);
+  if (world.size() > 1) {
+    MPI_Comm node;
+    MPI_CHECK(MPI_Comm_split_type(world.get(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &node));
+    MPI_Comm_size(node, &local);
+    MPI_Comm_free(&node);
+  }
+  if (visible < online) return std::max(1, visible);  // bound: use what we were given
   return std::max(1, visible / local);
 }
 
@@ -210,15 +213,17 @@ int agree(const Communicator& world, const std::function<void()>& phase) {
     code = exit_internal_error;
     message = cat("mpipe: internal error on rank ", world.rank(), ": ", e.what());
   }
-  int failed[2] = {code ? world.rank() : world.size(), code};
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed[0], 1, MPI_INT, MPI_MIN, world.get()));
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed[1], 1, MPI_INT, MPI_MAX, world.get()));
-  if (failed[0] == world.size()) return 0;
-  if (failed[0] == world.rank()) {
+  // The worst code wins (internal over user error); the lowest rank with it speaks.
+  int worst = code;
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &worst, 1, MPI_INT, MPI_MAX, world.get()));
+  if (worst == 0) return 0;
+  int speaker = code == worst ? world.rank() : world.size();
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &speaker, 1, MPI_INT, MPI_MIN, world.get()));
+  if (speaker == world.rank()) {
     std::fflush(stdout);
     std::fprintf(stderr, "%s\n", message.c_str());
   }
-  return failed[1];
+  return worst;
 }
 
 }  // namespace
@@ -266,7 +271,6 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--partition", p.partition, "Balance stages by uniform, params, flops or time")->capture_default_str();
   cmd.add_option("--balance", p.balance, "Layers per stage, e.g. 3,5 (overrides --partition)");
   cmd.add_option("--p2p-timeout", p.p2p_timeout, "Seconds a point-to-point wait may block")->capture_default_str();
-  cmd.add_option("--bucket-mb", p.bucket_mb, "Data-parallel allreduce bucket size in MiB")->capture_default_str();
   cmd.add_option("--checkpoint-dir", c.checkpoint_dir, "Write HDF5 checkpoints DIR/ckpt-<step>.h5 (must exist)");
   cmd.add_option("--checkpoint-every", c.checkpoint_every, "Steps between checkpoints (0: only the final one)")
       ->capture_default_str();
@@ -448,9 +452,7 @@ int run_train(const TrainConfig& config, const Communicator& world) {
 
 int run_main(int argc, char** argv) {
   // MPI comes up first for train, so that under mpirun only rank 0 reports.
-  bool training = false;
-  for (int i = 1; i < argc; ++i)
-    if (std::strcmp(argv[i], "train") == 0) training = true;
+  const bool training = argc > 1 && std::strcmp(argv[1], "train") == 0;
   int rank = 0, already = 0;
   MPI_Initialized(&already);  // tests call run_main with MPI up
   const bool own_mpi = training && !already;
@@ -502,8 +504,18 @@ int run_main(int argc, char** argv) {
   }
 
   if (train->parsed()) {
-    const Communicator world = Communicator::borrow(MPI_COMM_WORLD);
-    return finish(run_train(train_config, world));
+    int code = exit_internal_error;
+    try {
+      const Communicator world = Communicator::borrow(MPI_COMM_WORLD);
+      code = run_train(train_config, world);
+    } catch (const std::exception& e) {
+      // Outside the guarded phases: one line, then end every rank.
+      std::fflush(stdout);
+      std::fprintf(stderr, "mpipe: error on rank %d: %s\n", rank, e.what());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, exit_internal_error);
+    }
+    return finish(code);
   }
   try {
     if (inspect->parsed()) return run_inspect(inspect_path, inspect_stats, inspect_verify);

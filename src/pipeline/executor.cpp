@@ -35,16 +35,20 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(p.remat == "always" || p.remat == "except-last" || p.remat == "never",
                 "use --remat always, except-last or never", "unknown --remat '", p.remat, "'");
   MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
-  MPIPE_REQUIRE(p.bucket_mb > 0, "e.g. --bucket-mb 25", "--bucket-mb must be positive, got ", p.bucket_mb);
   make_schedule(p.schedule, 1, 1);  // throws UserError for an unknown name
   GridShape grid = p.grid;
   if (world > 0) grid = resolve_grid(grid, world);
   const int replicas = std::max(1, grid.replicas);
+  // Tags are 2 * micro-batch + direction; MPI promises tags up to 32767.
+  MPIPE_REQUIRE(c.micro_batches <= 16383, "use at most 16383 micro-batches", "--micro-batches ", c.micro_batches,
+                " is too many");
+  MPIPE_REQUIRE(c.micro_batches <= c.batch_size, "use at most one micro-batch per sample",
+                "--micro-batches ", c.micro_batches, " exceeds --batch-size ", c.batch_size);
   if (replicas == 1)
     MPIPE_REQUIRE(c.batch_size % c.micro_batches == 0, "pick --micro-batches dividing --batch-size",
                   "--batch-size ", c.batch_size, " is not divisible by --micro-batches ", c.micro_batches);
   else
-    MPIPE_REQUIRE(c.batch_size % (c.micro_batches * replicas) == 0,
+    MPIPE_REQUIRE(c.batch_size % (static_cast<std::int64_t>(c.micro_batches) * replicas) == 0,
                   cat("pick a --batch-size that is a multiple of ", c.micro_batches * replicas),
                   "--batch-size ", c.batch_size, " does not split into --micro-batches ", c.micro_batches, " x ",
                   replicas, " replicas");
@@ -73,7 +77,8 @@ Executor::~Executor() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
-  for (auto* list : {&recv_act_req_, &recv_grad_req_, &send_req_, &bucket_req_})
+  // Point-to-point requests left by a failed step; collectives may not be cancelled.
+  for (auto* list : {&recv_act_req_, &recv_grad_req_, &send_req_})
     for (MPI_Request& r : *list)
       if (r != MPI_REQUEST_NULL) {
         MPI_Cancel(&r);
@@ -89,9 +94,21 @@ void Executor::connect() {
     partition_ = partition_from_balance(parse_balance(p.balance), model_.size());
   } else if (p.partition == "time") {
     // Measured once, on world rank 0, so every rank cuts at the same layers.
+    // Measured once, on a model of its own (its layers' views die with the probe), and
+    // a failure is broadcast as NaN so that no rank is left in the broadcast.
     std::vector<double> costs(model_.size(), 0.0);
-    if (world_.rank() == 0) costs = measure_layer_times(model_, micro_, config_.seed);
+    std::string problem;
+    if (world_.rank() == 0) {
+      try {
+        Model probe(config_.model);
+        costs = measure_layer_times(probe, micro_, config_.seed);
+      } catch (const std::exception& e) {
+        problem = e.what();
+        costs.assign(costs.size(), std::nan(""));
+      }
+    }
     world_.broadcast(costs, 0);
+    if (std::isnan(costs[0])) throw Error(cat("measuring layer times on rank 0 failed", problem.empty() ? "" : ": " + problem));
     partition_ = partition_min_max(costs, K);
   } else {
     partition_ = partition_min_max(layer_costs(model_, p.partition, micro_), K);
@@ -148,23 +165,23 @@ void Executor::allocate() {
   contexts_.assign(M, nullptr);
   reduce_buffer_.assign(model_.size() + 3, 0.0);  // per layer, loss, bubble, stop
 
-  // Buckets of whole layers, from the last layer down: gradients become final in that
-  // order during the last micro-batch's backward.
+  // One bucket per layer with parameters, from the last layer down: gradients become
+  // final in that order during the last micro-batch's backward. Whole layers, and never
+  // more than one, so every message is the same whatever K is: MPI's reduction order
+  // may depend on the message size, and promise 1 must hold for any D too.
   buckets_.clear();
   if (D > 1) {
     const auto entries = params_->entries();
-    const double limit = config_.pipeline.bucket_mb * 1048576.0 / sizeof(float);
-    std::size_t hi = params_->grads().size(), lo = hi;
+    std::size_t hi = params_->grads().size();
     for (int layer = end_ - 1; layer >= begin_; --layer) {
+      std::size_t lo = hi;
       for (const ParamEntry& e : entries)
         if (e.layer == layer) lo = std::min(lo, e.offset);
-      const bool bottom = layer == begin_;
-      if (lo < hi && (static_cast<double>(hi - lo) >= limit || bottom)) {
+      if (lo < hi) {
         buckets_.push_back({layer, lo, hi});
         hi = lo;
       }
     }
-    if (!buckets_.empty()) buckets_.back().begin = 0;  // padding before the first entry
   }
   bucket_req_.assign(buckets_.size(), MPI_REQUEST_NULL);
 
@@ -302,6 +319,7 @@ void Executor::run_pipeline(std::int64_t step) {
   const Communicator& pipe = grid_->pipeline();
   const double timeout = config_.pipeline.p2p_timeout;
   loss_sum_ = 0.0;
+  persistent_.reset();  // also when compute_gradients() is called without step()
   params_->zero_grads();
   if (dataset_) {
     const int share = config_.batch_size / grid_->replicas();
@@ -354,7 +372,10 @@ void Executor::reduce_gradients() {
   wait_all(bucket_req_, timeout, "the gradient allreduce of bucket");
   // Tied weights: owner (first stage) and copy (last stage) end with the sum of both.
   params_->sum_local_tied_grads();
-  for (const auto& [offset, count] : tied_spans_) grid_->tied().allreduce_sum(params_->grads().subspan(offset, count));
+  for (const auto& [offset, count] : tied_spans_) {
+    MPI_Request request = grid_->tied().iallreduce_sum(params_->grads().subspan(offset, count));
+    wait_for(request, timeout, "the tied-weight gradient sum, span", static_cast<int>(offset), -1);
+  }
   times_.allreduce += since(start);
 }
 
@@ -380,6 +401,18 @@ double Executor::compute_gradients(std::int64_t step) {
 }
 
 StepResult Executor::step(std::int64_t step) {
+  try {
+    return step_unchecked(step);
+  } catch (const std::exception& e) {
+    // The action loop names its action already; everything else gets rank and stage.
+    const std::string what = e.what();
+    if (what.rfind("rank ", 0) == 0) throw;
+    throw Error(cat("rank ", world_.rank(), " (stage ", grid_->stage(), ", replica ", grid_->replica(), ") at step ",
+                    step, " during the gradient reduction or update: ", what));
+  }
+}
+
+StepResult Executor::step_unchecked(std::int64_t step) {
   const auto start = Clock::now();
   times_ = PhaseTimes{};
   StepResult r;

@@ -249,7 +249,10 @@ std::string render(const Schedule& s, const StageCosts& costs) {
   const auto columns = static_cast<std::size_t>(std::ceil(sim.makespan));
   std::ostringstream out;
   out << "time    ";
-  for (std::size_t c = 0; c < columns; ++c) out << (c % 5 == 0 ? std::to_string(c) : std::string()) << std::string(c % 5 == 0 ? 4 - std::to_string(c).size() : 4, ' ');
+  for (std::size_t c = 0; c < columns; ++c) {
+    const std::string label = c % 5 == 0 ? std::to_string(c) : std::string();
+    out << label << std::string(label.size() < 4 ? 4 - label.size() : 1, ' ');
+  }
   out << "\n";
   for (int st = 0; st < s.stages; ++st) {
     std::vector<std::string> cells(columns, ".   ");

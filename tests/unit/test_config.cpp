@@ -77,7 +77,7 @@ TEST_CASE("every documented option parses into the config") {
 TEST_CASE("pipeline options parse into the config") {
   const TrainConfig c = parse({"--stages", "4", "--replicas", "2", "--rank-order", "data", "--schedule", "1f1b",
                                "--remat", "except-last", "--partition", "time", "--balance", "1,2,3", "--p2p-timeout",
-                               "30", "--bucket-mb", "8"});
+                               "30"});
   CHECK(c.pipeline.grid.stages == 4);
   CHECK(c.pipeline.grid.replicas == 2);
   CHECK(c.pipeline.grid.rank_order == "data");
@@ -86,7 +86,6 @@ TEST_CASE("pipeline options parse into the config") {
   CHECK(c.pipeline.partition == "time");
   CHECK(c.pipeline.balance == "1,2,3");
   CHECK(c.pipeline.p2p_timeout == 30.0);
-  CHECK(c.pipeline.bucket_mb == 8.0);
 }
 
 TEST_CASE("a TOML config sets options and the command line overrides it") {

@@ -31,7 +31,6 @@ struct PipelineConfig {
   std::string partition = "flops"; // uniform | params | flops | time
   std::string balance;             // "a,b,..." layers per stage; overrides partition
   double p2p_timeout = 600.0;      // seconds a point-to-point wait may block
-  double bucket_mb = 25.0;         // data-parallel allreduce bucket size
 };
 
 struct TrainConfig {
@@ -117,6 +116,7 @@ class Executor {
     int lowest_layer;          // starts when this layer's last backward is done
     std::size_t begin, end;    // span of the gradient buffer
   };
+  StepResult step_unchecked(std::int64_t step);
   Pass make_pass(std::int64_t step, int micro_batch, Arena* arena) const;
   bool rematerialize(int micro_batch) const;
   void run_forward(std::int64_t step, int micro_batch);
