@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -357,9 +358,12 @@ int run_train(const TrainConfig& config, const Communicator& world) {
   if ((code = agree(world, [&] { exec->allocate(); }))) return code;
   int64_t first_step = 0;
   std::string resumed_from;
+  double load_seconds = 0;
   if ((code = agree(world, [&] {
          resumed_from = resolve_resume(config, exec->model(), world);
+         const auto start = std::chrono::steady_clock::now();
          if (!resumed_from.empty()) first_step = load_checkpoint(*exec, resumed_from);
+         load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
        })))
     return code;
   std::signal(SIGTERM, on_stop_signal);
@@ -376,7 +380,8 @@ int run_train(const TrainConfig& config, const Communicator& world) {
     if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(config, grid.shape());
     std::printf("%s, lr %g, %d steps\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps);
     if (!resumed_from.empty())
-      std::printf("resumed from %s: %lld steps done\n", resumed_from.c_str(), static_cast<long long>(first_step));
+      std::printf("resumed from %s: %lld steps done (checked and loaded in %.2f s)\n", resumed_from.c_str(),
+                  static_cast<long long>(first_step), load_seconds);
     std::fflush(stdout);
   }
 
@@ -389,9 +394,12 @@ int run_train(const TrainConfig& config, const Communicator& world) {
   auto checkpoint = [&](int64_t done) {
     if (config.checkpoint_dir.empty() || done == last_saved) return true;
     try {
-      const std::string path = save_checkpoint(*exec, done);
+      const SaveResult saved = save_checkpoint(*exec, done);
       last_saved = done;
-      if (root) std::printf("checkpoint %s written\n", path.c_str());
+      if (root)
+        std::printf("checkpoint %s written: %s in %.2f s (%.0f MB/s), verified in %.2f s\n", saved.path.c_str(),
+                    human_bytes(saved.bytes).c_str(), saved.write_seconds, saved.bytes / 1e6 / saved.write_seconds,
+                    saved.verify_seconds);
       return true;
     } catch (const std::exception& e) {
       if (root) std::fprintf(stderr, "mpipe: error: %s\n", e.what());

@@ -7,6 +7,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -153,6 +154,34 @@ void fsync_path(const std::string& path, bool directory) {
   }
 }
 
+// Which stage writes each parameter dataset (and its optimizer state): the stage
+// holding its layer, except that a tied weight held by two stages (GPT's embedding and
+// head) is written by whichever of the two has less else to write, so the writers'
+// shares of the file are closer to even.
+std::vector<int> writer_stages(const Model& model, const Partition& part, const std::vector<DatasetSpec>& params) {
+  auto stage_of = [&](int layer) {
+    int s = 0;
+    while (part.end(s) <= layer) ++s;
+    return s;
+  };
+  std::vector<int> writer(params.size());
+  std::vector<double> bytes(part.stages(), 0.0);
+  std::vector<int> copy_stage(params.size(), -1);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    writer[i] = stage_of(params[i].layer);
+    for (int layer = 0; layer < model.size(); ++layer)
+      for (const ParamSpec& spec : model.layer(layer).param_specs())
+        if (spec.tied_layer == params[i].layer && spec.tied_name == params[i].name) copy_stage[i] = stage_of(layer);
+    if (copy_stage[i] < 0 || copy_stage[i] == writer[i]) bytes[writer[i]] += static_cast<double>(params[i].shape.numel());
+  }
+  for (std::size_t i = 0; i < params.size(); ++i)
+    if (copy_stage[i] >= 0 && copy_stage[i] != writer[i]) {
+      if (bytes[copy_stage[i]] < bytes[writer[i]]) writer[i] = copy_stage[i];
+      bytes[writer[i]] += static_cast<double>(params[i].shape.numel());
+    }
+  return writer;
+}
+
 struct TrainState {
   int64_t step = 0, updates = 0, samples = 0;
   uint64_t seed = 0;
@@ -270,8 +299,11 @@ void check_checkpoint_options(const TrainConfig& c) {
 
 // ---- saving --------------------------------------------------------------------------
 
-std::string save_checkpoint(Executor& exec, std::int64_t step) {
+SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
   quiet_hdf5();
+  const auto start = std::chrono::steady_clock::now();
+  auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
+  SaveResult result;
   const TrainConfig& config = exec.config();
   const Grid& grid = exec.grid();
   const Communicator& world = grid.world();
@@ -313,14 +345,17 @@ std::string save_checkpoint(Executor& exec, std::int64_t step) {
         H5_CHECK(sets.back().get(), "cannot create ", d.path);
       }
       // This rank's data, and the checksums every writer must agree on.
+      const std::vector<int> writers = writer_stages(model, exec.partition(), params);
       std::vector<uint32_t> crcs(all.size(), 0);
       const ParamStore& store = exec.params();
       for (std::size_t i = 0; i < all.size(); ++i) {
         const DatasetSpec& d = all[i];
-        if (d.layer < store.begin() || d.layer >= store.end()) continue;
+        if (writers[i % params.size()] != grid.stage()) continue;
         const ParamEntry* entry = nullptr;
         for (const ParamEntry& e : store.entries())
-          if (e.layer == d.layer && e.name == d.name && !e.tied_copy) entry = &e;
+          if (!e.alias && e.owner_layer == d.layer &&
+              (e.tied_copy ? model.layer(d.layer).param_specs()[e.owner_index].name == d.name : e.name == d.name))
+            entry = &e;
         MPIPE_CHECK(entry, "no entry for ", d.path);
         const std::size_t which = i / params.size();  // 0 parameters, 1.. optimizer states
         const float* data = which == 0 ? store.params().data() + entry->param_offset
@@ -359,12 +394,16 @@ std::string save_checkpoint(Executor& exec, std::int64_t step) {
   if (!failed && world.rank() == 0) {
     try {
       fsync_path(temp_path, false);
+      result.write_seconds = seconds(start);
+      result.bytes = static_cast<double>(fs::file_size(temp_path));
+      const auto verify_start = std::chrono::steady_clock::now();
       const std::string signature = model_signature(model);
       if (auto bad = verify_checkpoint(temp_path, &signature)) throw Error(cat("verification failed: ", *bad));
       std::error_code ec;
       fs::rename(temp_path, final_path, ec);
       if (ec) throw Error(cat("cannot rename '", temp_path, "' to '", final_path, "': ", ec.message()));
       fsync_path(config.checkpoint_dir, true);
+      result.verify_seconds = seconds(verify_start);
       // Prune only older complete checkpoints, and only now that the new one is in place.
       if (config.keep > 0) {
         std::vector<std::string> complete;
@@ -388,7 +427,8 @@ std::string save_checkpoint(Executor& exec, std::int64_t step) {
     if (!problem.empty()) throw Error(cat("checkpoint ", final_path, ": ", problem));
     throw Error(cat("checkpoint ", final_path, " failed on another rank"));
   }
-  return final_path;
+  result.path = final_path;
+  return result;
 }
 
 // ---- resuming ----------------------------------------------------------------------

@@ -34,11 +34,18 @@ std::optional<std::string> verify_checkpoint(const std::string& path, const std:
 // Checks --checkpoint-dir and --resume before training (rank 0); UserError on a problem.
 void check_checkpoint_options(const TrainConfig& config);
 
+struct SaveResult {
+  std::string path;
+  double bytes = 0;           // file size
+  double write_seconds = 0;   // create, write, close and fsync
+  double verify_seconds = 0;  // re-read every checksum, rename, prune
+};
+
 // Collective over the world. Replica 0 writes step `step`'s checkpoint (the state after
 // `step` completed steps); world rank 0 verifies it, renames it into place and prunes
-// to --keep. Returns the path. Throws on any rank if it failed anywhere; the previous
-// checkpoints are untouched then.
-std::string save_checkpoint(Executor& exec, std::int64_t step);
+// to --keep. Throws on every rank if it failed anywhere; the previous checkpoints are
+// untouched then.
+SaveResult save_checkpoint(Executor& exec, std::int64_t step);
 
 // Which checkpoint --resume asks for: PATH, the newest good one in --checkpoint-dir
 // (auto; damaged ones are skipped with a warning), or none. Collective: rank 0 decides.
