@@ -360,9 +360,8 @@ int run_train(const TrainConfig& config, const Communicator& world) {
   std::string resumed_from;
   double load_seconds = 0;
   if ((code = agree(world, [&] {
-         resumed_from = resolve_resume(config, exec->model(), world);
          const auto start = std::chrono::steady_clock::now();
-         if (!resumed_from.empty()) first_step = load_checkpoint(*exec, resumed_from);
+         resumed_from = resume(*exec, &first_step);
          load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
        })))
     return code;

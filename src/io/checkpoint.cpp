@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <memory>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -187,6 +189,199 @@ struct TrainState {
   uint64_t seed = 0;
 };
 
+// Direct I/O needs buffers, offsets and sizes aligned to the device's blocks.
+constexpr std::size_t direct_alignment = 4096;
+constexpr std::size_t staging_bytes = 16u << 20;
+
+// Writes `bytes` at `offset` of the file: the block-aligned body with O_DIRECT through
+// an aligned staging buffer (no page-cache copy, which on many machines is slower
+// than the disk), the rest through the page cache.
+void write_raw(int direct_fd, int buffered_fd, const void* source, std::size_t bytes, std::uint64_t offset,
+               std::byte* staging, const std::string& what) {
+  const auto* src = static_cast<const std::byte*>(source);
+  std::size_t body = 0;
+  if (direct_fd >= 0 && offset % direct_alignment == 0) body = bytes / direct_alignment * direct_alignment;
+  for (std::size_t done = 0; done < body;) {
+    const std::size_t n = std::min(staging_bytes, body - done);
+    std::memcpy(staging, src + done, n);
+    const ssize_t w = ::pwrite(direct_fd, staging, n, static_cast<off_t>(offset + done));
+    if (w <= 0) throw Error(cat("cannot write ", what, ": ", std::strerror(errno), " (disk full?)"));
+    done += static_cast<std::size_t>(w);
+  }
+  for (std::size_t done = body; done < bytes;) {
+    const ssize_t w = ::pwrite(buffered_fd, src + done, bytes - done, static_cast<off_t>(offset + done));
+    if (w <= 0) throw Error(cat("cannot write ", what, ": ", std::strerror(errno), " (disk full?)"));
+    done += static_cast<std::size_t>(w);
+  }
+}
+
+// One writer's part of a checkpoint (collective over replica 0's ranks). HDF5 creates
+// every dataset on every writer (its metadata is collective) with space allocated at
+// creation; each writer then writes only its own layers' data: with HDF5's MPI-IO
+// driver, or, where the file system takes O_DIRECT, straight to the offsets HDF5
+// allocated once the file is closed (MPIPE_CHECKPOINT_BUFFERED=1 forces the former).
+struct WriteTimes {
+  double write = 0, read_back = 0;
+};
+
+WriteTimes write_file(Executor& exec, const std::string& temp_path, std::int64_t step) {
+  const auto start = std::chrono::steady_clock::now();
+  auto since = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
+  WriteTimes times;
+  const TrainConfig& config = exec.config();
+  const Grid& grid = exec.grid();
+  const Model& model = exec.model();
+  const Communicator& comm = grid.pipeline();
+  const auto params = parameter_datasets(model, "/model");
+  const auto names = exec.optimizer().state_names();
+  std::vector<DatasetSpec> all = params;  // parameters, then each optimizer state with the same keys
+  for (const std::string& state : names)
+    for (const DatasetSpec& d : params)
+      all.push_back({"/optimizer/" + state + d.path.substr(std::strlen("/model")), d.shape, d.layer, d.name});
+
+  // This rank's datasets and the checksums every writer must agree on.
+  struct Mine {
+    std::size_t index;
+    const float* data;
+    std::size_t bytes;
+    haddr_t offset = HADDR_UNDEF;
+  };
+  std::vector<Mine> mine;
+  const std::vector<int> writers = writer_stages(model, exec.partition(), params);
+  std::vector<uint32_t> crcs(all.size(), 0);
+  const ParamStore& store = exec.params();
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    const DatasetSpec& d = all[i];
+    if (writers[i % params.size()] != grid.stage()) continue;
+    const ParamEntry* entry = nullptr;
+    for (const ParamEntry& e : store.entries())
+      if (!e.alias && e.owner_layer == d.layer &&
+          (e.tied_copy ? model.layer(d.layer).param_specs()[e.owner_index].name == d.name : e.name == d.name))
+        entry = &e;
+    MPIPE_CHECK(entry, "no entry for ", d.path);
+    const std::size_t which = i / params.size();  // 0 parameters, 1.. optimizer states
+    const float* data = which == 0 ? store.params().data() + entry->param_offset
+                                   : exec.optimizer().state(static_cast<int>(which - 1)).data() + entry->offset;
+    const std::size_t bytes = static_cast<std::size_t>(entry->numel()) * sizeof(float);
+    crcs[i] = crc32_of(data, bytes);
+    mine.push_back({i, data, bytes});
+  }
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, crcs.data(), static_cast<int>(crcs.size()), MPI_UINT32_T, MPI_MAX, comm.get()));
+
+  int direct_fd = -1;
+  {
+    Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+    H5Pset_fapl_mpio(fapl.get(), comm.get(), MPI_INFO_NULL);
+    H5Pset_coll_metadata_write(fapl.get(), true);
+    H5Pset_alignment(fapl.get(), direct_alignment, direct_alignment);  // datasets start on blocks
+    Handle file(H5Fcreate(temp_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
+    H5_CHECK(file.get(), "cannot create '", temp_path, "'");
+    if (!std::getenv("MPIPE_CHECKPOINT_BUFFERED")) direct_fd = ::open(temp_path.c_str(), O_WRONLY | O_DIRECT);
+    Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
+    H5Pset_create_intermediate_group(lcpl.get(), 1);
+    Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+    H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
+    H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY);
+    std::vector<Handle> sets;
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      const auto dd = dims(all[i].shape);
+      Handle space(H5Screate_simple(static_cast<int>(dd.size()), dd.data(), nullptr), H5Sclose);
+      sets.emplace_back(H5Dcreate2(file.get(), all[i].path.c_str(), H5T_IEEE_F32LE, space.get(), lcpl.get(), dcpl.get(),
+                                   H5P_DEFAULT), H5Dclose);
+      H5_CHECK(sets.back().get(), "cannot create ", all[i].path);
+      write_scalar_attribute<uint32_t>(sets.back().get(), "crc32", H5T_STD_U32LE, crcs[i]);
+    }
+    for (Mine& m : mine) {
+      if (direct_fd >= 0) {
+        m.offset = H5Dget_offset(sets[m.index].get());
+        H5_CHECK(m.offset == HADDR_UNDEF ? -1 : 0, "no file offset for ", all[m.index].path);
+      } else {
+        H5_CHECK(H5Dwrite(sets[m.index].get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, m.data), "cannot write ",
+                 all[m.index].path, " (disk full?)");
+      }
+    }
+    sets.clear();
+    // Training state and provenance, the same on every writer.
+    TrainState state{step, exec.updates(), step * config.batch_size, config.seed};
+    Handle train(H5Gcreate2(file.get(), "/train", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
+    write_scalar_attribute<int64_t>(train.get(), "step", H5T_STD_I64LE, state.step);
+    write_scalar_attribute<int64_t>(train.get(), "optimizer_updates", H5T_STD_I64LE, state.updates);
+    write_scalar_attribute<int64_t>(train.get(), "samples_consumed", H5T_STD_I64LE, state.samples);
+    write_scalar_attribute<int64_t>(train.get(), "data_position", H5T_STD_I64LE, state.samples);
+    write_scalar_attribute<uint64_t>(train.get(), "seed", H5T_STD_U64LE, state.seed);
+    write_string_attribute(train.get(), "data", config.data);
+    write_string_attribute(file.get(), "format", checkpoint_format);
+    write_scalar_attribute<int>(file.get(), "format_version", H5T_STD_I32LE, checkpoint_format_version);
+    write_string_attribute(file.get(), "mpipe_version", cat(version(), " (git ", git_hash(), ")"));
+    write_string_attribute(file.get(), "model_signature", model_signature(model));
+    write_string_attribute(file.get(), "optimizer", config.optimizer.kind);
+    write_string_attribute(file.get(), "config", to_toml(config));
+    H5_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), "cannot flush '", temp_path, "'");
+  }  // the file is closed (collectively) here; HDF5 writes nothing more
+  // A collective close may return on one writer while another still writes metadata:
+  // no raw data goes in before every writer is out of HDF5.
+  comm.barrier();
+  if (direct_fd >= 0) {
+    const int buffered_fd = ::open(temp_path.c_str(), O_WRONLY);
+    std::unique_ptr<std::byte, decltype(&std::free)> staging(
+        static_cast<std::byte*>(std::aligned_alloc(direct_alignment, staging_bytes)), &std::free);
+    try {
+      if (buffered_fd < 0 || !staging) throw Error(cat("cannot reopen '", temp_path, "': ", std::strerror(errno)));
+      for (const Mine& m : mine) write_raw(direct_fd, buffered_fd, m.data, m.bytes, m.offset, staging.get(), all[m.index].path);
+      if (::fsync(buffered_fd) != 0 || ::fsync(direct_fd) != 0)
+        throw Error(cat("cannot fsync '", temp_path, "': ", std::strerror(errno)));
+      times.write = since(start);
+      const auto read_start = std::chrono::steady_clock::now();
+      // Read back what reached the file, past the page cache, against the checksums.
+      const int reader = ::open(temp_path.c_str(), O_RDONLY | O_DIRECT);
+      const int plain_reader = ::open(temp_path.c_str(), O_RDONLY);
+      std::string bad;
+      std::vector<std::byte> rest;
+      for (const Mine& m : mine) {
+        if (reader < 0 || plain_reader < 0) {
+          bad = cat("cannot reopen '", temp_path, "': ", std::strerror(errno));
+          break;
+        }
+        uLong crc = 0;
+        const std::size_t body = m.offset % direct_alignment == 0 ? m.bytes / direct_alignment * direct_alignment : 0;
+        for (std::size_t done = 0; done < body && bad.empty();) {
+          const ssize_t r = ::pread(reader, staging.get(), std::min(staging_bytes, body - done), static_cast<off_t>(m.offset + done));
+          if (r <= 0) bad = cat("cannot read back ", all[m.index].path);
+          else crc = crc32_z(crc, reinterpret_cast<const Bytef*>(staging.get()), static_cast<std::size_t>(r));
+          done += r > 0 ? static_cast<std::size_t>(r) : 0;
+        }
+        rest.resize(m.bytes - body);
+        if (bad.empty() && !rest.empty() &&
+            ::pread(plain_reader, rest.data(), rest.size(), static_cast<off_t>(m.offset + body)) != static_cast<ssize_t>(rest.size()))
+          bad = cat("cannot read back ", all[m.index].path);
+        // (crc32_z with a null buffer returns the initial value, not crc: skip it when empty)
+        if (!rest.empty()) crc = crc32_z(crc, reinterpret_cast<const Bytef*>(rest.data()), rest.size());
+        if (bad.empty() && static_cast<uint32_t>(crc) != crcs[m.index])
+          bad = cat("read-back of ", all[m.index].path, " does not match what was written (offset ", m.offset, ", ", m.bytes, " bytes, body ", body, ")");
+        if (!bad.empty()) break;
+      }
+      if (reader >= 0) ::close(reader);
+      if (plain_reader >= 0) ::close(plain_reader);
+      if (!bad.empty()) throw Error(bad);
+      times.read_back = since(read_start);
+    } catch (...) {
+      ::close(direct_fd);
+      if (buffered_fd >= 0) ::close(buffered_fd);
+      throw;
+    }
+    ::close(direct_fd);
+    ::close(buffered_fd);
+  } else {
+    const int fd = ::open(temp_path.c_str(), O_RDONLY);
+    if (fd >= 0) {
+      ::fsync(fd);
+      ::close(fd);
+    }
+    times.write = since(start);
+  }
+  return times;
+}
+
 }  // namespace
 
 // ---- names, signature, config ------------------------------------------------------
@@ -231,7 +426,7 @@ std::string to_toml(const TrainConfig& c) {
 
 // ---- verification --------------------------------------------------------------------
 
-std::optional<std::string> verify_checkpoint(const std::string& path, const std::string* signature) {
+std::optional<std::string> verify_checkpoint(const std::string& path, const std::string* signature, bool read_data) {
   quiet_hdf5();
   if (!fs::is_regular_file(path)) return cat("'", path, "' is not a file");
   if (H5Fis_hdf5(path.c_str()) <= 0) return cat("'", path, "' is not an HDF5 file");
@@ -252,7 +447,8 @@ std::optional<std::string> verify_checkpoint(const std::string& path, const std:
     std::optional<std::string> problem;
     std::size_t datasets = 0;
     std::vector<float> buffer;
-  } visit{file.get(), std::nullopt, 0, {}};
+    bool read_data;
+  } visit{file.get(), std::nullopt, 0, {}, read_data};
   const herr_t rc = H5Ovisit2(
       file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
       [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
@@ -263,6 +459,14 @@ std::optional<std::string> verify_checkpoint(const std::string& path, const std:
         const auto n = static_cast<std::size_t>(std::max<hssize_t>(0, H5Sget_simple_extent_npoints(space.get())));
         Handle type(H5Dget_type(set.get()), H5Tclose);
         if (H5Tget_class(type.get()) != H5T_FLOAT) return 0;  // /train scalars are checked when read
+        if (!v->read_data) {  // structure only: the data was checked as it was written
+          if (H5Aexists(set.get(), "crc32") <= 0) {
+            v->problem = cat("dataset /", name, " has no checksum");
+            return 1;
+          }
+          ++v->datasets;
+          return 0;
+        }
         v->buffer.resize(n);
         if (auto p = read_checked(v->file, std::string("/") + name, v->buffer.data(), n)) {
           v->problem = *p;
@@ -301,7 +505,6 @@ void check_checkpoint_options(const TrainConfig& c) {
 
 SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
   quiet_hdf5();
-  const auto start = std::chrono::steady_clock::now();
   auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
   SaveResult result;
   const TrainConfig& config = exec.config();
@@ -310,100 +513,40 @@ SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
   const std::string final_path = checkpoint_path(config.checkpoint_dir, step);
   const std::string temp_path = (fs::path(config.checkpoint_dir) / ("." + fs::path(final_path).filename().string() + ".tmp")).string();
   const Model& model = exec.model();
-  const auto params = parameter_datasets(model, "/model");
-  const auto names = exec.optimizer().state_names();
   int failed = 0;
   std::string problem;
 
+  WriteTimes times;
   if (grid.replica() == 0) {
     try {
-      // Every dataset is created by every writer (HDF5 metadata is collective); each
-      // writes only its own layers' data.
-      const Communicator& comm = grid.pipeline();
-      Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
-      H5Pset_fapl_mpio(fapl.get(), comm.get(), MPI_INFO_NULL);
-      H5Pset_coll_metadata_write(fapl.get(), true);
-      Handle file(H5Fcreate(temp_path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl.get()), H5Fclose);
-      H5_CHECK(file.get(), "cannot create '", temp_path, "'");
-      Handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
-      H5Pset_create_intermediate_group(lcpl.get(), 1);
-      Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
-      H5Pset_fill_time(dcpl.get(), H5D_FILL_TIME_NEVER);
-      H5Pset_alloc_time(dcpl.get(), H5D_ALLOC_TIME_EARLY);
-
-      // All datasets: parameters, then each optimizer state with the same keys.
-      std::vector<DatasetSpec> all = params;
-      for (const std::string& state : names)
-        for (const DatasetSpec& d : params)
-          all.push_back({"/optimizer/" + state + d.path.substr(std::strlen("/model")), d.shape, d.layer, d.name});
-      std::vector<Handle> sets;
-      for (const DatasetSpec& d : all) {
-        const auto dd = dims(d.shape);
-        Handle space(H5Screate_simple(static_cast<int>(dd.size()), dd.data(), nullptr), H5Sclose);
-        sets.emplace_back(H5Dcreate2(file.get(), d.path.c_str(), H5T_IEEE_F32LE, space.get(), lcpl.get(), dcpl.get(),
-                                     H5P_DEFAULT), H5Dclose);
-        H5_CHECK(sets.back().get(), "cannot create ", d.path);
-      }
-      // This rank's data, and the checksums every writer must agree on.
-      const std::vector<int> writers = writer_stages(model, exec.partition(), params);
-      std::vector<uint32_t> crcs(all.size(), 0);
-      const ParamStore& store = exec.params();
-      for (std::size_t i = 0; i < all.size(); ++i) {
-        const DatasetSpec& d = all[i];
-        if (writers[i % params.size()] != grid.stage()) continue;
-        const ParamEntry* entry = nullptr;
-        for (const ParamEntry& e : store.entries())
-          if (!e.alias && e.owner_layer == d.layer &&
-              (e.tied_copy ? model.layer(d.layer).param_specs()[e.owner_index].name == d.name : e.name == d.name))
-            entry = &e;
-        MPIPE_CHECK(entry, "no entry for ", d.path);
-        const std::size_t which = i / params.size();  // 0 parameters, 1.. optimizer states
-        const float* data = which == 0 ? store.params().data() + entry->param_offset
-                                       : exec.optimizer().state(static_cast<int>(which - 1)).data() + entry->offset;
-        H5_CHECK(H5Dwrite(sets[i].get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data), "cannot write ", d.path,
-                 " (disk full?)");
-        crcs[i] = crc32_of(data, static_cast<std::size_t>(entry->numel()) * sizeof(float));
-      }
-      MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, crcs.data(), static_cast<int>(crcs.size()), MPI_UINT32_T, MPI_MAX, comm.get()));
-      for (std::size_t i = 0; i < all.size(); ++i) write_scalar_attribute<uint32_t>(sets[i].get(), "crc32", H5T_STD_U32LE, crcs[i]);
-      sets.clear();
-
-      // Training state and provenance, the same on every writer.
-      TrainState state{step, exec.updates(), step * config.batch_size, config.seed};
-      Handle train(H5Gcreate2(file.get(), "/train", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
-      write_scalar_attribute<int64_t>(train.get(), "step", H5T_STD_I64LE, state.step);
-      write_scalar_attribute<int64_t>(train.get(), "optimizer_updates", H5T_STD_I64LE, state.updates);
-      write_scalar_attribute<int64_t>(train.get(), "samples_consumed", H5T_STD_I64LE, state.samples);
-      write_scalar_attribute<int64_t>(train.get(), "data_position", H5T_STD_I64LE, state.samples);
-      write_scalar_attribute<uint64_t>(train.get(), "seed", H5T_STD_U64LE, state.seed);
-      write_string_attribute(train.get(), "data", config.data);
-      write_string_attribute(file.get(), "format", checkpoint_format);
-      write_scalar_attribute<int>(file.get(), "format_version", H5T_STD_I32LE, checkpoint_format_version);
-      write_string_attribute(file.get(), "mpipe_version", cat(version(), " (git ", git_hash(), ")"));
-      write_string_attribute(file.get(), "model_signature", model_signature(model));
-      write_string_attribute(file.get(), "optimizer", config.optimizer.kind);
-      write_string_attribute(file.get(), "config", to_toml(config));
-      H5_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), "cannot flush '", temp_path, "'");
+      times = write_file(exec, temp_path, step);
     } catch (const std::exception& e) {
       failed = 1;
       problem = e.what();
     }
   }
-  // Agree before world rank 0 (a writer) verifies and renames.
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, world.get()));
+  // Agree before world rank 0 (a writer) verifies and renames; the slowest writer's
+  // times are the checkpoint's.
+  double agreed[3] = {static_cast<double>(failed), times.write, times.read_back};
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, agreed, 3, MPI_DOUBLE, MPI_MAX, world.get()));
+  failed = static_cast<int>(agreed[0]);
+  result.write_seconds = agreed[1];
   if (!failed && world.rank() == 0) {
     try {
-      fsync_path(temp_path, false);
-      result.write_seconds = seconds(start);
       result.bytes = static_cast<double>(fs::file_size(temp_path));
       const auto verify_start = std::chrono::steady_clock::now();
       const std::string signature = model_signature(model);
-      if (auto bad = verify_checkpoint(temp_path, &signature)) throw Error(cat("verification failed: ", *bad));
+      // Each writer read its own data back against its checksum (or HDF5 wrote it and
+      // the structure check below reads it all); here the file as a whole: HDF5,
+      // format, model, every dataset present with a checksum.
+      const bool data_checked = !std::getenv("MPIPE_CHECKPOINT_BUFFERED");
+      if (auto bad = verify_checkpoint(temp_path, &signature, !data_checked))
+        throw Error(cat("verification failed: ", *bad));
       std::error_code ec;
       fs::rename(temp_path, final_path, ec);
       if (ec) throw Error(cat("cannot rename '", temp_path, "' to '", final_path, "': ", ec.message()));
       fsync_path(config.checkpoint_dir, true);
-      result.verify_seconds = seconds(verify_start);
+      result.verify_seconds = agreed[2] + seconds(verify_start);
       // Prune only older complete checkpoints, and only now that the new one is in place.
       if (config.keep > 0) {
         std::vector<std::string> complete;
@@ -433,45 +576,70 @@ SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
 
 // ---- resuming ----------------------------------------------------------------------
 
-std::string resolve_resume(const TrainConfig& config, const Model& model, const Communicator& world) {
-  std::string chosen, warning, error;
+std::vector<std::string> resume_candidates(const TrainConfig& config, const Model& model, const Communicator& world) {
+  // Rank 0 looks; the files' structure is checked here, their data as it is loaded.
+  std::vector<std::string> chosen;
+  std::string error;
   if (world.rank() == 0 && config.resume != "never") {
     const std::string signature = model_signature(model);
     if (config.resume != "auto") {
-      if (auto bad = verify_checkpoint(config.resume, &signature)) error = *bad;
-      else chosen = config.resume;
+      if (auto bad = verify_checkpoint(config.resume, &signature, false)) error = *bad;
+      else chosen.push_back(config.resume);
     } else if (!config.checkpoint_dir.empty()) {
-      std::vector<std::string> candidates;
+      std::vector<std::string> found;
       for (const auto& entry : fs::directory_iterator(config.checkpoint_dir)) {
         const std::string name = entry.path().filename().string();
         if (name.rfind(".ckpt-", 0) == 0 && name.size() > 4 && name.substr(name.size() - 4) == ".tmp") {
           std::error_code ec;
           fs::remove(entry.path(), ec);  // a stray temporary from a run that died while writing
         } else if (name.size() == 16 && name.rfind("ckpt-", 0) == 0 && name.substr(13) == ".h5") {
-          candidates.push_back(entry.path().string());
+          found.push_back(entry.path().string());
         }
       }
-      std::sort(candidates.rbegin(), candidates.rend());
-      for (const std::string& c : candidates) {
-        if (auto bad = verify_checkpoint(c, &signature)) {
-          std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", bad->c_str());
-          continue;
-        }
-        chosen = c;
-        break;
+      std::sort(found.rbegin(), found.rend());  // newest first
+      for (const std::string& c : found) {
+        if (auto bad = verify_checkpoint(c, &signature, false)) std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", bad->c_str());
+        else chosen.push_back(c);
       }
     }
   }
-  // Broadcast the choice (or the error) from rank 0.
+  // Broadcast the list (or the error) from rank 0, one path per line.
   int code = error.empty() ? 0 : 1;
   MPI_CHECK(MPI_Bcast(&code, 1, MPI_INT, 0, world.get()));
-  std::string text = code ? error : chosen;
+  std::string text = error;
+  if (!code)
+    for (const std::string& c : chosen) text += c + "\n";
   int length = static_cast<int>(text.size());
   MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT, 0, world.get()));
   text.resize(static_cast<std::size_t>(length));
   MPI_CHECK(MPI_Bcast(text.data(), length, MPI_CHAR, 0, world.get()));
   if (code) throw UserError(cat("cannot resume: ", text), "give a good checkpoint, or --resume auto / never");
-  return text;
+  std::vector<std::string> out;
+  std::stringstream lines(text);
+  for (std::string line; std::getline(lines, line);) out.push_back(line);
+  return out;
+}
+
+std::string resume(Executor& exec, std::int64_t* step) {
+  const TrainConfig& config = exec.config();
+  const Communicator& world = exec.grid().world();
+  const std::vector<std::string> candidates = resume_candidates(config, exec.model(), world);
+  std::string failures;
+  for (const std::string& path : candidates) {
+    try {
+      *step = load_checkpoint(exec, path);
+      if (!failures.empty() && world.rank() == 0) std::fflush(stdout);
+      return path;
+    } catch (const UserError& e) {
+      if (config.resume != "auto") throw UserError(cat("cannot resume: ", e.what()), e.hint());
+      if (world.rank() == 0) std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", e.what());
+      failures += cat(failures.empty() ? "" : "; ", path);
+    }
+  }
+  // Parameters partly overwritten by a failed load must not be trained on.
+  MPIPE_REQUIRE(failures.empty(), cat("move the damaged files away, or use --resume never"),
+                "no checkpoint in '", config.checkpoint_dir, "' loads (", failures, ")");
+  return "";
 }
 
 std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
@@ -510,7 +678,7 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
   int failed = problem.empty() ? 0 : 1;
   const Communicator& world = exec.grid().world();
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, world.get()));
-  if (failed) throw UserError(cat("cannot load checkpoint: ", problem.empty() ? "failed on another rank" : problem),
+  if (failed) throw UserError(cat("'", path, "': ", problem.empty() ? "failed on another rank" : problem),
                               "check the file with 'mpipe inspect --verify'");
   exec.set_updates(state.updates);
   return state.step;

@@ -31,6 +31,11 @@ layout)
   run 1 "${model[@]}" --steps 4 --checkpoint-dir "$work/k1" >/dev/null
   run 4 "${model[@]}" --steps 4 --checkpoint-dir "$work/k4" --schedule 1f1b --remat always >/dev/null
   same_tensors "$work/k1/ckpt-00000004.h5" "$work/k4/ckpt-00000004.h5"
+  # Data written through HDF5's MPI-IO driver instead of O_DIRECT: the same file content.
+  mkdir "$work/buffered"
+  MPIPE_CHECKPOINT_BUFFERED=1 mpiexec -n 2 -x MPIPE_CHECKPOINT_BUFFERED --oversubscribe "$mpipe" "${model[@]}" --steps 4 \
+    --checkpoint-dir "$work/buffered" >/dev/null
+  same_tensors "$work/k1/ckpt-00000004.h5" "$work/buffered/ckpt-00000004.h5"
   "$mpipe" inspect "$work/k4/ckpt-00000004.h5" --verify --stats > "$work/inspect.txt"
   grep "verify: every checksum matches" "$work/inspect.txt" >/dev/null || fail "inspect: $(cat "$work/inspect.txt")"
   h5ls -r "$work/k4/ckpt-00000004.h5" | grep "/model/0000/wte .*Dataset {64, 32}" >/dev/null || fail "h5ls does not show /model/0000/wte"
@@ -103,8 +108,11 @@ with h5py.File(sys.argv[1], "r+") as f:   # change one weight, keep the old chec
 PY
   expect_error 2 "fails its checksum" "$mpipe" inspect "$work/altered.h5" --verify
   truncate -s 100000 "$newest"
-  out=$(run 1 "${model[@]}" --steps 5 --checkpoint-dir "$work/d" 2>&1) || fail "auto resume failed: $out"
-  grep -q "warning: skipping checkpoint: '.*ckpt-00000004.h5'" <<<"$out" || fail "no warning for the damaged file: $out"
+  cp "$work/altered.h5" "$work/d/ckpt-00000003.h5"   # well-formed, but its data fails the checksum
+  out=$(run 2 "${model[@]}" --steps 5 --checkpoint-dir "$work/d" 2>&1) || fail "auto resume failed: $out"
+  grep -q "warning: skipping checkpoint: '.*ckpt-00000004.h5'" <<<"$out" || fail "no warning for the truncated file: $out"
+  grep -q "warning: skipping checkpoint: '.*ckpt-00000003.h5': .*fails its checksum" <<<"$out" \
+    || fail "no warning for the altered file: $out"
   grep -q "resumed from .*ckpt-00000002.h5" <<<"$out" || fail "did not fall back to step 2: $out"
   expect_error 2 "cannot resume: .*altered.h5.*fails its checksum" run 1 "${model[@]}" --steps 5 --resume "$work/altered.h5"
   ;;

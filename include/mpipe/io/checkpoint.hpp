@@ -28,8 +28,10 @@ std::string model_signature(const Model& model);
 std::string to_toml(const TrainConfig& config);
 
 // Checks a checkpoint file without MPI: HDF5, format and version, (when given) the
-// model signature, and the CRC-32 of every dataset. Returns the problem, or nothing.
-std::optional<std::string> verify_checkpoint(const std::string& path, const std::string* signature = nullptr);
+// model signature, every dataset present with a checksum, and (read_data) the CRC-32
+// of every dataset's data. Returns the problem, or nothing.
+std::optional<std::string> verify_checkpoint(const std::string& path, const std::string* signature = nullptr,
+                                             bool read_data = true);
 
 // Checks --checkpoint-dir and --resume before training (rank 0); UserError on a problem.
 void check_checkpoint_options(const TrainConfig& config);
@@ -47,9 +49,12 @@ struct SaveResult {
 // untouched then.
 SaveResult save_checkpoint(Executor& exec, std::int64_t step);
 
-// Which checkpoint --resume asks for: PATH, the newest good one in --checkpoint-dir
-// (auto; damaged ones are skipped with a warning), or none. Collective: rank 0 decides.
-std::string resolve_resume(const TrainConfig& config, const Model& model, const Communicator& world);
+// Collective: resumes as --resume asks. auto tries the checkpoints of --checkpoint-dir
+// newest first, skipping (with a warning) any whose structure or data does not check
+// out; PATH must load. Returns the file loaded (and sets *step to the completed steps
+// it holds), or "" when there is nothing to resume. UserError if PATH is bad, or if
+// every candidate failed while loading.
+std::string resume(Executor& exec, std::int64_t* step);
 
 // Collective: every rank loads its stage's parameters and optimizer state from `path`.
 // Returns the number of completed steps the checkpoint holds.
