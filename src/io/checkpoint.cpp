@@ -222,6 +222,7 @@ void write_raw(int direct_fd, int buffered_fd, const void* source, std::size_t b
 // allocated once the file is closed (MPIPE_CHECKPOINT_BUFFERED=1 forces the former).
 struct WriteTimes {
   double write = 0, read_back = 0;
+  bool data_checked = false;  // this writer read its data back against the checksums
 };
 
 WriteTimes write_file(Executor& exec, const std::string& temp_path, std::int64_t step) {
@@ -364,6 +365,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, std::int64_t
       if (plain_reader >= 0) ::close(plain_reader);
       if (!bad.empty()) throw Error(bad);
       times.read_back = since(read_start);
+      times.data_checked = true;
     } catch (...) {
       ::close(direct_fd);
       if (buffered_fd >= 0) ::close(buffered_fd);
@@ -527,8 +529,10 @@ SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
   }
   // Agree before world rank 0 (a writer) verifies and renames; the slowest writer's
   // times are the checkpoint's.
-  double agreed[3] = {static_cast<double>(failed), times.write, times.read_back};
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, agreed, 3, MPI_DOUBLE, MPI_MAX, world.get()));
+  // (the last entry is 1 where some writer did not read its data back)
+  double agreed[4] = {static_cast<double>(failed), times.write, times.read_back,
+                      grid.replica() == 0 && !times.data_checked ? 1.0 : 0.0};
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, agreed, 4, MPI_DOUBLE, MPI_MAX, world.get()));
   failed = static_cast<int>(agreed[0]);
   result.write_seconds = agreed[1];
   if (!failed && world.rank() == 0) {
@@ -539,7 +543,7 @@ SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
       // Each writer read its own data back against its checksum (or HDF5 wrote it and
       // the structure check below reads it all); here the file as a whole: HDF5,
       // format, model, every dataset present with a checksum.
-      const bool data_checked = !std::getenv("MPIPE_CHECKPOINT_BUFFERED");
+      const bool data_checked = agreed[3] == 0.0;
       if (auto bad = verify_checkpoint(temp_path, &signature, !data_checked))
         throw Error(cat("verification failed: ", *bad));
       std::error_code ec;
