@@ -14,7 +14,7 @@ steps=${STEPS:-6}
 micro=${MICRO:-4}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-model=(--model gpt --layers 6 --d-model 192 --heads 6 --seq-len 128 --vocab 64 --partition flops
+model=(--model gpt --layers 4 --d-model 192 --heads 6 --seq-len 128 --vocab 64 --partition flops
        --threads 1 --steps "$steps" --log-every 1000000 --lr 1e-3)
 
 # run K M REMAT -> "median_step_s mean_bubble peak_bytes_max" from the metrics and log
@@ -33,7 +33,7 @@ print(statistics.median(r["step_time_s"] for r in rows), statistics.mean(r["bubb
 PY
 }
 
-echo "GPT 6 blocks x 192 channels, seq 128, vocab 64, micro-batch $micro samples; 1 thread per rank;"
+echo "GPT 4 blocks x 192 channels, seq 128, vocab 64, micro-batch $micro samples; 1 thread per rank;"
 echo "step times: median of $((steps - 1)) steps, averaged over two alternating runs of each K"
 printf '%4s %12s %12s %9s %9s %7s %11s %11s %12s %12s\n' M "K=1 samp/s" "K=2 samp/s" speedup "bound" "of bound" \
   "bubble" "theory" "peak never" "peak always"
