@@ -20,6 +20,7 @@
 #include "mpipe/core/version.hpp"
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/io/metrics.hpp"
+#include "mpipe/io/trace.hpp"
 
 namespace mpipe {
 
@@ -262,7 +263,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--threads", c.threads, "Threads per rank (BLAS and loops); 0: the cores given to the rank")
       ->capture_default_str();
   cmd.add_option("--log-every", c.log_every, "Print a line every N steps")->capture_default_str();
-  cmd.add_option("--metrics", c.metrics, "Write one JSON object per step to FILE");
+  cmd.add_option("--metrics", c.metrics, "Write one JSON object per step to FILE (the last line: the run's summary)");
+  cmd.add_option("--summary", c.summary, "Write the run's summary (throughput, bubble, peak memory) as JSON to FILE");
+  cmd.add_option("--trace", c.trace, "Write every rank's actions as a Chrome/Perfetto trace to FILE.json");
+  cmd.add_option("--trace-steps", c.trace_steps, "Steps traced, after the first")->capture_default_str();
   cmd.add_option("--stages", p.grid.stages, "Pipeline stages K (0: world size / replicas)")->capture_default_str();
   cmd.add_option("--replicas", p.grid.replicas, "Data-parallel replicas D (0: world size / stages)")->capture_default_str();
   cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks) or data")
@@ -365,6 +369,7 @@ int run_train(const TrainConfig& config, const Communicator& world) {
          load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
        })))
     return code;
+  if (!config.trace.empty()) exec->start_trace_clock();
   std::signal(SIGTERM, on_stop_signal);
   std::signal(SIGUSR1, on_stop_signal);
 
@@ -388,6 +393,10 @@ int run_train(const TrainConfig& config, const Communicator& world) {
   const int64_t tokens_per_sample = m.kind == "gpt" ? m.seq_len : 0;
   PhaseStats stats;
   stats.stage = grid.stage();
+  std::vector<double> step_seconds;  // rank 0, for the summary's median
+  step_seconds.reserve(static_cast<std::size_t>(config.steps));
+  const bool progress = root && isatty(STDOUT_FILENO);
+  const auto run_start = std::chrono::steady_clock::now();
   // Writes the checkpoint of `done` completed steps on every rank; false if it failed.
   int64_t last_saved = resumed_from.empty() ? -1 : first_step;
   auto checkpoint = [&](int64_t done) {
@@ -422,18 +431,29 @@ int run_train(const TrainConfig& config, const Communicator& world) {
       if (config.checkpoint_every > 0 && (step + 1) % config.checkpoint_every == 0 && step + 1 < config.steps)
         if (!checkpoint(step + 1)) return exit_internal_error;
       if (!root) continue;
+      if (step > first_step) step_seconds.push_back(r.seconds);
       const double samples_per_s = config.batch_size / r.seconds;
       const double tokens_per_s = samples_per_s * static_cast<double>(tokens_per_sample);
       if (metrics) metrics->write(r, samples_per_s, tokens_per_s);
       if (r.skipped)
         std::printf("step %lld: non-finite loss or gradients (norm %g); update skipped on every rank\n",
                     static_cast<long long>(step + 1), r.grad_norm);
-      if ((step + 1) % config.log_every == 0 || step == 0 || step + 1 == config.steps) {
+      if (progress) std::printf("\r\033[K");  // the progress line gives way to a log line
+      if ((step + 1) % config.log_every == 0 || step == first_step || step + 1 == config.steps) {
         std::printf("step %6lld/%d | loss %.6f | lr %.3e | grad norm %8.4f | %8.2f ms | bubble %4.1f%% | ",
                     static_cast<long long>(step + 1), config.steps, r.loss, r.lr, r.grad_norm, r.seconds * 1e3,
                     100 * r.bubble_fraction);
         if (tokens_per_sample > 0) std::printf("%.0f tok/s\n", tokens_per_s);
         else std::printf("%.0f samples/s\n", samples_per_s);
+        std::fflush(stdout);
+      }
+      if (progress && step + 1 < config.steps) {
+        // On a terminal: one line that updates in place. Batch logs get plain lines only.
+        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+        const double eta = elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(config.steps - step - 1);
+        std::printf("step %lld/%d | loss %.4f | %.0f %s | ETA %d:%02d", static_cast<long long>(step + 1), config.steps,
+                    r.loss, tokens_per_sample > 0 ? tokens_per_s : samples_per_s, tokens_per_sample > 0 ? "tok/s" : "samples/s",
+                    static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
         std::fflush(stdout);
       }
     }
@@ -449,10 +469,35 @@ int run_train(const TrainConfig& config, const Communicator& world) {
   double peak = static_cast<double>(exec->peak_activation_bytes());
   std::vector<double> peaks(root ? world.size() : 0);
   MPI_CHECK(MPI_Gather(&peak, 1, MPI_DOUBLE, peaks.data(), 1, MPI_DOUBLE, 0, world.get()));
+  if (!config.trace.empty()) {
+    if ((code = agree(world, [&] { write_trace(*exec, config.trace); }))) return code;
+    if (root) std::printf("trace of steps 2-%d written to %s\n", config.trace_steps + 1, config.trace.c_str());
+  }
   if (root) {
     std::printf("peak activation memory per rank:");
     for (double p : peaks) std::printf(" %s", human_bytes(p).c_str());
     std::printf("\n");
+    RunSummary summary;
+    summary.steps = static_cast<long long>(step_seconds.size());
+    if (!step_seconds.empty()) {
+      std::sort(step_seconds.begin(), step_seconds.end());
+      summary.median_step_s = step_seconds[step_seconds.size() / 2];
+      summary.samples_per_s = config.batch_size / summary.median_step_s;
+      summary.tokens_per_s = summary.samples_per_s * static_cast<double>(tokens_per_sample);
+    }
+    summary.bubble = stats.steps > 0 ? stats.bubble / stats.steps : 0.0;
+    summary.theoretical_bubble = theory;
+    summary.peak_bytes_per_rank = peaks;
+    const std::string json = summary_json(*exec, summary);
+    if (metrics) metrics->write_line(json);
+    if (!config.summary.empty()) {
+      std::FILE* out = std::fopen(config.summary.c_str(), "w");
+      if (!out) std::fprintf(stderr, "mpipe: warning: cannot write summary '%s'\n", config.summary.c_str());
+      else {
+        std::fprintf(out, "%s\n", json.c_str());
+        std::fclose(out);
+      }
+    }
   }
   return preempted ? exit_preempted : 0;
 }

@@ -18,6 +18,11 @@ MetricsWriter::~MetricsWriter() {
   if (file_) std::fclose(file_);
 }
 
+void MetricsWriter::write_line(const std::string& json) {
+  std::fprintf(file_, "%s\n", json.c_str());
+  std::fflush(file_);
+}
+
 void MetricsWriter::write(const StepResult& r, double samples_per_s, double tokens_per_s) {
   // JSON has no NaN or Infinity: a skipped step's non-finite numbers become null.
   auto num = [](double v) { return std::isfinite(v) ? cat(std::setprecision(9), v) : std::string("null"); };

@@ -18,6 +18,28 @@ double since(Clock::time_point start) { return std::chrono::duration<double>(Clo
 
 }  // namespace
 
+const char* TraceEvent::name(int kind) {
+  static const char* names[count] = {"forward", "backward", "recompute", "send activation", "wait activation",
+                                     "send gradient", "wait gradient", "wait sends", "allreduce", "optimizer"};
+  return names[kind];
+}
+
+void Executor::start_trace_clock() {
+  world_.barrier();  // every rank leaves the barrier within microseconds: a shared origin
+  trace_origin_ = Clock::now();
+}
+
+void Executor::record(std::int64_t step, int kind, int micro_batch, Clock::time_point start) {
+  if (!tracing(step)) return;
+  TraceEvent e;
+  e.start = std::chrono::duration<double>(start - trace_origin_).count();
+  e.end = std::chrono::duration<double>(Clock::now() - trace_origin_).count();
+  e.step = static_cast<std::int32_t>(step);
+  e.kind = static_cast<std::int16_t>(kind);
+  e.micro_batch = static_cast<std::int16_t>(micro_batch);
+  trace_.push_back(e);
+}
+
 const char* PhaseTimes::name(int i) {
   static const char* names[count] = {"forward", "backward", "recompute", "p2p wait", "allreduce", "optimizer", "idle", "step"};
   return names[i];
@@ -201,6 +223,12 @@ void Executor::allocate() {
     }
   }
 
+  trace_.clear();
+  if (!config_.trace.empty()) {
+    // Every action of every traced step, plus the reductions: sized once, here.
+    std::size_t per_step = schedule_.actions[grid_->stage()].size() + static_cast<std::size_t>(M) + 8;
+    trace_.reserve(per_step * static_cast<std::size_t>(std::max(0, config_.trace_steps)));
+  }
   if (const char* fail = std::getenv("MPIPE_TEST_FAIL")) {
     // Test hook: MPIPE_TEST_FAIL=RANK:STEP[:stall] makes that world rank throw (or hang)
     // in its first forward of that step, to check that one failing or stuck rank ends
@@ -275,6 +303,7 @@ void Executor::run_forward(std::int64_t step, int mb) {
   outputs_[mb] = out;
   contexts_[mb] = contexts;
   times_.forward += since(start);
+  record(step, TraceEvent::forward, mb, start);
 }
 
 void Executor::run_backward(std::int64_t step, int mb) {
@@ -286,6 +315,7 @@ void Executor::run_backward(std::int64_t step, int mb) {
     Tensor unused;
     contexts = forward_layers(make_pass(step, mb, &scratch_), mb, &unused);
     times_.recompute += since(start);
+    record(step, TraceEvent::recompute, mb, start);
   }
   const auto start = Clock::now();
   const Pass pass = make_pass(step, mb, &scratch_);
@@ -310,6 +340,7 @@ void Executor::run_backward(std::int64_t step, int mb) {
   }
   scratch_.reset();
   times_.backward += since(start);
+  record(step, TraceEvent::backward, mb, start);
 }
 
 void Executor::run_pipeline(std::int64_t step) {
@@ -336,6 +367,7 @@ void Executor::run_pipeline(std::int64_t step) {
   send_req_.clear();
   for (const Action& action : schedule_.actions[stage]) {
     const int mb = action.micro_batch;
+    const auto action_start = Clock::now();
     try {
       switch (action.kind) {
         case ActionKind::forward: run_forward(step, mb); break;
@@ -343,16 +375,20 @@ void Executor::run_pipeline(std::int64_t step) {
         case ActionKind::recv_act:
           times_.p2p_wait += wait_for(recv_act_req_[mb], timeout, "the activation of micro-batch", mb,
                                       static_cast<long>(recv_act_[mb].size()));
+          record(step, TraceEvent::recv_act, mb, action_start);
           break;
         case ActionKind::recv_grad:
           times_.p2p_wait += wait_for(recv_grad_req_[mb], timeout, "the gradient of micro-batch", mb,
                                       static_cast<long>(recv_grad_[mb].size()));
+          record(step, TraceEvent::recv_grad, mb, action_start);
           break;
         case ActionKind::send_act:
           send_req_.push_back(pipe.isend(outputs_[mb].span(), stage + 1, message_tag(mb, Direction::forward)));
+          record(step, TraceEvent::send_act, mb, action_start);
           break;
         case ActionKind::send_grad:
           send_req_.push_back(pipe.isend(input_grads_[mb].span(), stage - 1, message_tag(mb, Direction::backward)));
+          record(step, TraceEvent::send_grad, mb, action_start);
           break;
       }
     } catch (const std::exception& e) {
@@ -360,7 +396,9 @@ void Executor::run_pipeline(std::int64_t step) {
                       " during ", to_string(action), ": ", e.what()));
     }
   }
+  const auto sends_start = Clock::now();
   times_.p2p_wait += wait_all(send_req_, timeout, "a send to a neighbour stage, request");
+  record(step, TraceEvent::send_wait, -1, sends_start);
   const double pipeline_time = since(start);
   const double busy = times_.forward + times_.backward + times_.recompute;
   reduce_buffer_[model_.size() + 1] = pipeline_time > 0 ? std::max(0.0, 1.0 - busy / pipeline_time) : 0.0;
@@ -381,6 +419,7 @@ void Executor::reduce_gradients() {
 
 double Executor::compute_gradients(std::int64_t step) {
   run_pipeline(step);
+  const auto reduce_start = Clock::now();
   reduce_gradients();
   // One allreduce over the world agrees on the loss, the per-layer gradient norms and
   // the bubble. Each per-layer entry has exactly one non-zero contributor (replica 0 of
@@ -397,6 +436,7 @@ double Executor::compute_gradients(std::int64_t step) {
   MPI_Request request = world_.iallreduce_sum(reduce_buffer_);
   wait_for(request, config_.pipeline.p2p_timeout, "the loss and gradient-norm allreduce, step", static_cast<int>(step), -1);
   times_.allreduce += since(start);
+  record(step, TraceEvent::allreduce, -1, reduce_start);
   return reduce_buffer_[L] / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
 }
 
@@ -437,6 +477,7 @@ StepResult Executor::step_unchecked(std::int64_t step) {
     }
     optimizer_->update(r.lr, ++updates_);
     times_.optimizer += since(opt_start);
+    record(step, TraceEvent::optimizer, -1, opt_start);
   }
   persistent_.reset();
   r.seconds = since(start);

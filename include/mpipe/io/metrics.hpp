@@ -15,6 +15,7 @@ class MetricsWriter {
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
   void write(const StepResult& r, double samples_per_s, double tokens_per_s);
+  void write_line(const std::string& json);
 
  private:
   std::FILE* file_ = nullptr;

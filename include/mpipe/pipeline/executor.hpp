@@ -8,6 +8,7 @@
 // between first and last stage, agree on the loss and the global gradient norm, clip,
 // update. With one rank it is the plain single-process trainer.
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -45,6 +46,9 @@ struct TrainConfig {
   int threads = 0;          // 0: every core the process may use
   int log_every = 10;
   std::string metrics;      // JSON-lines file, or empty
+  std::string summary;      // JSON summary written at the end, or empty
+  std::string trace;        // Chrome/Perfetto trace of every rank's actions, or empty
+  int trace_steps = 5;      // steps traced, after the first
   std::string checkpoint_dir;    // where checkpoints go; empty: none
   int checkpoint_every = 0;      // steps between checkpoints; 0: only the final one
   int keep = 0;                  // complete checkpoints kept; 0: all
@@ -64,6 +68,17 @@ struct StepResult {
   double seconds = 0.0;
   double bubble_fraction = 0.0; // measured, averaged over ranks
   bool stop = false;            // some rank asked to stop after this step
+};
+
+// One timed action of one rank, for --trace. Plain data: gathered with MPI as bytes.
+struct TraceEvent {
+  enum Kind : std::int16_t { forward, backward, recompute, send_act, recv_act, send_grad, recv_grad, send_wait,
+                             allreduce, optimizer, count };
+  static const char* name(int kind);
+  double start = 0, end = 0;  // seconds since the run's common start
+  std::int32_t step = 0;
+  std::int16_t kind = 0;
+  std::int16_t micro_batch = -1;
 };
 
 // Seconds one rank spent in each phase of a step.
@@ -110,6 +125,10 @@ class Executor {
   const PhaseTimes& last_times() const { return times_; }
   // Peak bytes of activations and scratch held by this rank so far.
   std::size_t peak_activation_bytes() const;
+  // The events recorded for --trace (steps 1 .. trace_steps); times from trace_origin().
+  const std::vector<TraceEvent>& trace_events() const { return trace_; }
+  // Collective: sets a common time origin on every rank (after a barrier).
+  void start_trace_clock();
 
  private:
   struct Bucket {
@@ -153,6 +172,12 @@ class Executor {
   int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP[:stall]
   bool fail_stall_ = false;
   bool stop_requested_ = false;
+  std::vector<TraceEvent> trace_;                  // reserved once; never grows in a step
+  std::chrono::steady_clock::time_point trace_origin_;
+  bool tracing(std::int64_t step) const {
+    return !config_.trace.empty() && step >= 1 && step <= config_.trace_steps && trace_.size() < trace_.capacity();
+  }
+  void record(std::int64_t step, int kind, int micro_batch, std::chrono::steady_clock::time_point start);
 };
 
 }  // namespace mpipe

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Sweeps the micro-batch count M (and schedules) with mpirun on this machine and writes
+# one CSV row per run: M, schedule, K, D, samples/s, step time, measured and theoretical
+# bubble, peak activation memory per rank; plus a K=1 baseline per M for the bound.
+# Usage: scripts/sweep_microbatches.sh [--ms "1 2 4 8 16"] [--schedules "gpipe 1f1b"]
+#          [--ranks N] [--micro-size S] [--out sweep.csv] [-- extra mpipe train options]
+# The global batch is M x D x micro-size, so every run has micro-batches of one size.
+# Then: /usr/bin/python3 scripts/plot_sweep.py sweep.csv sweep.png
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ms="1 2 4 8 16" schedules="gpipe" ranks=$(nproc) micro=4 out=sweep.csv replicas=1
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --ms) ms=$2; shift 2 ;;
+    --schedules) schedules=$2; shift 2 ;;
+    --ranks) ranks=$2; shift 2 ;;
+    --replicas) replicas=$2; shift 2 ;;
+    --micro-size) micro=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    --) shift; break ;;
+    *) echo "sweep_microbatches.sh: unknown argument '$1'; hint: see the usage at the top of the script" >&2; exit 2 ;;
+  esac
+done
+extra=("$@")
+[[ -x build/release/mpipe ]] || { bash scripts/setup.sh; cmake --preset release >/dev/null; cmake --build --preset release --target mpipe >/dev/null; }
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+bind=(--bind-to core)
+(( ranks > $(nproc) )) && bind=(--oversubscribe --bind-to none)
+
+run() {  # ranks schedule M -> summary JSON line
+  local n=$1 schedule=$2 M=$3 D=$4
+  mpirun -n "$n" "${bind[@]}" build/release/mpipe train --threads 1 --log-every 1000000 "${extra[@]}" \
+    --schedule "$schedule" --micro-batches "$M" --replicas "$D" --batch-size $((M * D * micro)) \
+    --summary "$tmp/summary.json" > "$tmp/log" || { cat "$tmp/log" >&2; exit 1; }
+  cat "$tmp/summary.json"
+}
+
+echo "M,schedule,K,D,samples_per_s,step_time_s,bubble,theoretical_bubble,baseline_samples_per_s,peak_bytes_per_rank" > "$out"
+for M in $ms; do
+  base=$(run "$replicas" gpipe "$M" "$replicas")
+  for schedule in $schedules; do
+    line=$(run "$ranks" "$schedule" "$M" "$replicas")
+    /usr/bin/python3 - "$line" "$base" >> "$out" <<'PY'
+import json, sys
+s, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+print(f"{s['micro_batches']},{s['schedule']},{s['stages']},{s['replicas']},{s['samples_per_s']:.6g},"
+      f"{s['step_time_s']:.6g},{s['bubble_fraction']:.6g},{s['theoretical_bubble']:.6g},{b['samples_per_s']:.6g},"
+      + ";".join(str(p) for p in s["peak_activation_bytes_per_rank"]))
+PY
+    tail -1 "$out"
+  done
+done
+echo "wrote $out"
