@@ -2,13 +2,15 @@
 # Installs mpipe's system dependencies on Debian 12 with apt-get. Idempotent and quiet
 # when everything is present. Usage: scripts/setup.sh [--test]
 #   (no flag)  what building and running needs
-#   --test     also what the tests and plots need (PyTorch, h5py, numpy, matplotlib)
+#   --test     also what the tests and plots need (PyTorch, h5py, numpy, matplotlib,
+#              and Slurm with munge for the tests that start a real cluster)
 set -euo pipefail
 
 build_pkgs=(build-essential cmake ninja-build pkg-config git
             openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools
             libcli11-dev doctest-dev libopenblas-openmp-dev libopenblas0-openmp zlib1g-dev)
-test_pkgs=(python3 python3-torch python3-h5py python3-numpy python3-matplotlib)
+test_pkgs=(python3 python3-torch python3-h5py python3-numpy python3-matplotlib
+           slurmctld slurmd slurm-client munge)
 
 want=("${build_pkgs[@]}")
 [[ "${1:-}" == "--test" ]] && want+=("${test_pkgs[@]}")

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# A real single-node Slurm cluster (munged, slurmctld, slurmd started here, without
+# systemd) running the project's own sbatch scripts: a CPU training job, a micro-batch
+# sweep array, and a job sent SIGTERM mid-run that is requeued and resumes from its
+# checkpoint. Stops only the daemons it started.
+# Usage: slurm_test.sh MPIPE
+set -euo pipefail
+mpipe=$(readlink -f "$1")
+root=$(cd "$(dirname "$0")/../.." && pwd)
+work=
+fail() { echo "FAIL: $*"; for f in "${work:-/nonexistent}"/*.log; do [[ -f $f ]] && { echo "--- $f"; tail -20 "$f"; }; done; exit 1; }
+
+# Debian's Slurm and munge, if missing (scripts/setup.sh --test installs them too).
+missing=()
+for pkg in slurmctld slurmd slurm-client munge; do
+  [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" == "install ok installed" ]] || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+work=$(mktemp -d /tmp/mpipe-slurm-XXXXXX)
+chmod 755 "$work"
+started=()
+cleanup() {
+  for pid in "${started[@]}"; do kill "$pid" 2>/dev/null || true; done
+  sleep 1
+  for pid in "${started[@]}"; do kill -9 "$pid" 2>/dev/null || true; done
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+# munge: the key exists after Debian's install; /run/munge must belong to munge.
+if ! munge -n >/dev/null 2>&1; then  # no working munged (a dying one does not count)
+  mkdir -p /run/munge /var/log/munge /var/lib/munge
+  chown munge:munge /run/munge /var/log/munge /var/lib/munge
+  [[ -s /etc/munge/munge.key ]] || runuser -u munge -- /usr/sbin/mungekey --create
+  rm -f /run/munge/munged.pid
+  runuser -u munge -- /usr/sbin/munged
+  for _ in $(seq 100); do munge -n >/dev/null 2>&1 && break; sleep 0.1; done
+  munge -n >/dev/null 2>&1 || fail "munged did not start"
+  started+=("$(cat /run/munge/munged.pid)")  # the daemon's own pid, not runuser's
+fi
+
+host=$(hostname -s)
+mkdir -p "$work/state" "$work/spool"
+cat > "$work/slurm.conf" <<CONF
+ClusterName=mpipetest
+SlurmctldHost=$host(127.0.0.1)
+SlurmctldPort=16817
+SlurmdPort=16818
+SlurmUser=root
+AuthType=auth/munge
+MpiDefault=pmix
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+MailProg=/bin/true
+ReturnToService=2
+JobRequeue=1
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+StateSaveLocation=$work/state
+SlurmdSpoolDir=$work/spool
+SlurmctldPidFile=$work/slurmctld.pid
+SlurmdPidFile=$work/slurmd.pid
+SlurmctldLogFile=$work/slurmctld.log
+SlurmdLogFile=$work/slurmd.log
+NodeName=$host NodeAddr=127.0.0.1 CPUs=8 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+CONF
+export SLURM_CONF=$work/slurm.conf
+/usr/sbin/slurmctld -D -i -f "$SLURM_CONF" > "$work/slurmctld.out.log" 2>&1 &
+started+=($!)
+/usr/sbin/slurmd -D -f "$SLURM_CONF" > "$work/slurmd.out.log" 2>&1 &
+started+=($!)
+for _ in $(seq 60); do
+  sinfo -h -o %T 2>/dev/null | grep -qE "^idle" && break
+  sleep 0.5
+done
+sinfo -h -o %T | grep -qE "^idle" || fail "the node did not come up: $(sinfo 2>&1)"
+echo "slurm: node $host idle"
+
+cd "$root"
+export MPIPE=$mpipe OMPI_MCA_rmaps_base_oversubscribe=1
+cat > "$work/small.toml" <<TOML
+model = "gpt"
+layers = 2
+d-model = 32
+heads = 4
+seq-len = 16
+vocab = 64
+batch-size = 8
+micro-batches = 4
+log-every = 1
+lr = 0.003
+TOML
+
+# 1. The CPU training script, two stages.
+CHECKPOINT_DIR=$work/ckpt-cpu sbatch --wait -o "$work/cpu.log" slurm/train-cpu.sbatch "$work/small.toml" --steps 6 \
+  > /dev/null || fail "train-cpu.sbatch failed"
+grep -q "step      6/6" "$work/cpu.log" || fail "no final step in the CPU job's output"
+grep -q "grid: 1 replica x 2 stages = 2 ranks" "$work/cpu.log" || fail "the CPU job did not run 2 stages"
+[[ -f "$work/ckpt-cpu/ckpt-00000006.h5" ]] || fail "no checkpoint from the CPU job"
+"$mpipe" inspect --verify "$work/ckpt-cpu/ckpt-00000006.h5" > /dev/null || fail "the CPU job's checkpoint does not verify"
+echo "slurm: train-cpu.sbatch ok"
+
+# 2. The sweep as a job array, collected into one CSV.
+MS="1 2" SWEEP_CSV=$work/sweep.csv MICRO_SIZE=2 sbatch --wait --array=0-1 -o "$work/sweep-%a.log" \
+  slurm/sweep-microbatches.sbatch "$work/small.toml" --steps 3 > /dev/null || fail "the sweep array failed"
+[[ $(wc -l < "$work/sweep.csv") -eq 3 ]] || fail "sweep CSV: $(cat "$work/sweep.csv")"
+grep -q "^2,gpipe,2,1," "$work/sweep.csv" || fail "no M=2 row: $(cat "$work/sweep.csv")"
+echo "slurm: sweep-microbatches.sbatch ok"
+
+# 3. SIGTERM mid-run: checkpoint, exit 75, requeue, resume, finish.
+job=$(CHECKPOINT_DIR=$work/ckpt-pre sbatch --parsable -o "$work/pre.log" slurm/train-cpu.sbatch "$work/small.toml" \
+  --steps 400)
+for _ in $(seq 240); do grep -q "step      3/400" "$work/pre.log" 2>/dev/null && break; sleep 0.25; done
+grep -q "step      3/400" "$work/pre.log" || fail "the job never started training"
+scancel --signal=TERM "$job"
+for _ in $(seq 240); do grep -q "requeueing job" "$work/pre.log" 2>/dev/null && break; sleep 0.25; done
+grep -q "requeueing job" "$work/pre.log" || fail "the job was not requeued"
+# A requeued job waits a while before it may start again; let it start now.
+for _ in $(seq 40); do scontrol update jobid="$job" StartTime=now 2>/dev/null && break; sleep 0.25; done
+for _ in $(seq 600); do squeue -h -j "$job" 2>/dev/null | grep -q . || break; sleep 0.5; done
+squeue -h -j "$job" 2>/dev/null | grep -q . && fail "the requeued job did not finish"
+grep -q "stop signal received" "$work/pre.log" || fail "mpipe did not see the signal"
+grep -q "resumed from .*ckpt-pre/ckpt-" "$work/pre.log" || fail "the requeued job did not resume from its checkpoint"
+grep -q "step    400/400" "$work/pre.log" || fail "the resumed job did not finish"
+[[ -f "$work/ckpt-pre/ckpt-00000400.h5" ]] || fail "no final checkpoint after resuming"
+echo "slurm: SIGTERM, requeue and resume ok"
