@@ -3,12 +3,16 @@
 # one CSV row per run: M, schedule, K, D, samples/s, step time, measured and theoretical
 # bubble, peak activation memory per rank; plus a K=1 baseline per M for the bound.
 # Usage: scripts/sweep_microbatches.sh [--ms "1 2 4 8 16"] [--schedules "gpipe 1f1b"]
-#          [--ranks N] [--micro-size S] [--out sweep.csv] [-- extra mpipe train options]
+#          [--ranks N] [--replicas D] [--micro-size S] [--out sweep.csv]
+#          [--slurm CONFIG.toml] [-- extra mpipe train options]
+# With --slurm, nothing runs here: one job array per schedule is submitted
+# (slurm/sweep-microbatches.sbatch, one array task per M, --ntasks-per-node=ranks),
+# and its tasks append their rows to the same CSV.
 # The global batch is M x D x micro-size, so every run has micro-batches of one size.
 # Then: /usr/bin/python3 scripts/plot_sweep.py sweep.csv sweep.png
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ms="1 2 4 8 16" schedules="gpipe" ranks=$(nproc) micro=4 out=sweep.csv replicas=1
+ms="1 2 4 8 16" schedules="gpipe" ranks=$(nproc) micro=4 out=sweep.csv replicas=1 slurm_config=
 while [[ $# -gt 0 ]]; do
   case $1 in
     --ms) ms=$2; shift 2 ;;
@@ -17,11 +21,22 @@ while [[ $# -gt 0 ]]; do
     --replicas) replicas=$2; shift 2 ;;
     --micro-size) micro=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
+    --slurm) slurm_config=$2; shift 2 ;;
     --) shift; break ;;
     *) echo "sweep_microbatches.sh: unknown argument '$1'; hint: see the usage at the top of the script" >&2; exit 2 ;;
   esac
 done
 extra=("$@")
+if [[ -n "$slurm_config" ]]; then
+  read -r -a list <<< "$ms"
+  for schedule in $schedules; do
+    MS="$ms" SCHEDULE=$schedule REPLICAS=$replicas MICRO_SIZE=$micro SWEEP_CSV=$(readlink -f "$out") \
+      sbatch --array=0-$((${#list[@]} - 1)) --ntasks-per-node="$ranks" slurm/sweep-microbatches.sbatch \
+      "$slurm_config" "${extra[@]}"
+  done
+  echo "submitted; rows go to $out as the array tasks finish"
+  exit 0
+fi
 [[ -x build/release/mpipe ]] || { bash scripts/setup.sh; cmake --preset release >/dev/null; cmake --build --preset release --target mpipe >/dev/null; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 tmp=$(mktemp -d)

@@ -113,7 +113,11 @@ MS="1 2" SWEEP_CSV=$work/sweep.csv MICRO_SIZE=2 sbatch --wait --array=0-1 -o "$w
   slurm/sweep-microbatches.sbatch "$work/small.toml" --steps 3 > /dev/null || fail "the sweep array failed"
 [[ $(wc -l < "$work/sweep.csv") -eq 3 ]] || fail "sweep CSV: $(cat "$work/sweep.csv")"
 grep -q "^2,gpipe,2,1," "$work/sweep.csv" || fail "no M=2 row: $(cat "$work/sweep.csv")"
-echo "slurm: sweep-microbatches.sbatch ok"
+bash scripts/sweep_microbatches.sh --slurm "$work/small.toml" --ms "1 2" --ranks 2 --micro-size 2 \
+  --out "$work/sweep2.csv" -- --steps 3 > "$work/submit.log" || fail "sweep_microbatches.sh --slurm: $(cat "$work/submit.log")"
+for _ in $(seq 240); do [[ -z "$(squeue -h 2>/dev/null)" ]] && break; sleep 0.5; done
+[[ $(wc -l < "$work/sweep2.csv" 2>/dev/null) -eq 3 ]] || fail "sweep --slurm CSV: $(cat "$work/sweep2.csv" 2>&1)"
+echo "slurm: sweep-microbatches.sbatch ok (direct and through sweep_microbatches.sh --slurm)"
 
 # 3. SIGTERM mid-run: checkpoint, exit 75, requeue, resume, finish.
 job=$(CHECKPOINT_DIR=$work/ckpt-pre sbatch --parsable -o "$work/pre.log" slurm/train-cpu.sbatch "$work/small.toml" \
