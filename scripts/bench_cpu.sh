@@ -17,7 +17,7 @@ mpipe_median() {
   build/release/mpipe train --steps "$steps" --log-every 1000000 --metrics "$tmp/m.jsonl" "$@" >/dev/null
   /usr/bin/python3 - "$tmp/m.jsonl" <<'PY'
 import json, statistics, sys
-t = [json.loads(l)["step_time_s"] for l in open(sys.argv[1])][3:]
+t = [r["step_time_s"] for r in map(json.loads, open(sys.argv[1])) if "step" in r][3:]  # not the summary line
 print(f"{statistics.median(t):.6f}")
 PY
 }

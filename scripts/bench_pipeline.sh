@@ -24,7 +24,7 @@ run() {
     --batch-size $((M * micro)) --remat "$remat" --metrics "$tmp/m.jsonl" > "$tmp/log"
   /usr/bin/python3 - "$tmp/m.jsonl" "$tmp/log" <<'PY'
 import json, re, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])][1:]
+rows = [r for r in map(json.loads, open(sys.argv[1])) if "step" in r][1:]  # per-step lines, not the summary
 log = open(sys.argv[2]).read()
 peaks = re.search(r"peak activation memory per rank:(.*)", log).group(1).split()
 units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
@@ -70,7 +70,8 @@ wait
 taskset -c 1 "${model_solo[@]}" --metrics "$tmp/solo2.jsonl" > /dev/null
 /usr/bin/python3 - "$tmp" <<'PY'
 import json, statistics, sys
-med = lambda f: statistics.median(json.loads(l)["step_time_s"] for l in list(open(f"{sys.argv[1]}/{f}.jsonl"))[1:])
+med = lambda f: statistics.median(r["step_time_s"] for r in list(map(json.loads, open(f"{sys.argv[1]}/{f}.jsonl")))[1:]
+                                  if "step" in r)
 solo, a, b = (med("solo1") + med("solo2")) / 2, med("a"), med("b")  # alone: before and after
 print(f"machine: two independent K=1 jobs (M=8) run at {100 * solo / a:.1f}% and {100 * solo / b:.1f}% of one alone "
       f"(parallel efficiency {100 * 2 * solo / (a + b):.1f}%): the ceiling for K=2 is bound x that")

@@ -11,7 +11,13 @@ model=(train --model gpt --layers 3 --d-model 32 --heads 4 --seq-len 16 --vocab 
        --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1)
 run() { local n=$1; shift; mpiexec -n "$n" --oversubscribe "$mpipe" "$@"; }
 fail() { echo "FAIL: $*"; exit 1; }
-losses() { /usr/bin/python3 -c "import json,sys; print(' '.join(str(json.loads(l)['loss']) for l in open(sys.argv[1])))" "$1"; }
+losses() {  # the per-step losses of a metrics file (its last line, the summary, has none)
+  local out
+  out=$(/usr/bin/python3 -c "import json,sys; print(' '.join(str(r['loss']) for r in map(json.loads, open(sys.argv[1])) if 'loss' in r))" "$1") \
+    || fail "cannot read losses from $1"
+  [[ -n "$out" ]] || fail "no losses in $1"
+  echo "$out"
+}
 same_tensors() {  # two checkpoints' /model and /optimizer, compared by h5diff
   h5diff "$1" "$2" /model /model || fail "/model of $1 and $2 differ"
   h5diff "$1" "$2" /optimizer /optimizer || fail "/optimizer of $1 and $2 differ"
