@@ -7,7 +7,7 @@
 #          [--slurm CONFIG.toml] [-- extra mpipe train options]
 # With --slurm, nothing runs here: one job array per schedule is submitted
 # (slurm/sweep-microbatches.sbatch, one array task per M, --ntasks-per-node=ranks),
-# and its tasks append their rows to the same CSV.
+# its tasks append their rows to the same CSV and log beside it.
 # The global batch is M x D x micro-size, so every run has micro-batches of one size.
 # Then: /usr/bin/python3 scripts/plot_sweep.py sweep.csv sweep.png
 set -euo pipefail
@@ -31,7 +31,8 @@ if [[ -n "$slurm_config" ]]; then
   read -r -a list <<< "$ms"
   for schedule in $schedules; do
     MS="$ms" SCHEDULE=$schedule REPLICAS=$replicas MICRO_SIZE=$micro SWEEP_CSV=$(readlink -f "$out") \
-      sbatch --array=0-$((${#list[@]} - 1)) --ntasks-per-node="$ranks" slurm/sweep-microbatches.sbatch \
+      sbatch --array=0-$((${#list[@]} - 1)) --ntasks-per-node="$ranks" \
+      -o "$(dirname "$(readlink -f "$out")")/mpipe-sweep-%A_%a.out" slurm/sweep-microbatches.sbatch \
       "$slurm_config" "${extra[@]}"
   done
   echo "submitted; rows go to $out as the array tasks finish"
