@@ -11,10 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "compare.hpp"
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;
+using mpipe::test::relative_difference;
 
 namespace {
 
@@ -97,14 +99,6 @@ RunResult run(const TrainConfig& config, int ranks) {
   return result;
 }
 
-double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    norm += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(diff / norm);
-}
 
 }  // namespace
 

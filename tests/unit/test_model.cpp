@@ -6,10 +6,12 @@
 #include <cstring>
 #include <vector>
 
+#include "compare.hpp"
 #include "gradcheck.hpp"
 #include "local_trainer.hpp"
 
 using namespace mpipe;
+using mpipe::test::relative_difference;
 using mpipe::test::Trainer;
 
 namespace {
@@ -64,14 +66,6 @@ void model_gradcheck(const TrainConfig& config) {
   test::check_close(analytic, (plus - minus) / (2.0 * eps), 2e-2, config.model.kind + " model");
 }
 
-double relative_difference(std::span<const float> a, std::span<const float> b) {
-  double diff = 0.0, norm = 0.0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    diff += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    norm += static_cast<double>(a[i]) * a[i];
-  }
-  return std::sqrt(diff / norm);
-}
 
 }  // namespace
 
