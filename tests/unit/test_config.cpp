@@ -1,6 +1,8 @@
 // Command-line and TOML configuration: names, precedence, and user errors (exit code 2).
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -34,7 +36,10 @@ int run(std::vector<std::string> args) {
 }
 
 fs::path write_toml(const std::string& text) {
-  const fs::path path = fs::temp_directory_path() / "mpipe-test-config.toml";
+  // One name per process: ctest runs these test cases in parallel processes.
+  static int count = 0;
+  const fs::path path = fs::temp_directory_path() /
+                        ("mpipe-test-config-" + std::to_string(getpid()) + "-" + std::to_string(count++) + ".toml");
   std::ofstream(path) << text;
   return path;
 }

@@ -1,6 +1,7 @@
 // Datasets: batches are a function of (seed, sample index) only; file errors are
 // user errors naming the file.
 #include <doctest/doctest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -34,7 +35,7 @@ struct Batch {
 };
 
 fs::path temp_file(const std::string& name, const std::string& bytes) {
-  const fs::path path = fs::temp_directory_path() / ("mpipe-test-" + name);
+  const fs::path path = fs::temp_directory_path() / ("mpipe-test-" + std::to_string(getpid()) + "-" + name);
   std::ofstream(path, std::ios::binary) << bytes;
   return path;
 }
