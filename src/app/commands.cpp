@@ -217,10 +217,10 @@ int agree(const Communicator& world, const std::function<void()>& phase) {
   }
   // The worst code wins (internal over user error); the lowest rank with it speaks.
   int worst = code;
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &worst, 1, MPI_INT, MPI_MAX, world.get()));
+  world.allreduce(std::span<int>(&worst, 1), Reduce::max);
   if (worst == 0) return 0;
   int speaker = code == worst ? world.rank() : world.size();
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &speaker, 1, MPI_INT, MPI_MIN, world.get()));
+  world.allreduce(std::span<int>(&speaker, 1), Reduce::min);
   if (speaker == world.rank()) {
     std::fflush(stdout);
     std::fprintf(stderr, "%s\n", message.c_str());
@@ -335,12 +335,7 @@ int run_plan(const TrainConfig& config, int ranks) {
   std::printf("\n");
   print_plan(config, model, part, grid);
   std::printf("ranks:");
-  for (int r = 0; r < ranks; ++r) {
-    const bool by_pipeline = grid.rank_order == "pipeline";
-    const int stage = by_pipeline ? r % grid.stages : r / grid.replicas;
-    const int replica = by_pipeline ? r / grid.stages : r % grid.replicas;
-    std::printf(" %d=s%d/r%d", r, stage, replica);
-  }
+  for (int r = 0; r < ranks; ++r) std::printf(" %d=s%d/r%d", r, grid.stage_of(r), grid.replica_of(r));
   std::printf("\n");
   print_schedule_grid(config, grid);
   return 0;

@@ -161,19 +161,14 @@ void fsync_path(const std::string& path, bool directory) {
 // head) is written by whichever of the two has less else to write, so the writers'
 // shares of the file are closer to even.
 std::vector<int> writer_stages(const Model& model, const Partition& part, const std::vector<DatasetSpec>& params) {
-  auto stage_of = [&](int layer) {
-    int s = 0;
-    while (part.end(s) <= layer) ++s;
-    return s;
-  };
   std::vector<int> writer(params.size());
   std::vector<double> bytes(part.stages(), 0.0);
   std::vector<int> copy_stage(params.size(), -1);
   for (std::size_t i = 0; i < params.size(); ++i) {
-    writer[i] = stage_of(params[i].layer);
+    writer[i] = part.stage_of(params[i].layer);
     for (int layer = 0; layer < model.size(); ++layer)
       for (const ParamSpec& spec : model.layer(layer).param_specs())
-        if (spec.tied_layer == params[i].layer && spec.tied_name == params[i].name) copy_stage[i] = stage_of(layer);
+        if (spec.tied_layer == params[i].layer && spec.tied_name == params[i].name) copy_stage[i] = part.stage_of(layer);
     if (copy_stage[i] < 0 || copy_stage[i] == writer[i]) bytes[writer[i]] += static_cast<double>(params[i].shape.numel());
   }
   for (std::size_t i = 0; i < params.size(); ++i)
@@ -249,7 +244,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, std::int64_t
   };
   std::vector<Mine> mine;
   const std::vector<int> writers = writer_stages(model, exec.partition(), params);
-  std::vector<uint32_t> crcs(all.size(), 0);
+  std::vector<unsigned> crcs(all.size(), 0);  // uint32 CRCs
   const ParamStore& store = exec.params();
   for (std::size_t i = 0; i < all.size(); ++i) {
     const DatasetSpec& d = all[i];
@@ -267,7 +262,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, std::int64_t
     crcs[i] = crc32_of(data, bytes);
     mine.push_back({i, data, bytes});
   }
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, crcs.data(), static_cast<int>(crcs.size()), MPI_UINT32_T, MPI_MAX, comm.get()));
+  comm.allreduce(std::span<unsigned>(crcs), Reduce::max);
 
   int direct_fd = -1;
   {
@@ -532,7 +527,7 @@ SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
   // (the last entry is 1 where some writer did not read its data back)
   double agreed[4] = {static_cast<double>(failed), times.write, times.read_back,
                       grid.replica() == 0 && !times.data_checked ? 1.0 : 0.0};
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, agreed, 4, MPI_DOUBLE, MPI_MAX, world.get()));
+  world.allreduce(std::span<double>(agreed), Reduce::max);
   failed = static_cast<int>(agreed[0]);
   result.write_seconds = agreed[1];
   if (!failed && world.rank() == 0) {
@@ -567,7 +562,7 @@ SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
       problem = e.what();
     }
   }
-  MPI_CHECK(MPI_Bcast(&failed, 1, MPI_INT, 0, world.get()));
+  world.broadcast(std::span<int>(&failed, 1), 0);
   if (failed) {
     std::error_code ec;
     if (world.rank() == 0) fs::remove(temp_path, ec);  // never leave a partial file behind
@@ -609,14 +604,11 @@ std::vector<std::string> resume_candidates(const TrainConfig& config, const Mode
   }
   // Broadcast the list (or the error) from rank 0, one path per line.
   int code = error.empty() ? 0 : 1;
-  MPI_CHECK(MPI_Bcast(&code, 1, MPI_INT, 0, world.get()));
+  world.broadcast(std::span<int>(&code, 1), 0);
   std::string text = error;
   if (!code)
     for (const std::string& c : chosen) text += c + "\n";
-  int length = static_cast<int>(text.size());
-  MPI_CHECK(MPI_Bcast(&length, 1, MPI_INT, 0, world.get()));
-  text.resize(static_cast<std::size_t>(length));
-  MPI_CHECK(MPI_Bcast(text.data(), length, MPI_CHAR, 0, world.get()));
+  world.broadcast(text, 0);
   if (code) throw UserError(cat("cannot resume: ", text), "give a good checkpoint, or --resume auto / never");
   std::vector<std::string> out;
   std::stringstream lines(text);
@@ -681,7 +673,7 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
   }
   int failed = problem.empty() ? 0 : 1;
   const Communicator& world = exec.grid().world();
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, world.get()));
+  world.allreduce(std::span<int>(&failed, 1), Reduce::max);
   if (failed) throw UserError(cat("'", path, "': ", problem.empty() ? "failed on another rank" : problem),
                               "check the file with 'mpipe inspect --verify'");
   exec.set_updates(state.updates);

@@ -67,8 +67,7 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
   std::vector<double> stage_peak(g.stages(), 0.0);
   for (std::size_t r = 0; r < s.peak_bytes_per_rank.size(); ++r) {
     per_rank += cat(r ? ", " : "", static_cast<long long>(s.peak_bytes_per_rank[r]));
-    const bool by_pipeline = g.shape().rank_order == "pipeline";
-    const int stage = by_pipeline ? static_cast<int>(r) % g.stages() : static_cast<int>(r) / g.replicas();
+    const int stage = g.shape().stage_of(static_cast<int>(r));
     stage_peak[stage] = std::max(stage_peak[stage], s.peak_bytes_per_rank[r]);
   }
   for (int st = 0; st < g.stages(); ++st) per_stage += cat(st ? ", " : "", static_cast<long long>(stage_peak[st]));

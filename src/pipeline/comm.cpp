@@ -15,12 +15,19 @@ std::string mpi_error_string(int code) {
   return std::string(text, static_cast<std::size_t>(length));
 }
 
-namespace {
-int count_of(std::size_t n) {
+int mpi_count(std::size_t n) {
   MPIPE_CHECK(n <= static_cast<std::size_t>(INT_MAX), "message of ", n, " elements exceeds MPI's int count");
   return static_cast<int>(n);
 }
-}  // namespace
+
+MPI_Op mpi_op(Reduce op) {
+  switch (op) {
+    case Reduce::sum: return MPI_SUM;
+    case Reduce::max: return MPI_MAX;
+    case Reduce::min: return MPI_MIN;
+  }
+  return MPI_SUM;
+}
 
 Communicator Communicator::borrow(MPI_Comm comm) {
   Communicator c;
@@ -65,42 +72,21 @@ Communicator::~Communicator() {
 
 MPI_Request Communicator::isend(std::span<const float> data, int dest, int tag) const {
   MPI_Request r;
-  MPI_CHECK(MPI_Isend(data.data(), count_of(data.size()), MPI_FLOAT, dest, tag, comm_, &r));
+  MPI_CHECK(MPI_Isend(data.data(), mpi_count(data.size()), MPI_FLOAT, dest, tag, comm_, &r));
   return r;
 }
 
 MPI_Request Communicator::irecv(std::span<float> data, int source, int tag) const {
   MPI_Request r;
-  MPI_CHECK(MPI_Irecv(data.data(), count_of(data.size()), MPI_FLOAT, source, tag, comm_, &r));
+  MPI_CHECK(MPI_Irecv(data.data(), mpi_count(data.size()), MPI_FLOAT, source, tag, comm_, &r));
   return r;
 }
 
-MPI_Request Communicator::iallreduce_sum(std::span<float> data) const {
-  MPI_Request r;
-  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count_of(data.size()), MPI_FLOAT, MPI_SUM, comm_, &r));
-  return r;
-}
-
-void Communicator::allreduce_sum(std::span<float> data) const {
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data.data(), count_of(data.size()), MPI_FLOAT, MPI_SUM, comm_));
-}
-
-void Communicator::allreduce_sum(std::span<double> data) const {
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data.data(), count_of(data.size()), MPI_DOUBLE, MPI_SUM, comm_));
-}
-
-MPI_Request Communicator::iallreduce_sum(std::span<double> data) const {
-  MPI_Request r;
-  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data.data(), count_of(data.size()), MPI_DOUBLE, MPI_SUM, comm_, &r));
-  return r;
-}
-
-void Communicator::allreduce_max(std::span<double> data) const {
-  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data.data(), count_of(data.size()), MPI_DOUBLE, MPI_MAX, comm_));
-}
-
-void Communicator::broadcast(std::span<double> data, int root) const {
-  MPI_CHECK(MPI_Bcast(data.data(), count_of(data.size()), MPI_DOUBLE, root, comm_));
+void Communicator::broadcast(std::string& text, int root) const {
+  int length = static_cast<int>(text.size());
+  broadcast(std::span<int>(&length, 1), root);
+  text.resize(static_cast<std::size_t>(length));
+  broadcast(std::span<char>(text.data(), text.size()), root);
 }
 
 void Communicator::barrier() const { MPI_CHECK(MPI_Barrier(comm_)); }

@@ -129,7 +129,7 @@ void Executor::connect() {
         costs.assign(costs.size(), std::nan(""));
       }
     }
-    world_.broadcast(costs, 0);
+    world_.broadcast(std::span<double>(costs), 0);
     if (std::isnan(costs[0])) throw Error(cat("measuring layer times on rank 0 failed", problem.empty() ? "" : ": " + problem));
     partition_ = partition_min_max(costs, K);
   } else {
@@ -138,17 +138,12 @@ void Executor::connect() {
   begin_ = partition_.begin(grid_->stage());
   end_ = partition_.end(grid_->stage());
   // Tied weights: every tie must join the same two stages (GPT has one tie).
-  auto stage_of = [&](int layer) {
-    int s = 0;
-    while (partition_.end(s) <= layer) ++s;
-    return s;
-  };
   int owner_stage = 0, copy_stage = 0;
   bool found = false;
   for (int layer = 0; layer < model_.size(); ++layer)
     for (const ParamSpec& spec : model_.layer(layer).param_specs())
       if (spec.tied_layer >= 0) {
-        const int a = stage_of(spec.tied_layer), b = stage_of(layer);
+        const int a = partition_.stage_of(spec.tied_layer), b = partition_.stage_of(layer);
         MPIPE_CHECK(!found || (a == owner_stage && b == copy_stage), "tied weights across different stage pairs");
         owner_stage = a;
         copy_stage = b;
@@ -335,7 +330,7 @@ void Executor::run_backward(std::int64_t step, int mb) {
     // it completes, so the allreduce overlaps the rest of the backward.
     while (last_micro_batch && next_bucket < buckets_.size() && buckets_[next_bucket].lowest_layer == begin_ + i) {
       const Bucket& b = buckets_[next_bucket];
-      bucket_req_[next_bucket++] = grid_->data().iallreduce_sum(params_->grads().subspan(b.begin, b.end - b.begin));
+      bucket_req_[next_bucket++] = grid_->data().iallreduce(params_->grads().subspan(b.begin, b.end - b.begin), Reduce::sum);
     }
   }
   scratch_.reset();
@@ -411,7 +406,7 @@ void Executor::reduce_gradients() {
   // Tied weights: owner (first stage) and copy (last stage) end with the sum of both.
   params_->sum_local_tied_grads();
   for (const auto& [offset, count] : tied_spans_) {
-    MPI_Request request = grid_->tied().iallreduce_sum(params_->grads().subspan(offset, count));
+    MPI_Request request = grid_->tied().iallreduce(params_->grads().subspan(offset, count), Reduce::sum);
     wait_for(request, timeout, "the tied-weight gradient sum, span", static_cast<int>(offset), -1);
   }
   times_.allreduce += since(start);
@@ -433,7 +428,7 @@ double Executor::compute_gradients(std::int64_t step) {
   reduce_buffer_[L + 2] = stop_requested_ ? 1.0 : 0.0;
   // Non-blocking and waited on with wait_for: a rank that finished early sleeps instead
   // of spinning in MPI while its neighbour still computes.
-  MPI_Request request = world_.iallreduce_sum(reduce_buffer_);
+  MPI_Request request = world_.iallreduce(std::span<double>(reduce_buffer_), Reduce::sum);
   wait_for(request, config_.pipeline.p2p_timeout, "the loss and gradient-norm allreduce, step", static_cast<int>(step), -1);
   times_.allreduce += since(start);
   record(step, TraceEvent::allreduce, -1, reduce_start);

@@ -25,14 +25,8 @@ GridShape resolve_grid(GridShape g, int world) {
 Grid::Grid(const Communicator& world, const GridShape& shape) : world_(&world), shape_(shape) {
   MPIPE_CHECK(shape.stages * shape.replicas == world.size(), "grid ", shape.replicas, "x", shape.stages,
               " on ", world.size(), " ranks");
-  const int r = world.rank();
-  if (shape.rank_order == "pipeline") {
-    stage_ = r % shape.stages;
-    replica_ = r / shape.stages;
-  } else {
-    stage_ = r / shape.replicas;
-    replica_ = r % shape.replicas;
-  }
+  stage_ = shape.stage_of(world.rank());
+  replica_ = shape.replica_of(world.rank());
   pipeline_ = Communicator::split(world, replica_, stage_);
   data_ = Communicator::split(world, stage_, replica_);
 }
@@ -42,8 +36,5 @@ void Grid::connect_tied(int owner_stage, int copy_stage) {
   tied_ = Communicator::split(*world_, member ? replica_ : MPI_UNDEFINED, stage_);
 }
 
-int Grid::rank_of(int stage, int replica) const {
-  return shape_.rank_order == "pipeline" ? replica * shape_.stages + stage : stage * shape_.replicas + replica;
-}
 
 }  // namespace mpipe

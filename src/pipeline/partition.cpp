@@ -1,6 +1,7 @@
 // Exact min-max contiguous partitioning and the per-layer cost models.
 #include "mpipe/pipeline/partition.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -11,6 +12,11 @@
 #include "mpipe/nn/params.hpp"
 
 namespace mpipe {
+
+int Partition::stage_of(int layer) const {
+  MPIPE_CHECK(layer >= 0 && layer < bounds.back(), "layer ", layer, " outside the partition");
+  return static_cast<int>(std::upper_bound(bounds.begin(), bounds.end(), layer) - bounds.begin()) - 1;
+}
 
 double Partition::stage_cost(int stage) const {
   if (layer_cost.empty()) return end(stage) - begin(stage);

@@ -190,10 +190,7 @@ TEST_CASE("a checkpoint written with K = 4 loads bitwise into K = 2 x D = 2") {
   char dir_template[] = "/tmp/mpipe-reshard-XXXXXX";
   std::string dir;
   if (world().rank() == 0) dir = mkdtemp(dir_template);
-  int length = static_cast<int>(dir.size());
-  MPI_Bcast(&length, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  dir.resize(static_cast<std::size_t>(length));
-  MPI_Bcast(dir.data(), length, MPI_CHAR, 0, MPI_COMM_WORLD);
+  world().broadcast(dir, 0);
   TrainConfig config = tiny_gpt("gpipe", "never");
   config.checkpoint_dir = dir;
   std::vector<float> saved, loaded;

@@ -5,6 +5,7 @@
 #include <mpi.h>
 
 #include <span>
+#include <cstddef>
 #include <string>
 
 #include "mpipe/core/error.hpp"
@@ -21,6 +22,18 @@ namespace mpipe {
 std::string mpi_error_string(int code);
 
 enum class Direction : int { forward = 0, backward = 1 };
+
+enum class Reduce { sum, max, min };
+
+template <class T>
+MPI_Datatype mpi_datatype();
+template <> inline MPI_Datatype mpi_datatype<int>() { return MPI_INT; }
+template <> inline MPI_Datatype mpi_datatype<unsigned>() { return MPI_UNSIGNED; }
+template <> inline MPI_Datatype mpi_datatype<float>() { return MPI_FLOAT; }
+template <> inline MPI_Datatype mpi_datatype<double>() { return MPI_DOUBLE; }
+template <> inline MPI_Datatype mpi_datatype<char>() { return MPI_CHAR; }
+MPI_Op mpi_op(Reduce op);
+int mpi_count(std::size_t n);  // checked against MPI's int counts
 
 // Activations travel forward, gradients backward; each micro-batch has its own tag.
 inline int message_tag(int micro_batch, Direction direction) {
@@ -46,12 +59,14 @@ class Communicator {
 
   MPI_Request isend(std::span<const float> data, int dest, int tag) const;
   MPI_Request irecv(std::span<float> data, int source, int tag) const;
-  MPI_Request iallreduce_sum(std::span<float> data) const;  // in place
-  void allreduce_sum(std::span<float> data) const;
-  void allreduce_sum(std::span<double> data) const;
-  MPI_Request iallreduce_sum(std::span<double> data) const;  // in place
-  void allreduce_max(std::span<double> data) const;
-  void broadcast(std::span<double> data, int root) const;
+  // Reductions in place, over spans of int, uint32_t, float or double.
+  template <class T>
+  void allreduce(std::span<T> data, Reduce op) const;
+  template <class T>
+  MPI_Request iallreduce(std::span<T> data, Reduce op) const;
+  template <class T>
+  void broadcast(std::span<T> data, int root) const;
+  void broadcast(std::string& text, int root) const;  // any length
   void barrier() const;
 
  private:
@@ -67,5 +82,22 @@ class Communicator {
 double wait_for(MPI_Request& request, double timeout_s, const char* what, int index, long expected_count);
 // Waits for all requests (nulls allowed), with the same timeout.
 double wait_all(std::span<MPI_Request> requests, double timeout_s, const char* what);
+
+template <class T>
+void Communicator::allreduce(std::span<T> data, Reduce op) const {
+  MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data.data(), mpi_count(data.size()), mpi_datatype<T>(), mpi_op(op), comm_));
+}
+
+template <class T>
+MPI_Request Communicator::iallreduce(std::span<T> data, Reduce op) const {
+  MPI_Request r;
+  MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, data.data(), mpi_count(data.size()), mpi_datatype<T>(), mpi_op(op), comm_, &r));
+  return r;
+}
+
+template <class T>
+void Communicator::broadcast(std::span<T> data, int root) const {
+  MPI_CHECK(MPI_Bcast(data.data(), mpi_count(data.size()), mpi_datatype<T>(), root, comm_));
+}
 
 }  // namespace mpipe

@@ -14,6 +14,9 @@ struct GridShape {
   int stages = 0;    // 0: inferred from the world size
   int replicas = 0;  // 0: inferred (1 when stages is inferred too)
   std::string rank_order = "pipeline";  // pipeline | data
+  // Where world rank r sits, by the rank order (stages and replicas resolved).
+  int stage_of(int rank) const { return rank_order == "pipeline" ? rank % stages : rank / replicas; }
+  int replica_of(int rank) const { return rank_order == "pipeline" ? rank / stages : rank % replicas; }
 };
 
 // Fills in whichever of stages/replicas is 0 from the world size; UserError when the
@@ -32,8 +35,6 @@ class Grid {
   int world_rank() const { return world_->rank(); }
   bool first_stage() const { return stage_ == 0; }
   bool last_stage() const { return stage_ == shape_.stages - 1; }
-  // World rank of (stage, replica).
-  int rank_of(int stage, int replica) const;
 
   const Communicator& world() const { return *world_; }
   const Communicator& pipeline() const { return pipeline_; }  // this replica's stages, rank = stage

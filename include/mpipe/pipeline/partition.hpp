@@ -17,6 +17,7 @@ struct Partition {
   int stages() const { return static_cast<int>(bounds.size()) - 1; }
   int begin(int stage) const { return bounds[stage]; }
   int end(int stage) const { return bounds[stage + 1]; }
+  int stage_of(int layer) const;  // the stage holding global layer `layer`
   double stage_cost(int stage) const;
   std::string to_text() const;    // "0-3 | 4-7"
 };
