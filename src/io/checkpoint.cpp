@@ -166,9 +166,8 @@ std::vector<int> writer_stages(const Model& model, const Partition& part, const 
   std::vector<int> copy_stage(params.size(), -1);
   for (std::size_t i = 0; i < params.size(); ++i) {
     writer[i] = part.stage_of(params[i].layer);
-    for (int layer = 0; layer < model.size(); ++layer)
-      for (const ParamSpec& spec : model.layer(layer).param_specs())
-        if (spec.tied_layer == params[i].layer && spec.tied_name == params[i].name) copy_stage[i] = part.stage_of(layer);
+    const int copy = model.copy_layer_of(params[i].layer, params[i].name);
+    if (copy >= 0) copy_stage[i] = part.stage_of(copy);
     if (copy_stage[i] < 0 || copy_stage[i] == writer[i]) bytes[writer[i]] += static_cast<double>(params[i].shape.numel());
   }
   for (std::size_t i = 0; i < params.size(); ++i)

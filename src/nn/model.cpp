@@ -51,7 +51,17 @@ Model::Model(const ModelConfig& config) : config_(config) {
     layers_.push_back(std::make_unique<Linear>(width, config.classes, true, init_std));
   }
   layers_.push_back(std::make_unique<CrossEntropyLoss>());
-  for (int i = 0; i < size(); ++i) layers_[i]->set_global_index(i);
+  for (int i = 0; i < size(); ++i) {
+    layers_[i]->set_global_index(i);
+    for (const ParamSpec& spec : layers_[i]->param_specs())
+      if (spec.tied_layer >= 0) ties_.push_back({spec.tied_layer, spec.tied_name, i});
+  }
+}
+
+int Model::copy_layer_of(int layer, const std::string& name) const {
+  for (const Tie& tie : ties_)
+    if (tie.owner_layer == layer && tie.name == name) return tie.copy_layer;
+  return -1;
 }
 
 Shape Model::input_shape(int64_t batch) const {
@@ -70,7 +80,7 @@ int64_t Model::parameter_count() const {
   int64_t n = 0;
   for (const auto& layer : layers_)
     for (const ParamSpec& spec : layer->param_specs())
-      if (spec.tied_layer < 0) n += spec.shape.numel();
+      if (spec.tied_layer < 0) n += spec.shape.numel();  // a tied copy is the owner's
   return n;
 }
 

@@ -140,15 +140,13 @@ void Executor::connect() {
   // Tied weights: every tie must join the same two stages (GPT has one tie).
   int owner_stage = 0, copy_stage = 0;
   bool found = false;
-  for (int layer = 0; layer < model_.size(); ++layer)
-    for (const ParamSpec& spec : model_.layer(layer).param_specs())
-      if (spec.tied_layer >= 0) {
-        const int a = partition_.stage_of(spec.tied_layer), b = partition_.stage_of(layer);
-        MPIPE_CHECK(!found || (a == owner_stage && b == copy_stage), "tied weights across different stage pairs");
-        owner_stage = a;
-        copy_stage = b;
-        found = true;
-      }
+  for (const Model::Tie& tie : model_.ties()) {
+    const int a = partition_.stage_of(tie.owner_layer), b = partition_.stage_of(tie.copy_layer);
+    MPIPE_CHECK(!found || (a == owner_stage && b == copy_stage), "tied weights across different stage pairs");
+    owner_stage = a;
+    copy_stage = b;
+    found = true;
+  }
   grid_->connect_tied(owner_stage, copy_stage);
 }
 
@@ -207,10 +205,9 @@ void Executor::allocate() {
   tied_spans_.clear();
   if (K > 1) {
     for (const ParamEntry& e : params_->entries()) {
-      bool tied = e.tied_copy && !e.alias;  // an alias copy is summed locally
-      for (int layer = end_; layer < model_.size() && !tied; ++layer)  // a copy of e on a later stage?
-        for (const ParamSpec& spec : model_.layer(layer).param_specs())
-          if (spec.tied_layer == e.layer && spec.tied_name == e.name) tied = true;
+      // A copy held apart from its owner, or an owner whose copy is on a later stage (an
+      // alias copy is summed locally).
+      const bool tied = (e.tied_copy && !e.alias) || model_.copy_layer_of(e.layer, e.name) >= end_;
       if (tied) {
         MPIPE_CHECK(!grid_->tied().null(), "stage ", grid_->stage(), " holds a tied weight but no tied group");
         tied_spans_.emplace_back(e.offset, static_cast<std::size_t>(e.numel()));

@@ -39,6 +39,16 @@ class Model {
   Shape input_shape(int64_t batch) const;
   DType input_dtype() const;
   Shape target_shape(int64_t batch) const;
+  // Weights shared by two layers (GPT's embedding and head): the owner's layer and
+  // parameter name, and the layer holding the copy.
+  struct Tie {
+    int owner_layer;
+    std::string name;
+    int copy_layer;
+  };
+  const std::vector<Tie>& ties() const { return ties_; }
+  // The layer holding a copy of (layer, name), or -1.
+  int copy_layer_of(int layer, const std::string& name) const;
   // Parameters of the whole model, a tied weight counted once.
   int64_t parameter_count() const;
   // Loss rows (predicted tokens or samples) per sample: T for gpt, 1 for mlp.
@@ -50,6 +60,7 @@ class Model {
  private:
   ModelConfig config_;
   std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<Tie> ties_;
 };
 
 }  // namespace mpipe
