@@ -67,6 +67,17 @@ void model_gradcheck(const TrainConfig& config) {
 }
 
 
+// Trains config.steps steps; the losses of the first and the last.
+std::pair<double, double> first_and_last_loss(const TrainConfig& config) {
+  Trainer trainer(config);
+  double first = 0, last = 0;
+  for (int step = 0; step < config.steps; ++step) {
+    last = trainer.step(step).loss;
+    if (step == 0) first = last;
+  }
+  return {first, last};
+}
+
 }  // namespace
 
 TEST_CASE("gpt: whole-model gradient matches finite differences (dropout on, tied head)") {
@@ -165,13 +176,7 @@ TEST_CASE("training learns: the mlp loss falls well below chance on its teacher 
   config.batch_size = 64;
   config.steps = 150;
   config.optimizer.lr = 1e-2f;
-  Trainer trainer(config);
-  double first = 0, last = 0;
-  for (int step = 0; step < config.steps; ++step) {
-    const double loss = trainer.step(step).loss;
-    if (step == 0) first = loss;
-    last = loss;
-  }
+  const auto [first, last] = first_and_last_loss(config);
   CHECK(first == doctest::Approx(std::log(4.0)).epsilon(0.05));  // chance at init
   CHECK(last < 0.5 * first);
 }
@@ -184,13 +189,7 @@ TEST_CASE("training learns: the gpt loss falls toward the Markov chain's floor")
   config.batch_size = 16;
   config.steps = 150;
   config.optimizer.lr = 3e-3f;
-  Trainer trainer(config);
-  double first = 0, last = 0;
-  for (int step = 0; step < config.steps; ++step) {
-    const double loss = trainer.step(step).loss;
-    if (step == 0) first = loss;
-    last = loss;
-  }
+  const auto [first, last] = first_and_last_loss(config);
   CHECK(first == doctest::Approx(std::log(16.0)).epsilon(0.05));
   CHECK(last < 1.6);  // below uniform (2.77) and near the bigram bound (~1.47)
 }
