@@ -17,6 +17,7 @@
 #include <limits>
 #include <memory>
 
+#include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/io/metrics.hpp"
@@ -231,6 +232,7 @@ int agree(const Communicator& world, const std::function<void()>& phase) {
 }  // namespace
 
 void add_train_options(CLI::App& cmd, TrainConfig& c) {
+  c.device = "auto";  // the library default is the CPU; users get the GPU when there is one
   // An option given twice takes the last value, so scripts can append overrides.
   cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   cmd.add_option("--config", "TOML file with any of these options (command-line values win)")
@@ -276,6 +278,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--partition", p.partition, "Balance stages by uniform, params, flops or time")->capture_default_str();
   cmd.add_option("--balance", p.balance, "Layers per stage, e.g. 3,5 (overrides --partition)");
   cmd.add_option("--p2p-timeout", p.p2p_timeout, "Seconds a point-to-point wait may block")->capture_default_str();
+  cmd.add_option("--device", c.device, "cpu, cuda (one GPU per rank: node-local rank modulo GPUs) or auto")
+      ->capture_default_str();
+  cmd.add_option("--precision", c.precision, "fp32, or bf16 on a GPU (fp32 master weights and optimizer state)")
+      ->capture_default_str();
   cmd.add_option("--checkpoint-dir", c.checkpoint_dir, "Write HDF5 checkpoints DIR/ckpt-<step>.h5 (must exist)");
   cmd.add_option("--checkpoint-every", c.checkpoint_every, "Steps between checkpoints (0: only the final one)")
       ->capture_default_str();
@@ -341,17 +347,24 @@ int run_plan(const TrainConfig& config, int ranks) {
   return 0;
 }
 
-int run_train(const TrainConfig& config, const Communicator& world) {
+int run_train(const TrainConfig& options, const Communicator& world) {
   const bool root = world.rank() == 0;
+  TrainConfig config = options;
   std::unique_ptr<Executor> exec;
   std::unique_ptr<MetricsWriter> metrics;
   int code = agree(world, [&] {
     validate(config, world.size());
     check_checkpoint_options(config);
-    if (root && !config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
-    exec = std::make_unique<Executor>(config, world);
   });
   if (code) return code;
+  // Collective, and only once every rank's options are known good.
+  std::string device_line;
+  if ((code = agree(world, [&] { device_line = resolve_device(config, world); }))) return code;
+  if ((code = agree(world, [&] {
+         if (root && !config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
+         exec = std::make_unique<Executor>(config, world);
+       })))
+    return code;
   cpu::set_threads(config.threads > 0 ? config.threads : default_threads(world));
   if ((code = agree(world, [&] { exec->connect(); }))) return code;
   if ((code = agree(world, [&] { exec->allocate(); }))) return code;
@@ -374,6 +387,7 @@ int run_train(const TrainConfig& config, const Communicator& world) {
     std::printf("mpipe %s (git %s): %s model, %d layers, %lld parameters, %d thread%s per rank\n", version(), git_hash(),
                 m.kind.c_str(), exec->model().size(), static_cast<long long>(exec->model().parameter_count()),
                 cpu::threads(), cpu::threads() > 1 ? "s" : "");
+    std::printf("%s\n", device_line.c_str());
     if (const Dataset* data = exec->dataset()) std::printf("data: %s\n", data->describe().c_str());
     print_plan(config, exec->model(), exec->partition(), grid.shape());
     if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(config, grid.shape());

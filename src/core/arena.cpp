@@ -10,19 +10,38 @@ namespace {
 std::size_t round_up(std::size_t n) { return (n + Arena::alignment - 1) / Arena::alignment * Arena::alignment; }
 }  // namespace
 
-void Arena::Free::operator()(std::byte* p) const { std::free(p); }
-
 Arena::Arena(std::size_t initial_bytes) {
   if (initial_bytes > 0) add_block(initial_bytes);
+}
+
+Arena::Arena(const DeviceMemory& memory) : memory_(memory) {
+  if (memory_.device != Device::cpu) {
+    MPIPE_CHECK(memory_.allocate && memory_.release && memory_.zero, "device arena without an allocator");
+    host_objects_ = std::make_unique<Arena>();
+  }
+}
+
+Arena::~Arena() { release_blocks(); }
+
+void Arena::release_blocks() {
+  for (Block& b : blocks_) {
+    if (memory_.device == Device::cpu) std::free(b.memory);
+    else memory_.release(b.memory);  // cudaFree waits for the device, so queued kernels finish first
+  }
+  blocks_.clear();
 }
 
 void Arena::add_block(std::size_t bytes) {
   bytes = round_up(std::max<std::size_t>(bytes, 1 << 20));
   Block block;
-  block.memory.reset(static_cast<std::byte*>(std::aligned_alloc(alignment, bytes)));
-  MPIPE_CHECK(block.memory, "out of memory allocating ", bytes, " bytes of activations");
+  if (memory_.device == Device::cpu) {
+    block.memory = static_cast<std::byte*>(std::aligned_alloc(alignment, bytes));
+    MPIPE_CHECK(block.memory, "out of memory allocating ", bytes, " bytes of activations");
+  } else {
+    block.memory = static_cast<std::byte*>(memory_.allocate(bytes));  // throws with a hint
+  }
   block.size = bytes;
-  blocks_.push_back(std::move(block));
+  blocks_.push_back(block);
   ++growths_;
 }
 
@@ -36,7 +55,7 @@ void* Arena::allocate(std::size_t bytes) {
     add_block(std::max(bytes, capacity()));  // geometric growth during the first step
     offset_ = 0;
   }
-  std::byte* p = blocks_[current_].memory.get() + offset_;
+  std::byte* p = blocks_[current_].memory + offset_;
   offset_ += bytes;
   used_total_ += bytes;
   high_water_ = std::max(high_water_, used_total_);
@@ -47,7 +66,15 @@ Tensor Arena::tensor(Shape shape, DType dtype) {
   Tensor t;
   t.shape = shape;
   t.dtype = dtype;
+  t.device = memory_.device;
   t.data = allocate(static_cast<std::size_t>(shape.numel()) * dtype_size(dtype));
+  return t;
+}
+
+Tensor Arena::zeros(Shape shape, DType dtype) {
+  Tensor t = tensor(shape, dtype);
+  if (memory_.device == Device::cpu) std::memset(t.data, 0, t.bytes());
+  else memory_.zero(t.data, t.bytes());
   return t;
 }
 
@@ -61,9 +88,10 @@ void Arena::reset() {
   if (blocks_.size() > 1) {
     // Fold the chain into one block that holds the whole high-water mark.
     std::size_t need = high_water_ + high_water_ / 16;
-    blocks_.clear();
+    release_blocks();
     add_block(need);
   }
+  if (host_objects_) host_objects_->reset();
   current_ = 0;
   offset_ = 0;
   used_total_ = 0;

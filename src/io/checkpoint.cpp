@@ -509,6 +509,7 @@ SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
   const std::string final_path = checkpoint_path(config.checkpoint_dir, step);
   const std::string temp_path = (fs::path(config.checkpoint_dir) / ("." + fs::path(final_path).filename().string() + ".tmp")).string();
   const Model& model = exec.model();
+  exec.download_state();  // on a GPU: the values and optimizer state to the host mirrors
   int failed = 0;
   std::string problem;
 
@@ -676,6 +677,7 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
   if (failed) throw UserError(cat("'", path, "': ", problem.empty() ? "failed on another rank" : problem),
                               "check the file with 'mpipe inspect --verify'");
   exec.set_updates(state.updates);
+  exec.upload_state();  // on a GPU: the loaded values and state into device memory
   return state.step;
 }
 

@@ -1,4 +1,5 @@
-// The layers: shape checks in Layer, the math in backend/cpu/ops, composition here.
+// The layers: shape checks in Layer, the math in backend/ops (CPU or GPU, picked by
+// where the tensors live), composition here.
 #include "mpipe/nn/layer.hpp"
 
 #include <cmath>
@@ -34,7 +35,9 @@ double f32_bytes(double elements) { return 4.0 * elements; }
 // ---- Layer -------------------------------------------------------------------------
 
 Tensor Layer::forward(const Tensor& x, Context& ctx, const Pass& pass) {
-  MPIPE_CHECK(x.dtype == input_dtype(), kind(), " layer ", global_index_, ": wrong input dtype");
+  const DType expected = input_dtype() == DType::i32 ? DType::i32 : pass.dtype;
+  MPIPE_CHECK(x.dtype == expected, kind(), " layer ", global_index_, ": input is ", to_string(x.dtype), ", expected ",
+              to_string(expected));
   ctx.input = x;
   Tensor y = forward_impl(x, ctx, pass);
   MPIPE_CHECK(y.shape == output_shape(x.shape), kind(), " layer ", global_index_, ": output ",
@@ -87,17 +90,26 @@ void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads)
 Tensor Linear::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   MPIPE_CHECK(x.shape[-1] == in_, "linear layer ", global_index(), ": input ", x.shape.str(),
               " has not ", in_, " features");
-  Tensor y = pass.arena->tensor(output_shape(x.shape));  // (N, OC)
-  cpu::matmul_forward(y.f32(), x.f32(), weight_.f32(), has_bias_ ? bias_.f32() : nullptr,
-                      x.shape.rows(), in_, out_);
+  Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);  // (N, OC)
+  ops::matmul_forward(y, x, weight_, bias_);
+  return y;
+}
+
+Tensor Linear::forward_gelu(const Tensor& x, Context& ctx, Context& gelu_ctx, const Pass& pass) {
+  MPIPE_CHECK(x.shape[-1] == in_, "linear layer ", global_index(), ": input ", x.shape.str(), " has not ", in_,
+              " features");
+  const Shape shape = output_shape(x.shape);
+  Tensor pre = pass.arena->tensor(shape, pass.dtype);  // (N, OC), what GELU's backward needs
+  Tensor y = pass.arena->tensor(shape, pass.dtype);    // (N, OC)
+  ops::matmul_gelu_forward(y, pre, x, weight_, bias_);
+  ctx.input = x;
+  gelu_ctx.input = pre;
   return y;
 }
 
 void Linear::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                            const Pass& pass) {
-  cpu::matmul_backward(dx.empty() ? nullptr : dx.f32(), dweight_.f32(),
-                       has_bias_ ? dbias_.f32() : nullptr, dy.f32(), ctx.input.f32(),
-                       weight_.f32(), ctx.input.shape.rows(), in_, out_, mode);
+  ops::matmul_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, mode);
 }
 
 // ---- ReLU, GELU --------------------------------------------------------------------
@@ -108,15 +120,15 @@ Cost ReLU::cost(const Shape& in) const {
 }
 
 Tensor ReLU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  Tensor y = pass.arena->tensor(x.shape);
-  cpu::relu_forward(y.f32(), x.f32(), x.numel());
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  ops::relu_forward(y, x);
   ctx.saved[0] = y;  // backward needs only the sign of the output
   return y;
 }
 
 void ReLU::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                          const Pass& pass) {
-  cpu::relu_backward(dx.f32(), dy.f32(), ctx.saved[0].f32(), dy.numel(), mode);
+  ops::relu_backward(dx, dy, ctx.saved[0], mode);
 }
 
 Cost GELU::cost(const Shape& in) const {
@@ -125,14 +137,14 @@ Cost GELU::cost(const Shape& in) const {
 }
 
 Tensor GELU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  Tensor y = pass.arena->tensor(x.shape);
-  cpu::gelu_forward(y.f32(), x.f32(), x.numel());
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  ops::gelu_forward(y, x);
   return y;
 }
 
 void GELU::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                          const Pass& pass) {
-  cpu::gelu_backward(dx.f32(), dy.f32(), ctx.input.f32(), dy.numel(), mode);
+  ops::gelu_backward(dx, dy, ctx.input, mode);
 }
 
 // ---- LayerNorm ---------------------------------------------------------------------
@@ -157,24 +169,21 @@ void LayerNorm::bind(std::span<const Tensor> params, std::span<const Tensor> gra
 Tensor LayerNorm::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   MPIPE_CHECK(x.shape[-1] == channels_, "layernorm: input ", x.shape.str());
   const int64_t rows = x.shape.rows();
-  Tensor y = pass.arena->tensor(x.shape);
-  ctx.saved[0] = pass.arena->tensor(Shape{rows});  // mean (N)
-  ctx.saved[1] = pass.arena->tensor(Shape{rows});  // rstd (N)
-  cpu::layernorm_forward(y.f32(), ctx.saved[0].f32(), ctx.saved[1].f32(), x.f32(), weight_.f32(),
-                         bias_.f32(), rows, channels_);
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  ctx.saved[0] = pass.arena->tensor(Shape{rows});  // mean (N), fp32
+  ctx.saved[1] = pass.arena->tensor(Shape{rows});  // rstd (N), fp32
+  ops::layernorm_forward(y, ctx.saved[0], ctx.saved[1], x, weight_, bias_);
   return y;
 }
 
 void LayerNorm::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
                               GradMode mode, const Pass& pass) {
-  cpu::layernorm_backward(dx.f32(), dweight_.f32(), dbias_.f32(), dy.f32(), ctx.input.f32(),
-                          weight_.f32(), ctx.saved[0].f32(), ctx.saved[1].f32(),
-                          ctx.input.shape.rows(), channels_, mode);
+  ops::layernorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode);
 }
 
 // ---- Dropout -----------------------------------------------------------------------
 
-cpu::DropoutKey dropout_key(const Pass& pass, int layer, int site) {
+DropoutKey dropout_key(const Pass& pass, int layer, int site) {
   return {pass.seed, pass.step, pass.sample_begin, static_cast<uint32_t>(layer * 16 + site)};
 }
 
@@ -185,28 +194,24 @@ Cost Dropout::cost(const Shape& in) const {
 
 Tensor Dropout::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   if (!pass.training || p_ == 0.0f) return x;
-  Tensor y = pass.arena->tensor(x.shape);
-  cpu::dropout_apply(y.f32(), x.f32(), x.shape[0], x.numel() / x.shape[0], p_,
-                     dropout_key(pass, global_index(), site_));
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  ops::dropout_apply(y, x, p_, dropout_key(pass, global_index(), site_));
   return y;
 }
 
 void Dropout::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                             const Pass& pass) {
-  const int64_t n = dy.numel();
   if (!pass.training || p_ == 0.0f) {
-    if (mode == GradMode::accumulate) cpu::add(dx.f32(), dy.f32(), n);
-    else cpu::copy(dx.f32(), dy.f32(), n);
+    if (mode == GradMode::accumulate) ops::add(dx, dy);
+    else ops::copy(dx, dy);
     return;
   }
   if (mode == GradMode::overwrite) {
-    cpu::dropout_apply(dx.f32(), dy.f32(), dy.shape[0], n / dy.shape[0], p_,
-                       dropout_key(pass, global_index(), site_));
+    ops::dropout_apply(dx, dy, p_, dropout_key(pass, global_index(), site_));
   } else {
-    Tensor tmp = pass.arena->tensor(dy.shape);
-    cpu::dropout_apply(tmp.f32(), dy.f32(), dy.shape[0], n / dy.shape[0], p_,
-                       dropout_key(pass, global_index(), site_));
-    cpu::add(dx.f32(), tmp.f32(), n);
+    Tensor tmp = pass.arena->tensor(dy.shape, pass.dtype);
+    ops::dropout_apply(tmp, dy, p_, dropout_key(pass, global_index(), site_));
+    ops::add(dx, tmp);
   }
 }
 
@@ -237,22 +242,20 @@ void Embedding::bind(std::span<const Tensor> params, std::span<const Tensor> gra
 Tensor Embedding::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   const int64_t B = x.shape[0], T = x.shape[1];
   MPIPE_CHECK(x.shape.rank == 2 && T <= max_seq_, "embedding: tokens ", x.shape.str());
-  Tensor y = pass.arena->tensor(Shape{B, T, channels_});  // (B, T, C)
-  cpu::embedding_forward(y.f32(), x.i32(), wte_.f32(), wpe_.f32(), B, T, channels_, vocab_);
-  if (pass.training && dropout_ > 0.0f)
-    cpu::dropout_apply(y.f32(), y.f32(), B, T * channels_, dropout_, dropout_key(pass, global_index(), 0));
+  Tensor y = pass.arena->tensor(Shape{B, T, channels_}, pass.dtype);  // (B, T, C)
+  ops::embedding_forward(y, x, wte_, wpe_.view(Shape{max_seq_, channels_}));
+  if (pass.training && dropout_ > 0.0f) ops::dropout_apply(y, y, dropout_, dropout_key(pass, global_index(), 0));
   return y;
 }
 
 void Embedding::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
                               GradMode mode, const Pass& pass) {
-  const int64_t B = ctx.input.shape[0], T = ctx.input.shape[1];
   Tensor grad = dy;
   if (pass.training && dropout_ > 0.0f) {
-    grad = pass.arena->tensor(dy.shape);
-    cpu::dropout_apply(grad.f32(), dy.f32(), B, T * channels_, dropout_, dropout_key(pass, global_index(), 0));
+    grad = pass.arena->tensor(dy.shape, pass.dtype);
+    ops::dropout_apply(grad, dy, dropout_, dropout_key(pass, global_index(), 0));
   }
-  cpu::embedding_backward(dwte_.f32(), dwpe_.f32(), grad.f32(), ctx.input.i32(), B, T, channels_);
+  ops::embedding_backward(dwte_, dwpe_, grad, ctx.input);
 }
 
 // ---- CausalSelfAttention -------------------------------------------------------------
@@ -293,23 +296,23 @@ Tensor CausalSelfAttention::forward_impl(const Tensor& x, Context& ctx, const Pa
   const int64_t B = x.shape[0], T = x.shape[1], C = channels_;
   ctx.children = pass.arena->objects<Context>(2);
   Tensor qkv = qkv_.forward(x, ctx.children[0], pass);                // (B, T, 3C)
-  Tensor att = pass.arena->tensor(Shape{B, T, C});                    // (B, T, C)
-  Tensor probs = pass.arena->tensor(Shape{B, heads_, T, T});          // (B, H, T, T)
-  cpu::attention_forward(att.f32(), probs.f32(), qkv.f32(), B, T, C, heads_);
+  Tensor att = pass.arena->tensor(Shape{B, T, C}, pass.dtype);       // (B, T, C)
+  // (B, H, T, T) probabilities on the CPU, (B, H, T) log-sum-exp on the GPU; fp32.
+  Tensor state = pass.arena->tensor(ops::attention_state_shape(x.device, B, heads_, T));
+  ops::attention_forward(att, state, qkv, heads_);
   ctx.saved[0] = qkv;
-  ctx.saved[1] = probs;
+  ctx.saved[1] = state;
   return proj_.forward(att, ctx.children[1], pass);
 }
 
 void CausalSelfAttention::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
                                         GradMode mode, const Pass& pass) {
   const int64_t B = dy.shape[0], T = dy.shape[1], C = channels_;
-  Tensor datt = pass.arena->tensor(Shape{B, T, C});                   // (B, T, C)
+  Tensor datt = pass.arena->tensor(Shape{B, T, C}, pass.dtype);      // (B, T, C)
   proj_.backward(ctx.children[1], dy, datt, GradMode::overwrite, pass);
-  Tensor dqkv = pass.arena->tensor(Shape{B, T, 3 * C});               // (B, T, 3C)
-  Tensor dprobs = pass.arena->tensor(Shape{B, heads_, T, T});         // (B, H, T, T) scratch
-  cpu::attention_backward(dqkv.f32(), dprobs.f32(), datt.f32(), ctx.saved[0].f32(),
-                          ctx.saved[1].f32(), B, T, C, heads_);
+  Tensor dqkv = pass.arena->tensor(Shape{B, T, 3 * C}, pass.dtype);  // (B, T, 3C)
+  // The attention output is the projection's input, which its context keeps.
+  ops::attention_backward(dqkv, datt, ctx.saved[0], ctx.children[1].input, ctx.saved[1], heads_, *pass.arena);
   qkv_.backward(ctx.children[0], dqkv, dx, mode, pass);
 }
 
@@ -359,51 +362,48 @@ void TransformerBlock::bind(std::span<const Tensor> params, std::span<const Tens
 // Children: 0 ln1, 1 attn, 2 ln2, 3 fc, 4 gelu, 5 fc_proj. Dropout sites 1 (attention
 // output) and 2 (MLP output) are applied in place on buffers no context keeps.
 Tensor TransformerBlock::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  const int64_t n = x.numel(), B = x.shape[0], per_sample = n / B;
   const bool drop = pass.training && dropout_ > 0.0f;
   Context* c = ctx.children = pass.arena->objects<Context>(6);
   Tensor h1 = ln1_.forward(x, c[0], pass);
   Tensor a = attn_.forward(h1, c[1], pass);  // (B, T, C), owned by this call
-  if (drop) cpu::dropout_apply(a.f32(), a.f32(), B, per_sample, dropout_, dropout_key(pass, global_index(), 1));
-  cpu::add(a.f32(), x.f32(), n);             // a is now x2 = x + drop(attn(ln1(x)))
+  if (drop) ops::dropout_apply(a, a, dropout_, dropout_key(pass, global_index(), 1));
+  ops::add(a, x);                            // a is now x2 = x + drop(attn(ln1(x)))
   Tensor h2 = ln2_.forward(a, c[2], pass);
-  Tensor m = fc_.forward(h2, c[3], pass);
-  Tensor g = gelu_.forward(m, c[4], pass);
+  Tensor g = fc_.forward_gelu(h2, c[3], c[4], pass);  // GELU(fc(h2)), one GEMM epilogue on a GPU
   Tensor f = fc_proj_.forward(g, c[5], pass);
-  if (drop) cpu::dropout_apply(f.f32(), f.f32(), B, per_sample, dropout_, dropout_key(pass, global_index(), 2));
-  cpu::add(f.f32(), a.f32(), n);             // y = x2 + drop(mlp(ln2(x2)))
+  if (drop) ops::dropout_apply(f, f, dropout_, dropout_key(pass, global_index(), 2));
+  ops::add(f, a);                            // y = x2 + drop(mlp(ln2(x2)))
   return f;
 }
 
 void TransformerBlock::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
                                      GradMode mode, const Pass& pass) {
-  const int64_t n = dy.numel(), B = dy.shape[0], per_sample = n / B;
   const bool drop = pass.training && dropout_ > 0.0f;
   const Context* c = ctx.children;
-  Tensor scratch = drop ? pass.arena->tensor(dy.shape) : Tensor{};    // (B, T, C)
+  Tensor scratch = drop ? pass.arena->tensor(dy.shape, pass.dtype) : Tensor{};  // (B, T, C)
   // MLP branch.
   Tensor df = dy;
   if (drop) {
-    cpu::dropout_apply(scratch.f32(), dy.f32(), B, per_sample, dropout_, dropout_key(pass, global_index(), 2));
+    ops::dropout_apply(scratch, dy, dropout_, dropout_key(pass, global_index(), 2));
     df = scratch;
   }
-  Tensor dg = pass.arena->tensor(c[5].input.shape);                   // (B, T, 4C)
+  Tensor dg = pass.arena->tensor(c[5].input.shape, pass.dtype);      // (B, T, 4C)
   fc_proj_.backward(c[5], df, dg, GradMode::overwrite, pass);
   gelu_.backward(c[4], dg, dg, GradMode::overwrite, pass);            // elementwise, in place
-  Tensor dh = pass.arena->tensor(dy.shape);                           // (B, T, C)
+  Tensor dh = pass.arena->tensor(dy.shape, pass.dtype);               // (B, T, C)
   fc_.backward(c[3], dg, dh, GradMode::overwrite, pass);
-  Tensor dx2 = pass.arena->tensor(dy.shape);                          // (B, T, C)
-  cpu::copy(dx2.f32(), dy.f32(), n);
+  Tensor dx2 = pass.arena->tensor(dy.shape, pass.dtype);              // (B, T, C)
+  ops::copy(dx2, dy);
   ln2_.backward(c[2], dh, dx2, GradMode::accumulate, pass);
   // Attention branch.
   Tensor da = dx2;
   if (drop) {
-    cpu::dropout_apply(scratch.f32(), dx2.f32(), B, per_sample, dropout_, dropout_key(pass, global_index(), 1));
+    ops::dropout_apply(scratch, dx2, dropout_, dropout_key(pass, global_index(), 1));
     da = scratch;
   }
   attn_.backward(c[1], da, dh, GradMode::overwrite, pass);            // dh is now d(h1)
-  if (mode == GradMode::accumulate) cpu::add(dx.f32(), dx2.f32(), n);
-  else cpu::copy(dx.f32(), dx2.f32(), n);
+  if (mode == GradMode::accumulate) ops::add(dx, dx2);
+  else ops::copy(dx, dx2);
   ln1_.backward(c[0], dh, dx, GradMode::accumulate, pass);
 }
 
@@ -415,23 +415,23 @@ Cost CrossEntropyLoss::cost(const Shape& in) const {
 }
 
 Tensor CrossEntropyLoss::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  const int64_t rows = x.shape.rows(), V = x.shape[-1];
+  const int64_t rows = x.shape.rows();
   MPIPE_CHECK(pass.targets.numel() == rows, "cross-entropy: ", pass.targets.numel(),
               " targets for ", rows, " rows");
-  ctx.saved[0] = pass.arena->tensor(Shape{rows});  // log-sum-exp (N)
+  ctx.saved[0] = pass.arena->tensor(Shape{rows});  // log-sum-exp (N), fp32
   ctx.saved[1] = pass.targets;
-  ctx.value = cpu::crossentropy_forward(ctx.saved[0].f32(), x.f32(), pass.targets.i32(), rows, V);
-  Tensor loss = pass.arena->tensor(Shape{1});
-  loss.f32()[0] = static_cast<float>(ctx.value);
+  ctx.value = ops::crossentropy_forward(ctx.saved[0], x, pass.targets, pass.device_loss_sum);
+  // The summed loss on the CPU. On a GPU the sum went to pass.device_loss_sum, which the
+  // executor reads once per step, and this output is zero.
+  Tensor loss = pass.arena->zeros(Shape{1});
+  if (loss.device == Device::cpu) loss.f32()[0] = static_cast<float>(ctx.value);
   return loss;
 }
 
 void CrossEntropyLoss::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
                                      GradMode mode, const Pass& pass) {
   MPIPE_CHECK(mode == GradMode::overwrite, "cross-entropy writes its gradient");
-  const int64_t rows = ctx.input.shape.rows(), V = ctx.input.shape[-1];
-  cpu::crossentropy_backward(dx.f32(), ctx.input.f32(), ctx.saved[0].f32(), ctx.saved[1].i32(),
-                             pass.loss_scale, rows, V);
+  ops::crossentropy_backward(dx, ctx.input, ctx.saved[0], ctx.saved[1], pass.loss_scale);
 }
 
 }  // namespace mpipe

@@ -3,6 +3,12 @@
 
 #include <cmath>
 
+#include "mpipe/backend/cpu/ops.hpp"
+
+#if MPIPE_HAVE_CUDA
+#include "mpipe/backend/cuda/ops.hpp"
+#endif
+
 namespace mpipe {
 
 void validate(const OptimizerConfig& c) {
@@ -35,7 +41,72 @@ std::vector<std::string> Optimizer::state_names() const {
   return {"momentum_buffer"};
 }
 
+void Optimizer::to_device() {
+  MPIPE_CHECK(store_.device() == Device::cuda && !on_device_, "Optimizer::to_device before the store's");
+  const std::size_t bytes = first_.size() * sizeof(float);
+  device_first_ = cuda::DeviceBuffer(bytes);
+  if (second_.size() > 0) device_second_ = cuda::DeviceBuffer(bytes);
+  // The view table of one update launch: every entry but the aliases, whose values the
+  // owner's entry updates.
+  std::vector<std::int64_t> param_offsets, offsets, sizes;
+  std::vector<float> decay;
+  for (const ParamEntry& e : store_.entries()) {
+    if (e.alias) continue;
+    param_offsets.push_back(static_cast<std::int64_t>(e.param_offset));
+    offsets.push_back(static_cast<std::int64_t>(e.offset));
+    sizes.push_back(e.numel());
+    decay.push_back(e.decay ? config_.weight_decay : 0.0f);
+    largest_view_ = std::max(largest_view_, e.numel());
+  }
+  view_count_ = static_cast<int>(sizes.size());
+  const std::size_t n = std::max<std::size_t>(1, sizes.size());
+  view_param_offsets_ = cuda::DeviceBuffer(n * sizeof(std::int64_t));
+  view_offsets_ = cuda::DeviceBuffer(n * sizeof(std::int64_t));
+  view_sizes_ = cuda::DeviceBuffer(n * sizeof(std::int64_t));
+  view_decay_ = cuda::DeviceBuffer(n * sizeof(float));
+  cuda::copy_to_device(view_param_offsets_.data(), param_offsets.data(), param_offsets.size() * sizeof(std::int64_t));
+  cuda::copy_to_device(view_offsets_.data(), offsets.data(), offsets.size() * sizeof(std::int64_t));
+  cuda::copy_to_device(view_sizes_.data(), sizes.data(), sizes.size() * sizeof(std::int64_t));
+  cuda::copy_to_device(view_decay_.data(), decay.data(), decay.size() * sizeof(float));
+  on_device_ = true;
+  upload();  // synchronises, so the vectors above may go
+}
+
+void Optimizer::download() {
+  if (!on_device_) return;
+  cuda::copy_to_host(first_.data(), device_first_.data(), first_.size() * sizeof(float));
+  if (second_.size() > 0) cuda::copy_to_host(second_.data(), device_second_.data(), second_.size() * sizeof(float));
+  cuda::synchronize(cuda::StreamKind::compute);
+}
+
+void Optimizer::upload() {
+  if (!on_device_) return;
+  cuda::copy_to_device(device_first_.data(), first_.data(), first_.size() * sizeof(float));
+  if (second_.size() > 0) cuda::copy_to_device(device_second_.data(), second_.data(), second_.size() * sizeof(float));
+  cuda::synchronize(cuda::StreamKind::compute);
+}
+
 void Optimizer::update(float lr, std::int64_t t) {
+  if (on_device_) {
+#if MPIPE_HAVE_CUDA
+    cuda::ViewTable views;
+    views.param_offsets = view_param_offsets_.as<std::int64_t>();
+    views.offsets = view_offsets_.as<std::int64_t>();
+    views.sizes = view_sizes_.as<std::int64_t>();
+    views.weight_decay = view_decay_.as<float>();
+    views.count = view_count_;
+    views.largest = largest_view_;
+    float* params = store_.master().data();
+    const float* grads = store_.grads().data();
+    if (config_.kind == "adamw")
+      cuda::adamw_update(params, grads, device_first_.as<float>(), device_second_.as<float>(), views, lr,
+                         config_.beta1, config_.beta2, config_.eps, t);
+    else
+      cuda::sgd_update(params, grads, device_first_.as<float>(), views, lr, config_.momentum);
+    store_.refresh_compute_copy();
+#endif
+    return;
+  }
   float* params = store_.params().data();
   const float* grads = store_.grads().data();
   for (const ParamEntry& e : store_.entries()) {

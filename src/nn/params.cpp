@@ -4,7 +4,13 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "mpipe/backend/ops.hpp"
+#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/core/bf16.hpp"
 #include "mpipe/core/rng.hpp"
+#if MPIPE_HAVE_CUDA
+#include "mpipe/backend/cuda/ops.hpp"
+#endif
 
 namespace mpipe {
 
@@ -52,7 +58,7 @@ void initialise(float* data, std::int64_t n, const ParamSpec& spec, std::uint64_
 }  // namespace
 
 ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
-    : begin_(begin), end_(end) {
+    : model_(model), begin_(begin), end_(end) {
   MPIPE_CHECK(0 <= begin && begin < end && end <= model.size(), "layer range ", begin, "..", end);
   std::vector<std::vector<ParamSpec>> specs(end - begin);
   std::size_t total = 0;
@@ -92,6 +98,7 @@ ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
       entries_.push_back(e);
     }
   }
+  total_ = total;
   params_ = FloatBuffer(total);
   grads_ = FloatBuffer(total);
   for (const ParamEntry& e : entries_) {
@@ -101,15 +108,18 @@ ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
     initialise(params_.data() + e.offset, e.numel(), owner_specs[e.owner_index], seed, e.owner_layer,
                e.owner_index);
   }
-  // Bind views, layer by layer.
+  bind_layers();
+}
+
+void ParamStore::bind_layers() {
   std::size_t at = 0;
-  for (int layer = begin; layer < end; ++layer) {
+  for (int layer = begin_; layer < end_; ++layer) {
     std::vector<Tensor> p, g;
     for (; at < entries_.size() && entries_[at].layer == layer; ++at) {
       p.push_back(param(entries_[at]));
       g.push_back(grad(entries_[at]));
     }
-    model.layer(layer).bind(p, g);
+    model_.layer(layer).bind(p, g);
   }
 }
 
@@ -120,16 +130,108 @@ std::size_t ParamStore::count() const {
   return n;
 }
 
-Tensor ParamStore::param(const ParamEntry& e) const { return make_tensor(params_.data() + e.param_offset, e.shape); }
-Tensor ParamStore::grad(const ParamEntry& e) const { return make_tensor(grads_.data() + e.offset, e.shape); }
+std::span<float> ParamStore::grads() const {
+  if (device_ == Device::cpu) return grads_.span();
+  return {device_grads_.as<float>(), total_};
+}
 
-void ParamStore::zero_grads() { std::memset(grads_.data(), 0, grads_.size() * sizeof(float)); }
+std::span<float> ParamStore::master() const {
+  if (device_ == Device::cpu) return params_.span();
+  return {device_master_.as<float>(), total_};
+}
+
+Tensor ParamStore::param(const ParamEntry& e) const {
+  if (device_ == Device::cpu) return make_tensor(params_.data() + e.param_offset, e.shape);
+  if (compute_dtype_ == DType::f32) return {device_master_.as<float>() + e.param_offset, e.shape, DType::f32, Device::cuda};
+  return {device_compute_.as<bf16>() + e.param_offset, e.shape, DType::bf16, Device::cuda};
+}
+
+Tensor ParamStore::grad(const ParamEntry& e) const {
+  return {grads().data() + e.offset, e.shape, DType::f32, device_};
+}
+
+void ParamStore::zero_grads() {
+  if (device_ == Device::cpu) std::memset(grads_.data(), 0, grads_.size() * sizeof(float));
+  else cuda::zero(device_grads_.data(), total_ * sizeof(float));
+}
+
+void ParamStore::scale_grads(float factor) {
+  if (device_ == Device::cpu) {
+    cpu::scale(grads_.data(), factor, static_cast<int64_t>(total_));
+    return;
+  }
+#if MPIPE_HAVE_CUDA
+  cuda::scale(device_grads_.as<float>(), factor, static_cast<int64_t>(total_));
+#endif
+}
+
+void ParamStore::to_device(DType compute) {
+  MPIPE_CHECK(device_ == Device::cpu, "parameters are on the GPU already");
+  MPIPE_CHECK(compute == DType::f32 || compute == DType::bf16, "compute type ", to_string(compute));
+  const std::size_t bytes = total_ * sizeof(float);
+  device_master_ = cuda::DeviceBuffer(bytes);
+  device_grads_ = cuda::DeviceBuffer(bytes);
+  if (compute == DType::bf16) device_compute_ = cuda::DeviceBuffer(total_ * sizeof(bf16));
+  device_ = Device::cuda;
+  compute_dtype_ = compute;
+  grads_ = FloatBuffer();  // gradients live on the GPU from now on
+  // The norm's spans, once, so that a step never allocates.
+  std::vector<std::int64_t> offsets, sizes;
+  for (const ParamEntry& e : entries_)
+    if (!e.tied_copy) {
+      offsets.push_back(static_cast<std::int64_t>(e.offset));
+      sizes.push_back(e.numel());
+    }
+  norm_count_ = static_cast<int>(offsets.size());
+  norm_offsets_ = cuda::DeviceBuffer(std::max<std::size_t>(1, offsets.size()) * sizeof(std::int64_t));
+  norm_sizes_ = cuda::DeviceBuffer(std::max<std::size_t>(1, sizes.size()) * sizeof(std::int64_t));
+  norm_sums_ = cuda::DeviceBuffer(std::max<std::size_t>(1, sizes.size()) * sizeof(double));
+  norm_sums_host_ = cuda::PinnedBuffer(std::max<std::size_t>(1, sizes.size()) * sizeof(double));
+  cuda::copy_to_device(norm_offsets_.data(), offsets.data(), offsets.size() * sizeof(std::int64_t));
+  cuda::copy_to_device(norm_sizes_.data(), sizes.data(), sizes.size() * sizeof(std::int64_t));
+  upload();  // synchronises, so the vectors above may go
+  bind_layers();
+}
+
+void ParamStore::download() {
+  if (device_ == Device::cpu) return;
+  cuda::copy_to_host(params_.data(), device_master_.data(), total_ * sizeof(float));
+  cuda::synchronize(cuda::StreamKind::compute);
+}
+
+void ParamStore::upload() {
+  if (device_ == Device::cpu) return;
+  cuda::copy_to_device(device_master_.data(), params_.data(), total_ * sizeof(float));
+  refresh_compute_copy();
+  cuda::synchronize(cuda::StreamKind::compute);
+}
+
+void ParamStore::refresh_compute_copy() {
+  if (device_ == Device::cpu || compute_dtype_ == DType::f32) return;
+#if MPIPE_HAVE_CUDA
+  cuda::convert(device_compute_.as<bf16>(), device_master_.as<float>(), static_cast<int64_t>(total_));
+#endif
+}
 
 void ParamStore::grad_sum_squares(std::span<double> per_layer) const {
   MPIPE_CHECK(per_layer.size() == static_cast<std::size_t>(end_ - begin_), "per-layer span");
   std::fill(per_layer.begin(), per_layer.end(), 0.0);
+  if (device_ == Device::cpu) {
+    for (const ParamEntry& e : entries_)
+      if (!e.tied_copy) per_layer[e.layer - begin_] += cpu::sum_squares(grads_.data() + e.offset, e.numel());
+    return;
+  }
+#if MPIPE_HAVE_CUDA
+  // One launch for every span, one copy back; then the same per-layer sums in entry order.
+  cuda::sum_squares(norm_sums_.as<double>(), device_grads_.as<float>(), norm_offsets_.as<std::int64_t>(),
+                    norm_sizes_.as<std::int64_t>(), norm_count_);
+  cuda::copy_to_host(norm_sums_host_.data(), norm_sums_.data(), static_cast<std::size_t>(norm_count_) * sizeof(double));
+  cuda::synchronize(cuda::StreamKind::compute);
+  const double* sums = norm_sums_host_.as<double>();
+  int i = 0;
   for (const ParamEntry& e : entries_)
-    if (!e.tied_copy) per_layer[e.layer - begin_] += cpu::sum_squares(grads_.data() + e.offset, e.numel());
+    if (!e.tied_copy) per_layer[e.layer - begin_] += sums[i++];
+#endif
 }
 
 void ParamStore::sum_local_tied_grads() {
@@ -137,13 +239,9 @@ void ParamStore::sum_local_tied_grads() {
     if (!copy.alias) continue;
     for (const ParamEntry& owner : entries_)
       if (owner.layer == copy.owner_layer && owner.index == copy.owner_index) {
-        float* a = grads_.data() + owner.offset;
-        float* b = grads_.data() + copy.offset;
         // The copy's values are the owner's, so only the owner's gradient may count.
-        for (std::int64_t i = 0; i < owner.numel(); ++i) {
-          a[i] += b[i];
-          b[i] = 0.0f;
-        }
+        ops::add(grad(owner), grad(copy));
+        ops::zero(grad(copy));
       }
   }
 }

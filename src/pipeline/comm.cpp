@@ -4,7 +4,13 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstdlib>
+#include <string>
 #include <thread>
+
+#if __has_include(<mpi-ext.h>)
+#include <mpi-ext.h>  // Open MPI: MPIX_Query_cuda_support
+#endif
 
 namespace mpipe {
 
@@ -70,16 +76,25 @@ Communicator::~Communicator() {
   if (owned_ && comm_ != MPI_COMM_NULL && !finalized) MPI_Comm_free(&comm_);
 }
 
-MPI_Request Communicator::isend(std::span<const float> data, int dest, int tag) const {
+MPI_Request Communicator::isend(std::span<const std::byte> data, int dest, int tag) const {
   MPI_Request r;
-  MPI_CHECK(MPI_Isend(data.data(), mpi_count(data.size()), MPI_FLOAT, dest, tag, comm_, &r));
+  MPI_CHECK(MPI_Isend(data.data(), mpi_count(data.size()), MPI_BYTE, dest, tag, comm_, &r));
   return r;
 }
 
-MPI_Request Communicator::irecv(std::span<float> data, int source, int tag) const {
+MPI_Request Communicator::irecv(std::span<std::byte> data, int source, int tag) const {
   MPI_Request r;
-  MPI_CHECK(MPI_Irecv(data.data(), mpi_count(data.size()), MPI_FLOAT, source, tag, comm_, &r));
+  MPI_CHECK(MPI_Irecv(data.data(), mpi_count(data.size()), MPI_BYTE, source, tag, comm_, &r));
   return r;
+}
+
+bool mpi_cuda_aware() {
+  if (const char* forced = std::getenv("MPIPE_CUDA_AWARE")) return std::string(forced) == "1";
+#if defined(OMPI_HAVE_MPI_EXT_CUDA) && OMPI_HAVE_MPI_EXT_CUDA
+  return MPIX_Query_cuda_support() == 1;
+#else
+  return false;
+#endif
 }
 
 void Communicator::broadcast(std::string& text, int root) const {
@@ -91,7 +106,7 @@ void Communicator::broadcast(std::string& text, int root) const {
 
 void Communicator::barrier() const { MPI_CHECK(MPI_Barrier(comm_)); }
 
-double wait_for(MPI_Request& request, double timeout_s, const char* what, int index, long expected_count) {
+double wait_for(MPI_Request& request, double timeout_s, const char* what, int index, long expected_bytes) {
   if (request == MPI_REQUEST_NULL) return 0.0;
   const auto start = std::chrono::steady_clock::now();
   int done = 0;
@@ -110,13 +125,13 @@ double wait_for(MPI_Request& request, double timeout_s, const char* what, int in
                       " (a neighbour stage is stuck or gone; see --p2p-timeout)"));
     if (polls > 10) std::this_thread::sleep_for(std::chrono::duration<double>(std::clamp(waited * 0.05, 20e-6, 1e-3)));
   }
-  if (expected_count >= 0) {
+  if (expected_bytes >= 0) {
     // A shorter message than the buffer would pass silently: the stages disagree on
-    // the shape at their boundary.
+    // the shape (or precision) at their boundary.
     int count = 0;
-    MPI_CHECK(MPI_Get_count(&status, MPI_FLOAT, &count));
-    if (count != expected_count)
-      throw Error(cat("received ", count, " floats for ", what, " ", index, ", expected ", expected_count,
+    MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
+    if (count != expected_bytes)
+      throw Error(cat("received ", count, " bytes for ", what, " ", index, ", expected ", expected_bytes,
                       " (the stages disagree on the boundary shape)"));
   }
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

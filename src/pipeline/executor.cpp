@@ -9,6 +9,8 @@
 #include <cstring>
 #include <thread>
 
+#include "mpipe/backend/ops.hpp"
+
 namespace mpipe {
 
 namespace {
@@ -57,6 +59,12 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(p.remat == "always" || p.remat == "except-last" || p.remat == "never",
                 "use --remat always, except-last or never", "unknown --remat '", p.remat, "'");
   MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
+  MPIPE_REQUIRE(c.device == "cpu" || c.device == "cuda" || c.device == "auto", "use --device cpu, cuda or auto",
+                "unknown --device '", c.device, "'");
+  MPIPE_REQUIRE(c.precision == "fp32" || c.precision == "bf16", "use --precision fp32 or bf16",
+                "unknown --precision '", c.precision, "'");
+  MPIPE_REQUIRE(c.precision == "fp32" || c.device != "cpu", "use --device cuda (or auto on GPU nodes) with bf16",
+                "--precision bf16 needs a GPU; the CPU backend computes in fp32");
   make_schedule(p.schedule, 1, 1);  // throws UserError for an unknown name
   GridShape grid = p.grid;
   if (world > 0) grid = resolve_grid(grid, world);
@@ -93,6 +101,53 @@ Executor::Executor(const TrainConfig& config, const Communicator& world)
   config_.pipeline.grid = resolve_grid(config.pipeline.grid, world.size());
   micro_ = config.batch_size / (config.micro_batches * config_.pipeline.grid.replicas);
   shapes_ = model_.shapes(micro_);
+  MPIPE_CHECK(config_.device != "auto", "resolve_device() must run before the executor is built");
+  if (config_.device == "cuda") {
+    MPIPE_CHECK(cuda::active(), "--device cuda without cuda::init()");
+    device_ = Device::cuda;
+    dtype_ = config_.precision == "bf16" ? DType::bf16 : DType::f32;
+    cuda_aware_ = mpi_cuda_aware();
+  }
+  persistent_ = std::make_unique<Arena>(ops::device_memory(device_));
+  scratch_ = std::make_unique<Arena>(ops::device_memory(device_));
+}
+
+std::string resolve_device(TrainConfig& config, const Communicator& world) {
+  // Every rank counts its GPUs; a rank without one makes "auto" the CPU everywhere and
+  // "cuda" a user error everywhere, so no rank is left alone on a device.
+  std::string why;
+  int gpus = config.device == "cpu" ? 0 : cuda::device_count(&why);
+  int fewest = gpus;
+  world.allreduce(std::span<int>(&fewest, 1), Reduce::min);
+  if (config.device == "auto") config.device = fewest > 0 ? "cuda" : "cpu";
+  if (config.device == "cuda" && fewest == 0) {
+    // Name the first rank without a GPU, and its reason, on every rank.
+    int first = gpus == 0 ? world.rank() : world.size();
+    world.allreduce(std::span<int>(&first, 1), Reduce::min);
+    std::string reason = why;
+    world.broadcast(reason, first);
+    throw UserError(cat("--device cuda but rank ", first, " has no usable GPU (", reason, ")"),
+                    "run on GPU nodes, check CUDA_VISIBLE_DEVICES and the driver, or use --device cpu");
+  }
+  MPIPE_REQUIRE(config.device == "cuda" || config.precision == "fp32",
+                "use --precision fp32 on the CPU, or run on GPU nodes",
+                "--precision bf16 needs a GPU, and --device ", config.device == "cpu" ? "cpu" : "auto",
+                " chose the CPU");
+  if (config.device == "cpu") return "device: cpu";
+  // Node-local rank modulo the GPUs this rank sees: one GPU per rank with one rank per
+  // GPU, or ranks sharing GPUs round-robin when there are more ranks than GPUs.
+  MPI_Comm local;
+  int local_rank = 0, local_size = 1;
+  MPI_CHECK(MPI_Comm_split_type(world.get(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &local));
+  MPI_CHECK(MPI_Comm_rank(local, &local_rank));
+  MPI_CHECK(MPI_Comm_size(local, &local_size));
+  MPI_CHECK(MPI_Comm_free(&local));
+  const int ordinal = local_rank % gpus;
+  cuda::init(ordinal);
+  const cuda::DeviceProperties p = cuda::properties(ordinal);
+  return cat("device: cuda, ", p.name, " (sm_", p.major, p.minor, ", ", p.memory_bytes >> 30, " GiB); ", gpus,
+             " GPU(s) and ", local_size, " rank(s) per node; precision ", config.precision, "; MPI ",
+             mpi_cuda_aware() ? "CUDA-aware (messages from device memory)" : "not CUDA-aware (messages staged in pinned host memory)");
 }
 
 Executor::~Executor() {
@@ -156,22 +211,32 @@ void Executor::allocate() {
   if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
   params_ = std::make_unique<ParamStore>(model_, begin_, end_, config_.seed);
   optimizer_ = std::make_unique<Optimizer>(*params_, config_.optimizer);
+  if (device_ == Device::cuda) {
+    params_->to_device(dtype_);
+    optimizer_->to_device();
+  }
 
   const bool first = grid_->first_stage(), last = grid_->last_stage();
   if (first || last) {
     dataset_ = make_dataset(config_.data, config_.model, config_.seed);
     const int share = config_.batch_size / D;
     const Shape in = model_.input_shape(share), tg = model_.target_shape(share);
-    batch_memory_ = std::make_unique<std::byte[]>(static_cast<std::size_t>(in.numel() + tg.numel()) * 4);
-    inputs_ = {batch_memory_.get(), in, model_.input_dtype(), Device::cpu};
-    targets_ = {batch_memory_.get() + in.numel() * 4, tg, DType::i32, Device::cpu};
+    const std::size_t bytes = static_cast<std::size_t>(in.numel() + tg.numel()) * 4;
+    std::byte* host = nullptr;
+    if (device_ == Device::cpu) {
+      batch_memory_ = std::make_unique<std::byte[]>(bytes);
+      host = batch_memory_.get();
+    } else {
+      batch_host_ = cuda::PinnedBuffer(bytes);  // pinned: the copy to the GPU is one DMA
+      batch_device_ = cuda::DeviceBuffer(bytes);
+      host = batch_host_.as<std::byte>();
+      device_inputs_ = {batch_device_.data(), in, model_.input_dtype(), Device::cuda};
+      device_targets_ = {batch_device_.as<std::byte>() + in.numel() * 4, tg, DType::i32, Device::cuda};
+    }
+    inputs_ = {host, in, model_.input_dtype(), Device::cpu};
+    targets_ = {host + in.numel() * 4, tg, DType::i32, Device::cpu};
   }
-  recv_act_.clear();
-  recv_grad_.clear();
-  for (int mb = 0; mb < M; ++mb) {
-    if (!first) recv_act_.emplace_back(static_cast<std::size_t>(shapes_[begin_].numel()));
-    if (!last) recv_grad_.emplace_back(static_cast<std::size_t>(shapes_[end_].numel()));
-  }
+  allocate_messages();
   recv_act_req_.assign(M, MPI_REQUEST_NULL);
   recv_grad_req_.assign(M, MPI_REQUEST_NULL);
   send_req_.reserve(2 * static_cast<std::size_t>(M));
@@ -215,6 +280,10 @@ void Executor::allocate() {
     }
   }
 
+  // Without CUDA-aware MPI, gradient reductions go through a pinned host copy.
+  if (device_ == Device::cuda && !cuda_aware_ && (!buckets_.empty() || !tied_spans_.empty()))
+    grad_staging_ = cuda::PinnedBuffer(params_->grads().size() * sizeof(float));
+
   trace_.clear();
   if (!config_.trace.empty()) {
     // Every action of every traced step, plus the reductions: sized once, here.
@@ -231,7 +300,73 @@ void Executor::allocate() {
   }
 }
 
-std::size_t Executor::peak_activation_bytes() const { return persistent_.high_water() + scratch_.high_water(); }
+void Executor::allocate_messages() {
+  const int M = config_.micro_batches;
+  const bool first = grid_->first_stage(), last = grid_->last_stage();
+  auto make = [&](const Shape& shape) {
+    Message m;
+    const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_);
+    if (device_ == Device::cpu) {
+      m.host = FloatBuffer(static_cast<std::size_t>(shape.numel()));
+      m.tensor = make_tensor(m.host.data(), shape);
+      m.wire = m.tensor.byte_span();
+      return m;
+    }
+    m.device = cuda::DeviceBuffer(bytes);
+    m.tensor = {m.device.data(), shape, dtype_, Device::cuda};
+    if (cuda_aware_) {
+      m.wire = m.tensor.byte_span();
+    } else {
+      m.staging = cuda::PinnedBuffer(bytes);
+      m.wire = {m.staging.as<std::byte>(), bytes};
+    }
+    return m;
+  };
+  recv_act_.clear();
+  recv_grad_.clear();
+  for (int mb = 0; mb < M; ++mb) {
+    if (!first) recv_act_.push_back(make(shapes_[begin_]));
+    if (!last) recv_grad_.push_back(make(shapes_[end_]));
+  }
+  pending_sends_.clear();
+  pending_sends_.reserve(2 * static_cast<std::size_t>(M));
+  if (device_ == Device::cpu) return;
+  for (int which = 0; which < 2; ++which) {
+    send_staging_[which].clear();
+    send_ready_[which].clear();
+    recv_ready_[which].clear();
+    // Activations leave by the end of the stage, gradients by its start.
+    const Shape& out = which == 0 ? shapes_[end_] : shapes_[begin_];
+    const bool sends = which == 0 ? !last : !first;
+    for (int mb = 0; mb < M; ++mb) {
+      if (sends && !cuda_aware_)
+        send_staging_[which].emplace_back(static_cast<std::size_t>(out.numel()) * dtype_size(dtype_));
+      send_ready_[which].emplace_back();
+      recv_ready_[which].emplace_back();
+    }
+  }
+  device_loss_ = cuda::DeviceBuffer(sizeof(double));
+  host_loss_ = cuda::PinnedBuffer(sizeof(double));
+  // Forward, backward and recompute of every micro-batch, two marks each, and the origin.
+  marks_.clear();
+  for (int i = 0; i < 1 + 6 * M; ++i) marks_.emplace_back(true);
+  compute_marks_.clear();
+  compute_marks_.reserve(3 * static_cast<std::size_t>(M));
+}
+
+void Executor::download_state() {
+  if (device_ == Device::cpu) return;
+  params_->download();
+  optimizer_->download();
+}
+
+void Executor::upload_state() {
+  if (device_ == Device::cpu) return;
+  params_->upload();
+  optimizer_->upload();
+}
+
+std::size_t Executor::peak_activation_bytes() const { return persistent_->high_water() + scratch_->high_water(); }
 
 bool Executor::rematerialize(int micro_batch) const {
   const std::string& mode = config_.pipeline.remat;
@@ -246,10 +381,13 @@ Pass Executor::make_pass(std::int64_t step, int mb, Arena* arena) const {
   const int share = config_.batch_size / grid_->replicas();
   pass.sample_begin = static_cast<std::uint64_t>(grid_->replica() * share + mb * micro_);
   pass.training = true;
+  pass.dtype = dtype_;
   if (grid_->last_stage()) {
     const Shape tg = model_.target_shape(micro_);
-    pass.targets = {static_cast<std::byte*>(targets_.data) + static_cast<std::size_t>(mb) * tg.numel() * 4, tg,
-                    DType::i32, Device::cpu};
+    const Tensor& all = device_ == Device::cpu ? targets_ : device_targets_;
+    pass.targets = {static_cast<std::byte*>(all.data) + static_cast<std::size_t>(mb) * tg.numel() * 4, tg,
+                    DType::i32, device_};
+    if (device_ == Device::cuda) pass.device_loss_sum = device_loss_.as<double>();
   }
   pass.loss_scale = 1.0f / static_cast<float>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
   return pass;
@@ -260,10 +398,17 @@ Context* Executor::forward_layers(const Pass& pass, int mb, Tensor* output) {
   Tensor x;
   if (grid_->first_stage()) {
     const Shape in = shapes_[0];
-    x = {static_cast<std::byte*>(inputs_.data) + static_cast<std::size_t>(mb) * in.numel() * 4, in,
-         model_.input_dtype(), Device::cpu};
+    const Tensor& all = device_ == Device::cpu ? inputs_ : device_inputs_;
+    // Tokens (int32) for GPT, fp32 features for the MLP.
+    x = {static_cast<std::byte*>(all.data) + static_cast<std::size_t>(mb) * in.numel() * 4, in,
+         model_.input_dtype(), device_};
+    if (x.dtype == DType::f32 && dtype_ != DType::f32) {  // the MLP's features, in bf16 training
+      const Tensor converted = pass.arena->tensor(in, dtype_);
+      ops::convert(converted, x);
+      x = converted;
+    }
   } else {
-    x = make_tensor(recv_act_[mb].data(), shapes_[begin_]);
+    x = recv_act_[mb].tensor;
   }
   Context* contexts = pass.arena->objects<Context>(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) x = model_.layer(begin_ + i).forward(x, contexts[i], pass);
@@ -278,24 +423,63 @@ void Executor::run_forward(std::int64_t step, int mb) {
     throw Error("injected failure (MPIPE_TEST_FAIL)");
   }
   const auto start = Clock::now();
+  begin_compute(TraceEvent::forward, mb);
   const bool remat = rematerialize(mb);
   Tensor out;
-  Context* contexts = forward_layers(make_pass(step, mb, remat ? &scratch_ : &persistent_), mb, &out);
+  Context* contexts = forward_layers(make_pass(step, mb, remat ? scratch_.get() : persistent_.get()), mb, &out);
   if (grid_->last_stage()) loss_sum_ += contexts[end_ - begin_ - 1].value;
   if (remat) {
-    // Keep only what leaves the stage; the contexts die with the scratch arena.
+    // Keep only what leaves the stage; the contexts die with the scratch arena (whose
+    // memory the GPU stream reuses only after this copy, in stream order).
     if (!grid_->last_stage()) {
-      Tensor kept = persistent_.tensor(out.shape);
-      std::memcpy(kept.data, out.data, out.bytes());
+      Tensor kept = persistent_->tensor(out.shape, out.dtype);
+      if (device_ == Device::cpu) std::memcpy(kept.data, out.data, out.bytes());
+      else cuda::copy_on_device(kept.data, out.data, out.bytes());
       out = kept;
     }
-    scratch_.reset();
+    scratch_->reset();
     contexts = nullptr;
   }
   outputs_[mb] = out;
   contexts_[mb] = contexts;
-  times_.forward += since(start);
-  record(step, TraceEvent::forward, mb, start);
+  end_compute();
+  if (device_ == Device::cpu) {
+    times_.forward += since(start);
+    record(step, TraceEvent::forward, mb, start);
+  }
+}
+
+// GPU timing: events around each compute action, read once the step's work is done.
+void Executor::begin_compute(int kind, int micro_batch) {
+  if (device_ == Device::cpu) return;
+  const std::size_t i = compute_marks_.size();
+  MPIPE_CHECK(2 * i + 2 < marks_.size(), "more compute actions than the step has marks for");
+  compute_marks_.push_back({kind, micro_batch});
+  marks_[1 + 2 * i].record(cuda::StreamKind::compute);
+}
+
+void Executor::end_compute() {
+  if (device_ == Device::cpu) return;
+  marks_[2 * compute_marks_.size()].record(cuda::StreamKind::compute);
+}
+
+void Executor::resolve_gpu_times(std::int64_t step) {
+  const double origin = std::chrono::duration<double>(gpu_origin_ - trace_origin_).count();
+  for (std::size_t i = 0; i < compute_marks_.size(); ++i) {
+    const double a = cuda::seconds_between(marks_[0], marks_[1 + 2 * i]);
+    const double b = cuda::seconds_between(marks_[0], marks_[2 + 2 * i]);
+    const ComputeMark& m = compute_marks_[i];
+    (m.kind == TraceEvent::forward ? times_.forward : m.kind == TraceEvent::backward ? times_.backward : times_.recompute) += b - a;
+    if (tracing(step)) {
+      TraceEvent e;
+      e.start = origin + a;
+      e.end = origin + b;
+      e.step = static_cast<std::int32_t>(step);
+      e.kind = static_cast<std::int16_t>(m.kind);
+      e.micro_batch = static_cast<std::int16_t>(m.micro_batch);
+      trace_.push_back(e);
+    }
+  }
 }
 
 void Executor::run_backward(std::int64_t step, int mb) {
@@ -304,35 +488,102 @@ void Executor::run_backward(std::int64_t step, int mb) {
   if (!contexts) {
     // Recompute the forward with the same pass, hence the same dropout masks.
     const auto start = Clock::now();
+    begin_compute(TraceEvent::recompute, mb);
     Tensor unused;
-    contexts = forward_layers(make_pass(step, mb, &scratch_), mb, &unused);
-    times_.recompute += since(start);
-    record(step, TraceEvent::recompute, mb, start);
+    Pass recompute = make_pass(step, mb, scratch_.get());
+    recompute.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
+    contexts = forward_layers(recompute, mb, &unused);
+    end_compute();
+    if (device_ == Device::cpu) {
+      times_.recompute += since(start);
+      record(step, TraceEvent::recompute, mb, start);
+    }
   }
   const auto start = Clock::now();
-  const Pass pass = make_pass(step, mb, &scratch_);
+  begin_compute(TraceEvent::backward, mb);
+  const Pass pass = make_pass(step, mb, scratch_.get());
   static float loss_gradient = 1.0f;  // the loss layer ignores its incoming gradient
-  Tensor dy = grid_->last_stage() ? make_tensor(&loss_gradient, Shape{1})
-                                  : make_tensor(recv_grad_[mb].data(), shapes_[end_]);
+  Tensor dy = grid_->last_stage() ? make_tensor(&loss_gradient, Shape{1}) : recv_grad_[mb].tensor;
   const bool last_micro_batch = mb == config_.micro_batches - 1;
   std::size_t next_bucket = 0;
   for (int i = n - 1; i >= 0; --i) {
     const Shape& in = shapes_[begin_ + i];
     Tensor dx;
-    if (i > 0) dx = scratch_.tensor(in);
-    else if (!grid_->first_stage()) dx = input_grads_[mb] = persistent_.tensor(in);
+    if (i > 0) dx = scratch_->tensor(in, dtype_);
+    else if (!grid_->first_stage()) dx = input_grads_[mb] = persistent_->tensor(in, dtype_);
     model_.layer(begin_ + i).backward(contexts[i], dy, dx, GradMode::overwrite, pass);
     dy = dx;
     // This layer's gradients are final after the last micro-batch: start the buckets
     // it completes, so the allreduce overlaps the rest of the backward.
+    // On a GPU without CUDA-aware MPI the buckets go together, from a host copy, in
+    // reduce_gradients().
     while (last_micro_batch && next_bucket < buckets_.size() && buckets_[next_bucket].lowest_layer == begin_ + i) {
       const Bucket& b = buckets_[next_bucket];
+      if (device_ == Device::cuda) {
+        if (!cuda_aware_) {
+          ++next_bucket;
+          continue;
+        }
+        cuda::synchronize(cuda::StreamKind::compute);  // MPI reads the gradients now
+      }
       bucket_req_[next_bucket++] = grid_->data().iallreduce(params_->grads().subspan(b.begin, b.end - b.begin), Reduce::sum);
     }
   }
-  scratch_.reset();
-  times_.backward += since(start);
-  record(step, TraceEvent::backward, mb, start);
+  scratch_->reset();
+  end_compute();
+  if (device_ == Device::cpu) {
+    times_.backward += since(start);
+    record(step, TraceEvent::backward, mb, start);
+  }
+}
+
+// An outgoing message. On the CPU it is posted at once. On a GPU an event marks where
+// its data is final in the compute stream; without CUDA-aware MPI the copy-out stream
+// waits for that event and copies to pinned memory. The MPI send is posted by
+// post_ready_sends() once the data is there, so the host goes on queueing work.
+void Executor::queue_send(const Tensor& data, int which, int mb, int peer, int tag) {
+  const Communicator& pipe = grid_->pipeline();
+  if (device_ == Device::cpu) {
+    send_req_.push_back(pipe.isend(data.byte_span(), peer, tag));
+    return;
+  }
+  cuda::Event& ready = send_ready_[which][mb];
+  ready.record(cuda::StreamKind::compute);
+  std::span<const std::byte> wire = data.byte_span();
+  if (!cuda_aware_) {
+    cuda::PinnedBuffer& staging = send_staging_[which][mb];
+    ready.wait(cuda::StreamKind::to_host);
+    cuda::copy_to_host(staging.data(), data.data, data.bytes(), cuda::StreamKind::to_host);
+    ready.record(cuda::StreamKind::to_host);
+    wire = {staging.as<std::byte>(), data.bytes()};
+  }
+  pending_sends_.push_back({&ready, wire, peer, tag});
+  post_ready_sends(false);
+}
+
+// Posts queued sends in order while their data is ready; with `wait`, waits for all.
+// Called between actions, and with `wait` before any blocking wait: a neighbour may be
+// waiting for one of them.
+void Executor::post_ready_sends(bool wait) {
+  std::size_t posted = 0;
+  for (; posted < pending_sends_.size(); ++posted) {
+    PendingSend& p = pending_sends_[posted];
+    if (wait) p.ready->synchronize();
+    else if (!p.ready->done()) break;
+    send_req_.push_back(grid_->pipeline().isend(p.wire, p.peer, p.tag));
+  }
+  pending_sends_.erase(pending_sends_.begin(), pending_sends_.begin() + static_cast<std::ptrdiff_t>(posted));
+}
+
+// A received message on a GPU without CUDA-aware MPI: copied in on its own stream; the
+// compute stream waits for that copy, the host does not.
+void Executor::finish_receive(int which, int mb) {
+  if (device_ == Device::cpu || cuda_aware_) return;
+  Message& m = which == 0 ? recv_act_[mb] : recv_grad_[mb];
+  cuda::copy_to_device(m.tensor.data, m.staging.data(), m.tensor.bytes(), cuda::StreamKind::to_device);
+  cuda::Event& ready = recv_ready_[which][mb];
+  ready.record(cuda::StreamKind::to_device);
+  ready.wait(cuda::StreamKind::compute);
 }
 
 void Executor::run_pipeline(std::int64_t step) {
@@ -342,44 +593,58 @@ void Executor::run_pipeline(std::int64_t step) {
   const Communicator& pipe = grid_->pipeline();
   const double timeout = config_.pipeline.p2p_timeout;
   loss_sum_ = 0.0;
-  persistent_.reset();  // also when compute_gradients() is called without step()
+  persistent_->reset();  // also when compute_gradients() is called without step()
   params_->zero_grads();
   if (dataset_) {
     const int share = config_.batch_size / grid_->replicas();
     dataset_->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
                    share, inputs_, targets_);
+    if (device_ == Device::cuda)
+      cuda::copy_to_device(batch_device_.data(), batch_host_.data(), batch_host_.bytes());
+  }
+  if (device_ == Device::cuda) {
+    if (grid_->last_stage()) cuda::zero(device_loss_.data(), sizeof(double));
+    compute_marks_.clear();
+    marks_[0].record(cuda::StreamKind::compute);
+    gpu_origin_ = Clock::now();  // the stream was idle: its mark is now
   }
   // Every receive of the step is posted before any compute.
   for (int mb = 0; mb < M; ++mb) {
     if (!grid_->first_stage())
-      recv_act_req_[mb] = pipe.irecv(recv_act_[mb].span(), stage - 1, message_tag(mb, Direction::forward));
+      recv_act_req_[mb] = pipe.irecv(recv_act_[mb].wire, stage - 1, message_tag(mb, Direction::forward));
     if (!grid_->last_stage())
-      recv_grad_req_[mb] = pipe.irecv(recv_grad_[mb].span(), stage + 1, message_tag(mb, Direction::backward));
+      recv_grad_req_[mb] = pipe.irecv(recv_grad_[mb].wire, stage + 1, message_tag(mb, Direction::backward));
   }
   send_req_.clear();
+  pending_sends_.clear();
   for (const Action& action : schedule_.actions[stage]) {
     const int mb = action.micro_batch;
     const auto action_start = Clock::now();
     try {
+      if (!pending_sends_.empty()) post_ready_sends(false);
       switch (action.kind) {
         case ActionKind::forward: run_forward(step, mb); break;
         case ActionKind::backward: run_backward(step, mb); break;
         case ActionKind::recv_act:
+          post_ready_sends(true);
           times_.p2p_wait += wait_for(recv_act_req_[mb], timeout, "the activation of micro-batch", mb,
-                                      static_cast<long>(recv_act_[mb].size()));
+                                      static_cast<long>(recv_act_[mb].wire.size()));
+          finish_receive(0, mb);
           record(step, TraceEvent::recv_act, mb, action_start);
           break;
         case ActionKind::recv_grad:
+          post_ready_sends(true);
           times_.p2p_wait += wait_for(recv_grad_req_[mb], timeout, "the gradient of micro-batch", mb,
-                                      static_cast<long>(recv_grad_[mb].size()));
+                                      static_cast<long>(recv_grad_[mb].wire.size()));
+          finish_receive(1, mb);
           record(step, TraceEvent::recv_grad, mb, action_start);
           break;
         case ActionKind::send_act:
-          send_req_.push_back(pipe.isend(outputs_[mb].span(), stage + 1, message_tag(mb, Direction::forward)));
+          queue_send(outputs_[mb], 0, mb, stage + 1, message_tag(mb, Direction::forward));
           record(step, TraceEvent::send_act, mb, action_start);
           break;
         case ActionKind::send_grad:
-          send_req_.push_back(pipe.isend(input_grads_[mb].span(), stage - 1, message_tag(mb, Direction::backward)));
+          queue_send(input_grads_[mb], 1, mb, stage - 1, message_tag(mb, Direction::backward));
           record(step, TraceEvent::send_grad, mb, action_start);
           break;
       }
@@ -389,8 +654,19 @@ void Executor::run_pipeline(std::int64_t step) {
     }
   }
   const auto sends_start = Clock::now();
+  post_ready_sends(true);
   times_.p2p_wait += wait_all(send_req_, timeout, "a send to a neighbour stage, request");
   record(step, TraceEvent::send_wait, -1, sends_start);
+  if (device_ == Device::cuda) {
+    // The step's compute is queued; wait for it, read the loss and the action times.
+    cuda::synchronize(cuda::StreamKind::compute);
+    if (grid_->last_stage()) {
+      cuda::copy_to_host(host_loss_.data(), device_loss_.data(), sizeof(double));
+      cuda::synchronize(cuda::StreamKind::compute);
+      loss_sum_ = *host_loss_.as<double>();
+    }
+    resolve_gpu_times(step);
+  }
   const double pipeline_time = since(start);
   const double busy = times_.forward + times_.backward + times_.recompute;
   reduce_buffer_[model_.size() + 1] = pipeline_time > 0 ? std::max(0.0, 1.0 - busy / pipeline_time) : 0.0;
@@ -400,11 +676,31 @@ void Executor::reduce_gradients() {
   const auto start = Clock::now();
   const double timeout = config_.pipeline.p2p_timeout;
   wait_all(bucket_req_, timeout, "the gradient allreduce of bucket");
+  const bool staged = device_ == Device::cuda && !cuda_aware_;
+  const std::span<float> grads = params_->grads();
+  if (staged && !buckets_.empty()) {
+    // The same buckets as everywhere else (promise 1), reduced from a pinned copy.
+    const std::span<float> host(grad_staging_.as<float>(), grads.size());
+    cuda::copy_to_host(host.data(), grads.data(), grads.size_bytes());
+    cuda::synchronize(cuda::StreamKind::compute);
+    for (std::size_t i = 0; i < buckets_.size(); ++i)
+      bucket_req_[i] = grid_->data().iallreduce(host.subspan(buckets_[i].begin, buckets_[i].end - buckets_[i].begin), Reduce::sum);
+    wait_all(bucket_req_, timeout, "the gradient allreduce of bucket");
+    cuda::copy_to_device(grads.data(), host.data(), grads.size_bytes());
+  }
   // Tied weights: owner (first stage) and copy (last stage) end with the sum of both.
   params_->sum_local_tied_grads();
+  if (device_ == Device::cuda && !tied_spans_.empty()) cuda::synchronize(cuda::StreamKind::compute);
   for (const auto& [offset, count] : tied_spans_) {
-    MPI_Request request = grid_->tied().iallreduce(params_->grads().subspan(offset, count), Reduce::sum);
+    std::span<float> span = grads.subspan(offset, count);
+    if (staged) {
+      span = std::span<float>(grad_staging_.as<float>() + offset, count);
+      cuda::copy_to_host(span.data(), grads.data() + offset, span.size_bytes());
+      cuda::synchronize(cuda::StreamKind::compute);
+    }
+    MPI_Request request = grid_->tied().iallreduce(span, Reduce::sum);
     wait_for(request, timeout, "the tied-weight gradient sum, span", static_cast<int>(offset), -1);
+    if (staged) cuda::copy_to_device(grads.data() + offset, span.data(), span.size_bytes());
   }
   times_.allreduce += since(start);
 }
@@ -465,13 +761,14 @@ StepResult Executor::step_unchecked(std::int64_t step) {
     const float clip = config_.optimizer.clip_grad;
     if (clip > 0.0f && r.grad_norm > clip) {
       const auto factor = static_cast<float>(clip / r.grad_norm);
-      cpu::scale(params_->grads().data(), factor, static_cast<int64_t>(params_->grads().size()));
+      params_->scale_grads(factor);
     }
     optimizer_->update(r.lr, ++updates_);
+    if (device_ == Device::cuda) cuda::synchronize(cuda::StreamKind::compute);  // honest step times
     times_.optimizer += since(opt_start);
     record(step, TraceEvent::optimizer, -1, opt_start);
   }
-  persistent_.reset();
+  persistent_->reset();
   r.seconds = since(start);
   times_.step = r.seconds;
   times_.idle = std::max(0.0, r.seconds - (times_.forward + times_.backward + times_.recompute + times_.p2p_wait +

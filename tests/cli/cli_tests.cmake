@@ -22,3 +22,6 @@ mpipe_cli_test(plan_balance 0 "partition \\(balance\\): 0-0 \\| 1-7" plan --conf
 mpipe_cli_test(plan_bad_world 2 "error: world size 3 is not divisible by --stages 2" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 3 --stages 2)
 mpipe_cli_test(plan_unknown_schedule 2 "error: unknown schedule 'zb'; hint" plan --ranks 2 --schedule zb)
 mpipe_cli_test(plan_bad_remat 2 "error: unknown --remat 'sometimes'" plan --ranks 2 --remat sometimes)
+mpipe_cli_test(unknown_device 2 "error: unknown --device 'tpu'; hint: use --device cpu, cuda or auto" train --device tpu)
+mpipe_cli_test(unknown_precision 2 "error: unknown --precision 'fp8'; hint" train --precision fp8)
+mpipe_cli_test(bf16_on_cpu 2 "error: --precision bf16 needs a GPU.*; hint" train --device cpu --precision bf16)

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/sanitizer.hpp"
 #include "mpipe/pipeline/executor.hpp"
 

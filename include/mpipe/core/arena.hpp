@@ -4,6 +4,9 @@
 // first step may outgrow the arena (it then chains extra blocks); reset() folds them
 // into one block of the high-water size, so every later step of the same shape runs
 // without touching the heap. growths() counts the times the heap was used.
+//
+// An arena for a GPU takes a DeviceMemory: its tensors then live in device memory while
+// the per-call contexts (objects()) stay in host memory, in a second pool.
 #pragma once
 #include <cstddef>
 #include <cstring>
@@ -15,47 +18,57 @@
 
 namespace mpipe {
 
+// Where an arena's tensors live when not in host memory: the backend's allocator. Plain
+// function pointers, so that core stays below the backend.
+struct DeviceMemory {
+  Device device = Device::cpu;
+  void* (*allocate)(std::size_t bytes) = nullptr;
+  void (*release)(void* p) noexcept = nullptr;
+  void (*zero)(void* p, std::size_t bytes) = nullptr;
+};
+
 class Arena {
  public:
   static constexpr std::size_t alignment = 64;
 
   explicit Arena(std::size_t initial_bytes = 0);
+  explicit Arena(const DeviceMemory& memory);
+  ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
   // 64-byte-aligned uninitialised memory, valid until reset().
   void* allocate(std::size_t bytes);
   Tensor tensor(Shape shape, DType dtype = DType::f32);
-  Tensor zeros(Shape shape, DType dtype = DType::f32) {
-    Tensor t = tensor(shape, dtype);
-    std::memset(t.data, 0, t.bytes());
-    return t;
-  }
-  // n value-initialised objects of a trivially destructible type (contexts).
+  Tensor zeros(Shape shape, DType dtype = DType::f32);
+  Device device() const { return memory_.device; }
+  // n value-initialised objects of a trivially destructible type (contexts), always in
+  // host memory.
   template <class T>
   T* objects(std::size_t n) {
     static_assert(std::is_trivially_destructible_v<T>);
-    T* p = static_cast<T*>(allocate(n * sizeof(T)));
+    T* p = static_cast<T*>(host_objects_ ? host_objects_->allocate(n * sizeof(T)) : allocate(n * sizeof(T)));
     for (std::size_t i = 0; i < n; ++i) new (p + i) T{};
     return p;
   }
 
   void reset();
   std::size_t used() const { return used_total_; }
+  // Peak bytes of tensors (and, in a host arena, contexts) between resets.
   std::size_t high_water() const { return high_water_; }
   std::size_t capacity() const;
   std::size_t growths() const { return growths_; }
 
  private:
-  struct Free {
-    void operator()(std::byte* p) const;
-  };
   struct Block {
-    std::unique_ptr<std::byte[], Free> memory;
+    std::byte* memory = nullptr;
     std::size_t size = 0;
   };
   void add_block(std::size_t bytes);
+  void release_blocks();
 
+  DeviceMemory memory_;
+  std::unique_ptr<Arena> host_objects_;  // contexts of a device arena
   std::vector<Block> blocks_;
   std::size_t current_ = 0;  // index of the block being filled
   std::size_t offset_ = 0;   // bytes used in blocks_[current_]

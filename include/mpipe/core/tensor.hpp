@@ -12,10 +12,12 @@
 
 namespace mpipe {
 
-enum class DType : std::uint8_t { f32, i32 };
+enum class DType : std::uint8_t { f32, i32, bf16 };
 enum class Device : std::uint8_t { cpu, cuda };
 
-inline std::size_t dtype_size(DType) { return 4; }
+inline std::size_t dtype_size(DType dtype) { return dtype == DType::bf16 ? 2 : 4; }
+const char* to_string(DType dtype);
+const char* to_string(Device device);
 
 struct Shape {
   static constexpr int max_rank = 4;
@@ -64,6 +66,8 @@ struct Tensor {
     return static_cast<std::int32_t*>(data);
   }
   std::span<float> span() const { return {f32(), static_cast<std::size_t>(numel())}; }
+  // The raw bytes, for messages between stages in whatever precision the tensor has.
+  std::span<std::byte> byte_span() const { return {static_cast<std::byte*>(data), bytes()}; }
   // The same memory seen with another shape of equal element count.
   Tensor view(Shape new_shape) const {
     MPIPE_CHECK(new_shape.numel() == numel(), "view ", new_shape.str(), " of ", shape.str());

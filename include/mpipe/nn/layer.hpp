@@ -12,13 +12,12 @@
 #include <string>
 #include <vector>
 
-#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/backend/ops.hpp"
 #include "mpipe/core/arena.hpp"
 #include "mpipe/core/tensor.hpp"
 
 namespace mpipe {
 
-using cpu::GradMode;
 
 enum class Init { normal, zeros, ones };
 
@@ -52,6 +51,8 @@ struct Pass {
   bool training = true;
   Tensor targets;                  // (B, T) or (B) int32, for the loss layer
   float loss_scale = 1.0f;         // d(total loss)/d(per-row loss): 1 / rows in the step
+  DType dtype = DType::f32;        // of activations and their gradients (bf16 on a GPU)
+  double* device_loss_sum = nullptr;  // on a GPU the loss layer adds its sum here (not in a recompute)
 };
 
 // What backward needs from one forward call. Trivially destructible: it lives in the
@@ -61,7 +62,7 @@ struct Context {
   Tensor input;
   Tensor saved[max_saved];
   Context* children = nullptr;
-  double value = 0.0;  // the loss layer's summed loss
+  double value = 0.0;  // the loss layer's summed loss (on the CPU; see Pass)
 };
 
 class Layer {
@@ -105,6 +106,9 @@ class Linear final : public Layer {
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  // GELU(forward(x)) in one call (a fused GEMM epilogue on a GPU). Fills this layer's
+  // context and `gelu_ctx` exactly as forward() and then GELU::forward() would.
+  Tensor forward_gelu(const Tensor& x, Context& ctx, Context& gelu_ctx, const Pass& pass);
   // For composite layers: prefix parameter names and tie the weight to another layer.
   void tie_weight(int layer, std::string name) { tied_layer_ = layer; tied_name_ = std::move(name); }
 
@@ -185,7 +189,7 @@ class Dropout final : public Layer {
 };
 
 // The mask key of dropout site `site` of global layer `layer` in this pass.
-cpu::DropoutKey dropout_key(const Pass& pass, int layer, int site);
+DropoutKey dropout_key(const Pass& pass, int layer, int site);
 
 // Token + learned position embedding: tokens (B, T) int32 -> (B, T, C), then dropout.
 class Embedding final : public Layer {

@@ -32,13 +32,26 @@ class Optimizer {
   void update(float lr, std::int64_t t);
   // Optimizer state in the ParamStore's gradient layout: Adam's m and v, or SGD's
   // velocity; state_names() names them (as checkpoints do).
+  // In host memory: the truth on the CPU, a mirror on a GPU (see download()).
   std::span<float> state(int which) const { return (which == 0 ? first_ : second_).span(); }
   std::vector<std::string> state_names() const;
+
+  // Follows the store onto the GPU (after ParamStore::to_device()): the state moves to
+  // device memory and updates run there, one launch for all views.
+  void to_device();
+  // GPU only: state to the host mirror (before a checkpoint) and back (after loading).
+  void download();
+  void upload();
 
  private:
   ParamStore& store_;
   OptimizerConfig config_;
   FloatBuffer first_, second_;
+  bool on_device_ = false;
+  cuda::DeviceBuffer device_first_, device_second_;
+  cuda::DeviceBuffer view_param_offsets_, view_offsets_, view_sizes_, view_decay_;
+  int view_count_ = 0;
+  std::int64_t largest_view_ = 0;
 };
 
 }  // namespace mpipe

@@ -1,6 +1,11 @@
 // ParamStore: the parameters of a range of layers (a stage) in one flat buffer, their
 // gradients in another of the same layout, with named views bound into the layers.
 // Zeroing, norms, the optimizer and checkpoints are each one pass over one span.
+//
+// On a GPU (to_device()) the fp32 master values and gradients live in device memory,
+// plus, in bf16 training, a bf16 compute copy of the values that the layers read. The
+// host buffer params() is then a mirror that download() and upload() keep for
+// checkpoints; the host gradient buffer is given up.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -8,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/nn/model.hpp"
 
 namespace mpipe {
@@ -54,12 +60,30 @@ class ParamStore {
   ParamStore(Model& model, int begin, int end, std::uint64_t seed);
 
   std::span<const ParamEntry> entries() const { return entries_; }
+  // The values in host memory: the truth on the CPU, a mirror on a GPU.
   std::span<float> params() const { return params_.span(); }
-  std::span<float> grads() const { return grads_.span(); }
+  // The gradients where training keeps them (device memory on a GPU).
+  std::span<float> grads() const;
+  // The fp32 master values where training keeps them.
+  std::span<float> master() const;
   std::size_t count() const;  // parameters of this range, tied copies not counted
-  Tensor param(const ParamEntry& e) const;
+  Tensor param(const ParamEntry& e) const;  // what the layers read: compute copy on a GPU
   Tensor grad(const ParamEntry& e) const;
   void zero_grads();
+  void scale_grads(float factor);
+
+  // Moves training onto this process's GPU (cuda::init() first): master values and
+  // gradients into device memory, a compute copy in `compute` (f32 or bf16), and the
+  // layers rebound to the device views.
+  void to_device(DType compute);
+  Device device() const { return device_; }
+  DType compute_dtype() const { return compute_dtype_; }
+  // GPU only: master values to the host mirror (before a checkpoint), and back with the
+  // compute copy refreshed (after loading one).
+  void download();
+  void upload();
+  // After an update on a GPU: the bf16 compute copy from the fp32 master values.
+  void refresh_compute_copy();
   // Sum of squared gradients per layer of the range, in layer order; tied copies are
   // left out (their gradient equals the owner's once summed).
   void grad_sum_squares(std::span<double> per_layer) const;
@@ -70,9 +94,20 @@ class ParamStore {
   int end() const { return end_; }
 
  private:
+  void bind_layers();
+
+  Model& model_;
   int begin_, end_;
   std::vector<ParamEntry> entries_;
   FloatBuffer params_, grads_;
+  Device device_ = Device::cpu;
+  DType compute_dtype_ = DType::f32;
+  std::size_t total_ = 0;  // floats in each flat buffer
+  cuda::DeviceBuffer device_master_, device_grads_, device_compute_;  // compute: bf16 only
+  // The norm's spans (entries not tied copies) as device arrays, and the per-span sums.
+  cuda::DeviceBuffer norm_offsets_, norm_sizes_, norm_sums_;
+  cuda::PinnedBuffer norm_sums_host_;
+  int norm_count_ = 0;
 };
 
 }  // namespace mpipe

@@ -57,8 +57,10 @@ class Communicator {
   int rank() const { return rank_; }
   int size() const { return size_; }
 
-  MPI_Request isend(std::span<const float> data, int dest, int tag) const;
-  MPI_Request irecv(std::span<float> data, int source, int tag) const;
+  // Messages between stages are bytes: activations travel in the compute precision.
+  // The spans may be device memory when MPI is CUDA-aware (see mpi_cuda_aware()).
+  MPI_Request isend(std::span<const std::byte> data, int dest, int tag) const;
+  MPI_Request irecv(std::span<std::byte> data, int source, int tag) const;
   // Reductions in place, over spans of int, uint32_t, float or double.
   template <class T>
   void allreduce(std::span<T> data, Reduce op) const;
@@ -77,9 +79,12 @@ class Communicator {
 
 // Waits for `request`, polling so that a wait past `timeout_s` seconds throws an Error
 // naming `what` and `index` ("activation of micro-batch", 3) instead of hanging.
-// For a receive, expected_count (>= 0) is checked against the floats that arrived.
+// For a receive, expected_bytes (>= 0) is checked against the bytes that arrived.
 // Returns the seconds spent waiting.
-double wait_for(MPI_Request& request, double timeout_s, const char* what, int index, long expected_count);
+double wait_for(MPI_Request& request, double timeout_s, const char* what, int index, long expected_bytes);
+// Whether MPI can send from and receive into GPU memory: Open MPI's run-time answer
+// (MPIX_Query_cuda_support), overridden by MPIPE_CUDA_AWARE=0|1 in the environment.
+bool mpi_cuda_aware();
 // Waits for all requests (nulls allowed), with the same timeout.
 double wait_all(std::span<MPI_Request> requests, double timeout_s, const char* what);
 

@@ -7,6 +7,13 @@
 // in buckets started while the last backward still runs, sum tied-weight gradients
 // between first and last stage, agree on the loss and the global gradient norm, clip,
 // update. With one rank it is the plain single-process trainer.
+//
+// On a GPU (TrainConfig::device "cuda") the whole step stays in device memory: the
+// batch is copied over once, activations and gradients go between stages straight from
+// device memory when MPI is CUDA-aware, otherwise through pinned host buffers with the
+// copies on their own streams, and a send is posted as soon as its data is ready while
+// the next micro-batch computes. Compute actions are timed with CUDA events, so phase
+// times, the bubble and traces show GPU time without the host waiting on each action.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -14,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/core/arena.hpp"
 #include "mpipe/data/dataset.hpp"
 #include "mpipe/nn/model.hpp"
@@ -53,7 +61,15 @@ struct TrainConfig {
   int checkpoint_every = 0;      // steps between checkpoints; 0: only the final one
   int keep = 0;                  // complete checkpoints kept; 0: all
   std::string resume = "auto";   // auto | never | PATH
+  std::string device = "cpu";    // cpu | cuda | auto; resolve_device() turns auto into one
+  std::string precision = "fp32";  // fp32 | bf16 (GPU): compute and message precision
 };
+
+// Collective over `world`: resolves config.device ("auto": CUDA when every rank has a
+// GPU), binds each rank to GPU (node-local rank modulo visible GPUs) and initialises it.
+// UserError, agreed on every rank, when "cuda" is asked for and some rank has no usable
+// GPU, or bf16 is asked for on the CPU. Returns a line describing the choice.
+std::string resolve_device(TrainConfig& config, const Communicator& world);
 
 // Checks everything that needs no communication; UserError on a problem. `world` is
 // the number of ranks, or 0 when not known yet.
@@ -121,7 +137,13 @@ class Executor {
   // reports it in StepResult::stop.
   void request_stop() { stop_requested_ = true; }
   const Dataset* dataset() const { return dataset_.get(); }
-  const Arena& arena() const { return persistent_; }
+  const Arena& arena() const { return *persistent_; }
+  Device device() const { return device_; }
+  bool cuda_aware() const { return cuda_aware_; }
+  // GPU only: training state to the host mirrors (before a checkpoint) and back (after
+  // loading one). No-ops on the CPU.
+  void download_state();
+  void upload_state();
   const PhaseTimes& last_times() const { return times_; }
   // Peak bytes of activations and scratch held by this rank so far.
   std::size_t peak_activation_bytes() const;
@@ -143,6 +165,13 @@ class Executor {
   Context* forward_layers(const Pass& pass, int micro_batch, Tensor* output);
   void reduce_gradients();
   void run_pipeline(std::int64_t step);
+  void allocate_messages();
+  void queue_send(const Tensor& data, int which, int micro_batch, int peer, int tag);
+  void post_ready_sends(bool wait);
+  void finish_receive(int which, int micro_batch);
+  void begin_compute(int kind, int micro_batch);
+  void end_compute();
+  void resolve_gpu_times(std::int64_t step);
 
   TrainConfig config_;
   const Communicator& world_;
@@ -153,11 +182,46 @@ class Executor {
   int begin_ = 0, end_ = 0;  // this stage's layers
   int micro_ = 0;            // samples per micro-batch
   std::vector<Shape> shapes_;
+  Device device_ = Device::cpu;
+  DType dtype_ = DType::f32;  // of activations, their gradients and the messages
+  bool cuda_aware_ = false;
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Dataset> dataset_;
-  Arena persistent_, scratch_;
-  std::vector<FloatBuffer> recv_act_, recv_grad_;  // [micro-batch]
+  std::unique_ptr<Arena> persistent_, scratch_;
+  // One micro-batch's incoming activation or gradient.
+  struct Message {
+    FloatBuffer host;              // CPU training
+    cuda::DeviceBuffer device;     // GPU training
+    cuda::PinnedBuffer staging;    // GPU training when MPI is not CUDA-aware
+    Tensor tensor;                 // what the layers read
+    std::span<std::byte> wire;     // what MPI receives into
+  };
+  std::vector<Message> recv_act_, recv_grad_;      // [micro-batch]
+  // GPU: per micro-batch and direction (0 activation, 1 gradient), the staging buffer
+  // of an outgoing message and the event marking its data ready; the events that order
+  // a received message's copy before its use.
+  std::vector<cuda::PinnedBuffer> send_staging_[2];
+  std::vector<cuda::Event> send_ready_[2], recv_ready_[2];
+  struct PendingSend {
+    cuda::Event* ready;
+    std::span<const std::byte> wire;
+    int peer, tag;
+  };
+  std::vector<PendingSend> pending_sends_;         // queued, not yet posted; in order
+  cuda::PinnedBuffer batch_host_;                  // GPU: the batch on the host, pinned
+  cuda::DeviceBuffer batch_device_;
+  Tensor device_inputs_, device_targets_;
+  cuda::DeviceBuffer device_loss_;                 // one double: the step's summed loss
+  cuda::PinnedBuffer host_loss_;
+  cuda::PinnedBuffer grad_staging_;                // reductions when MPI is not CUDA-aware
+  // GPU timing: marks_[0] at the step's start, then two per compute action.
+  struct ComputeMark {
+    int kind, micro_batch;
+  };
+  std::vector<cuda::Event> marks_;
+  std::vector<ComputeMark> compute_marks_;
+  std::chrono::steady_clock::time_point gpu_origin_;
   std::vector<MPI_Request> recv_act_req_, recv_grad_req_, send_req_, bucket_req_;
   std::vector<Tensor> outputs_, input_grads_;      // [micro-batch], in persistent_
   std::vector<Context*> contexts_;                 // [micro-batch], null when rematerialized

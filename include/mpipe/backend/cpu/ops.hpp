@@ -10,9 +10,12 @@
 #pragma once
 #include <cstdint>
 
+#include "mpipe/backend/op_types.hpp"
+
 namespace mpipe::cpu {
 
-enum class GradMode { overwrite, accumulate };
+using mpipe::DropoutKey;
+using mpipe::GradMode;
 
 // Threads for our loops and for BLAS; called once at start-up.
 void set_threads(int threads);
@@ -67,14 +70,6 @@ double crossentropy_forward(float* lse, const float* logits, const int32_t* targ
 void crossentropy_backward(float* dlogits, const float* logits, const float* lse,
                            const int32_t* targets, float scale, int64_t N, int64_t V);
 
-// Dropout mask key: the mask of element e of sample s is a pure function of
-// (seed, step, sample_begin + s, site, e), so recomputation and any batch split agree.
-struct DropoutKey {
-  uint64_t seed = 0;
-  uint64_t step = 0;
-  uint64_t sample_begin = 0;  // index within the step of this call's first sample
-  uint32_t site = 0;          // global layer index * 16 + site within the layer
-};
 // out = inp * mask / (1 - p) over B samples of per_sample elements each. Overwrites out
 // (may alias inp). The backward is the same call on the gradient.
 void dropout_apply(float* out, const float* inp, int64_t B, int64_t per_sample, float p,

@@ -1,0 +1,125 @@
+// CUDA ops: the CPU ops (backend/cpu/ops.hpp) op for op, on device pointers, queued on
+// the rank's compute stream (cuda::init() first). Same names, argument order, dimension
+// vocabulary (N rows, B batch, T time, C channels, OC output channels, H heads,
+// V vocabulary) and overwrite/accumulate rules; where an op differs, it says so.
+//
+// Element type `E` of activations, their gradients and the compute copy of the weights
+// is float (fp32) or bf16; parameter gradients, optimizer state, LayerNorm statistics
+// and the loss are always fp32 or wider, and every sum accumulates in fp32 at least.
+//
+// Every op is deterministic: no floating-point atomics, so a rerun, a recomputation and
+// any stage count give bitwise the same results (promise 1 on the GPU).
+// Plain C++17: this header is included by both g++ and nvcc sources.
+#pragma once
+#include <cstdint>
+
+#include "mpipe/backend/op_types.hpp"
+#include "mpipe/core/bf16.hpp"
+
+namespace mpipe::cuda {
+
+// out (N, OC) = inp (N, C) · weight (OC, C)^T + bias (OC); bias may be null. cuBLASLt
+// with the bias in the epilogue. Overwrites out.
+template <class E>
+void matmul_forward(E* out, const E* inp, const E* weight, const E* bias, int64_t N, int64_t C, int64_t OC);
+// As matmul_forward followed by gelu_forward, fused into the GEMM's epilogue: `pre`
+// (N, OC) receives the pre-activation that gelu_backward needs, `out` the GELU of it.
+template <class E>
+void matmul_gelu_forward(E* out, E* pre, const E* inp, const E* weight, const E* bias, int64_t N, int64_t C,
+                         int64_t OC);
+// dinp (N, C) per mode (skipped when null); dweight (OC, C) and dbias (OC) accumulate in
+// fp32 (dbias skipped when null).
+template <class E>
+void matmul_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
+                     int64_t N, int64_t C, int64_t OC, GradMode mode);
+
+template <class E>
+void relu_forward(E* out, const E* inp, int64_t n);
+template <class E>
+void relu_backward(E* dinp, const E* dout, const E* out, int64_t n, GradMode mode);
+
+// GELU, tanh approximation. dinp may alias dout.
+template <class E>
+void gelu_forward(E* out, const E* inp, int64_t n);
+template <class E>
+void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t n, GradMode mode);
+
+// LayerNorm over the last dimension, eps 1e-5; statistics in fp32.
+template <class E>
+void layernorm_forward(E* out, float* mean, float* rstd, const E* inp, const E* weight, const E* bias, int64_t N,
+                       int64_t C);
+template <class E>
+void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
+                        const float* mean, const float* rstd, int64_t N, int64_t C, GradMode mode);
+
+// out (B, T, C) = wte[tokens] + wpe[t]. Tokens must be < V: the datasets check them when
+// they load, and the device cannot report a bad one.
+template <class E>
+void embedding_forward(E* out, const int32_t* tokens, const E* wte, const E* wpe, int64_t B, int64_t T, int64_t C,
+                       int64_t V);
+// dwte (V, C) and dwpe (T, C) accumulate. Deterministic: positions are sorted by token
+// (a stable radix sort), then each token's rows are summed in position order.
+template <class E>
+void embedding_backward(float* dwte, float* dwpe, const E* dout, const int32_t* tokens, int64_t B, int64_t T,
+                        int64_t C, int64_t V);
+
+// Causal multi-head self-attention core, qkv (B, T, 3C) holding q, k, v side by side.
+// Differs from the CPU op in what it keeps for backward: the log-sum-exp of each score
+// row, lse (B, H, T) in fp32, instead of the probabilities (B, H, T, T). Backward
+// recomputes the scores from q and k, so the memory kept per call is O(B·H·T).
+// Overwrites out (B, T, C) and lse.
+template <class E>
+void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t C, int64_t H);
+// Overwrites dqkv (B, T, 3C). `out` is the forward's output.
+template <class E>
+void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B, int64_t T,
+                        int64_t C, int64_t H);
+
+// Softmax cross-entropy. Overwrites lse (N); adds the sum over rows of -log p(target) to
+// *loss_sum (one double on the device), summed in a fixed order, unless loss_sum is null. Differs from the CPU
+// op, which returns the sum: reading it back would stall the stream.
+template <class E>
+void crossentropy_forward(float* lse, double* loss_sum, const E* logits, const int32_t* targets, int64_t N,
+                          int64_t V);
+// dlogits (N, V) = scale * (softmax(logits) - onehot(target)). Overwrites.
+template <class E>
+void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const int32_t* targets, float scale,
+                           int64_t N, int64_t V);
+
+// Same masks as the CPU op, bit for bit (the same Philox4x32-10 words). out may alias inp.
+template <class E>
+void dropout_apply(E* out, const E* inp, int64_t B, int64_t per_sample, float p, const DropoutKey& key);
+
+// y (+)= x, y = x, y *= factor.
+template <class E>
+void add(E* y, const E* x, int64_t n);
+template <class E>
+void copy(E* y, const E* x, int64_t n);
+template <class E>
+void scale(E* y, float factor, int64_t n);
+// Precision casts, for the bf16 compute copy of fp32 master weights and for tests.
+void convert(bf16* y, const float* x, int64_t n);
+void convert(float* y, const bf16* x, int64_t n);
+
+// Sums of squares in double of `count` spans (x + offsets[i], sizes[i] elements), into
+// out[i] (device). One launch for all of a stage's parameter views; each sum in a fixed
+// order. offsets and sizes are device arrays.
+void sum_squares(double* out, const float* x, const int64_t* offsets, const int64_t* sizes, int count);
+
+// AdamW and SGD over many parameter views in one launch each. Views are described by
+// device arrays: param_offsets (into params), offsets (into grads and state), sizes and
+// per-view weight decay. The update math is the CPU op's, in fp32.
+struct ViewTable {
+  const int64_t* param_offsets = nullptr;
+  const int64_t* offsets = nullptr;
+  const int64_t* sizes = nullptr;
+  const float* weight_decay = nullptr;
+  int count = 0;
+  int64_t largest = 0;  // elements of the largest view
+};
+void adamw_update(float* params, const float* grads, float* m, float* v, const ViewTable& views, float lr,
+                  float beta1, float beta2, float eps, int64_t step);
+void sgd_update(float* params, const float* grads, float* velocity, const ViewTable& views, float lr,
+                float momentum);
+
+}  // namespace mpipe::cuda

@@ -1,0 +1,69 @@
+// Ops on Tensors: one call site in the layers for both backends. Each function checks
+// that its tensors share one device and one element type, then calls the CPU op
+// (backend/cpu/ops.hpp) or the CUDA op (backend/cuda/ops.hpp) of that name. The
+// overwrite/accumulate rules are those ops' rules.
+//
+// Element types: on the CPU everything is fp32. On the GPU activations, their gradients
+// and the weights' compute copy are fp32 or bf16; parameter gradients and LayerNorm
+// statistics are fp32.
+#pragma once
+#include <cstdint>
+
+#include "mpipe/backend/op_types.hpp"
+#include "mpipe/core/arena.hpp"
+#include "mpipe/core/tensor.hpp"
+
+namespace mpipe::ops {
+
+// The memory resource of a device for Arena, and whether device arenas are possible.
+DeviceMemory device_memory(Device device);
+
+// out (N, OC) = inp (N, C) · weight^T + bias; bias may be empty.
+void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias);
+void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                     const Tensor& inp, const Tensor& weight, GradMode mode);
+// GELU(inp · weight^T + bias) into out, keeping the pre-activation in `pre`: one fused
+// GEMM epilogue on the GPU, the two ops in turn on the CPU.
+void matmul_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& inp, const Tensor& weight,
+                         const Tensor& bias);
+
+void relu_forward(const Tensor& out, const Tensor& inp);
+void relu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& out, GradMode mode);
+void gelu_forward(const Tensor& out, const Tensor& inp);
+void gelu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, GradMode mode);
+
+void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& inp,
+                       const Tensor& weight, const Tensor& bias);
+void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                        const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                        GradMode mode);
+
+void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe);
+void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& tokens);
+
+// What the attention core keeps for backward: the probabilities (B, H, T, T) on the
+// CPU, the scores' log-sum-exp (B, H, T) on the GPU. Always fp32.
+Shape attention_state_shape(Device device, int64_t B, int64_t H, int64_t T);
+void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv, int64_t heads);
+// `out` is the forward's output (the GPU backward uses it); scratch comes from `arena`.
+void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                        const Tensor& state, int64_t heads, Arena& arena);
+
+// The summed -log p(target) of the rows. The CPU returns it; the GPU adds it to
+// *device_loss_sum (one double in device memory; null: not counted) and returns 0, so
+// that nothing waits for the GPU here.
+double crossentropy_forward(const Tensor& lse, const Tensor& logits, const Tensor& targets,
+                            double* device_loss_sum);
+void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
+                           float scale);
+
+// Over the first dimension as samples.
+void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key);
+
+// y = x in y's element type (fp32 <-> bf16 on the GPU); a plain copy when they agree.
+void convert(const Tensor& y, const Tensor& x);
+void add(const Tensor& y, const Tensor& x);
+void copy(const Tensor& y, const Tensor& x);
+void zero(const Tensor& y);
+
+}  // namespace mpipe::ops

@@ -1,0 +1,225 @@
+// Causal self-attention on cuBLASLt batched GEMMs, one batch entry per (b, h), with the
+// softmax and its gradient as row kernels in between. q, k, v are first split into
+// contiguous heads (B, H, T, hs); the scores S (B, H, T, T) are fp32, the probabilities
+// P are E for the P·V GEMM. Forward keeps only each row's log-sum-exp; backward
+// recomputes S and P = exp(S - lse) from q and k. All temporaries live in one scratch()
+// region, and the full T x T products are computed (the masked half is set to zero).
+#include <cmath>
+
+#include "gemm.cuh"
+#include "kernels.cuh"
+#include "mpipe/backend/cuda/ops.hpp"
+
+namespace mpipe::cuda {
+
+namespace {
+
+// src (B, T, mats, H, hs) -> dst (mats, B, H, T, hs); W elements at a time (hs % W == 0).
+template <int W, class T>
+__global__ void split_heads(T* dst, const T* src, int64_t B, int64_t T_, int64_t H, int64_t hs, int mats) {
+  const int64_t total = mats * B * H * T_ * hs;
+  const int64_t stride = (static_cast<int64_t>(gridDim.x) * blockDim.x) * W;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * W; i < total; i += stride) {
+    const int64_t d = i % hs, t = (i / hs) % T_, h = (i / (hs * T_)) % H, b = (i / (hs * T_ * H)) % B,
+                  m = i / (hs * T_ * H * B);
+    store_pack<W>(dst + i, load_pack<W>(src + ((b * T_ + t) * mats + m) * H * hs + h * hs + d));
+  }
+}
+
+// The inverse: src (mats, B, H, T, hs) -> dst (B, T, mats, H, hs).
+template <int W, class T>
+__global__ void merge_heads(T* dst, const T* src, int64_t B, int64_t T_, int64_t H, int64_t hs, int mats) {
+  const int64_t total = mats * B * H * T_ * hs;
+  const int64_t stride = (static_cast<int64_t>(gridDim.x) * blockDim.x) * W;
+  for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * W; i < total; i += stride) {
+    const int64_t d = i % hs, t = (i / hs) % T_, h = (i / (hs * T_)) % H, b = (i / (hs * T_ * H)) % B,
+                  m = i / (hs * T_ * H * B);
+    store_pack<W>(dst + ((b * T_ + t) * mats + m) * H * hs + h * hs + d, load_pack<W>(src + i));
+  }
+}
+
+template <class T>
+void rearrange_heads(bool split, T* dst, const T* src, int64_t B, int64_t T_, int64_t H, int64_t hs, int mats) {
+  using D = device_t<T>;
+  constexpr int W = pack_width<D>;
+  cudaStream_t stream = context().compute;
+  const int64_t total = mats * B * H * T_ * hs;
+  if (hs % W == 0 && all_aligned({dst, src}, 16)) {
+    const unsigned blocks = blocks_for(total / W, kThreads);
+    if (split) split_heads<W><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats);
+    else merge_heads<W><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats);
+  } else {
+    const unsigned blocks = blocks_for(total, kThreads);
+    if (split) split_heads<1><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats);
+    else merge_heads<1><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+// Row i of S (rows = B*H*T, each of length T) -> its log-sum-exp over j <= i and
+// P[j] = exp(S[j] - lse) there, 0 beyond.
+template <class T>
+__global__ void causal_softmax(T* P, float* lse, const float* S, int64_t rows, int64_t T_) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;  // the whole warp
+  const int64_t i = row % T_;
+  const float* s = S + row * T_;
+  float mx = -INFINITY;
+  for (int64_t j = lane; j <= i; j += 32) mx = fmaxf(mx, s[j]);
+  mx = warp_reduce(mx, Max{});
+  float sum = 0.0f;
+  for (int64_t j = lane; j <= i; j += 32) sum += expf(s[j] - mx);
+  sum = warp_reduce(sum, Sum{});
+  const float l = mx + logf(sum);
+  T* p = P + row * T_;
+  for (int64_t j = lane; j < T_; j += 32) p[j] = from_f32<T>(j <= i ? expf(s[j] - l) : 0.0f);
+  if (lane == 0) lse[row] = l;
+}
+
+// P recomputed from S and the forward's lse, exactly as causal_softmax writes it.
+template <class T>
+__global__ void causal_probs(T* P, const float* S, const float* lse, int64_t rows, int64_t T_) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const int64_t i = row % T_;
+  const float l = lse[row];
+  const float* s = S + row * T_;
+  T* p = P + row * T_;
+  for (int64_t j = lane; j < T_; j += 32) p[j] = from_f32<T>(j <= i ? expf(s[j] - l) : 0.0f);
+}
+
+// D (B, H, T) = per head, the dot product of dout and out over the head's channels:
+// sum_j P_ij dP_ij, which the softmax gradient subtracts.
+template <class T>
+__global__ void attention_row_dots(float* D, const T* dout, const T* out, int64_t B, int64_t T_, int64_t H,
+                                   int64_t hs) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;  // (b, h, t)
+  const int lane = threadIdx.x % 32;
+  if (row >= B * H * T_) return;
+  const int64_t t = row % T_, h = (row / T_) % H, b = row / (T_ * H);
+  const int64_t at = (b * T_ + t) * H * hs + h * hs;
+  float dot = 0.0f;
+  for (int64_t d = lane; d < hs; d += 32) dot += to_f32(dout[at + d]) * to_f32(out[at + d]);
+  dot = warp_reduce(dot, Sum{});
+  if (lane == 0) D[row] = dot;
+}
+
+// dS = P * (dP - D) on j <= i, 0 beyond; in place over P.
+template <class T>
+__global__ void causal_softmax_backward(T* P, const float* dP, const float* D, int64_t rows, int64_t T_) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const int64_t i = row % T_;
+  const float dot = D[row];
+  const float* dp = dP + row * T_;
+  T* p = P + row * T_;
+  for (int64_t j = lane; j < T_; j += 32) p[j] = from_f32<T>(j <= i ? to_f32(p[j]) * (dp[j] - dot) : 0.0f);
+}
+
+// c = alpha * op(a) · op(b) for each of `heads` contiguous row-major matrices:
+// op(a) (M, K), op(b) (K, N), c (M, N).
+Gemm per_head(int64_t heads, int64_t M, int64_t N, int64_t K, const void* a, bool trans_a, const void* b,
+              bool trans_b, void* c, cudaDataType_t ab_type, cudaDataType_t c_type, float alpha) {
+  MPIPE_CHECK(heads <= INT32_MAX, "attention: ", heads, " (batch, head) pairs exceed one batched GEMM");
+  Gemm g;
+  g.M = M, g.N = N, g.K = K;
+  g.a = a, g.lda = trans_a ? M : K, g.trans_a = trans_a;
+  g.b = b, g.ldb = trans_b ? K : N, g.trans_b = trans_b;
+  g.c = c, g.ldc = N;
+  g.ab_type = ab_type, g.c_type = c_type;
+  g.alpha = alpha;
+  g.batch = static_cast<int>(heads);
+  g.stride_a = M * K, g.stride_b = K * N, g.stride_c = M * N;
+  return g;
+}
+
+unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)); }
+
+}  // namespace
+
+template <class E>
+void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t C, int64_t H) {
+  if (B == 0 || T == 0) return;
+  MPIPE_CHECK(C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
+  const int64_t hs = C / H, BH = B * H, per = BH * T * hs, rows = BH * T;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  constexpr cudaDataType_t e_type = data_type<E>();
+  cudaStream_t stream = context().compute;
+
+  ScratchPlan plan;
+  const std::size_t heads_at = plan.reserve<E>(3 * per);  // q, k, v (B, H, T, hs)
+  const std::size_t o_at = plan.reserve<E>(per);          // (B, H, T, hs)
+  const std::size_t s_at = plan.reserve<float>(rows * T);  // (B, H, T, T)
+  const std::size_t p_at = plan.reserve<E>(rows * T);      // (B, H, T, T)
+  void* base = scratch(plan.bytes());
+  E* q = place<E>(base, heads_at);
+  E* k = q + per;
+  E* v = k + per;
+  E* o = place<E>(base, o_at);
+  auto* S = place<float>(base, s_at);
+  E* P = place<E>(base, p_at);
+
+  rearrange_heads(true, q, qkv, B, T, H, hs, 3);
+  gemm(per_head(BH, T, T, hs, q, false, k, true, S, e_type, CUDA_R_32F, scale));  // S = q k^T / sqrt(hs)
+  causal_softmax<<<row_blocks(rows), kThreads, 0, stream>>>(dev(P), lse, S, rows, T);
+  CUDA_CHECK_LAUNCH();
+  gemm(per_head(BH, T, hs, T, P, false, v, false, o, e_type, e_type, 1.0f));  // O = P v
+  rearrange_heads(false, out, static_cast<const E*>(o), B, T, H, hs, 1);
+}
+
+template <class E>
+void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B, int64_t T,
+                        int64_t C, int64_t H) {
+  if (B == 0 || T == 0) return;
+  MPIPE_CHECK(C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
+  const int64_t hs = C / H, BH = B * H, per = BH * T * hs, rows = BH * T;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  constexpr cudaDataType_t e_type = data_type<E>();
+  cudaStream_t stream = context().compute;
+
+  ScratchPlan plan;
+  const std::size_t heads_at = plan.reserve<E>(3 * per);   // q, k, v (B, H, T, hs)
+  const std::size_t dout_at = plan.reserve<E>(per);        // dO (B, H, T, hs)
+  const std::size_t dheads_at = plan.reserve<E>(3 * per);  // dq, dk, dv (B, H, T, hs)
+  const std::size_t dots_at = plan.reserve<float>(rows);   // D (B, H, T)
+  const std::size_t s_at = plan.reserve<float>(rows * T);  // S, then dP (B, H, T, T)
+  const std::size_t p_at = plan.reserve<E>(rows * T);      // P, then dS (B, H, T, T)
+  void* base = scratch(plan.bytes());
+  E* q = place<E>(base, heads_at);
+  E* k = q + per;
+  E* v = k + per;
+  E* dO = place<E>(base, dout_at);
+  E* dq = place<E>(base, dheads_at);
+  E* dk = dq + per;
+  E* dv = dk + per;
+  auto* dots = place<float>(base, dots_at);
+  auto* S = place<float>(base, s_at);
+  E* P = place<E>(base, p_at);
+
+  rearrange_heads(true, q, qkv, B, T, H, hs, 3);
+  rearrange_heads(true, dO, dout, B, T, H, hs, 1);
+  attention_row_dots<<<row_blocks(rows), kThreads, 0, stream>>>(dots, dev(dout), dev(out), B, T, H, hs);
+  CUDA_CHECK_LAUNCH();
+  gemm(per_head(BH, T, T, hs, q, false, k, true, S, e_type, CUDA_R_32F, scale));  // S = q k^T / sqrt(hs)
+  causal_probs<<<row_blocks(rows), kThreads, 0, stream>>>(dev(P), S, lse, rows, T);
+  CUDA_CHECK_LAUNCH();
+  gemm(per_head(BH, T, hs, T, P, true, dO, false, dv, e_type, e_type, 1.0f));      // dV = P^T dO
+  gemm(per_head(BH, T, T, hs, dO, false, v, true, S, e_type, CUDA_R_32F, 1.0f));   // dP = dO V^T
+  causal_softmax_backward<<<row_blocks(rows), kThreads, 0, stream>>>(dev(P), S, dots, rows, T);
+  CUDA_CHECK_LAUNCH();
+  gemm(per_head(BH, T, hs, T, P, false, k, false, dq, e_type, e_type, scale));  // dQ = dS K / sqrt(hs)
+  gemm(per_head(BH, T, hs, T, P, true, q, false, dk, e_type, e_type, scale));   // dK = dS^T Q / sqrt(hs)
+  rearrange_heads(false, dqkv, static_cast<const E*>(dq), B, T, H, hs, 3);
+}
+
+template void attention_forward<float>(float*, float*, const float*, int64_t, int64_t, int64_t, int64_t);
+template void attention_forward<bf16>(bf16*, float*, const bf16*, int64_t, int64_t, int64_t, int64_t);
+template void attention_backward<float>(float*, const float*, const float*, const float*, const float*, int64_t,
+                                        int64_t, int64_t, int64_t);
+template void attention_backward<bf16>(bf16*, const bf16*, const bf16*, const bf16*, const float*, int64_t, int64_t,
+                                       int64_t, int64_t);
+
+}  // namespace mpipe::cuda

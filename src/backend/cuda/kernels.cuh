@@ -1,0 +1,124 @@
+// Device building blocks shared by the op kernels: element conversions, packed
+// (16-byte) loads and stores, warp and block reductions in a fixed order, launch sizes,
+// and the carving of one scratch() region into several buffers. Included only by
+// src/backend/cuda/*.cu.
+#pragma once
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+
+#include "context.cuh"
+
+namespace mpipe::cuda {
+
+// ---- element conversions -------------------------------------------------------------
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <class T>
+__device__ __forceinline__ T from_f32(float x);
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// ---- packed loads and stores ---------------------------------------------------------
+
+// W consecutive elements loaded or stored with one instruction (up to 16 bytes); the
+// address must be aligned to the pack's size.
+template <class T, int W>
+struct alignas(sizeof(T) * W) Pack {
+  T v[W];
+};
+
+template <int W, class T>
+__device__ __forceinline__ Pack<T, W> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, W>*>(p);
+}
+template <int W, class T>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, W>& pack) {
+  *reinterpret_cast<Pack<T, W>*>(p) = pack;
+}
+
+// Elements of T in a 16-byte pack.
+template <class T>
+constexpr int pack_width = static_cast<int>(16 / sizeof(T));
+
+inline bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
+inline bool all_aligned(std::initializer_list<const void*> pointers, std::size_t bytes) {
+  return std::all_of(pointers.begin(), pointers.end(), [bytes](const void* p) { return aligned(p, bytes); });
+}
+
+// ---- reductions ----------------------------------------------------------------------
+// Butterfly (xor) shuffles: every lane ends with the same bits, since each step adds the
+// same two values (a + b == b + a exactly), so the result is a pure function of the
+// inputs and their lanes.
+
+struct Sum {
+  template <class U>
+  __device__ __forceinline__ U operator()(U a, U b) const { return a + b; }
+};
+struct Max {
+  __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+template <class U, class Op>
+__device__ __forceinline__ U warp_reduce(U value, Op op) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) value = op(value, __shfl_xor_sync(0xffffffffu, value, offset));
+  return value;
+}
+
+// Every thread of the block gets the reduction of `value` over the block; `identity`
+// fills the lanes beyond the block's warps. blockDim.x must be a multiple of 32 and at
+// most 1024. Safe to call repeatedly with the same `shared` (32 slots).
+template <class U, class Op>
+__device__ U block_reduce(U value, Op op, U identity, U* shared) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  value = warp_reduce(value, op);
+  __syncthreads();  // a previous call may still be reading `shared`
+  if (lane == 0) shared[warp] = value;
+  __syncthreads();
+  value = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : identity;
+  return warp_reduce(value, op);
+}
+
+// ---- launches ------------------------------------------------------------------------
+
+constexpr int kThreads = 256;
+constexpr int kRowsPerBlock = kThreads / 32;  // for kernels that give each row one warp
+constexpr int64_t kMaxBlocks = 1 << 16;  // grid-stride loops take the rest
+
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Blocks for `work` items at `per_block` each, capped for grid-stride loops.
+inline unsigned blocks_for(int64_t work, int64_t per_block) {
+  return static_cast<unsigned>(std::min(ceil_div(work, per_block), kMaxBlocks));
+}
+
+// Several temporaries of one op carved out of one scratch() region, each 256-byte
+// aligned: first reserve() them all, then place them at base().
+class ScratchPlan {
+ public:
+  template <class T>
+  std::size_t reserve(int64_t count) {
+    const std::size_t at = (bytes_ + 255) & ~std::size_t{255};
+    bytes_ = at + static_cast<std::size_t>(count) * sizeof(T);
+    return at;
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  std::size_t bytes_ = 0;
+};
+template <class T>
+T* place(void* base, std::size_t at) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + at);
+}
+
+}  // namespace mpipe::cuda

@@ -1,0 +1,288 @@
+// Tensor ops: device and element-type checks, then the CPU or the CUDA op.
+#include "mpipe/backend/ops.hpp"
+
+#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/core/bf16.hpp"
+#if MPIPE_HAVE_CUDA
+#include "mpipe/backend/cuda/ops.hpp"
+#endif
+
+namespace mpipe::ops {
+
+namespace {
+
+template <class E>
+E* ptr(const Tensor& t) {
+  return static_cast<E*>(t.data);
+}
+template <class E>
+E* ptr_or_null(const Tensor& t) {
+  return t.empty() ? nullptr : static_cast<E*>(t.data);
+}
+
+// Tensors of one op live on one device, and the activation-like ones share an element
+// type. A mismatch is a bug in the layer or the executor, not a user error.
+void same_place(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.empty() || b.empty()) return;
+  MPIPE_CHECK(a.device == b.device, op, ": tensors on ", to_string(a.device), " and ", to_string(b.device));
+  MPIPE_CHECK(a.dtype == b.dtype, op, ": tensors of ", to_string(a.dtype), " and ", to_string(b.dtype));
+}
+void same_device(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.empty() || b.empty()) return;
+  MPIPE_CHECK(a.device == b.device, op, ": tensors on ", to_string(a.device), " and ", to_string(b.device));
+}
+void is_f32(const char* op, const Tensor& t) {
+  MPIPE_CHECK(t.empty() || t.dtype == DType::f32, op, ": expected fp32, got ", to_string(t.dtype));
+}
+
+#if MPIPE_HAVE_CUDA
+// Runs `body` with E bound to the element type of `t` (fp32 or bf16).
+#define MPIPE_ON_GPU(t, body)                \
+  do {                                       \
+    if ((t).dtype == DType::bf16) {          \
+      using E = ::mpipe::bf16;               \
+      body;                                  \
+    } else {                                 \
+      MPIPE_CHECK((t).dtype == DType::f32, "GPU op on ", to_string((t).dtype)); \
+      using E = float;                       \
+      body;                                  \
+    }                                        \
+  } while (0)
+#else
+#define MPIPE_ON_GPU(t, body) throw Error("a tensor on the GPU in a build without CUDA")
+#endif
+
+}  // namespace
+
+DeviceMemory device_memory(Device device) {
+  DeviceMemory memory;
+  memory.device = device;
+  if (device == Device::cuda) {
+    memory.allocate = &cuda::allocate;
+    memory.release = &cuda::release;
+    memory.zero = [](void* p, std::size_t bytes) { cuda::zero(p, bytes); };
+  }
+  return memory;
+}
+
+void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) {
+  same_place("matmul", out, inp);
+  same_place("matmul", inp, weight);
+  same_place("matmul", weight, bias);
+  const int64_t N = inp.shape.rows(), C = inp.shape[-1], OC = weight.shape[0];
+  if (inp.device == Device::cpu)
+    cpu::matmul_forward(out.f32(), inp.f32(), weight.f32(), ptr_or_null<float>(bias), N, C, OC);
+  else
+    MPIPE_ON_GPU(inp, cuda::matmul_forward(ptr<E>(out), ptr<E>(inp), ptr<E>(weight), ptr_or_null<E>(bias), N, C, OC));
+}
+
+void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                     const Tensor& inp, const Tensor& weight, GradMode mode) {
+  same_place("matmul backward", dout, inp);
+  same_place("matmul backward", inp, weight);
+  same_place("matmul backward", dinp, inp);
+  same_device("matmul backward", dweight, inp);
+  is_f32("matmul backward", dweight);
+  is_f32("matmul backward", dbias);
+  const int64_t N = inp.shape.rows(), C = inp.shape[-1], OC = weight.shape[0];
+  if (inp.device == Device::cpu)
+    cpu::matmul_backward(ptr_or_null<float>(dinp), dweight.f32(), ptr_or_null<float>(dbias), dout.f32(), inp.f32(),
+                         weight.f32(), N, C, OC, mode);
+  else
+    MPIPE_ON_GPU(inp, cuda::matmul_backward(ptr_or_null<E>(dinp), dweight.f32(), ptr_or_null<float>(dbias),
+                                            ptr<E>(dout), ptr<E>(inp), ptr<E>(weight), N, C, OC, mode));
+}
+
+void matmul_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& inp, const Tensor& weight,
+                         const Tensor& bias) {
+  same_place("matmul+gelu", out, pre);
+  same_place("matmul+gelu", pre, inp);
+  same_place("matmul+gelu", inp, weight);
+  same_place("matmul+gelu", weight, bias);
+  const int64_t N = inp.shape.rows(), C = inp.shape[-1], OC = weight.shape[0];
+  if (inp.device == Device::cpu) {
+    cpu::matmul_forward(pre.f32(), inp.f32(), weight.f32(), ptr_or_null<float>(bias), N, C, OC);
+    cpu::gelu_forward(out.f32(), pre.f32(), pre.numel());
+  } else {
+    MPIPE_ON_GPU(inp, cuda::matmul_gelu_forward(ptr<E>(out), ptr<E>(pre), ptr<E>(inp), ptr<E>(weight),
+                                                ptr_or_null<E>(bias), N, C, OC));
+  }
+}
+
+void relu_forward(const Tensor& out, const Tensor& inp) {
+  same_place("relu", out, inp);
+  if (inp.device == Device::cpu) cpu::relu_forward(out.f32(), inp.f32(), inp.numel());
+  else MPIPE_ON_GPU(inp, cuda::relu_forward(ptr<E>(out), ptr<E>(inp), inp.numel()));
+}
+
+void relu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& out, GradMode mode) {
+  same_place("relu backward", dinp, dout);
+  same_place("relu backward", dout, out);
+  if (out.device == Device::cpu) cpu::relu_backward(dinp.f32(), dout.f32(), out.f32(), out.numel(), mode);
+  else MPIPE_ON_GPU(out, cuda::relu_backward(ptr<E>(dinp), ptr<E>(dout), ptr<E>(out), out.numel(), mode));
+}
+
+void gelu_forward(const Tensor& out, const Tensor& inp) {
+  same_place("gelu", out, inp);
+  if (inp.device == Device::cpu) cpu::gelu_forward(out.f32(), inp.f32(), inp.numel());
+  else MPIPE_ON_GPU(inp, cuda::gelu_forward(ptr<E>(out), ptr<E>(inp), inp.numel()));
+}
+
+void gelu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, GradMode mode) {
+  same_place("gelu backward", dinp, dout);
+  same_place("gelu backward", dout, inp);
+  if (inp.device == Device::cpu) cpu::gelu_backward(dinp.f32(), dout.f32(), inp.f32(), inp.numel(), mode);
+  else MPIPE_ON_GPU(inp, cuda::gelu_backward(ptr<E>(dinp), ptr<E>(dout), ptr<E>(inp), inp.numel(), mode));
+}
+
+void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& inp,
+                       const Tensor& weight, const Tensor& bias) {
+  same_place("layernorm", out, inp);
+  same_place("layernorm", inp, weight);
+  same_place("layernorm", weight, bias);
+  same_device("layernorm", mean, inp);
+  is_f32("layernorm", mean);
+  is_f32("layernorm", rstd);
+  const int64_t N = inp.shape.rows(), C = inp.shape[-1];
+  if (inp.device == Device::cpu)
+    cpu::layernorm_forward(out.f32(), mean.f32(), rstd.f32(), inp.f32(), weight.f32(), bias.f32(), N, C);
+  else
+    MPIPE_ON_GPU(inp, cuda::layernorm_forward(ptr<E>(out), mean.f32(), rstd.f32(), ptr<E>(inp), ptr<E>(weight),
+                                              ptr<E>(bias), N, C));
+}
+
+void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                        const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
+                        GradMode mode) {
+  same_place("layernorm backward", dinp, inp);
+  same_place("layernorm backward", dout, inp);
+  same_place("layernorm backward", inp, weight);
+  same_device("layernorm backward", dweight, inp);
+  is_f32("layernorm backward", dweight);
+  is_f32("layernorm backward", dbias);
+  const int64_t N = inp.shape.rows(), C = inp.shape[-1];
+  if (inp.device == Device::cpu)
+    cpu::layernorm_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(), mean.f32(),
+                            rstd.f32(), N, C, mode);
+  else
+    MPIPE_ON_GPU(inp, cuda::layernorm_backward(ptr<E>(dinp), dweight.f32(), dbias.f32(), ptr<E>(dout), ptr<E>(inp),
+                                               ptr<E>(weight), mean.f32(), rstd.f32(), N, C, mode));
+}
+
+void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe) {
+  same_place("embedding", out, wte);
+  same_place("embedding", wte, wpe);
+  same_device("embedding", tokens, wte);
+  const int64_t B = tokens.shape[0], T = tokens.shape[1], C = wte.shape[1], V = wte.shape[0];
+  if (wte.device == Device::cpu)
+    cpu::embedding_forward(out.f32(), tokens.i32(), wte.f32(), wpe.f32(), B, T, C, V);
+  else
+    MPIPE_ON_GPU(wte, cuda::embedding_forward(ptr<E>(out), tokens.i32(), ptr<E>(wte), ptr<E>(wpe), B, T, C, V));
+}
+
+void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& tokens) {
+  same_device("embedding backward", dwte, dout);
+  same_device("embedding backward", tokens, dout);
+  is_f32("embedding backward", dwte);
+  is_f32("embedding backward", dwpe);
+  const int64_t B = tokens.shape[0], T = tokens.shape[1], C = dwte.shape[1];
+  [[maybe_unused]] const int64_t V = dwte.shape[0];  // the GPU op sizes its sort by it
+  if (dout.device == Device::cpu)
+    cpu::embedding_backward(dwte.f32(), dwpe.f32(), dout.f32(), tokens.i32(), B, T, C);
+  else
+    MPIPE_ON_GPU(dout, cuda::embedding_backward(dwte.f32(), dwpe.f32(), ptr<E>(dout), tokens.i32(), B, T, C, V));
+}
+
+Shape attention_state_shape(Device device, int64_t B, int64_t H, int64_t T) {
+  return device == Device::cpu ? Shape{B, H, T, T} : Shape{B, H, T};
+}
+
+void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv, int64_t heads) {
+  same_place("attention", out, qkv);
+  same_device("attention", state, qkv);
+  is_f32("attention", state);
+  const int64_t B = out.shape[0], T = out.shape[1], C = out.shape[2];
+  MPIPE_CHECK(state.shape == attention_state_shape(qkv.device, B, heads, T), "attention state ", state.shape.str());
+  if (qkv.device == Device::cpu)
+    cpu::attention_forward(out.f32(), state.f32(), qkv.f32(), B, T, C, heads);
+  else
+    MPIPE_ON_GPU(qkv, cuda::attention_forward(ptr<E>(out), state.f32(), ptr<E>(qkv), B, T, C, heads));
+}
+
+void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
+                        const Tensor& state, int64_t heads, Arena& arena) {
+  same_place("attention backward", dqkv, qkv);
+  same_place("attention backward", dout, qkv);
+  same_place("attention backward", out, qkv);
+  const int64_t B = dout.shape[0], T = dout.shape[1], C = dout.shape[2];
+  if (qkv.device == Device::cpu) {
+    Tensor dprobs = arena.tensor(state.shape);  // (B, H, T, T) scratch
+    cpu::attention_backward(dqkv.f32(), dprobs.f32(), dout.f32(), qkv.f32(), state.f32(), B, T, C, heads);
+  } else {
+    MPIPE_ON_GPU(qkv, cuda::attention_backward(ptr<E>(dqkv), ptr<E>(dout), ptr<E>(qkv), ptr<E>(out), state.f32(), B,
+                                               T, C, heads));
+  }
+}
+
+double crossentropy_forward(const Tensor& lse, const Tensor& logits, const Tensor& targets, double* device_loss_sum) {
+  same_device("cross-entropy", lse, logits);
+  same_device("cross-entropy", targets, logits);
+  is_f32("cross-entropy", lse);
+  const int64_t N = logits.shape.rows(), V = logits.shape[-1];
+  if (logits.device == Device::cpu) return cpu::crossentropy_forward(lse.f32(), logits.f32(), targets.i32(), N, V);
+  MPIPE_ON_GPU(logits, cuda::crossentropy_forward(lse.f32(), device_loss_sum, ptr<E>(logits), targets.i32(), N, V));
+  return 0.0;
+}
+
+void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
+                           float scale) {
+  same_place("cross-entropy backward", dlogits, logits);
+  same_device("cross-entropy backward", lse, logits);
+  const int64_t N = logits.shape.rows(), V = logits.shape[-1];
+  if (logits.device == Device::cpu)
+    cpu::crossentropy_backward(dlogits.f32(), logits.f32(), lse.f32(), targets.i32(), scale, N, V);
+  else
+    MPIPE_ON_GPU(logits, cuda::crossentropy_backward(ptr<E>(dlogits), ptr<E>(logits), lse.f32(), targets.i32(),
+                                                     scale, N, V));
+}
+
+void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key) {
+  same_place("dropout", out, inp);
+  const int64_t B = inp.shape[0], per_sample = inp.numel() / B;
+  if (inp.device == Device::cpu) cpu::dropout_apply(out.f32(), inp.f32(), B, per_sample, p, key);
+  else MPIPE_ON_GPU(inp, cuda::dropout_apply(ptr<E>(out), ptr<E>(inp), B, per_sample, p, key));
+}
+
+void add(const Tensor& y, const Tensor& x) {
+  same_place("add", y, x);
+  MPIPE_CHECK(y.numel() == x.numel(), "add: ", y.shape.str(), " += ", x.shape.str());
+  if (x.device == Device::cpu) cpu::add(y.f32(), x.f32(), x.numel());
+  else MPIPE_ON_GPU(x, cuda::add(ptr<E>(y), ptr<E>(x), x.numel()));
+}
+
+void copy(const Tensor& y, const Tensor& x) {
+  same_place("copy", y, x);
+  MPIPE_CHECK(y.numel() == x.numel(), "copy: ", y.shape.str(), " = ", x.shape.str());
+  if (x.device == Device::cpu) cpu::copy(y.f32(), x.f32(), x.numel());
+  else MPIPE_ON_GPU(x, cuda::copy(ptr<E>(y), ptr<E>(x), x.numel()));
+}
+
+void convert(const Tensor& y, const Tensor& x) {
+  same_device("convert", y, x);
+  MPIPE_CHECK(y.numel() == x.numel(), "convert: ", y.shape.str(), " = ", x.shape.str());
+  if (y.dtype == x.dtype) return copy(y, x);
+  MPIPE_CHECK(x.device == Device::cuda, "convert: the CPU computes in fp32 only");
+#if MPIPE_HAVE_CUDA
+  if (y.dtype == DType::bf16 && x.dtype == DType::f32) cuda::convert(ptr<bf16>(y), ptr<float>(x), x.numel());
+  else if (y.dtype == DType::f32 && x.dtype == DType::bf16) cuda::convert(ptr<float>(y), ptr<bf16>(x), x.numel());
+  else throw Error(cat("convert: ", to_string(x.dtype), " to ", to_string(y.dtype)));
+#endif
+}
+
+void zero(const Tensor& y) {
+  if (y.device == Device::cpu) std::fill_n(static_cast<std::byte*>(y.data), y.bytes(), std::byte{0});
+  else cuda::zero(y.data, y.bytes());
+}
+
+}  // namespace mpipe::ops

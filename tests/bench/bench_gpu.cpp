@@ -1,0 +1,180 @@
+// GPU benchmark (scripts/bench_gpu.sh): the measured bf16 GEMM rate of this GPU, then
+// per-op and whole-step throughput of a GPT-2-medium-sized stage in bf16 as a fraction
+// of that rate (model FLOPs utilisation). Prints a Markdown table; exits 77 without a GPU.
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include "mpipe/backend/cuda/ops.hpp"
+#include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/pipeline/executor.hpp"
+
+using namespace mpipe;
+
+namespace {
+
+// Median GPU seconds of `body` over `repeats` runs after two warm-ups, by CUDA events.
+double time_gpu(const std::function<void()>& body, int repeats) {
+  for (int i = 0; i < 2; ++i) body();
+  std::vector<double> seconds;
+  cuda::Event start(true), end(true);
+  for (int i = 0; i < repeats; ++i) {
+    start.record(cuda::StreamKind::compute);
+    body();
+    end.record(cuda::StreamKind::compute);
+    end.synchronize();
+    seconds.push_back(cuda::seconds_between(start, end));
+  }
+  std::sort(seconds.begin(), seconds.end());
+  return seconds[seconds.size() / 2];
+}
+
+// A device buffer of n bf16 values, filled with small numbers (the values do not
+// change a GEMM's speed, but NaNs could change an epilogue's).
+cuda::DeviceBuffer bf16_buffer(std::int64_t n) {
+  cuda::DeviceBuffer buffer(static_cast<std::size_t>(n) * sizeof(bf16));
+  cuda::DeviceBuffer ones(static_cast<std::size_t>(n) * sizeof(float));
+  std::vector<float> host(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) host[i] = 0.01f * static_cast<float>((i * 2654435761u) % 200) - 1.0f;
+  cuda::copy_to_device(ones.data(), host.data(), host.size() * sizeof(float));
+  cuda::convert(buffer.as<bf16>(), ones.as<float>(), n);
+  cuda::synchronize(cuda::StreamKind::compute);
+  return buffer;
+}
+
+struct Row {
+  std::string what;
+  double seconds, flops, bytes;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  MPI_Init(&argc, &argv);
+  CLI::App app{"mpipe GPU benchmark"};
+  int batch = 8, seq = 1024, channels = 1024, heads = 16, layers = 24, vocab = 50257, micro_batches = 4, steps = 5;
+  int repeats = 20;
+  app.add_option("--batch", batch, "Micro-batch, in samples")->capture_default_str();
+  app.add_option("--seq-len", seq)->capture_default_str();
+  app.add_option("--d-model", channels)->capture_default_str();
+  app.add_option("--heads", heads)->capture_default_str();
+  app.add_option("--layers", layers, "Blocks in the whole-step stage")->capture_default_str();
+  app.add_option("--vocab", vocab)->capture_default_str();
+  app.add_option("--micro-batches", micro_batches)->capture_default_str();
+  app.add_option("--steps", steps, "Timed training steps")->capture_default_str();
+  app.add_option("--repeats", repeats, "Timed runs per op")->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
+
+  std::string why;
+  const int gpus = cuda::device_count(&why);
+  if (gpus == 0) {
+    std::printf("SKIPPED: no usable GPU (%s)\n", why.c_str());
+    MPI_Finalize();
+    return 77;
+  }
+  cuda::init(0);
+  const cuda::DeviceProperties props = cuda::properties(0);
+  std::printf("GPU: %s (sm_%d%d, %d SMs, %zu GiB)\n\n", props.name.c_str(), props.major, props.minor,
+              props.multiprocessors, props.memory_bytes >> 30);
+
+  // The reference rate: a large square bf16 GEMM through the same op the layers use.
+  const std::int64_t S = 8192;
+  double peak = 0;
+  {
+    cuda::DeviceBuffer a = bf16_buffer(S * S), b = bf16_buffer(S * S), c = bf16_buffer(S * S);
+    const double s = time_gpu([&] { cuda::matmul_forward(c.as<bf16>(), a.as<bf16>(), b.as<bf16>(), (const bf16*)nullptr, S, S, S); }, repeats);
+    peak = 2.0 * S * S * S / s;
+  }
+  std::printf("measured bf16 GEMM rate (%lld^3, cuBLASLt): %.1f TFLOP/s\n\n", static_cast<long long>(S), peak / 1e12);
+
+  // Per op, at one block of the configured size.
+  const std::int64_t B = batch, T = seq, C = channels, H = heads, N = B * T, V = vocab;
+  std::vector<Row> rows;
+  {
+    cuda::DeviceBuffer x = bf16_buffer(N * C), qkv = bf16_buffer(N * 3 * C), wide = bf16_buffer(N * 4 * C),
+                       pre = bf16_buffer(N * 4 * C), y = bf16_buffer(N * C), dqkv = bf16_buffer(N * 3 * C);
+    cuda::DeviceBuffer w_qkv = bf16_buffer(3 * C * C), b_qkv = bf16_buffer(3 * C), w_fc = bf16_buffer(4 * C * C),
+                       b_fc = bf16_buffer(4 * C), w_proj = bf16_buffer(4 * C * C), b_proj = bf16_buffer(C),
+                       ln_w = bf16_buffer(C), ln_b = bf16_buffer(C);
+    cuda::DeviceBuffer dw(static_cast<std::size_t>(4 * C * C) * 4), db(static_cast<std::size_t>(4 * C) * 4),
+        mean(static_cast<std::size_t>(N) * 4), rstd(static_cast<std::size_t>(N) * 4),
+        lse(static_cast<std::size_t>(B * H * T) * 4), dln(static_cast<std::size_t>(2 * C) * 4);
+    auto p = [](cuda::DeviceBuffer& d) { return d.as<bf16>(); };
+    const double gemm = 2.0 * N * C;
+    rows.push_back({"matmul qkv forward (C to 3C)", time_gpu([&] { cuda::matmul_forward(p(qkv), p(x), p(w_qkv), p(b_qkv), N, C, 3 * C); }, repeats), gemm * 3 * C, 0});
+    rows.push_back({"matmul+GELU forward (C to 4C)", time_gpu([&] { cuda::matmul_gelu_forward(p(wide), p(pre), p(x), p(w_fc), p(b_fc), N, C, 4 * C); }, repeats), gemm * 4 * C, 0});
+    rows.push_back({"matmul proj forward (4C to C)", time_gpu([&] { cuda::matmul_forward(p(y), p(wide), p(w_proj), p(b_proj), N, 4 * C, C); }, repeats), gemm * 4 * C, 0});
+    rows.push_back({"matmul backward (4C to C)", time_gpu([&] { cuda::matmul_backward(p(wide), dw.as<float>(), db.as<float>(), p(y), p(wide), p(w_proj), N, 4 * C, C, GradMode::overwrite); }, repeats), 2 * gemm * 4 * C, 0});
+    const double attention = 4.0 * B * T * T * C;  // QK^T and PV, full square
+    rows.push_back({"attention forward", time_gpu([&] { cuda::attention_forward(p(y), lse.as<float>(), p(qkv), B, T, C, H); }, repeats), attention, 0});
+    rows.push_back({"attention backward", time_gpu([&] { cuda::attention_backward(p(dqkv), p(x), p(qkv), p(y), lse.as<float>(), B, T, C, H); }, repeats), 2.5 * attention, 0});
+    rows.push_back({"layernorm forward", time_gpu([&] { cuda::layernorm_forward(p(y), mean.as<float>(), rstd.as<float>(), p(x), p(ln_w), p(ln_b), N, C); }, repeats), 0, 2.0 * N * C * 2});
+    rows.push_back({"layernorm backward", time_gpu([&] { cuda::layernorm_backward(p(y), dln.as<float>(), dln.as<float>() + C, p(x), p(x), p(ln_w), mean.as<float>(), rstd.as<float>(), N, C, GradMode::overwrite); }, repeats), 0, 3.0 * N * C * 2});
+    rows.push_back({"gelu backward (4C)", time_gpu([&] { cuda::gelu_backward(p(wide), p(wide), p(pre), N * 4 * C, GradMode::overwrite); }, repeats), 0, 3.0 * N * 4 * C * 2});
+    rows.push_back({"add (residual)", time_gpu([&] { cuda::add(p(y), p(x), N * C); }, repeats), 0, 3.0 * N * C * 2});
+  }
+  {
+    cuda::DeviceBuffer logits = bf16_buffer(N * V), lse(static_cast<std::size_t>(N) * 4), loss(8),
+        targets(static_cast<std::size_t>(N) * 4);
+    cuda::zero(targets.data(), targets.bytes());
+    rows.push_back({"cross-entropy forward (V " + std::to_string(V) + ")", time_gpu([&] { cuda::crossentropy_forward(lse.as<float>(), loss.as<double>(), logits.as<bf16>(), targets.as<int32_t>(), N, V); }, repeats), 0, 1.0 * N * V * 2});
+    rows.push_back({"cross-entropy backward", time_gpu([&] { cuda::crossentropy_backward(logits.as<bf16>(), logits.as<bf16>(), lse.as<float>(), targets.as<int32_t>(), 1.0f, N, V); }, repeats), 0, 2.0 * N * V * 2});
+  }
+  std::printf("| op (B %lld, T %lld, C %lld, H %lld, bf16) | ms | TFLOP/s | of GEMM rate | GB/s |\n|---|---|---|---|---|\n",
+              static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(C), static_cast<long long>(H));
+  for (const Row& r : rows) {
+    if (r.flops > 0)
+      std::printf("| %s | %.3f | %.1f | %.1f%% | |\n", r.what.c_str(), 1e3 * r.seconds, r.flops / r.seconds / 1e12,
+                  100.0 * r.flops / r.seconds / peak);
+    else
+      std::printf("| %s | %.3f | | | %.0f |\n", r.what.c_str(), 1e3 * r.seconds, r.bytes / r.seconds / 1e9);
+  }
+
+  // The whole step: a GPT-2-medium-sized model on this GPU, K = 1, bf16, AdamW.
+  TrainConfig config;
+  config.model.kind = "gpt";
+  config.model.layers = layers;
+  config.model.d_model = channels;
+  config.model.heads = heads;
+  config.model.seq_len = seq;
+  config.model.vocab = vocab;
+  config.batch_size = batch * micro_batches;
+  config.micro_batches = micro_batches;
+  config.steps = steps + 2;
+  config.device = "cuda";
+  config.precision = "bf16";
+  config.pipeline.remat = "never";
+  const Communicator self = Communicator::borrow(MPI_COMM_SELF);
+  Executor exec(config, self);
+  exec.connect();
+  exec.allocate();
+  // Model FLOPs: forward plus backward of every layer, no recomputation counted.
+  double flops = 0;
+  const std::vector<Shape> shapes = exec.model().shapes(batch);
+  for (int i = 0; i < exec.model().size(); ++i) {
+    const Cost c = exec.model().layer(i).cost(shapes[i]);
+    flops += (c.forward_flops + c.backward_flops) * micro_batches;
+  }
+  std::vector<double> seconds;
+  for (int s = 0; s < config.steps; ++s) {
+    const StepResult r = exec.step(s);
+    if (s >= 2) seconds.push_back(r.seconds);
+  }
+  std::sort(seconds.begin(), seconds.end());
+  const double step = seconds[seconds.size() / 2];
+  const double tokens = static_cast<double>(config.batch_size) * seq;
+  std::printf("\n| whole step (%d blocks, d %d, %lld parameters, %d x %d samples, bf16) | value |\n|---|---|\n", layers,
+              channels, static_cast<long long>(exec.model().parameter_count()), micro_batches, batch);
+  std::printf("| median step | %.1f ms |\n| tokens/s | %.0f |\n| model TFLOP/s | %.1f |\n| MFU (of measured GEMM rate) | %.1f%% |\n",
+              1e3 * step, tokens / step, flops / step / 1e12, 100.0 * flops / step / peak);
+  std::printf("| peak activation memory | %.2f GiB |\n", static_cast<double>(exec.peak_activation_bytes()) / (1 << 30));
+  MPI_Finalize();
+  return 0;
+}
