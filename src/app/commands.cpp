@@ -43,12 +43,7 @@ int default_threads(const Communicator& world) {
   if (sched_getaffinity(0, sizeof(set), &set) == 0) visible = CPU_COUNT(&set);
   // Collective on every rank whatever its binding, so that no rank is left waiting.
   int local = 1;
-  if (world.size() > 1) {
-    MPI_Comm node;
-    MPI_CHECK(MPI_Comm_split_type(world.get(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &node));
-    MPI_Comm_size(node, &local);
-    MPI_Comm_free(&node);
-  }
+  if (world.size() > 1) local = Communicator::node(world).size();
   if (visible < online) return std::max(1, visible);  // bound: use what we were given
   return std::max(1, visible / local);
 }

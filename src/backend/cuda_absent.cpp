@@ -23,7 +23,6 @@ void init(int) { not_built(); }
 bool active() { return false; }
 int device() { return -1; }
 void synchronize(StreamKind) { not_built(); }
-void synchronize_all() { not_built(); }
 void copy_to_device(void*, const void*, std::size_t, StreamKind) { not_built(); }
 void copy_to_host(void*, const void*, std::size_t, StreamKind) { not_built(); }
 void copy_on_device(void*, const void*, std::size_t) { not_built(); }
@@ -47,7 +46,5 @@ void Event::record(StreamKind) { not_built(); }
 bool Event::done() const { not_built(); }
 void Event::synchronize() const { not_built(); }
 void Event::wait(StreamKind) { not_built(); }
-std::size_t memory_used() { return 0; }
-std::size_t memory_total() { return 0; }
 
 }  // namespace mpipe::cuda

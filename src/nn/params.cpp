@@ -98,7 +98,6 @@ ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
       entries_.push_back(e);
     }
   }
-  total_ = total;
   params_ = FloatBuffer(total);
   grads_ = FloatBuffer(total);
   for (const ParamEntry& e : entries_) {
@@ -132,12 +131,12 @@ std::size_t ParamStore::count() const {
 
 std::span<float> ParamStore::grads() const {
   if (device_ == Device::cpu) return grads_.span();
-  return {device_grads_.as<float>(), total_};
+  return {device_grads_.as<float>(), params_.size()};
 }
 
 std::span<float> ParamStore::master() const {
   if (device_ == Device::cpu) return params_.span();
-  return {device_master_.as<float>(), total_};
+  return {device_master_.as<float>(), params_.size()};
 }
 
 Tensor ParamStore::param(const ParamEntry& e) const {
@@ -152,26 +151,26 @@ Tensor ParamStore::grad(const ParamEntry& e) const {
 
 void ParamStore::zero_grads() {
   if (device_ == Device::cpu) std::memset(grads_.data(), 0, grads_.size() * sizeof(float));
-  else cuda::zero(device_grads_.data(), total_ * sizeof(float));
+  else cuda::zero(device_grads_.data(), params_.size() * sizeof(float));
 }
 
 void ParamStore::scale_grads(float factor) {
   if (device_ == Device::cpu) {
-    cpu::scale(grads_.data(), factor, static_cast<int64_t>(total_));
+    cpu::scale(grads_.data(), factor, static_cast<int64_t>(params_.size()));
     return;
   }
 #if MPIPE_HAVE_CUDA
-  cuda::scale(device_grads_.as<float>(), factor, static_cast<int64_t>(total_));
+  cuda::scale(device_grads_.as<float>(), factor, static_cast<int64_t>(params_.size()));
 #endif
 }
 
 void ParamStore::to_device(DType compute) {
   MPIPE_CHECK(device_ == Device::cpu, "parameters are on the GPU already");
   MPIPE_CHECK(compute == DType::f32 || compute == DType::bf16, "compute type ", to_string(compute));
-  const std::size_t bytes = total_ * sizeof(float);
+  const std::size_t bytes = params_.size() * sizeof(float);
   device_master_ = cuda::DeviceBuffer(bytes);
   device_grads_ = cuda::DeviceBuffer(bytes);
-  if (compute == DType::bf16) device_compute_ = cuda::DeviceBuffer(total_ * sizeof(bf16));
+  if (compute == DType::bf16) device_compute_ = cuda::DeviceBuffer(params_.size() * sizeof(bf16));
   device_ = Device::cuda;
   compute_dtype_ = compute;
   grads_ = FloatBuffer();  // gradients live on the GPU from now on
@@ -195,13 +194,13 @@ void ParamStore::to_device(DType compute) {
 
 void ParamStore::download() {
   if (device_ == Device::cpu) return;
-  cuda::copy_to_host(params_.data(), device_master_.data(), total_ * sizeof(float));
+  cuda::copy_to_host(params_.data(), device_master_.data(), params_.size() * sizeof(float));
   cuda::synchronize(cuda::StreamKind::compute);
 }
 
 void ParamStore::upload() {
   if (device_ == Device::cpu) return;
-  cuda::copy_to_device(device_master_.data(), params_.data(), total_ * sizeof(float));
+  cuda::copy_to_device(device_master_.data(), params_.data(), params_.size() * sizeof(float));
   refresh_compute_copy();
   cuda::synchronize(cuda::StreamKind::compute);
 }
@@ -209,7 +208,7 @@ void ParamStore::upload() {
 void ParamStore::refresh_compute_copy() {
   if (device_ == Device::cpu || compute_dtype_ == DType::f32) return;
 #if MPIPE_HAVE_CUDA
-  cuda::convert(device_compute_.as<bf16>(), device_master_.as<float>(), static_cast<int64_t>(total_));
+  cuda::convert(device_compute_.as<bf16>(), device_master_.as<float>(), static_cast<int64_t>(params_.size()));
 #endif
 }
 

@@ -47,12 +47,22 @@ Communicator Communicator::borrow(MPI_Comm comm) {
 Communicator Communicator::split(const Communicator& parent, int color, int key) {
   Communicator c;
   MPI_CHECK(MPI_Comm_split(parent.comm_, color, key, &c.comm_));
-  if (c.comm_ == MPI_COMM_NULL) return c;
+  return own(c);
+}
+
+Communicator Communicator::node(const Communicator& parent) {
+  Communicator c;
+  MPI_CHECK(MPI_Comm_split_type(parent.comm_, MPI_COMM_TYPE_SHARED, parent.rank_, MPI_INFO_NULL, &c.comm_));
+  return own(c);
+}
+
+Communicator Communicator::own(Communicator& c) {
+  if (c.comm_ == MPI_COMM_NULL) return std::move(c);
   c.owned_ = true;
   MPI_CHECK(MPI_Comm_set_errhandler(c.comm_, MPI_ERRORS_RETURN));
   MPI_CHECK(MPI_Comm_rank(c.comm_, &c.rank_));
   MPI_CHECK(MPI_Comm_size(c.comm_, &c.size_));
-  return c;
+  return std::move(c);
 }
 
 Communicator::Communicator(Communicator&& o) noexcept { *this = std::move(o); }

@@ -136,17 +136,12 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
   if (config.device == "cpu") return "device: cpu";
   // Node-local rank modulo the GPUs this rank sees: one GPU per rank with one rank per
   // GPU, or ranks sharing GPUs round-robin when there are more ranks than GPUs.
-  MPI_Comm local;
-  int local_rank = 0, local_size = 1;
-  MPI_CHECK(MPI_Comm_split_type(world.get(), MPI_COMM_TYPE_SHARED, world.rank(), MPI_INFO_NULL, &local));
-  MPI_CHECK(MPI_Comm_rank(local, &local_rank));
-  MPI_CHECK(MPI_Comm_size(local, &local_size));
-  MPI_CHECK(MPI_Comm_free(&local));
-  const int ordinal = local_rank % gpus;
+  const Communicator node = Communicator::node(world);
+  const int ordinal = node.rank() % gpus;
   cuda::init(ordinal);
   const cuda::DeviceProperties p = cuda::properties(ordinal);
   return cat("device: cuda, ", p.name, " (sm_", p.major, p.minor, ", ", p.memory_bytes >> 30, " GiB); ", gpus,
-             " GPU(s) and ", local_size, " rank(s) per node; precision ", config.precision, "; MPI ",
+             " GPU(s) and ", node.size(), " rank(s) per node; precision ", config.precision, "; MPI ",
              mpi_cuda_aware() ? "CUDA-aware (messages from device memory)" : "not CUDA-aware (messages staged in pinned host memory)");
 }
 

@@ -10,6 +10,7 @@
 
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/core/sanitizer.hpp"
+#include "mpipe/pipeline/comm.hpp"
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
@@ -22,12 +23,8 @@ int main(int argc, char** argv) {
     MPI_Finalize();
     return 77;
   }
-  MPI_Comm local;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
-  int local_rank = 0;
-  MPI_Comm_rank(local, &local_rank);
-  MPI_Comm_free(&local);
-  mpipe::cuda::init(local_rank % gpus);
+  // The binding resolve_device() gives a training run.
+  mpipe::cuda::init(mpipe::Communicator::node(mpipe::Communicator::borrow(MPI_COMM_WORLD)).rank() % gpus);
   if (rank == 0) {
     const auto p = mpipe::cuda::properties(mpipe::cuda::device());
     std::printf("GPU %d: %s (sm_%d%d, %d SMs)\n", mpipe::cuda::device(), p.name.c_str(), p.major, p.minor,

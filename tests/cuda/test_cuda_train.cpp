@@ -8,18 +8,16 @@
 #include <vector>
 
 #include "compare.hpp"
+#include "gather.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;
+using mpipe::test::gather_params;
 using mpipe::test::relative_difference;
+using mpipe::test::world;
 
 namespace {
-
-const Communicator& world() {
-  static const Communicator w = Communicator::borrow(MPI_COMM_WORLD);
-  return w;
-}
 
 TrainConfig small_gpt(const std::string& device, const std::string& precision) {
   TrainConfig c;
@@ -60,22 +58,6 @@ std::vector<float> host_grads(Executor& e) {
     cuda::synchronize(cuda::StreamKind::compute);
   }
   return out;
-}
-
-std::vector<float> gather_params(Executor& e, const Communicator& comm) {
-  e.download_state();
-  std::vector<float> mine;
-  const float* values = e.params().params().data();
-  for (const ParamEntry& entry : e.params().entries())
-    if (!entry.tied_copy) mine.insert(mine.end(), values + entry.param_offset, values + entry.param_offset + entry.numel());
-  int count = static_cast<int>(mine.size());
-  std::vector<int> counts(comm.size()), offsets(comm.size());
-  MPI_Gather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm.get());
-  int total = 0;
-  for (int r = 0; r < comm.size(); ++r) offsets[r] = total, total += counts[r];
-  std::vector<float> all(comm.rank() == 0 ? total : 0);
-  MPI_Gatherv(mine.data(), count, MPI_FLOAT, all.data(), counts.data(), offsets.data(), MPI_FLOAT, 0, comm.get());
-  return all;
 }
 
 Run run(const TrainConfig& config, int ranks, int steps) {

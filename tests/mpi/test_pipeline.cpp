@@ -12,18 +12,16 @@
 #include <vector>
 
 #include "compare.hpp"
+#include "gather.hpp"
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;
+using mpipe::test::gather_params;
 using mpipe::test::relative_difference;
+using mpipe::test::world;
 
 namespace {
-
-const Communicator& world() {
-  static const Communicator w = Communicator::borrow(MPI_COMM_WORLD);
-  return w;
-}
 
 TrainConfig tiny_gpt(const std::string& schedule, const std::string& remat, int micro_batches = 4) {
   TrainConfig c;
@@ -54,26 +52,6 @@ struct RunResult {
   std::vector<float> replica_params;  // the same gathered from the last replica
   std::vector<std::vector<float>> tied;  // on the last stage: (owner values, copy values)
 };
-
-// Replica `replica`'s parameters in global layer order, gathered to rank 0 of `comm`.
-std::vector<float> gather_params(Executor& e, const Communicator& comm, int replica) {
-  std::vector<float> mine;
-  if (e.grid().replica() == replica)
-    for (const ParamEntry& entry : e.params().entries())
-      if (!entry.tied_copy) {
-        const Tensor t = e.params().param(entry);
-        mine.insert(mine.end(), t.f32(), t.f32() + t.numel());
-      }
-  int count = static_cast<int>(mine.size());
-  std::vector<int> counts(comm.size()), offsets(comm.size());
-  MPI_Gather(&count, 1, MPI_INT, counts.data(), 1, MPI_INT, 0, comm.get());
-  int total = 0;
-  for (int r = 0; r < comm.size(); ++r) offsets[r] = total, total += counts[r];
-  std::vector<float> all(comm.rank() == 0 ? total : 0);
-  // Gathered in rank order; with --rank-order pipeline a replica's stages are in order.
-  MPI_Gatherv(mine.data(), count, MPI_FLOAT, all.data(), counts.data(), offsets.data(), MPI_FLOAT, 0, comm.get());
-  return all;
-}
 
 // Runs `config` on the first `ranks` world ranks; the others sit this one out.
 RunResult run(const TrainConfig& config, int ranks) {

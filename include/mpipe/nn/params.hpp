@@ -102,7 +102,6 @@ class ParamStore {
   FloatBuffer params_, grads_;
   Device device_ = Device::cpu;
   DType compute_dtype_ = DType::f32;
-  std::size_t total_ = 0;  // floats in each flat buffer
   cuda::DeviceBuffer device_master_, device_grads_, device_compute_;  // compute: bf16 only
   // The norm's spans (entries not tied copies) as device arrays, and the per-span sums.
   cuda::DeviceBuffer norm_offsets_, norm_sizes_, norm_sums_;

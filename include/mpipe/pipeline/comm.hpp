@@ -46,6 +46,8 @@ class Communicator {
   Communicator() = default;
   static Communicator borrow(MPI_Comm comm);
   static Communicator split(const Communicator& parent, int color, int key);  // MPI_UNDEFINED: null
+  // The ranks of `parent` that share this rank's node (memory), in parent rank order.
+  static Communicator node(const Communicator& parent);
   Communicator(Communicator&& other) noexcept;
   Communicator& operator=(Communicator&& other) noexcept;
   Communicator(const Communicator&) = delete;
@@ -72,6 +74,7 @@ class Communicator {
   void barrier() const;
 
  private:
+  static Communicator own(Communicator& fresh);  // takes a new handle: freed, errors returned
   MPI_Comm comm_ = MPI_COMM_NULL;
   bool owned_ = false;
   int rank_ = 0, size_ = 1;

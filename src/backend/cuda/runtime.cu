@@ -114,9 +114,6 @@ void* scratch(std::size_t bytes) {
 }
 
 void synchronize(StreamKind kind) { CUDA_CHECK(cudaStreamSynchronize(stream(kind))); }
-void synchronize_all() {
-  for (StreamKind k : {StreamKind::compute, StreamKind::to_device, StreamKind::to_host}) synchronize(k);
-}
 
 void copy_to_device(void* dst, const void* src, std::size_t bytes, StreamKind on) {
   if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream(on)));
@@ -204,15 +201,5 @@ bool Event::done() const {
 void Event::synchronize() const { CUDA_CHECK(cudaEventSynchronize(static_cast<cudaEvent_t>(event_))); }
 void Event::wait(StreamKind on) { CUDA_CHECK(cudaStreamWaitEvent(stream(on), static_cast<cudaEvent_t>(event_), 0)); }
 
-std::size_t memory_used() {
-  std::size_t free_bytes = 0, total = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
-  return total - free_bytes;
-}
-std::size_t memory_total() {
-  std::size_t free_bytes = 0, total = 0;
-  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total));
-  return total;
-}
 
 }  // namespace mpipe::cuda

@@ -35,9 +35,8 @@ int device();        // the ordinal init() chose
 
 enum class StreamKind { compute, to_device, to_host };
 
-// Waits for everything queued on one stream, or on all three.
+// Waits for everything queued on one stream.
 void synchronize(StreamKind kind);
-void synchronize_all();
 
 // Asynchronous copies on a stream; host memory should be pinned for them to overlap.
 void copy_to_device(void* device_dst, const void* host_src, std::size_t bytes, StreamKind on = StreamKind::compute);
@@ -118,9 +117,6 @@ class Event {
   void* event_ = nullptr;
 };
 
-// Bytes of GPU memory in use by this process and the device's total, for reports.
-std::size_t memory_used();
-std::size_t memory_total();
 double seconds_between(const Event& start, const Event& end);
 
 }  // namespace mpipe::cuda
