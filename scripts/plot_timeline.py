@@ -1,7 +1,9 @@
 #!/usr/bin/python3
 """Renders an mpipe --trace file as a PNG timeline: one row per rank, forward and
-backward of each micro-batch as labelled boxes, waits and reductions in grey, so the
-GPipe (or 1F1B) diagram of a real run can be looked at.
+backward of each micro-batch as labelled boxes, waits in grey, so the GPipe (or 1F1B)
+diagram of a real run can be looked at; below each rank its communication rows, where
+each send (from its posting to its completion) and each gradient sum overlaps the
+compute above it.
 
     /usr/bin/python3 scripts/plot_timeline.py trace.json timeline.png [--step N]
 """
@@ -14,7 +16,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "recompute": "#8172b3", "allreduce": "#55a868",
-          "optimizer": "#937860"}
+          "optimizer": "#937860", "send activation": "#a1c9f4", "send gradient": "#ffb482",
+          "gradient sum": "#8de5a1", "tied-weight sum": "#64b5cd"}
 WAITS = {"wait activation", "wait gradient", "wait sends"}
 
 
@@ -42,16 +45,18 @@ def main():
             continue
         color = COLORS.get(e["cat"])
         if color is None:
-            continue  # sends are instantaneous posts
+            continue
         ax.broken_barh([(x, w)], (row[e["tid"]] - 0.4, 0.8), color=color, edgecolor="white", linewidth=0.5)
-        if e["args"]["micro_batch"] >= 0 and w > span / 150:
-            ax.text(x + w / 2, row[e["tid"]], str(e["args"]["micro_batch"]), ha="center", va="center", fontsize=7,
-                    color="white")
+        label = e["args"]["micro_batch"] if e["args"]["micro_batch"] >= 0 else e["args"].get("layer", -1)
+        if label >= 0 and w > span / 150:
+            ax.text(x + w / 2, row[e["tid"]], str(label), ha="center", va="center", fontsize=7, color="black")
     ax.set_yticks([row[r] for r in ranks], [names[r] for r in ranks])
     ax.set_xlabel("milliseconds")
     title = f"step {a.step}" if a.step is not None else "traced steps"
     ax.set_title(f"mpipe timeline, {title}: forward (blue), backward (orange), recompute (purple), "
-                 f"allreduce (green), optimizer (brown), waiting (grey)", fontsize=9)
+                 f"allreduce (green), optimizer (brown), waiting (grey);\ncommunication rows: sends of "
+                 f"activations (light blue) and gradients (light orange), gradient sums over replicas "
+                 f"(light green, by layer), tied-weight sums (teal)", fontsize=9)
     ax.set_xlim(0, span)
     fig.tight_layout()
     fig.savefig(a.png, dpi=120)

@@ -8,7 +8,8 @@
 #include "mpipe/core/sanitizer.hpp"
 
 int main(int argc, char** argv) {
-  MPI_Init(&argc, &argv);
+  int provided = 0;  // MULTIPLE: the executor's communication progress thread
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   doctest::Context context(argc, argv);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);

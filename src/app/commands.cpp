@@ -273,6 +273,13 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--partition", p.partition, "Balance stages by uniform, params, flops or time")->capture_default_str();
   cmd.add_option("--balance", p.balance, "Layers per stage, e.g. 3,5 (overrides --partition)");
   cmd.add_option("--p2p-timeout", p.p2p_timeout, "Seconds a point-to-point wait may block")->capture_default_str();
+  cmd.add_option("--comm-progress", p.comm_progress,
+                 "How posted messages move while a rank computes: thread (a progress thread), layers (tests "
+                 "between layers) or waits (only in waits: MPI's own progress)")
+      ->capture_default_str();
+  cmd.add_option("--comm-poll-us", p.comm_poll_us,
+                 "Microseconds between the progress thread's tests while nothing moves (0: no pause)")
+      ->capture_default_str();
   cmd.add_option("--device", c.device, "cpu, cuda (one GPU per rank: node-local rank modulo GPUs) or auto")
       ->capture_default_str();
   cmd.add_option("--precision", c.precision, "fp32, or bf16 on a GPU (fp32 master weights and optimizer state)")
@@ -383,6 +390,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
                 m.kind.c_str(), exec->model().size(), static_cast<long long>(exec->model().parameter_count()),
                 cpu::threads(), cpu::threads() > 1 ? "s" : "");
     std::printf("%s\n", device_line.c_str());
+    if (grid.stages() > 1 || grid.replicas() > 1) std::printf("communication: %s\n", exec->progress().describe().c_str());
     if (const Dataset* data = exec->dataset()) std::printf("data: %s\n", data->describe().c_str());
     print_plan(config, exec->model(), exec->partition(), grid.shape());
     if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(config, grid.shape());
@@ -513,8 +521,9 @@ int run_main(int argc, char** argv) {
   MPI_Initialized(&already);  // tests call run_main with MPI up
   const bool own_mpi = training && !already;
   if (own_mpi) {
+    // MULTIPLE for the communication progress thread (Progress falls back without it).
     int provided = 0;
-    MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided);
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   }
   if (training) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   auto finish = [&](int code) {

@@ -22,6 +22,7 @@ DeviceProperties properties(int) { not_built(); }
 void init(int) { not_built(); }
 bool active() { return false; }
 int device() { return -1; }
+void bind_thread() {}
 void synchronize(StreamKind) { not_built(); }
 void copy_to_device(void*, const void*, std::size_t, StreamKind) { not_built(); }
 void copy_to_host(void*, const void*, std::size_t, StreamKind) { not_built(); }

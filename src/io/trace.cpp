@@ -1,6 +1,7 @@
 // Chrome trace writer and run summary.
 #include "mpipe/io/trace.hpp"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -10,9 +11,31 @@ namespace mpipe {
 namespace {
 
 std::string event_label(const TraceEvent& e) {
-  static const char* prefix[TraceEvent::count] = {"F", "B", "R", "SF", "RF", "SB", "RB", "", "", ""};
+  static const char* prefix[TraceEvent::count] = {"F", "B", "R", "SF", "RF", "SB", "RB", "", "", "", "", ""};
+  if (e.layer >= 0) return cat(TraceEvent::name(e.kind), " L", e.layer);
   if (e.micro_batch < 0) return TraceEvent::name(e.kind);
   return cat(prefix[e.kind], e.micro_batch);
+}
+
+// Transfers overlap one another (a send still moving when the next is posted, several
+// gradient sums at once), and a track's boxes must nest: each goes on the first lane of
+// its rank's communication tracks that is free by its start. Returns the lane of each
+// event (-1: a compute track event) and the number of lanes.
+int assign_lanes(const TraceEvent* events, std::size_t n, std::vector<int>& lane) {
+  std::vector<std::size_t> order;
+  for (std::size_t i = 0; i < n; ++i)
+    if (TraceEvent::communication(events[i].kind)) order.push_back(i);
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return events[a].start < events[b].start; });
+  lane.assign(n, -1);
+  std::vector<double> free_at;  // per lane, when its last box ends
+  for (const std::size_t i : order) {
+    std::size_t l = 0;
+    while (l < free_at.size() && free_at[l] > events[i].start) ++l;
+    if (l == free_at.size()) free_at.push_back(0.0);
+    free_at[l] = events[i].end;
+    lane[i] = static_cast<int>(l);
+  }
+  return static_cast<int>(free_at.size());
 }
 
 }  // namespace
@@ -38,24 +61,36 @@ void write_trace(const Executor& exec, const std::string& path) {
   std::fprintf(out, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
   std::fprintf(out, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 0, \"args\": {\"name\": \"mpipe %s, %d ranks\"}}",
                exec.config().pipeline.schedule.c_str(), world.size());
-  for (int r = 0; r < world.size(); ++r) {
-    // One track per rank, ordered by replica then stage so a replica's pipeline reads
-    // top to bottom.
+  // Per rank: its compute track (tid = rank), then its communication tracks (tid =
+  // rank + world size * (1 + lane)), ordered by replica then stage so that a replica's
+  // pipeline reads top to bottom.
+  const int W = world.size();
+  auto track = [&](int tid, int rank, int lanes_before, const std::string& name) {
     std::fprintf(out, ",\n{\"name\": \"thread_name\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, \"args\": {\"name\": "
-                 "\"rank %d: stage %d, replica %d\"}}", r, r, places[2 * r], places[2 * r + 1]);
+                 "\"%s\"}}", tid, name.c_str());
+    const int order = places[2 * rank + 1] * exec.grid().stages() + places[2 * rank];
     std::fprintf(out, ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, \"args\": "
-                 "{\"sort_index\": %d}}", r, places[2 * r + 1] * exec.grid().stages() + places[2 * r]);
-  }
+                 "{\"sort_index\": %d}}", tid, order * 1024 + lanes_before);
+  };
   std::size_t at = 0;
-  for (int r = 0; r < world.size(); ++r)
-    for (int i = 0; i < counts[r] / static_cast<int>(sizeof(TraceEvent)); ++i, ++at) {
+  std::vector<int> lane;
+  for (int r = 0; r < W; ++r) {
+    const auto n = static_cast<std::size_t>(counts[r]) / sizeof(TraceEvent);
+    const int lanes = assign_lanes(all.data() + at, n, lane);
+    const std::string rank_name = cat("rank ", r, ": stage ", places[2 * r], ", replica ", places[2 * r + 1]);
+    track(r, r, 0, rank_name);
+    for (int l = 0; l < std::min(lanes, 1023); ++l)
+      track(r + W * (1 + l), r, 1 + l, cat(rank_name, ": communication", l ? cat(" ", l + 1) : std::string()));
+    for (std::size_t i = 0; i < n; ++i, ++at) {
       const TraceEvent& e = all[at];
+      const int tid = lane[i] < 0 ? r : r + W * (1 + std::min(lane[i], 1022));
       std::fprintf(out,
                    ",\n{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": %d, \"ts\": %.3f, "
-                   "\"dur\": %.3f, \"args\": {\"step\": %d, \"micro_batch\": %d}}",
-                   event_label(e).c_str(), TraceEvent::name(e.kind), r, e.start * 1e6, (e.end - e.start) * 1e6, e.step,
-                   e.micro_batch);
+                   "\"dur\": %.3f, \"args\": {\"step\": %d, \"micro_batch\": %d, \"layer\": %d, \"rank\": %d}}",
+                   event_label(e).c_str(), TraceEvent::name(e.kind), tid, e.start * 1e6, (e.end - e.start) * 1e6, e.step,
+                   e.micro_batch, e.layer, r);
     }
+  }
   std::fprintf(out, "\n]}\n");
   std::fclose(out);
 }

@@ -1,12 +1,9 @@
 // MPI wrappers.
 #include "mpipe/pipeline/comm.hpp"
 
-#include <algorithm>
-#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <string>
-#include <thread>
 
 #if __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI: MPIX_Query_cuda_support
@@ -115,42 +112,5 @@ void Communicator::broadcast(std::string& text, int root) const {
 }
 
 void Communicator::barrier() const { MPI_CHECK(MPI_Barrier(comm_)); }
-
-double wait_for(MPI_Request& request, double timeout_s, const char* what, int index, long expected_bytes) {
-  if (request == MPI_REQUEST_NULL) return 0.0;
-  const auto start = std::chrono::steady_clock::now();
-  int done = 0;
-  MPI_Status status;
-  // Poll a few times (the message may already be here), then sleep between polls. A
-  // spinning rank measurably slows its neighbour's compute (shared caches and memory
-  // bandwidth; the core itself when oversubscribed), so the sleep grows with the wait:
-  // 5% of the time waited so far, between 20 us and 1 ms, which bounds the extra
-  // latency to about 5% of the wait.
-  for (int polls = 0;; ++polls) {
-    MPI_CHECK(MPI_Test(&request, &done, &status));
-    if (done) break;
-    const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (waited > timeout_s)
-      throw Error(cat("timed out after ", timeout_s, " s waiting for ", what, " ", index,
-                      " (a neighbour stage is stuck or gone; see --p2p-timeout)"));
-    if (polls > 10) std::this_thread::sleep_for(std::chrono::duration<double>(std::clamp(waited * 0.05, 20e-6, 1e-3)));
-  }
-  if (expected_bytes >= 0) {
-    // A shorter message than the buffer would pass silently: the stages disagree on
-    // the shape (or precision) at their boundary.
-    int count = 0;
-    MPI_CHECK(MPI_Get_count(&status, MPI_BYTE, &count));
-    if (count != expected_bytes)
-      throw Error(cat("received ", count, " bytes for ", what, " ", index, ", expected ", expected_bytes,
-                      " (the stages disagree on the boundary shape)"));
-  }
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-double wait_all(std::span<MPI_Request> requests, double timeout_s, const char* what) {
-  double total = 0.0;
-  for (std::size_t i = 0; i < requests.size(); ++i) total += wait_for(requests[i], timeout_s, what, static_cast<int>(i), -1);
-  return total;
-}
 
 }  // namespace mpipe

@@ -9,6 +9,9 @@
 #include <cstring>
 #include <thread>
 
+#include <unistd.h>
+
+#include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/ops.hpp"
 
 namespace mpipe {
@@ -21,8 +24,9 @@ double since(Clock::time_point start) { return std::chrono::duration<double>(Clo
 }  // namespace
 
 const char* TraceEvent::name(int kind) {
-  static const char* names[count] = {"forward", "backward", "recompute", "send activation", "wait activation",
-                                     "send gradient", "wait gradient", "wait sends", "allreduce", "optimizer"};
+  static const char* names[count] = {"forward",       "backward",      "recompute", "send activation",
+                                     "wait activation", "send gradient", "wait gradient", "wait sends",
+                                     "allreduce",     "optimizer",     "gradient sum", "tied-weight sum"};
   return names[kind];
 }
 
@@ -31,14 +35,16 @@ void Executor::start_trace_clock() {
   trace_origin_ = Clock::now();
 }
 
-void Executor::record(std::int64_t step, int kind, int micro_batch, Clock::time_point start) {
+void Executor::record(std::int64_t step, int kind, int micro_batch, Clock::time_point start, Clock::time_point end,
+                      int layer) {
   if (!tracing(step)) return;
   TraceEvent e;
   e.start = std::chrono::duration<double>(start - trace_origin_).count();
-  e.end = std::chrono::duration<double>(Clock::now() - trace_origin_).count();
+  e.end = std::chrono::duration<double>(end - trace_origin_).count();
   e.step = static_cast<std::int32_t>(step);
   e.kind = static_cast<std::int16_t>(kind);
   e.micro_batch = static_cast<std::int16_t>(micro_batch);
+  e.layer = layer;
   trace_.push_back(e);
 }
 
@@ -59,6 +65,9 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(p.remat == "always" || p.remat == "except-last" || p.remat == "never",
                 "use --remat always, except-last or never", "unknown --remat '", p.remat, "'");
   MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
+  parse_progress_mode(p.comm_progress);  // throws UserError for an unknown name
+  MPIPE_REQUIRE(p.comm_poll_us >= 0 && p.comm_poll_us <= 1e6, "e.g. --comm-poll-us 5000 (0: no pause)",
+                "--comm-poll-us must be between 0 and 1000000, got ", p.comm_poll_us);
   MPIPE_REQUIRE(c.device == "cpu" || c.device == "cuda" || c.device == "auto", "use --device cpu, cuda or auto",
                 "unknown --device '", c.device, "'");
   MPIPE_REQUIRE(c.precision == "fp32" || c.precision == "bf16", "use --precision fp32 or bf16",
@@ -145,21 +154,12 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
              mpi_cuda_aware() ? "CUDA-aware (messages from device memory)" : "not CUDA-aware (messages staged in pinned host memory)");
 }
 
-Executor::~Executor() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (finalized) return;
-  // Point-to-point requests left by a failed step; collectives may not be cancelled.
-  for (auto* list : {&recv_act_req_, &recv_grad_req_, &send_req_})
-    for (MPI_Request& r : *list)
-      if (r != MPI_REQUEST_NULL) {
-        MPI_Cancel(&r);
-        MPI_Request_free(&r);
-      }
-}
+// Requests a failed step left behind are cancelled by Progress.
+Executor::~Executor() = default;
 
 void Executor::connect() {
   grid_ = std::make_unique<Grid>(world_, config_.pipeline.grid);
+  node_ranks_ = world_.size() > 1 ? Communicator::node(world_).size() : 1;
   const auto& p = config_.pipeline;
   const int K = grid_->stages();
   if (!p.balance.empty()) {
@@ -231,10 +231,6 @@ void Executor::allocate() {
     inputs_ = {host, in, model_.input_dtype(), Device::cpu};
     targets_ = {host + in.numel() * 4, tg, DType::i32, Device::cpu};
   }
-  allocate_messages();
-  recv_act_req_.assign(M, MPI_REQUEST_NULL);
-  recv_grad_req_.assign(M, MPI_REQUEST_NULL);
-  send_req_.reserve(2 * static_cast<std::size_t>(M));
   outputs_.assign(M, Tensor{});
   input_grads_.assign(M, Tensor{});
   contexts_.assign(M, nullptr);
@@ -258,7 +254,7 @@ void Executor::allocate() {
       }
     }
   }
-  bucket_req_.assign(buckets_.size(), MPI_REQUEST_NULL);
+  bucket_tickets_.assign(buckets_.size(), Progress::none);
 
   // Tied weights split over stages: the owner's and the copy's gradient spans, in entry
   // order (the owner and the copy each hold one entry per tie, so the two ranks agree).
@@ -270,19 +266,52 @@ void Executor::allocate() {
       const bool tied = (e.tied_copy && !e.alias) || model_.copy_layer_of(e.layer, e.name) >= end_;
       if (tied) {
         MPIPE_CHECK(!grid_->tied().null(), "stage ", grid_->stage(), " holds a tied weight but no tied group");
-        tied_spans_.emplace_back(e.offset, static_cast<std::size_t>(e.numel()));
+        tied_spans_.push_back({e.layer, e.offset, static_cast<std::size_t>(e.numel()), nullptr});
       }
     }
   }
+  // With one replica a tied sum starts as soon as its layer's gradient is final, and
+  // moves while the rest of the backward runs. With replicas it follows the replica sum
+  // of its bucket (one summation order for every K and D). On a GPU it starts after
+  // the backward, which need not wait for the GPU midway.
+  tied_early_ = D == 1 && device_ == Device::cpu;
 
-  // Without CUDA-aware MPI, gradient reductions go through a pinned host copy.
-  if (device_ == Device::cuda && !cuda_aware_ && (!buckets_.empty() || !tied_spans_.empty()))
+  // Every request in flight at once: each micro-batch's two receives and two sends, the
+  // buckets, the tied sums' two messages each and the step's closing allreduce.
+  const int requests = 4 * M + static_cast<int>(buckets_.size() + 2 * tied_spans_.size()) + 4;
+  // Waits test without pause where every rank's threads have cores of their own.
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  const bool spin_waits = static_cast<long>(node_ranks_) * std::max(1, cpu::threads()) <= cores;
+  progress_ = std::make_unique<Progress>(parse_progress_mode(config_.pipeline.comm_progress),
+                                         config_.pipeline.comm_poll_us * 1e-6, requests, spin_waits, [] {
+                                           if (cuda::active()) cuda::bind_thread();
+                                         });
+  for (std::size_t i = 0; i < tied_spans_.size(); ++i) {
+    TiedSpan& t = tied_spans_[i];
+    t.sum = std::make_unique<PairSum>(grid_->tied(), *progress_, device_, cuda_aware_,
+                                      params_->grads().subspan(t.offset, t.count), static_cast<int>(i));
+  }
+  transport_ = std::make_unique<Transport>(*grid_, *progress_, device_, dtype_, cuda_aware_, M, shapes_[begin_],
+                                           shapes_[end_], config_.pipeline.p2p_timeout);
+  if (device_ == Device::cuda) {
+    device_loss_ = cuda::DeviceBuffer(sizeof(double));
+    host_loss_ = cuda::PinnedBuffer(sizeof(double));
+    // Forward, backward and recompute of every micro-batch, two marks each, and the origin.
+    marks_.clear();
+    for (int i = 0; i < 1 + 6 * M; ++i) marks_.emplace_back(true);
+    compute_marks_.clear();
+    compute_marks_.reserve(3 * static_cast<std::size_t>(M));
+  }
+
+  // Without CUDA-aware MPI, replica sums go through a pinned host copy.
+  if (device_ == Device::cuda && !cuda_aware_ && !buckets_.empty())
     grad_staging_ = cuda::PinnedBuffer(params_->grads().size() * sizeof(float));
 
   trace_.clear();
   if (!config_.trace.empty()) {
-    // Every action of every traced step, plus the reductions: sized once, here.
-    std::size_t per_step = schedule_.actions[grid_->stage()].size() + static_cast<std::size_t>(M) + 8;
+    // Every action and transfer of every traced step, plus the reductions: sized once, here.
+    std::size_t per_step = schedule_.actions[grid_->stage()].size() + 3 * static_cast<std::size_t>(M) +
+                           buckets_.size() + tied_spans_.size() + 8;
     trace_.reserve(per_step * static_cast<std::size_t>(std::max(0, config_.trace_steps)));
   }
   if (const char* fail = std::getenv("MPIPE_TEST_FAIL")) {
@@ -293,60 +322,6 @@ void Executor::allocate() {
     if (std::sscanf(fail, "%d:%d:%15s", &fail_rank_, &fail_step_, mode) < 2) fail_rank_ = fail_step_ = -1;
     fail_stall_ = std::strcmp(mode, "stall") == 0;
   }
-}
-
-void Executor::allocate_messages() {
-  const int M = config_.micro_batches;
-  const bool first = grid_->first_stage(), last = grid_->last_stage();
-  auto make = [&](const Shape& shape) {
-    Message m;
-    const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_);
-    if (device_ == Device::cpu) {
-      m.host = FloatBuffer(static_cast<std::size_t>(shape.numel()));
-      m.tensor = make_tensor(m.host.data(), shape);
-      m.wire = m.tensor.byte_span();
-      return m;
-    }
-    m.device = cuda::DeviceBuffer(bytes);
-    m.tensor = {m.device.data(), shape, dtype_, Device::cuda};
-    if (cuda_aware_) {
-      m.wire = m.tensor.byte_span();
-    } else {
-      m.staging = cuda::PinnedBuffer(bytes);
-      m.wire = {m.staging.as<std::byte>(), bytes};
-    }
-    return m;
-  };
-  recv_act_.clear();
-  recv_grad_.clear();
-  for (int mb = 0; mb < M; ++mb) {
-    if (!first) recv_act_.push_back(make(shapes_[begin_]));
-    if (!last) recv_grad_.push_back(make(shapes_[end_]));
-  }
-  pending_sends_.clear();
-  pending_sends_.reserve(2 * static_cast<std::size_t>(M));
-  if (device_ == Device::cpu) return;
-  for (int which = 0; which < 2; ++which) {
-    send_staging_[which].clear();
-    send_ready_[which].clear();
-    recv_ready_[which].clear();
-    // Activations leave by the end of the stage, gradients by its start.
-    const Shape& out = which == 0 ? shapes_[end_] : shapes_[begin_];
-    const bool sends = which == 0 ? !last : !first;
-    for (int mb = 0; mb < M; ++mb) {
-      if (sends && !cuda_aware_)
-        send_staging_[which].emplace_back(static_cast<std::size_t>(out.numel()) * dtype_size(dtype_));
-      send_ready_[which].emplace_back();
-      recv_ready_[which].emplace_back();
-    }
-  }
-  device_loss_ = cuda::DeviceBuffer(sizeof(double));
-  host_loss_ = cuda::PinnedBuffer(sizeof(double));
-  // Forward, backward and recompute of every micro-batch, two marks each, and the origin.
-  marks_.clear();
-  for (int i = 0; i < 1 + 6 * M; ++i) marks_.emplace_back(true);
-  compute_marks_.clear();
-  compute_marks_.reserve(3 * static_cast<std::size_t>(M));
 }
 
 void Executor::download_state() {
@@ -403,10 +378,13 @@ Context* Executor::forward_layers(const Pass& pass, int mb, Tensor* output) {
       x = converted;
     }
   } else {
-    x = recv_act_[mb].tensor;
+    x = transport_->received(Direction::forward, mb);
   }
   Context* contexts = pass.arena->objects<Context>(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) x = model_.layer(begin_ + i).forward(x, contexts[i], pass);
+  for (int i = 0; i < n; ++i) {
+    x = model_.layer(begin_ + i).forward(x, contexts[i], pass);
+    progress_->poll();  // messages keep moving between layers
+  }
   *output = x;
   return contexts;
 }
@@ -498,9 +476,8 @@ void Executor::run_backward(std::int64_t step, int mb) {
   begin_compute(TraceEvent::backward, mb);
   const Pass pass = make_pass(step, mb, scratch_.get());
   static float loss_gradient = 1.0f;  // the loss layer ignores its incoming gradient
-  Tensor dy = grid_->last_stage() ? make_tensor(&loss_gradient, Shape{1}) : recv_grad_[mb].tensor;
+  Tensor dy = grid_->last_stage() ? make_tensor(&loss_gradient, Shape{1}) : transport_->received(Direction::backward, mb);
   const bool last_micro_batch = mb == config_.micro_batches - 1;
-  std::size_t next_bucket = 0;
   for (int i = n - 1; i >= 0; --i) {
     const Shape& in = shapes_[begin_ + i];
     Tensor dx;
@@ -508,21 +485,8 @@ void Executor::run_backward(std::int64_t step, int mb) {
     else if (!grid_->first_stage()) dx = input_grads_[mb] = persistent_->tensor(in, dtype_);
     model_.layer(begin_ + i).backward(contexts[i], dy, dx, GradMode::overwrite, pass);
     dy = dx;
-    // This layer's gradients are final after the last micro-batch: start the buckets
-    // it completes, so the allreduce overlaps the rest of the backward.
-    // On a GPU without CUDA-aware MPI the buckets go together, from a host copy, in
-    // reduce_gradients().
-    while (last_micro_batch && next_bucket < buckets_.size() && buckets_[next_bucket].lowest_layer == begin_ + i) {
-      const Bucket& b = buckets_[next_bucket];
-      if (device_ == Device::cuda) {
-        if (!cuda_aware_) {
-          ++next_bucket;
-          continue;
-        }
-        cuda::synchronize(cuda::StreamKind::compute);  // MPI reads the gradients now
-      }
-      bucket_req_[next_bucket++] = grid_->data().iallreduce(params_->grads().subspan(b.begin, b.end - b.begin), Reduce::sum);
-    }
+    if (last_micro_batch) gradients_final(begin_ + i);
+    progress_->poll();  // messages and sums keep moving between layers
   }
   scratch_->reset();
   end_compute();
@@ -532,61 +496,32 @@ void Executor::run_backward(std::int64_t step, int mb) {
   }
 }
 
-// An outgoing message. On the CPU it is posted at once. On a GPU an event marks where
-// its data is final in the compute stream; without CUDA-aware MPI the copy-out stream
-// waits for that event and copies to pinned memory. The MPI send is posted by
-// post_ready_sends() once the data is there, so the host goes on queueing work.
-void Executor::queue_send(const Tensor& data, int which, int mb, int peer, int tag) {
-  const Communicator& pipe = grid_->pipeline();
-  if (device_ == Device::cpu) {
-    send_req_.push_back(pipe.isend(data.byte_span(), peer, tag));
-    return;
+// This layer's gradients are final after the last micro-batch's backward: start the
+// replica sums (buckets) and tied sums it completes, so that they move while the rest of
+// the backward runs. On a GPU without CUDA-aware MPI they go together, from a host copy,
+// in reduce_gradients().
+void Executor::gradients_final(int layer) {
+  const bool staged = device_ == Device::cuda && !cuda_aware_;
+  bool synchronized = false;
+  auto reachable = [&] {  // MPI reads the gradients now
+    if (device_ == Device::cuda && !synchronized) cuda::synchronize(cuda::StreamKind::compute);
+    synchronized = true;
+  };
+  for (; next_bucket_ < buckets_.size() && buckets_[next_bucket_].lowest_layer == layer; ++next_bucket_) {
+    if (staged) continue;
+    const Bucket& b = buckets_[next_bucket_];
+    reachable();
+    bucket_tickets_[next_bucket_] =
+        progress_->track(grid_->data().iallreduce(params_->grads().subspan(b.begin, b.end - b.begin), Reduce::sum), false);
   }
-  cuda::Event& ready = send_ready_[which][mb];
-  ready.record(cuda::StreamKind::compute);
-  std::span<const std::byte> wire = data.byte_span();
-  if (!cuda_aware_) {
-    cuda::PinnedBuffer& staging = send_staging_[which][mb];
-    ready.wait(cuda::StreamKind::to_host);
-    cuda::copy_to_host(staging.data(), data.data, data.bytes(), cuda::StreamKind::to_host);
-    ready.record(cuda::StreamKind::to_host);
-    wire = {staging.as<std::byte>(), data.bytes()};
-  }
-  pending_sends_.push_back({&ready, wire, peer, tag});
-  post_ready_sends(false);
-}
-
-// Posts queued sends in order while their data is ready; with `wait`, waits for all.
-// Called between actions, and with `wait` before any blocking wait: a neighbour may be
-// waiting for one of them.
-void Executor::post_ready_sends(bool wait) {
-  std::size_t posted = 0;
-  for (; posted < pending_sends_.size(); ++posted) {
-    PendingSend& p = pending_sends_[posted];
-    if (wait) p.ready->synchronize();
-    else if (!p.ready->done()) break;
-    send_req_.push_back(grid_->pipeline().isend(p.wire, p.peer, p.tag));
-  }
-  pending_sends_.erase(pending_sends_.begin(), pending_sends_.begin() + static_cast<std::ptrdiff_t>(posted));
-}
-
-// A received message on a GPU without CUDA-aware MPI: copied in on its own stream; the
-// compute stream waits for that copy, the host does not.
-void Executor::finish_receive(int which, int mb) {
-  if (device_ == Device::cpu || cuda_aware_) return;
-  Message& m = which == 0 ? recv_act_[mb] : recv_grad_[mb];
-  cuda::copy_to_device(m.tensor.data, m.staging.data(), m.tensor.bytes(), cuda::StreamKind::to_device);
-  cuda::Event& ready = recv_ready_[which][mb];
-  ready.record(cuda::StreamKind::to_device);
-  ready.wait(cuda::StreamKind::compute);
+  if (!tied_early_) return;
+  for (TiedSpan& t : tied_spans_)
+    if (t.layer == layer) t.sum->start();
 }
 
 void Executor::run_pipeline(std::int64_t step) {
   const auto start = Clock::now();
-  const int M = config_.micro_batches;
   const int stage = grid_->stage();
-  const Communicator& pipe = grid_->pipeline();
-  const double timeout = config_.pipeline.p2p_timeout;
   loss_sum_ = 0.0;
   persistent_->reset();  // also when compute_gradients() is called without step()
   params_->zero_grads();
@@ -604,44 +539,28 @@ void Executor::run_pipeline(std::int64_t step) {
     gpu_origin_ = Clock::now();  // the stream was idle: its mark is now
   }
   // Every receive of the step is posted before any compute.
-  for (int mb = 0; mb < M; ++mb) {
-    if (!grid_->first_stage())
-      recv_act_req_[mb] = pipe.irecv(recv_act_[mb].wire, stage - 1, message_tag(mb, Direction::forward));
-    if (!grid_->last_stage())
-      recv_grad_req_[mb] = pipe.irecv(recv_grad_[mb].wire, stage + 1, message_tag(mb, Direction::backward));
-  }
-  send_req_.clear();
-  pending_sends_.clear();
+  transport_->post_receives();
+  for (TiedSpan& t : tied_spans_) t.sum->post_receive();
+  next_bucket_ = 0;
   for (const Action& action : schedule_.actions[stage]) {
     const int mb = action.micro_batch;
     const auto action_start = Clock::now();
     try {
-      if (!pending_sends_.empty()) post_ready_sends(false);
+      transport_->between_actions();
+      progress_->poll();
       switch (action.kind) {
         case ActionKind::forward: run_forward(step, mb); break;
         case ActionKind::backward: run_backward(step, mb); break;
         case ActionKind::recv_act:
-          post_ready_sends(true);
-          times_.p2p_wait += wait_for(recv_act_req_[mb], timeout, "the activation of micro-batch", mb,
-                                      static_cast<long>(recv_act_[mb].wire.size()));
-          finish_receive(0, mb);
+          times_.p2p_wait += transport_->receive(Direction::forward, mb);
           record(step, TraceEvent::recv_act, mb, action_start);
           break;
         case ActionKind::recv_grad:
-          post_ready_sends(true);
-          times_.p2p_wait += wait_for(recv_grad_req_[mb], timeout, "the gradient of micro-batch", mb,
-                                      static_cast<long>(recv_grad_[mb].wire.size()));
-          finish_receive(1, mb);
+          times_.p2p_wait += transport_->receive(Direction::backward, mb);
           record(step, TraceEvent::recv_grad, mb, action_start);
           break;
-        case ActionKind::send_act:
-          queue_send(outputs_[mb], 0, mb, stage + 1, message_tag(mb, Direction::forward));
-          record(step, TraceEvent::send_act, mb, action_start);
-          break;
-        case ActionKind::send_grad:
-          queue_send(input_grads_[mb], 1, mb, stage - 1, message_tag(mb, Direction::backward));
-          record(step, TraceEvent::send_grad, mb, action_start);
-          break;
+        case ActionKind::send_act: transport_->send(Direction::forward, mb, outputs_[mb]); break;
+        case ActionKind::send_grad: transport_->send(Direction::backward, mb, input_grads_[mb]); break;
       }
     } catch (const std::exception& e) {
       throw Error(cat("rank ", world_.rank(), " (stage ", stage, ", replica ", grid_->replica(), ") at step ", step,
@@ -649,9 +568,11 @@ void Executor::run_pipeline(std::int64_t step) {
     }
   }
   const auto sends_start = Clock::now();
-  post_ready_sends(true);
-  times_.p2p_wait += wait_all(send_req_, timeout, "a send to a neighbour stage, request");
+  times_.p2p_wait += transport_->finish_sends();
   record(step, TraceEvent::send_wait, -1, sends_start);
+  for (const Transport::Transfer& t : transport_->sent())
+    record(step, t.direction == Direction::forward ? TraceEvent::send_act : TraceEvent::send_grad, t.micro_batch,
+           t.posted, t.completed);
   if (device_ == Device::cuda) {
     // The step's compute is queued; wait for it, read the loss and the action times.
     cuda::synchronize(cuda::StreamKind::compute);
@@ -667,35 +588,40 @@ void Executor::run_pipeline(std::int64_t step) {
   reduce_buffer_[model_.size() + 1] = pipeline_time > 0 ? std::max(0.0, 1.0 - busy / pipeline_time) : 0.0;
 }
 
-void Executor::reduce_gradients() {
+void Executor::reduce_gradients(std::int64_t step) {
   const auto start = Clock::now();
   const double timeout = config_.pipeline.p2p_timeout;
-  wait_all(bucket_req_, timeout, "the gradient allreduce of bucket");
   const bool staged = device_ == Device::cuda && !cuda_aware_;
   const std::span<float> grads = params_->grads();
+  auto wait_buckets = [&] {
+    for (std::size_t i = 0; i < buckets_.size(); ++i) {
+      const Progress::Completion c = progress_->wait(bucket_tickets_[i], timeout, "the gradient sum over replicas of layer",
+                                                     buckets_[i].lowest_layer);
+      record(step, TraceEvent::gradient_sum, -1, c.posted, c.completed, buckets_[i].lowest_layer);
+    }
+  };
   if (staged && !buckets_.empty()) {
     // The same buckets as everywhere else (promise 1), reduced from a pinned copy.
     const std::span<float> host(grad_staging_.as<float>(), grads.size());
     cuda::copy_to_host(host.data(), grads.data(), grads.size_bytes());
     cuda::synchronize(cuda::StreamKind::compute);
     for (std::size_t i = 0; i < buckets_.size(); ++i)
-      bucket_req_[i] = grid_->data().iallreduce(host.subspan(buckets_[i].begin, buckets_[i].end - buckets_[i].begin), Reduce::sum);
-    wait_all(bucket_req_, timeout, "the gradient allreduce of bucket");
+      bucket_tickets_[i] = progress_->track(
+          grid_->data().iallreduce(host.subspan(buckets_[i].begin, buckets_[i].end - buckets_[i].begin), Reduce::sum),
+          false);
+    wait_buckets();
     cuda::copy_to_device(grads.data(), host.data(), grads.size_bytes());
+  } else {
+    wait_buckets();
   }
-  // Tied weights: owner (first stage) and copy (last stage) end with the sum of both.
+  // Tied weights: owner (first stage) and copy (last stage) end with the sum of both,
+  // after the replica sums. All spans go at once; then each is waited on and added.
   params_->sum_local_tied_grads();
-  if (device_ == Device::cuda && !tied_spans_.empty()) cuda::synchronize(cuda::StreamKind::compute);
-  for (const auto& [offset, count] : tied_spans_) {
-    std::span<float> span = grads.subspan(offset, count);
-    if (staged) {
-      span = std::span<float>(grad_staging_.as<float>() + offset, count);
-      cuda::copy_to_host(span.data(), grads.data() + offset, span.size_bytes());
-      cuda::synchronize(cuda::StreamKind::compute);
-    }
-    MPI_Request request = grid_->tied().iallreduce(span, Reduce::sum);
-    wait_for(request, timeout, "the tied-weight gradient sum, span", static_cast<int>(offset), -1);
-    if (staged) cuda::copy_to_device(grads.data() + offset, span.data(), span.size_bytes());
+  for (TiedSpan& t : tied_spans_)
+    if (!t.sum->started()) t.sum->start();
+  for (TiedSpan& t : tied_spans_) {
+    const Progress::Completion c = t.sum->finish(timeout, "the tied-weight gradient sum of layer", t.layer);
+    record(step, TraceEvent::tied_sum, -1, c.posted, c.completed, t.layer);
   }
   times_.allreduce += since(start);
 }
@@ -703,7 +629,7 @@ void Executor::reduce_gradients() {
 double Executor::compute_gradients(std::int64_t step) {
   run_pipeline(step);
   const auto reduce_start = Clock::now();
-  reduce_gradients();
+  reduce_gradients(step);
   // One allreduce over the world agrees on the loss, the per-layer gradient norms and
   // the bubble. Each per-layer entry has exactly one non-zero contributor (replica 0 of
   // the owning stage) and x + 0 = x, so the norm is bitwise the same for every K and D.
@@ -714,10 +640,10 @@ double Executor::compute_gradients(std::int64_t step) {
   if (grid_->replica() == 0) params_->grad_sum_squares(per_layer.subspan(begin_, end_ - begin_));
   reduce_buffer_[L] = grid_->last_stage() ? loss_sum_ : 0.0;
   reduce_buffer_[L + 2] = stop_requested_ ? 1.0 : 0.0;
-  // Non-blocking and waited on with wait_for: a rank that finished early sleeps instead
-  // of spinning in MPI while its neighbour still computes.
-  MPI_Request request = world_.iallreduce(std::span<double>(reduce_buffer_), Reduce::sum);
-  wait_for(request, config_.pipeline.p2p_timeout, "the loss and gradient-norm allreduce, step", static_cast<int>(step), -1);
+  // Non-blocking and waited on through Progress: a rank that finished early blocks
+  // instead of spinning in MPI while its neighbour still computes.
+  Progress::Ticket ticket = progress_->track(world_.iallreduce(std::span<double>(reduce_buffer_), Reduce::sum), false);
+  progress_->wait(ticket, config_.pipeline.p2p_timeout, "the loss and gradient-norm allreduce, step", static_cast<int>(step));
   times_.allreduce += since(start);
   record(step, TraceEvent::allreduce, -1, reduce_start);
   return reduce_buffer_[L] / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());

@@ -3,6 +3,7 @@
 // Runs of different shapes share the 4 ranks through sub-communicators.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -15,6 +16,7 @@
 #include "gather.hpp"
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/progress.hpp"
 
 using namespace mpipe;
 using mpipe::test::gather_params;
@@ -224,5 +226,46 @@ TEST_CASE("the tied head keeps the embedding's values on another stage") {
     std::vector<float> owner(static_cast<std::size_t>(head->numel()));
     MPI_Recv(owner.data(), static_cast<int>(owner.size()), MPI_FLOAT, 0, 0, sub.get(), MPI_STATUS_IGNORE);
     CHECK(std::memcmp(owner.data(), e.params().param(*head).f32(), owner.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("a message moves while its sender computes, with a progress thread or tests between layers") {
+  if (world().size() != 4) return;
+  // Pairs (0, 1) and (2, 3): the first rank sends 4 MiB and computes for 1 s without
+  // entering MPI (but for Progress::poll() between 10 ms "layers"); the second waits.
+  // With progress the message arrives long before the compute ends. Where shared memory
+  // copies by itself (CMA) it arrives early anyway; without single-copy (the
+  // mpi.pipeline_no_single_copy run) the waits-only control shows it would not.
+  using Clock = std::chrono::steady_clock;
+  const Communicator pair = Communicator::split(world(), world().rank() / 2, world().rank());
+  const char* single_copy = std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism");
+  const bool needs_sender = single_copy && std::string(single_copy) == "none";
+  std::vector<float> message(1 << 20, 1.0f), work(1 << 18, 1.0f);
+  const std::span<std::byte> wire = std::as_writable_bytes(std::span<float>(message));
+  for (ProgressMode mode : {ProgressMode::thread, ProgressMode::layers, ProgressMode::waits}) {
+    Progress progress(mode, 1e-3, 2, false);  // 4 ranks may share 2 cores
+    Progress::Ticket ticket = Progress::none;
+    if (pair.rank() == 1) ticket = progress.track(pair.irecv(wire, 0, 3), true);
+    pair.barrier();
+    const auto start = Clock::now();
+    double arrived = 0;
+    if (pair.rank() == 0) {
+      ticket = progress.track(pair.isend(wire, 1, 3), true);
+      float acc = 0;
+      while (Clock::now() - start < std::chrono::seconds(1)) {
+        const auto layer = Clock::now();
+        while (Clock::now() - layer < std::chrono::milliseconds(10))
+          for (float& w : work) acc += w, w = acc * 1e-9f;
+        progress.poll();
+      }
+      progress.wait(ticket, 60, "the send", 0);
+    } else {
+      progress.wait(ticket, 60, "the message", 0, static_cast<long>(wire.size()));
+      arrived = std::chrono::duration<double>(Clock::now() - start).count();
+    }
+    pair.broadcast(std::span<double>(&arrived, 1), 1);
+    INFO("mode ", std::string(to_string(mode)), ", arrived after ", arrived, " s of the sender's 1 s of compute");
+    if (mode != ProgressMode::waits) CHECK(arrived < 0.5);
+    else if (needs_sender) CHECK(arrived >= 1.0);
   }
 }

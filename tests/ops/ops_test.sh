@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Operations output with the real binary: trace, summary, sweep CSV and the plots.
-# Usage: ops_test.sh MPIPE CASE   (CASE: trace | sweep)
+# Usage: ops_test.sh MPIPE CASE   (CASE: trace | overlap | sweep)
 set -euo pipefail
 mpipe=$1 case=$2
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -18,7 +18,8 @@ trace)
 import json, sys
 t = json.load(open(sys.argv[1]))["traceEvents"]
 names = {e["tid"]: e["args"]["name"] for e in t if e.get("ph") == "M" and e["name"] == "thread_name"}
-assert names == {r: f"rank {r}: stage {r}, replica 0" for r in range(4)}, names
+assert {t: n for t, n in names.items() if t < 4} == {r: f"rank {r}: stage {r}, replica 0" for r in range(4)}, names
+assert all(n.startswith(f"rank {t % 4}: stage {t % 4}, replica 0: communication") for t, n in names.items() if t >= 4)
 boxes = [e for e in t if e.get("ph") == "X"]
 for rank in range(4):
     for step in (1, 2):  # traced steps, after the first
@@ -36,12 +37,68 @@ s = json.load(open(sys.argv[2]))
 for key in ("samples_per_s", "step_time_s", "bubble_fraction", "theoretical_bubble", "peak_activation_bytes_per_stage"):
     assert key in s, key
 assert s["stages"] == 4 and len(s["peak_activation_bytes_per_stage"]) == 4 and s["samples_per_s"] > 0
+# Every send appears on its rank's communication track, from its posting to its completion.
+for rank in range(4):
+    for step in (1, 2):
+        sends = [e for e in boxes if e["args"]["rank"] == rank and e["args"]["step"] == step and e["cat"].startswith("send ")]
+        assert all(names[e["tid"]].startswith(f"rank {rank}: stage {rank}, replica 0: communication") for e in sends)
+        assert len(sends) == (8 if rank in (0, 3) else 16), (rank, step, len(sends))
 assert abs(s["theoretical_bubble"] - 3 / 11) < 1e-9
 last = json.loads(open(sys.argv[3]).read().splitlines()[-1])
 assert last == s, "the metrics file's last line is not the summary"
 PY
   /usr/bin/python3 "$root/scripts/plot_timeline.py" "$work/t.json" "$work/t.png" --step 1 > /dev/null
   [[ $(stat -c %s "$work/t.png") -gt 10000 ]] || fail "timeline PNG missing or empty"
+  ;;
+overlap)
+  # The pipeline overlaps where MPI needs the sender's help to move a message: Open MPI's
+  # shared memory without single-copy, large messages (here 64 KiB, above the eager
+  # limit). Stage 1 starts micro-batch 0 before stage 0 ends its last forward, and
+  # stage 0 starts its first backward before stage 1 ends its last. Without progress
+  # (--comm-progress waits) neither happens, which the control run shows. With two
+  # replicas, gradient sums over replicas finish while the last backward still runs
+  # (and, in the control run, only after it).
+  run() {
+    mpiexec -n 2 --mca btl_vader_single_copy_mechanism none "$mpipe" train --model gpt --layers 4 --d-model 128 \
+      --heads 4 --seq-len 64 --vocab 64 --threads 1 --batch-size 16 --micro-batches 8 --steps 3 --resume never \
+      --trace "$work/$1.json" --trace-steps 1 "${@:2}" > "$work/$1.log"
+  }
+  run thread
+  run waits --comm-progress waits
+  run replicas --replicas 2 --micro-batches 4
+  run replicas-waits --replicas 2 --micro-batches 4 --comm-progress waits
+  /usr/bin/python3 - "$work" <<'PY' || fail "overlap"
+import json, sys
+def overlaps(path):
+    boxes = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and e["args"]["step"] == 1]
+    def box(rank, kind, mb):
+        (e,) = [e for e in boxes if e["tid"] == rank and e["cat"] == kind and e["args"]["micro_batch"] == mb]
+        return e["ts"], e["ts"] + e["dur"]
+    forward = box(1, "forward", 0)[0] < box(0, "forward", 7)[1]
+    backward = box(0, "backward", 0)[0] < box(1, "backward", 7)[1]
+    return forward, backward
+progress = overlaps(f"{sys.argv[1]}/thread.json")
+waits = overlaps(f"{sys.argv[1]}/waits.json")
+print("overlap (forward, backward) with a progress thread:", progress, "waits only:", waits)
+assert progress == (True, True), "the pipeline did not overlap with a progress thread"
+assert waits == (False, False), "the control run overlapped: the check would not catch a missing progress"
+def sums_before_backward_ends(path):  # per rank: gradient sums complete before its last backward ends
+    boxes = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and e["args"]["step"] == 1]
+    counts = []
+    for rank in (0, 1):
+        mine = [e for e in boxes if e["args"]["rank"] == rank]
+        end = max(e["ts"] + e["dur"] for e in mine if e["cat"] == "backward")
+        sums = [e for e in mine if e["cat"] == "gradient sum"]
+        assert len(sums) == 7, len(sums)  # one per layer with parameters
+        counts.append(sum(e["ts"] + e["dur"] < end for e in sums))
+    return counts
+progress, waits = (sums_before_backward_ends(f"{sys.argv[1]}/{r}.json") for r in ("replicas", "replicas-waits"))
+print("gradient sums done before the last backward ends, per rank, with a progress thread:", progress, "waits only:", waits)
+# The replica that ends its backward later finds its partner's parts there already: its
+# sums finish while it computes (the earlier one may have to wait for the later one).
+assert max(progress) >= 1, "no gradient sum overlapped the backward"
+assert max(waits) == 0, "the control run overlapped its gradient sums"
+PY
   ;;
 sweep)
   bash "$root/scripts/sweep_microbatches.sh" --ms "1 4" --schedules "gpipe 1f1b" --ranks 2 --micro-size 2 \

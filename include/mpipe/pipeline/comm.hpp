@@ -1,6 +1,6 @@
 // Typed wrappers over MPI: spans carry the count (never counted by hand), every call is
-// checked and turned into an exception with context, tags come from (micro-batch,
-// direction), and waits time out instead of hanging.
+// checked and turned into an exception with context, and tags come from (micro-batch,
+// direction). Non-blocking requests are waited on through Progress (progress.hpp).
 #pragma once
 #include <mpi.h>
 
@@ -80,17 +80,9 @@ class Communicator {
   int rank_ = 0, size_ = 1;
 };
 
-// Waits for `request`, polling so that a wait past `timeout_s` seconds throws an Error
-// naming `what` and `index` ("activation of micro-batch", 3) instead of hanging.
-// For a receive, expected_bytes (>= 0) is checked against the bytes that arrived.
-// Returns the seconds spent waiting.
-double wait_for(MPI_Request& request, double timeout_s, const char* what, int index, long expected_bytes);
 // Whether MPI can send from and receive into GPU memory: Open MPI's run-time answer
 // (MPIX_Query_cuda_support), overridden by MPIPE_CUDA_AWARE=0|1 in the environment.
 bool mpi_cuda_aware();
-// Waits for all requests (nulls allowed), with the same timeout.
-double wait_all(std::span<MPI_Request> requests, double timeout_s, const char* what);
-
 template <class T>
 void Communicator::allreduce(std::span<T> data, Reduce op) const {
   MPI_CHECK(MPI_Allreduce(MPI_IN_PLACE, data.data(), mpi_count(data.size()), mpi_datatype<T>(), mpi_op(op), comm_));

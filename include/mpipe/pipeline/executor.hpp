@@ -5,14 +5,15 @@
 // zero gradients, draw this replica's share of the mini-batch, post every receive,
 // walk the stage's action list (F, B, sends, receives), sum gradients over replicas
 // in buckets started while the last backward still runs, sum tied-weight gradients
-// between first and last stage, agree on the loss and the global gradient norm, clip,
-// update. With one rank it is the plain single-process trainer.
+// between first and last stage (started as soon as they are final), agree on the loss
+// and the global gradient norm, clip, update. With one rank it is the plain
+// single-process trainer. Messages between stages go through the Transport; every
+// posted request, reductions included, is kept moving by Progress while the rank
+// computes (pipeline/progress.hpp).
 //
 // On a GPU (TrainConfig::device "cuda") the whole step stays in device memory: the
-// batch is copied over once, activations and gradients go between stages straight from
-// device memory when MPI is CUDA-aware, otherwise through pinned host buffers with the
-// copies on their own streams, and a send is posted as soon as its data is ready while
-// the next micro-batch computes. Compute actions are timed with CUDA events, so phase
+// batch is copied over once and the Transport moves messages from device memory or
+// through pinned host buffers. Compute actions are timed with CUDA events, so phase
 // times, the bubble and traces show GPU time without the host waiting on each action.
 #pragma once
 #include <chrono>
@@ -28,8 +29,11 @@
 #include "mpipe/nn/optimizer.hpp"
 #include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/grid.hpp"
+#include "mpipe/pipeline/pair_sum.hpp"
 #include "mpipe/pipeline/partition.hpp"
+#include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/schedule.hpp"
+#include "mpipe/pipeline/transport.hpp"
 
 namespace mpipe {
 
@@ -40,6 +44,8 @@ struct PipelineConfig {
   std::string partition = "flops"; // uniform | params | flops | time
   std::string balance;             // "a,b,..." layers per stage; overrides partition
   double p2p_timeout = 600.0;      // seconds a point-to-point wait may block
+  std::string comm_progress = "thread";  // thread | layers | waits (pipeline/progress.hpp)
+  double comm_poll_us = 5000;      // the progress thread's poll interval while nothing moves, microseconds
 };
 
 struct TrainConfig {
@@ -87,14 +93,21 @@ struct StepResult {
 };
 
 // One timed action of one rank, for --trace. Plain data: gathered with MPI as bytes.
+// Compute and waits are the rank's own track; transfers (a send from posting to
+// completion, a gradient sum from its start to its end) go on its communication track,
+// where they overlap the compute.
 struct TraceEvent {
   enum Kind : std::int16_t { forward, backward, recompute, send_act, recv_act, send_grad, recv_grad, send_wait,
-                             allreduce, optimizer, count };
+                             allreduce, optimizer, gradient_sum, tied_sum, count };
   static const char* name(int kind);
+  static bool communication(int kind) {
+    return kind == send_act || kind == send_grad || kind == gradient_sum || kind == tied_sum;
+  }
   double start = 0, end = 0;  // seconds since the run's common start
   std::int32_t step = 0;
   std::int16_t kind = 0;
   std::int16_t micro_batch = -1;
+  std::int32_t layer = -1;    // of a gradient sum
 };
 
 // Seconds one rank spent in each phase of a step.
@@ -145,6 +158,8 @@ class Executor {
   void download_state();
   void upload_state();
   const PhaseTimes& last_times() const { return times_; }
+  // How posted messages keep moving (the mode in effect, after any fallback).
+  const Progress& progress() const { return *progress_; }
   // Peak bytes of activations and scratch held by this rank so far.
   std::size_t peak_activation_bytes() const;
   // The events recorded for --trace (steps 1 .. trace_steps); times from trace_origin().
@@ -157,18 +172,20 @@ class Executor {
     int lowest_layer;          // starts when this layer's last backward is done
     std::size_t begin, end;    // span of the gradient buffer
   };
+  struct TiedSpan {
+    int layer;                 // final when this layer's last backward is done
+    std::size_t offset, count; // of the gradient buffer
+    std::unique_ptr<PairSum> sum;
+  };
   StepResult step_unchecked(std::int64_t step);
   Pass make_pass(std::int64_t step, int micro_batch, Arena* arena) const;
   bool rematerialize(int micro_batch) const;
   void run_forward(std::int64_t step, int micro_batch);
   void run_backward(std::int64_t step, int micro_batch);
   Context* forward_layers(const Pass& pass, int micro_batch, Tensor* output);
-  void reduce_gradients();
+  void gradients_final(int layer);  // after the last micro-batch's backward of `layer`
+  void reduce_gradients(std::int64_t step);
   void run_pipeline(std::int64_t step);
-  void allocate_messages();
-  void queue_send(const Tensor& data, int which, int micro_batch, int peer, int tag);
-  void post_ready_sends(bool wait);
-  void finish_receive(int which, int micro_batch);
   void begin_compute(int kind, int micro_batch);
   void end_compute();
   void resolve_gpu_times(std::int64_t step);
@@ -181,6 +198,7 @@ class Executor {
   Schedule schedule_;
   int begin_ = 0, end_ = 0;  // this stage's layers
   int micro_ = 0;            // samples per micro-batch
+  int node_ranks_ = 1;       // ranks of the world on this rank's node
   std::vector<Shape> shapes_;
   Device device_ = Device::cpu;
   DType dtype_ = DType::f32;  // of activations, their gradients and the messages
@@ -189,32 +207,14 @@ class Executor {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Dataset> dataset_;
   std::unique_ptr<Arena> persistent_, scratch_;
-  // One micro-batch's incoming activation or gradient.
-  struct Message {
-    FloatBuffer host;              // CPU training
-    cuda::DeviceBuffer device;     // GPU training
-    cuda::PinnedBuffer staging;    // GPU training when MPI is not CUDA-aware
-    Tensor tensor;                 // what the layers read
-    std::span<std::byte> wire;     // what MPI receives into
-  };
-  std::vector<Message> recv_act_, recv_grad_;      // [micro-batch]
-  // GPU: per micro-batch and direction (0 activation, 1 gradient), the staging buffer
-  // of an outgoing message and the event marking its data ready; the events that order
-  // a received message's copy before its use.
-  std::vector<cuda::PinnedBuffer> send_staging_[2];
-  std::vector<cuda::Event> send_ready_[2], recv_ready_[2];
-  struct PendingSend {
-    cuda::Event* ready;
-    std::span<const std::byte> wire;
-    int peer, tag;
-  };
-  std::vector<PendingSend> pending_sends_;         // queued, not yet posted; in order
+  std::unique_ptr<Progress> progress_;    // before the transport, which uses it
+  std::unique_ptr<Transport> transport_;
   cuda::PinnedBuffer batch_host_;                  // GPU: the batch on the host, pinned
   cuda::DeviceBuffer batch_device_;
   Tensor device_inputs_, device_targets_;
   cuda::DeviceBuffer device_loss_;                 // one double: the step's summed loss
   cuda::PinnedBuffer host_loss_;
-  cuda::PinnedBuffer grad_staging_;                // reductions when MPI is not CUDA-aware
+  cuda::PinnedBuffer grad_staging_;                // replica sums when MPI is not CUDA-aware
   // GPU timing: marks_[0] at the step's start, then two per compute action.
   struct ComputeMark {
     int kind, micro_batch;
@@ -222,11 +222,13 @@ class Executor {
   std::vector<cuda::Event> marks_;
   std::vector<ComputeMark> compute_marks_;
   std::chrono::steady_clock::time_point gpu_origin_;
-  std::vector<MPI_Request> recv_act_req_, recv_grad_req_, send_req_, bucket_req_;
   std::vector<Tensor> outputs_, input_grads_;      // [micro-batch], in persistent_
   std::vector<Context*> contexts_;                 // [micro-batch], null when rematerialized
   std::vector<Bucket> buckets_;
-  std::vector<std::pair<std::size_t, std::size_t>> tied_spans_;  // (offset, count) of gradients
+  std::vector<Progress::Ticket> bucket_tickets_;   // [bucket]
+  std::size_t next_bucket_ = 0;                    // the next bucket to start
+  std::vector<TiedSpan> tied_spans_;              // summed with the other stage holding them
+  bool tied_early_ = false;  // tied sums start in the backward (one replica, on the CPU)
   std::vector<double> reduce_buffer_;              // per-layer norms, loss, bubble
   std::unique_ptr<std::byte[]> batch_memory_;
   Tensor inputs_, targets_;                        // this replica's share of the batch
@@ -241,7 +243,8 @@ class Executor {
   bool tracing(std::int64_t step) const {
     return !config_.trace.empty() && step >= 1 && step <= config_.trace_steps && trace_.size() < trace_.capacity();
   }
-  void record(std::int64_t step, int kind, int micro_batch, std::chrono::steady_clock::time_point start);
+  void record(std::int64_t step, int kind, int micro_batch, std::chrono::steady_clock::time_point start,
+              std::chrono::steady_clock::time_point end = std::chrono::steady_clock::now(), int layer = -1);
 };
 
 }  // namespace mpipe

@@ -94,6 +94,9 @@ void init(int ordinal) {
 
 bool active() { return g_active; }
 int device() { return g_active ? g_context.device : -1; }
+void bind_thread() {
+  if (g_active) CUDA_CHECK(cudaSetDevice(g_context.device));
+}
 
 Context& context() {
   MPIPE_CHECK(g_active, "the CUDA backend is used before cuda::init()");

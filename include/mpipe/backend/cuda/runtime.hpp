@@ -32,6 +32,9 @@ DeviceProperties properties(int ordinal);
 void init(int ordinal);
 bool active();       // init() has run
 int device();        // the ordinal init() chose
+// Makes init()'s GPU current on the calling thread: a helper thread (communication
+// progress) through which a CUDA-aware MPI may touch device memory.
+void bind_thread();
 
 enum class StreamKind { compute, to_device, to_host };
 

@@ -1,0 +1,122 @@
+// Communication progress: every posted request keeps moving while the rank computes.
+//
+// MPI moves a large message or a non-blocking collective only while a thread of each
+// rank involved is inside an MPI call. That holds for Open MPI's shared-memory transport
+// without single-copy (containers without ptrace rights, VMs), for rendezvous protocols
+// between nodes and for libNBC's collectives. A rank that computes makes no MPI calls, so
+// without help its transfers stall until its next wait and a pipeline runs serially.
+// Progress owns the requests the executor posts and keeps them moving, in one of three
+// modes (docs/communication.md has the measurements behind each choice):
+//   thread  the compute loop tests them between layers (where a test costs well under a
+//           microsecond), and a thread of its own (MPI_THREAD_MULTIPLE) tests them
+//           through long layers and while the host waits on a GPU: once per poll
+//           interval while nothing moves, at once while data moves, and sooner right
+//           after a request is posted (a rendezvous handshake wants quick answers).
+//   layers  only the compute loop, between layers and between actions (for an MPI
+//           without MPI_THREAD_MULTIPLE; thread falls back to it there).
+//   waits   only waits test them: MPI's own progress, for transports that move data by
+//           themselves (single-copy shared memory, RDMA offload); the baseline.
+// A rank that waits tests its requests itself, without pause, so that the transfer runs
+// at full speed and its end is seen at once. Where ranks share cores, only while data
+// moves: then it sleeps between tests, waiting for a neighbour's compute, whose core it
+// must not take.
+// Only Progress tests a request once it is tracked: MPI forbids two threads testing one.
+#pragma once
+#include <mpi.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace mpipe {
+
+enum class ProgressMode { thread, layers, waits };
+const char* to_string(ProgressMode mode);
+ProgressMode parse_progress_mode(const std::string& name);  // UserError for an unknown name
+
+class Progress {
+ public:
+  using Clock = std::chrono::steady_clock;
+  using Ticket = int;  // a tracked request
+  static constexpr Ticket none = -1;
+
+  struct Completion {
+    Clock::time_point posted, completed;  // tracked; seen complete by Progress
+    double waited = 0;                    // seconds the caller blocked in wait()
+  };
+
+  // `capacity`: requests tracked at once, at most (sized once: nothing allocates later).
+  // thread mode without MPI_THREAD_MULTIPLE runs as layers, and describe() says why.
+  // `spin_waits`: this rank's threads have cores of their own, so a wait may test
+  // without pause for as long as it lasts (as MPI's own waits do when not
+  // oversubscribed). `on_thread_start` runs first on the progress thread (binding it to
+  // the rank's GPU, whose memory a CUDA-aware MPI may touch while progressing).
+  Progress(ProgressMode mode, double poll_interval_s, int capacity, bool spin_waits,
+           std::function<void()> on_thread_start = {});
+  // Stops the thread; point-to-point requests still tracked (a failed step) are cancelled.
+  ~Progress();
+  Progress(const Progress&) = delete;
+  Progress& operator=(const Progress&) = delete;
+
+  ProgressMode mode() const { return mode_; }
+  std::string describe() const;  // for the run's header
+  // The MPI thread level this process runs with (MPI_Query_thread).
+  static int thread_level();
+
+  // Hands `request` over; only Progress tests it from now on. Collectives are not
+  // cancellable (MPI has no cancel for them).
+  Ticket track(MPI_Request request, bool cancellable);
+  // Blocks until the request completes and releases the ticket (sets it to none). Past
+  // timeout_s seconds throws Error naming `what` and `index` ("the activation of
+  // micro-batch", 3). For a receive, expected_bytes >= 0 is checked against what arrived.
+  Completion wait(Ticket& ticket, double timeout_s, const char* what, int index, long expected_bytes = -1);
+  // Between layers (thread and layers modes): tests every tracked request, again while
+  // data moves; nothing if the progress thread is testing them right now. Waits mode:
+  // nothing.
+  void poll() {
+    if (mode_ != ProgressMode::waits) sweep_while_moving(true);
+  }
+
+ private:
+  struct Slot {
+    MPI_Request request = MPI_REQUEST_NULL;  // as tracked (the sweeper holds the live copy)
+    bool cancellable = false, in_use = false, done = false;
+    int error = MPI_SUCCESS, bytes = 0;
+    Clock::time_point posted, completed;
+  };
+  void run();    // the progress thread
+  // One MPI_Testsome over every tracked request, by the thread or a waiting caller;
+  // true when it took long enough to have moved data.
+  bool sweep(bool try_only = false);
+  // Sweeps again while data moves (at most 64 times); returns the sweeps that moved data.
+  int sweep_while_moving(bool try_only = false);
+  void cancel_remaining();
+  std::string waits() const;  // how waits behave, for describe()
+
+  ProgressMode mode_;
+  std::chrono::nanoseconds interval_;
+  bool spin_waits_;
+  std::string fallback_;  // why thread mode is not running, or empty
+  std::mutex mutex_;
+  std::condition_variable work_;  // wakes the thread: work, a waiter leaving, stop
+  std::vector<Slot> slots_;
+  std::vector<int> free_, incoming_;  // slot ids: unused; tracked since the last sweep
+  int pending_ = 0;                   // tracked and not complete
+  int waiters_ = 0;                   // callers blocked in wait(), sweeping themselves
+  bool posted_ = false;               // a request was tracked since the thread's last sweep
+  bool stop_ = false;
+  std::string failure_;               // an MPI_Testsome that failed as a whole, or the thread
+  // The sweeper's own arrays (the thread's, or a waiting caller's), under sweep_mutex_.
+  std::mutex sweep_mutex_;
+  std::vector<MPI_Request> live_;
+  std::vector<int> live_slot_, indices_;
+  std::vector<MPI_Status> statuses_;
+  int live_count_ = 0;
+  std::thread thread_;
+};
+
+}  // namespace mpipe

@@ -1,0 +1,97 @@
+// The transport: moves one replica's activations forward and gradients backward between
+// neighbouring stages, and keeps every posted message moving (Progress).
+//
+// Every receive of a step is posted before any compute, into a buffer of its own per
+// micro-batch; a send is posted as soon as its data is final, so the transfer of
+// micro-batch i overlaps the compute of i + 1 on both sides. Tags come from
+// (micro-batch, direction). On a GPU the messages go straight from and into device memory
+// when MPI is CUDA-aware; otherwise through pinned host buffers, with the copies on
+// their own streams, and a send is posted once its copy is done while the next
+// micro-batch computes.
+#pragma once
+#include <chrono>
+#include <span>
+#include <vector>
+
+#include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/core/tensor.hpp"
+#include "mpipe/nn/params.hpp"
+#include "mpipe/pipeline/grid.hpp"
+#include "mpipe/pipeline/progress.hpp"
+
+namespace mpipe {
+
+class Transport {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // A send as Progress saw it: posted, then complete (the data left this rank).
+  struct Transfer {
+    Direction direction;
+    int micro_batch;
+    Clock::time_point posted, completed;
+  };
+
+  // `input`: what this stage receives forward (its first layer's input), `output`: what
+  // it receives backward (the gradient of its last layer's output). The first stage
+  // receives no activations, the last no gradients.
+  Transport(const Grid& grid, Progress& progress, Device device, DType dtype, bool cuda_aware, int micro_batches,
+            const Shape& input, const Shape& output, double timeout_s);
+
+  // The step's receives, all of them, before any compute.
+  void post_receives();
+  // Waits for micro-batch `mb`'s activation (forward) or gradient (backward); returns
+  // the seconds waited. received() then holds it (on a GPU: for the compute stream).
+  double receive(Direction direction, int mb);
+  const Tensor& received(Direction direction, int mb) const;
+  // Sends `data`, which stays untouched until finish_sends(): activations forward to
+  // the next stage, gradients backward to the previous one.
+  void send(Direction direction, int mb, const Tensor& data);
+  // Between actions: posts the GPU sends whose data has become ready.
+  void between_actions() {
+    if (!pending_sends_.empty()) post_ready_sends(false);
+  }
+  // Waits for every send of the step; returns the seconds waited.
+  double finish_sends();
+  // This step's sends, once finish_sends() has returned.
+  std::span<const Transfer> sent() const { return sent_; }
+
+ private:
+  // One micro-batch's incoming activation or gradient.
+  struct Message {
+    FloatBuffer host;              // CPU training
+    cuda::DeviceBuffer device;     // GPU training
+    cuda::PinnedBuffer staging;    // GPU training when MPI is not CUDA-aware
+    Tensor tensor;                 // what the layers read
+    std::span<std::byte> wire;     // what MPI receives into
+  };
+  struct PendingSend {
+    cuda::Event* ready;
+    std::span<const std::byte> wire;
+    Direction direction;
+    int micro_batch;
+  };
+  Message make_message(const Shape& shape) const;
+  void post_ready_sends(bool wait);
+  void post_send(std::span<const std::byte> wire, Direction direction, int mb);
+  int peer(Direction direction) const;  // where messages in `direction` go
+  static int index(Direction direction) { return static_cast<int>(direction); }
+
+  const Grid& grid_;
+  Progress& progress_;
+  Device device_;
+  DType dtype_;
+  bool cuda_aware_;
+  double timeout_;
+  std::vector<Message> received_[2];                 // [direction][micro-batch]
+  std::vector<Progress::Ticket> receive_tickets_[2];
+  std::vector<Progress::Ticket> send_tickets_;      // this step's, in order of posting
+  std::vector<Transfer> sent_;
+  // GPU: per direction and micro-batch, the staging buffer of an outgoing message and
+  // the event marking its data ready; the events that order a received message's copy
+  // before its use.
+  std::vector<cuda::PinnedBuffer> send_staging_[2];
+  std::vector<cuda::Event> send_ready_[2], receive_ready_[2];
+  std::vector<PendingSend> pending_sends_;          // queued, not yet posted; in order
+};
+
+}  // namespace mpipe

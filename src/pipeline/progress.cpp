@@ -1,0 +1,309 @@
+// Communication progress: a thread (or the compute loop) that tests posted requests.
+#include "mpipe/pipeline/progress.hpp"
+
+#include <sched.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
+
+#include "mpipe/core/error.hpp"
+#include "mpipe/pipeline/comm.hpp"
+
+namespace mpipe {
+
+namespace {
+// A sweep this long moved data (see sweep()); a wait keeps sweeping without pause until
+// data has not moved for keep_sweeping.
+constexpr std::chrono::microseconds busy_sweep{5}, keep_sweeping{200};
+}  // namespace
+
+const char* to_string(ProgressMode mode) {
+  switch (mode) {
+    case ProgressMode::thread: return "thread";
+    case ProgressMode::layers: return "layers";
+    case ProgressMode::waits: return "waits";
+  }
+  return "?";
+}
+
+ProgressMode parse_progress_mode(const std::string& name) {
+  for (ProgressMode m : {ProgressMode::thread, ProgressMode::layers, ProgressMode::waits})
+    if (name == to_string(m)) return m;
+  throw UserError(cat("unknown --comm-progress '", name, "'"), "use --comm-progress thread, layers or waits");
+}
+
+int Progress::thread_level() {
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  return level;
+}
+
+Progress::Progress(ProgressMode mode, double poll_interval_s, int capacity, bool spin_waits,
+                   std::function<void()> on_thread_start)
+    : mode_(mode), interval_(std::llround(poll_interval_s * 1e9)), spin_waits_(spin_waits) {
+  MPIPE_CHECK(capacity > 0 && poll_interval_s >= 0, "capacity ", capacity, ", poll interval ", poll_interval_s);
+  const auto n = static_cast<std::size_t>(capacity);
+  slots_.resize(n);
+  free_.reserve(n);
+  for (int id = capacity - 1; id >= 0; --id) free_.push_back(id);
+  incoming_.reserve(n);
+  live_.assign(n, MPI_REQUEST_NULL);
+  live_slot_.assign(n, 0);
+  indices_.assign(n, 0);
+  statuses_.resize(n);
+  if (mode_ != ProgressMode::thread) return;
+  if (thread_level() < MPI_THREAD_MULTIPLE) {
+    mode_ = ProgressMode::layers;
+    fallback_ = "MPI was not initialised with MPI_THREAD_MULTIPLE";
+    return;
+  }
+  thread_ = std::thread([this, start = std::move(on_thread_start)] {
+    try {
+      if (start) start();
+      run();
+    } catch (const std::exception& e) {
+      // A broken progress thread must not hang the waits: they report this instead.
+      std::lock_guard lock(mutex_);
+      failure_ = cat("the communication progress thread failed: ", e.what());
+    }
+  });
+}
+
+Progress::~Progress() {
+  if (thread_.joinable()) {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    work_.notify_all();
+    thread_.join();
+  }
+  cancel_remaining();
+}
+
+std::string Progress::waits() const {
+  return spin_waits_ ? "waits test without pause (a core per rank and thread)"
+                     : "waits sleep between tests once nothing moves (more ranks x threads than cores)";
+}
+
+std::string Progress::describe() const {
+  switch (mode_) {
+    case ProgressMode::thread:
+      return cat("posted messages are tested between layers and by a progress thread every ",
+                 std::chrono::duration<double, std::micro>(interval_).count(), " us, at once while data moves; ",
+                 waits());
+    case ProgressMode::layers:
+      return cat("posted messages are tested between layers and actions",
+                 fallback_.empty() ? "" : cat(" (no progress thread: ", fallback_, ")"), "; ", waits());
+    case ProgressMode::waits: return "posted messages move only while a rank waits (MPI's own progress)";
+  }
+  return "";
+}
+
+Progress::Ticket Progress::track(MPI_Request request, bool cancellable) {
+  std::unique_lock lock(mutex_);
+  MPIPE_CHECK(!free_.empty(), "more than ", slots_.size(), " requests in flight");
+  const Ticket id = free_.back();
+  free_.pop_back();
+  Slot& s = slots_[static_cast<std::size_t>(id)];
+  s = Slot{};
+  s.request = request;
+  s.cancellable = cancellable;
+  s.in_use = true;
+  s.posted = Clock::now();
+  if (request == MPI_REQUEST_NULL) {
+    s.done = true;
+    s.completed = s.posted;
+    return id;
+  }
+  incoming_.push_back(id);
+  ++pending_;
+  posted_ = true;
+  if (mode_ == ProgressMode::thread) {
+    lock.unlock();
+    work_.notify_one();
+  }
+  return id;
+}
+
+bool Progress::sweep(bool try_only) {
+  std::unique_lock sweeping(sweep_mutex_, std::defer_lock);  // one sweeper at a time owns the live arrays
+  if (!try_only) sweeping.lock();
+  else if (!sweeping.try_lock()) return false;
+  {
+    std::lock_guard lock(mutex_);
+    for (const int id : incoming_) {
+      live_[static_cast<std::size_t>(live_count_)] = slots_[static_cast<std::size_t>(id)].request;
+      live_slot_[static_cast<std::size_t>(live_count_++)] = id;
+    }
+    incoming_.clear();
+  }
+  if (live_count_ == 0) return false;
+  int completed = 0;
+  const Clock::time_point start = Clock::now();
+  const int rc = MPI_Testsome(live_count_, live_.data(), &completed, indices_.data(), statuses_.data());
+  if (rc != MPI_SUCCESS && rc != MPI_ERR_IN_STATUS) {
+    {
+      std::lock_guard lock(mutex_);
+      failure_ = cat("MPI_Testsome failed: ", mpi_error_string(rc));
+    }
+    return false;
+  }
+  const Clock::time_point now = Clock::now();
+  // A test that finds nothing to do takes under a microsecond; one that copies a
+  // message, or a 32 KiB fragment of one, takes microseconds: MPI is moving data. (Now
+  // and then MPI also polls its event loop, up to 16 us measured: callers that act on
+  // "moved" tolerate such a single false alarm.)
+  const bool moved = now - start >= busy_sweep;
+  if (completed == MPI_UNDEFINED || completed == 0) return moved;
+  {
+    std::lock_guard lock(mutex_);
+    for (int k = 0; k < completed; ++k) {
+      const auto at = static_cast<std::size_t>(indices_[static_cast<std::size_t>(k)]);
+      const MPI_Status& status = statuses_[static_cast<std::size_t>(k)];
+      Slot& s = slots_[static_cast<std::size_t>(live_slot_[at])];
+      s.done = true;
+      s.completed = now;
+      s.error = rc == MPI_ERR_IN_STATUS ? status.MPI_ERROR : MPI_SUCCESS;
+      if (s.error == MPI_SUCCESS) MPI_Get_count(&status, MPI_BYTE, &s.bytes);
+      live_[at] = MPI_REQUEST_NULL;  // complete, even where MPI reported an error for it
+      --pending_;
+    }
+    int kept = 0;  // the rest keep their order
+    for (int i = 0; i < live_count_; ++i)
+      if (live_[static_cast<std::size_t>(i)] != MPI_REQUEST_NULL) {
+        live_[static_cast<std::size_t>(kept)] = live_[static_cast<std::size_t>(i)];
+        live_slot_[static_cast<std::size_t>(kept++)] = live_slot_[static_cast<std::size_t>(i)];
+      }
+    live_count_ = kept;
+  }
+  return moved;
+}
+
+int Progress::sweep_while_moving(bool try_only) {
+  int busy = 0;
+  while (busy < 64 && sweep(try_only)) ++busy;
+  return busy;
+}
+
+void Progress::run() {
+#if defined(__linux__)
+  // Linux lets a sleep overrun by the thread's timer slack, 50 us by default: as long
+  // as the poll intervals worth having. One microsecond keeps them what was asked.
+  prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+#endif
+  // After a request is posted, or while data moves, answers are wanted quickly (a
+  // rendezvous send waits for the receiver's reply, then pushes its data a few
+  // fragments at a time as the receiver drains them): the pause drops to 20 us and
+  // doubles back up to the interval once nothing moves, so an idle rank sweeps once per
+  // interval and a transfer costs a few extra sweeps only.
+  constexpr std::chrono::nanoseconds quick = std::chrono::microseconds(20);
+  std::chrono::nanoseconds pause = interval_;
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    // While a caller waits, it sweeps itself: it has nothing else to do.
+    work_.wait(lock, [&] { return stop_ || (pending_ > 0 && waiters_ == 0); });
+    if (stop_) return;
+    bool hurry = posted_;
+    posted_ = false;
+    lock.unlock();
+    // One slow sweep may be MPI's periodic housekeeping; two in a row are data moving.
+    hurry |= sweep_while_moving() >= 2;
+    lock.lock();
+    if (hurry) pause = std::min(quick, interval_);
+    if (interval_.count() == 0) continue;
+    work_.wait_for(lock, pause, [&] { return stop_ || waiters_ > 0 || posted_; });
+    pause = std::min(2 * pause, interval_);
+  }
+}
+
+Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char* what, int index,
+                                    long expected_bytes) {
+  Completion c;
+  if (ticket == none) return c;
+  const Clock::time_point start = Clock::now();
+  Slot& s = slots_[static_cast<std::size_t>(ticket)];
+  auto timed_out = [&] {
+    return Error(cat("timed out after ", timeout_s, " s waiting for ", what, " ", index,
+                     " (a neighbour stage is stuck or gone; see --p2p-timeout)"));
+  };
+  std::unique_lock lock(mutex_);
+  MPIPE_CHECK(s.in_use, "a wait on ticket ", ticket, ", which is not tracked");
+  // The caller sweeps while it waits (the progress thread steps aside meanwhile).
+  ++waiters_;
+  struct Leave {  // on every way out, the exceptions' too
+    Progress& p;
+    std::unique_lock<std::mutex>& lock;
+    ~Leave() {
+      if (!lock.owns_lock()) lock.lock();
+      --p.waiters_;
+      lock.unlock();
+      p.work_.notify_one();
+    }
+  } leave{*this, lock};
+  // Sweep without pause (yielding the core): the transfer runs at full speed, and the
+  // request is seen complete at once. Where the core may be another rank's (more ranks x
+  // threads than cores), only while data moves or the wait is fresh; once sweeps find
+  // nothing to do for a while the rank waits for a neighbour's compute, and sleeps
+  // between sweeps, 5% of the time waited so far (20 us to 1 ms). The waits mode keeps
+  // to sleeping: there MPI moves the data by itself.
+  Clock::time_point moving = start;  // when a sweep last moved data
+  for (int polls = 0; !s.done && failure_.empty(); ++polls) {
+    lock.unlock();
+    if (sweep()) moving = Clock::now();
+    const Clock::time_point now = Clock::now();
+    const double waited = std::chrono::duration<double>(now - start).count();
+    lock.lock();
+    if (s.done) break;
+    if (waited > timeout_s) throw timed_out();
+    lock.unlock();
+    if (mode_ != ProgressMode::waits && (spin_waits_ || now - moving < keep_sweeping))
+      sched_yield();
+    else if (polls > 10)
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::clamp(waited * 0.05, 20e-6, 1e-3)));
+    lock.lock();
+  }
+  if (!s.done) throw Error(cat(failure_, " (waiting for ", what, " ", index, ")"));
+  c.posted = s.posted;
+  c.completed = s.completed;
+  const int error = s.error, bytes = s.bytes;
+  s.in_use = false;
+  free_.push_back(ticket);
+  ticket = none;
+  lock.unlock();
+  c.waited = std::chrono::duration<double>(Clock::now() - start).count();
+  if (error != MPI_SUCCESS) throw Error(cat(what, " ", index, ": ", mpi_error_string(error)));
+  // A shorter message than the buffer would pass silently: the stages disagree on the
+  // shape (or precision) at their boundary.
+  if (expected_bytes >= 0 && bytes != expected_bytes)
+    throw Error(cat("received ", bytes, " bytes for ", what, " ", index, ", expected ", expected_bytes,
+                    " (the stages disagree on the boundary shape)"));
+  return c;
+}
+
+void Progress::cancel_remaining() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  for (const int id : incoming_) {
+    live_[static_cast<std::size_t>(live_count_)] = slots_[static_cast<std::size_t>(id)].request;
+    live_slot_[static_cast<std::size_t>(live_count_++)] = id;
+  }
+  incoming_.clear();
+  // What a failed step left behind. Collectives cannot be cancelled and are left to MPI.
+  for (int i = 0; i < live_count_; ++i) {
+    MPI_Request& r = live_[static_cast<std::size_t>(i)];
+    if (r != MPI_REQUEST_NULL && slots_[static_cast<std::size_t>(live_slot_[static_cast<std::size_t>(i)])].cancellable) {
+      MPI_Cancel(&r);
+      MPI_Request_free(&r);
+    }
+  }
+  live_count_ = 0;
+}
+
+}  // namespace mpipe

@@ -1,0 +1,152 @@
+// Point-to-point messages between neighbouring stages, on the CPU and on GPUs.
+#include "mpipe/pipeline/transport.hpp"
+
+namespace mpipe {
+
+Transport::Transport(const Grid& grid, Progress& progress, Device device, DType dtype, bool cuda_aware,
+                     int micro_batches, const Shape& input, const Shape& output, double timeout_s)
+    : grid_(grid), progress_(progress), device_(device), dtype_(dtype), cuda_aware_(cuda_aware),
+      timeout_(timeout_s) {
+  const int M = micro_batches;
+  const bool first = grid.first_stage(), last = grid.last_stage();
+  for (int mb = 0; mb < M; ++mb) {
+    if (!first) received_[index(Direction::forward)].push_back(make_message(input));
+    if (!last) received_[index(Direction::backward)].push_back(make_message(output));
+  }
+  for (auto& tickets : receive_tickets_) tickets.assign(static_cast<std::size_t>(M), Progress::none);
+  send_tickets_.reserve(2 * static_cast<std::size_t>(M));
+  sent_.reserve(2 * static_cast<std::size_t>(M));
+  pending_sends_.reserve(2 * static_cast<std::size_t>(M));
+  if (device_ == Device::cpu) return;
+  for (const Direction d : {Direction::forward, Direction::backward}) {
+    // Activations leave by the end of the stage, gradients by its start.
+    const Shape& shape = d == Direction::forward ? output : input;
+    const bool sends = d == Direction::forward ? !last : !first;
+    for (int mb = 0; mb < M; ++mb) {
+      if (sends && !cuda_aware_)
+        send_staging_[index(d)].emplace_back(static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_));
+      send_ready_[index(d)].emplace_back();
+      receive_ready_[index(d)].emplace_back();
+    }
+  }
+}
+
+Transport::Message Transport::make_message(const Shape& shape) const {
+  Message m;
+  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_);
+  if (device_ == Device::cpu) {
+    m.host = FloatBuffer(static_cast<std::size_t>(shape.numel()));
+    m.tensor = make_tensor(m.host.data(), shape);
+    m.wire = m.tensor.byte_span();
+    return m;
+  }
+  m.device = cuda::DeviceBuffer(bytes);
+  m.tensor = {m.device.data(), shape, dtype_, Device::cuda};
+  if (cuda_aware_) {
+    m.wire = m.tensor.byte_span();
+  } else {
+    m.staging = cuda::PinnedBuffer(bytes);
+    m.wire = {m.staging.as<std::byte>(), bytes};
+  }
+  return m;
+}
+
+int Transport::peer(Direction direction) const {
+  return direction == Direction::forward ? grid_.stage() + 1 : grid_.stage() - 1;
+}
+
+void Transport::post_receives() {
+  const Communicator& pipe = grid_.pipeline();
+  send_tickets_.clear();
+  sent_.clear();
+  pending_sends_.clear();
+  for (const Direction d : {Direction::forward, Direction::backward}) {
+    std::vector<Message>& messages = received_[index(d)];
+    // Activations come from the previous stage, gradients from the next.
+    const int from = d == Direction::forward ? grid_.stage() - 1 : grid_.stage() + 1;
+    for (int mb = 0; mb < static_cast<int>(messages.size()); ++mb)
+      receive_tickets_[index(d)][static_cast<std::size_t>(mb)] =
+          progress_.track(pipe.irecv(messages[static_cast<std::size_t>(mb)].wire, from, message_tag(mb, d)), true);
+  }
+}
+
+double Transport::receive(Direction direction, int mb) {
+  // A neighbour may be waiting for one of our queued sends before it can send this.
+  post_ready_sends(true);
+  Message& m = received_[index(direction)][static_cast<std::size_t>(mb)];
+  const double waited =
+      progress_
+          .wait(receive_tickets_[index(direction)][static_cast<std::size_t>(mb)], timeout_,
+                direction == Direction::forward ? "the activation of micro-batch" : "the gradient of micro-batch", mb,
+                static_cast<long>(m.wire.size()))
+          .waited;
+  if (device_ == Device::cuda && !cuda_aware_) {
+    // Copied in on its own stream; the compute stream waits for that copy, the host does not.
+    cuda::copy_to_device(m.tensor.data, m.staging.data(), m.tensor.bytes(), cuda::StreamKind::to_device);
+    cuda::Event& ready = receive_ready_[index(direction)][static_cast<std::size_t>(mb)];
+    ready.record(cuda::StreamKind::to_device);
+    ready.wait(cuda::StreamKind::compute);
+  }
+  return waited;
+}
+
+const Tensor& Transport::received(Direction direction, int mb) const {
+  return received_[index(direction)][static_cast<std::size_t>(mb)].tensor;
+}
+
+// On the CPU a send is posted at once. On a GPU an event marks where its data is final
+// in the compute stream; without CUDA-aware MPI the copy-out stream waits for that event
+// and copies to pinned memory. The MPI send is posted by post_ready_sends() once the
+// data is there, so the host goes on queueing work.
+void Transport::send(Direction direction, int mb, const Tensor& data) {
+  if (device_ == Device::cpu) {
+    post_send(data.byte_span(), direction, mb);
+    return;
+  }
+  cuda::Event& ready = send_ready_[index(direction)][static_cast<std::size_t>(mb)];
+  ready.record(cuda::StreamKind::compute);
+  std::span<const std::byte> wire = data.byte_span();
+  if (!cuda_aware_) {
+    cuda::PinnedBuffer& staging = send_staging_[index(direction)][static_cast<std::size_t>(mb)];
+    ready.wait(cuda::StreamKind::to_host);
+    cuda::copy_to_host(staging.data(), data.data, data.bytes(), cuda::StreamKind::to_host);
+    ready.record(cuda::StreamKind::to_host);
+    wire = {staging.as<std::byte>(), data.bytes()};
+  }
+  pending_sends_.push_back({&ready, wire, direction, mb});
+  post_ready_sends(false);
+}
+
+void Transport::post_send(std::span<const std::byte> wire, Direction direction, int mb) {
+  send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, peer(direction), message_tag(mb, direction)), true));
+  sent_.push_back({direction, mb, {}, {}});
+}
+
+// Posts queued sends in order while their data is ready; with `wait`, waits for all.
+// Called between actions, and with `wait` before any blocking wait.
+void Transport::post_ready_sends(bool wait) {
+  std::size_t posted = 0;
+  for (; posted < pending_sends_.size(); ++posted) {
+    PendingSend& p = pending_sends_[posted];
+    if (wait) p.ready->synchronize();
+    else if (!p.ready->done()) break;
+    post_send(p.wire, p.direction, p.micro_batch);
+  }
+  pending_sends_.erase(pending_sends_.begin(), pending_sends_.begin() + static_cast<std::ptrdiff_t>(posted));
+}
+
+double Transport::finish_sends() {
+  post_ready_sends(true);
+  double waited = 0.0;
+  for (std::size_t i = 0; i < send_tickets_.size(); ++i) {
+    const Progress::Completion c =
+        progress_.wait(send_tickets_[i], timeout_, "a send to a neighbour stage, request", static_cast<int>(i));
+    sent_[i].posted = c.posted;
+    sent_[i].completed = c.completed;
+    waited += c.waited;
+  }
+  send_tickets_.clear();
+  return waited;
+}
+
+}  // namespace mpipe

@@ -1,0 +1,102 @@
+// Progress on one process: requests complete in every mode, waits time out with a
+// message naming what they waited for, short messages and full tables are errors, and
+// the option values are checked. (Overlap between ranks: tests/mpi and tests/ops.)
+#include <doctest/doctest.h>
+
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/progress.hpp"
+
+using namespace mpipe;
+
+namespace {
+
+const Communicator& self() {
+  static const Communicator c = Communicator::borrow(MPI_COMM_SELF);
+  return c;
+}
+
+std::span<std::byte> bytes(std::vector<float>& v) { return std::as_writable_bytes(std::span<float>(v)); }
+
+}  // namespace
+
+TEST_CASE("a message completes through Progress in every mode, its times in order") {
+  for (const char* name : {"thread", "layers", "waits"}) {
+    INFO(name);
+    Progress progress(parse_progress_mode(name), 1e-3, 4, false);
+    CHECK(to_string(progress.mode()) == std::string(name));  // the tests' MPI has MPI_THREAD_MULTIPLE
+    std::vector<float> out(1 << 18), in(1 << 18, 0.0f);   // 1 MiB: past any eager limit
+    std::iota(out.begin(), out.end(), 0.0f);
+    Progress::Ticket receive = progress.track(self().irecv(bytes(in), 0, 5), true);
+    Progress::Ticket send = progress.track(self().isend(bytes(out), 0, 5), true);
+    const Progress::Completion r = progress.wait(receive, 10, "a message", 5, static_cast<long>(in.size() * 4));
+    const Progress::Completion s = progress.wait(send, 10, "a send", 5);
+    CHECK(receive == Progress::none);
+    CHECK(send == Progress::none);
+    CHECK(r.posted <= r.completed);
+    CHECK(s.posted <= s.completed);
+    CHECK(std::memcmp(in.data(), out.data(), in.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("a wait past its timeout names what it waited for; the request is cancelled after") {
+  for (const char* name : {"thread", "waits"}) {
+    INFO(name);
+    std::vector<float> in(16);
+    Progress progress(parse_progress_mode(name), 1e-3, 2, false);
+    Progress::Ticket receive = progress.track(self().irecv(bytes(in), 0, 9), true);
+    std::string message;
+    try {
+      progress.wait(receive, 0.05, "the activation of micro-batch", 3);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    CHECK(message == "timed out after 0.05 s waiting for the activation of micro-batch 3 (a neighbour stage is "
+                     "stuck or gone; see --p2p-timeout)");
+  }  // ~Progress cancels the receive: a later message with this tag finds no taker
+  int flag = 1;
+  MPI_Iprobe(0, 9, MPI_COMM_SELF, &flag, MPI_STATUS_IGNORE);
+  CHECK(flag == 0);
+}
+
+TEST_CASE("a message shorter than its buffer is an error naming both sizes") {
+  Progress progress(ProgressMode::thread, 1e-3, 2, true);
+  std::vector<float> out(8), in(16);
+  Progress::Ticket receive = progress.track(self().irecv(bytes(in), 0, 2), true);
+  Progress::Ticket send = progress.track(self().isend(bytes(out), 0, 2), true);
+  CHECK_THROWS_WITH_AS(progress.wait(receive, 10, "the gradient of micro-batch", 1, 64),
+                       "received 32 bytes for the gradient of micro-batch 1, expected 64 (the stages disagree on the "
+                       "boundary shape)",
+                       Error);
+  progress.wait(send, 10, "a send", 0);
+}
+
+TEST_CASE("more requests than Progress was sized for is an internal error, not an allocation") {
+  Progress progress(ProgressMode::waits, 1e-3, 1, false);
+  std::vector<float> a(4), b(4);
+  Progress::Ticket first = progress.track(self().irecv(bytes(a), 0, 1), true);
+  MPI_Request extra = self().irecv(bytes(b), 0, 2);
+  CHECK_THROWS_AS(progress.track(extra, true), Error);
+  MPI_Cancel(&extra);  // still the caller's: track() refused it
+  MPI_Request_free(&extra);
+  CHECK(first != Progress::none);  // cancelled by ~Progress
+}
+
+TEST_CASE("progress options: unknown modes and intervals out of range are user errors") {
+  CHECK_THROWS_AS(parse_progress_mode("polling"), UserError);
+  TrainConfig c;
+  c.model.kind = "mlp";
+  c.pipeline.comm_progress = "none";
+  CHECK_THROWS_WITH_AS(validate(c), "unknown --comm-progress 'none'", UserError);
+  c.pipeline.comm_progress = "layers";
+  for (double bad : {-1.0, 2e6}) {
+    c.pipeline.comm_poll_us = bad;
+    CHECK_THROWS_WITH_AS(validate(c), doctest::Contains("--comm-poll-us must be between 0 and 1000000"), UserError);
+  }
+  c.pipeline.comm_poll_us = 0;
+  CHECK_NOTHROW(validate(c));
+}
