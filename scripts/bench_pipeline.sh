@@ -1,22 +1,100 @@
 #!/usr/bin/env bash
-# Pipeline speed-up on this machine: throughput of K = 2 stages over K = 1 (one BLAS
-# thread per rank) for M = 1, 2, 4, 8, 16 micro-batches of a fixed size, on a GPT whose
-# two stages balance, beside the bound 2M/(M+1); measured and theoretical bubble; and
-# peak activation memory per rank with --remat always against never.
-#   STEPS=N (default 6, the first excluded)   MS="1 2 4 8 16"   MICRO=samples per micro-batch
+# Pipeline speed-up on this machine, one BLAS thread per rank. Prints three tables:
+#  1. A K ladder (1, 2, 4, 8 stages where cores allow) of a GPT whose stages balance:
+#     tokens/s, speed-up over K = 1 beside the GPipe bound K*M/(M+K-1), measured and
+#     theoretical bubble; for Open MPI's shared memory as it comes (single-copy, CMA)
+#     and without single-copy (as in containers without ptrace rights, and like
+#     rendezvous transports between nodes: every message needs both ranks' progress),
+#     each with the progress thread (default) and with MPI's own progress
+#     (--comm-progress waits, the baseline).
+#  2. An M ladder at K = 2 on a small GPT: speed-up against 2M/(M+1), and peak
+#     activation memory per rank with --remat always against never.
+#  3. bench_comm: blocking MPI_Allreduce and point-to-point against what the executor
+#     does with the same bytes (an activation of the ladder's model, and a GPT-2 tied
+#     embedding's 154 MB), with and without single-copy.
+# Environment:
+#   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
+#   STEPS=5  steps per run (the first excluded: it sizes the arenas)   REPEAT=2  rounds of the ladder
+#   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 [[ -f build/release/CMakeCache.txt ]] || cmake --preset release >/dev/null
-cmake --build --preset release --target mpipe >/dev/null
+cmake --build --preset release --target mpipe bench_comm >/dev/null
+cores=$(nproc)  # before OMP_NUM_THREADS=1, which nproc would report instead
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-steps=${STEPS:-6}
-micro=${MICRO:-4}
+steps=${STEPS:-5}
+M=${M:-16}
+repeat=${REPEAT:-2}
+if [[ -z "${KS:-}" ]]; then
+  KS=""
+  for K in 1 2 4 8; do ((K <= cores)) && KS+="$K "; done
+fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-model=(--model gpt --layers 4 --d-model 192 --heads 6 --seq-len 128 --vocab 64 --partition flops
-       --threads 1 --steps "$steps" --log-every 1000000 --lr 1e-3)
+nocma=(--mca btl_vader_single_copy_mechanism none)
 
+# ---- 1. K ladder --------------------------------------------------------------------
+ladder=(--model gpt --layers 8 --d-model 256 --heads 8 --seq-len 128 --vocab 256 --batch-size 64
+        --micro-batches "$M" --threads 1 --steps "$steps" --log-every 1000000 --resume never --partition flops)
+# ladder_run K LAUNCHER_ARGS... -- MPIPE_ARGS... -> "tokens_per_s bubble" from the run's summary
+ladder_run() {
+  local K=$1; shift
+  local launcher=() args=()
+  while [[ $1 != -- ]]; do launcher+=("$1"); shift; done
+  shift
+  args=("$@")
+  mpirun -n "$K" --bind-to core "${launcher[@]}" build/release/mpipe train "${ladder[@]}" --stages "$K" \
+    --summary "$tmp/s.json" "${args[@]}" > "$tmp/log"
+  /usr/bin/python3 -c "import json; s = json.load(open('$tmp/s.json')); print(s['tokens_per_s'], s['bubble_fraction'])"
+}
+echo "1. K ladder: GPT 8 blocks x 256 channels, seq 128, vocab 256, batch 64, M = $M; 1 thread per rank;"
+echo "   tokens/s from the median step of $((steps - 1)) (the first excluded); $repeat rounds, each running K = 1 and"
+echo "   then every other row once; the figure is the mean over rounds (min-max in brackets), K = 1 also after the last"
+rows=()
+for ((round = 0; round < repeat; ++round)); do
+  read -r tps _ < <(ladder_run 1 --)
+  rows+=("k1 - 1 $tps 0")
+  for transport in single-copy none; do
+    for progress in thread waits; do
+      for K in $KS; do
+        ((K == 1)) && continue
+        launcher=()
+        [[ $transport == none ]] && launcher=("${nocma[@]}")
+        read -r tps bubble < <(ladder_run "$K" "${launcher[@]}" -- --comm-progress "$progress")
+        rows+=("$transport $progress $K $tps $bubble")
+      done
+    done
+  done
+done
+read -r tps _ < <(ladder_run 1 --)
+rows+=("k1 - 1 $tps 0")
+/usr/bin/python3 - "$M" "${rows[@]}" <<'PY'
+import statistics, sys
+M = int(sys.argv[1])
+runs = {}
+for row in sys.argv[2:]:
+    transport, progress, K, tps, bubble = row.split()
+    runs.setdefault((transport, progress, int(K)), []).append((float(tps), float(bubble)))
+k1_runs = [t for t, _ in runs.pop(("k1", "-", 1))]
+k1 = statistics.mean(k1_runs)
+print(f"   K = 1: {k1:.0f} tokens/s [{min(k1_runs):.0f}-{max(k1_runs):.0f}]")
+print(f"{'shared memory':>14} {'progress':>9} {'K':>3} {'tokens/s':>20} {'speed-up':>9} {'bound':>7} {'of bound':>9} "
+      f"{'bubble':>7} {'theory':>7}")
+for (transport, progress, K), rs in runs.items():
+    tps = statistics.mean(t for t, _ in rs)
+    bubble = statistics.mean(b for _, b in rs)
+    spread = f"[{min(t for t, _ in rs):.0f}-{max(t for t, _ in rs):.0f}]"
+    bound = K * M / (M + K - 1)
+    print(f"{transport:>14} {progress:>9} {K:3d} {tps:8.0f} {spread:>11} {tps / k1:8.2f}x {bound:6.2f}x "
+          f"{100 * tps / k1 / bound:8.1f}% {100 * bubble:6.1f}% {100 * (K - 1) / (M + K - 1):6.1f}%")
+PY
+
+# ---- 2. M ladder at K = 2 -------------------------------------------------------------
+if [[ -n "${MS-1 2 4 8 16}" ]]; then
+micro=${MICRO:-4}
+model=(--model gpt --layers 4 --d-model 192 --heads 6 --seq-len 128 --vocab 64 --partition flops
+       --threads 1 --steps "${STEPS_M:-6}" --log-every 1000000 --lr 1e-3 --resume never)
 # run K M REMAT -> "median_step_s mean_bubble peak_bytes_max" from the metrics and log
 run() {
   local K=$1 M=$2 remat=$3
@@ -32,25 +110,23 @@ peak = max(float(v) * units[u] for v, u in zip(peaks[::2], peaks[1::2]))
 print(statistics.median(r["step_time_s"] for r in rows), statistics.mean(r["bubble_fraction"] for r in rows), peak)
 PY
 }
-
-echo "GPT 4 blocks x 192 channels, seq 128, vocab 64, micro-batch $micro samples; 1 thread per rank;"
-echo "step times: median of $((steps - 1)) steps, averaged over two alternating runs of each K"
+echo
+echo "2. M ladder at K = 2: GPT 4 blocks x 192 channels, seq 128, vocab 64, micro-batch $micro samples;"
+echo "   step times: median of $((${STEPS_M:-6} - 1)) steps, averaged over two alternating runs of each K"
 printf '%4s %12s %12s %9s %9s %7s %11s %11s %12s %12s\n' M "K=1 samp/s" "K=2 samp/s" speedup "bound" "of bound" \
   "bubble" "theory" "peak never" "peak always"
-for M in ${MS:-1 2 4 8 16}; do
+for M2 in ${MS-1 2 4 8 16}; do
   # K=1 and K=2 alternate, twice each, so that drifts of this machine hit both alike.
-  read -r t1a _ _ < <(run 1 "$M" never)
-  read -r t2a b2a p_never < <(run 2 "$M" never)
-  read -r t1b _ _ < <(run 1 "$M" never)
-  read -r t2b b2b _ < <(run 2 "$M" never)
-  read -r _ _ p_always < <(run 2 "$M" always)
-  t1=$(/usr/bin/python3 -c "print(($t1a + $t1b) / 2)")
-  t2=$(/usr/bin/python3 -c "print(($t2a + $t2b) / 2)")
-  b2=$(/usr/bin/python3 -c "print(($b2a + $b2b) / 2)")
-  /usr/bin/python3 - "$M" "$micro" "$t1" "$t2" "$b2" "$p_never" "$p_always" <<'PY'
+  read -r t1a _ _ < <(run 1 "$M2" never)
+  read -r t2a b2a p_never < <(run 2 "$M2" never)
+  read -r t1b _ _ < <(run 1 "$M2" never)
+  read -r t2b b2b _ < <(run 2 "$M2" never)
+  read -r _ _ p_always < <(run 2 "$M2" always)
+  /usr/bin/python3 - "$M2" "$micro" "$t1a" "$t1b" "$t2a" "$t2b" "$b2a" "$b2b" "$p_never" "$p_always" <<'PY'
 import sys
 M, micro = int(sys.argv[1]), int(sys.argv[2])
-t1, t2, bubble, never, always = map(float, sys.argv[3:])
+t1a, t1b, t2a, t2b, b2a, b2b, never, always = map(float, sys.argv[3:])
+t1, t2, bubble = (t1a + t1b) / 2, (t2a + t2b) / 2, (b2a + b2b) / 2
 s1, s2 = M * micro / t1, M * micro / t2
 bound = 2 * M / (M + 1)
 mib = lambda b: f"{b / 2**20:.1f} MiB"
@@ -61,8 +137,8 @@ done
 
 # What this machine allows: two independent single-stage jobs at once, one per core,
 # against one alone. The pipeline's speed-up cannot beat bound x this efficiency.
-M=8
-model_solo=(build/release/mpipe train "${model[@]}" --micro-batches "$M" --batch-size $((M * micro)))
+M2=8
+model_solo=(build/release/mpipe train "${model[@]}" --micro-batches "$M2" --batch-size $((M2 * micro)))
 taskset -c 0 "${model_solo[@]}" --metrics "$tmp/solo1.jsonl" > /dev/null
 taskset -c 0 "${model_solo[@]}" --metrics "$tmp/a.jsonl" > /dev/null &
 taskset -c 1 "${model_solo[@]}" --metrics "$tmp/b.jsonl" > /dev/null
@@ -76,3 +152,17 @@ solo, a, b = (med("solo1") + med("solo2")) / 2, med("a"), med("b")  # alone: bef
 print(f"machine: two independent K=1 jobs (M=8) run at {100 * solo / a:.1f}% and {100 * solo / b:.1f}% of one alone "
       f"(parallel efficiency {100 * 2 * solo / (a + b):.1f}%): the ceiling for K=2 is bound x that")
 PY
+fi
+
+# ---- 3. communication against blocking MPI --------------------------------------------
+if [[ "${COMM:-1}" != 0 ]]; then
+  # The ladder's activation at K = 2: (batch / M) samples x 128 tokens x 256 channels, fp32.
+  act_mb=$(/usr/bin/python3 -c "print(64 // $M * 128 * 256 * 4 / 1e6)")
+  for transport in single-copy none; do
+    launcher=()
+    [[ $transport == none ]] && launcher=("${nocma[@]}")
+    echo
+    echo "3. bench_comm, 2 ranks, shared memory $transport"
+    mpirun -n 2 --bind-to core "${launcher[@]}" build/release/tests/bench_comm --sizes-mb "$act_mb,154"
+  done
+fi
