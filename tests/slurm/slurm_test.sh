@@ -119,21 +119,25 @@ for _ in $(seq 240); do [[ -z "$(squeue -h 2>/dev/null)" ]] && break; sleep 0.5;
 [[ $(wc -l < "$work/sweep2.csv" 2>/dev/null) -eq 3 ]] || fail "sweep --slurm CSV: $(cat "$work/sweep2.csv" 2>&1)"
 echo "slurm: sweep-microbatches.sbatch ok (direct and through sweep_microbatches.sh --slurm)"
 
-# 3. SIGTERM mid-run: checkpoint, exit 75, requeue, resume, finish. Steps take ~3 ms
-# here, so the run is long enough (~12 s) for the signal to land mid-run.
+# 3. SIGTERM mid-run: checkpoint, exit 75, requeue, resume, finish. The model is sized
+# for ~25 ms steps (~12 s in all), so that the signal lands mid-run however late the
+# job's output reaches the log.
 job=$(CHECKPOINT_DIR=$work/ckpt-pre sbatch --parsable -o "$work/pre.log" slurm/train-cpu.sbatch "$work/small.toml" \
-  --steps 4000)
-for _ in $(seq 240); do grep -q "step      3/4000" "$work/pre.log" 2>/dev/null && break; sleep 0.25; done
-grep -q "step      3/4000" "$work/pre.log" || fail "the job never started training"
+  --d-model 128 --seq-len 64 --steps 500)
+for _ in $(seq 240); do grep -q "step      3/500" "$work/pre.log" 2>/dev/null && break; sleep 0.25; done
+grep -q "step      3/500" "$work/pre.log" || fail "the job never started training"
 scancel --signal=TERM "$job"
 for _ in $(seq 240); do grep -q "requeueing job" "$work/pre.log" 2>/dev/null && break; sleep 0.25; done
 grep -q "requeueing job" "$work/pre.log" || fail "the job was not requeued"
+# Slurm refuses to start the job again within the second its credential was revoked
+# ("Job credential revoked"): let that second pass first.
+sleep 2
 # A requeued job waits a while before it may start again; let it start now.
 for _ in $(seq 40); do scontrol update jobid="$job" StartTime=now 2>/dev/null && break; sleep 0.25; done
 for _ in $(seq 600); do squeue -h -j "$job" 2>/dev/null | grep -q . || break; sleep 0.5; done
 squeue -h -j "$job" 2>/dev/null | grep -q . && fail "the requeued job did not finish"
 grep -q "stop signal received" "$work/pre.log" || fail "mpipe did not see the signal"
 grep -q "resumed from .*ckpt-pre/ckpt-" "$work/pre.log" || fail "the requeued job did not resume from its checkpoint"
-grep -q "step   4000/4000" "$work/pre.log" || fail "the resumed job did not finish"
-[[ -f "$work/ckpt-pre/ckpt-00004000.h5" ]] || fail "no final checkpoint after resuming"
+grep -q "step    500/500" "$work/pre.log" || fail "the resumed job did not finish"
+[[ -f "$work/ckpt-pre/ckpt-00000500.h5" ]] || fail "no final checkpoint after resuming"
 echo "slurm: SIGTERM, requeue and resume ok"
