@@ -280,6 +280,11 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--comm-poll-us", p.comm_poll_us,
                  "Microseconds between the progress thread's tests while nothing moves (0: no pause)")
       ->capture_default_str();
+  cmd.add_option("--comm-wait", p.comm_wait,
+                 "How a wait passes the time once nothing moves: sleep (from 20 us to 1 ms between tests) or "
+                 "spin (tests without pause: a few % faster on small models, but takes the core from every "
+                 "other process on the node)")
+      ->capture_default_str();
   cmd.add_option("--device", c.device, "cpu, cuda (one GPU per rank: node-local rank modulo GPUs) or auto")
       ->capture_default_str();
   cmd.add_option("--precision", c.precision, "fp32, or bf16 on a GPU (fp32 master weights and optimizer state)")

@@ -9,7 +9,6 @@
 #include <cstring>
 #include <thread>
 
-#include <unistd.h>
 
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/ops.hpp"
@@ -68,6 +67,8 @@ void validate(const TrainConfig& c, int world) {
   parse_progress_mode(p.comm_progress);  // throws UserError for an unknown name
   MPIPE_REQUIRE(p.comm_poll_us >= 0 && p.comm_poll_us <= 1e6, "e.g. --comm-poll-us 5000 (0: no pause)",
                 "--comm-poll-us must be between 0 and 1000000, got ", p.comm_poll_us);
+  MPIPE_REQUIRE(p.comm_wait == "sleep" || p.comm_wait == "spin", "use --comm-wait sleep or spin",
+                "unknown --comm-wait '", p.comm_wait, "'");
   MPIPE_REQUIRE(c.device == "cpu" || c.device == "cuda" || c.device == "auto", "use --device cpu, cuda or auto",
                 "unknown --device '", c.device, "'");
   MPIPE_REQUIRE(c.precision == "fp32" || c.precision == "bf16", "use --precision fp32 or bf16",
@@ -159,7 +160,6 @@ Executor::~Executor() = default;
 
 void Executor::connect() {
   grid_ = std::make_unique<Grid>(world_, config_.pipeline.grid);
-  node_ranks_ = world_.size() > 1 ? Communicator::node(world_).size() : 1;
   const auto& p = config_.pipeline;
   const int K = grid_->stages();
   if (!p.balance.empty()) {
@@ -279,9 +279,8 @@ void Executor::allocate() {
   // Every request in flight at once: each micro-batch's two receives and two sends, the
   // buckets, the tied sums' two messages each and the step's closing allreduce.
   const int requests = 4 * M + static_cast<int>(buckets_.size() + 2 * tied_spans_.size()) + 4;
-  // Waits test without pause where every rank's threads have cores of their own.
-  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
-  const bool spin_waits = static_cast<long>(node_ranks_) * std::max(1, cpu::threads()) <= cores;
+  // Waits sleep between tests once nothing moves, unless asked to spin (docs/communication.md).
+  const bool spin_waits = config_.pipeline.comm_wait == "spin";
   progress_ = std::make_unique<Progress>(parse_progress_mode(config_.pipeline.comm_progress),
                                          config_.pipeline.comm_poll_us * 1e-6, requests, spin_waits, [] {
                                            if (cuda::active()) cuda::bind_thread();

@@ -87,8 +87,8 @@ Progress::~Progress() {
 }
 
 std::string Progress::waits() const {
-  return spin_waits_ ? "waits test without pause (a core per rank and thread)"
-                     : "waits sleep between tests once nothing moves (more ranks x threads than cores)";
+  return spin_waits_ ? "waits test without pause (--comm-wait spin)"
+                     : "waits test while data moves, then sleep between tests";
 }
 
 std::string Progress::describe() const {

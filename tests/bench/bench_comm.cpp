@@ -11,7 +11,6 @@
 //               the post to the arrival, against the compute time.
 // Medians over --reps repetitions; ratios are against the blocking call of the same row.
 #include <mpi.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -54,6 +53,7 @@ struct Options {
   int reps = 5;
   double compute_ms = 100;
   double poll_us = 5000;  // the executor's default
+  bool spin = false;      // --comm-wait spin
 };
 
 }  // namespace
@@ -70,8 +70,10 @@ int main(int argc, char** argv) {
     } else if (key == "--reps") o.reps = std::atoi(argv[i + 1]);
     else if (key == "--compute-ms") o.compute_ms = std::atof(argv[i + 1]);
     else if (key == "--comm-poll-us") o.poll_us = std::atof(argv[i + 1]);
+    else if (key == "--comm-wait" && (std::string(argv[i + 1]) == "sleep" || std::string(argv[i + 1]) == "spin"))
+      o.spin = std::string(argv[i + 1]) == "spin";
     else {
-      std::fprintf(stderr, "bench_comm: unknown option %s (--sizes-mb A,B --reps N --compute-ms T --comm-poll-us U)\n",
+      std::fprintf(stderr, "bench_comm: unknown option %s (--sizes-mb A,B --reps N --compute-ms T --comm-poll-us U --comm-wait sleep|spin)\n",
                    key.c_str());
       return 2;
     }
@@ -85,8 +87,7 @@ int main(int argc, char** argv) {
   // Pairs (0, 1), (2, 3), ...: each pair is a tied group / a pipeline link.
   const Communicator pair = Communicator::split(world, world.rank() / 2, world.rank());
   const int partner = 1 - pair.rank();
-  // As the executor: waits test without pause where every rank has a core of its own.
-  const bool spin_waits = Communicator::node(world).size() <= sysconf(_SC_NPROCESSORS_ONLN);
+  const bool spin_waits = o.spin;  // as the executor's --comm-wait
   const bool root = world.rank() == 0;
   std::vector<float> work(std::size_t{1} << 20, 1.0f);  // 4 MB streamed by compute_for per pass
   const ProgressMode modes[] = {ProgressMode::thread, ProgressMode::layers, ProgressMode::waits};

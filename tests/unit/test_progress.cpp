@@ -86,7 +86,7 @@ TEST_CASE("more requests than Progress was sized for is an internal error, not a
   CHECK(first != Progress::none);  // cancelled by ~Progress
 }
 
-TEST_CASE("progress options: unknown modes and intervals out of range are user errors") {
+TEST_CASE("progress options: unknown modes, waits and intervals out of range are user errors") {
   CHECK_THROWS_AS(parse_progress_mode("polling"), UserError);
   TrainConfig c;
   c.model.kind = "mlp";
@@ -98,5 +98,9 @@ TEST_CASE("progress options: unknown modes and intervals out of range are user e
     CHECK_THROWS_WITH_AS(validate(c), doctest::Contains("--comm-poll-us must be between 0 and 1000000"), UserError);
   }
   c.pipeline.comm_poll_us = 0;
+  CHECK_NOTHROW(validate(c));
+  c.pipeline.comm_wait = "busy";
+  CHECK_THROWS_WITH_AS(validate(c), "unknown --comm-wait 'busy'", UserError);
+  c.pipeline.comm_wait = "spin";
   CHECK_NOTHROW(validate(c));
 }

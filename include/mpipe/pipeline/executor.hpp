@@ -46,6 +46,7 @@ struct PipelineConfig {
   double p2p_timeout = 600.0;      // seconds a point-to-point wait may block
   std::string comm_progress = "thread";  // thread | layers | waits (pipeline/progress.hpp)
   double comm_poll_us = 5000;      // the progress thread's poll interval while nothing moves, microseconds
+  std::string comm_wait = "sleep";  // sleep | spin: how a wait passes the time once nothing moves
 };
 
 struct TrainConfig {
@@ -198,7 +199,6 @@ class Executor {
   Schedule schedule_;
   int begin_ = 0, end_ = 0;  // this stage's layers
   int micro_ = 0;            // samples per micro-batch
-  int node_ranks_ = 1;       // ranks of the world on this rank's node
   std::vector<Shape> shapes_;
   Device device_ = Device::cpu;
   DType dtype_ = DType::f32;  // of activations, their gradients and the messages
