@@ -163,37 +163,66 @@ struct PhaseStats {
   }
 };
 
-void print_phase_table(const PhaseStats& mine, const Communicator& world, int stages, double theory) {
+// Gathers every rank's phase statistics to world rank 0, which prints the per-stage
+// table and returns its rows (other ranks: nothing).
+std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator& world, int stages, double theory) {
   constexpr int n = sizeof(PhaseStats) / sizeof(double);
   std::vector<PhaseStats> all(world.rank() == 0 ? world.size() : 0);
   MPI_CHECK(MPI_Gather(&mine, n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, 0, world.get()));
-  if (world.rank() != 0 || mine.steps == 0) return;
+  if (world.rank() != 0 || mine.steps == 0) return {};
+  std::vector<StagePhases> rows(static_cast<std::size_t>(stages));
   std::printf("time per step in ms, min / avg / max over %g steps (the first excluded) and replicas\n", mine.steps);
   std::printf("%-6s", "stage");
   for (int i = 0; i < PhaseTimes::count; ++i) std::printf(" %20s", PhaseTimes::name(i));
   std::printf("\n");
   for (int s = 0; s < stages; ++s) {
-    double lo[PhaseTimes::count], total[PhaseTimes::count], hi[PhaseTimes::count], count = 0;
-    std::fill(std::begin(lo), std::end(lo), std::numeric_limits<double>::infinity());
-    std::fill(std::begin(total), std::end(total), 0.0);
-    std::fill(std::begin(hi), std::end(hi), 0.0);
+    StagePhases& row = rows[static_cast<std::size_t>(s)];
+    double count = 0;
+    std::fill(std::begin(row.min), std::end(row.min), std::numeric_limits<double>::infinity());
     for (const PhaseStats& r : all) {
       if (static_cast<int>(r.stage) != s) continue;
       for (int i = 0; i < PhaseTimes::count; ++i) {
-        lo[i] = std::min(lo[i], r.min[i]);
-        total[i] += r.sum[i];
-        hi[i] = std::max(hi[i], r.max[i]);
+        row.min[i] = std::min(row.min[i], r.min[i]);
+        row.avg[i] += r.sum[i];
+        row.max[i] = std::max(row.max[i], r.max[i]);
       }
       count += r.steps;
     }
+    for (double& a : row.avg) a /= count;
     std::printf("%-6d", s);
     for (int i = 0; i < PhaseTimes::count; ++i)
-      std::printf(" %20s", cat(std::round(lo[i] * 1e4) / 10, "/", std::round(total[i] / count * 1e4) / 10, "/",
-                               std::round(hi[i] * 1e4) / 10).c_str());
+      std::printf(" %20s", cat(std::round(row.min[i] * 1e4) / 10, "/", std::round(row.avg[i] * 1e4) / 10, "/",
+                               std::round(row.max[i] * 1e4) / 10).c_str());
     std::printf("\n");
   }
   std::printf("bubble: measured %.1f%% (mean over steps and ranks), schedule's theoretical %.1f%%\n",
               100 * mine.bubble / mine.steps, 100 * theory);
+  return rows;
+}
+
+// Whether a person watches rank 0's standard output. Open MPI forwards every rank's
+// stdout through a pseudo-terminal of its own, a terminal even when mpirun's output goes
+// to a file; there it is the launcher's stdout that counts. The launcher is the parent
+// process when mpirun started this rank on its own node; a rank a remote daemon (orted,
+// prted) started shows no live line. srun gives pipes (a terminal with --pty).
+bool show_progress(const std::string& mode) {
+  if (mode != "auto") return mode == "on";
+  if (!isatty(STDOUT_FILENO)) return false;
+  const pid_t parent = getppid();
+  std::string name;
+  if (std::FILE* f = std::fopen(cat("/proc/", parent, "/comm").c_str(), "r")) {
+    char text[64] = {};
+    if (std::fgets(text, sizeof text, f)) name = text;
+    std::fclose(f);
+  }
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  static const char* const launchers[] = {"mpirun", "mpiexec", "orterun", "prterun", "orted", "prted"};
+  if (std::find(std::begin(launchers), std::end(launchers), name) == std::end(launchers)) return true;
+  char target[256] = {};
+  const ssize_t n = readlink(cat("/proc/", parent, "/fd/1").c_str(), target, sizeof target - 1);
+  if (n <= 0) return false;
+  const std::string where(target, static_cast<std::size_t>(n));
+  return where.rfind("/dev/pts/", 0) == 0 || where.rfind("/dev/tty", 0) == 0;
 }
 
 // Runs `phase` on every rank and agrees on the outcome, so that a rank that fails
@@ -260,6 +289,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--threads", c.threads, "Threads per rank (BLAS and loops); 0: the cores given to the rank")
       ->capture_default_str();
   cmd.add_option("--log-every", c.log_every, "Print a line every N steps")->capture_default_str();
+  cmd.add_option("--progress", c.progress,
+                 "A live progress line on rank 0 between the logged steps: auto (when a person watches: "
+                 "standard output, and under mpirun the launcher's, is a terminal), on or off")
+      ->capture_default_str();
   cmd.add_option("--metrics", c.metrics, "Write one JSON object per step to FILE (the last line: the run's summary)");
   cmd.add_option("--summary", c.summary, "Write the run's summary (throughput, bubble, peak memory) as JSON to FILE");
   cmd.add_option("--trace", c.trace, "Write every rank's actions as a Chrome/Perfetto trace to FILE.json");
@@ -289,7 +322,7 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
       ->capture_default_str();
   cmd.add_option("--precision", c.precision, "fp32, or bf16 on a GPU (fp32 master weights and optimizer state)")
       ->capture_default_str();
-  cmd.add_option("--checkpoint-dir", c.checkpoint_dir, "Write HDF5 checkpoints DIR/ckpt-<step>.h5 (must exist)");
+  cmd.add_option("--checkpoint-dir", c.checkpoint_dir, "Write HDF5 checkpoints DIR/ckpt-<step>.h5 (created if missing)");
   cmd.add_option("--checkpoint-every", c.checkpoint_every, "Steps between checkpoints (0: only the final one)")
       ->capture_default_str();
   cmd.add_option("--keep", c.keep, "Complete checkpoints to keep (0: all)")->capture_default_str();
@@ -361,9 +394,11 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   std::unique_ptr<MetricsWriter> metrics;
   int code = agree(world, [&] {
     validate(config, world.size());
-    check_checkpoint_options(config);
+    if (root) check_checkpoint_options(config, /*create=*/true);
   });
   if (code) return code;
+  // Every rank sees the directory rank 0 made (a shared file system), or says it does not.
+  if ((code = agree(world, [&] { check_checkpoint_options(config); }))) return code;
   // Collective, and only once every rank's options are known good.
   std::string device_line;
   if ((code = agree(world, [&] { device_line = resolve_device(config, world); }))) return code;
@@ -412,7 +447,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   stats.stage = grid.stage();
   std::vector<double> step_seconds;  // rank 0, for the summary's median
   step_seconds.reserve(static_cast<std::size_t>(config.steps));
-  const bool progress = root && isatty(STDOUT_FILENO);
+  const bool progress = root && show_progress(config.progress);
   const auto run_start = std::chrono::steady_clock::now();
   // Writes the checkpoint of `done` completed steps on every rank; false if it failed.
   int64_t last_saved = resumed_from.empty() ? -1 : first_step;
@@ -482,7 +517,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     MPI_Abort(world.get(), exit_internal_error);
   }
   if (!preempted && !checkpoint(config.steps)) return exit_internal_error;
-  print_phase_table(stats, world, grid.stages(), theory);
+  std::vector<StagePhases> phases = phase_table(stats, world, grid.stages(), theory);
   double peak = static_cast<double>(exec->peak_activation_bytes());
   std::vector<double> peaks(root ? world.size() : 0);
   MPI_CHECK(MPI_Gather(&peak, 1, MPI_DOUBLE, peaks.data(), 1, MPI_DOUBLE, 0, world.get()));
@@ -505,6 +540,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     summary.bubble = stats.steps > 0 ? stats.bubble / stats.steps : 0.0;
     summary.theoretical_bubble = theory;
     summary.peak_bytes_per_rank = peaks;
+    summary.phases = std::move(phases);
     const std::string json = summary_json(*exec, summary);
     if (metrics) metrics->write_line(json);
     if (!config.summary.empty()) {

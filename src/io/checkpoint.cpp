@@ -478,7 +478,7 @@ std::optional<std::string> verify_checkpoint(const std::string& path, const std:
   return std::nullopt;
 }
 
-void check_checkpoint_options(const TrainConfig& c) {
+void check_checkpoint_options(const TrainConfig& c, bool create) {
   MPIPE_REQUIRE(c.checkpoint_every >= 0, "e.g. --checkpoint-every 100", "--checkpoint-every must be >= 0, got ",
                 c.checkpoint_every);
   MPIPE_REQUIRE(c.keep >= 0, "e.g. --keep 3 (0 keeps all)", "--keep must be >= 0, got ", c.keep);
@@ -486,8 +486,24 @@ void check_checkpoint_options(const TrainConfig& c) {
     MPIPE_REQUIRE(c.checkpoint_every == 0, "give --checkpoint-dir DIR", "--checkpoint-every needs --checkpoint-dir");
   } else {
     std::error_code ec;
-    MPIPE_REQUIRE(fs::is_directory(c.checkpoint_dir, ec), cat("create it: mkdir -p ", c.checkpoint_dir),
-                  "checkpoint directory '", c.checkpoint_dir, "' does not exist");
+    if (create && !fs::is_directory(c.checkpoint_dir, ec)) {
+      fs::create_directories(c.checkpoint_dir, ec);
+      if (ec) {
+        // Name the part of the path that is in the way: a regular file, or a directory
+        // this user may not write to.
+        fs::path blocker = fs::path(c.checkpoint_dir);
+        std::error_code e2;
+        while (blocker.has_parent_path() && blocker != blocker.parent_path() && !fs::exists(blocker, e2))
+          blocker = blocker.parent_path();
+        const std::string hint =
+            fs::exists(blocker, e2) && !fs::is_directory(blocker, e2)
+                ? cat("'", blocker.string(), "' is a file, not a directory: choose another --checkpoint-dir")
+                : "choose a --checkpoint-dir under a directory you can write to";
+        throw UserError(cat("cannot create checkpoint directory '", c.checkpoint_dir, "': ", ec.message()), hint);
+      }
+    }
+    MPIPE_REQUIRE(fs::is_directory(c.checkpoint_dir, ec), "give a directory (it is created if missing)",
+                  "checkpoint directory '", c.checkpoint_dir, "' is not a directory");
     MPIPE_REQUIRE(::access(c.checkpoint_dir.c_str(), W_OK | X_OK) == 0, "choose a directory you can write to",
                   "checkpoint directory '", c.checkpoint_dir, "' is not writable");
   }

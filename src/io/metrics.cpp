@@ -29,7 +29,7 @@ void MetricsWriter::write(const StepResult& r, double samples_per_s, double toke
   std::fprintf(file_,
                "{\"step\": %lld, \"loss\": %s, \"lr\": %s, \"grad_norm\": %s, \"skipped\": %s, "
                "\"step_time_s\": %s, \"samples_per_s\": %s, \"tokens_per_s\": %s, \"bubble_fraction\": %s}\n",
-               static_cast<long long>(r.step), num(static_cast<float>(r.loss)).c_str(), num(r.lr).c_str(),
+               static_cast<long long>(r.step + 1), num(static_cast<float>(r.loss)).c_str(), num(r.lr).c_str(),
                num(r.grad_norm).c_str(), r.skipped ? "true" : "false", num(r.seconds).c_str(),
                num(samples_per_s).c_str(), num(tokens_per_s).c_str(), num(r.bubble_fraction).c_str());
   std::fflush(file_);

@@ -87,7 +87,7 @@ void write_trace(const Executor& exec, const std::string& path) {
       std::fprintf(out,
                    ",\n{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": %d, \"ts\": %.3f, "
                    "\"dur\": %.3f, \"args\": {\"step\": %d, \"micro_batch\": %d, \"layer\": %d, \"rank\": %d}}",
-                   event_label(e).c_str(), TraceEvent::name(e.kind), tid, e.start * 1e6, (e.end - e.start) * 1e6, e.step,
+                   event_label(e).c_str(), TraceEvent::name(e.kind), tid, e.start * 1e6, (e.end - e.start) * 1e6, e.step + 1,
                    e.micro_batch, e.layer, r);
     }
   }
@@ -106,6 +106,20 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
     stage_peak[stage] = std::max(stage_peak[stage], s.peak_bytes_per_rank[r]);
   }
   for (int st = 0; st < g.stages(); ++st) per_stage += cat(st ? ", " : "", static_cast<long long>(stage_peak[st]));
+  // "phase_s": per stage, each phase's [min, mean, max] seconds per step.
+  std::string phases;
+  for (std::size_t st = 0; st < s.phases.size(); ++st) {
+    phases += cat(st ? ", " : "", "{\"stage\": ", st);
+    for (int i = 0; i < PhaseTimes::count; ++i) {
+      std::string key = PhaseTimes::name(i);
+      std::replace(key.begin(), key.end(), ' ', '_');
+      char triple[96];
+      std::snprintf(triple, sizeof triple, "[%.6g, %.6g, %.6g]", s.phases[st].min[i], s.phases[st].avg[i],
+                    s.phases[st].max[i]);
+      phases += cat(", \"", key, "\": ", triple);
+    }
+    phases += "}";
+  }
   char numbers[512];
   std::snprintf(numbers, sizeof numbers,
                 "\"steps_timed\": %lld, \"step_time_s\": %.9g, \"samples_per_s\": %.9g, \"tokens_per_s\": %.9g, "
@@ -115,7 +129,7 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
              g.replicas(), ", \"micro_batches\": ", c.micro_batches, ", \"batch_size\": ", c.batch_size,
              ", \"schedule\": \"", c.pipeline.schedule, "\", \"remat\": \"", c.pipeline.remat, "\", ", numbers,
              ", \"peak_activation_bytes_per_stage\": [", per_stage, "], \"peak_activation_bytes_per_rank\": [", per_rank,
-             "]}");
+             "], \"phase_s\": [", phases, "]}");
 }
 
 }  // namespace mpipe

@@ -61,6 +61,8 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(c.steps > 0, "e.g. --steps 100", "--steps must be positive, got ", c.steps);
   MPIPE_REQUIRE(c.threads >= 0, "e.g. --threads 2, or 0 for every core", "--threads must be >= 0, got ", c.threads);
   MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
+  MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
+                "unknown --progress '", c.progress, "'");
   MPIPE_REQUIRE(p.remat == "always" || p.remat == "except-last" || p.remat == "never",
                 "use --remat always, except-last or never", "unknown --remat '", p.remat, "'");
   MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);

@@ -52,9 +52,14 @@ Action parse_action(const std::string& text) {
 std::string Schedule::to_text() const {
   std::string out;
   for (int s = 0; s < stages; ++s) {
-    out += "stage " + std::to_string(s) + ":";
-    for (const Action& a : actions[s]) out += " " + to_string(a);
-    out += "\n";
+    out += "stage ";
+    out += std::to_string(s);
+    out += ':';
+    for (const Action& a : actions[s]) {
+      out += ' ';
+      out += to_string(a);
+    }
+    out += '\n';
   }
   return out;
 }

@@ -125,7 +125,15 @@ PY
 bad-input)
   mkdir "$work/d"
   run 1 "${model[@]}" --steps 2 --checkpoint-dir "$work/d" >/dev/null
-  expect_error 2 "checkpoint directory '/no/such/dir' does not exist; hint" run 2 "${model[@]}" --steps 2 --checkpoint-dir /no/such/dir
+  # A missing directory is created, parents included; one under a regular file is refused
+  # by name before training, and so is a directory this user cannot write to.
+  run 2 "${model[@]}" --steps 2 --checkpoint-dir "$work/new/nested" >/dev/null || fail "a missing --checkpoint-dir"
+  [[ -f "$work/new/nested/ckpt-00000002.h5" ]] || fail "no checkpoint in the created directory"
+  touch "$work/plain"
+  expect_error 2 "cannot create checkpoint directory '$work/plain/sub': .*hint: '$work/plain' is a file" \
+    run 2 "${model[@]}" --steps 2 --checkpoint-dir "$work/plain/sub"
+  expect_error 2 "cannot create checkpoint directory '$work/plain'" run 2 "${model[@]}" --steps 2 --checkpoint-dir "$work/plain"
+  [[ ! -e "$work/plain/sub" && -f "$work/plain" ]] || fail "the blocking file was touched"
   echo "not hdf5" > "$work/text.h5"
   expect_error 2 "is not an HDF5 file" run 2 "${model[@]}" --steps 2 --resume "$work/text.h5"
   other=("${model[@]}")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Operations output with the real binary: trace, summary, sweep CSV and the plots.
-# Usage: ops_test.sh MPIPE CASE   (CASE: trace | overlap | sweep)
+# Usage: ops_test.sh MPIPE CASE   (CASE: trace | overlap | sweep | progress)
 set -euo pipefail
 mpipe=$1 case=$2
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -22,32 +22,43 @@ assert {t: n for t, n in names.items() if t < 4} == {r: f"rank {r}: stage {r}, r
 assert all(n.startswith(f"rank {t % 4}: stage {t % 4}, replica 0: communication") for t, n in names.items() if t >= 4)
 boxes = [e for e in t if e.get("ph") == "X"]
 for rank in range(4):
-    for step in (1, 2):  # traced steps, after the first
+    for step in (2, 3):  # traced steps, after the first (numbered as the console does, from 1)
         for kind in ("forward", "backward"):
             mbs = sorted(e["args"]["micro_batch"] for e in boxes
                          if e["tid"] == rank and e["args"]["step"] == step and e["cat"] == kind)
             assert mbs == list(range(8)), (rank, step, kind, mbs)
-assert not any(e["args"]["step"] in (0, 3) for e in boxes), "untraced steps in the trace"
+assert not any(e["args"]["step"] in (1, 4) for e in boxes), "untraced steps in the trace"
 # GPipe order on every rank: all forwards of a step before its first backward.
 for rank in range(4):
-    f = [e for e in boxes if e["tid"] == rank and e["args"]["step"] == 1 and e["cat"] == "forward"]
-    b = [e for e in boxes if e["tid"] == rank and e["args"]["step"] == 1 and e["cat"] == "backward"]
+    f = [e for e in boxes if e["tid"] == rank and e["args"]["step"] == 2 and e["cat"] == "forward"]
+    b = [e for e in boxes if e["tid"] == rank and e["args"]["step"] == 2 and e["cat"] == "backward"]
     assert max(e["ts"] + e["dur"] for e in f) <= min(e["ts"] for e in b) + 1e-3
 s = json.load(open(sys.argv[2]))
 for key in ("samples_per_s", "step_time_s", "bubble_fraction", "theoretical_bubble", "peak_activation_bytes_per_stage"):
     assert key in s, key
 assert s["stages"] == 4 and len(s["peak_activation_bytes_per_stage"]) == 4 and s["samples_per_s"] > 0
+# The console's per-stage phase table, in seconds: [min, mean, max] per phase and stage.
+phases = ("forward", "backward", "recompute", "p2p_wait", "allreduce", "optimizer", "idle", "step")
+assert [p["stage"] for p in s["phase_s"]] == [0, 1, 2, 3], s["phase_s"]
+for p in s["phase_s"]:
+    assert all(0 <= p[k][0] <= p[k][1] <= p[k][2] for k in phases), p
+    assert p["forward"][1] > 0 and p["backward"][1] > 0 and p["step"][1] >= p["forward"][1] + p["backward"][1], p
 # Every send appears on its rank's communication track, from its posting to its completion.
 for rank in range(4):
-    for step in (1, 2):
+    for step in (2, 3):
         sends = [e for e in boxes if e["args"]["rank"] == rank and e["args"]["step"] == step and e["cat"].startswith("send ")]
         assert all(names[e["tid"]].startswith(f"rank {rank}: stage {rank}, replica 0: communication") for e in sends)
         assert len(sends) == (8 if rank in (0, 3) else 16), (rank, step, len(sends))
 assert abs(s["theoretical_bubble"] - 3 / 11) < 1e-9
 last = json.loads(open(sys.argv[3]).read().splitlines()[-1])
 assert last == s, "the metrics file's last line is not the summary"
+# One step numbering: the metrics' steps are the console's, 1 to --steps.
+steps = [json.loads(l)["step"] for l in open(sys.argv[3]).read().splitlines()[:-1]]
+assert steps == [1, 2, 3, 4], steps
 PY
-  /usr/bin/python3 "$root/scripts/plot_timeline.py" "$work/t.json" "$work/t.png" --step 1 > /dev/null
+  grep -q "step      4/4" "$work/log" || fail "no console line for step 4"
+  grep -q "trace of steps 2-3 written" "$work/log" || fail "the console names other traced steps"
+  /usr/bin/python3 "$root/scripts/plot_timeline.py" "$work/t.json" "$work/t.png" --step 2 > /dev/null
   [[ $(stat -c %s "$work/t.png") -gt 10000 ]] || fail "timeline PNG missing or empty"
   ;;
 overlap)
@@ -70,7 +81,7 @@ overlap)
   /usr/bin/python3 - "$work" <<'PY' || fail "overlap"
 import json, sys
 def overlaps(path):
-    boxes = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and e["args"]["step"] == 1]
+    boxes = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and e["args"]["step"] == 2]
     def box(rank, kind, mb):
         (e,) = [e for e in boxes if e["tid"] == rank and e["cat"] == kind and e["args"]["micro_batch"] == mb]
         return e["ts"], e["ts"] + e["dur"]
@@ -86,7 +97,7 @@ assert progress == (True, True), "the pipeline did not overlap with a progress t
 # happens in one direction now and then, never in both.
 assert waits != (True, True), "the control run overlapped both ways: the check would not catch a missing progress"
 def sums_before_backward_ends(path):  # per rank: gradient sums complete before its last backward ends
-    boxes = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and e["args"]["step"] == 1]
+    boxes = [e for e in json.load(open(path))["traceEvents"] if e.get("ph") == "X" and e["args"]["step"] == 2]
     counts = []
     for rank in (0, 1):
         mine = [e for e in boxes if e["args"]["rank"] == rank]
@@ -102,6 +113,28 @@ print("gradient sums done before the last backward ends, per rank, with a progre
 assert max(progress) >= 1, "no gradient sum overlapped the backward"
 assert max(waits) == 0, "the control run overlapped its gradient sums"
 PY
+  ;;
+progress)
+  # Batch logs stay clean: mpirun hands every rank a pseudo-terminal, yet output that goes
+  # to a file (or a pipe) holds no carriage return and no escape sequence; on a terminal
+  # (script(1) gives one) the live line is there, and --progress on/off override both.
+  run=(train "${small[@]}" --batch-size 8 --micro-batches 2 --steps 30 --log-every 10 --resume never)
+  esc=$'\033'
+  clean() { ! grep -q $'\r' "$1" && ! grep -q "$esc" "$1"; }
+  mpiexec -n 2 "$mpipe" "${run[@]}" > "$work/file.log" 2>&1
+  clean "$work/file.log" || fail "a redirected mpirun log holds the live line: $(cat -A "$work/file.log" | head -5)"
+  grep -q "step     30/30" "$work/file.log" || fail "no log line for the last step"
+  mpiexec -n 2 "$mpipe" "${run[@]}" 2>&1 | cat > "$work/pipe.log"
+  clean "$work/pipe.log" || fail "a piped mpirun log holds the live line"
+  script -qec "mpiexec -n 2 $mpipe ${run[*]}" /dev/null > "$work/tty.log" 2>&1
+  grep -q "ETA" "$work/tty.log" && grep -q "$esc\[K" "$work/tty.log" || fail "no live line on a terminal"
+  script -qec "mpiexec -n 2 $mpipe ${run[*]} --progress off" /dev/null > "$work/off.log" 2>&1
+  ! grep -q "ETA" "$work/off.log" || fail "--progress off still shows the live line"
+  grep -q "step     30/30" "$work/off.log" || fail "--progress off lost the log lines"
+  mpiexec -n 2 "$mpipe" "${run[@]}" --progress on > "$work/on.log" 2>&1
+  grep -q "ETA" "$work/on.log" || fail "--progress on shows no live line"
+  set +e; out=$("$mpipe" "${run[@]}" --progress maybe 2>&1); rc=$?; set -e
+  [[ $rc -eq 2 ]] && grep -q "unknown --progress 'maybe'" <<<"$out" || fail "bad --progress: rc $rc: $out"
   ;;
 sweep)
   bash "$root/scripts/sweep_microbatches.sh" --ms "1 4" --schedules "gpipe 1f1b" --ranks 2 --micro-size 2 \

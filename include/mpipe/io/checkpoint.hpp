@@ -33,8 +33,9 @@ std::string to_toml(const TrainConfig& config);
 std::optional<std::string> verify_checkpoint(const std::string& path, const std::string* signature = nullptr,
                                              bool read_data = true);
 
-// Checks --checkpoint-dir and --resume before training (rank 0); UserError on a problem.
-void check_checkpoint_options(const TrainConfig& config);
+// Checks --checkpoint-dir and --resume before training; UserError on a problem. With
+// `create` (one rank), a missing --checkpoint-dir is created first, parents included.
+void check_checkpoint_options(const TrainConfig& config, bool create = false);
 
 struct SaveResult {
   std::string path;

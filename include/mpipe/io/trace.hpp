@@ -12,10 +12,17 @@ namespace mpipe {
 // as Chrome trace JSON (open in ui.perfetto.dev or chrome://tracing).
 void write_trace(const Executor& exec, const std::string& path);
 
+// Seconds one stage spent in each phase per step: min / mean / max over the timed steps
+// and the stage's replicas (the console's "time per step" table).
+struct StagePhases {
+  double min[PhaseTimes::count] = {}, avg[PhaseTimes::count] = {}, max[PhaseTimes::count] = {};
+};
+
 struct RunSummary {
   double median_step_s = 0, samples_per_s = 0, tokens_per_s = 0, bubble = 0, theoretical_bubble = 0;
   long long steps = 0;
   std::vector<double> peak_bytes_per_rank;  // activations and scratch
+  std::vector<StagePhases> phases;           // per stage; empty when no step was timed
 };
 
 // One JSON object (one line) describing the run: throughput, bubble, peak memory per

@@ -60,6 +60,7 @@ struct TrainConfig {
   std::uint64_t seed = 1;
   int threads = 0;          // 0: every core the process may use
   int log_every = 10;
+  std::string progress = "auto";  // auto | on | off: the live progress line on rank 0
   std::string metrics;      // JSON-lines file, or empty
   std::string summary;      // JSON summary written at the end, or empty
   std::string trace;        // Chrome/Perfetto trace of every rank's actions, or empty
