@@ -200,6 +200,53 @@ std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator&
   return rows;
 }
 
+// --time-limit in seconds: MINUTES (a number), or Slurm's forms MM:SS, H:MM:SS, D-H,
+// D-H:MM, D-H:MM:SS. 0 when empty.
+double parse_time_limit(const std::string& text) {
+  if (text.empty()) return 0;
+  const UserError bad(cat("--time-limit '", text, "' is not a duration"),
+                      "give minutes (90) or [D-]H:MM:SS as Slurm writes it (1-12:00:00, 2:30:00, 45:00)");
+  auto whole = [&](const std::string& part) {
+    if (part.empty() || part.size() > 9 || !std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      throw bad;
+    return std::stod(part);
+  };
+  std::string rest = text;
+  double days = 0;
+  const auto dash = rest.find('-');
+  if (dash != std::string::npos) {
+    days = whole(rest.substr(0, dash));
+    rest = rest.substr(dash + 1);
+  }
+  std::vector<std::string> parts;
+  for (std::size_t at = 0;;) {
+    const auto colon = rest.find(':', at);
+    parts.push_back(rest.substr(at, colon == std::string::npos ? std::string::npos : colon - at));
+    if (colon == std::string::npos) break;
+    at = colon + 1;
+  }
+  double seconds = 0;
+  if (dash != std::string::npos) {  // D-H, D-H:MM, D-H:MM:SS
+    if (parts.size() > 3) throw bad;
+    const double unit[] = {3600, 60, 1};
+    for (std::size_t i = 0; i < parts.size(); ++i) seconds += whole(parts[i]) * unit[i];
+  } else if (parts.size() == 1) {  // minutes, fractions allowed
+    char* end = nullptr;
+    const double minutes = std::strtod(parts[0].c_str(), &end);
+    if (parts[0].empty() || *end != '\0' || !std::isfinite(minutes)) throw bad;
+    seconds = minutes * 60;
+  } else if (parts.size() == 2) {
+    seconds = whole(parts[0]) * 60 + whole(parts[1]);
+  } else if (parts.size() == 3) {
+    seconds = whole(parts[0]) * 3600 + whole(parts[1]) * 60 + whole(parts[2]);
+  } else {
+    throw bad;
+  }
+  seconds += days * 86400;
+  if (!(seconds > 0)) throw UserError(cat("--time-limit '", text, "' must be positive"), "e.g. --time-limit 90");
+  return seconds;
+}
+
 // Whether a person watches rank 0's standard output. Open MPI forwards every rank's
 // stdout through a pseudo-terminal of its own, a terminal even when mpirun's output goes
 // to a file; there it is the launcher's stdout that counts. The launcher is the parent
@@ -279,7 +326,17 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--micro-batches", c.micro_batches, "Micro-batches per mini-batch and replica")->capture_default_str();
   cmd.add_option("--optimizer", o.kind, "adamw or sgd")->capture_default_str();
   cmd.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str();
-  cmd.add_option("--min-lr-ratio", o.min_lr_ratio, "Cosine decay ends at lr times this")->capture_default_str();
+  cmd.add_option("--min-lr-ratio", o.min_lr_ratio, "The decay ends at lr times this")->capture_default_str();
+  cmd.add_option("--lr-schedule", o.lr_schedule,
+                 "After the warm-up: cosine, linear or wsd decay to lr x --min-lr-ratio, or constant")
+      ->capture_default_str();
+  cmd.add_option("--lr-decay-steps", o.lr_decay_steps,
+                 "The step the decay ends at, whatever --steps says (0: --steps); lets a run train in "
+                 "several jobs, or be extended, without its schedule changing")
+      ->capture_default_str();
+  cmd.add_option("--wsd-decay", o.wsd_decay,
+                 "wsd (warm-up, stable, decay): the last fraction of the decay steps that decays, linearly")
+      ->capture_default_str();
   cmd.add_option("--weight-decay", o.weight_decay, "Decoupled weight decay (matrices only)")->capture_default_str();
   cmd.add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
   cmd.add_option("--warmup", o.warmup, "Steps of linear learning-rate warm-up")->capture_default_str();
@@ -325,6 +382,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--checkpoint-dir", c.checkpoint_dir, "Write HDF5 checkpoints DIR/ckpt-<step>.h5 (created if missing)");
   cmd.add_option("--checkpoint-every", c.checkpoint_every, "Steps between checkpoints (0: only the final one)")
       ->capture_default_str();
+  cmd.add_option("--time-limit", c.time_limit,
+                 "Stop in time: once the next step and a checkpoint would not fit in this much time from the "
+                 "start (MINUTES, or Slurm's [D-]H:MM:SS / MM:SS), write a checkpoint and exit 75, as on SIGTERM");
   cmd.add_option("--keep", c.keep, "Complete checkpoints to keep (0: all)")->capture_default_str();
   cmd.add_option("--resume", c.resume, "auto (newest good checkpoint in --checkpoint-dir), never, or a file")
       ->capture_default_str();
@@ -388,12 +448,15 @@ int run_plan(const TrainConfig& config, int ranks) {
 }
 
 int run_train(const TrainConfig& options, const Communicator& world) {
+  const auto started = std::chrono::steady_clock::now();  // --time-limit counts from here
   const bool root = world.rank() == 0;
   TrainConfig config = options;
   std::unique_ptr<Executor> exec;
   std::unique_ptr<MetricsWriter> metrics;
+  double time_limit_s = 0;
   int code = agree(world, [&] {
     validate(config, world.size());
+    time_limit_s = parse_time_limit(config.time_limit);
     if (root) check_checkpoint_options(config, /*create=*/true);
   });
   if (code) return code;
@@ -431,6 +494,11 @@ int run_train(const TrainConfig& options, const Communicator& world) {
                 cpu::threads(), cpu::threads() > 1 ? "s" : "");
     std::printf("%s\n", device_line.c_str());
     if (grid.stages() > 1 || grid.replicas() > 1) std::printf("communication: %s\n", exec->progress().describe().c_str());
+    if (time_limit_s > 0) {
+      const long long t = std::llround(time_limit_s);
+      std::printf("time limit: %lld:%02lld:%02lld (--time-limit %s): a checkpoint and exit %d before it\n", t / 3600,
+                  t % 3600 / 60, t % 60, config.time_limit.c_str(), exit_preempted);
+    }
     if (const Dataset* data = exec->dataset()) std::printf("data: %s\n", data->describe().c_str());
     print_plan(config, exec->model(), exec->partition(), grid.shape());
     if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(config, grid.shape());
@@ -449,6 +517,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   step_seconds.reserve(static_cast<std::size_t>(config.steps));
   const bool progress = root && show_progress(config.progress);
   const auto run_start = std::chrono::steady_clock::now();
+  double longest_step = 0, checkpoint_seconds = 0;  // for --time-limit
   // Writes the checkpoint of `done` completed steps on every rank; false if it failed.
   int64_t last_saved = resumed_from.empty() ? -1 : first_step;
   auto checkpoint = [&](int64_t done) {
@@ -456,6 +525,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     try {
       const SaveResult saved = save_checkpoint(*exec, done);
       last_saved = done;
+      checkpoint_seconds = saved.write_seconds + saved.verify_seconds;
       if (root)
         std::printf("checkpoint %s written: %s in %.2f s (%.0f MB/s), verified in %.2f s\n", saved.path.c_str(),
                     human_bytes(saved.bytes).c_str(), saved.write_seconds, saved.bytes / 1e6 / saved.write_seconds,
@@ -467,16 +537,31 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     }
   };
   bool preempted = false;
+  // --time-limit: stop once the next step plus a checkpoint would not fit. Each rank asks
+  // on its own clock; the step's allreduce makes every rank stop after the same step.
+  bool out_of_time = false;
+  auto time_is_up = [&] {
+    if (time_limit_s <= 0) return false;
+    const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    const double save = checkpoint_seconds > 0 ? checkpoint_seconds : longest_step;
+    return elapsed + longest_step + save >= time_limit_s;
+  };
   try {
     for (int64_t step = first_step; step < config.steps; ++step) {
       if (g_stop_signal) exec->request_stop();
+      if (time_is_up()) {
+        out_of_time = true;
+        exec->request_stop();
+      }
       const StepResult r = exec->step(step);
+      longest_step = std::max(longest_step, r.seconds);
       if (step > first_step) stats.add(exec->last_times(), r.bubble_fraction);  // the first step sizes the arenas
       if (r.stop) {
         // Every rank saw the same flag in the step's allreduce: stop here, together.
         preempted = true;
-        if (root) std::printf("step %lld: stop signal received; checkpointing and exiting with code %d\n",
-                              static_cast<long long>(step + 1), exit_preempted);
+        if (root)
+          std::printf("step %lld: %s; checkpointing and exiting with code %d\n", static_cast<long long>(step + 1),
+                      g_stop_signal || !out_of_time ? "stop signal received" : "--time-limit reached", exit_preempted);
         if (!checkpoint(step + 1)) return exit_internal_error;
         break;
       }
@@ -584,10 +669,13 @@ int run_main(int argc, char** argv) {
   plan->add_option("--ranks", plan_ranks, "Number of ranks to plan for")->capture_default_str();
   CLI::App* inspect = app.add_subcommand("inspect", "Show a checkpoint: tree, shapes, parameter counts, step, config");
   std::string inspect_path;
-  bool inspect_stats = false, inspect_verify = false;
+  bool inspect_stats = false, inspect_verify = false, inspect_config = false;
   inspect->add_option("file", inspect_path, "Checkpoint file (ckpt-*.h5)")->required();
   inspect->add_flag("--stats", inspect_stats, "Per-tensor min, max, mean, std and norm");
   inspect->add_flag("--verify", inspect_verify, "Check every checksum; exit code 2 on damage");
+  inspect->add_flag("--config", inspect_config,
+                    "Print only the run's options, as a file for 'train --config' (mpipe inspect CKPT --config > "
+                    "run.toml)");
 
   try {
     app.parse(argc, argv);
@@ -624,7 +712,7 @@ int run_main(int argc, char** argv) {
     return finish(code);
   }
   try {
-    if (inspect->parsed()) return run_inspect(inspect_path, inspect_stats, inspect_verify);
+    if (inspect->parsed()) return run_inspect(inspect_path, inspect_stats, inspect_verify, inspect_config);
     return run_plan(plan_config, plan_ranks);
   } catch (const UserError& e) {
     std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());

@@ -7,6 +7,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -400,24 +401,89 @@ std::string model_signature(const Model& model) {
   return s + " layout=" + hash;
 }
 
+namespace {
+// The shortest text that reads back as the same float (0.001, not 0.00100000005).
+std::string shortest(float x) {
+  char text[32];
+  const auto r = std::to_chars(text, text + sizeof text, x);
+  std::string out(text, r.ptr);
+  if (out.find_first_of(".en") == std::string::npos) out += ".0";  // TOML: a float, not an integer
+  return out;
+}
+std::string shortest(double x) {
+  char text[32];
+  const auto r = std::to_chars(text, text + sizeof text, x);
+  std::string out(text, r.ptr);
+  if (out.find_first_of(".en") == std::string::npos) out += ".0";
+  return out;
+}
+std::string quoted(const std::string& text) {  // a TOML basic string
+  std::string out = "\"";
+  for (char ch : text) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out + "\"";
+}
+}  // namespace
+
+// Every option that shapes a run (not where its outputs go, nor --steps' neighbours of
+// a single invocation such as --resume), in `train --config` form: `mpipe inspect CKPT
+// --config > run.toml` and `mpipe train --config run.toml` continue the run.
 std::string to_toml(const TrainConfig& c) {
-  std::ostringstream o;
-  o.precision(9);
   const auto& m = c.model;
   const auto& p = c.optimizer;
   const auto& q = c.pipeline;
-  o << "model = \"" << m.kind << "\"\nlayers = " << m.layers << "\nd-model = " << m.d_model << "\nheads = " << m.heads
-    << "\nseq-len = " << m.seq_len << "\nvocab = " << m.vocab << "\nhidden = " << m.hidden << "\ninputs = " << m.inputs
-    << "\nclasses = " << m.classes << "\ndropout = " << m.dropout << "\ndata = \"" << c.data
-    << "\"\nbatch-size = " << c.batch_size << "\nmicro-batches = " << c.micro_batches << "\noptimizer = \"" << p.kind
-    << "\"\nlr = " << p.lr << "\nmin-lr-ratio = " << p.min_lr_ratio << "\nweight-decay = " << p.weight_decay
-    << "\nmomentum = " << p.momentum << "\nwarmup = " << p.warmup << "\nclip-grad = " << p.clip_grad
-    << "\nsteps = " << c.steps << "\nseed = " << c.seed << "\nthreads = " << c.threads << "\nstages = " << q.grid.stages
-    << "\nreplicas = " << q.grid.replicas << "\nrank-order = \"" << q.grid.rank_order << "\"\nschedule = \"" << q.schedule
-    << "\"\nremat = \"" << q.remat << "\"\npartition = \"" << q.partition << "\"\n";
-  if (!q.balance.empty()) o << "balance = \"" << q.balance << "\"\n";
-  o << "checkpoint-every = " << c.checkpoint_every << "\nkeep = " << c.keep << "\n";
-  return o.str();
+  std::string o;
+  auto line = [&](const char* key, const std::string& value) { o += cat(key, " = ", value, "\n"); };
+  line("model", quoted(m.kind));
+  line("layers", cat(m.layers));
+  if (m.kind == "gpt") {
+    line("d-model", cat(m.d_model));
+    line("heads", cat(m.heads));
+    line("seq-len", cat(m.seq_len));
+    line("vocab", cat(m.vocab));
+  } else {
+    line("hidden", cat(m.hidden));
+    line("inputs", cat(m.inputs));
+    line("classes", cat(m.classes));
+  }
+  line("dropout", shortest(m.dropout));
+  line("data", quoted(c.data));
+  line("batch-size", cat(c.batch_size));
+  line("micro-batches", cat(c.micro_batches));
+  line("steps", cat(c.steps));
+  line("seed", cat(c.seed));
+  line("device", quoted(c.device));
+  line("precision", quoted(c.precision));
+  line("threads", cat(c.threads));
+  line("optimizer", quoted(p.kind));
+  line("lr", shortest(p.lr));
+  line("lr-schedule", quoted(p.lr_schedule));
+  line("lr-decay-steps", cat(p.lr_decay_steps));
+  line("min-lr-ratio", shortest(p.min_lr_ratio));
+  line("wsd-decay", shortest(p.wsd_decay));
+  line("warmup", cat(p.warmup));
+  line("weight-decay", shortest(p.weight_decay));
+  line("momentum", shortest(p.momentum));
+  line("clip-grad", shortest(p.clip_grad));
+  line("stages", cat(q.grid.stages));
+  line("replicas", cat(q.grid.replicas));
+  line("rank-order", quoted(q.grid.rank_order));
+  line("schedule", quoted(q.schedule));
+  line("remat", quoted(q.remat));
+  line("partition", quoted(q.partition));
+  if (!q.balance.empty()) line("balance", quoted(q.balance));
+  line("p2p-timeout", shortest(q.p2p_timeout));
+  line("comm-progress", quoted(q.comm_progress));
+  line("comm-poll-us", shortest(q.comm_poll_us));
+  line("comm-wait", quoted(q.comm_wait));
+  line("log-every", cat(c.log_every));
+  if (!c.checkpoint_dir.empty()) line("checkpoint-dir", quoted(c.checkpoint_dir));
+  line("checkpoint-every", cat(c.checkpoint_every));
+  line("keep", cat(c.keep));
+  if (!c.time_limit.empty()) line("time-limit", quoted(c.time_limit));
+  return o;
 }
 
 // ---- verification --------------------------------------------------------------------
@@ -699,7 +765,7 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
 
 // ---- inspect -------------------------------------------------------------------------
 
-int run_inspect(const std::string& path, bool stats, bool verify) {
+int run_inspect(const std::string& path, bool stats, bool verify, bool config_only) {
   quiet_hdf5();
   MPIPE_REQUIRE(fs::is_regular_file(path), "give the path of a checkpoint file", "no file '", path, "'");
   MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)",
@@ -709,6 +775,12 @@ int run_inspect(const std::string& path, bool stats, bool verify) {
   const auto format = read_string_attribute(file.get(), "format");
   MPIPE_REQUIRE(format && *format == checkpoint_format, "this is some other HDF5 file", "'", path,
                 "' is not an mpipe checkpoint");
+  if (config_only) {  // the run's options alone, as `train --config` reads them
+    const auto config = read_string_attribute(file.get(), "config");
+    MPIPE_REQUIRE(config.has_value(), "the file is damaged; use an older checkpoint", "'", path, "' has no config");
+    std::printf("# the options of the run that wrote %s\n%s", path.c_str(), config->c_str());
+    return 0;
+  }
   std::printf("%s\n", path.c_str());
   for (const char* a : {"format", "mpipe_version", "model_signature", "optimizer"})
     std::printf("  %-16s %s\n", a, read_string_attribute(file.get(), a).value_or("?").c_str());

@@ -19,15 +19,30 @@ void validate(const OptimizerConfig& c) {
   MPIPE_REQUIRE(c.momentum >= 0.0f && c.momentum < 1.0f, "e.g. --momentum 0.9",
                 "--momentum must be in [0, 1), got ", c.momentum);
   MPIPE_REQUIRE(c.warmup >= 0, "e.g. --warmup 100", "--warmup must be >= 0, got ", c.warmup);
+  MPIPE_REQUIRE(c.lr_schedule == "cosine" || c.lr_schedule == "linear" || c.lr_schedule == "constant" ||
+                    c.lr_schedule == "wsd",
+                "use --lr-schedule cosine, linear, constant or wsd", "unknown --lr-schedule '", c.lr_schedule, "'");
+  MPIPE_REQUIRE(c.lr_decay_steps >= 0, "e.g. --lr-decay-steps 10000 (0: --steps)", "--lr-decay-steps must be >= 0, got ",
+                c.lr_decay_steps);
+  MPIPE_REQUIRE(c.min_lr_ratio >= 0.0f && c.min_lr_ratio <= 1.0f, "e.g. --min-lr-ratio 0.1",
+                "--min-lr-ratio must be in [0, 1], got ", c.min_lr_ratio);
+  MPIPE_REQUIRE(c.wsd_decay > 0.0f && c.wsd_decay <= 1.0f, "e.g. --wsd-decay 0.2",
+                "--wsd-decay must be in (0, 1], got ", c.wsd_decay);
   MPIPE_REQUIRE(c.clip_grad >= 0.0f, "use 0 to disable clipping", "--clip-grad must be >= 0, got ", c.clip_grad);
 }
 
 float learning_rate(const OptimizerConfig& c, std::int64_t step, std::int64_t total) {
   if (step < c.warmup) return c.lr * static_cast<float>(step + 1) / static_cast<float>(c.warmup);
-  const double span = std::max<std::int64_t>(1, total - c.warmup);
+  if (c.lr_schedule == "constant") return c.lr;
+  const std::int64_t end = c.lr_decay_steps > 0 ? c.lr_decay_steps : total;
+  const double span = static_cast<double>(std::max<std::int64_t>(1, end - c.warmup));
   const double progress = std::min(1.0, static_cast<double>(step - c.warmup) / span);
   const double min_lr = static_cast<double>(c.lr) * c.min_lr_ratio;
-  return static_cast<float>(min_lr + 0.5 * (c.lr - min_lr) * (1.0 + std::cos(M_PI * progress)));
+  double keep;  // the fraction of (lr - min_lr) left
+  if (c.lr_schedule == "linear") keep = 1.0 - progress;
+  else if (c.lr_schedule == "wsd") keep = std::min(1.0, (1.0 - progress) / static_cast<double>(c.wsd_decay));
+  else keep = 0.5 * (1.0 + std::cos(M_PI * progress));
+  return static_cast<float>(min_lr + (c.lr - min_lr) * keep);
 }
 
 Optimizer::Optimizer(ParamStore& store, const OptimizerConfig& config)

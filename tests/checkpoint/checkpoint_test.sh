@@ -100,6 +100,49 @@ preempt)
   grep "resumed from" <<<"$out" >/dev/null || fail "did not resume: $out"
   same_tensors "$work/full/ckpt-00000040.h5" "$work/cut/ckpt-00000040.h5"
   ;;
+continue)
+  # A checkpoint says how to continue it: `inspect --config` writes the run's options as
+  # a file that `train --config` takes as is, and the run goes on from the checkpoint.
+  opts=(train --model gpt --layers 3 --d-model 32 --heads 4 --seq-len 16 --vocab 64 --batch-size 8
+        --micro-batches 2 --threads 1 --lr 3e-3 --schedule 1f1b --balance 3,4 --remat except-last
+        --lr-schedule wsd --wsd-decay 0.5 --dropout 0.1 --log-every 1)
+  run 2 "${opts[@]}" --steps 4 --checkpoint-dir "$work/straight" >/dev/null
+  run 2 "${opts[@]}" --steps 2 --lr-decay-steps 4 --checkpoint-dir "$work/cont" >/dev/null
+  "$mpipe" inspect "$work/cont/ckpt-00000002.h5" --config > "$work/run.toml"
+  for key in 'device = "cpu"' 'precision = "fp32"' 'balance = "3,4"' 'schedule = "1f1b"' 'remat = "except-last"' \
+             'lr = 0.003' 'lr-schedule = "wsd"' "checkpoint-dir = \"$work/cont\""; do
+    grep -qxF "$key" "$work/run.toml" || fail "inspect --config lacks '$key': $(cat "$work/run.toml")"
+  done
+  sed -i 's/^steps = 2$/steps = 4/; s/^lr-decay-steps = 4$/lr-decay-steps = 0/' "$work/run.toml"
+  out=$(run 2 train --config "$work/run.toml" 2>&1) || fail "train --config from inspect --config: $out"
+  grep -q "resumed from .*cont/ckpt-00000002.h5" <<<"$out" || fail "did not resume: $out"
+  grep -q "partition (balance): 0-2 | 3-6" <<<"$out" || fail "not the recorded partition: $out"
+  same_tensors "$work/straight/ckpt-00000004.h5" "$work/cont/ckpt-00000004.h5"
+  # Two jobs of 50 steps with --lr-decay-steps 100 are one run of 100 steps, bitwise.
+  run 2 "${model[@]}" --steps 100 --checkpoint-dir "$work/s100" >/dev/null
+  run 2 "${model[@]}" --steps 50 --lr-decay-steps 100 --checkpoint-dir "$work/j2" >/dev/null
+  run 2 "${model[@]}" --steps 100 --checkpoint-dir "$work/j2" > "$work/j2.log"
+  grep -q "resumed from .*ckpt-00000050.h5" "$work/j2.log" || fail "the second job did not resume: $(cat "$work/j2.log")"
+  same_tensors "$work/s100/ckpt-00000100.h5" "$work/j2/ckpt-00000100.h5"
+  # --time-limit: the step in flight ends, a checkpoint is written, exit 75 well before the
+  # limit; the next job goes on from there.
+  set +e
+  start=$(date +%s)
+  out=$(run 2 "${model[@]}" --steps 1000000 --time-limit 0:04 --checkpoint-dir "$work/tl" 2>&1); rc=$?
+  took=$(( $(date +%s) - start ))
+  set -e
+  [[ $rc -eq 75 ]] || fail "--time-limit: exit $rc, not 75: $out"
+  grep -q "step [0-9]*: --time-limit reached; checkpointing and exiting with code 75" <<<"$out" || fail "no message: $out"
+  ((took < 4 + 10)) || fail "--time-limit 0:04 ended after $took s"
+  ckpt=$(ls "$work/tl"/ckpt-*.h5) && [[ $(wc -l <<<"$ckpt") -eq 1 ]] || fail "expected one checkpoint: $ckpt"
+  at=$(basename "$ckpt" .h5); at=$((10#${at#ckpt-}))
+  ((at > 0)) || fail "no step before the time limit"
+  out=$(run 2 "${model[@]}" --steps $((at + 2)) --checkpoint-dir "$work/tl" 2>&1) || fail "resume after the limit: $out"
+  grep -q "resumed from .*ckpt-$(printf %08d "$at").h5" <<<"$out" || fail "did not resume after the limit: $out"
+  for bad in abc 1:2:3:4 -5 0 1-2:3:4:5 1e999; do
+    expect_error 2 "--time-limit '$bad'" run 1 "${model[@]}" --steps 2 --time-limit "$bad"
+  done
+  ;;
 damaged)
   # A truncated newest file is skipped with a warning; an altered one fails its
   # checksum; neither is ever loaded.

@@ -104,6 +104,9 @@ CHECKPOINT_DIR=$work/ckpt-cpu sbatch --wait -o "$work/cpu.log" slurm/train-cpu.s
   > /dev/null || fail "train-cpu.sbatch failed"
 grep -q "step      6/6" "$work/cpu.log" || fail "no final step in the CPU job's output"
 grep -q "grid: 1 replica x 2 stages = 2 ranks" "$work/cpu.log" || fail "the CPU job did not run 2 stages"
+# The job's time left (--time=01:00:00) less a minute, as --time-limit.
+grep -Eq "^time limit: 0:5[0-9]:[0-9]{2} \(--time-limit 0:5[0-9]:[0-9]{2}\)" "$work/cpu.log" \
+  || fail "the job did not pass its time left as --time-limit"
 ! grep -q $'\r' "$work/cpu.log" && ! grep -q $'\033' "$work/cpu.log" || fail "the job's log holds the live progress line"
 [[ -f "$work/ckpt-cpu/ckpt-00000006.h5" ]] || fail "no checkpoint from the CPU job"
 "$mpipe" inspect --verify "$work/ckpt-cpu/ckpt-00000006.h5" > /dev/null || fail "the CPU job's checkpoint does not verify"

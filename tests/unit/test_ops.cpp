@@ -97,6 +97,41 @@ TEST_CASE("learning rate: linear warm-up, then cosine down to lr * min_lr_ratio"
   CHECK(learning_rate(c, 110, 110) == doctest::Approx(0.1f));
 }
 
+TEST_CASE("learning rate schedules: linear, constant, wsd, and a decay decoupled from --steps") {
+  OptimizerConfig c;
+  c.lr = 1.0f;
+  c.warmup = 10;
+  c.min_lr_ratio = 0.1f;
+  c.lr_schedule = "linear";
+  CHECK(learning_rate(c, 5, 110) == doctest::Approx(0.6f));  // warm-up as before
+  CHECK(learning_rate(c, 60, 110) == doctest::Approx(0.55f));
+  CHECK(learning_rate(c, 85, 110) == doctest::Approx(0.325f));
+  CHECK(learning_rate(c, 200, 110) == doctest::Approx(0.1f));  // past the end: the floor
+  c.lr_schedule = "constant";
+  CHECK(learning_rate(c, 5, 110) == doctest::Approx(0.6f));
+  CHECK(learning_rate(c, 109, 110) == doctest::Approx(1.0f));
+  c.lr_schedule = "wsd";  // stable for the first 80% of the decay span, then linear
+  c.wsd_decay = 0.2f;
+  CHECK(learning_rate(c, 90, 110) == doctest::Approx(1.0f));
+  CHECK(learning_rate(c, 100, 110) == doctest::Approx(0.55f));
+  CHECK(learning_rate(c, 110, 110) == doctest::Approx(0.1f));
+  // --lr-decay-steps: the schedule ends at step 1010 whatever the run's length, so a run
+  // cut into jobs of 50 and 110 steps follows one curve.
+  c.lr_schedule = "cosine";
+  c.lr_decay_steps = 1010;
+  CHECK(learning_rate(c, 510, 50) == doctest::Approx(0.55f));
+  CHECK(learning_rate(c, 510, 50) == learning_rate(c, 510, 2000));
+  CHECK(learning_rate(c, 1010, 2000) == doctest::Approx(0.1f));
+  c.lr_schedule = "step";
+  CHECK_THROWS_WITH_AS(validate(c), "unknown --lr-schedule 'step'", UserError);
+  c.lr_schedule = "wsd";
+  c.wsd_decay = 0.0f;
+  CHECK_THROWS_AS(validate(c), UserError);
+  c.wsd_decay = 0.2f;
+  c.min_lr_ratio = std::nanf("");
+  CHECK_THROWS_WITH_AS(validate(c), doctest::Contains("--min-lr-ratio must be in [0, 1]"), UserError);
+}
+
 TEST_CASE("arena: the first step grows it, reset folds the blocks, later steps reuse it") {
   Arena arena;
   for (int step = 0; step < 3; ++step) {

@@ -62,6 +62,6 @@ std::string resume(Executor& exec, std::int64_t* step);
 std::int64_t load_checkpoint(Executor& exec, const std::string& path);
 
 // `mpipe inspect FILE [--stats] [--verify]`: returns the exit code.
-int run_inspect(const std::string& path, bool stats, bool verify);
+int run_inspect(const std::string& path, bool stats, bool verify, bool config_only = false);
 
 }  // namespace mpipe

@@ -17,12 +17,16 @@ struct OptimizerConfig {
   float momentum = 0.9f;       // sgd
   float beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f;  // adamw
   int warmup = 0;              // steps of linear warm-up
+  std::string lr_schedule = "cosine";  // cosine | linear | constant | wsd, after the warm-up
+  long long lr_decay_steps = 0;        // the step the decay ends at (0: --steps); min lr after
+  float wsd_decay = 0.2f;              // wsd: the last fraction of the decay steps that decays
   float clip_grad = 1.0f;      // global gradient-norm clip; 0 disables
 };
 
 void validate(const OptimizerConfig& config);
 
-// Learning rate at 0-based `step` of `total` steps.
+// Learning rate at 0-based `step`: linear warm-up, then the schedule over the decay
+// steps (`lr_decay_steps`, or `total` when 0), then lr * min_lr_ratio.
 float learning_rate(const OptimizerConfig& config, std::int64_t step, std::int64_t total);
 
 class Optimizer {
