@@ -539,7 +539,6 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   bool preempted = false;
   // --time-limit: stop once the next step plus a checkpoint would not fit. Each rank asks
   // on its own clock; the step's allreduce makes every rank stop after the same step.
-  bool out_of_time = false;
   auto time_is_up = [&] {
     if (time_limit_s <= 0) return false;
     const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
@@ -549,10 +548,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   try {
     for (int64_t step = first_step; step < config.steps; ++step) {
       if (g_stop_signal) exec->request_stop();
-      if (time_is_up()) {
-        out_of_time = true;
-        exec->request_stop();
-      }
+      if (time_is_up()) exec->request_stop();  // no signal: the message names the time limit
       const StepResult r = exec->step(step);
       longest_step = std::max(longest_step, r.seconds);
       if (step > first_step) stats.add(exec->last_times(), r.bubble_fraction);  // the first step sizes the arenas
@@ -561,7 +557,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
         preempted = true;
         if (root)
           std::printf("step %lld: %s; checkpointing and exiting with code %d\n", static_cast<long long>(step + 1),
-                      g_stop_signal || !out_of_time ? "stop signal received" : "--time-limit reached", exit_preempted);
+                      g_stop_signal ? "stop signal received" : "--time-limit reached", exit_preempted);
         if (!checkpoint(step + 1)) return exit_internal_error;
         break;
       }
