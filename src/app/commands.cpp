@@ -393,33 +393,6 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
 // CLI11 2.1 reads config files only for the top-level app, so a subcommand's file is
 // applied here, the way CLI11 applies one: each key fills the option of the same name
 // unless the command line already gave it. Unknown keys and sections are errors.
-void apply_config_file(CLI::App& command) {
-  const CLI::Option* config = command.get_option("--config");
-  if (config->count() == 0) return;
-  const std::string path = config->as<std::string>();
-  std::vector<CLI::ConfigItem> items;
-  try {
-    items = CLI::ConfigTOML().from_file(path);
-  } catch (const CLI::ParseError& e) {
-    throw UserError(cat("cannot read config file '", path, "': ", e.what()), "check the TOML syntax");
-  }
-  for (const CLI::ConfigItem& item : items) {
-    if (item.name == "++" || item.name == "--") continue;  // section markers
-    MPIPE_REQUIRE(item.parents.empty(), "put every option at the top level of the file",
-                  "config file '", path, "': sections are not supported ([", item.parents.front(), "])");
-    CLI::Option* option = command.get_option_no_throw("--" + item.name);
-    MPIPE_REQUIRE(option && item.name != "config", cat("see 'mpipe ", command.get_name(), " --help' for the names"),
-                  "config file '", path, "': unknown option '", item.name, "'");
-    if (option->count() > 0) continue;  // the command line wins
-    option->add_result(item.inputs);
-    try {
-      option->run_callback();
-    } catch (const CLI::ParseError& e) {
-      throw UserError(cat("config file '", path, "': ", item.name, ": ", e.what()), "check the value's type");
-    }
-  }
-}
-
 int run_plan(const TrainConfig& config, int ranks) {
   MPIPE_REQUIRE(ranks > 0, "e.g. --ranks 4", "--ranks must be positive, got ", ranks);
   validate(config, ranks);

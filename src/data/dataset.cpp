@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <vector>
 
@@ -159,6 +160,17 @@ class TokenFile final : public Dataset {
 };
 
 std::vector<char> read_file(const std::string& path) {
+  // Only regular files: a FIFO with no writer would block the open for ever, a directory
+  // or a device (/dev/zero) has no size to read.
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status status = fs::status(path, ec);
+  MPIPE_REQUIRE(fs::exists(status), "no such file: check the path given to --data", "cannot open data file '", path,
+                "'");
+  MPIPE_REQUIRE(!fs::is_directory(status), "give one file of text or tokens, not a directory",
+                "data file '", path, "' is a directory");
+  MPIPE_REQUIRE(fs::is_regular_file(status), "give a regular file (not a FIFO, socket or device)",
+                "data file '", path, "' is not a regular file");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   MPIPE_REQUIRE(in, "check the path given to --data", "cannot open data file '", path, "'");
   const std::streamsize size = in.tellg();

@@ -8,7 +8,15 @@ mpipe_cli_test(nonpositive_d_model 2 "error: --d-model must be positive" train -
 mpipe_cli_test(heads_divide 2 "error: --d-model 30 is not divisible by --heads 4; hint" train --d-model 30 --heads 4)
 mpipe_cli_test(batch_divide 2 "error: --batch-size 10 is not divisible by --micro-batches 3; hint" train --batch-size 10 --micro-batches 3)
 mpipe_cli_test(missing_data 2 "error: cannot open data file '/no/such/file'; hint" train --data text:/no/such/file)
-mpipe_cli_test(empty_data 2 "error: data file '/dev/null' is empty" train --data text:/dev/null)
+add_test(NAME cli.empty_data COMMAND bash ${EXPECT} 2 "error: data file '.*' is empty; hint" --
+  bash -c "f=$(mktemp) && trap 'rm -f $f' EXIT && ${MPIPE} train --data text:$f")
+set_tests_properties(cli.empty_data PROPERTIES LABELS unit TIMEOUT 60)
+# Inputs that are no regular file are refused by name, never opened (a FIFO would block).
+mpipe_cli_test(data_directory 2 "error: data file '.*' is a directory; hint" train --data text:${CMAKE_CURRENT_SOURCE_DIR})
+mpipe_cli_test(data_device 2 "error: data file '/dev/zero' is not a regular file; hint" train --data tokens:/dev/zero)
+add_test(NAME cli.data_fifo COMMAND bash ${EXPECT} 2 "error: data file '.*' is not a regular file; hint" --
+  bash -c "f=$(mktemp -u) && mkfifo $f && trap 'rm -f $f' EXIT && ${MPIPE} train --data text:$f")
+set_tests_properties(cli.data_fifo PROPERTIES LABELS unit TIMEOUT 60)
 mpipe_cli_test(short_data 2 "error: data file .* too short for one sample of --seq-len 100000" train --data text:${CMAKE_SOURCE_DIR}/inputs/mlp.toml --vocab 256 --layers 1 --d-model 8 --heads 1 --steps 1 --seq-len 100000)
 mpipe_cli_test(unwritable_metrics 2 "error: cannot write metrics file" train --metrics /no/such/dir/m.jsonl --steps 1)
 mpipe_cli_test(missing_config 2 "error: .*no/such.toml" train --config /no/such.toml)
@@ -25,3 +33,15 @@ mpipe_cli_test(plan_bad_remat 2 "error: unknown --remat 'sometimes'" plan --rank
 mpipe_cli_test(unknown_device 2 "error: unknown --device 'tpu'; hint: use --device cpu, cuda or auto" train --device tpu)
 mpipe_cli_test(unknown_precision 2 "error: unknown --precision 'fp8'; hint" train --precision fp8)
 mpipe_cli_test(bf16_on_cpu 2 "error: --precision bf16 needs a GPU.*; hint" train --device cpu --precision bf16)
+# Config files are TOML, read by a real parser: a broken one is one line naming the
+# file, line and column, exit 2 (a segfault once, for the first), and nothing blocks.
+set(CONFIGS ${CMAKE_CURRENT_SOURCE_DIR}/cli/configs)
+mpipe_cli_test(config_broken_array 2 "error: config file '.*broken_array.toml' line 1, column 12: .*array.*; hint" train --config ${CONFIGS}/broken_array.toml)
+mpipe_cli_test(config_two_values 2 "error: config file '.*two_values.toml' line 2, column 11: .*; hint" train --config ${CONFIGS}/two_values.toml)
+mpipe_cli_test(config_duplicate_key 2 "error: config file '.*duplicate_key.toml' line 2, column .*redefine.*'heads'" train --config ${CONFIGS}/duplicate_key.toml)
+mpipe_cli_test(config_section 2 "error: config file '.*section.toml' line 1, column 2: sections are not supported \\(\\[model\\]\\)" train --config ${CONFIGS}/section.toml)
+mpipe_cli_test(config_list 2 "error: config file '.*list_value.toml' line 1, column 1: balance: lists, dates and times are not option values" train --config ${CONFIGS}/list_value.toml)
+mpipe_cli_test(config_directory 2 "error: .*--config.*directory" train --config ${CONFIGS})
+add_test(NAME cli.config_fifo COMMAND bash ${EXPECT} 2 "error: config file '.*' is not a regular file; hint" --
+  bash -c "f=$(mktemp -u) && mkfifo $f && trap 'rm -f $f' EXIT && ${MPIPE} train --config $f")
+set_tests_properties(cli.config_fifo PROPERTIES LABELS unit TIMEOUT 60)
