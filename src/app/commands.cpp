@@ -342,7 +342,14 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--warmup", o.warmup, "Steps of linear learning-rate warm-up")->capture_default_str();
   cmd.add_option("--clip-grad", o.clip_grad, "Clip the global gradient norm to this (0: off)")->capture_default_str();
   cmd.add_option("--steps", c.steps, "Train up to this step")->capture_default_str();
-  cmd.add_option("--seed", c.seed, "Seed of initialisation, data and dropout")->capture_default_str();
+  cmd.add_option("--seed", c.seed, "Seed of initialisation, data and dropout")
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+            return digits ? std::string() : "must be an integer from 0 to 2^64-1, got " + text;
+          },
+          "SEED"))
+      ->capture_default_str();
   cmd.add_option("--threads", c.threads, "Threads per rank (BLAS and loops); 0: the cores given to the rank")
       ->capture_default_str();
   cmd.add_option("--log-every", c.log_every, "Print a line every N steps")->capture_default_str();
@@ -657,6 +664,14 @@ int run_main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return finish(rank == 0 ? app.exit(e) : 0);
   } catch (const CLI::ParseError& e) {
+    // No subcommand parsed: name what was typed (a mistyped "trian" is not a subcommand).
+    const bool none = !train->parsed() && !plan->parsed() && !inspect->parsed();
+    if (none && argc > 1 && argv[1][0] != '-') {
+      if (rank == 0)
+        std::fprintf(stderr, "mpipe: error: unknown command '%s'; hint: use mpipe train, plan or inspect (mpipe --help)\n",
+                     argv[1]);
+      return finish(exit_user_error);
+    }
     if (rank == 0)
       std::fprintf(stderr, "mpipe: error: %s; hint: see 'mpipe %s--help'\n", e.what(),
                    train->parsed() ? "train " : plan->parsed() ? "plan " : inspect->parsed() ? "inspect " : "");

@@ -698,6 +698,14 @@ std::vector<std::string> resume_candidates(const TrainConfig& config, const Mode
   return out;
 }
 
+namespace {
+// A checkpoint that loads but must not be continued as asked: never skipped for an
+// older one, whatever --resume says.
+struct Refused : UserError {
+  using UserError::UserError;
+};
+}  // namespace
+
 std::string resume(Executor& exec, std::int64_t* step) {
   const TrainConfig& config = exec.config();
   const Communicator& world = exec.grid().world();
@@ -707,7 +715,13 @@ std::string resume(Executor& exec, std::int64_t* step) {
     try {
       *step = load_checkpoint(exec, path);
       if (!failures.empty() && world.rank() == 0) std::fflush(stdout);
+      if (*step > config.steps)
+        throw Refused(cat("checkpoint '", path, "' is at step ", *step, ", beyond --steps ", config.steps,
+                          "; nothing to do"),
+                      cat("give --steps more than ", *step, " to train on, or --resume never to start again"));
       return path;
+    } catch (const Refused&) {
+      throw;
     } catch (const UserError& e) {
       if (config.resume != "auto") throw UserError(cat("cannot resume: ", e.what()), e.hint());
       if (world.rank() == 0) std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", e.what());
@@ -723,12 +737,17 @@ std::string resume(Executor& exec, std::int64_t* step) {
 std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
   quiet_hdf5();
   ParamStore& store = exec.params();
-  std::string problem;
+  std::string problem, other_optimizer;
   TrainState state;
   try {
     Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
     H5_CHECK(file.get(), "cannot open '", path, "'");
     const auto optimizer = read_string_attribute(file.get(), "optimizer");
+    // Another optimizer's state cannot continue this one's: say so rather than drop it.
+    if (optimizer && *optimizer != exec.config().optimizer.kind) {
+      other_optimizer = *optimizer;
+      throw Error("optimizer mismatch");
+    }
     const auto names = exec.optimizer().state_names();
     for (const ParamEntry& e : store.entries()) {
       if (e.alias) continue;  // the owner's values, loaded with the owner
@@ -756,6 +775,10 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
   int failed = problem.empty() ? 0 : 1;
   const Communicator& world = exec.grid().world();
   world.allreduce(std::span<int>(&failed, 1), Reduce::max);
+  if (!other_optimizer.empty())  // every rank reads the same attribute
+    throw Refused(cat("checkpoint '", path, "' holds ", other_optimizer, " optimizer state; this run uses --optimizer ",
+                      exec.config().optimizer.kind),
+                  cat("use --optimizer ", other_optimizer, " to continue it, or --resume never to start again"));
   if (failed) throw UserError(cat("'", path, "': ", problem.empty() ? "failed on another rank" : problem),
                               "check the file with 'mpipe inspect --verify'");
   exec.set_updates(state.updates);

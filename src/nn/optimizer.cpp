@@ -15,7 +15,8 @@ void validate(const OptimizerConfig& c) {
   MPIPE_REQUIRE(c.kind == "adamw" || c.kind == "sgd", "use --optimizer adamw or sgd",
                 "unknown optimizer '", c.kind, "'");
   MPIPE_REQUIRE(c.lr > 0.0f && std::isfinite(c.lr), "e.g. --lr 3e-4", "--lr must be positive, got ", c.lr);
-  MPIPE_REQUIRE(c.weight_decay >= 0.0f, "e.g. --weight-decay 0.1", "--weight-decay must be >= 0, got ", c.weight_decay);
+  MPIPE_REQUIRE(c.weight_decay >= 0.0f && std::isfinite(c.weight_decay), "e.g. --weight-decay 0.1",
+                "--weight-decay must be finite and >= 0, got ", c.weight_decay);
   MPIPE_REQUIRE(c.momentum >= 0.0f && c.momentum < 1.0f, "e.g. --momentum 0.9",
                 "--momentum must be in [0, 1), got ", c.momentum);
   MPIPE_REQUIRE(c.warmup >= 0, "e.g. --warmup 100", "--warmup must be >= 0, got ", c.warmup);
@@ -28,7 +29,7 @@ void validate(const OptimizerConfig& c) {
                 "--min-lr-ratio must be in [0, 1], got ", c.min_lr_ratio);
   MPIPE_REQUIRE(c.wsd_decay > 0.0f && c.wsd_decay <= 1.0f, "e.g. --wsd-decay 0.2",
                 "--wsd-decay must be in (0, 1], got ", c.wsd_decay);
-  MPIPE_REQUIRE(c.clip_grad >= 0.0f, "use 0 to disable clipping", "--clip-grad must be >= 0, got ", c.clip_grad);
+  MPIPE_REQUIRE(c.clip_grad >= 0.0f && std::isfinite(c.clip_grad), "use 0 to disable clipping", "--clip-grad must be finite and >= 0, got ", c.clip_grad);
 }
 
 float learning_rate(const OptimizerConfig& c, std::int64_t step, std::int64_t total) {

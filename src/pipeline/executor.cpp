@@ -61,6 +61,7 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(c.steps > 0, "e.g. --steps 100", "--steps must be positive, got ", c.steps);
   MPIPE_REQUIRE(c.threads >= 0, "e.g. --threads 2, or 0 for every core", "--threads must be >= 0, got ", c.threads);
   MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
+  MPIPE_REQUIRE(c.trace_steps >= 0, "e.g. --trace-steps 5", "--trace-steps must be >= 0, got ", c.trace_steps);
   MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
                 "unknown --progress '", c.progress, "'");
   MPIPE_REQUIRE(p.remat == "always" || p.remat == "except-last" || p.remat == "never",

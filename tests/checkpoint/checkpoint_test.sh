@@ -186,6 +186,16 @@ bad-input)
   /usr/bin/python3 -c "import h5py,sys; f=h5py.File(sys.argv[1],'r+'); f.attrs.modify('format_version', 99)" "$work/v99.h5"
   expect_error 2 "format version 99" run 2 "${model[@]}" --steps 4 --resume "$work/v99.h5"
   expect_error 2 "no checkpoint file '/no/such.h5'" run 2 "${model[@]}" --steps 4 --resume /no/such.h5
+  # A checkpoint beyond --steps, or of another optimizer, is refused by name: nothing is
+  # written, nothing deleted, no older checkpoint taken instead.
+  mkdir "$work/ahead"
+  run 2 "${model[@]}" --steps 6 --checkpoint-dir "$work/ahead" --checkpoint-every 2 >/dev/null
+  before=$(ls "$work/ahead")
+  expect_error 2 "checkpoint '.*ckpt-00000006.h5' is at step 6, beyond --steps 3; nothing to do; hint" \
+    run 2 "${model[@]}" --steps 3 --checkpoint-dir "$work/ahead" --keep 1
+  expect_error 2 "checkpoint '.*ckpt-00000006.h5' holds adamw optimizer state; this run uses --optimizer sgd; hint: use --optimizer adamw" \
+    run 2 "${model[@]}" --steps 8 --checkpoint-dir "$work/ahead" --optimizer sgd
+  [[ "$(ls "$work/ahead")" == "$before" ]] || fail "refused runs changed the directory: $(ls "$work/ahead")"
   expect_error 2 "is not an HDF5 file" "$mpipe" inspect "$work/text.h5"
   /usr/bin/python3 -c "import h5py,sys; h5py.File(sys.argv[1],'w')['x']=[1.0]" "$work/other.h5"
   expect_error 2 "is not an mpipe checkpoint" "$mpipe" inspect "$work/other.h5"

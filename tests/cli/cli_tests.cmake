@@ -45,3 +45,13 @@ mpipe_cli_test(config_directory 2 "error: .*--config.*directory" train --config 
 add_test(NAME cli.config_fifo COMMAND bash ${EXPECT} 2 "error: config file '.*' is not a regular file; hint" --
   bash -c "f=$(mktemp -u) && mkfifo $f && trap 'rm -f $f' EXIT && ${MPIPE} train --config $f")
 set_tests_properties(cli.config_fifo PROPERTIES LABELS unit TIMEOUT 60)
+# Numbers that would make a run meaningless are refused; a mistyped command is named.
+mpipe_cli_test(unknown_command 2 "error: unknown command 'trian'; hint: use mpipe train, plan or inspect" trian --steps 3)
+mpipe_cli_test(negative_seed 2 "error: --seed: must be an integer from 0 to 2\\^64-1, got -1" train --seed -1)
+mpipe_cli_test(infinite_weight_decay 2 "error: --weight-decay must be finite and >= 0, got inf" train --weight-decay inf)
+mpipe_cli_test(nan_min_lr_ratio 2 "error: --min-lr-ratio must be in \\[0, 1\\], got nan" train --min-lr-ratio nan)
+mpipe_cli_test(negative_trace_steps 2 "error: --trace-steps must be >= 0, got -1" train --trace-steps -1)
+mpipe_cli_test(unknown_lr_schedule 2 "error: unknown --lr-schedule 'step'; hint" train --lr-schedule step)
+mpipe_cli_test(bad_time_limit 2 "error: --time-limit '2h' is not a duration; hint" train --time-limit 2h)
+mpipe_cli_test(unknown_progress 2 "error: unknown --progress 'maybe'; hint" train --progress maybe)
+mpipe_cli_test(unknown_comm_wait 2 "error: unknown --comm-wait 'busy'; hint" train --comm-wait busy)
