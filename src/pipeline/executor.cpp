@@ -9,8 +9,6 @@
 #include <cstring>
 #include <thread>
 
-
-#include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/ops.hpp"
 
 namespace mpipe {

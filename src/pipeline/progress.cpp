@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 
 #if defined(__linux__)
 #include <sys/prctl.h>
@@ -137,11 +136,7 @@ bool Progress::sweep(bool try_only) {
   else if (!sweeping.try_lock()) return false;
   {
     std::lock_guard lock(mutex_);
-    for (const int id : incoming_) {
-      live_[static_cast<std::size_t>(live_count_)] = slots_[static_cast<std::size_t>(id)].request;
-      live_slot_[static_cast<std::size_t>(live_count_++)] = id;
-    }
-    incoming_.clear();
+    adopt_incoming();
   }
   if (live_count_ == 0) return false;
   int completed = 0;
@@ -246,12 +241,11 @@ Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char
       p.work_.notify_one();
     }
   } leave{*this, lock};
-  // Sweep without pause (yielding the core): the transfer runs at full speed, and the
-  // request is seen complete at once. Where the core may be another rank's (more ranks x
-  // threads than cores), only while data moves or the wait is fresh; once sweeps find
-  // nothing to do for a while the rank waits for a neighbour's compute, and sleeps
-  // between sweeps, 5% of the time waited so far (20 us to 1 ms). The waits mode keeps
-  // to sleeping: there MPI moves the data by itself.
+  // Sweep without pause (yielding the core) while data moves or the wait is fresh: the
+  // transfer runs at full speed, and the request is seen complete at once. Once sweeps
+  // find nothing to do for a while the rank waits for a neighbour's compute, and sleeps
+  // between sweeps, 5% of the time waited so far (20 us to 1 ms), unless told to spin.
+  // The waits mode keeps to sleeping: there MPI moves the data by itself.
   Clock::time_point moving = start;  // when a sweep last moved data
   for (int polls = 0; !s.done && failure_.empty(); ++polls) {
     lock.unlock();
@@ -286,15 +280,19 @@ Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char
   return c;
 }
 
-void Progress::cancel_remaining() {
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (finalized) return;
+void Progress::adopt_incoming() {
   for (const int id : incoming_) {
     live_[static_cast<std::size_t>(live_count_)] = slots_[static_cast<std::size_t>(id)].request;
     live_slot_[static_cast<std::size_t>(live_count_++)] = id;
   }
   incoming_.clear();
+}
+
+void Progress::cancel_remaining() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  adopt_incoming();  // the thread has stopped: nobody else sweeps
   // What a failed step left behind. Collectives cannot be cancelled and are left to MPI.
   for (int i = 0; i < live_count_; ++i) {
     MPI_Request& r = live_[static_cast<std::size_t>(i)];

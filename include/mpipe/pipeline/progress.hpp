@@ -16,10 +16,10 @@
 //           without MPI_THREAD_MULTIPLE; thread falls back to it there).
 //   waits   only waits test them: MPI's own progress, for transports that move data by
 //           themselves (single-copy shared memory, RDMA offload); the baseline.
-// A rank that waits tests its requests itself, without pause, so that the transfer runs
-// at full speed and its end is seen at once. Where ranks share cores, only while data
-// moves: then it sleeps between tests, waiting for a neighbour's compute, whose core it
-// must not take.
+// A rank that waits tests its requests itself, without pause while data moves, so that
+// the transfer runs at full speed and its end is seen at once; once nothing moves it is
+// waiting for a neighbour's compute, and sleeps between tests (unless told to spin):
+// a spinning wait takes cores the node's other processes need.
 // Only Progress tests a request once it is tracked: MPI forbids two threads testing one.
 #pragma once
 #include <mpi.h>
@@ -51,10 +51,10 @@ class Progress {
 
   // `capacity`: requests tracked at once, at most (sized once: nothing allocates later).
   // thread mode without MPI_THREAD_MULTIPLE runs as layers, and describe() says why.
-  // `spin_waits`: this rank's threads have cores of their own, so a wait may test
-  // without pause for as long as it lasts (as MPI's own waits do when not
-  // oversubscribed). `on_thread_start` runs first on the progress thread (binding it to
-  // the rank's GPU, whose memory a CUDA-aware MPI may touch while progressing).
+  // `spin_waits`: a wait tests without pause for as long as it lasts (--comm-wait spin),
+  // instead of sleeping once nothing moves. `on_thread_start` runs first on the progress
+  // thread (binding it to the rank's GPU, whose memory a CUDA-aware MPI may touch while
+  // progressing).
   Progress(ProgressMode mode, double poll_interval_s, int capacity, bool spin_waits,
            std::function<void()> on_thread_start = {});
   // Stops the thread; point-to-point requests still tracked (a failed step) are cancelled.
@@ -94,6 +94,7 @@ class Progress {
   bool sweep(bool try_only = false);
   // Sweeps again while data moves (at most 64 times); returns the sweeps that moved data.
   int sweep_while_moving(bool try_only = false);
+  void adopt_incoming();  // tracked since the last sweep into the live arrays; under both mutexes
   void cancel_remaining();
   std::string waits() const;  // how waits behave, for describe()
 
