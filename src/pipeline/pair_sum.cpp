@@ -11,27 +11,17 @@ PairSum::PairSum(const Communicator& pair, Progress& progress, Device device, bo
                  int tag)
     : pair_(pair), progress_(progress), device_(device), cuda_aware_(cuda_aware), span_(span), tag_(tag) {
   MPIPE_CHECK(pair.size() == 2, "a pair sum over ", pair.size(), " ranks");
-  const std::size_t bytes = span.size_bytes();
+  incoming_ = Inbox::make(Shape{static_cast<std::int64_t>(span.size())}, DType::f32, device, cuda_aware);
   send_wire_ = std::as_bytes(span);
-  if (device == Device::cpu) {
-    incoming_ = FloatBuffer(span.size());
-    receive_wire_ = std::as_writable_bytes(std::span<float>(incoming_.data(), span.size()));
-    return;
-  }
-  incoming_device_ = cuda::DeviceBuffer(bytes);
-  if (cuda_aware) {
-    receive_wire_ = {incoming_device_.as<std::byte>(), bytes};
-  } else {
-    incoming_host_ = cuda::PinnedBuffer(bytes);
-    outgoing_host_ = cuda::PinnedBuffer(bytes);
-    receive_wire_ = {incoming_host_.as<std::byte>(), bytes};
-    send_wire_ = {outgoing_host_.as<std::byte>(), bytes};
+  if (device == Device::cuda && !cuda_aware) {
+    outgoing_host_ = cuda::PinnedBuffer(span.size_bytes());
+    send_wire_ = {outgoing_host_.as<std::byte>(), span.size_bytes()};
   }
 }
 
 void PairSum::post_receive() {
   MPIPE_CHECK(receive_ == Progress::none && send_ == Progress::none, "a pair sum posted twice");
-  receive_ = progress_.track(pair_.irecv(receive_wire_, 1 - pair_.rank(), tag_), true);
+  receive_ = progress_.track(pair_.irecv(incoming_.wire, 1 - pair_.rank(), tag_), true);
 }
 
 void PairSum::start() {
@@ -46,13 +36,10 @@ Progress::Completion PairSum::finish(double timeout_s, const char* what, int ind
   MPIPE_CHECK(started(), "a pair sum finished before it started");
   const Progress::Completion sent = progress_.wait(send_, timeout_s, what, index);
   const Progress::Completion received =
-      progress_.wait(receive_, timeout_s, what, index, static_cast<long>(receive_wire_.size()));
-  if (device_ == Device::cpu) {
-    ops::add(tensor(span_.data()), tensor(incoming_.data()));
-  } else {
-    if (!cuda_aware_) cuda::copy_to_device(incoming_device_.data(), incoming_host_.data(), span_.size_bytes());
-    ops::add(tensor(span_.data()), tensor(incoming_device_.data()));
-  }
+      progress_.wait(receive_, timeout_s, what, index, static_cast<long>(incoming_.wire.size()));
+  if (device_ == Device::cuda && !cuda_aware_)
+    cuda::copy_to_device(incoming_.tensor.data, incoming_.staging.data(), incoming_.tensor.bytes());
+  ops::add(Tensor{span_.data(), incoming_.tensor.shape, DType::f32, device_}, incoming_.tensor);
   Progress::Completion c;
   c.posted = sent.posted;
   c.completed = std::max(sent.completed, received.completed);

@@ -3,6 +3,26 @@
 
 namespace mpipe {
 
+Inbox Inbox::make(const Shape& shape, DType dtype, Device device, bool cuda_aware) {
+  Inbox m;
+  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
+  if (device == Device::cpu) {
+    m.host = FloatBuffer(static_cast<std::size_t>(shape.numel()));
+    m.tensor = make_tensor(m.host.data(), shape);
+    m.wire = m.tensor.byte_span();
+    return m;
+  }
+  m.device = cuda::DeviceBuffer(bytes);
+  m.tensor = {m.device.data(), shape, dtype, Device::cuda};
+  if (cuda_aware) {
+    m.wire = m.tensor.byte_span();
+  } else {
+    m.staging = cuda::PinnedBuffer(bytes);
+    m.wire = {m.staging.as<std::byte>(), bytes};
+  }
+  return m;
+}
+
 Transport::Transport(const Grid& grid, Progress& progress, Device device, DType dtype, bool cuda_aware,
                      int micro_batches, const Shape& input, const Shape& output, double timeout_s)
     : grid_(grid), progress_(progress), device_(device), dtype_(dtype), cuda_aware_(cuda_aware),
@@ -10,8 +30,8 @@ Transport::Transport(const Grid& grid, Progress& progress, Device device, DType 
   const int M = micro_batches;
   const bool first = grid.first_stage(), last = grid.last_stage();
   for (int mb = 0; mb < M; ++mb) {
-    if (!first) received_[index(Direction::forward)].push_back(make_message(input));
-    if (!last) received_[index(Direction::backward)].push_back(make_message(output));
+    if (!first) received_[index(Direction::forward)].push_back(Inbox::make(input, dtype_, device_, cuda_aware_));
+    if (!last) received_[index(Direction::backward)].push_back(Inbox::make(output, dtype_, device_, cuda_aware_));
   }
   for (auto& tickets : receive_tickets_) tickets.assign(static_cast<std::size_t>(M), Progress::none);
   send_tickets_.reserve(2 * static_cast<std::size_t>(M));
@@ -31,26 +51,6 @@ Transport::Transport(const Grid& grid, Progress& progress, Device device, DType 
   }
 }
 
-Transport::Message Transport::make_message(const Shape& shape) const {
-  Message m;
-  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_);
-  if (device_ == Device::cpu) {
-    m.host = FloatBuffer(static_cast<std::size_t>(shape.numel()));
-    m.tensor = make_tensor(m.host.data(), shape);
-    m.wire = m.tensor.byte_span();
-    return m;
-  }
-  m.device = cuda::DeviceBuffer(bytes);
-  m.tensor = {m.device.data(), shape, dtype_, Device::cuda};
-  if (cuda_aware_) {
-    m.wire = m.tensor.byte_span();
-  } else {
-    m.staging = cuda::PinnedBuffer(bytes);
-    m.wire = {m.staging.as<std::byte>(), bytes};
-  }
-  return m;
-}
-
 int Transport::peer(Direction direction) const {
   return direction == Direction::forward ? grid_.stage() + 1 : grid_.stage() - 1;
 }
@@ -61,7 +61,7 @@ void Transport::post_receives() {
   sent_.clear();
   pending_sends_.clear();
   for (const Direction d : {Direction::forward, Direction::backward}) {
-    std::vector<Message>& messages = received_[index(d)];
+    std::vector<Inbox>& messages = received_[index(d)];
     // Activations come from the previous stage, gradients from the next.
     const int from = d == Direction::forward ? grid_.stage() - 1 : grid_.stage() + 1;
     for (int mb = 0; mb < static_cast<int>(messages.size()); ++mb)
@@ -73,7 +73,7 @@ void Transport::post_receives() {
 double Transport::receive(Direction direction, int mb) {
   // A neighbour may be waiting for one of our queued sends before it can send this.
   post_ready_sends(true);
-  Message& m = received_[index(direction)][static_cast<std::size_t>(mb)];
+  Inbox& m = received_[index(direction)][static_cast<std::size_t>(mb)];
   const double waited =
       progress_
           .wait(receive_tickets_[index(direction)][static_cast<std::size_t>(mb)], timeout_,

@@ -14,6 +14,7 @@
 #include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/comm.hpp"
 #include "mpipe/pipeline/progress.hpp"
+#include "mpipe/pipeline/transport.hpp"
 
 namespace mpipe {
 
@@ -34,17 +35,14 @@ class PairSum {
   Progress::Completion finish(double timeout_s, const char* what, int index);
 
  private:
-  Tensor tensor(void* data) const { return {data, Shape{static_cast<std::int64_t>(span_.size())}, DType::f32, device_}; }
   const Communicator& pair_;
   Progress& progress_;
   Device device_;
   bool cuda_aware_;
   std::span<float> span_;
   int tag_;
-  FloatBuffer incoming_;                  // CPU: the partner's part
-  cuda::DeviceBuffer incoming_device_;    // GPU: the partner's part, where the add reads it
-  cuda::PinnedBuffer incoming_host_, outgoing_host_;  // GPU without CUDA-aware MPI
-  std::span<std::byte> receive_wire_;
+  Inbox incoming_;                        // the partner's part
+  cuda::PinnedBuffer outgoing_host_;      // GPU without CUDA-aware MPI: this rank's part
   std::span<const std::byte> send_wire_;
   Progress::Ticket receive_ = Progress::none, send_ = Progress::none;
 };

@@ -21,6 +21,18 @@
 
 namespace mpipe {
 
+// Where one incoming message lands: host memory on the CPU; device memory on a GPU,
+// which MPI receives into directly when it is CUDA-aware and otherwise through a pinned
+// host buffer (`staging`, copied in by the receiver).
+struct Inbox {
+  static Inbox make(const Shape& shape, DType dtype, Device device, bool cuda_aware);
+  FloatBuffer host;              // CPU
+  cuda::DeviceBuffer device;     // GPU
+  cuda::PinnedBuffer staging;    // GPU when MPI is not CUDA-aware
+  Tensor tensor;                 // what compute reads
+  std::span<std::byte> wire;     // what MPI receives into
+};
+
 class Transport {
  public:
   using Clock = std::chrono::steady_clock;
@@ -56,21 +68,12 @@ class Transport {
   std::span<const Transfer> sent() const { return sent_; }
 
  private:
-  // One micro-batch's incoming activation or gradient.
-  struct Message {
-    FloatBuffer host;              // CPU training
-    cuda::DeviceBuffer device;     // GPU training
-    cuda::PinnedBuffer staging;    // GPU training when MPI is not CUDA-aware
-    Tensor tensor;                 // what the layers read
-    std::span<std::byte> wire;     // what MPI receives into
-  };
   struct PendingSend {
     cuda::Event* ready;
     std::span<const std::byte> wire;
     Direction direction;
     int micro_batch;
   };
-  Message make_message(const Shape& shape) const;
   void post_ready_sends(bool wait);
   void post_send(std::span<const std::byte> wire, Direction direction, int mb);
   int peer(Direction direction) const;  // where messages in `direction` go
@@ -82,7 +85,7 @@ class Transport {
   DType dtype_;
   bool cuda_aware_;
   double timeout_;
-  std::vector<Message> received_[2];                 // [direction][micro-batch]
+  std::vector<Inbox> received_[2];                   // [direction][micro-batch]
   std::vector<Progress::Ticket> receive_tickets_[2];
   std::vector<Progress::Ticket> send_tickets_;      // this step's, in order of posting
   std::vector<Transfer> sent_;
