@@ -20,6 +20,7 @@
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/io/checkpoint.hpp"
+#include "mpipe/io/config_file.hpp"
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/io/trace.hpp"
 

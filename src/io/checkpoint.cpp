@@ -7,7 +7,6 @@
 #include <zlib.h>
 
 #include <algorithm>
-#include <charconv>
 #include <chrono>
 #include <cstdlib>
 #include <memory>
@@ -19,6 +18,7 @@
 #include <sstream>
 
 #include "mpipe/core/version.hpp"
+#include "mpipe/io/config_file.hpp"
 
 namespace mpipe {
 
@@ -399,91 +399,6 @@ std::string model_signature(const Model& model) {
   char hash[16];
   std::snprintf(hash, sizeof hash, "%08x", static_cast<unsigned>(crc32_of(layout.data(), layout.size())));
   return s + " layout=" + hash;
-}
-
-namespace {
-// The shortest text that reads back as the same float (0.001, not 0.00100000005).
-std::string shortest(float x) {
-  char text[32];
-  const auto r = std::to_chars(text, text + sizeof text, x);
-  std::string out(text, r.ptr);
-  if (out.find_first_of(".en") == std::string::npos) out += ".0";  // TOML: a float, not an integer
-  return out;
-}
-std::string shortest(double x) {
-  char text[32];
-  const auto r = std::to_chars(text, text + sizeof text, x);
-  std::string out(text, r.ptr);
-  if (out.find_first_of(".en") == std::string::npos) out += ".0";
-  return out;
-}
-std::string quoted(const std::string& text) {  // a TOML basic string
-  std::string out = "\"";
-  for (char ch : text) {
-    if (ch == '"' || ch == '\\') out += '\\';
-    out += ch;
-  }
-  return out + "\"";
-}
-}  // namespace
-
-// Every option that shapes a run (not where its outputs go, nor --steps' neighbours of
-// a single invocation such as --resume), in `train --config` form: `mpipe inspect CKPT
-// --config > run.toml` and `mpipe train --config run.toml` continue the run.
-std::string to_toml(const TrainConfig& c) {
-  const auto& m = c.model;
-  const auto& p = c.optimizer;
-  const auto& q = c.pipeline;
-  std::string o;
-  auto line = [&](const char* key, const std::string& value) { o += cat(key, " = ", value, "\n"); };
-  line("model", quoted(m.kind));
-  line("layers", cat(m.layers));
-  if (m.kind == "gpt") {
-    line("d-model", cat(m.d_model));
-    line("heads", cat(m.heads));
-    line("seq-len", cat(m.seq_len));
-    line("vocab", cat(m.vocab));
-  } else {
-    line("hidden", cat(m.hidden));
-    line("inputs", cat(m.inputs));
-    line("classes", cat(m.classes));
-  }
-  line("dropout", shortest(m.dropout));
-  line("data", quoted(c.data));
-  line("batch-size", cat(c.batch_size));
-  line("micro-batches", cat(c.micro_batches));
-  line("steps", cat(c.steps));
-  line("seed", cat(c.seed));
-  line("device", quoted(c.device));
-  line("precision", quoted(c.precision));
-  line("threads", cat(c.threads));
-  line("optimizer", quoted(p.kind));
-  line("lr", shortest(p.lr));
-  line("lr-schedule", quoted(p.lr_schedule));
-  line("lr-decay-steps", cat(p.lr_decay_steps));
-  line("min-lr-ratio", shortest(p.min_lr_ratio));
-  line("wsd-decay", shortest(p.wsd_decay));
-  line("warmup", cat(p.warmup));
-  line("weight-decay", shortest(p.weight_decay));
-  line("momentum", shortest(p.momentum));
-  line("clip-grad", shortest(p.clip_grad));
-  line("stages", cat(q.grid.stages));
-  line("replicas", cat(q.grid.replicas));
-  line("rank-order", quoted(q.grid.rank_order));
-  line("schedule", quoted(q.schedule));
-  line("remat", quoted(q.remat));
-  line("partition", quoted(q.partition));
-  if (!q.balance.empty()) line("balance", quoted(q.balance));
-  line("p2p-timeout", shortest(q.p2p_timeout));
-  line("comm-progress", quoted(q.comm_progress));
-  line("comm-poll-us", shortest(q.comm_poll_us));
-  line("comm-wait", quoted(q.comm_wait));
-  line("log-every", cat(c.log_every));
-  if (!c.checkpoint_dir.empty()) line("checkpoint-dir", quoted(c.checkpoint_dir));
-  line("checkpoint-every", cat(c.checkpoint_every));
-  line("keep", cat(c.keep));
-  if (!c.time_limit.empty()) line("time-limit", quoted(c.time_limit));
-  return o;
 }
 
 // ---- verification --------------------------------------------------------------------

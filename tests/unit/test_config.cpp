@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mpipe/app/commands.hpp"
+#include "mpipe/io/config_file.hpp"
 
 using namespace mpipe;
 namespace fs = std::filesystem;

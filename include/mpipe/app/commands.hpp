@@ -1,5 +1,5 @@
 // The command line: `mpipe train` (under mpirun/srun or alone) and `mpipe plan`.
-// Thin: parse options (CLI11, TOML config files), build, run, report.
+// Thin: parse options (CLI11; TOML config files in io/config_file.hpp), build, run, report.
 #pragma once
 #include <CLI/CLI.hpp>
 
@@ -9,8 +9,6 @@ namespace mpipe {
 
 // Registers the options shared by train and plan on `command`, writing into `config`.
 void add_train_options(CLI::App& command, TrainConfig& config);
-// Applies the command's --config TOML file, if given, under the command-line values.
-void apply_config_file(CLI::App& command);
 
 // Runs training on `world` (MPI initialised); returns the exit code of this rank.
 int run_train(const TrainConfig& config, const Communicator& world);

@@ -24,8 +24,6 @@ std::string checkpoint_path(const std::string& dir, std::int64_t step);
 // A string that changes whenever the parameter layout would: model kind, sizes,
 // every parameter's layer, name and shape.
 std::string model_signature(const Model& model);
-// The resolved configuration as TOML text, loadable with --config.
-std::string to_toml(const TrainConfig& config);
 
 // Checks a checkpoint file without MPI: HDF5, format and version, (when given) the
 // model signature, every dataset present with a checksum, and (read_data) the CRC-32

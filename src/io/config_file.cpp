@@ -1,0 +1,146 @@
+// Options files: read with a real TOML parser (toml++, header-only here) so that a
+// broken file is one clear line naming where it breaks; written from a TrainConfig.
+#include "mpipe/io/config_file.hpp"
+
+#include <filesystem>
+#include <string>
+
+#define TOML_HEADER_ONLY 1
+#define TOML_EXCEPTIONS 1
+#include <toml++/toml.h>
+
+#include "mpipe/core/error.hpp"
+
+namespace mpipe {
+
+namespace {
+
+std::string where(const std::string& path, const toml::source_region& at) {
+  return cat("config file '", path, "' line ", at.begin.line, ", column ", at.begin.column);
+}
+
+// A float as TOML writes it: the shortest round-trip text, with a point (1.0, not 1).
+template <class T>
+std::string toml_float(T x) {
+  std::string text = shortest_text(x);
+  if (text.find_first_of(".en") == std::string::npos) text += ".0";
+  return text;
+}
+
+std::string quoted(const std::string& text) {  // a TOML basic string
+  std::string out = "\"";
+  for (char ch : text) {
+    if (ch == '"' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out + "\"";
+}
+
+// A TOML value as the text CLI11 converts, or nothing for what no option takes.
+std::optional<std::string> as_text(const toml::node& value) {
+  if (const auto* s = value.as_string()) return s->get();
+  if (const auto* i = value.as_integer()) return std::to_string(i->get());
+  if (const auto* b = value.as_boolean()) return std::string(b->get() ? "true" : "false");
+  if (const auto* f = value.as_floating_point()) return shortest_text(f->get());
+  return std::nullopt;
+}
+
+}  // namespace
+
+void apply_config_file(CLI::App& command) {
+  const CLI::Option* config = command.get_option("--config");
+  if (config->count() == 0) return;
+  const std::string path = config->as<std::string>();
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  // Never open what could block (a FIFO with no writer) or what is no file at all.
+  MPIPE_REQUIRE(fs::exists(path, ec), "give the path of a TOML file", "config file '", path, "' does not exist");
+  MPIPE_REQUIRE(fs::is_regular_file(path, ec), "give the path of a TOML file",
+                "config file '", path, "' is not a regular file");
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    std::string what(e.description());
+    for (char& ch : what)  // one line, printable: the parser may quote what it choked on
+      if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
+    throw UserError(cat(where(path, e.source()), ": ", what), "check the TOML syntax (key = value, one per line)");
+  }
+  for (const auto& [key, value] : table) {
+    const std::string name(key.str());
+    const std::string at = where(path, key.source());
+    MPIPE_REQUIRE(!value.is_table() && !value.is_array_of_tables(), "put every option at the top level of the file",
+                  at, ": sections are not supported ([", name, "])");
+    CLI::Option* option = command.get_option_no_throw("--" + name);
+    MPIPE_REQUIRE(option && name != "config", cat("see 'mpipe ", command.get_name(), " --help' for the names"), at,
+                  ": unknown option '", name, "'");
+    const std::optional<std::string> text = as_text(value);
+    MPIPE_REQUIRE(text.has_value(), "give a string, a number or true/false", at, ": ", name,
+                  ": lists, dates and times are not option values");
+    if (option->count() > 0) continue;  // the command line wins
+    option->add_result(*text);
+    try {
+      option->run_callback();
+    } catch (const CLI::ParseError& e) {
+      throw UserError(cat(at, ": ", name, ": ", e.what()), "check the value's type");
+    }
+  }
+}
+
+std::string to_toml(const TrainConfig& c) {
+  const auto& m = c.model;
+  const auto& p = c.optimizer;
+  const auto& q = c.pipeline;
+  std::string o;
+  auto line = [&](const char* key, const std::string& value) { o += cat(key, " = ", value, "\n"); };
+  line("model", quoted(m.kind));
+  line("layers", cat(m.layers));
+  if (m.kind == "gpt") {
+    line("d-model", cat(m.d_model));
+    line("heads", cat(m.heads));
+    line("seq-len", cat(m.seq_len));
+    line("vocab", cat(m.vocab));
+  } else {
+    line("hidden", cat(m.hidden));
+    line("inputs", cat(m.inputs));
+    line("classes", cat(m.classes));
+  }
+  line("dropout", toml_float(m.dropout));
+  line("data", quoted(c.data));
+  line("batch-size", cat(c.batch_size));
+  line("micro-batches", cat(c.micro_batches));
+  line("steps", cat(c.steps));
+  line("seed", cat(c.seed));
+  line("device", quoted(c.device));
+  line("precision", quoted(c.precision));
+  line("threads", cat(c.threads));
+  line("optimizer", quoted(p.kind));
+  line("lr", toml_float(p.lr));
+  line("lr-schedule", quoted(p.lr_schedule));
+  line("lr-decay-steps", cat(p.lr_decay_steps));
+  line("min-lr-ratio", toml_float(p.min_lr_ratio));
+  line("wsd-decay", toml_float(p.wsd_decay));
+  line("warmup", cat(p.warmup));
+  line("weight-decay", toml_float(p.weight_decay));
+  line("momentum", toml_float(p.momentum));
+  line("clip-grad", toml_float(p.clip_grad));
+  line("stages", cat(q.grid.stages));
+  line("replicas", cat(q.grid.replicas));
+  line("rank-order", quoted(q.grid.rank_order));
+  line("schedule", quoted(q.schedule));
+  line("remat", quoted(q.remat));
+  line("partition", quoted(q.partition));
+  if (!q.balance.empty()) line("balance", quoted(q.balance));
+  line("p2p-timeout", toml_float(q.p2p_timeout));
+  line("comm-progress", quoted(q.comm_progress));
+  line("comm-poll-us", toml_float(q.comm_poll_us));
+  line("comm-wait", quoted(q.comm_wait));
+  line("log-every", cat(c.log_every));
+  if (!c.checkpoint_dir.empty()) line("checkpoint-dir", quoted(c.checkpoint_dir));
+  line("checkpoint-every", cat(c.checkpoint_every));
+  line("keep", cat(c.keep));
+  if (!c.time_limit.empty()) line("time-limit", quoted(c.time_limit));
+  return o;
+}
+
+}  // namespace mpipe
