@@ -21,6 +21,10 @@ std::string event_label(const TraceEvent& e) {
 // gradient sums at once), and a track's boxes must nest: each goes on the first lane of
 // its rank's communication tracks that is free by its start. Returns the lane of each
 // event (-1: a compute track event) and the number of lanes.
+// At most this many communication lanes per rank (more share the last); a rank's tracks
+// sort as (its place in the grid) * (max_lanes + 1) + lane.
+constexpr int max_lanes = 1023;
+
 int assign_lanes(const TraceEvent* events, std::size_t n, std::vector<int>& lane) {
   std::vector<std::size_t> order;
   for (std::size_t i = 0; i < n; ++i)
@@ -70,7 +74,7 @@ void write_trace(const Executor& exec, const std::string& path) {
                  "\"%s\"}}", tid, name.c_str());
     const int order = places[2 * rank + 1] * exec.grid().stages() + places[2 * rank];
     std::fprintf(out, ",\n{\"name\": \"thread_sort_index\", \"ph\": \"M\", \"pid\": 0, \"tid\": %d, \"args\": "
-                 "{\"sort_index\": %d}}", tid, order * 1024 + lanes_before);
+                 "{\"sort_index\": %d}}", tid, order * (max_lanes + 1) + lanes_before);
   };
   std::size_t at = 0;
   std::vector<int> lane;
@@ -79,11 +83,11 @@ void write_trace(const Executor& exec, const std::string& path) {
     const int lanes = assign_lanes(all.data() + at, n, lane);
     const std::string rank_name = cat("rank ", r, ": stage ", places[2 * r], ", replica ", places[2 * r + 1]);
     track(r, r, 0, rank_name);
-    for (int l = 0; l < std::min(lanes, 1023); ++l)
+    for (int l = 0; l < std::min(lanes, max_lanes); ++l)
       track(r + W * (1 + l), r, 1 + l, cat(rank_name, ": communication", l ? cat(" ", l + 1) : std::string()));
     for (std::size_t i = 0; i < n; ++i, ++at) {
       const TraceEvent& e = all[at];
-      const int tid = lane[i] < 0 ? r : r + W * (1 + std::min(lane[i], 1022));
+      const int tid = lane[i] < 0 ? r : r + W * (1 + std::min(lane[i], max_lanes - 1));
       std::fprintf(out,
                    ",\n{\"name\": \"%s\", \"cat\": \"%s\", \"ph\": \"X\", \"pid\": 0, \"tid\": %d, \"ts\": %.3f, "
                    "\"dur\": %.3f, \"args\": {\"step\": %d, \"micro_batch\": %d, \"layer\": %d, \"rank\": %d}}",
