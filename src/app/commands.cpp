@@ -3,7 +3,10 @@
 #include "mpipe/app/commands.hpp"
 
 #include <mpi.h>
+#include <fcntl.h>
 #include <sched.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <csignal>
 #include <unistd.h>
 
@@ -32,7 +35,43 @@ constexpr int exit_user_error = 2;
 
 // Set by SIGTERM / SIGUSR1 (what Slurm sends before preempting or at the time limit).
 volatile std::sig_atomic_t g_stop_signal = 0;
-extern "C" void on_stop_signal(int signal) { g_stop_signal = signal; }
+bool g_output_is_pipe[3] = {};
+pid_t g_main_thread = 0;
+extern "C" void on_stop_signal(int signal) {
+  // The kernel gives a process's signal to any thread (MPI's, the progress thread);
+  // the main thread must have it too, to leave a write it is blocked in.
+  if (g_main_thread != 0 && ::syscall(SYS_gettid) != g_main_thread) {
+    ::syscall(SYS_tgkill, ::getpid(), g_main_thread, signal);
+    return;
+  }
+  g_stop_signal = signal;
+  // SIGTERM to mpirun: Open MPI's mpirun sends SIGTERM to the ranks and then stops
+  // reading their output until it kills them (odls_base_sigkill_timeout later). A rank
+  // blocked on a full output pipe would never reach its checkpoint, so from here on
+  // output that cannot go at once is dropped (fcntl is async-signal-safe).
+  for (int fd : {1, 2})
+    if (g_output_is_pipe[fd])
+      if (const int flags = ::fcntl(fd, F_GETFL); flags >= 0) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+}
+
+// From before MPI starts, so that a stop during start-up stops after the first step.
+// Without SA_RESTART: a write already blocked on a full pipe returns.
+// Output to a pipe, a socket, or (mpirun's default) a terminal of the launcher's own.
+void install_stop_handlers() {
+  const bool under_mpirun = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr && std::getenv("SLURM_STEP_ID") == nullptr;
+  for (int fd : {1, 2}) {
+    struct stat st{};
+    g_output_is_pipe[fd] = ::fstat(fd, &st) == 0 && (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ||
+                                                     (under_mpirun && ::isatty(fd)));
+  }
+  g_main_thread = static_cast<pid_t>(::syscall(SYS_gettid));
+  struct sigaction action{};
+  action.sa_handler = on_stop_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = 0;
+  ::sigaction(SIGTERM, &action, nullptr);
+  ::sigaction(SIGUSR1, &action, nullptr);
+}
 constexpr int exit_internal_error = 1;
 
 // Threads per rank when --threads is 0: the cores the launcher bound this rank to, or,
@@ -396,6 +435,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--keep", c.keep, "Complete checkpoints to keep (0: all)")->capture_default_str();
   cmd.add_option("--resume", c.resume, "auto (newest good checkpoint in --checkpoint-dir), never, or a file")
       ->capture_default_str();
+  cmd.add_flag("--overwrite", c.overwrite,
+               "Let this run replace the checkpoints of another run in --checkpoint-dir (deleted once its first "
+               "checkpoint is in place); without it such a directory is refused");
 }
 
 // CLI11 2.1 reads config files only for the top-level app, so a subcommand's file is
@@ -443,6 +485,13 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   if (code) return code;
   // Every rank sees the directory rank 0 made (a shared file system), or says it does not.
   if ((code = agree(world, [&] { check_checkpoint_options(config); }))) return code;
+  // One job per checkpoint directory, and a run id for the checkpoints this run writes.
+  CheckpointDir checkpoint_dir(config);
+  if ((code = agree(world, [&] {
+         if (root) checkpoint_dir.lock();
+       })))
+    return code;
+  checkpoint_dir.begin(world);
   // Collective, and only once every rank's options are known good.
   std::string device_line;
   if ((code = agree(world, [&] { device_line = resolve_device(config, world); }))) return code;
@@ -459,13 +508,16 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   double load_seconds = 0;
   if ((code = agree(world, [&] {
          const auto start = std::chrono::steady_clock::now();
-         resumed_from = resume(*exec, &first_step);
+         resumed_from = resume(*exec, checkpoint_dir, &first_step);
          load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
        })))
     return code;
+  // Checkpoints of another run in the directory: refused, or replaced under --overwrite.
+  if ((code = agree(world, [&] {
+         if (root) checkpoint_dir.claim();
+       })))
+    return code;
   if (!config.trace.empty()) exec->start_trace_clock();
-  std::signal(SIGTERM, on_stop_signal);
-  std::signal(SIGUSR1, on_stop_signal);
 
   const auto& m = config.model;
   const Grid& grid = exec->grid();
@@ -504,7 +556,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   auto checkpoint = [&](int64_t done) {
     if (config.checkpoint_dir.empty() || done == last_saved) return true;
     try {
-      const SaveResult saved = save_checkpoint(*exec, done);
+      const SaveResult saved = save_checkpoint(*exec, checkpoint_dir, done);
       last_saved = done;
       checkpoint_seconds = saved.write_seconds + saved.verify_seconds;
       if (root)
@@ -623,6 +675,7 @@ int run_main(int argc, char** argv) {
   int rank = 0, already = 0;
   MPI_Initialized(&already);  // tests call run_main with MPI up
   const bool own_mpi = training && !already;
+  if (training) install_stop_handlers();
   if (own_mpi) {
     // MULTIPLE for the communication progress thread (Progress falls back without it).
     int provided = 0;

@@ -179,10 +179,60 @@ std::vector<int> writer_stages(const Model& model, const Partition& part, const 
   return writer;
 }
 
+// What steers a resume: /train's attributes and the root attributes that say which
+// model, optimizer and options the state belongs to. Version 2 covers them all by one
+// CRC-32 (/train's `crc32`) of state_text, so an altered step cannot pass for a real one.
 struct TrainState {
-  int64_t step = 0, updates = 0, samples = 0;
+  int version = checkpoint_format_version;
+  int64_t step = 0, updates = 0, samples = 0, position = 0;
   uint64_t seed = 0;
+  std::string data, run_id, signature, optimizer, config;
 };
+
+std::string state_text(const TrainState& s) {
+  return cat("step=", s.step, "\nupdates=", s.updates, "\nsamples=", s.samples, "\nposition=", s.position,
+             "\nseed=", s.seed, "\ndata=", s.data, "\nrun=", s.run_id, "\nsignature=", s.signature,
+             "\noptimizer=", s.optimizer, "\nconfig=", s.config);
+}
+
+// Reads and checks the training state of an open checkpoint: present, within the
+// checksum (version 2), and consistent (updates <= step, samples = data position, the
+// step the file's name gives). Returns the problem, or nothing.
+std::optional<std::string> read_train_state(hid_t file, const std::string& path, TrainState& s) {
+  s.version = read_scalar_attribute<int>(file, "format_version", H5T_NATIVE_INT).value_or(-1);
+  if (s.version < checkpoint_oldest_readable_version || s.version > checkpoint_format_version)
+    return cat("'", path, "' has checkpoint format version ", s.version, "; this mpipe reads versions ",
+               checkpoint_oldest_readable_version, " to ", checkpoint_format_version);
+  if (H5Lexists(file, "/train", H5P_DEFAULT) <= 0) return cat("'", path, "' has no /train group");
+  Handle train(H5Gopen2(file, "/train", H5P_DEFAULT), H5Gclose);
+  if (!train.ok()) return cat("'", path, "' has no /train group");
+  s.step = read_scalar_attribute<int64_t>(train.get(), "step", H5T_NATIVE_INT64).value_or(-1);
+  s.updates = read_scalar_attribute<int64_t>(train.get(), "optimizer_updates", H5T_NATIVE_INT64).value_or(-1);
+  s.samples = read_scalar_attribute<int64_t>(train.get(), "samples_consumed", H5T_NATIVE_INT64).value_or(-1);
+  s.position = read_scalar_attribute<int64_t>(train.get(), "data_position", H5T_NATIVE_INT64).value_or(-1);
+  s.seed = read_scalar_attribute<uint64_t>(train.get(), "seed", H5T_NATIVE_UINT64).value_or(0);
+  s.data = read_string_attribute(train.get(), "data").value_or("");
+  s.run_id = read_string_attribute(train.get(), "run_id").value_or("");
+  s.signature = read_string_attribute(file, "model_signature").value_or("");
+  s.optimizer = read_string_attribute(file, "optimizer").value_or("");
+  s.config = read_string_attribute(file, "config").value_or("");
+  if (s.step < 0 || s.updates < 0 || s.samples < 0 || s.position < 0)
+    return cat("'", path, "' lacks its training state (/train step, optimizer_updates, samples_consumed, data_position)");
+  if (s.version >= 2) {
+    const auto stored = read_scalar_attribute<uint32_t>(train.get(), "crc32", H5T_NATIVE_UINT32);
+    if (!stored) return cat("'", path, "': /train has no checksum");
+    const std::string text = state_text(s);
+    if (*stored != crc32_of(text.data(), text.size()))
+      return cat("'", path, "': the training state (/train and the root attributes) fails its checksum (altered or damaged)");
+    if (s.run_id.empty()) return cat("'", path, "': /train has no run id");
+  }
+  if (s.updates > s.step) return cat("'", path, "': /train says ", s.updates, " optimizer updates in ", s.step, " steps");
+  if (s.samples != s.position)
+    return cat("'", path, "': /train's samples_consumed ", s.samples, " and data_position ", s.position, " differ");
+  if (const int64_t named = checkpoint_step_of_name(path); named >= 0 && named != s.step)
+    return cat("'", path, "' is named for step ", named, " but holds step ", s.step);
+  return std::nullopt;
+}
 
 // Direct I/O needs buffers, offsets and sizes aligned to the device's blocks.
 constexpr std::size_t direct_alignment = 4096;
@@ -220,7 +270,7 @@ struct WriteTimes {
   bool data_checked = false;  // this writer read its data back against the checksums
 };
 
-WriteTimes write_file(Executor& exec, const std::string& temp_path, std::int64_t step) {
+WriteTimes write_file(Executor& exec, const std::string& temp_path, const std::string& run_id, std::int64_t step) {
   const auto start = std::chrono::steady_clock::now();
   auto since = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
   WriteTimes times;
@@ -298,20 +348,32 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, std::int64_t
     }
     sets.clear();
     // Training state and provenance, the same on every writer.
-    TrainState state{step, exec.updates(), step * config.batch_size, config.seed};
+    TrainState state;
+    state.step = step;
+    state.updates = exec.updates();
+    state.samples = state.position = step * config.batch_size;
+    state.seed = config.seed;
+    state.data = config.data;
+    state.run_id = run_id;
+    state.signature = model_signature(model);
+    state.optimizer = config.optimizer.kind;
+    state.config = to_toml(config);
+    const std::string text = state_text(state);
     Handle train(H5Gcreate2(file.get(), "/train", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
     write_scalar_attribute<int64_t>(train.get(), "step", H5T_STD_I64LE, state.step);
     write_scalar_attribute<int64_t>(train.get(), "optimizer_updates", H5T_STD_I64LE, state.updates);
     write_scalar_attribute<int64_t>(train.get(), "samples_consumed", H5T_STD_I64LE, state.samples);
-    write_scalar_attribute<int64_t>(train.get(), "data_position", H5T_STD_I64LE, state.samples);
+    write_scalar_attribute<int64_t>(train.get(), "data_position", H5T_STD_I64LE, state.position);
     write_scalar_attribute<uint64_t>(train.get(), "seed", H5T_STD_U64LE, state.seed);
-    write_string_attribute(train.get(), "data", config.data);
+    write_string_attribute(train.get(), "data", state.data);
+    write_string_attribute(train.get(), "run_id", state.run_id);
+    write_scalar_attribute<uint32_t>(train.get(), "crc32", H5T_STD_U32LE, crc32_of(text.data(), text.size()));
     write_string_attribute(file.get(), "format", checkpoint_format);
     write_scalar_attribute<int>(file.get(), "format_version", H5T_STD_I32LE, checkpoint_format_version);
     write_string_attribute(file.get(), "mpipe_version", cat(version(), " (git ", git_hash(), ")"));
-    write_string_attribute(file.get(), "model_signature", model_signature(model));
-    write_string_attribute(file.get(), "optimizer", config.optimizer.kind);
-    write_string_attribute(file.get(), "config", to_toml(config));
+    write_string_attribute(file.get(), "model_signature", state.signature);
+    write_string_attribute(file.get(), "optimizer", state.optimizer);
+    write_string_attribute(file.get(), "config", state.config);
     H5_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), "cannot flush '", temp_path, "'");
   }  // the file is closed (collectively) here; HDF5 writes nothing more
   // A collective close may return on one writer while another still writes metadata:
@@ -389,6 +451,28 @@ std::string checkpoint_path(const std::string& dir, std::int64_t step) {
   return (fs::path(dir) / name).string();
 }
 
+std::int64_t checkpoint_step_of_name(const std::string& path) {
+  const std::string name = fs::path(path).filename().string();
+  if (name.size() != 16 || name.rfind("ckpt-", 0) != 0 || name.substr(13) != ".h5") return -1;
+  std::int64_t step = 0;
+  for (char c : name.substr(5, 8)) {
+    if (c < '0' || c > '9') return -1;
+    step = step * 10 + (c - '0');
+  }
+  return step;
+}
+
+std::optional<std::string> checkpoint_run_id(const std::string& path) {
+  quiet_hdf5();
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec) || H5Fis_hdf5(path.c_str()) <= 0) return std::nullopt;
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  if (!file.ok() || read_string_attribute(file.get(), "format") != checkpoint_format) return std::nullopt;
+  TrainState state;
+  if (read_train_state(file.get(), path, state)) return std::nullopt;
+  return state.run_id;
+}
+
 std::string model_signature(const Model& model) {
   const ModelConfig& c = model.config();
   std::string s = cat(c.kind, " layers=", c.layers);
@@ -411,13 +495,11 @@ std::optional<std::string> verify_checkpoint(const std::string& path, const std:
   if (!file.ok()) return cat("'", path, "' cannot be opened as HDF5 (truncated or damaged)");
   const auto format = read_string_attribute(file.get(), "format");
   if (!format || *format != checkpoint_format) return cat("'", path, "' is not an mpipe checkpoint");
-  const auto version = read_scalar_attribute<int>(file.get(), "format_version", H5T_NATIVE_INT);
-  if (!version || *version != checkpoint_format_version)
-    return cat("'", path, "' has checkpoint format version ", version.value_or(-1), "; this mpipe reads version ",
-               checkpoint_format_version);
-  const auto stored_signature = read_string_attribute(file.get(), "model_signature");
-  if (signature && (!stored_signature || *stored_signature != *signature))
-    return cat("'", path, "' holds another model (", stored_signature.value_or("?"), "), not this one (", *signature, ")");
+  TrainState state;
+  if (auto bad = read_train_state(file.get(), path, state)) return bad;
+  if (signature && state.signature != *signature)
+    return cat("'", path, "' holds another model (", state.signature.empty() ? "?" : state.signature, "), not this one (",
+               *signature, ")");
   // Every float dataset against its checksum.
   struct Visit {
     hid_t file;
@@ -496,7 +578,7 @@ void check_checkpoint_options(const TrainConfig& c, bool create) {
 
 // ---- saving --------------------------------------------------------------------------
 
-SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
+SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step) {
   quiet_hdf5();
   auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
   SaveResult result;
@@ -513,7 +595,7 @@ SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
   WriteTimes times;
   if (grid.replica() == 0) {
     try {
-      times = write_file(exec, temp_path, step);
+      times = write_file(exec, temp_path, dir.run_id(), step);
     } catch (const std::exception& e) {
       failed = 1;
       problem = e.what();
@@ -538,22 +620,15 @@ SaveResult save_checkpoint(Executor& exec, std::int64_t step) {
       const bool data_checked = agreed[3] == 0.0;
       if (auto bad = verify_checkpoint(temp_path, &signature, !data_checked))
         throw Error(cat("verification failed: ", *bad));
+      dir.make_way(final_path);
       std::error_code ec;
       fs::rename(temp_path, final_path, ec);
       if (ec) throw Error(cat("cannot rename '", temp_path, "' to '", final_path, "': ", ec.message()));
       fsync_path(config.checkpoint_dir, true);
       result.verify_seconds = agreed[2] + seconds(verify_start);
-      // Prune only older complete checkpoints, and only now that the new one is in place.
-      if (config.keep > 0) {
-        std::vector<std::string> complete;
-        for (const auto& entry : fs::directory_iterator(config.checkpoint_dir)) {
-          const std::string name = entry.path().filename().string();
-          if (name.size() == 16 && name.rfind("ckpt-", 0) == 0 && name.substr(13) == ".h5") complete.push_back(entry.path().string());
-        }
-        std::sort(complete.begin(), complete.end());
-        for (std::size_t i = 0; i + static_cast<std::size_t>(config.keep) < complete.size(); ++i)
-          if (complete[i] < final_path) fs::remove(complete[i], ec);
-      }
+      // Only now that the new one is in place: older files of this run beyond --keep,
+      // and (--overwrite) the other run's.
+      dir.after_save(final_path);
     } catch (const std::exception& e) {
       failed = 2;
       problem = e.what();
@@ -588,7 +663,7 @@ std::vector<std::string> resume_candidates(const TrainConfig& config, const Mode
         if (name.rfind(".ckpt-", 0) == 0 && name.size() > 4 && name.substr(name.size() - 4) == ".tmp") {
           std::error_code ec;
           fs::remove(entry.path(), ec);  // a stray temporary from a run that died while writing
-        } else if (name.size() == 16 && name.rfind("ckpt-", 0) == 0 && name.substr(13) == ".h5") {
+        } else if (checkpoint_step_of_name(name) >= 0) {
           found.push_back(entry.path().string());
         }
       }
@@ -621,19 +696,21 @@ struct Refused : UserError {
 };
 }  // namespace
 
-std::string resume(Executor& exec, std::int64_t* step) {
+std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step) {
   const TrainConfig& config = exec.config();
   const Communicator& world = exec.grid().world();
   const std::vector<std::string> candidates = resume_candidates(config, exec.model(), world);
   std::string failures;
   for (const std::string& path : candidates) {
     try {
-      *step = load_checkpoint(exec, path);
+      std::string run_id;
+      *step = load_checkpoint(exec, path, &run_id);
       if (!failures.empty() && world.rank() == 0) std::fflush(stdout);
       if (*step > config.steps)
         throw Refused(cat("checkpoint '", path, "' is at step ", *step, ", beyond --steps ", config.steps,
                           "; nothing to do"),
                       cat("give --steps more than ", *step, " to train on, or --resume never to start again"));
+      dir.adopt(run_id);
       return path;
     } catch (const Refused&) {
       throw;
@@ -649,7 +726,7 @@ std::string resume(Executor& exec, std::int64_t* step) {
   return "";
 }
 
-std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
+std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::string* run_id) {
   quiet_hdf5();
   ParamStore& store = exec.params();
   std::string problem, other_optimizer;
@@ -657,10 +734,10 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
   try {
     Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
     H5_CHECK(file.get(), "cannot open '", path, "'");
-    const auto optimizer = read_string_attribute(file.get(), "optimizer");
+    if (auto bad = read_train_state(file.get(), path, state)) throw Error(*bad);
     // Another optimizer's state cannot continue this one's: say so rather than drop it.
-    if (optimizer && *optimizer != exec.config().optimizer.kind) {
-      other_optimizer = *optimizer;
+    if (!state.optimizer.empty() && state.optimizer != exec.config().optimizer.kind) {
+      other_optimizer = state.optimizer;
       throw Error("optimizer mismatch");
     }
     const auto names = exec.optimizer().state_names();
@@ -671,19 +748,14 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
                               (e.tied_copy ? exec.model().layer(e.owner_layer).param_specs()[e.owner_index].name : e.name);
       if (auto p = read_checked(file.get(), "/model" + key, store.params().data() + e.param_offset,
                                 static_cast<std::size_t>(e.numel())))
-        throw Error(*p);
-      if (optimizer && *optimizer == exec.config().optimizer.kind)
+        throw Error(cat("'", path, "': ", *p));
+      if (!state.optimizer.empty())
         for (std::size_t s = 0; s < names.size(); ++s)
           if (auto p = read_checked(file.get(), "/optimizer/" + names[s] + key,
                                     exec.optimizer().state(static_cast<int>(s)).data() + e.offset,
                                     static_cast<std::size_t>(e.numel())))
-            throw Error(*p);
+            throw Error(cat("'", path, "': ", *p));
     }
-    Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
-    H5_CHECK(train.get(), "'", path, "' has no /train group");
-    state.step = read_scalar_attribute<int64_t>(train.get(), "step", H5T_NATIVE_INT64).value_or(-1);
-    state.updates = read_scalar_attribute<int64_t>(train.get(), "optimizer_updates", H5T_NATIVE_INT64).value_or(-1);
-    if (state.step < 0 || state.updates < 0) throw Error(cat("'", path, "' lacks its training state"));
   } catch (const std::exception& e) {
     problem = e.what();
   }
@@ -694,10 +766,11 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path) {
     throw Refused(cat("checkpoint '", path, "' holds ", other_optimizer, " optimizer state; this run uses --optimizer ",
                       exec.config().optimizer.kind),
                   cat("use --optimizer ", other_optimizer, " to continue it, or --resume never to start again"));
-  if (failed) throw UserError(cat("'", path, "': ", problem.empty() ? "failed on another rank" : problem),
+  if (failed) throw UserError(problem.empty() ? cat("'", path, "': failed on another rank") : problem,
                               "check the file with 'mpipe inspect --verify'");
   exec.set_updates(state.updates);
   exec.upload_state();  // on a GPU: the loaded values and state into device memory
+  if (run_id) *run_id = state.run_id;
   return state.step;
 }
 
@@ -725,10 +798,12 @@ int run_inspect(const std::string& path, bool stats, bool verify, bool config_on
   std::printf("  %-16s %d\n", "format_version", read_scalar_attribute<int>(file.get(), "format_version", H5T_NATIVE_INT).value_or(-1));
   {
     Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
-    if (train.ok())
+    if (train.ok()) {
       for (const char* a : {"step", "optimizer_updates", "samples_consumed"})
         std::printf("  %-16s %lld\n", a,
                     static_cast<long long>(read_scalar_attribute<int64_t>(train.get(), a, H5T_NATIVE_INT64).value_or(-1)));
+      std::printf("  %-16s %s\n", "run_id", read_string_attribute(train.get(), "run_id").value_or("(none)").c_str());
+    }
   }
   // The tree, with per-layer parameter counts.
   struct Walk {

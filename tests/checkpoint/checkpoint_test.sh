@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checkpoint tests with the real binary under mpiexec and real HDF5 files.
 # Usage: checkpoint_test.sh MPIPE CASE   (CASE: layout | resume | reshard | preempt |
-#        damaged | bad-input | keep)
+#        damaged | bad-input | keep | continue | ownership | lock | state)
 set -euo pipefail
 mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -99,6 +99,22 @@ preempt)
   out=$(run 2 "${model[@]}" --steps 40 --checkpoint-dir "$work/cut")
   grep "resumed from" <<<"$out" >/dev/null || fail "did not resume: $out"
   same_tensors "$work/full/ckpt-00000040.h5" "$work/cut/ckpt-00000040.h5"
+  # SIGTERM to mpirun (what timeout(1) sends): Open MPI's mpirun passes SIGTERM to the
+  # ranks, stops reading their output and kills them odls_base_sigkill_timeout (1 s)
+  # later, exiting 1 whatever they return. With a step log line every step the output
+  # pipe fills; the ranks must still write their checkpoint and release the lock.
+  mkdir "$work/term"
+  mpiexec -n 2 --oversubscribe "$mpipe" "${model[@]}" --steps 100000 --checkpoint-dir "$work/term" --metrics "$work/t.jsonl" \
+    > "$work/t.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 400); do [[ -s "$work/t.jsonl" && $(wc -l < "$work/t.jsonl") -ge 200 ]] && break; sleep 0.05; done
+  kill -TERM "$pid"
+  set +e; wait "$pid"; set -e
+  ckpt=$(ls "$work/term"/ckpt-*.h5 2>/dev/null) || fail "no checkpoint after SIGTERM to mpirun: $(ls -A "$work/term")"
+  [[ ! -e "$work/term/.mpipe.lock" ]] || fail "the lock outlived the job stopped by SIGTERM"
+  at=$(basename "$ckpt" .h5); at=$((10#${at#ckpt-}))
+  ((at >= 200)) || fail "checkpoint at step $at"
+  "$mpipe" inspect "$ckpt" --verify >/dev/null || fail "$ckpt does not verify"
   ;;
 continue)
   # A checkpoint says how to continue it: `inspect --config` writes the run's options as
@@ -147,9 +163,9 @@ damaged)
   # A truncated newest file is skipped with a warning; an altered one fails its
   # checksum; neither is ever loaded.
   mkdir "$work/d"
-  run 1 "${model[@]}" --steps 4 --checkpoint-dir "$work/d" --checkpoint-every 2 >/dev/null
-  good="$work/d/ckpt-00000002.h5" newest="$work/d/ckpt-00000004.h5"
-  cp "$newest" "$work/altered.h5"
+  run 1 "${model[@]}" --steps 4 --checkpoint-dir "$work/d" --checkpoint-every 1 >/dev/null
+  newest="$work/d/ckpt-00000004.h5"
+  cp "$work/d/ckpt-00000003.h5" "$work/altered.h5"
   /usr/bin/python3 - "$work/altered.h5" <<'PY'
 import h5py, sys
 with h5py.File(sys.argv[1], "r+") as f:   # change one weight, keep the old checksum
@@ -202,7 +218,7 @@ bad-input)
   # A directory that cannot take the file: the run fails cleanly, the old checkpoint stays.
   before=$(md5sum "$work/d/ckpt-00000002.h5")
   mkdir "$work/d/.ckpt-00000004.h5.tmp"   # the temporary name is taken by a directory
-  set +e; out=$(run 2 "${model[@]}" --steps 4 --checkpoint-dir "$work/d" --resume never 2>&1); rc=$?; set -e
+  set +e; out=$(run 2 "${model[@]}" --steps 4 --checkpoint-dir "$work/d" --resume never --overwrite 2>&1); rc=$?; set -e
   [[ $rc -ne 0 ]] || fail "a failed checkpoint exited 0"
   grep -q "error: checkpoint .*ckpt-00000004.h5" <<<"$out" || fail "no checkpoint error: $out"
   [[ "$(md5sum "$work/d/ckpt-00000002.h5")" == "$before" ]] || fail "the old checkpoint changed"
@@ -215,6 +231,110 @@ keep)
   touch "$work/d/.ckpt-00000010.h5.tmp"   # a stray temporary of a run that died
   run 2 "${model[@]}" --steps 10 --checkpoint-dir "$work/d" --keep 2 >/dev/null
   [[ "$(cd "$work/d" && ls -A)" == "$(printf 'ckpt-00000008.h5\nckpt-00000010.h5')" ]] || fail "after resume: $(ls -A "$work/d")"
+  ;;
+ownership)
+  # A run deletes only what it wrote. Another model's checkpoint, or an earlier run's,
+  # makes the directory refused (nothing written, nothing deleted) unless --overwrite.
+  mkdir "$work/other" "$work/old"
+  other=("${model[@]}"); other[4]=2   # --layers 2
+  run 2 "${other[@]}" --steps 2 --checkpoint-dir "$work/other" >/dev/null
+  before=$(md5sum "$work/other"/*)
+  expect_error 2 "checkpoint directory '.*other' holds 1 checkpoint of another run \(ckpt-00000002.h5\) that this run does not continue; hint: give --overwrite" \
+    run 2 "${model[@]}" --steps 4 --checkpoint-dir "$work/other" --keep 1
+  [[ "$(md5sum "$work/other"/*)" == "$before" ]] || fail "a refused run changed the other model's checkpoint"
+  run 2 "${model[@]}" --steps 6 --checkpoint-dir "$work/old" --checkpoint-every 4 >/dev/null  # ckpt-4, ckpt-6
+  before=$(ls -A "$work/old")
+  expect_error 2 "holds 2 checkpoints of another run \(ckpt-00000004.h5, ckpt-00000006.h5\); hint: give --overwrite" \
+    run 2 "${model[@]}" --steps 4 --checkpoint-dir "$work/old" --resume never --keep 1
+  [[ "$(ls -A "$work/old")" == "$before" ]] || fail "a refused run changed the directory: $(ls -A "$work/old")"
+  # --overwrite: the old run's files go once the new run's first checkpoint is in place,
+  # each named; an auto resume then finds the new run only.
+  out=$(run 2 "${model[@]}" --steps 4 --checkpoint-dir "$work/old" --resume never --overwrite --keep 1 --checkpoint-every 2)
+  grep -q -- "--overwrite: 2 checkpoints of another run .* will be deleted once" <<<"$out" || fail "no notice: $out"
+  grep -q "deleted .*ckpt-00000006.h5 of another run (--overwrite)" <<<"$out" || fail "old ckpt-6 not named: $out"
+  grep -q "deleted .*ckpt-00000004.h5 of another run (--overwrite)" <<<"$out" || fail "old ckpt-4 not named: $out"
+  [[ "$(ls -A "$work/old")" == "ckpt-00000004.h5" ]] || fail "after --overwrite: $(ls -A "$work/old")"
+  # The run continued by --resume auto keeps its id and prunes its own files only; a
+  # copy of another run's checkpoint placed beside it stays (and refuses the directory).
+  id=$("$mpipe" inspect "$work/old/ckpt-00000004.h5" | awk '$1 == "run_id" {print $2}')
+  [[ ${#id} -eq 16 ]] || fail "no run id in inspect"
+  run 2 "${model[@]}" --steps 8 --checkpoint-dir "$work/old" --keep 1 --checkpoint-every 2 >/dev/null
+  [[ "$(ls -A "$work/old")" == "ckpt-00000008.h5" ]] || fail "keep 1 after resume: $(ls -A "$work/old")"
+  [[ "$("$mpipe" inspect "$work/old/ckpt-00000008.h5" | awk '$1 == "run_id" {print $2}')" == "$id" ]] \
+    || fail "a resumed run changed its run id"
+  cp "$work/other/ckpt-00000002.h5" "$work/old/"
+  expect_error 2 "holds 1 checkpoint of another run \(ckpt-00000002.h5\)" \
+    run 2 "${model[@]}" --steps 10 --checkpoint-dir "$work/old" --keep 1
+  [[ "$(ls -A "$work/old")" == "$(printf 'ckpt-00000002.h5\nckpt-00000008.h5')" ]] || fail "refused: $(ls -A "$work/old")"
+  # A file no run can be read from, where this run's next checkpoint goes, is moved
+  # aside, not lost.
+  rm "$work/old/ckpt-00000002.h5"
+  echo "not a checkpoint" > "$work/old/ckpt-00000010.h5"
+  out=$(run 2 "${model[@]}" --steps 10 --checkpoint-dir "$work/old" 2>&1) || fail "resume beside an unreadable file: $out"
+  grep -q "warning: '.*ckpt-00000010.h5' could not be read as a checkpoint; moved to '.*ckpt-00000010.h5.replaced-[0-9]*'" \
+    <<<"$out" || fail "the unreadable file was not moved aside by name: $out"
+  grep -qx "not a checkpoint" "$work/old"/ckpt-00000010.h5.replaced-* || fail "the moved file lost its content"
+  "$mpipe" inspect "$work/old/ckpt-00000010.h5" --verify >/dev/null || fail "the new ckpt-10 does not verify"
+  ;;
+lock)
+  # One job per checkpoint directory: a second one is refused by name while the first
+  # runs, and nothing of the first's is touched; a lock whose job is gone is taken over.
+  mkdir "$work/d"
+  mpiexec -n 2 --oversubscribe "$mpipe" "${model[@]}" --steps 100000 --checkpoint-dir "$work/d" --checkpoint-every 20 \
+    > "$work/first.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 200); do compgen -G "$work/d/ckpt-*.h5" >/dev/null && break; sleep 0.05; done
+  grep -q "^host=$(hostname) pid=[0-9]* job=" "$work/d/.mpipe.lock" || fail "no lock file: $(ls -A "$work/d")"
+  for resume in auto never; do
+    expect_error 2 "checkpoint directory '.*/d' is in use by another job \(host $(hostname), pid [0-9]+, started .*; lock refreshed [0-9]+ s ago\); hint: .*delete .*\.mpipe\.lock if that job is gone" \
+      run 2 "${model[@]}" --steps 100000 --checkpoint-dir "$work/d" --resume "$resume" --overwrite
+  done
+  kill -USR1 "$pid"
+  set +e; wait "$pid"; rc=$?; set -e
+  [[ $rc -eq 75 ]] || fail "the first job, stopped, exited $rc: $(grep -v "^step" "$work/first.log" | tail -20)"
+  [[ ! -e "$work/d/.mpipe.lock" ]] || fail "the lock outlived its job"
+  latest=$(ls "$work/d"/ckpt-*.h5 | tail -1)
+  "$mpipe" inspect "$latest" --verify >/dev/null || fail "the first job's last checkpoint does not verify"
+  at=$(basename "$latest" .h5); at=$((10#${at#ckpt-}))
+  # Stale locks: a process of this host that has ended, or another host's lock not
+  # refreshed for two minutes, is taken over with a warning; a fresh one of another host is not.
+  echo "host=$(hostname) pid=999999999 job=- restart=0 started=then" > "$work/d/.mpipe.lock"
+  out=$(run 2 "${model[@]}" --steps $((at + 1)) --checkpoint-dir "$work/d" 2>&1) || fail "a dead process's lock: $out"
+  grep -q "warning: taking over the lock of a job that is gone (host $(hostname), pid 999999999, started then): process 999999999 on this host has ended" \
+    <<<"$out" || fail "a dead process's lock: $out"
+  [[ ! -e "$work/d/.mpipe.lock" ]] || fail "the taken-over lock was not released"
+  echo "host=elsewhere.example pid=1 job=77 restart=0 started=then" > "$work/d/.mpipe.lock"
+  expect_error 2 "in use by another job \(host elsewhere.example, pid 1, Slurm job 77, started then" \
+    run 2 "${model[@]}" --steps $((at + 2)) --checkpoint-dir "$work/d"
+  touch -d '3 minutes ago' "$work/d/.mpipe.lock"
+  out=$(run 2 "${model[@]}" --steps $((at + 2)) --checkpoint-dir "$work/d" 2>&1) || fail "an old lock of another host: $out"
+  grep -q "taking over the lock .*: it was not refreshed for 1[0-9][0-9] s" <<<"$out" || fail "no takeover notice: $out"
+  ;;
+state)
+  # The attributes that steer a resume are covered by a checksum and cross-checked.
+  mkdir "$work/d"
+  run 1 "${model[@]}" --steps 6 --checkpoint-dir "$work/d" --checkpoint-every 2 >/dev/null
+  "$mpipe" inspect "$work/d/ckpt-00000006.h5" --verify >/dev/null || fail "a good checkpoint fails"
+  for attr in step optimizer_updates samples_consumed seed; do
+    cp "$work/d/ckpt-00000006.h5" "$work/$attr.h5"
+    /usr/bin/python3 -c "import h5py,sys; h5py.File(sys.argv[1],'r+')['/train'].attrs.modify(sys.argv[2], 2)" "$work/$attr.h5" "$attr"
+    expect_error 2 "checkpoint damaged: '.*$attr.h5': the training state \(/train and the root attributes\) fails its checksum" \
+      "$mpipe" inspect "$work/$attr.h5" --verify
+    expect_error 2 "cannot resume: '.*$attr.h5': the training state .* fails its checksum" \
+      run 2 "${model[@]}" --steps 8 --resume "$work/$attr.h5"
+  done
+  cp "$work/d/ckpt-00000006.h5" "$work/cfg.h5"
+  /usr/bin/python3 -c "import h5py,sys; f=h5py.File(sys.argv[1],'r+'); f.attrs.modify('optimizer', 'sgd')" "$work/cfg.h5"
+  expect_error 2 "training state .* fails its checksum" "$mpipe" inspect "$work/cfg.h5" --verify
+  # A checkpoint under another step's name is refused by name.
+  cp "$work/d/ckpt-00000006.h5" "$work/ckpt-00000002.h5"
+  expect_error 2 "'.*ckpt-00000002.h5' is named for step 2 but holds step 6" "$mpipe" inspect "$work/ckpt-00000002.h5" --verify
+  # --resume auto skips an altered newest file, with a warning, for the good one before it.
+  cp "$work/step.h5" "$work/d/ckpt-00000006.h5"
+  out=$(run 2 "${model[@]}" --steps 8 --checkpoint-dir "$work/d" 2>&1) || fail "auto resume past an altered step: $out"
+  grep -q "warning: skipping checkpoint: '.*ckpt-00000006.h5': the training state .* fails its checksum" <<<"$out" \
+    || fail "no warning for the altered state: $out"
+  grep -q "resumed from .*ckpt-00000004.h5: 4 steps done" <<<"$out" || fail "did not fall back to step 4: $out"
   ;;
 *) fail "unknown case $case" ;;
 esac

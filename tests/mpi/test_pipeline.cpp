@@ -179,7 +179,9 @@ TEST_CASE("a checkpoint written with K = 4 loads bitwise into K = 2 x D = 2") {
     writer.connect();
     writer.allocate();
     for (int step = 0; step < 2; ++step) writer.step(step);
-    save_checkpoint(writer, 2);
+    CheckpointDir owner(config);
+    owner.begin(world());
+    save_checkpoint(writer, owner, 2);
     saved = gather_params(writer, world(), 0);
   }
   TrainConfig other = config;
