@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -470,6 +471,52 @@ int run_plan(const TrainConfig& config, int ranks) {
   return 0;
 }
 
+// Rank 0, before training: --metrics, --trace and --summary each name a file that can be
+// written (not a directory, not a FIFO, in a directory that exists), and no two of them,
+// nor one of them and the data file, are the same file.
+void check_output_files(const TrainConfig& c) {
+  namespace fs = std::filesystem;
+  struct Output {
+    const char* option;
+    std::string path;
+    const char* example;
+  };
+  std::vector<Output> outputs;
+  if (!c.metrics.empty()) outputs.push_back({"--metrics", c.metrics, "metrics.jsonl"});
+  if (!c.trace.empty()) outputs.push_back({"--trace", c.trace, "trace.json"});
+  if (!c.summary.empty()) outputs.push_back({"--summary", c.summary, "summary.json"});
+  for (const Output& o : outputs) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(o.path, ec);
+    if (fs::exists(st)) {
+      MPIPE_REQUIRE(!fs::is_directory(st), cat("give a file, e.g. ", (fs::path(o.path) / o.example).string()), o.option,
+                    " '", o.path, "' is a directory");
+      MPIPE_REQUIRE(fs::is_regular_file(st) || fs::is_character_file(st), "give a regular file", o.option, " '",
+                    o.path, "' is not a regular file (a FIFO would block)");
+      MPIPE_REQUIRE(::access(o.path.c_str(), W_OK) == 0, "choose a file you can write", o.option, " '", o.path,
+                    "' is not writable");
+    } else {
+      const fs::path parent = fs::path(o.path).has_parent_path() ? fs::path(o.path).parent_path() : fs::path(".");
+      MPIPE_REQUIRE(fs::is_directory(parent, ec), cat("create '", parent.string(), "' first, or choose another path"),
+                    o.option, " '", o.path, "': no directory '", parent.string(), "'");
+      MPIPE_REQUIRE(::access(parent.c_str(), W_OK | X_OK) == 0, "choose a directory you can write to", o.option, " '",
+                    o.path, "': directory '", parent.string(), "' is not writable");
+    }
+  }
+  const std::size_t colon = c.data.find(':');
+  if (colon != std::string::npos) outputs.push_back({"--data", c.data.substr(colon + 1), ""});
+  auto same = [](const std::string& a, const std::string& b) {
+    std::error_code ec1, ec2;
+    const fs::path pa = fs::weakly_canonical(a, ec1), pb = fs::weakly_canonical(b, ec2);
+    if (ec1 || ec2 || pa != pb) return false;
+    return !fs::is_character_file(pa, ec1);  // /dev/null may take them all
+  };
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    for (std::size_t j = i + 1; j < outputs.size(); ++j)
+      MPIPE_REQUIRE(!same(outputs[i].path, outputs[j].path), "give each output its own file", outputs[i].option, " and ",
+                    outputs[j].option, " name the same file '", outputs[j].path, "'");
+}
+
 int run_train(const TrainConfig& options, const Communicator& world) {
   const auto started = std::chrono::steady_clock::now();  // --time-limit counts from here
   const bool root = world.rank() == 0;
@@ -481,6 +528,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     validate(config, world.size());
     time_limit_s = parse_time_limit(config.time_limit);
     if (root) check_checkpoint_options(config, /*create=*/true);
+    if (root) check_output_files(config);
   });
   if (code) return code;
   // Every rank sees the directory rank 0 made (a shared file system), or says it does not.
@@ -570,6 +618,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     }
   };
   bool preempted = false;
+  std::string output_error;  // rank 0: an output file that could not be written
   // --time-limit: stop once the next step plus a checkpoint would not fit. Each rank asks
   // on its own clock; the step's allreduce makes every rank stop after the same step.
   auto time_is_up = [&] {
@@ -590,7 +639,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
         preempted = true;
         if (root)
           std::printf("step %lld: %s; checkpointing and exiting with code %d\n", static_cast<long long>(step + 1),
-                      g_stop_signal ? "stop signal received" : "--time-limit reached", exit_preempted);
+                      !output_error.empty() ? "an output file cannot be written"
+                      : g_stop_signal       ? "stop signal received"
+                                            : "--time-limit reached",
+                      output_error.empty() ? exit_preempted : exit_user_error);
         if (!checkpoint(step + 1)) return exit_internal_error;
         break;
       }
@@ -600,7 +652,15 @@ int run_train(const TrainConfig& options, const Communicator& world) {
       if (step > first_step) step_seconds.push_back(r.seconds);
       const double samples_per_s = config.batch_size / r.seconds;
       const double tokens_per_s = samples_per_s * static_cast<double>(tokens_per_sample);
-      if (metrics) metrics->write(r, samples_per_s, tokens_per_s);
+      if (metrics && output_error.empty()) {
+        try {
+          metrics->write(r, samples_per_s, tokens_per_s);
+        } catch (const UserError& e) {
+          // Stop with the others at the next step boundary, with a checkpoint.
+          output_error = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
+          exec->request_stop();
+        }
+      }
       if (r.skipped)
         std::printf("step %lld: non-finite loss or gradients (norm %g); update skipped on every rank\n",
                     static_cast<long long>(step + 1), r.grad_norm);
@@ -631,13 +691,24 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     MPI_Abort(world.get(), exit_internal_error);
   }
   if (!preempted && !checkpoint(config.steps)) return exit_internal_error;
+  // An output that failed mid-run ends the run as an error on every rank, after its checkpoint.
+  int output_failed = root && !output_error.empty() ? 1 : 0;
+  world.broadcast(std::span<int>(&output_failed, 1), 0);
+  if (output_failed) {
+    if (root) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "%s\n", output_error.c_str());
+    }
+    return exit_user_error;
+  }
   std::vector<StagePhases> phases = phase_table(stats, world, grid.stages(), theory);
   double peak = static_cast<double>(exec->peak_activation_bytes());
   std::vector<double> peaks(root ? world.size() : 0);
   MPI_CHECK(MPI_Gather(&peak, 1, MPI_DOUBLE, peaks.data(), 1, MPI_DOUBLE, 0, world.get()));
   if (!config.trace.empty()) {
     if ((code = agree(world, [&] { write_trace(*exec, config.trace); }))) return code;
-    if (root) std::printf("trace of steps 2-%d written to %s\n", config.trace_steps + 1, config.trace.c_str());
+    if (root)
+      std::printf("trace of steps 2-%d written to %s\n", std::min(config.trace_steps + 1, config.steps), config.trace.c_str());
   }
   if (root) {
     std::printf("peak activation memory per rank:");
@@ -656,14 +727,19 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     summary.peak_bytes_per_rank = peaks;
     summary.phases = std::move(phases);
     const std::string json = summary_json(*exec, summary);
-    if (metrics) metrics->write_line(json);
-    if (!config.summary.empty()) {
-      std::FILE* out = std::fopen(config.summary.c_str(), "w");
-      if (!out) std::fprintf(stderr, "mpipe: warning: cannot write summary '%s'\n", config.summary.c_str());
-      else {
-        std::fprintf(out, "%s\n", json.c_str());
-        std::fclose(out);
+    try {
+      if (metrics) metrics->write_line(json);
+      if (!config.summary.empty()) {
+        std::FILE* out = std::fopen(config.summary.c_str(), "w");
+        const bool written = out && std::fprintf(out, "%s\n", json.c_str()) > 0 && !std::ferror(out);
+        if (!out || std::fclose(out) != 0 || !written)
+          throw UserError(cat("cannot write summary file '", config.summary, "': ", std::strerror(errno ? errno : EIO)),
+                          "free space there, or give --summary a file on another file system");
       }
+    } catch (const UserError& e) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
+      return exit_user_error;
     }
   }
   return preempted ? exit_preempted : 0;

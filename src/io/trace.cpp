@@ -95,8 +95,10 @@ void write_trace(const Executor& exec, const std::string& path) {
                    e.micro_batch, e.layer, r);
     }
   }
-  std::fprintf(out, "\n]}\n");
-  std::fclose(out);
+  const bool printed = std::fprintf(out, "\n]}\n") > 0 && !std::ferror(out);
+  if (std::fclose(out) != 0 || !printed)  // a full disk: say so, never "trace written"
+    throw UserError(cat("cannot write trace file '", path, "': ", std::strerror(errno ? errno : EIO)),
+                    "free space there, or give --trace a file on another file system");
 }
 
 std::string summary_json(const Executor& exec, const RunSummary& s) {

@@ -11,3 +11,11 @@ set_tests_properties(mpi.rank_fails PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};MPIP
 mpipe_mpi_test(rank_stalls 2 1 "rank 1 \\(stage 1, replica 0\\) at step 1 during RF0: timed out after 2 s waiting for the activation of micro-batch 0" ${SMALL} --micro-batches 2 --p2p-timeout 2)
 set_tests_properties(mpi.rank_stalls PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};MPIPE_TEST_FAIL=0:1:stall")
 mpipe_mpi_test(config_broken 2 2 "error: config file '.*broken_array.toml' line 1, column 12" train --config ${CMAKE_CURRENT_SOURCE_DIR}/cli/configs/broken_array.toml)
+# Output files: a full disk (/dev/full) is an error, never a short file and exit 0; a
+# directory, a missing directory or two outputs in one file are refused before training.
+mpipe_mpi_test(metrics_full 2 2 "error: cannot write metrics file '/dev/full': No space left on device; hint" ${SMALL} --micro-batches 2 --metrics /dev/full)
+mpipe_mpi_test(trace_full 2 2 "error: cannot write trace file '/dev/full': No space left on device; hint" ${SMALL} --micro-batches 2 --trace /dev/full)
+mpipe_mpi_test(summary_full 2 2 "error: cannot write summary file '/dev/full': No space left on device; hint" ${SMALL} --micro-batches 2 --summary /dev/full)
+mpipe_mpi_test(summary_dir 2 2 "error: --summary '.*' is a directory; hint: give a file, e.g. .*summary.json" ${SMALL} --micro-batches 2 --summary ${CMAKE_CURRENT_BINARY_DIR})
+mpipe_mpi_test(outputs_same_file 2 2 "error: --metrics and --trace name the same file '.*/out.json'; hint: give each output its own file" ${SMALL} --micro-batches 2 --metrics ${CMAKE_CURRENT_BINARY_DIR}/out.json --trace ${CMAKE_CURRENT_BINARY_DIR}/./out.json)
+mpipe_mpi_test(output_no_dir 2 2 "error: --trace '/no/such/dir/t.json': no directory '/no/such/dir'; hint" ${SMALL} --micro-batches 2 --trace /no/such/dir/t.json)

@@ -14,10 +14,13 @@ class MetricsWriter {
   ~MetricsWriter();
   MetricsWriter(const MetricsWriter&) = delete;
   MetricsWriter& operator=(const MetricsWriter&) = delete;
+  // Each throws UserError when the line cannot be written (a full disk).
   void write(const StepResult& r, double samples_per_s, double tokens_per_s);
   void write_line(const std::string& json);
 
  private:
+  void check(int printed);
+  std::string path_;
   std::FILE* file_ = nullptr;
 };
 
