@@ -27,6 +27,7 @@
 #include "mpipe/io/config_file.hpp"
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/io/trace.hpp"
+#include "mpipe/pipeline/watchdog.hpp"
 
 namespace mpipe {
 
@@ -683,6 +684,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
         std::fflush(stdout);
       }
     }
+  } catch (const TimeoutError& e) {
+    // A wait passed --p2p-timeout: name the ranks that stopped answering, once.
+    std::fflush(stdout);
+    roll_call(world.get(), e.what(), std::min(config.pipeline.p2p_timeout, 3.0));
   } catch (const std::exception& e) {
     // One rank failed mid-run: the others may be waiting on it, so end the whole job.
     std::fflush(stdout);
@@ -701,6 +706,8 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     }
     return exit_user_error;
   }
+  // The closing gathers are collectives: a rank stopped by now is named, not waited for.
+  rendezvous(world, "the end of training", config.pipeline.p2p_timeout);
   std::vector<StagePhases> phases = phase_table(stats, world, grid.stages(), theory);
   double peak = static_cast<double>(exec->peak_activation_bytes());
   std::vector<double> peaks(root ? world.size() : 0);

@@ -19,6 +19,7 @@
 
 #include "mpipe/core/version.hpp"
 #include "mpipe/io/config_file.hpp"
+#include "mpipe/pipeline/watchdog.hpp"
 
 namespace mpipe {
 
@@ -588,6 +589,16 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
   const std::string final_path = checkpoint_path(config.checkpoint_dir, step);
   const std::string temp_path = (fs::path(config.checkpoint_dir) / ("." + fs::path(final_path).filename().string() + ".tmp")).string();
   const Model& model = exec.model();
+  // Every wait below is collective (MPI, HDF5's file create and close): a rank that
+  // stopped answering must end the job, not leave the others waiting. Those stopped
+  // before the checkpoint are named here; one that stops within it, by the watchdog,
+  // whose deadline allows a healthy write at 10 MB/s.
+  const double timeout = config.pipeline.p2p_timeout;
+  rendezvous(world, cat("checkpoint step ", step), timeout);
+  Watchdog watchdog(world, cat("rank ", world.rank(), " (stage ", grid.stage(), ", replica ", grid.replica(), ")"));
+  const double file_bytes = 4.0 * static_cast<double>(model.parameter_count()) *
+                            static_cast<double>(1 + exec.optimizer().state_names().size());
+  const auto guard = watchdog.arm(cat("writing checkpoint ", final_path), timeout + file_bytes / 10e6);
   exec.download_state();  // on a GPU: the values and optimizer state to the host mirrors
   int failed = 0;
   std::string problem;

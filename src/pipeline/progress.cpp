@@ -224,7 +224,7 @@ Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char
   const Clock::time_point start = Clock::now();
   Slot& s = slots_[static_cast<std::size_t>(ticket)];
   auto timed_out = [&] {
-    return Error(cat("timed out after ", timeout_s, " s waiting for ", what, " ", index,
+    return TimeoutError(cat("timed out after ", timeout_s, " s waiting for ", what, " ", index,
                      " (a neighbour stage is stuck or gone; see --p2p-timeout)"));
   };
   std::unique_lock lock(mutex_);

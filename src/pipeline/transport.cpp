@@ -74,12 +74,18 @@ double Transport::receive(Direction direction, int mb) {
   // A neighbour may be waiting for one of our queued sends before it can send this.
   post_ready_sends(true);
   Inbox& m = received_[index(direction)][static_cast<std::size_t>(mb)];
-  const double waited =
-      progress_
-          .wait(receive_tickets_[index(direction)][static_cast<std::size_t>(mb)], timeout_,
-                direction == Direction::forward ? "the activation of micro-batch" : "the gradient of micro-batch", mb,
-                static_cast<long>(m.wire.size()))
-          .waited;
+  double waited = 0;
+  try {
+    waited = progress_
+                 .wait(receive_tickets_[index(direction)][static_cast<std::size_t>(mb)], timeout_,
+                       direction == Direction::forward ? "the activation of micro-batch" : "the gradient of micro-batch",
+                       mb, static_cast<long>(m.wire.size()))
+                 .waited;
+  } catch (const Error& e) {
+    // Name the rank that did not send: the first of a chain of waiting ranks is stuck.
+    const int from = direction == Direction::forward ? grid_.stage() - 1 : grid_.stage() + 1;
+    rethrow_as(e, cat(e.what(), "; it comes from rank ", grid_.shape().rank_of(from, grid_.replica()), " (stage ", from, ")"));
+  }
   if (device_ == Device::cuda && !cuda_aware_) {
     // Copied in on its own stream; the compute stream waits for that copy, the host does not.
     cuda::copy_to_device(m.tensor.data, m.staging.data(), m.tensor.bytes(), cuda::StreamKind::to_device);

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checkpoint tests with the real binary under mpiexec and real HDF5 files.
 # Usage: checkpoint_test.sh MPIPE CASE   (CASE: layout | resume | reshard | preempt |
-#        damaged | bad-input | keep | continue | ownership | lock | state)
+#        damaged | bad-input | keep | continue | ownership | lock | state | stopped)
 set -euo pipefail
 mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -335,6 +335,31 @@ state)
   grep -q "warning: skipping checkpoint: '.*ckpt-00000006.h5': the training state .* fails its checksum" <<<"$out" \
     || fail "no warning for the altered state: $out"
   grep -q "resumed from .*ckpt-00000004.h5: 4 steps done" <<<"$out" || fail "did not fall back to step 4: $out"
+  ;;
+stopped)
+  # SIGSTOP one rank while checkpoints are written every step (the others then wait in
+  # MPI and HDF5 collectives, or in a step): the job ends within --p2p-timeout + 5 s
+  # with one line that names the stopped rank.
+  for trial in 1 2 3; do
+    rm -rf "$work/d"
+    mpiexec -n 3 --oversubscribe "$mpipe" "${model[@]}" --log-every 1000 --steps 100000 --checkpoint-dir "$work/d" \
+      --checkpoint-every $((trial == 3 ? 1000 : 1)) --p2p-timeout 2 > "$work/log" 2>&1 &
+    pid=$!
+    for _ in $(seq 200); do compgen -G "$work/d/ckpt-*.h5" >/dev/null && break; sleep 0.05; done
+    sleep 0.$((RANDOM % 10))
+    victim=$(pgrep -P "$pid" -x mpipe | shuf -n 1)
+    rank=$(tr '\0' '\n' < "/proc/$victim/environ" | sed -n 's/^OMPI_COMM_WORLD_RANK=//p')
+    kill -STOP "$victim"
+    start=$(date +%s.%N)
+    set +e; wait "$pid"; rc=$?; set -e
+    took=$(/usr/bin/python3 -c "import sys,time; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$start")
+    [[ $rc -ne 0 ]] || fail "trial $trial: a job with a stopped rank exited 0"
+    /usr/bin/python3 -c "import sys; sys.exit(float(sys.argv[1]) > 2 + 5)" "$took" || fail "trial $trial: ended after $took s"
+    [[ $(grep -c "mpipe: error" "$work/log") -eq 1 ]] || fail "trial $trial: not one error line: $(grep error "$work/log")"
+    grep -Eq "mpipe: error: rank $rank (stopped answering|did not reach)" "$work/log" \
+      || fail "trial $trial: rank $rank was stopped, the line names another: $(grep error "$work/log")"
+    echo "trial $trial: rank $rank stopped, the job ended in $took s: $(grep "mpipe: error" "$work/log" | cut -c1-160)"
+  done
   ;;
 *) fail "unknown case $case" ;;
 esac

@@ -24,6 +24,18 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// A wait that passed its deadline (--p2p-timeout): another rank may have stopped.
+class TimeoutError : public Error {
+ public:
+  using Error::Error;
+};
+
+// Throws `e`'s kind (a timeout stays a timeout) with a message that gives more context.
+[[noreturn]] inline void rethrow_as(const std::exception& e, const std::string& message) {
+  if (dynamic_cast<const TimeoutError*>(&e)) throw TimeoutError(message);
+  throw Error(message);
+}
+
 // A problem with the user's input; `hint` says what to do about it.
 class UserError : public std::runtime_error {
  public:

@@ -17,6 +17,10 @@ struct GridShape {
   // Where world rank r sits, by the rank order (stages and replicas resolved).
   int stage_of(int rank) const { return rank_order == "pipeline" ? rank % stages : rank / replicas; }
   int replica_of(int rank) const { return rank_order == "pipeline" ? rank / stages : rank % replicas; }
+  // The world rank at (stage, replica).
+  int rank_of(int stage, int replica) const {
+    return rank_order == "pipeline" ? replica * stages + stage : stage * replicas + replica;
+  }
 };
 
 // Fills in whichever of stages/replicas is 0 from the world size; UserError when the

@@ -1,0 +1,154 @@
+// Deadlines for collective waits: a rendezvous that names missing ranks, and a watchdog
+// thread that ends the job when guarded work outlives its deadline.
+#include "mpipe/pipeline/watchdog.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+
+namespace mpipe {
+
+namespace {
+
+constexpr int rendezvous_tag = 32001;  // on the world communicator, where stages send nothing
+constexpr int roll_call_tag = 32002;
+
+[[noreturn]] void end_job(MPI_Comm world, const std::string& line) {
+  std::fflush(stdout);
+  std::fprintf(stderr, "mpipe: error: %s\n", line.c_str());
+  std::fflush(stderr);
+  MPI_Abort(world, 1);
+  std::abort();  // not reached
+}
+
+// Tests `requests` until all are complete or the deadline passes; false on the latter.
+bool wait_until(std::vector<MPI_Request>& requests, std::chrono::steady_clock::time_point deadline) {
+  for (;;) {
+    int done = 0;
+    MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
+    if (done) return true;
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+}
+
+}  // namespace
+
+void rendezvous(const Communicator& world, const std::string& what, double timeout_s) {
+  const int size = world.size();
+  if (size == 1) return;
+  using Clock = std::chrono::steady_clock;
+  const auto start = Clock::now();
+  const auto after = [&](double s) { return start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
+  int token = 1;
+  if (world.rank() == 0) {
+    std::vector<int> arrived(static_cast<std::size_t>(size - 1), 0);
+    std::vector<MPI_Request> requests(static_cast<std::size_t>(size - 1));
+    for (int r = 1; r < size; ++r)
+      MPI_Irecv(&arrived[static_cast<std::size_t>(r - 1)], 1, MPI_INT, r, rendezvous_tag, world.get(),
+                &requests[static_cast<std::size_t>(r - 1)]);
+    if (!wait_until(requests, after(timeout_s))) {
+      std::string missing;
+      int count = 0;
+      for (int r = 1; r < size; ++r)
+        if (!arrived[static_cast<std::size_t>(r - 1)] && count++ < 8) missing += cat(missing.empty() ? "" : ", ", r);
+      end_job(world.get(), cat("rank", count > 1 ? "s " : " ", missing, count > 8 ? ", …" : "", " did not reach ", what,
+                               " within ", timeout_s, " s (--p2p-timeout): stopped or hung; ending the job"));
+    }
+    for (int r = 1; r < size; ++r)
+      MPI_Isend(&token, 1, MPI_INT, r, rendezvous_tag, world.get(), &requests[static_cast<std::size_t>(r - 1)]);
+    if (!wait_until(requests, after(2 * timeout_s)))
+      end_job(world.get(), cat("rank 0: a rank stopped answering right after reaching ", what, "; ending the job"));
+  } else {
+    int go = 0;
+    std::vector<MPI_Request> requests(2);
+    MPI_Isend(&token, 1, MPI_INT, 0, rendezvous_tag, world.get(), &requests[0]);
+    MPI_Irecv(&go, 1, MPI_INT, 0, rendezvous_tag, world.get(), &requests[1]);
+    // Rank 0 speaks first about missing ranks; later, rank 0 itself is what is missing.
+    if (!wait_until(requests, after(2 * timeout_s + 5)))
+      end_job(world.get(), cat("rank ", world.rank(), ": rank 0 did not answer at ", what, " within ", 2 * timeout_s + 5,
+                               " s: stopped or hung; ending the job"));
+  }
+}
+
+Watchdog::Watchdog(const Communicator& world, std::string rank_name)
+    : world_(world.get()), rank_name_(std::move(rank_name)), thread_([this] { run(); }) {}
+
+Watchdog::~Watchdog() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_ = true;
+  }
+  wake_.notify_all();
+  thread_.join();
+}
+
+Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    what_ = std::move(what);
+    seconds_ = seconds;
+    deadline_ = std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+    armed_ = true;
+  }
+  wake_.notify_all();
+  return Guard(*this);
+}
+
+void Watchdog::disarm() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  armed_ = false;
+}
+
+void Watchdog::run() {
+  std::unique_lock<std::mutex> lock(mutex_);
+  while (!stop_) {
+    if (!armed_) {
+      wake_.wait(lock);
+      continue;
+    }
+    if (wake_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ && !stop_ &&
+        std::chrono::steady_clock::now() >= deadline_)
+      roll_call();
+  }
+}
+
+void Watchdog::roll_call() {
+  mpipe::roll_call(world_,
+                   cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"),
+                   std::min(seconds_, 3.0));
+}
+
+void roll_call(MPI_Comm world, const std::string& context, double grace_s) {
+  int size = 1, me = 0;
+  MPI_Comm_size(world, &size);
+  MPI_Comm_rank(world, &me);
+  std::vector<int> heard(static_cast<std::size_t>(size), 0), token(1, 1);
+  std::vector<MPI_Request> receives, sends;
+  for (int r = 0; r < size; ++r) {
+    if (r == me) continue;
+    receives.emplace_back();
+    sends.emplace_back();
+    MPI_Irecv(&heard[static_cast<std::size_t>(r)], 1, MPI_INT, r, roll_call_tag, world, &receives.back());
+    MPI_Isend(token.data(), 1, MPI_INT, r, roll_call_tag, world, &sends.back());
+  }
+  wait_until(receives, std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                              std::chrono::duration<double>(grace_s)));
+  heard[static_cast<std::size_t>(me)] = 1;
+  std::string silent;
+  int count = 0, lowest_alive = me;
+  for (int r = size - 1; r >= 0; --r) {
+    if (heard[static_cast<std::size_t>(r)]) lowest_alive = r;
+    else if (++count <= 8) silent = cat(r, silent.empty() ? "" : ", ", silent);
+  }
+  if (lowest_alive != me) {  // that rank speaks and ends the job
+    std::this_thread::sleep_for(std::chrono::duration<double>(grace_s + 5));
+    MPI_Abort(world, 1);
+  }
+  if (count == 0) end_job(world, cat(context, "; every rank answers (a hung file system, or a deadlock); ending the job"));
+  end_job(world, cat("rank", count > 1 ? "s " : " ", silent, count > 8 ? ", …" : "", " stopped answering (silent for ",
+                     grace_s, " s after the deadline). Seen by ", context, "; ending the job"));
+}
+
+}  // namespace mpipe
