@@ -124,25 +124,35 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s) {
   int size = 1, me = 0;
   MPI_Comm_size(world, &size);
   MPI_Comm_rank(world, &me);
-  std::vector<int> heard(static_cast<std::size_t>(size), 0), token(1, 1);
+  // Each word is the time its roll call began (ms of the wall clock): a rank that was
+  // stopped and resumed (mpirun sends SIGCONT before it kills) finds words older than
+  // its own roll call by more than the grace time, and knows the others have named it.
+  const auto now_ms = [] {
+    return static_cast<long long>(
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
+  };
+  std::vector<long long> heard(static_cast<std::size_t>(size), 0), token(1, now_ms());
   std::vector<MPI_Request> receives, sends;
   for (int r = 0; r < size; ++r) {
     if (r == me) continue;
     receives.emplace_back();
     sends.emplace_back();
-    MPI_Irecv(&heard[static_cast<std::size_t>(r)], 1, MPI_INT, r, roll_call_tag, world, &receives.back());
-    MPI_Isend(token.data(), 1, MPI_INT, r, roll_call_tag, world, &sends.back());
+    MPI_Irecv(&heard[static_cast<std::size_t>(r)], 1, MPI_LONG_LONG, r, roll_call_tag, world, &receives.back());
+    MPI_Isend(token.data(), 1, MPI_LONG_LONG, r, roll_call_tag, world, &sends.back());
   }
   wait_until(receives, std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                                               std::chrono::duration<double>(grace_s)));
-  heard[static_cast<std::size_t>(me)] = 1;
+  heard[static_cast<std::size_t>(me)] = token[0];
   std::string silent;
   int count = 0, lowest_alive = me;
+  bool named = false;  // this rank was the silent one, and is heard only now
   for (int r = size - 1; r >= 0; --r) {
-    if (heard[static_cast<std::size_t>(r)]) lowest_alive = r;
+    const long long word = heard[static_cast<std::size_t>(r)];
+    if (word != 0) lowest_alive = r;
     else if (++count <= 8) silent = cat(r, silent.empty() ? "" : ", ", silent);
+    if (word != 0 && token[0] - word > static_cast<long long>(grace_s * 1000)) named = true;
   }
-  if (lowest_alive != me) {  // that rank speaks and ends the job
+  if (lowest_alive != me || named) {  // another rank speaks and ends the job
     std::this_thread::sleep_for(std::chrono::duration<double>(grace_s + 5));
     MPI_Abort(world, 1);
   }
