@@ -129,6 +129,30 @@ std::vector<StageFigures> stage_figures(const Model& model, const Partition& par
   return out;
 }
 
+// Bytes of memory this process may still take: MemAvailable, or less where a cgroup
+// (a Slurm job, a container) limits it. 0 when neither can be read.
+double available_memory() {
+  double available = 0;
+  if (std::FILE* f = std::fopen("/proc/meminfo", "r")) {
+    char key[64];
+    double kb = 0;
+    while (std::fscanf(f, "%63s %lf kB\n", key, &kb) == 2)
+      if (std::strcmp(key, "MemAvailable:") == 0) available = kb * 1024;
+    std::fclose(f);
+  }
+  double limit = 0, used = 0;
+  if (std::FILE* f = std::fopen("/sys/fs/cgroup/memory.max", "r")) {
+    if (std::fscanf(f, "%lf", &limit) != 1) limit = 0;  // "max": no limit
+    std::fclose(f);
+  }
+  if (std::FILE* f = std::fopen("/sys/fs/cgroup/memory.current", "r")) {
+    if (std::fscanf(f, "%lf", &used) != 1) used = 0;
+    std::fclose(f);
+  }
+  if (limit > 0 && (available == 0 || limit - used < available)) available = std::max(0.0, limit - used);
+  return available;
+}
+
 // Micro-batches whose activations a stage holds at once under the schedule.
 int in_flight(const Schedule& compute_only, int stage) {
   int live = 0, peak = 0;
@@ -177,6 +201,32 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   const double predicted = simulate(lowered, costs).bubble_fraction;
   std::printf("bubble: %.1f%% for equal stages ((K-1)/(M+K-1) for gpipe), %.1f%% predicted from this partition's FLOPs\n",
               100 * theory, 100 * predicted);
+}
+
+// Before any rank allocates (CPU): this rank's parameters, gradients, optimizer state
+// and the activations of its in-flight micro-batches, against the memory the node has
+// for each of its `node_ranks` ranks. UserError when it cannot fit.
+void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
+  if (config.device != "cpu") return;  // the GPU's memory is the device's own affair
+  const int K = exec.grid().stages(), M = config.micro_batches, D = exec.grid().replicas();
+  const int stage = exec.grid().stage();
+  const auto figures = stage_figures(exec.model(), exec.partition(), config.batch_size / (M * D));
+  const StageFigures& f = figures[stage];
+  const int live = in_flight(make_schedule(config.pipeline.schedule, K, M), stage);
+  const bool remat = config.pipeline.remat == "always" || (config.pipeline.remat == "except-last" && stage + 1 < K);
+  const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());  // values, gradients, state
+  const double weights = 4.0 * f.params * states;
+  const double activations = remat ? live * f.boundary + f.activation : live * f.activation;
+  const double need = weights + activations, have = available_memory() / std::max(1, node_ranks);
+  if (have <= 0) return;  // nothing to go by
+  MPIPE_REQUIRE(need <= have,
+                "use more stages (--stages), --remat always, a smaller --batch-size or more --micro-batches, or a "
+                "smaller model",
+                "rank ", exec.grid().world_rank(), " (stage ", stage, ") needs about ", human_bytes(need),
+                " (parameters, gradients and ", config.optimizer.kind, " state ", human_bytes(weights),
+                ", activations of ", remat ? 1 : live, " micro-batch", (remat ? 1 : live) > 1 ? "es " : " ",
+                human_bytes(activations), "), this node has ", human_bytes(have), " per rank for its ", node_ranks,
+                " rank", node_ranks > 1 ? "s" : "");
 }
 
 void print_schedule_grid(const TrainConfig& config, const GridShape& grid) {
@@ -551,7 +601,12 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     return code;
   cpu::set_threads(config.threads > 0 ? config.threads : default_threads(world));
   if ((code = agree(world, [&] { exec->connect(); }))) return code;
-  if ((code = agree(world, [&] { exec->allocate(); }))) return code;
+  const int node_ranks = world.size() > 1 ? Communicator::node(world).size() : 1;
+  if ((code = agree(world, [&] {
+         check_memory(config, *exec, node_ranks);
+         exec->allocate();
+       })))
+    return code;
   int64_t first_step = 0;
   std::string resumed_from;
   double load_seconds = 0;

@@ -10,6 +10,10 @@ void validate(const ModelConfig& c) {
   MPIPE_REQUIRE(c.kind == "gpt" || c.kind == "mlp", "use --model gpt or --model mlp",
                 "unknown model '", c.kind, "'");
   MPIPE_REQUIRE(c.layers > 0, hint, "--layers must be positive, got ", c.layers);
+  // Beyond any real network; and the layer list alone would not fit in memory.
+  constexpr int max_layers = 100000;
+  MPIPE_REQUIRE(c.layers <= max_layers, cat("give at most ", max_layers), "--layers ", c.layers,
+                " is more than mpipe builds (", max_layers, ")");
   MPIPE_REQUIRE(c.dropout >= 0.0f && c.dropout < 1.0f, hint, "--dropout must be in [0, 1), got ", c.dropout);
   if (c.kind == "gpt") {
     MPIPE_REQUIRE(c.d_model > 0, hint, "--d-model must be positive, got ", c.d_model);

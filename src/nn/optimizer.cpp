@@ -52,8 +52,8 @@ Optimizer::Optimizer(ParamStore& store, const OptimizerConfig& config)
   validate(config);
 }
 
-std::vector<std::string> Optimizer::state_names() const {
-  if (config_.kind == "adamw") return {"exp_avg", "exp_avg_sq"};
+std::vector<std::string> Optimizer::state_names(const OptimizerConfig& config) {
+  if (config.kind == "adamw") return {"exp_avg", "exp_avg_sq"};
   return {"momentum_buffer"};
 }
 

@@ -55,3 +55,9 @@ mpipe_cli_test(unknown_lr_schedule 2 "error: unknown --lr-schedule 'step'; hint"
 mpipe_cli_test(bad_time_limit 2 "error: --time-limit '2h' is not a duration; hint" train --time-limit 2h)
 mpipe_cli_test(unknown_progress 2 "error: unknown --progress 'maybe'; hint" train --progress maybe)
 mpipe_cli_test(unknown_comm_wait 2 "error: unknown --comm-wait 'busy'; hint" train --comm-wait busy)
+# Sizes beyond the machine are refused before anything is allocated; plan allocates nothing.
+mpipe_cli_test(layers_beyond 2 "error: --layers 2000000000 is more than mpipe builds \\(100000\\); hint" train --layers 2000000000 --steps 1)
+mpipe_cli_test(plan_layers_beyond 2 "error: --layers 2000000000 is more than mpipe builds" plan --layers 2000000000 --ranks 4)
+mpipe_cli_test(memory_parameters 2 "error: rank 0 \\(stage 0\\) needs about [0-9.]+ TiB \\(parameters, gradients and adamw state [0-9.]+ TiB, .*\\), this node has [0-9.]+ [GMT]iB per rank for its 1 rank; hint: use more stages" train --model mlp --hidden 10000000 --steps 1)
+mpipe_cli_test(memory_activations 2 "error: rank 0 \\(stage 0\\) needs about .*activations of 1 micro-batch [0-9.]+ TiB\\), this node has" train --layers 2 --d-model 16 --heads 2 --seq-len 64 --vocab 64 --batch-size 200000000 --micro-batches 1 --steps 1)
+mpipe_cli_test(plan_huge_model 0 "stage  layers" plan --model mlp --hidden 10000000 --ranks 2)

@@ -38,7 +38,8 @@ class Optimizer {
   // velocity; state_names() names them (as checkpoints do).
   // In host memory: the truth on the CPU, a mirror on a GPU (see download()).
   std::span<float> state(int which) const { return (which == 0 ? first_ : second_).span(); }
-  std::vector<std::string> state_names() const;
+  std::vector<std::string> state_names() const { return state_names(config_); }
+  static std::vector<std::string> state_names(const OptimizerConfig& config);
 
   // Follows the store onto the GPU (after ParamStore::to_device()): the state moves to
   // device memory and updates run there, one launch for all views.
