@@ -199,6 +199,8 @@ void Executor::connect() {
     found = true;
   }
   grid_->connect_tied(owner_stage, copy_stage);
+  // The data is an input: its problems are said before anything large is allocated.
+  if (grid_->first_stage() || grid_->last_stage()) dataset_ = make_dataset(config_.data, config_.model, config_.seed);
 }
 
 void Executor::allocate() {
@@ -214,7 +216,6 @@ void Executor::allocate() {
 
   const bool first = grid_->first_stage(), last = grid_->last_stage();
   if (first || last) {
-    dataset_ = make_dataset(config_.data, config_.model, config_.seed);
     const int share = config_.batch_size / D;
     const Shape in = model_.input_shape(share), tg = model_.target_shape(share);
     const std::size_t bytes = static_cast<std::size_t>(in.numel() + tg.numel()) * 4;

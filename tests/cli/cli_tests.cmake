@@ -18,7 +18,7 @@ add_test(NAME cli.data_fifo COMMAND bash ${EXPECT} 2 "error: data file '.*' is n
   bash -c "f=$(mktemp -u) && mkfifo $f && trap 'rm -f $f' EXIT && ${MPIPE} train --data text:$f")
 set_tests_properties(cli.data_fifo PROPERTIES LABELS unit TIMEOUT 60)
 mpipe_cli_test(short_data 2 "error: data file .* too short for one sample of --seq-len 100000" train --data text:${CMAKE_SOURCE_DIR}/inputs/mlp.toml --vocab 256 --layers 1 --d-model 8 --heads 1 --steps 1 --seq-len 100000)
-mpipe_cli_test(unwritable_metrics 2 "error: cannot write metrics file" train --metrics /no/such/dir/m.jsonl --steps 1)
+mpipe_cli_test(unwritable_metrics 2 "error: --metrics '/no/such/dir/m.jsonl': no directory '/no/such/dir'; hint" train --metrics /no/such/dir/m.jsonl --steps 1)
 mpipe_cli_test(missing_config 2 "error: .*no/such.toml" train --config /no/such.toml)
 mpipe_cli_test(quickstart_config 0 "step +3/3 \\| loss" train --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --steps 3 --threads 1)
 mpipe_cli_test(mlp_config 0 "step +2/2 \\| loss .* samples/s" train --config ${CMAKE_SOURCE_DIR}/inputs/mlp.toml --steps 2 --threads 1)
