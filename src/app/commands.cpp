@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -40,10 +41,12 @@ volatile std::sig_atomic_t g_stop_signal = 0;
 bool g_output_is_pipe[3] = {};
 pid_t g_main_thread = 0;
 extern "C" void on_stop_signal(int signal) {
+  const int saved_errno = errno;  // the interrupted code may be about to read it
   // The kernel gives a process's signal to any thread (MPI's, the progress thread);
   // the main thread must have it too, to leave a write it is blocked in.
   if (g_main_thread != 0 && ::syscall(SYS_gettid) != g_main_thread) {
     ::syscall(SYS_tgkill, ::getpid(), g_main_thread, signal);
+    errno = saved_errno;
     return;
   }
   g_stop_signal = signal;
@@ -54,11 +57,13 @@ extern "C" void on_stop_signal(int signal) {
   for (int fd : {1, 2})
     if (g_output_is_pipe[fd])
       if (const int flags = ::fcntl(fd, F_GETFL); flags >= 0) ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+  errno = saved_errno;
 }
 
-// From before MPI starts, so that a stop during start-up stops after the first step.
-// Without SA_RESTART: a write already blocked on a full pipe returns.
-// Output to a pipe, a socket, or (mpirun's default) a terminal of the launcher's own.
+// Called before MPI starts, so that a stop during start-up stops after the first step.
+// Without SA_RESTART: a write already blocked on a full pipe returns. Output may be
+// dropped where it goes to a pipe, a socket, or (mpirun's default) a terminal of the
+// launcher's own; never on a user's terminal.
 void install_stop_handlers() {
   const bool under_mpirun = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr && std::getenv("SLURM_STEP_ID") == nullptr;
   for (int fd : {1, 2}) {
