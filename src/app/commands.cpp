@@ -25,6 +25,7 @@
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/io/checkpoint.hpp"
+#include "mpipe/data/dataset.hpp"
 #include "mpipe/io/config_file.hpp"
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/io/trace.hpp"
@@ -116,6 +117,9 @@ std::string human_count(double n) {
 // Per-stage figures of a partition for one micro-batch: what plan prints and train echoes.
 struct StageFigures {
   double params = 0, forward_flops = 0, backward_flops = 0, activation = 0, boundary = 0;
+  // Activation bytes held with `live` micro-batches in flight: without remat each keeps
+  // its activations; with remat only its input, plus one micro-batch's while recomputing.
+  double held(int live, bool remat) const { return remat ? live * boundary + activation : live * activation; }
 };
 
 std::vector<StageFigures> stage_figures(const Model& model, const Partition& part, int micro) {
@@ -190,11 +194,9 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
     if (kinds.size() > 28) kinds = kinds.substr(0, 25) + "...";
     const int live = in_flight(compute, s);
     const StageFigures& f = figures[s];
-    // Without remat every in-flight micro-batch keeps its activations; with remat only
-    // its input, plus one micro-batch's activations while recomputing.
     std::printf("%-6d %-9s %-28s %10s %12.3f %16s %16s\n", s, cat(part.begin(s), "-", part.end(s) - 1).c_str(),
                 kinds.c_str(), human_count(f.params).c_str(), (f.forward_flops + f.backward_flops) / 1e9,
-                human_bytes(live * f.activation).c_str(), human_bytes(live * f.boundary + f.activation).c_str());
+                human_bytes(f.held(live, false)).c_str(), human_bytes(f.held(live, true)).c_str());
   }
   const Schedule lowered = lower(compute);
   StageCosts costs = StageCosts::uniform(K);
@@ -221,7 +223,7 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
   const bool remat = config.pipeline.remat == "always" || (config.pipeline.remat == "except-last" && stage + 1 < K);
   const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());  // values, gradients, state
   const double weights = 4.0 * f.params * states;
-  const double activations = remat ? live * f.boundary + f.activation : live * f.activation;
+  const double activations = f.held(live, remat);
   const double need = weights + activations, have = available_memory() / std::max(1, node_ranks);
   if (have <= 0) return;  // nothing to go by
   MPIPE_REQUIRE(need <= have,
@@ -559,8 +561,7 @@ void check_output_files(const TrainConfig& c) {
                     o.path, "': directory '", parent.string(), "' is not writable");
     }
   }
-  const std::size_t colon = c.data.find(':');
-  if (colon != std::string::npos) outputs.push_back({"--data", c.data.substr(colon + 1), ""});
+  if (const std::string data = data_file(c.data); !data.empty()) outputs.push_back({"--data", data, ""});
   auto same = [](const std::string& a, const std::string& b) {
     std::error_code ec1, ec2;
     const fs::path pa = fs::weakly_canonical(a, ec1), pb = fs::weakly_canonical(b, ec2);
@@ -796,13 +797,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     const std::string json = summary_json(*exec, summary);
     try {
       if (metrics) metrics->write_line(json);
-      if (!config.summary.empty()) {
-        std::FILE* out = std::fopen(config.summary.c_str(), "w");
-        const bool written = out && std::fprintf(out, "%s\n", json.c_str()) > 0 && !std::ferror(out);
-        if (!out || std::fclose(out) != 0 || !written)
-          throw UserError(cat("cannot write summary file '", config.summary, "': ", std::strerror(errno ? errno : EIO)),
-                          "free space there, or give --summary a file on another file system");
-      }
+      if (!config.summary.empty()) write_summary(config.summary, json);
     } catch (const UserError& e) {
       std::fflush(stdout);
       std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());

@@ -183,6 +183,11 @@ std::vector<char> read_file(const std::string& path) {
 
 }  // namespace
 
+std::string data_file(const std::string& spec) {
+  const auto colon = spec.find(':');
+  return colon == std::string::npos ? std::string() : spec.substr(colon + 1);
+}
+
 std::unique_ptr<Dataset> make_dataset(const std::string& spec, const ModelConfig& model,
                                       std::uint64_t seed) {
   const std::string hint = "use --data synthetic, text:PATH or tokens:PATH";
@@ -194,7 +199,7 @@ std::unique_ptr<Dataset> make_dataset(const std::string& spec, const ModelConfig
   }
   const auto colon = spec.find(':');
   MPIPE_REQUIRE(colon != std::string::npos && colon + 1 < spec.size(), hint, "bad --data '", spec, "'");
-  const std::string kind = spec.substr(0, colon), path = spec.substr(colon + 1);
+  const std::string kind = spec.substr(0, colon), path = data_file(spec);
   MPIPE_REQUIRE(kind == "text" || kind == "tokens", hint, "unknown data kind '", kind, "' in --data");
   MPIPE_REQUIRE(model.kind == "gpt", "use --data synthetic with --model mlp",
                 "--data ", kind, ": files of tokens are for --model gpt");

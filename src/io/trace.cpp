@@ -10,6 +10,15 @@ namespace mpipe {
 
 namespace {
 
+// Closes an output file; UserError when anything written to it (or the open) failed: a
+// full disk is said, never reported as written.
+void close_output(std::FILE* out, const std::string& path, const char* what, const char* option) {
+  const bool failed = !out || std::ferror(out);
+  if ((out && std::fclose(out) != 0) || failed)
+    throw UserError(cat("cannot write ", what, " file '", path, "': ", std::strerror(errno ? errno : EIO)),
+                    cat("free space there, or give ", option, " a file on another file system"));
+}
+
 std::string event_label(const TraceEvent& e) {
   static const char* prefix[TraceEvent::count] = {"F", "B", "R", "SF", "RF", "SB", "RB", "", "", "", "", ""};
   if (e.layer >= 0) return cat(TraceEvent::name(e.kind), " L", e.layer);
@@ -95,10 +104,14 @@ void write_trace(const Executor& exec, const std::string& path) {
                    e.micro_batch, e.layer, r);
     }
   }
-  const bool printed = std::fprintf(out, "\n]}\n") > 0 && !std::ferror(out);
-  if (std::fclose(out) != 0 || !printed)  // a full disk: say so, never "trace written"
-    throw UserError(cat("cannot write trace file '", path, "': ", std::strerror(errno ? errno : EIO)),
-                    "free space there, or give --trace a file on another file system");
+  std::fprintf(out, "\n]}\n");
+  close_output(out, path, "trace", "--trace");
+}
+
+void write_summary(const std::string& path, const std::string& json) {
+  std::FILE* out = std::fopen(path.c_str(), "w");
+  if (out) std::fprintf(out, "%s\n", json.c_str());
+  close_output(out, path, "summary", "--summary");
 }
 
 std::string summary_json(const Executor& exec, const RunSummary& s) {

@@ -55,6 +55,11 @@ int Transport::peer(Direction direction) const {
   return direction == Direction::forward ? grid_.stage() + 1 : grid_.stage() - 1;
 }
 
+int Transport::source(Direction direction) const {
+  // Activations come from the previous stage, gradients from the next.
+  return direction == Direction::forward ? grid_.stage() - 1 : grid_.stage() + 1;
+}
+
 void Transport::post_receives() {
   const Communicator& pipe = grid_.pipeline();
   send_tickets_.clear();
@@ -62,8 +67,7 @@ void Transport::post_receives() {
   pending_sends_.clear();
   for (const Direction d : {Direction::forward, Direction::backward}) {
     std::vector<Inbox>& messages = received_[index(d)];
-    // Activations come from the previous stage, gradients from the next.
-    const int from = d == Direction::forward ? grid_.stage() - 1 : grid_.stage() + 1;
+    const int from = source(d);
     for (int mb = 0; mb < static_cast<int>(messages.size()); ++mb)
       receive_tickets_[index(d)][static_cast<std::size_t>(mb)] =
           progress_.track(pipe.irecv(messages[static_cast<std::size_t>(mb)].wire, from, message_tag(mb, d)), true);
@@ -83,7 +87,7 @@ double Transport::receive(Direction direction, int mb) {
                  .waited;
   } catch (const Error& e) {
     // Name the rank that did not send: the first of a chain of waiting ranks is stuck.
-    const int from = direction == Direction::forward ? grid_.stage() - 1 : grid_.stage() + 1;
+    const int from = source(direction);
     rethrow_as(e, cat(e.what(), "; it comes from rank ", grid_.shape().rank_of(from, grid_.replica()), " (stage ", from, ")"));
   }
   if (device_ == Device::cuda && !cuda_aware_) {

@@ -21,13 +21,26 @@ constexpr int roll_call_tag = 32002;
   std::abort();  // not reached
 }
 
+using Clock = std::chrono::steady_clock;
+
+Clock::time_point after(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+// "rank 3" or "ranks 3, 5, …" (at most 8 named).
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string s = ranks.size() > 1 ? "ranks " : "rank ";
+  for (std::size_t i = 0; i < ranks.size() && i < 8; ++i) s += cat(i ? ", " : "", ranks[i]);
+  return ranks.size() > 8 ? s + ", …" : s;
+}
+
 // Tests `requests` until all are complete or the deadline passes; false on the latter.
-bool wait_until(std::vector<MPI_Request>& requests, std::chrono::steady_clock::time_point deadline) {
+bool wait_until(std::vector<MPI_Request>& requests, Clock::time_point deadline) {
   for (;;) {
     int done = 0;
     MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
     if (done) return true;
-    if (std::chrono::steady_clock::now() > deadline) return false;
+    if (Clock::now() > deadline) return false;
     std::this_thread::sleep_for(std::chrono::microseconds(500));
   }
 }
@@ -37,9 +50,7 @@ bool wait_until(std::vector<MPI_Request>& requests, std::chrono::steady_clock::t
 void rendezvous(const Communicator& world, const std::string& what, double timeout_s) {
   const int size = world.size();
   if (size == 1) return;
-  using Clock = std::chrono::steady_clock;
-  const auto start = Clock::now();
-  const auto after = [&](double s) { return start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s)); };
+  const Clock::time_point first_deadline = after(timeout_s), last_deadline = after(2 * timeout_s);
   int token = 1;
   if (world.rank() == 0) {
     std::vector<int> arrived(static_cast<std::size_t>(size - 1), 0);
@@ -47,17 +58,16 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
     for (int r = 1; r < size; ++r)
       MPI_Irecv(&arrived[static_cast<std::size_t>(r - 1)], 1, MPI_INT, r, rendezvous_tag, world.get(),
                 &requests[static_cast<std::size_t>(r - 1)]);
-    if (!wait_until(requests, after(timeout_s))) {
-      std::string missing;
-      int count = 0;
+    if (!wait_until(requests, first_deadline)) {
+      std::vector<int> missing;
       for (int r = 1; r < size; ++r)
-        if (!arrived[static_cast<std::size_t>(r - 1)] && count++ < 8) missing += cat(missing.empty() ? "" : ", ", r);
-      end_job(world.get(), cat("rank", count > 1 ? "s " : " ", missing, count > 8 ? ", …" : "", " did not reach ", what,
-                               " within ", timeout_s, " s (--p2p-timeout): stopped or hung; ending the job"));
+        if (!arrived[static_cast<std::size_t>(r - 1)]) missing.push_back(r);
+      end_job(world.get(), cat(rank_list(missing), " did not reach ", what, " within ", timeout_s,
+                               " s (--p2p-timeout): stopped or hung; ending the job"));
     }
     for (int r = 1; r < size; ++r)
       MPI_Isend(&token, 1, MPI_INT, r, rendezvous_tag, world.get(), &requests[static_cast<std::size_t>(r - 1)]);
-    if (!wait_until(requests, after(2 * timeout_s)))
+    if (!wait_until(requests, last_deadline))
       end_job(world.get(), cat("rank 0: a rank stopped answering right after reaching ", what, "; ending the job"));
   } else {
     int go = 0;
@@ -88,8 +98,7 @@ Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
     std::lock_guard<std::mutex> lock(mutex_);
     what_ = std::move(what);
     seconds_ = seconds;
-    deadline_ = std::chrono::steady_clock::now() +
-                std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(seconds));
+    deadline_ = after(seconds);
     armed_ = true;
   }
   wake_.notify_all();
@@ -108,16 +117,9 @@ void Watchdog::run() {
       wake_.wait(lock);
       continue;
     }
-    if (wake_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ && !stop_ &&
-        std::chrono::steady_clock::now() >= deadline_)
-      roll_call();
+    if (wake_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ && !stop_ && Clock::now() >= deadline_)
+      roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"), std::min(seconds_, 3.0));
   }
-}
-
-void Watchdog::roll_call() {
-  mpipe::roll_call(world_,
-                   cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"),
-                   std::min(seconds_, 3.0));
 }
 
 void roll_call(MPI_Comm world, const std::string& context, double grace_s) {
@@ -140,25 +142,24 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s) {
     MPI_Irecv(&heard[static_cast<std::size_t>(r)], 1, MPI_LONG_LONG, r, roll_call_tag, world, &receives.back());
     MPI_Isend(token.data(), 1, MPI_LONG_LONG, r, roll_call_tag, world, &sends.back());
   }
-  wait_until(receives, std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                                              std::chrono::duration<double>(grace_s)));
+  wait_until(receives, after(grace_s));
   heard[static_cast<std::size_t>(me)] = token[0];
-  std::string silent;
-  int count = 0, lowest_alive = me;
+  std::vector<int> silent;
+  int lowest_alive = size;
   bool named = false;  // this rank was the silent one, and is heard only now
-  for (int r = size - 1; r >= 0; --r) {
+  for (int r = 0; r < size; ++r) {
     const long long word = heard[static_cast<std::size_t>(r)];
-    if (word != 0) lowest_alive = r;
-    else if (++count <= 8) silent = cat(r, silent.empty() ? "" : ", ", silent);
+    if (word == 0) silent.push_back(r);
+    else lowest_alive = std::min(lowest_alive, r);
     if (word != 0 && token[0] - word > static_cast<long long>(grace_s * 1000)) named = true;
   }
   if (lowest_alive != me || named) {  // another rank speaks and ends the job
     std::this_thread::sleep_for(std::chrono::duration<double>(grace_s + 5));
     MPI_Abort(world, 1);
   }
-  if (count == 0) end_job(world, cat(context, "; every rank answers (a hung file system, or a deadlock); ending the job"));
-  end_job(world, cat("rank", count > 1 ? "s " : " ", silent, count > 8 ? ", …" : "", " stopped answering (silent for ",
-                     grace_s, " s after the deadline). Seen by ", context, "; ending the job"));
+  if (silent.empty()) end_job(world, cat(context, "; every rank answers (a hung file system, or a deadlock); ending the job"));
+  end_job(world, cat(rank_list(silent), " stopped answering (silent for ", grace_s, " s after the deadline). Seen by ",
+                     context, "; ending the job"));
 }
 
 }  // namespace mpipe

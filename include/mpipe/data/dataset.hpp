@@ -25,6 +25,9 @@ class Dataset {
   virtual std::string describe() const = 0;
 };
 
+// The file a --data spec names (PATH of text:PATH or tokens:PATH), or "" for none.
+std::string data_file(const std::string& spec);
+
 // Parses --data (synthetic | text:PATH | tokens:PATH) for the model; UserError on a
 // bad spec or file.
 std::unique_ptr<Dataset> make_dataset(const std::string& spec, const ModelConfig& model,

@@ -29,4 +29,7 @@ struct RunSummary {
 // stage and rank, and the configuration that produced them.
 std::string summary_json(const Executor& exec, const RunSummary& summary);
 
+// Writes `json` and a newline to `path` (--summary); UserError when it cannot (full disk).
+void write_summary(const std::string& path, const std::string& json);
+
 }  // namespace mpipe

@@ -76,7 +76,8 @@ class Transport {
   };
   void post_ready_sends(bool wait);
   void post_send(std::span<const std::byte> wire, Direction direction, int mb);
-  int peer(Direction direction) const;  // where messages in `direction` go
+  int peer(Direction direction) const;    // the stage messages in `direction` go to
+  int source(Direction direction) const;  // the stage they come from
   static int index(Direction direction) { return static_cast<int>(direction); }
 
   const Grid& grid_;

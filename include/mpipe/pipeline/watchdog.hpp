@@ -49,7 +49,6 @@ class Watchdog {
  private:
   void disarm();
   void run();
-  void roll_call();
 
   MPI_Comm world_;
   std::string rank_name_, what_;
