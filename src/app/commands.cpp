@@ -21,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <string_view>
 
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/version.hpp"
@@ -61,12 +62,22 @@ extern "C" void on_stop_signal(int signal) {
   errno = saved_errno;
 }
 
-// Called before MPI starts, so that a stop during start-up stops after the first step.
+// Whether `environment` (main's envp) sets `name`; at preinit time getenv may not be ready.
+bool environment_has(char** environment, std::string_view name) {
+  for (char** e = environment; e && *e; ++e)
+    if (std::string_view(*e).starts_with(name) && (*e)[name.size()] == '=') return true;
+  return false;
+}
+
+}  // namespace
+
 // Without SA_RESTART: a write already blocked on a full pipe returns. Output may be
 // dropped where it goes to a pipe, a socket, or (mpirun's default) a terminal of the
-// launcher's own; never on a user's terminal.
-void install_stop_handlers() {
-  const bool under_mpirun = std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr && std::getenv("SLURM_STEP_ID") == nullptr;
+// launcher's own; never on a user's terminal. Only system calls: main.cpp calls this
+// before any constructor has run.
+void install_stop_handlers(char** environment) {
+  const bool under_mpirun =
+      environment_has(environment, "OMPI_COMM_WORLD_SIZE") && !environment_has(environment, "SLURM_STEP_ID");
   for (int fd : {1, 2}) {
     struct stat st{};
     g_output_is_pipe[fd] = ::fstat(fd, &st) == 0 && (S_ISFIFO(st.st_mode) || S_ISSOCK(st.st_mode) ||
@@ -80,6 +91,9 @@ void install_stop_handlers() {
   ::sigaction(SIGTERM, &action, nullptr);
   ::sigaction(SIGUSR1, &action, nullptr);
 }
+
+namespace {
+
 constexpr int exit_internal_error = 1;
 
 // Threads per rank when --threads is 0: the cores the launcher bound this rank to, or,
@@ -813,7 +827,7 @@ int run_main(int argc, char** argv) {
   int rank = 0, already = 0;
   MPI_Initialized(&already);  // tests call run_main with MPI up
   const bool own_mpi = training && !already;
-  if (training) install_stop_handlers();
+  if (training) install_stop_handlers(environ);  // again: a test may call run_main
   if (own_mpi) {
     // MULTIPLE for the communication progress thread (Progress falls back without it).
     int provided = 0;

@@ -1,5 +1,17 @@
 // mpipe's entry point.
+#include <cstring>
+
 #include "mpipe/app/commands.hpp"
 #include "mpipe/core/sanitizer.hpp"
+
+namespace {
+// The executable's .preinit_array runs before the constructors of every shared library
+// (glibc calls it with argc, argv, envp once all are loaded and relocated, ~5 ms after
+// exec): from here on a stop signal during start-up means "stop after the first step".
+void early_stop_handlers(int argc, char** argv, char** envp) {
+  if (argc > 1 && std::strcmp(argv[1], "train") == 0) mpipe::install_stop_handlers(envp);
+}
+[[gnu::section(".preinit_array"), gnu::used]] void (*const preinit_entry)(int, char**, char**) = early_stop_handlers;
+}  // namespace
 
 int main(int argc, char** argv) { return mpipe::run_main(argc, argv); }

@@ -18,6 +18,7 @@ int device_count(std::string* why) {
   if (why) *why = "this mpipe was built without CUDA";
   return 0;
 }
+void load_libraries() { not_built(); }
 DeviceProperties properties(int) { not_built(); }
 void init(int) { not_built(); }
 bool active() { return false; }

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <limits>
 
 #include "mpipe/backend/cuda/runtime.hpp"
@@ -97,4 +99,25 @@ TEST_CASE("cuda runtime: without a GPU, device_count() is 0 and says why") {
     MESSAGE("a GPU is visible (CUDA_VISIBLE_DEVICES=", visible ? visible : "unset", "): ", count);
   }
   if (!cuda::built()) CHECK(count == 0);
+}
+
+TEST_CASE("cuda runtime: cuBLAS, cuBLASLt and cuDNN load at first use, not at start") {
+  if (!cuda::built()) {
+    CHECK_THROWS_WITH_AS(cuda::load_libraries(), doctest::Contains("built without the CUDA backend"), Error);
+    return;
+  }
+  // Not mapped by the dynamic loader: a CPU run never pays for them.
+  const auto mapped = [](const char* name) {
+    std::ifstream maps("/proc/self/maps");
+    std::string line;
+    while (std::getline(maps, line))
+      if (line.find(name) != std::string::npos) return true;
+    return false;
+  };
+  if (!cuda::active()) CHECK_FALSE(mapped("libcublasLt.so"));
+  // Every function the backend calls is found (no GPU needed), and a second call is free.
+  CHECK_NOTHROW(cuda::load_libraries());
+  CHECK(mapped("libcublasLt.so"));
+  CHECK(mapped("libcudnn.so"));
+  CHECK_NOTHROW(cuda::load_libraries());
 }

@@ -15,6 +15,12 @@ int run_train(const TrainConfig& config, const Communicator& world);
 // Prints the grid, partition, schedule and predicted bubble for `ranks` ranks, no MPI.
 int run_plan(const TrainConfig& config, int ranks);
 
+// SIGTERM and SIGUSR1 (what Slurm and mpirun send) ask training to stop after the
+// current step with a checkpoint, exit 75. `environment`: main's envp. main.cpp calls
+// this for `train` before any shared library's constructor runs (cuBLASLt's take ~0.3 s,
+// in which a signal would otherwise kill the rank), and run_main again.
+void install_stop_handlers(char** environment);
+
 // The whole program; returns the exit code (0 ok, 2 bad input, 1 internal error).
 int run_main(int argc, char** argv);
 

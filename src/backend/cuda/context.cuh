@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <string>
 
+#include "libraries.cuh"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/core/bf16.hpp"
 #include "mpipe/core/error.hpp"
@@ -39,7 +40,7 @@ const char* cublas_status_name(cublasStatus_t status);
   do {                                                                                    \
     const cudnnStatus_t mpipe_status_ = (call);                                           \
     if (mpipe_status_ != CUDNN_STATUS_SUCCESS)                                            \
-      ::mpipe::cuda::fail(__FILE__, __LINE__, #call, cudnnGetErrorString(mpipe_status_)); \
+      ::mpipe::cuda::fail(__FILE__, __LINE__, #call, ::mpipe::cuda::lib().cudnnGetErrorString(mpipe_status_)); \
   } while (0)
 // After a kernel launch: a bad configuration shows up here, not at the next sync.
 #define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())

@@ -57,10 +57,10 @@ struct GemmPlan {
   GemmPlan& operator=(const GemmPlan&) = delete;
   ~GemmPlan() {
     // Host-side objects only: safe at exit, whatever state the device is in.
-    if (c) cublasLtMatrixLayoutDestroy(c);
-    if (b) cublasLtMatrixLayoutDestroy(b);
-    if (a) cublasLtMatrixLayoutDestroy(a);
-    if (desc) cublasLtMatmulDescDestroy(desc);
+    if (c) lib().cublasLtMatrixLayoutDestroy(c);
+    if (b) lib().cublasLtMatrixLayoutDestroy(b);
+    if (a) lib().cublasLtMatrixLayoutDestroy(a);
+    if (desc) lib().cublasLtMatmulDescDestroy(desc);
   }
 };
 
@@ -71,18 +71,18 @@ std::map<GemmKey, std::unique_ptr<GemmPlan>>& plans() {
 
 template <class T>
 void set_desc(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value) {
-  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
+  CUBLAS_CHECK(lib().cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
 }
 
 cublasLtMatrixLayout_t make_layout(cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld, int batch,
                                    int64_t stride) {
   cublasLtMatrixLayout_t layout = nullptr;
-  CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&layout, type, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), ld));
+  CUBLAS_CHECK(lib().cublasLtMatrixLayoutCreate(&layout, type, static_cast<uint64_t>(rows), static_cast<uint64_t>(cols), ld));
   if (batch > 1) {
     const int32_t count = batch;
-    CUBLAS_CHECK(cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    CUBLAS_CHECK(lib().cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
     CUBLAS_CHECK(
-        cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+        lib().cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
   }
   return layout;
 }
@@ -100,7 +100,7 @@ void set_epilogue_pointers(GemmPlan& plan, const Gemm& g) {
 
 void build(GemmPlan& plan, const GemmKey& key, const Gemm& g) {
   Context& ctx = context();
-  CUBLAS_CHECK(cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  CUBLAS_CHECK(lib().cublasLtMatmulDescCreate(&plan.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t op_a = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // on our b
   const cublasOperation_t op_b = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // on our a
   set_desc(plan.desc, CUBLASLT_MATMUL_DESC_TRANSA, op_a);
@@ -115,10 +115,10 @@ void build(GemmPlan& plan, const GemmKey& key, const Gemm& g) {
   plan.c = make_layout(g.c_type, g.N, g.M, g.ldc, g.batch, g.stride_c);
 
   cublasLtMatmulPreference_t preference = nullptr;
-  CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&preference));
+  CUBLAS_CHECK(lib().cublasLtMatmulPreferenceCreate(&preference));
   const uint64_t workspace = ctx.lt_workspace_bytes;
   const auto set_preference = [&](cublasLtMatmulPreferenceAttributes_t attribute, const auto& value) {
-    CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)));
+    CUBLAS_CHECK(lib().cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)));
   };
   set_preference(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, workspace);
   set_preference(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, key.align_b);
@@ -129,9 +129,9 @@ void build(GemmPlan& plan, const GemmKey& key, const Gemm& g) {
   int returned = 0;
   // Not checked: an epilogue refused for these types (NOT_SUPPORTED, or INVALID_VALUE)
   // is an answer for try_gemm's caller, and gemm() reports it.
-  const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(ctx.blas_lt, plan.desc, plan.a, plan.b, plan.c,
+  const cublasStatus_t status = lib().cublasLtMatmulAlgoGetHeuristic(ctx.blas_lt, plan.desc, plan.a, plan.b, plan.c,
                                                                plan.c, preference, 1, &result, &returned);
-  CUBLAS_CHECK(cublasLtMatmulPreferenceDestroy(preference));
+  CUBLAS_CHECK(lib().cublasLtMatmulPreferenceDestroy(preference));
   plan.heuristic = status == CUBLAS_STATUS_SUCCESS && returned == 0 ? CUBLAS_STATUS_NOT_SUPPORTED : status;
   if (plan.heuristic == CUBLAS_STATUS_SUCCESS) plan.algo = result.algo;
 }
@@ -153,7 +153,7 @@ cublasStatus_t run(const Gemm& g) {
   }
   if (slot->heuristic != CUBLAS_STATUS_SUCCESS) return slot->heuristic;
   Context& ctx = context();
-  CUBLAS_CHECK(cublasLtMatmul(ctx.blas_lt, slot->desc, &g.alpha, g.b, slot->a, g.a, slot->b, &g.beta, g.c, slot->c,
+  CUBLAS_CHECK(lib().cublasLtMatmul(ctx.blas_lt, slot->desc, &g.alpha, g.b, slot->a, g.a, slot->b, &g.beta, g.c, slot->c,
                               g.c, slot->c, &slot->algo, ctx.lt_workspace, ctx.lt_workspace_bytes, ctx.compute));
   return CUBLAS_STATUS_SUCCESS;
 }

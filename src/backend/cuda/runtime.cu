@@ -78,17 +78,17 @@ void init(int ordinal) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&c.compute, cudaStreamNonBlocking));
   CUDA_CHECK(cudaStreamCreateWithFlags(&c.to_device, cudaStreamNonBlocking));
   CUDA_CHECK(cudaStreamCreateWithFlags(&c.to_host, cudaStreamNonBlocking));
-  CUBLAS_CHECK(cublasCreate(&c.blas));
-  CUBLAS_CHECK(cublasSetStream(c.blas, c.compute));
+  CUBLAS_CHECK(lib().cublasCreate(&c.blas));
+  CUBLAS_CHECK(lib().cublasSetStream(c.blas, c.compute));
   // No atomics: the same call gives the same bits (cuBLAS's reproducibility rule).
-  CUBLAS_CHECK(cublasSetAtomicsMode(c.blas, CUBLAS_ATOMICS_NOT_ALLOWED));
-  CUBLAS_CHECK(cublasLtCreate(&c.blas_lt));
+  CUBLAS_CHECK(lib().cublasSetAtomicsMode(c.blas, CUBLAS_ATOMICS_NOT_ALLOWED));
+  CUBLAS_CHECK(lib().cublasLtCreate(&c.blas_lt));
   // 32 MiB is what cuBLAS asks for on Hopper to reach its fastest kernels.
   c.lt_workspace_bytes = std::size_t{32} << 20;
   CUDA_CHECK(cudaMalloc(&c.lt_workspace, c.lt_workspace_bytes));
-  CUBLAS_CHECK(cublasSetWorkspace(c.blas, c.lt_workspace, c.lt_workspace_bytes));
-  CUDNN_CHECK(cudnnCreate(&c.dnn));
-  CUDNN_CHECK(cudnnSetStream(c.dnn, c.compute));
+  CUBLAS_CHECK(lib().cublasSetWorkspace(c.blas, c.lt_workspace, c.lt_workspace_bytes));
+  CUDNN_CHECK(lib().cudnnCreate(&c.dnn));
+  CUDNN_CHECK(lib().cudnnSetStream(c.dnn, c.compute));
   g_active = true;
 }
 

@@ -18,6 +18,11 @@ bool built();
 // why: not built with CUDA, no driver, no device, CUDA_VISIBLE_DEVICES empty, ...
 int device_count(std::string* why = nullptr);
 
+// Opens cuBLAS, cuBLASLt and cuDNN and finds every function the backend calls (init()
+// does it; they are not linked, so a CPU run never loads them). Throws an Error naming
+// the library or function that is missing. Needs no GPU.
+void load_libraries();
+
 struct DeviceProperties {
   std::string name;
   int major = 0, minor = 0;        // compute capability
