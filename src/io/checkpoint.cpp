@@ -591,11 +591,12 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
   const Model& model = exec.model();
   // Every wait below is collective (MPI, HDF5's file create and close): a rank that
   // stopped answering must end the job, not leave the others waiting. Those stopped
-  // before the checkpoint are named here; one that stops within it, by the watchdog,
-  // whose deadline allows a healthy write at 10 MB/s.
+  // before the checkpoint are named here; one that stops within it, by the watchdog's
+  // heartbeats within --p2p-timeout, however large the file. Its deadline, which allows
+  // a healthy write at 10 MB/s, bounds a write that every rank is still doing.
   const double timeout = config.pipeline.p2p_timeout;
   rendezvous(world, cat("checkpoint step ", step), timeout);
-  Watchdog watchdog(world, cat("rank ", world.rank(), " (stage ", grid.stage(), ", replica ", grid.replica(), ")"));
+  Watchdog watchdog(world, cat("rank ", world.rank(), " (stage ", grid.stage(), ", replica ", grid.replica(), ")"), timeout);
   const double file_bytes = 4.0 * static_cast<double>(model.parameter_count()) *
                             static_cast<double>(1 + exec.optimizer().state_names().size());
   const auto guard = watchdog.arm(cat("writing checkpoint ", final_path), timeout + file_bytes / 10e6);

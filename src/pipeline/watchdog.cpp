@@ -12,6 +12,7 @@ namespace {
 
 constexpr int rendezvous_tag = 32001;  // on the world communicator, where stages send nothing
 constexpr int roll_call_tag = 32002;
+constexpr int heartbeat_tag = 32003;
 
 [[noreturn]] void end_job(MPI_Comm world, const std::string& line) {
   std::fflush(stdout);
@@ -81,8 +82,19 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
   }
 }
 
-Watchdog::Watchdog(const Communicator& world, std::string rank_name)
-    : world_(world.get()), rank_name_(std::move(rank_name)), thread_([this] { run(); }) {}
+Watchdog::Watchdog(const Communicator& world, std::string rank_name, double liveness_s)
+    : world_(world.get()), rank_(world.rank()), rank_name_(std::move(rank_name)), liveness_s_(liveness_s) {
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  heartbeats_ = level == MPI_THREAD_MULTIPLE && world.size() > 1 && liveness_s > 0;
+  if (heartbeats_) {
+    if (rank_ == 0)
+      for (int r = 1; r < world.size(); ++r) peers_.push_back(Peer{r});
+    else
+      peers_.push_back(Peer{0});
+  }
+  thread_ = std::thread([this] { run(); });
+}
 
 Watchdog::~Watchdog() {
   {
@@ -91,6 +103,7 @@ Watchdog::~Watchdog() {
   }
   wake_.notify_all();
   thread_.join();
+  close_peers();
 }
 
 Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
@@ -98,7 +111,10 @@ Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
     std::lock_guard<std::mutex> lock(mutex_);
     what_ = std::move(what);
     seconds_ = seconds;
+    const Clock::time_point now = Clock::now();
     deadline_ = after(seconds);
+    next_send_ = now;
+    for (Peer& p : peers_) p.heard = Clock::time_point{};  // not yet: see run()
     armed_ = true;
   }
   wake_.notify_all();
@@ -110,14 +126,78 @@ void Watchdog::disarm() {
   armed_ = false;
 }
 
+// A heartbeat that arrives after its receive was cancelled waits, unmatched, for the
+// next Watchdog's receive on the same tag, where it counts as one word more of a rank
+// that was alive: harmless.
+void Watchdog::close_peers() {
+  for (Peer& p : peers_) {
+    if (p.receive != MPI_REQUEST_NULL) {
+      MPI_Cancel(&p.receive);
+      MPI_Wait(&p.receive, MPI_STATUS_IGNORE);
+    }
+    // A send not yet taken by its peer goes on by itself (a few bytes, sent eagerly).
+    if (p.send != MPI_REQUEST_NULL) MPI_Request_free(&p.send);
+  }
+}
+
+void Watchdog::beat(Clock::time_point now, bool send) {
+  for (Peer& p : peers_) {
+    int done = 0;
+    if (p.receive == MPI_REQUEST_NULL)
+      MPI_Irecv(&p.word_in, 1, MPI_INT, p.rank, heartbeat_tag, world_, &p.receive);
+    for (;;) {  // every word that has come: the peer is alive
+      MPI_Test(&p.receive, &done, MPI_STATUS_IGNORE);
+      if (!done) break;
+      p.heard = now;
+      ++words_heard_;
+      MPI_Irecv(&p.word_in, 1, MPI_INT, p.rank, heartbeat_tag, world_, &p.receive);
+    }
+    if (send) {
+      if (p.send != MPI_REQUEST_NULL) MPI_Test(&p.send, &done, MPI_STATUS_IGNORE);
+      if (p.send == MPI_REQUEST_NULL) MPI_Isend(&p.word_out, 1, MPI_INT, p.rank, heartbeat_tag, world_, &p.send);
+    }
+  }
+}
+
 void Watchdog::run() {
+  // Words every quarter of the liveness time (at most 1 s apart), polled at least as often.
+  const auto period = std::chrono::duration<double>(std::clamp(liveness_s_ / 4, 0.05, 1.0));
+  const auto poll = std::chrono::duration_cast<Clock::duration>(period / 4);
   std::unique_lock<std::mutex> lock(mutex_);
   while (!stop_) {
     if (!armed_) {
       wake_.wait(lock);
       continue;
     }
-    if (wake_.wait_until(lock, deadline_) == std::cv_status::timeout && armed_ && !stop_ && Clock::now() >= deadline_)
+    const Clock::time_point until = heartbeats_ ? std::min(deadline_, Clock::now() + poll) : deadline_;
+    wake_.wait_until(lock, until);
+    if (!armed_ || stop_) continue;
+    const Clock::time_point now = Clock::now();
+    // Woken far too late: this rank was the stopped one (SIGSTOP, and mpirun's SIGCONT
+    // before it kills). The others have named it; it stays quiet until the job ends.
+    if (now - until > std::chrono::seconds(1)) {
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::duration<double>(std::min(liveness_s_, 3.0) + 5));
+      MPI_Abort(world_, 1);
+    }
+    if (heartbeats_) {
+      const bool send = now >= next_send_;
+      if (send) next_send_ = now + std::chrono::duration_cast<Clock::duration>(period);
+      beat(now, send);
+      for (const Peer& p : peers_) {
+        // Judged from its first word on: a peer arms a little later than this rank (after
+        // the same collective), and one that never arms is the deadline's to find.
+        if (p.heard == Clock::time_point{}) continue;
+        const double silent = std::chrono::duration<double>(now - p.heard).count();
+        if (silent < liveness_s_) continue;
+        const std::string context = cat(rank_name_, ": ", what_);
+        if (rank_ == 0)  // it hears every rank: it names the silent one
+          end_job(world_, cat("rank ", p.rank, " stopped answering (no heartbeat for ", liveness_s_, " s, --p2p-timeout). Seen by ",
+                              context, "; ending the job"));
+        roll_call(world_, context, std::min(liveness_s_, 3.0));  // rank 0 is silent: the others name it
+      }
+    }
+    if (now >= deadline_)
       roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"), std::min(seconds_, 3.0));
   }
 }

@@ -339,10 +339,14 @@ state)
 stopped)
   # SIGSTOP one rank while checkpoints are written every step (the others then wait in
   # MPI and HDF5 collectives, or in a step): the job ends within --p2p-timeout + 5 s
-  # with one line that names the stopped rank.
-  for trial in 1 2 3; do
+  # with one line that names the stopped rank. Trials 4 and 5 write 254 MB checkpoints
+  # (a write takes longer than the timeout, and the stop most likely falls inside one):
+  # still within the timeout + 5 s, not one that grows with the file.
+  big=(train --model mlp --layers 6 --hidden 2048 --batch-size 8 --micro-batches 2 --threads 1 --keep 1)
+  for trial in 1 2 3 4 5; do
     rm -rf "$work/d"
-    mpiexec -n 3 --oversubscribe "$mpipe" "${model[@]}" --log-every 1000 --steps 100000 --checkpoint-dir "$work/d" \
+    if ((trial < 4)); then args=("${model[@]}"); else args=("${big[@]}"); fi
+    mpiexec -n 3 --oversubscribe "$mpipe" "${args[@]}" --log-every 1000 --steps 100000 --checkpoint-dir "$work/d" \
       --checkpoint-every $((trial == 3 ? 1000 : 1)) --p2p-timeout 2 > "$work/log" 2>&1 &
     pid=$!
     for _ in $(seq 200); do compgen -G "$work/d/ckpt-*.h5" >/dev/null && break; sleep 0.05; done

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "compare.hpp"
@@ -17,6 +18,7 @@
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/pipeline/executor.hpp"
 #include "mpipe/pipeline/progress.hpp"
+#include "mpipe/pipeline/watchdog.hpp"
 
 using namespace mpipe;
 using mpipe::test::gather_params;
@@ -270,4 +272,30 @@ TEST_CASE("a message moves while its sender computes, with a progress thread or 
     if (mode != ProgressMode::waits) CHECK(arrived < 0.5);
     else if (needs_sender) CHECK(arrived >= 1.0);
   }
+}
+
+TEST_CASE("the watchdog's heartbeats keep guarded work longer than the liveness time alive") {
+  // Liveness 0.3 s, deadline 30 s: work of 1.2 s on every rank must not end the job
+  // (without heartbeats rank 0 would name a silent rank after 0.3 s and MPI_Abort).
+  Watchdog dog(world(), cat("rank ", world().rank()), 0.3);
+  REQUIRE(dog.heartbeats());  // 4 ranks under MPI_THREAD_MULTIPLE
+  world().barrier();           // armed together, as after a checkpoint's rendezvous
+  {
+    const auto guard = dog.arm("work outside MPI", 30);
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+  }
+  // A word every 75 ms each way: rank 0 heard each of the others, they heard rank 0.
+  const long expected = world().rank() == 0 ? 8L * (world().size() - 1) : 8L;
+  CHECK(dog.words_heard() >= expected);
+  // Armed again: rank 0 works while the others wait in a collective, whose MPI calls
+  // run beside the watchdog threads'.
+  world().barrier();
+  {
+    const auto guard = dog.arm("a wait inside MPI", 30);
+    if (world().rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+    world().barrier();
+  }
+  int alive = 1;
+  world().allreduce(std::span<int>(&alive, 1), Reduce::sum);
+  CHECK(alive == world().size());
 }

@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "mpipe/pipeline/comm.hpp"
 
@@ -22,11 +23,19 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
 // stopped ones) in one line and ends the job (MPI_Abort, exit 1); the others stay quiet.
 [[noreturn]] void roll_call(MPI_Comm world, const std::string& context, double grace_s);
 
-// A thread that ends the job (one line naming this rank and what it was doing, then
-// MPI_Abort) when a guarded stretch of work outlives its deadline.
+// A thread that ends the job (one line, then MPI_Abort) when a guarded stretch of work
+// outlives its deadline, or, sooner, when a rank stops answering within it.
+//
+// Liveness: while armed, the watchdog threads exchange heartbeats (rank 0 with every
+// rank) whatever their main threads are doing, so a long write is told apart from a
+// stopped rank: rank 0 names a rank silent for `liveness_s` seconds; when rank 0 is the
+// silent one, the others hold a roll call that names it. The ranks arm and disarm it
+// together (after and before a collective), as the heartbeats flow only while armed. The deadline then only bounds
+// work that every rank is still doing (a hung file system). Heartbeats need
+// MPI_THREAD_MULTIPLE; without it the deadline alone stands.
 class Watchdog {
  public:
-  explicit Watchdog(const Communicator& world, std::string rank_name);
+  Watchdog(const Communicator& world, std::string rank_name, double liveness_s);
   ~Watchdog();
   Watchdog(const Watchdog&) = delete;
   Watchdog& operator=(const Watchdog&) = delete;
@@ -46,15 +55,34 @@ class Watchdog {
   };
   [[nodiscard]] Guard arm(std::string what, double seconds);
 
+  // Whether heartbeats run (MPI_THREAD_MULTIPLE, more than one rank, liveness_s > 0).
+  bool heartbeats() const { return heartbeats_; }
+  // Heartbeats received so far, from every peer.
+  long words_heard() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return words_heard_;
+  }
+
  private:
+  struct Peer {  // a rank this one exchanges heartbeats with
+    int rank = 0;
+    int word_in = 0, word_out = 0;
+    MPI_Request receive = MPI_REQUEST_NULL, send = MPI_REQUEST_NULL;
+    std::chrono::steady_clock::time_point heard;
+  };
   void disarm();
   void run();
+  void beat(std::chrono::steady_clock::time_point now, bool send);  // under mutex_
+  void close_peers();
 
   MPI_Comm world_;
+  int rank_ = 0;
   std::string rank_name_, what_;
-  double seconds_ = 0;
-  bool armed_ = false, stop_ = false;
-  std::chrono::steady_clock::time_point deadline_;
+  double seconds_ = 0, liveness_s_ = 0;
+  bool heartbeats_ = false, armed_ = false, stop_ = false;
+  long words_heard_ = 0;
+  std::vector<Peer> peers_;
+  std::chrono::steady_clock::time_point deadline_, next_send_;
   std::mutex mutex_;
   std::condition_variable wake_;
   std::thread thread_;
