@@ -527,9 +527,9 @@ int run_plan(const TrainConfig& config, int ranks) {
     part = partition_from_balance(parse_balance(config.pipeline.balance), model.size());
   } else if (config.pipeline.partition == "time") {
     cpu::set_threads(config.threads > 0 ? config.threads : 1);
-    part = partition_min_max(measure_layer_times(model, micro, config.seed), grid.stages);
+    part = partition_min_max(measure_layer_times(model, micro, config.seed), grid.stages, boundary_bytes(model, micro));
   } else {
-    part = partition_min_max(layer_costs(model, config.pipeline.partition, micro), grid.stages);
+    part = partition_min_max(layer_costs(model, config.pipeline.partition, micro), grid.stages, boundary_bytes(model, micro));
   }
   std::printf("mpipe %s (git %s) plan for %d ranks\n", version(), git_hash(), ranks);
   std::printf("layers (%d):", model.size());

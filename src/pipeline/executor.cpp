@@ -182,9 +182,9 @@ void Executor::connect() {
     }
     world_.broadcast(std::span<double>(costs), 0);
     if (std::isnan(costs[0])) throw Error(cat("measuring layer times on rank 0 failed", problem.empty() ? "" : ": " + problem));
-    partition_ = partition_min_max(costs, K);
+    partition_ = partition_min_max(costs, K, boundary_bytes(model_, micro_));
   } else {
-    partition_ = partition_min_max(layer_costs(model_, p.partition, micro_), K);
+    partition_ = partition_min_max(layer_costs(model_, p.partition, micro_), K, boundary_bytes(model_, micro_));
   }
   begin_ = partition_.begin(grid_->stage());
   end_ = partition_.end(grid_->stage());

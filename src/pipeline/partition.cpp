@@ -42,25 +42,45 @@ Partition partition_from_balance(const std::vector<int>& counts, int layers) {
   return p;
 }
 
-Partition partition_min_max(const std::vector<double>& cost, int stages) {
+Partition partition_min_max(const std::vector<double>& cost, int stages, const std::vector<double>& boundary_bytes) {
   const int L = static_cast<int>(cost.size());
   MPIPE_REQUIRE(stages <= L, "use fewer stages or a deeper model",
                 "more stages (", stages, ") than layers (", L, ")");
+  MPIPE_CHECK(boundary_bytes.empty() || static_cast<int>(boundary_bytes.size()) == L + 1, "boundary bytes for ",
+              boundary_bytes.size() - 1, " layers, costs for ", L);
   std::vector<double> prefix(L + 1, 0.0);
   for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + cost[i];
-  // best[k][i]: the smallest largest-stage cost splitting layers [0, i) into k stages.
   const double inf = std::numeric_limits<double>::infinity();
+  // 1. The smallest largest-stage cost: best[k][i] over layers [0, i) in k stages.
   std::vector<std::vector<double>> best(stages + 1, std::vector<double>(L + 1, inf));
-  std::vector<std::vector<int>> cut(stages + 1, std::vector<int>(L + 1, 0));
   best[0][0] = 0.0;
   for (int k = 1; k <= stages; ++k)
     for (int i = k; i <= L - (stages - k); ++i)
+      for (int j = k - 1; j < i; ++j) best[k][i] = std::min(best[k][i], std::max(best[k - 1][j], prefix[i] - prefix[j]));
+  // 2. Among the partitions whose every stage is within `near` of that (no cost model
+  // is more precise: they are equally fast): the fewest bytes across the cuts (a cut
+  // before the loss moves the logits, and leaves a rank next to idle), then the most
+  // even stages (smallest sum of squared stage costs), then the later cut (fewer layers
+  // on later stages, which also hold the loss and the head). Both sums add up stage by
+  // stage, so their order is kept by the recursion: exact, like step 1.
+  const double limit = best[stages][L] * (1 + partition_near);
+  struct Score {
+    double bytes = 0, squares = 0;
+    bool operator<(const Score& o) const { return bytes != o.bytes ? bytes < o.bytes : squares < o.squares; }
+  };
+  const Score none{inf, inf};
+  std::vector<std::vector<Score>> score(stages + 1, std::vector<Score>(L + 1, none));
+  std::vector<std::vector<int>> cut(stages + 1, std::vector<int>(L + 1, -1));
+  score[0][0] = Score{};
+  for (int k = 1; k <= stages; ++k)
+    for (int i = k; i <= L - (stages - k); ++i)
       for (int j = k - 1; j < i; ++j) {
-        const double c = std::max(best[k - 1][j], prefix[i] - prefix[j]);
-        // Ties go to the later cut, which puts fewer layers on later stages (the last
-        // stage also holds the loss and the head).
-        if (c < best[k][i] || (c == best[k][i] && j > cut[k][i])) {
-          best[k][i] = c;
+        const double c = prefix[i] - prefix[j];
+        if (c > limit || score[k - 1][j].bytes == inf) continue;
+        const double crossing = (j > 0 && !boundary_bytes.empty()) ? boundary_bytes[static_cast<std::size_t>(j)] : 0.0;
+        const Score candidate{score[k - 1][j].bytes + crossing, score[k - 1][j].squares + c * c};
+        if (candidate < score[k][i] || (!(score[k][i] < candidate) && j > cut[k][i])) {
+          score[k][i] = candidate;
           cut[k][i] = j;
         }
       }
@@ -70,9 +90,20 @@ Partition partition_min_max(const std::vector<double>& cost, int stages) {
   p.bounds[stages] = L;
   for (int k = stages, i = L; k > 0; --k) {
     i = cut[k][i];
+    MPIPE_CHECK(i >= 0, "partitioner: no partition within its own optimum");
     p.bounds[k - 1] = i;
   }
   return p;
+}
+
+std::vector<double> boundary_bytes(const Model& model, int micro) {
+  const auto shapes = model.shapes(micro);
+  std::vector<double> bytes(static_cast<std::size_t>(model.size()) + 1, 0.0);
+  for (int b = 1; b < model.size(); ++b) {
+    const bool gradient_back = model.layer(b).input_dtype() == DType::f32;
+    bytes[static_cast<std::size_t>(b)] = static_cast<double>(shapes[static_cast<std::size_t>(b)].numel()) * 4 * (gradient_back ? 2 : 1);
+  }
+  return bytes;
 }
 
 std::vector<double> layer_costs(const Model& model, const std::string& method, int micro) {

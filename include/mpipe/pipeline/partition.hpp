@@ -24,9 +24,20 @@ struct Partition {
 
 // From --balance; UserError if the counts are not positive or do not add up.
 Partition partition_from_balance(const std::vector<int>& layers_per_stage, int layers);
+// Largest stage costs this close (relative) count as a tie: a FLOP or timing model is
+// no more precise than that.
+inline constexpr double partition_near = 0.01;
+
 // Minimises the largest stage cost over contiguous partitions into `stages` non-empty
-// ranges; UserError if there are more stages than layers.
-Partition partition_min_max(const std::vector<double>& layer_costs, int stages);
+// ranges, exactly; among the partitions within `partition_near` of it, the one with the
+// fewest bytes crossing its cuts (`boundary_bytes`, when given: see boundary_bytes()),
+// then the most even stages. UserError if there are more stages than layers.
+Partition partition_min_max(const std::vector<double>& layer_costs, int stages,
+                            const std::vector<double>& boundary_bytes = {});
+// Bytes that cross a cut before layer b, at [b] (1 <= b < layers; [0] and [layers] are
+// 0): its input activation per micro-batch of `micro` samples, and the same again for
+// the gradient that comes back (none for token inputs).
+std::vector<double> boundary_bytes(const Model& model, int micro);
 
 // Per-layer costs for `method` (uniform | params | flops) at one micro-batch of `micro`
 // samples. `time` is measured by the caller (measure_layer_times).
