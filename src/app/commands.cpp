@@ -424,7 +424,7 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   auto& m = c.model;
   auto& o = c.optimizer;
   auto& p = c.pipeline;
-  cmd.add_option("--model", m.kind, "Model: gpt or mlp")->capture_default_str();
+  cmd.add_option("--model", m.kind, "Model: a preset (gpt or mlp, sized by the options below) or a model file (TOML: see plan --print-model and --layer-kinds)")->capture_default_str();
   cmd.add_option("--layers", m.layers, "Transformer blocks (gpt) or hidden blocks (mlp)")->capture_default_str();
   cmd.add_option("--d-model", m.d_model, "Channels of the residual stream (gpt)")->capture_default_str();
   cmd.add_option("--heads", m.heads, "Attention heads (gpt)")->capture_default_str();
@@ -667,7 +667,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   }
 
   const double theory = simulate(exec->schedule(), StageCosts::uniform(grid.stages())).bubble_fraction;
-  const int64_t tokens_per_sample = m.kind == "gpt" ? m.seq_len : 0;
+  const int64_t tokens_per_sample = exec->model().tokens();
   PhaseStats stats;
   stats.stage = grid.stage();
   std::vector<double> step_seconds;  // rank 0, for the summary's median
@@ -821,6 +821,28 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   return preempted ? exit_preempted : 0;
 }
 
+// `plan --layer-kinds`: the registry, as a user reads it.
+static int print_layer_kinds() {
+  const auto value_text = [](const OptionValue& v) {
+    return std::visit(
+        [](const auto& x) -> std::string {
+          using V = std::decay_t<decltype(x)>;
+          if constexpr (std::is_same_v<V, bool>) return x ? "true" : "false";
+          else if constexpr (std::is_same_v<V, std::string>) return x;
+          else return shortest_text(x);
+        },
+        v);
+  };
+  std::printf("Layer kinds of a model file ([[layer]] tables, kind = \"...\"), with their options:\n");
+  for (const LayerKind& kind : layer_kinds()) {
+    std::printf("\n%s: %s\n", kind.name.c_str(), kind.help.c_str());
+    for (const OptionSpec& o : kind.options)
+      std::printf("  %-10s %s%s\n", o.name.c_str(), o.help.c_str(),
+                  o.fallback ? cat(" (default ", value_text(*o.fallback), ")").c_str() : " (required)");
+  }
+  return 0;
+}
+
 int run_main(int argc, char** argv) {
   // MPI comes up first for train, so that under mpirun only rank 0 reports.
   const bool training = argc > 1 && std::strcmp(argv[1], "train") == 0;
@@ -849,20 +871,35 @@ int run_main(int argc, char** argv) {
   add_train_options(*plan, plan_config);
   int plan_ranks = 1;
   plan->add_option("--ranks", plan_ranks, "Number of ranks to plan for")->capture_default_str();
+  bool print_model = false, layer_kinds_help = false;
+  plan->add_flag("--print-model", print_model,
+                 "Print only the model's layer list as a model file (mpipe plan --model gpt --print-model > m.toml; "
+                 "mpipe train --model m.toml)");
+  plan->add_flag("--layer-kinds", layer_kinds_help, "List the layer kinds a model file may use, with their options");
   CLI::App* inspect = app.add_subcommand("inspect", "Show a checkpoint: tree, shapes, parameter counts, step, config");
   std::string inspect_path;
-  bool inspect_stats = false, inspect_verify = false, inspect_config = false;
+  bool inspect_stats = false, inspect_verify = false, inspect_config = false, inspect_model = false;
   inspect->add_option("file", inspect_path, "Checkpoint file (ckpt-*.h5)")->required();
   inspect->add_flag("--stats", inspect_stats, "Per-tensor min, max, mean, std and norm");
   inspect->add_flag("--verify", inspect_verify, "Check every checksum; exit code 2 on damage");
   inspect->add_flag("--config", inspect_config,
                     "Print only the run's options, as a file for 'train --config' (mpipe inspect CKPT --config > "
                     "run.toml)");
+  inspect->add_flag("--model", inspect_model,
+                    "Print only the model's layer list, as a model file for 'train --model' (mpipe inspect CKPT --model > "
+                    "m.toml)");
 
   try {
     app.parse(argc, argv);
     if (train->parsed()) apply_config_file(*train);
     if (plan->parsed()) apply_config_file(*plan);
+    // A model file has its own sizes: the presets' options would be ignored.
+    for (const auto& [command, config] : {std::pair{train, &train_config}, std::pair{plan, &plan_config}}) {
+      if (!command->parsed() || is_preset(config->model.kind)) continue;
+      for (const char* name : {"--layers", "--d-model", "--heads", "--seq-len", "--vocab", "--hidden", "--inputs", "--classes", "--dropout"})
+        MPIPE_REQUIRE(command->get_option(name)->count() == 0, "set it in the model file (mpipe plan --layer-kinds lists the keys)",
+                      name, " sizes the presets (gpt, mlp); model file '", config->model.kind, "' has its own");
+    }
   } catch (const CLI::CallForHelp& e) {
     return finish(rank == 0 ? app.exit(e) : 0);
   } catch (const CLI::CallForAllHelp& e) {
@@ -902,7 +939,13 @@ int run_main(int argc, char** argv) {
     return finish(code);
   }
   try {
-    if (inspect->parsed()) return run_inspect(inspect_path, inspect_stats, inspect_verify, inspect_config);
+    if (inspect->parsed())
+      return run_inspect(inspect_path, inspect_stats, inspect_verify, inspect_config ? "config" : inspect_model ? "model" : "");
+    if (layer_kinds_help) return print_layer_kinds();
+    if (print_model) {
+      std::fputs(model_spec(plan_config.model).to_toml().c_str(), stdout);
+      return 0;
+    }
     return run_plan(plan_config, plan_ranks);
   } catch (const UserError& e) {
     std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());

@@ -188,26 +188,27 @@ std::string data_file(const std::string& spec) {
   return colon == std::string::npos ? std::string() : spec.substr(colon + 1);
 }
 
-std::unique_ptr<Dataset> make_dataset(const std::string& spec, const ModelConfig& model,
-                                      std::uint64_t seed) {
+std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed) {
   const std::string hint = "use --data synthetic, text:PATH or tokens:PATH";
+  // A model of tokens predicts tokens of its vocabulary (the loss's classes).
+  const int64_t seq_len = model.tokens(), vocab = model.classes();
   if (spec == "synthetic") {
-    if (model.kind == "mlp") return std::make_unique<TeacherClassification>(model.inputs, model.classes, seed);
-    MPIPE_REQUIRE(model.vocab >= MarkovTokens::k, "use --vocab 4 or more",
-                  "synthetic data needs a vocabulary of at least 4 tokens, got ", model.vocab);
-    return std::make_unique<MarkovTokens>(model.vocab, model.seq_len, seed);
+    if (seq_len == 0) return std::make_unique<TeacherClassification>(static_cast<int>(model.input_shape(1).numel()), static_cast<int>(vocab), seed);
+    MPIPE_REQUIRE(vocab >= MarkovTokens::k, "use --vocab 4 or more",
+                  "synthetic data needs a vocabulary of at least 4 tokens, got ", vocab);
+    return std::make_unique<MarkovTokens>(static_cast<int>(vocab), static_cast<int>(seq_len), seed);
   }
   const auto colon = spec.find(':');
   MPIPE_REQUIRE(colon != std::string::npos && colon + 1 < spec.size(), hint, "bad --data '", spec, "'");
   const std::string kind = spec.substr(0, colon), path = data_file(spec);
   MPIPE_REQUIRE(kind == "text" || kind == "tokens", hint, "unknown data kind '", kind, "' in --data");
-  MPIPE_REQUIRE(model.kind == "gpt", "use --data synthetic with --model mlp",
-                "--data ", kind, ": files of tokens are for --model gpt");
+  MPIPE_REQUIRE(seq_len > 0, "use --data synthetic with a model of inputs (mlp)",
+                "--data ", kind, ": files of tokens are for models of tokens (gpt)");
   const std::vector<char> bytes = read_file(path);
   std::vector<int32_t> tokens;
   if (kind == "text") {
-    MPIPE_REQUIRE(model.vocab >= 256, "use --vocab 256 or more with text data",
-                  "--data text: needs byte tokens (vocabulary 256), but --vocab is ", model.vocab);
+    MPIPE_REQUIRE(vocab >= 256, "use --vocab 256 or more with text data",
+                  "--data text: needs byte tokens (vocabulary 256), but the model's vocabulary is ", vocab);
     tokens.assign(reinterpret_cast<const unsigned char*>(bytes.data()),
                   reinterpret_cast<const unsigned char*>(bytes.data()) + bytes.size());
   } else {
@@ -220,13 +221,13 @@ std::unique_ptr<Dataset> make_dataset(const std::string& spec, const ModelConfig
       tokens[i] = lo | (hi << 8);
       largest = std::max(largest, tokens[i]);
     }
-    MPIPE_REQUIRE(largest < model.vocab, cat("use --vocab ", largest + 1, " or more"), "token file '", path,
-                  "' holds token id ", largest, ", outside --vocab ", model.vocab);
+    MPIPE_REQUIRE(largest < vocab, cat("use --vocab ", largest + 1, " or more"), "token file '", path,
+                  "' holds token id ", largest, ", outside the model's vocabulary of ", vocab);
   }
-  MPIPE_REQUIRE(tokens.size() > static_cast<std::size_t>(model.seq_len),
+  MPIPE_REQUIRE(tokens.size() > static_cast<std::size_t>(seq_len),
                 "use a longer file or a smaller --seq-len", "data file '", path, "' has ", tokens.size(),
-                " tokens, too short for one sample of --seq-len ", model.seq_len, " (needs ", model.seq_len + 1, ")");
-  return std::make_unique<TokenFile>(std::move(tokens), cat(kind, " file ", path), model.seq_len, seed);
+                " tokens, too short for one sample of ", seq_len, " tokens (needs ", seq_len + 1, ")");
+  return std::make_unique<TokenFile>(std::move(tokens), cat(kind, " file ", path), static_cast<int>(seq_len), seed);
 }
 
 }  // namespace mpipe

@@ -52,6 +52,34 @@ class Handle {
   herr_t (*close_)(hid_t) = nullptr;
 };
 
+// The model's layer list as a model file, without the name line (the same list read
+// from another path is the same model).
+std::string model_text(const Model& model) {
+  ModelSpec spec = model.spec();
+  spec.name.clear();
+  const std::string text = spec.to_toml();
+  return text.substr(text.find('\n') + 1);
+}
+
+// Where two layer lists (model files) first differ: "layer 4 (linear): out = 64 there,
+// out = 48 here", or "" when they do not.
+std::string first_difference(const std::string& there, const std::string& here) {
+  std::istringstream a(there), b(here);
+  std::string x, y, kind;
+  int layer = -1;
+  for (;;) {
+    const bool more_a = static_cast<bool>(std::getline(a, x)), more_b = static_cast<bool>(std::getline(b, y));
+    if (!more_a && !more_b) return "";
+    if (!more_a || !more_b) return more_a ? cat("it has more layers, from layer ", layer + 1) : cat("it has fewer layers: ", layer + 1);
+    if (x == "[[layer]]") ++layer;
+    if (x.rfind("kind = ", 0) == 0) kind = x.substr(8, x.size() - 9);
+    if (x != y) {
+      if (layer < 0) return cat(x, " there, ", y, " here");
+      return cat("layer ", layer, " (", kind, "): ", x.empty() ? "(nothing)" : x, " there, ", y.empty() ? "(nothing)" : y, " here");
+    }
+  }
+}
+
 void quiet_hdf5() {
   // Our messages say what went wrong in one line; HDF5's own error stack is noise.
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
@@ -375,6 +403,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const std::s
     write_string_attribute(file.get(), "model_signature", state.signature);
     write_string_attribute(file.get(), "optimizer", state.optimizer);
     write_string_attribute(file.get(), "config", state.config);
+    write_string_attribute(file.get(), "model", model_text(model));  // its layer list, as a model file
     H5_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), "cannot flush '", temp_path, "'");
   }  // the file is closed (collectively) here; HDF5 writes nothing more
   // A collective close may return on one writer while another still writes metadata:
@@ -476,9 +505,17 @@ std::optional<std::string> checkpoint_run_id(const std::string& path) {
 
 std::string model_signature(const Model& model) {
   const ModelConfig& c = model.config();
-  std::string s = cat(c.kind, " layers=", c.layers);
-  if (c.kind == "gpt") s += cat(" d_model=", c.d_model, " heads=", c.heads, " seq_len=", c.seq_len, " vocab=", c.vocab);
-  else s += cat(" hidden=", c.hidden, " inputs=", c.inputs, " classes=", c.classes);
+  std::string s;
+  if (c.kind == "gpt") {
+    s = cat("gpt layers=", c.layers, " d_model=", c.d_model, " heads=", c.heads, " seq_len=", c.seq_len, " vocab=", c.vocab);
+  } else if (c.kind == "mlp") {
+    s = cat("mlp layers=", c.layers, " hidden=", c.hidden, " inputs=", c.inputs, " classes=", c.classes);
+  } else {  // a model file: its layer list, wherever the file lies
+    const std::string text = model_text(model);
+    char list[16];
+    std::snprintf(list, sizeof list, "%08x", static_cast<unsigned>(crc32_of(text.data(), text.size())));
+    s = cat("file layers=", model.size(), " list=", list);
+  }
   std::string layout;
   for (const DatasetSpec& d : parameter_datasets(model, "")) layout += d.path + d.shape.str() + ";";
   char hash[16];
@@ -488,9 +525,9 @@ std::string model_signature(const Model& model) {
 
 // ---- verification --------------------------------------------------------------------
 
-std::optional<std::string> verify_checkpoint(const std::string& path, const std::string* signature, bool read_data) {
+std::optional<std::string> verify_checkpoint(const std::string& path, const Model* model, bool read_data) {
   quiet_hdf5();
-  if (!fs::is_regular_file(path)) return cat("'", path, "' is not a file");
+  if (!fs::is_regular_file(path)) return cat("no file '", path, "'");
   if (H5Fis_hdf5(path.c_str()) <= 0) return cat("'", path, "' is not an HDF5 file");
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (!file.ok()) return cat("'", path, "' cannot be opened as HDF5 (truncated or damaged)");
@@ -498,9 +535,12 @@ std::optional<std::string> verify_checkpoint(const std::string& path, const std:
   if (!format || *format != checkpoint_format) return cat("'", path, "' is not an mpipe checkpoint");
   TrainState state;
   if (auto bad = read_train_state(file.get(), path, state)) return bad;
-  if (signature && state.signature != *signature)
-    return cat("'", path, "' holds another model (", state.signature.empty() ? "?" : state.signature, "), not this one (",
-               *signature, ")");
+  const std::string signature = model ? model_signature(*model) : std::string();
+  if (model && state.signature != signature) {
+    const auto list = read_string_attribute(file.get(), "model");
+    const std::string difference = list ? first_difference(*list, model_text(*model)) : std::string();
+    return cat("'", path, "' holds another model (", difference.empty() ? state.signature : difference, ")");
+  }
   // Every float dataset against its checksum.
   struct Visit {
     hid_t file;
@@ -625,12 +665,11 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
     try {
       result.bytes = static_cast<double>(fs::file_size(temp_path));
       const auto verify_start = std::chrono::steady_clock::now();
-      const std::string signature = model_signature(model);
       // Each writer read its own data back against its checksum (or HDF5 wrote it and
       // the structure check below reads it all); here the file as a whole: HDF5,
       // format, model, every dataset present with a checksum.
       const bool data_checked = agreed[3] == 0.0;
-      if (auto bad = verify_checkpoint(temp_path, &signature, !data_checked))
+      if (auto bad = verify_checkpoint(temp_path, &model, !data_checked))
         throw Error(cat("verification failed: ", *bad));
       dir.make_way(final_path);
       std::error_code ec;
@@ -664,9 +703,8 @@ std::vector<std::string> resume_candidates(const TrainConfig& config, const Mode
   std::vector<std::string> chosen;
   std::string error;
   if (world.rank() == 0 && config.resume != "never") {
-    const std::string signature = model_signature(model);
     if (config.resume != "auto") {
-      if (auto bad = verify_checkpoint(config.resume, &signature, false)) error = *bad;
+      if (auto bad = verify_checkpoint(config.resume, &model, false)) error = *bad;
       else chosen.push_back(config.resume);
     } else if (!config.checkpoint_dir.empty()) {
       std::vector<std::string> found;
@@ -681,7 +719,7 @@ std::vector<std::string> resume_candidates(const TrainConfig& config, const Mode
       }
       std::sort(found.rbegin(), found.rend());  // newest first
       for (const std::string& c : found) {
-        if (auto bad = verify_checkpoint(c, &signature, false)) std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", bad->c_str());
+        if (auto bad = verify_checkpoint(c, &model, false)) std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", bad->c_str());
         else chosen.push_back(c);
       }
     }
@@ -788,7 +826,7 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
 
 // ---- inspect -------------------------------------------------------------------------
 
-int run_inspect(const std::string& path, bool stats, bool verify, bool config_only) {
+int run_inspect(const std::string& path, bool stats, bool verify, const std::string& print) {
   quiet_hdf5();
   MPIPE_REQUIRE(fs::is_regular_file(path), "give the path of a checkpoint file", "no file '", path, "'");
   MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)",
@@ -798,10 +836,11 @@ int run_inspect(const std::string& path, bool stats, bool verify, bool config_on
   const auto format = read_string_attribute(file.get(), "format");
   MPIPE_REQUIRE(format && *format == checkpoint_format, "this is some other HDF5 file", "'", path,
                 "' is not an mpipe checkpoint");
-  if (config_only) {  // the run's options alone, as `train --config` reads them
-    const auto config = read_string_attribute(file.get(), "config");
-    MPIPE_REQUIRE(config.has_value(), "the file is damaged; use an older checkpoint", "'", path, "' has no config");
-    std::printf("# the options of the run that wrote %s\n%s", path.c_str(), config->c_str());
+  if (!print.empty()) {  // the run's options or its layer list alone, as train reads them
+    const auto text = read_string_attribute(file.get(), print.c_str());
+    MPIPE_REQUIRE(text.has_value(), print == "model" ? "checkpoints of mpipe before model files have none" : "the file is damaged; use an older checkpoint",
+                  "'", path, "' has no ", print, " attribute");
+    std::printf("# the %s of the run that wrote %s\n%s", print == "model" ? "model" : "options", path.c_str(), text->c_str());
     return 0;
   }
   std::printf("%s\n", path.c_str());

@@ -19,23 +19,6 @@ std::string where(const std::string& path, const toml::source_region& at) {
   return cat("config file '", path, "' line ", at.begin.line, ", column ", at.begin.column);
 }
 
-// A float as TOML writes it: the shortest round-trip text, with a point (1.0, not 1).
-template <class T>
-std::string toml_float(T x) {
-  std::string text = shortest_text(x);
-  if (text.find_first_of(".en") == std::string::npos) text += ".0";
-  return text;
-}
-
-std::string quoted(const std::string& text) {  // a TOML basic string
-  std::string out = "\"";
-  for (char ch : text) {
-    if (ch == '"' || ch == '\\') out += '\\';
-    out += ch;
-  }
-  return out + "\"";
-}
-
 // A TOML value as the text CLI11 converts, or nothing for what no option takes.
 std::optional<std::string> as_text(const toml::node& value) {
   if (const auto* s = value.as_string()) return s->get();
@@ -93,30 +76,30 @@ std::string to_toml(const TrainConfig& c) {
   const auto& q = c.pipeline;
   std::string o;
   auto line = [&](const char* key, const std::string& value) { o += cat(key, " = ", value, "\n"); };
-  line("model", quoted(m.kind));
-  line("layers", cat(m.layers));
+  line("model", toml_quoted(m.kind));
+  if (is_preset(m.kind)) line("layers", cat(m.layers));  // a model file has its own sizes
   if (m.kind == "gpt") {
     line("d-model", cat(m.d_model));
     line("heads", cat(m.heads));
     line("seq-len", cat(m.seq_len));
     line("vocab", cat(m.vocab));
-  } else {
+  } else if (m.kind == "mlp") {
     line("hidden", cat(m.hidden));
     line("inputs", cat(m.inputs));
     line("classes", cat(m.classes));
   }
-  line("dropout", toml_float(m.dropout));
-  line("data", quoted(c.data));
+  if (is_preset(m.kind)) line("dropout", toml_float(m.dropout));
+  line("data", toml_quoted(c.data));
   line("batch-size", cat(c.batch_size));
   line("micro-batches", cat(c.micro_batches));
   line("steps", cat(c.steps));
   line("seed", cat(c.seed));
-  line("device", quoted(c.device));
-  line("precision", quoted(c.precision));
+  line("device", toml_quoted(c.device));
+  line("precision", toml_quoted(c.precision));
   line("threads", cat(c.threads));
-  line("optimizer", quoted(p.kind));
+  line("optimizer", toml_quoted(p.kind));
   line("lr", toml_float(p.lr));
-  line("lr-schedule", quoted(p.lr_schedule));
+  line("lr-schedule", toml_quoted(p.lr_schedule));
   line("lr-decay-steps", cat(p.lr_decay_steps));
   line("min-lr-ratio", toml_float(p.min_lr_ratio));
   line("wsd-decay", toml_float(p.wsd_decay));
@@ -126,20 +109,20 @@ std::string to_toml(const TrainConfig& c) {
   line("clip-grad", toml_float(p.clip_grad));
   line("stages", cat(q.grid.stages));
   line("replicas", cat(q.grid.replicas));
-  line("rank-order", quoted(q.grid.rank_order));
-  line("schedule", quoted(q.schedule));
-  line("remat", quoted(q.remat));
-  line("partition", quoted(q.partition));
-  if (!q.balance.empty()) line("balance", quoted(q.balance));
+  line("rank-order", toml_quoted(q.grid.rank_order));
+  line("schedule", toml_quoted(q.schedule));
+  line("remat", toml_quoted(q.remat));
+  line("partition", toml_quoted(q.partition));
+  if (!q.balance.empty()) line("balance", toml_quoted(q.balance));
   line("p2p-timeout", toml_float(q.p2p_timeout));
-  line("comm-progress", quoted(q.comm_progress));
+  line("comm-progress", toml_quoted(q.comm_progress));
   line("comm-poll-us", toml_float(q.comm_poll_us));
-  line("comm-wait", quoted(q.comm_wait));
+  line("comm-wait", toml_quoted(q.comm_wait));
   line("log-every", cat(c.log_every));
-  if (!c.checkpoint_dir.empty()) line("checkpoint-dir", quoted(c.checkpoint_dir));
+  if (!c.checkpoint_dir.empty()) line("checkpoint-dir", toml_quoted(c.checkpoint_dir));
   line("checkpoint-every", cat(c.checkpoint_every));
   line("keep", cat(c.keep));
-  if (!c.time_limit.empty()) line("time-limit", quoted(c.time_limit));
+  if (!c.time_limit.empty()) line("time-limit", toml_quoted(c.time_limit));
   return o;
 }
 

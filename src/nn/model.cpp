@@ -1,14 +1,17 @@
-// GPT-2 and MLP built as flat layer lists, GPT-2 initialisation.
+// Models built from their layer lists: the presets' lists (GPT-2 with its
+// initialisation, an MLP) and the layers through the registry.
 #include "mpipe/nn/model.hpp"
 
 #include <cmath>
+#include <map>
 
 namespace mpipe {
 
+bool is_preset(const std::string& kind) { return kind == "gpt" || kind == "mlp"; }
+
 void validate(const ModelConfig& c) {
   const std::string hint = "check the model options";
-  MPIPE_REQUIRE(c.kind == "gpt" || c.kind == "mlp", "use --model gpt or --model mlp",
-                "unknown model '", c.kind, "'");
+  MPIPE_REQUIRE(!c.kind.empty(), "use --model gpt, mlp or the path of a model file", "--model is empty");
   MPIPE_REQUIRE(c.layers > 0, hint, "--layers must be positive, got ", c.layers);
   // Beyond any real network; and the layer list alone would not fit in memory.
   constexpr int max_layers = 100000;
@@ -22,39 +25,49 @@ void validate(const ModelConfig& c) {
                   "--d-model ", c.d_model, " is not divisible by --heads ", c.heads);
     MPIPE_REQUIRE(c.seq_len > 0, hint, "--seq-len must be positive, got ", c.seq_len);
     MPIPE_REQUIRE(c.vocab > 0, hint, "--vocab must be positive, got ", c.vocab);
-  } else {
+  } else if (c.kind == "mlp") {
     MPIPE_REQUIRE(c.hidden > 0, hint, "--hidden must be positive, got ", c.hidden);
     MPIPE_REQUIRE(c.inputs > 0, hint, "--inputs must be positive, got ", c.inputs);
     MPIPE_REQUIRE(c.classes > 1, hint, "--classes must be at least 2, got ", c.classes);
   }
 }
 
-Model::Model(const ModelConfig& config) : config_(config) {
-  validate(config);
-  constexpr float init_std = 0.02f;
-  if (config.kind == "gpt") {
-    const int64_t C = config.d_model;
-    // GPT-2: residual projections scaled by 1/sqrt(2N) so the residual stream's variance
-    // does not grow with depth.
-    const float proj_std = init_std / std::sqrt(2.0f * static_cast<float>(config.layers));
-    layers_.push_back(std::make_unique<Embedding>(config.vocab, config.seq_len, C, config.dropout));
-    for (int i = 0; i < config.layers; ++i)
-      layers_.push_back(std::make_unique<TransformerBlock>(C, config.heads, config.dropout, init_std, proj_std));
-    layers_.push_back(std::make_unique<LayerNorm>(C));
-    auto head = std::make_unique<Linear>(C, config.vocab, false, init_std);
-    head->tie_weight(0, "wte");  // the LM head is the token embedding, transposed
-    layers_.push_back(std::move(head));
+ModelSpec model_spec(const ModelConfig& c) {
+  validate(c);
+  if (!is_preset(c.kind)) return parse_model_file(c.kind);
+  ModelSpec spec;
+  spec.name = c.kind;
+  using Options = std::map<std::string, OptionValue>;
+  if (c.kind == "gpt") {
+    spec.tokens = c.seq_len;
+    spec.layers.push_back({"embedding", Options{{"vocab", std::int64_t{c.vocab}}, {"out", std::int64_t{c.d_model}},
+                                                {"dropout", static_cast<double>(c.dropout)}}});
+    for (int i = 0; i < c.layers; ++i)
+      spec.layers.push_back({"block", Options{{"heads", std::int64_t{c.heads}}, {"dropout", static_cast<double>(c.dropout)}}});
+    spec.layers.push_back({"layernorm", {}});
+    // The LM head is the token embedding, transposed.
+    spec.layers.push_back({"linear", Options{{"out", std::int64_t{c.vocab}}, {"bias", false}, {"tie", std::int64_t{0}}}});
   } else {
-    int64_t width = config.inputs;
-    for (int i = 0; i < config.layers; ++i) {
-      layers_.push_back(std::make_unique<Linear>(width, config.hidden, true, init_std));
-      layers_.push_back(std::make_unique<ReLU>());
-      if (config.dropout > 0.0f) layers_.push_back(std::make_unique<Dropout>(config.dropout, 0));
-      width = config.hidden;
+    spec.input = {c.inputs};
+    for (int i = 0; i < c.layers; ++i) {
+      spec.layers.push_back({"linear", Options{{"out", std::int64_t{c.hidden}}}});
+      spec.layers.push_back({"relu", {}});
+      if (c.dropout > 0.0f) spec.layers.push_back({"dropout", Options{{"p", static_cast<double>(c.dropout)}}});
     }
-    layers_.push_back(std::make_unique<Linear>(width, config.classes, true, init_std));
+    spec.layers.push_back({"linear", Options{{"out", std::int64_t{c.classes}}}});
   }
-  layers_.push_back(std::make_unique<CrossEntropyLoss>());
+  spec.layers.push_back({"cross_entropy", {}});
+  return spec;
+}
+
+Model::Model(const ModelConfig& config) : config_(config), spec_(model_spec(config)) {
+  const std::string file = is_preset(spec_.name) ? cat("--model ", spec_.name) : cat("model file '", spec_.name, "'");
+  Shape shape = input_shape(1);
+  for (int i = 0; i < static_cast<int>(spec_.layers.size()); ++i) {
+    layers_.push_back(make_layer(spec_, i, shape, cat(file, ", layer ", i, " (", spec_.layers[static_cast<std::size_t>(i)].kind, ")")));
+    shape = layers_.back()->output_shape(shape);
+  }
+  check_loss_input(file);
   for (int i = 0; i < size(); ++i) {
     layers_[i]->set_global_index(i);
     for (const ParamSpec& spec : layers_[i]->param_specs())
@@ -69,14 +82,16 @@ int Model::copy_layer_of(int layer, const std::string& name) const {
 }
 
 Shape Model::input_shape(int64_t batch) const {
-  if (config_.kind == "gpt") return Shape{batch, config_.seq_len};
-  return Shape{batch, config_.inputs};
+  if (spec_.tokens > 0) return Shape{batch, spec_.tokens};
+  Shape s{batch};
+  for (std::int64_t d : spec_.input) s.dims[s.rank++] = d;
+  return s;
 }
 
-DType Model::input_dtype() const { return config_.kind == "gpt" ? DType::i32 : DType::f32; }
+DType Model::input_dtype() const { return spec_.tokens > 0 ? DType::i32 : DType::f32; }
 
 Shape Model::target_shape(int64_t batch) const {
-  if (config_.kind == "gpt") return Shape{batch, config_.seq_len};
+  if (spec_.tokens > 0) return Shape{batch, spec_.tokens};
   return Shape{batch};
 }
 
@@ -88,7 +103,22 @@ int64_t Model::parameter_count() const {
   return n;
 }
 
-int64_t Model::rows_per_sample() const { return config_.kind == "gpt" ? config_.seq_len : 1; }
+int64_t Model::rows_per_sample() const { return spec_.tokens > 0 ? spec_.tokens : 1; }
+
+void Model::check_loss_input(const std::string& file) const {
+  const Shape in = shapes(1)[static_cast<std::size_t>(size()) - 1];
+  const bool ok = spec_.tokens > 0 ? (in.rank == 3 && in[1] == spec_.tokens) : in.rank == 2;
+  MPIPE_REQUIRE(ok, spec_.tokens > 0 ? "keep the (batch, tokens, channels) shape up to the loss" : "end with a linear layer of out = classes on (batch, features)",
+                file, ": the loss gets ", in.str(), "; a model of ", spec_.tokens > 0 ? "tokens needs (batch, tokens, classes)" : "inputs needs (batch, classes)",
+                " there");
+  if (spec_.tokens > 0) {  // the targets are tokens, and so are the inputs
+    const auto vocab = std::get<std::int64_t>(spec_.layers.front().options.at("vocab"));
+    MPIPE_REQUIRE(vocab >= classes(), "give the embedding a vocab of at least the loss's classes", file,
+                  ": the embedding takes ", vocab, " tokens, the loss predicts ", classes());
+  }
+}
+
+int64_t Model::classes() const { return shapes(1)[static_cast<std::size_t>(size()) - 1][-1]; }
 
 std::vector<Shape> Model::shapes(int64_t batch) const {
   std::vector<Shape> out{input_shape(batch)};

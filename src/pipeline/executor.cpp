@@ -200,7 +200,7 @@ void Executor::connect() {
   }
   grid_->connect_tied(owner_stage, copy_stage);
   // The data is an input: its problems are said before anything large is allocated.
-  if (grid_->first_stage() || grid_->last_stage()) dataset_ = make_dataset(config_.data, config_.model, config_.seed);
+  if (grid_->first_stage() || grid_->last_stage()) dataset_ = make_dataset(config_.data, model_, config_.seed);
 }
 
 void Executor::allocate() {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checkpoint tests with the real binary under mpiexec and real HDF5 files.
 # Usage: checkpoint_test.sh MPIPE CASE   (CASE: layout | resume | reshard | preempt |
-#        damaged | bad-input | keep | continue | ownership | lock | state | stopped)
+#        damaged | bad-input | keep | continue | ownership | lock | state | stopped | model-file)
 set -euo pipefail
 mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -364,6 +364,38 @@ stopped)
       || fail "trial $trial: rank $rank was stopped, the line names another: $(grep error "$work/log")"
     echo "trial $trial: rank $rank stopped, the job ended in $took s: $(grep "mpipe: error" "$work/log" | cut -c1-160)"
   done
+  ;;
+model-file)
+  # A preset written out as a model file (plan --print-model) is the same model: the same
+  # losses and an identical checkpoint, bitwise. A model file splits across stages like
+  # a preset (K = 1 and K = 3 bitwise), its checkpoint names it, and a resume with
+  # another layer list is refused.
+  "$mpipe" plan "${model[@]:1}" --print-model > "$work/gpt.toml"
+  run 2 "${model[@]}" --steps 3 --checkpoint-dir "$work/preset" --metrics "$work/preset.jsonl" >/dev/null
+  file_model=(train --model "$work/gpt.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1)
+  run 2 "${file_model[@]}" --steps 3 --checkpoint-dir "$work/file" --metrics "$work/file.jsonl" >/dev/null
+  [[ "$(losses "$work/preset.jsonl")" == "$(losses "$work/file.jsonl")" ]] || fail "preset and model file losses differ"
+  same_tensors "$work/preset/ckpt-00000003.h5" "$work/file/ckpt-00000003.h5"
+  lm=(train --model "$(dirname "$0")/../cli/models/tiny_lm.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3
+      --log-every 1)
+  run 1 "${lm[@]}" --steps 3 --checkpoint-dir "$work/k1" --metrics "$work/k1.jsonl" >/dev/null
+  run 3 "${lm[@]}" --steps 3 --checkpoint-dir "$work/k3" --metrics "$work/k3.jsonl" --schedule 1f1b --remat always >/dev/null
+  [[ "$(losses "$work/k1.jsonl")" == "$(losses "$work/k3.jsonl")" ]] || fail "a model file's losses differ between K = 1 and 3"
+  same_tensors "$work/k1/ckpt-00000003.h5" "$work/k3/ckpt-00000003.h5"
+  "$mpipe" inspect "$work/k3/ckpt-00000003.h5" --config | grep -q "^model = \".*tiny_lm.toml\"$" || fail "inspect --config lacks the model file"
+  # The same file elsewhere resumes; another layer list is refused by name.
+  cp "$(dirname "$0")/../cli/models/tiny_lm.toml" "$work/moved.toml"
+  out=$(run 1 train --model "$work/moved.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --steps 4 \
+        --checkpoint-dir "$work/k1" 2>&1) || fail "resume from the same layer list elsewhere: $out"
+  grep -q "resumed from .*ckpt-00000003.h5" <<<"$out" || fail "did not resume: $out"
+  sed 's/^out = 64$/out = 48/' "$work/moved.toml" > "$work/other.toml"
+  expect_error 2 "ckpt-00000004.h5' holds another model \(layer 4 \(linear\): out = 64 there, out = 48 here\)" \
+    run 1 train --model "$work/other.toml" --batch-size 8 --micro-batches 4 --threads 1 --resume "$work/k1/ckpt-00000004.h5"
+  # The checkpoint's own layer list is a model file that continues it.
+  "$mpipe" inspect "$work/k1/ckpt-00000004.h5" --model > "$work/from_ckpt.toml"
+  out=$(run 1 train --model "$work/from_ckpt.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --steps 5 \
+        --checkpoint-dir "$work/k1" 2>&1) || fail "resume with inspect --model's file: $out"
+  grep -q "resumed from .*ckpt-00000004.h5" <<<"$out" || fail "inspect --model's file did not resume: $out"
   ;;
 *) fail "unknown case $case" ;;
 esac

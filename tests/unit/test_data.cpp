@@ -42,7 +42,7 @@ fs::path temp_file(const std::string& name, const std::string& bytes) {
 
 std::string user_error(const std::string& spec, const ModelConfig& model) {
   try {
-    make_dataset(spec, model, 1);
+    make_dataset(spec, Model(model), 1);
   } catch (const UserError& e) {
     return e.what();
   }
@@ -53,7 +53,7 @@ std::string user_error(const std::string& spec, const ModelConfig& model) {
 
 TEST_CASE("synthetic tokens: a sample is the same however the batch is split") {
   const int T = 8;
-  auto data = make_dataset("synthetic", gpt(), 5);
+  auto data = make_dataset("synthetic", Model(gpt()), 5);
   Batch whole(6, T), parts(6, T);
   whole.fill(*data, 100, 6, T);
   parts.fill(*data, 100, 2, T, 0);
@@ -64,7 +64,7 @@ TEST_CASE("synthetic tokens: a sample is the same however the batch is split") {
   for (int s = 0; s < 6; ++s)
     for (int t = 0; t + 1 < T; ++t) CHECK(whole.inputs[s * T + t + 1] == whole.targets[s * T + t]);
   // Another seed, other data.
-  auto other = make_dataset("synthetic", gpt(), 6);
+  auto other = make_dataset("synthetic", Model(gpt()), 6);
   Batch b(6, T);
   b.fill(*other, 100, 6, T);
   CHECK(b.inputs != whole.inputs);
@@ -72,7 +72,7 @@ TEST_CASE("synthetic tokens: a sample is the same however the batch is split") {
 
 TEST_CASE("synthetic tokens: the chain's empirical entropy matches the stated floor") {
   const int T = 64, V = 32, S = 400;
-  auto data = make_dataset("synthetic", gpt(V, T), 1);
+  auto data = make_dataset("synthetic", Model(gpt(V, T)), 1);
   Batch b(S, T);
   b.fill(*data, 0, S, T);
   // Conditional entropy of x[t] given (x[t-2], x[t-1]), estimated from counts.
@@ -96,7 +96,7 @@ TEST_CASE("synthetic tokens: the chain's empirical entropy matches the stated fl
 TEST_CASE("text data: byte tokens, windows inside the file") {
   const std::string text = "the quick brown fox jumps over the lazy dog";
   const fs::path path = temp_file("text.txt", text);
-  auto data = make_dataset("text:" + path.string(), gpt(256, 8), 1);
+  auto data = make_dataset("text:" + path.string(), Model(gpt(256, 8)), 1);
   Batch b(4, 8);
   b.fill(*data, 0, 4, 8);
   for (int s = 0; s < 4; ++s) {
@@ -110,7 +110,7 @@ TEST_CASE("token files: uint16 little-endian ids") {
   std::string bytes;
   for (int i = 0; i < 20; ++i) bytes += {static_cast<char>(i * 37 % 256), static_cast<char>(i % 3)};
   const fs::path path = temp_file("tokens.bin", bytes);
-  auto data = make_dataset("tokens:" + path.string(), gpt(1024, 4), 1);
+  auto data = make_dataset("tokens:" + path.string(), Model(gpt(1024, 4)), 1);
   Batch b(3, 4);
   b.fill(*data, 0, 3, 4);
   for (int32_t token : b.inputs) CHECK(token < 1024);
@@ -127,7 +127,7 @@ TEST_CASE("bad data: one clear user error naming the problem") {
   CHECK(user_error("tokens:" + odd.string(), gpt()).find("odd size") != std::string::npos);
   const fs::path big = temp_file("big.bin", std::string("\xff\xff\x01\x00", 4));
   CHECK(user_error("tokens:" + big.string(), gpt(256)).find("token id 65535") != std::string::npos);
-  CHECK(user_error("text:" + short_text.string(), gpt(100)).find("--vocab") != std::string::npos);
+  CHECK(user_error("text:" + short_text.string(), gpt(100)).find("vocabulary is 100") != std::string::npos);
   CHECK(user_error("csv:foo", gpt()).find("unknown data kind") != std::string::npos);
   CHECK(user_error("nonsense", gpt()).find("bad --data") != std::string::npos);
   for (const auto& p : {empty, short_text, odd, big}) fs::remove(p);

@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <vector>
 
 #include "compare.hpp"
@@ -85,6 +87,28 @@ TEST_CASE("gpt: whole-model gradient matches finite differences (dropout on, tie
 }
 
 TEST_CASE("mlp: whole-model gradient matches finite differences") { model_gradcheck(tiny_mlp()); }
+
+TEST_CASE("a model file of every sequence layer kind: whole-model gradient matches finite differences") {
+  // Built through the registry: an embedding, a block, an attention layer, layernorm,
+  // linear with and without bias, GELU, ReLU and dropout.
+  const auto path = std::filesystem::temp_directory_path() / "mpipe_every_kind.toml";
+  std::ofstream(path) << "tokens = 8\n"
+                         "[[layer]]\nkind = \"embedding\"\nvocab = 13\nout = 16\ndropout = 0.1\n"
+                         "[[layer]]\nkind = \"block\"\nheads = 2\ndropout = 0.1\n"
+                         "[[layer]]\nkind = \"attention\"\nheads = 4\n"
+                         "[[layer]]\nkind = \"layernorm\"\n"
+                         "[[layer]]\nkind = \"linear\"\nout = 24\n"
+                         "[[layer]]\nkind = \"gelu\"\n"
+                         "[[layer]]\nkind = \"dropout\"\np = 0.2\n"
+                         "[[layer]]\nkind = \"linear\"\nout = 16\nbias = false\n"
+                         "[[layer]]\nkind = \"relu\"\n"
+                         "[[layer]]\nkind = \"linear\"\nout = 13\n"
+                         "[[layer]]\nkind = \"cross_entropy\"\n";
+  TrainConfig c = tiny_gpt();
+  c.model.kind = path.string();
+  model_gradcheck(c);
+  std::filesystem::remove(path);
+}
 
 TEST_CASE("gpt: the LM head shares the token embedding's values") {
   Trainer trainer(tiny_gpt());

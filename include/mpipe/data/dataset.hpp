@@ -28,9 +28,8 @@ class Dataset {
 // The file a --data spec names (PATH of text:PATH or tokens:PATH), or "" for none.
 std::string data_file(const std::string& spec);
 
-// Parses --data (synthetic | text:PATH | tokens:PATH) for the model; UserError on a
-// bad spec or file.
-std::unique_ptr<Dataset> make_dataset(const std::string& spec, const ModelConfig& model,
-                                      std::uint64_t seed);
+// Parses --data (synthetic | text:PATH | tokens:PATH) for the model (what it takes
+// and predicts); UserError on a bad spec or file.
+std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed);
 
 }  // namespace mpipe

@@ -34,10 +34,11 @@ std::optional<std::string> checkpoint_run_id(const std::string& path);
 // every parameter's layer, name and shape.
 std::string model_signature(const Model& model);
 
-// Checks a checkpoint file without MPI: HDF5, format and version, (when given) the
-// model signature, every dataset present with a checksum, and (read_data) the CRC-32
-// of every dataset's data. Returns the problem, or nothing.
-std::optional<std::string> verify_checkpoint(const std::string& path, const std::string* signature = nullptr,
+// Checks a checkpoint file without MPI: HDF5, format and version, (when given) that
+// it holds `model` (its signature; where they differ, the first layer that does),
+// every dataset present with a checksum, and (read_data) the CRC-32 of every dataset's
+// data. Returns the problem, or nothing.
+std::optional<std::string> verify_checkpoint(const std::string& path, const Model* model = nullptr,
                                              bool read_data = true);
 
 // Checks --checkpoint-dir and --resume before training; UserError on a problem. With
@@ -121,6 +122,8 @@ std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step);
 std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::string* run_id = nullptr);
 
 // `mpipe inspect FILE [--stats] [--verify]`: returns the exit code.
-int run_inspect(const std::string& path, bool stats, bool verify, bool config_only = false);
+// `print`: "config" prints only the run's options (a file for train --config), "model"
+// only its layer list (a model file for --model); "" the whole summary.
+int run_inspect(const std::string& path, bool stats, bool verify, const std::string& print = "");
 
 }  // namespace mpipe

@@ -1,11 +1,11 @@
 // Options files (`--config FILE`): TOML, read into a command's options and written from
 // a TrainConfig (the checkpoint's `config` attribute, `mpipe inspect --config`).
 #pragma once
-#include <charconv>
 #include <string>
 
 #include <CLI/CLI.hpp>
 
+#include "mpipe/core/toml_text.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 namespace mpipe {
@@ -19,13 +19,5 @@ void apply_config_file(CLI::App& command);
 // such as --resume or --progress), as TOML that `train --config` reads: `mpipe inspect
 // CKPT --config > run.toml` and `mpipe train --config run.toml` continue the run.
 std::string to_toml(const TrainConfig& config);
-
-// The shortest text that reads back as the same value (0.001f, not 0.00100000005).
-template <class T>
-std::string shortest_text(T x) {
-  char text[32];
-  const auto r = std::to_chars(text, text + sizeof text, x);
-  return std::string(text, r.ptr);
-}
 
 }  // namespace mpipe

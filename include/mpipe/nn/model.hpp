@@ -1,17 +1,19 @@
-// Models: a flat, ordered list of layers with global indices, built from options.
-// A pipeline stage is a contiguous range of it.
+// Models: a flat, ordered list of layers with global indices, built through the layer
+// registry from a ModelSpec: a preset's (gpt, mlp: sizes from the options) or a model
+// file's. A pipeline stage is a contiguous range of it.
 #pragma once
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "mpipe/nn/layer.hpp"
+#include "mpipe/nn/registry.hpp"
 
 namespace mpipe {
 
 struct ModelConfig {
-  std::string kind = "gpt";  // gpt | mlp
-  int layers = 4;            // transformer blocks (gpt) or hidden blocks (mlp)
+  std::string kind = "gpt";  // a preset (gpt | mlp) or the path of a model file
+  int layers = 4;            // transformer blocks (gpt) or hidden blocks (mlp); presets only
   int d_model = 128;
   int heads = 4;
   int seq_len = 64;
@@ -24,6 +26,10 @@ struct ModelConfig {
 
 // Checks sizes and combinations; throws UserError naming the option at fault.
 void validate(const ModelConfig& config);
+// Whether --model names a preset (otherwise it is a model file).
+bool is_preset(const std::string& kind);
+// The layer list --model describes: a preset's, built from the sizes, or a file's.
+ModelSpec model_spec(const ModelConfig& config);
 
 class Model {
  public:
@@ -31,6 +37,7 @@ class Model {
   Model(Model&&) = default;
 
   const ModelConfig& config() const { return config_; }
+  const ModelSpec& spec() const { return spec_; }
   int size() const { return static_cast<int>(layers_.size()); }
   Layer& layer(int index) { return *layers_[index]; }
   const Layer& layer(int index) const { return *layers_[index]; }
@@ -51,14 +58,21 @@ class Model {
   int copy_layer_of(int layer, const std::string& name) const;
   // Parameters of the whole model, a tied weight counted once.
   int64_t parameter_count() const;
-  // Loss rows (predicted tokens or samples) per sample: T for gpt, 1 for mlp.
+  // Loss rows (predicted tokens or samples) per sample: T for a model of tokens, else 1.
   int64_t rows_per_sample() const;
+  // Tokens per sample (0 unless a model of tokens), and the classes the loss tells
+  // apart (the vocabulary of a model of tokens).
+  int64_t tokens() const { return spec_.tokens; }
+  int64_t classes() const;
   // Input shape of every layer for a micro-batch of `batch`: shapes[i] enters layer i,
   // shapes[size()] leaves the last.
   std::vector<Shape> shapes(int64_t batch) const;
 
  private:
+  void check_loss_input(const std::string& file) const;
+
   ModelConfig config_;
+  ModelSpec spec_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::vector<Tie> ties_;
 };

@@ -1,0 +1,84 @@
+// Models as data: a model is a list of layer specs (a kind and its options), and the
+// layer registry is the one place that knows each kind: its options, and how to build
+// it from them and the shape coming in. Presets (gpt, mlp) are such lists built from the
+// command line's sizes; a model file (TOML) is one a user writes.
+//
+// Adding a layer kind: its class (nn/layer.hpp), one entry in registry.cpp's table, and
+// its tests. The pipeline, checkpoints, `plan` and `inspect` see only layers.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "mpipe/nn/layer.hpp"
+
+namespace mpipe {
+
+using OptionValue = std::variant<std::int64_t, double, bool, std::string>;
+
+struct LayerSpec {
+  std::string kind;
+  std::map<std::string, OptionValue> options;
+};
+
+// What goes into a model, and its layers in order (the last one is the loss).
+struct ModelSpec {
+  std::string name;                 // the preset's name, or the model file's path
+  std::int64_t tokens = 0;          // a sequence model: token ids (B, tokens), next-token targets
+  std::vector<std::int64_t> input;  // otherwise: one sample's features; class targets (B)
+  std::vector<LayerSpec> layers;
+
+  // As a model file (parse_model_file reads it back to the same spec).
+  std::string to_toml() const;
+};
+
+enum class OptionType { integer, number, boolean, text };
+
+struct OptionSpec {
+  std::string name;
+  OptionType type;
+  std::optional<OptionValue> fallback;  // none: the option is required
+  std::string help;
+};
+
+// One layer being built: its spec with every option present (defaults filled in and
+// types checked), the shape of one micro-batch coming in, and the model around it.
+struct LayerArgs {
+  const LayerSpec& spec;
+  const ModelSpec& model;
+  int index;    // in the model's list
+  Shape input;  // what enters the layer (batch 1)
+  std::string where;  // "model file 'm.toml', layer 3 (linear)", for errors
+
+  std::int64_t integer(const std::string& name) const;  // checked: 1 .. 2^31
+  double number(const std::string& name) const;
+  bool boolean(const std::string& name) const;
+  // A UserError about option `name` of this layer.
+  [[noreturn]] void refuse(const std::string& name, const std::string& problem, const std::string& hint) const;
+};
+
+struct LayerKind {
+  std::string name;  // as Layer::kind() says it
+  std::string help;
+  std::vector<OptionSpec> options;
+  bool takes_tokens = false;  // its input is token ids (B, T) int32
+  std::function<std::unique_ptr<Layer>(const LayerArgs&)> make;
+};
+
+// Every layer kind, in the order `plan --layers-help` lists them.
+const std::vector<LayerKind>& layer_kinds();
+const LayerKind* find_layer_kind(const std::string& name);
+
+// Builds layer `index` of `model` with `input` coming in; UserError naming `where`, the
+// key and the problem when the spec is not one the kind takes.
+std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape& input, const std::string& where);
+
+// Reads a model file; UserError naming the file, the line or layer, and the key.
+ModelSpec parse_model_file(const std::string& path);
+
+}  // namespace mpipe

@@ -1,0 +1,328 @@
+// The layer registry (every kind, its options and how it is built) and model files.
+#include "mpipe/nn/registry.hpp"
+
+#include <cmath>
+#include <filesystem>
+
+#define TOML_HEADER_ONLY 1
+#define TOML_EXCEPTIONS 1
+#include <toml++/toml.h>
+
+#include "mpipe/core/error.hpp"
+#include "mpipe/core/toml_text.hpp"
+
+namespace mpipe {
+
+namespace {
+
+constexpr std::int64_t max_size = std::int64_t{1} << 31;  // any one size of a layer
+constexpr int max_layers = 100000;                         // as --layers
+
+const char* type_name(OptionType t) {
+  switch (t) {
+    case OptionType::integer: return "an integer";
+    case OptionType::number: return "a number";
+    case OptionType::boolean: return "true or false";
+    case OptionType::text: return "a string";
+  }
+  return "?";
+}
+
+// The value as the option's type wants it (an integer is also a number), or nothing.
+std::optional<OptionValue> as_type(const OptionValue& v, OptionType t) {
+  switch (t) {
+    case OptionType::integer:
+      if (const auto* i = std::get_if<std::int64_t>(&v)) return *i;
+      return std::nullopt;
+    case OptionType::number:
+      if (const auto* d = std::get_if<double>(&v)) return *d;
+      if (const auto* i = std::get_if<std::int64_t>(&v)) return static_cast<double>(*i);
+      return std::nullopt;
+    case OptionType::boolean:
+      if (const auto* b = std::get_if<bool>(&v)) return *b;
+      return std::nullopt;
+    case OptionType::text:
+      if (const auto* s = std::get_if<std::string>(&v)) return *s;
+      return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+std::string option_names(const LayerKind& kind) {
+  if (kind.options.empty()) return cat(kind.name, " takes no options");
+  std::string s = cat(kind.name, " takes");
+  for (std::size_t i = 0; i < kind.options.size(); ++i) s += cat(i ? ", " : " ", kind.options[i].name);
+  return s;
+}
+
+std::string kind_names() {
+  std::string s;
+  for (const LayerKind& k : layer_kinds()) s += cat(s.empty() ? "" : ", ", k.name);
+  return s;
+}
+
+// The channels of a (.., C) input.
+std::int64_t channels(const LayerArgs& a) {
+  if (a.input.rank < 2) a.refuse("kind", cat("needs an input of (batch, …, channels), gets ", a.input.str()), "put it after a layer that makes channels");
+  return a.input[-1];
+}
+
+// What the attention layers take: a (B, T, C) input, heads dividing C, the weights'
+// init-std and proj-std (-1: GPT-2's init-std / sqrt(2 N), N the model's blocks).
+struct Attention {
+  std::int64_t channels, heads;
+  float init_std, proj_std;
+};
+Attention attention_args(const LayerArgs& a) {
+  if (a.input.rank != 3)
+    a.refuse("kind", cat("needs a sequence (batch, tokens, channels), gets ", a.input.str()), "put it after an embedding");
+  const std::int64_t c = a.input[-1], heads = a.integer("heads");
+  if (c % heads != 0) a.refuse("heads", cat(heads, " does not divide the ", c, " channels coming in"), "pick heads dividing the channels");
+  int blocks = 0;
+  for (const LayerSpec& l : a.model.layers) blocks += l.kind == "block" ? 1 : 0;
+  const double init = a.number("init-std"), proj = a.number("proj-std");
+  return {c, heads, static_cast<float>(init), static_cast<float>(proj < 0 ? init / std::sqrt(2.0 * std::max(blocks, 1)) : proj)};
+}
+
+std::vector<LayerKind> make_kinds() {
+  using T = OptionType;
+  const OptionSpec init_std{"init-std", T::number, 0.02, "std of the normal initial weights"};
+  std::vector<LayerKind> k;
+  k.push_back({"embedding", "token + learned position embedding, then dropout: tokens (B, T) -> (B, T, out)",
+               {{"vocab", T::integer, std::nullopt, "tokens in the vocabulary"},
+                {"out", T::integer, std::nullopt, "channels"},
+                {"dropout", T::number, 0.0, "dropout probability after the embedding"}},
+               true,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 if (a.input.rank != 2) a.refuse("kind", cat("takes token ids (batch, tokens), gets ", a.input.str()), "put it first, in a model of tokens");
+                 return std::make_unique<Embedding>(a.integer("vocab"), a.input[1], a.integer("out"),
+                                                    static_cast<float>(a.number("dropout")));
+               }});
+  k.push_back({"block", "transformer block (pre-LN attention and MLP, residual): (B, T, C) -> (B, T, C)",
+               {{"heads", T::integer, std::nullopt, "attention heads (dividing C)"},
+                {"dropout", T::number, 0.0, "dropout probability"},
+                init_std,
+                {"proj-std", T::number, -1.0, "std of the residual projections; -1: init-std / sqrt(2 x blocks), as GPT-2"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const Attention t = attention_args(a);
+                 return std::make_unique<TransformerBlock>(t.channels, t.heads, static_cast<float>(a.number("dropout")),
+                                                           t.init_std, t.proj_std);
+               }});
+  k.push_back({"attention", "causal multi-head self-attention with its input and output projections: (B, T, C) -> (B, T, C)",
+               {{"heads", T::integer, std::nullopt, "attention heads (dividing C)"},
+                init_std,
+                {"proj-std", T::number, -1.0, "std of the output projection; -1: init-std / sqrt(2 x blocks), as GPT-2"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const Attention t = attention_args(a);
+                 return std::make_unique<CausalSelfAttention>(t.channels, t.heads, t.init_std, t.proj_std);
+               }});
+  k.push_back({"layernorm", "layer normalisation over the channels", {}, false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> { return std::make_unique<LayerNorm>(channels(a)); }});
+  k.push_back({"linear", "y = x W^T + b over the last dimension: (.., in) -> (.., out)",
+               {{"out", T::integer, std::nullopt, "output features"},
+                {"bias", T::boolean, true, "add a learned bias"},
+                init_std,
+                {"tie", T::integer, std::int64_t{-1}, "index of an earlier embedding whose token table is this weight"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const std::int64_t in = channels(a), out = a.integer("out");
+                 auto layer = std::make_unique<Linear>(in, out, a.boolean("bias"), static_cast<float>(a.number("init-std")));
+                 const auto tie = std::get<std::int64_t>(a.spec.options.at("tie"));
+                 if (tie >= 0) {
+                   if (tie >= a.index || a.model.layers[static_cast<std::size_t>(tie)].kind != "embedding")
+                     a.refuse("tie", cat(tie, " is not an earlier embedding layer"), "give the index of the embedding");
+                   const LayerSpec& e = a.model.layers[static_cast<std::size_t>(tie)];
+                   const auto vocab = std::get<std::int64_t>(e.options.at("vocab")), width = std::get<std::int64_t>(e.options.at("out"));
+                   if (vocab != out || width != in)
+                     a.refuse("tie", cat("the embedding's table is ", vocab, " x ", width, ", this weight ", out, " x ", in),
+                              "tie a layer of out = vocab after channels = the embedding's out");
+                   layer->tie_weight(static_cast<int>(tie), "wte");
+                 } else if (tie != -1) {
+                   a.refuse("tie", cat("must be a layer index or -1 (none), got ", tie), "give the embedding's index");
+                 }
+                 return layer;
+               }});
+  k.push_back({"relu", "max(x, 0)", {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<ReLU>(); }});
+  k.push_back({"gelu", "GELU (tanh approximation)", {}, false,
+               [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<GELU>(); }});
+  k.push_back({"dropout", "inverted dropout (masks from a counter-based generator, recomputed in backward)",
+               {{"p", T::number, std::nullopt, "probability of dropping an element, in [0, 1)"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const double p = a.number("p");
+                 if (!(p >= 0 && p < 1)) a.refuse("p", cat("must be in [0, 1), got ", p), "e.g. p = 0.1");
+                 return std::make_unique<Dropout>(static_cast<float>(p), 0);
+               }});
+  k.push_back({"cross_entropy", "the loss: softmax cross-entropy of logits (.., classes) against targets; the last layer",
+               {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<CrossEntropyLoss>(); }});
+  return k;
+}
+
+}  // namespace
+
+const std::vector<LayerKind>& layer_kinds() {
+  static const std::vector<LayerKind> kinds = make_kinds();
+  return kinds;
+}
+
+const LayerKind* find_layer_kind(const std::string& name) {
+  for (const LayerKind& k : layer_kinds())
+    if (k.name == name) return &k;
+  return nullptr;
+}
+
+void LayerArgs::refuse(const std::string& name, const std::string& problem, const std::string& hint) const {
+  throw UserError(cat(where, ": ", name == "kind" ? "" : cat("'", name, "': "), problem), hint);
+}
+
+std::int64_t LayerArgs::integer(const std::string& name) const {
+  const auto v = std::get<std::int64_t>(spec.options.at(name));
+  if (v < 1 || v > max_size) refuse(name, cat("must be from 1 to ", max_size, ", got ", v), "give a positive size");
+  return v;
+}
+
+double LayerArgs::number(const std::string& name) const {
+  const double v = std::get<double>(spec.options.at(name));
+  if (!std::isfinite(v)) refuse(name, cat("must be finite, got ", v), "give a number");
+  return v;
+}
+
+bool LayerArgs::boolean(const std::string& name) const { return std::get<bool>(spec.options.at(name)); }
+
+std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape& input, const std::string& where) {
+  const LayerSpec& given = model.layers[static_cast<std::size_t>(index)];
+  const LayerKind* kind = find_layer_kind(given.kind);
+  MPIPE_REQUIRE(kind, cat("the kinds are ", kind_names()), where, ": unknown layer kind '", given.kind, "'");
+  // Every option present and of its type: the builders read them without checking.
+  LayerSpec spec{given.kind, {}};
+  for (const auto& [name, value] : given.options) {
+    const auto it = std::find_if(kind->options.begin(), kind->options.end(), [&](const OptionSpec& o) { return o.name == name; });
+    MPIPE_REQUIRE(it != kind->options.end(), option_names(*kind), where, ": unknown key '", name, "'");
+    const auto typed = as_type(value, it->type);
+    MPIPE_REQUIRE(typed.has_value(), cat("e.g. ", name, " = ", it->type == OptionType::integer ? "64" : it->type == OptionType::number ? "0.1" : it->type == OptionType::boolean ? "true" : "\"...\""),
+                  where, ": '", name, "' must be ", type_name(it->type));
+    spec.options[name] = *typed;
+  }
+  for (const OptionSpec& o : kind->options) {
+    if (spec.options.count(o.name)) continue;
+    MPIPE_REQUIRE(o.fallback.has_value(), option_names(*kind), where, ": '", o.name, "' is required (", o.help, ")");
+    spec.options[o.name] = *as_type(*o.fallback, o.type);
+  }
+  if (kind->takes_tokens != (input.rank == 2 && model.tokens > 0 && index == 0))
+    throw UserError(cat(where, ": ", kind->takes_tokens ? "takes token ids, which only the first layer of a model of tokens gets"
+                                                        : "cannot take token ids: a model of tokens starts with an embedding"),
+                    "begin a model of 'tokens = T' with an embedding, one of 'input = [...]' without");
+  const bool last = index + 1 == static_cast<int>(model.layers.size());
+  MPIPE_REQUIRE((kind->name == "cross_entropy") == last, "end the model with one cross_entropy layer", where,
+                last ? ": the last layer must be the loss (cross_entropy)" : ": the loss (cross_entropy) must be the last layer");
+  return kind->make(LayerArgs{spec, model, index, input, where});
+}
+
+// ---- model files -------------------------------------------------------------------------
+
+std::string ModelSpec::to_toml() const {
+  std::string o = cat("# mpipe model file (", name, "): read with --model FILE; see 'mpipe plan --layer-kinds'\n");
+  if (tokens > 0) {
+    o += cat("tokens = ", tokens, "\n");
+  } else {
+    o += "input = [";
+    for (std::size_t i = 0; i < input.size(); ++i) o += cat(i ? ", " : "", input[i]);
+    o += "]\n";
+  }
+  for (const LayerSpec& l : layers) {
+    o += cat("\n[[layer]]\nkind = ", toml_quoted(l.kind), "\n");
+    for (const auto& [key, value] : l.options) {
+      o += key + " = ";
+      std::visit(
+          [&](const auto& v) {
+            using V = std::decay_t<decltype(v)>;
+            if constexpr (std::is_same_v<V, std::int64_t>) o += std::to_string(v);
+            else if constexpr (std::is_same_v<V, double>) o += toml_float(v);
+            else if constexpr (std::is_same_v<V, bool>) o += v ? "true" : "false";
+            else o += toml_quoted(v);
+          },
+          value);
+      o += "\n";
+    }
+  }
+  return o;
+}
+
+ModelSpec parse_model_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const std::string hint = "see 'mpipe plan --model gpt --print-model' for an example";
+  MPIPE_REQUIRE(fs::exists(path, ec), "give the path of a TOML model file, or --model gpt or mlp", "model file '", path, "' does not exist");
+  MPIPE_REQUIRE(fs::is_regular_file(path, ec), "give the path of a TOML model file", "model file '", path, "' is not a regular file");
+  toml::table table;
+  try {
+    table = toml::parse_file(path);
+  } catch (const toml::parse_error& e) {
+    std::string what(e.description());
+    for (char& ch : what)
+      if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
+    throw UserError(cat("model file '", path, "' line ", e.source().begin.line, ", column ", e.source().begin.column, ": ", what),
+                    "check the TOML syntax");
+  }
+  ModelSpec spec;
+  spec.name = path;
+  const std::string file = cat("model file '", path, "'");
+  for (const auto& [key, value] : table) {
+    const std::string name(key.str());
+    const std::string at = cat(file, " line ", key.source().begin.line);
+    if (name == "tokens") {
+      const auto* t = value.as_integer();
+      MPIPE_REQUIRE(t && t->get() > 0 && t->get() <= max_size, "e.g. tokens = 1024", at, ": 'tokens' must be a positive integer");
+      spec.tokens = t->get();
+    } else if (name == "input") {
+      const auto* list = value.as_array();
+      MPIPE_REQUIRE(list && !list->empty() && list->size() <= 3, "e.g. input = [64] or [3, 32, 32]", at,
+                    ": 'input' must be a list of 1 to 3 sizes");
+      for (const auto& d : *list) {
+        const auto* i = d.as_integer();
+        MPIPE_REQUIRE(i && i->get() > 0 && i->get() <= max_size, "e.g. input = [64]", at, ": 'input' sizes must be positive integers");
+        spec.input.push_back(i->get());
+      }
+    } else if (name == "layer") {
+      const auto* list = value.as_array();
+      MPIPE_REQUIRE(list && list->is_array_of_tables(), "write each layer as a [[layer]] table", at, ": 'layer' must be [[layer]] tables");
+      MPIPE_REQUIRE(list->size() <= static_cast<std::size_t>(max_layers), cat("give at most ", max_layers), at, ": ", list->size(), " layers");
+      for (const auto& node : *list) {
+        const auto& t = *node.as_table();
+        LayerSpec l;
+        const std::string where = cat(file, ", layer ", spec.layers.size(), " (line ", t.source().begin.line, ")");
+        for (const auto& [k, v] : t) {
+          const std::string option(k.str());
+          if (option == "kind") {
+            const auto* s = v.as_string();
+            MPIPE_REQUIRE(s, cat("the kinds are ", kind_names()), where, ": 'kind' must be a string");
+            l.kind = s->get();
+          } else if (const auto* i = v.as_integer()) {
+            l.options[option] = i->get();
+          } else if (const auto* f = v.as_floating_point()) {
+            l.options[option] = f->get();
+          } else if (const auto* b = v.as_boolean()) {
+            l.options[option] = b->get();
+          } else if (const auto* s = v.as_string()) {
+            l.options[option] = s->get();
+          } else {
+            throw UserError(cat(where, ": '", option, "' must be a number, true/false or a string"), hint);
+          }
+        }
+        MPIPE_REQUIRE(!l.kind.empty(), cat("the kinds are ", kind_names()), where, ": no 'kind'");
+        spec.layers.push_back(std::move(l));
+      }
+    } else {
+      throw UserError(cat(at, ": unknown key '", name, "'"), "a model file has tokens or input, and [[layer]] tables");
+    }
+  }
+  MPIPE_REQUIRE((spec.tokens > 0) != !spec.input.empty(), "give tokens = T (a sequence model) or input = [sizes], not both",
+                file, spec.tokens > 0 ? " has both 'tokens' and 'input'" : " has neither 'tokens' nor 'input'");
+  MPIPE_REQUIRE(spec.layers.size() >= 2, "a model needs at least one layer and the loss (cross_entropy)", file, " has ",
+                spec.layers.size(), " layers");
+  return spec;
+}
+
+}  // namespace mpipe

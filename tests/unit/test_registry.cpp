@@ -1,0 +1,116 @@
+// The layer registry and model files: every kind builds from its options and is the
+// layer it names; a preset written as a model file reads back as the same list; the
+// options are checked by name and type.
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "mpipe/core/error.hpp"
+#include "mpipe/nn/model.hpp"
+#include "mpipe/nn/registry.hpp"
+
+using namespace mpipe;
+
+namespace {
+
+// A spec with every required option of `kind` set to something that fits an input of
+// (1, 8, 16) (or tokens (1, 8) for the embedding).
+ModelSpec one_layer_model(const LayerKind& kind) {
+  ModelSpec m;
+  m.name = "test";
+  LayerSpec l{kind.name, {}};
+  for (const OptionSpec& o : kind.options)
+    if (!o.fallback) {
+      if (o.name == "p") l.options[o.name] = 0.25;
+      else l.options[o.name] = std::int64_t{o.name == "heads" ? 4 : 16};
+    }
+  if (kind.takes_tokens) {
+    m.tokens = 8;
+    m.layers = {l, {"cross_entropy", {}}};
+  } else if (kind.name == "cross_entropy") {
+    m.input = {16};
+    m.layers = {l};
+  } else {
+    m.tokens = 8;  // the sequence layers want (B, T, C): an embedding first
+    m.layers = {{"embedding", {{"vocab", std::int64_t{16}}, {"out", std::int64_t{16}}}}, l, {"cross_entropy", {}}};
+  }
+  return m;
+}
+
+std::string write_temp(const std::string& name, const std::string& text) {
+  const auto path = std::filesystem::temp_directory_path() / name;
+  std::ofstream(path) << text;
+  return path.string();
+}
+
+}  // namespace
+
+TEST_CASE("every registered layer kind builds from its options and is the layer it names") {
+  CHECK(layer_kinds().size() >= 9);
+  for (const LayerKind& kind : layer_kinds()) {
+    INFO(kind.name);
+    CHECK_FALSE(kind.help.empty());
+    CHECK(find_layer_kind(kind.name) == &kind);
+    const ModelSpec m = one_layer_model(kind);
+    const int at = kind.takes_tokens || kind.name == "cross_entropy" ? 0 : 1;
+    const Shape input = at == 0 ? (m.tokens > 0 ? Shape{1, 8} : Shape{1, 16}) : Shape{1, 8, 16};
+    const auto layer = make_layer(m, at, input, "test layer");
+    CHECK(layer->kind() == kind.name);
+    for (const OptionSpec& o : kind.options) CHECK_FALSE(o.help.empty());
+  }
+  CHECK(find_layer_kind("conv9") == nullptr);
+}
+
+TEST_CASE("a preset written as a model file reads back as the same layer list") {
+  for (const std::string preset : {"gpt", "mlp"}) {
+    ModelConfig c;
+    c.kind = preset;
+    c.layers = 3;
+    c.dropout = 0.125f;
+    const ModelSpec spec = model_spec(c);
+    const std::string path = write_temp("mpipe_registry_" + preset + ".toml", spec.to_toml());
+    const ModelSpec back = parse_model_file(path);
+    std::filesystem::remove(path);
+    CHECK(back.tokens == spec.tokens);
+    CHECK(back.input == spec.input);
+    REQUIRE(back.layers.size() == spec.layers.size());
+    for (std::size_t i = 0; i < spec.layers.size(); ++i) {
+      CHECK(back.layers[i].kind == spec.layers[i].kind);
+      CHECK(back.layers[i].options == spec.layers[i].options);
+    }
+    // And builds the same model: the same layers, parameters and ties.
+    ModelConfig from_file;
+    from_file.kind = write_temp("mpipe_registry_" + preset + "2.toml", spec.to_toml());
+    const Model a(c), b(from_file);
+    std::filesystem::remove(from_file.kind);
+    REQUIRE(a.size() == b.size());
+    CHECK(a.parameter_count() == b.parameter_count());
+    CHECK(a.ties().size() == b.ties().size());
+    for (int i = 0; i < a.size(); ++i) CHECK(a.layer(i).kind() == b.layer(i).kind());
+    CHECK(a.input_shape(2) == b.input_shape(2));
+    CHECK(a.classes() == b.classes());
+  }
+}
+
+TEST_CASE("layer options are checked by name, type and range") {
+  ModelSpec m;
+  m.name = "m.toml";
+  m.input = {16};
+  m.layers = {{"linear", {{"out", std::int64_t{4}}}}, {"cross_entropy", {}}};
+  CHECK_NOTHROW(make_layer(m, 0, Shape{1, 16}, "here"));
+  m.layers[0].options["bias"] = std::int64_t{1};  // an integer is not true/false
+  CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), "here: 'bias' must be true or false", UserError);
+  m.layers[0].options = {{"out", 4.0}};  // nor is a float an integer
+  CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), "here: 'out' must be an integer", UserError);
+  m.layers[0].options = {{"out", std::int64_t{4}}, {"init-std", std::int64_t{1}}};  // an integer is a number
+  CHECK_NOTHROW(make_layer(m, 0, Shape{1, 16}, "here"));
+  m.layers[0].options = {{"out", std::int64_t{0}}};
+  CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), doctest::Contains("'out': must be from 1"), UserError);
+  m.layers[0].options = {{"width", std::int64_t{4}}};
+  CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), "here: unknown key 'width'", UserError);
+  m.layers[0] = {"dropout", {{"p", 1.0}}};
+  CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), doctest::Contains("'p': must be in [0, 1)"), UserError);
+}
