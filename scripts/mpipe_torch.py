@@ -87,3 +87,57 @@ class MLP(torch.nn.Module):
         for lin in self.hidden:
             x = F.relu(lin(x))
         return F.cross_entropy(self.out(x), targets.long())
+
+
+class Sequential(torch.nn.Module):
+    """A model file's layer list (mpipe --model FILE) for the layer kinds that need no
+    sequence: the convolutional ones, linear, layernorm, activations, flatten. Parameters
+    are keyed (layer index, name) as in mpipe's checkpoints."""
+
+    def __init__(self, spec):
+        super().__init__()
+        self.kinds, self.parts = [], torch.nn.ModuleList()
+        x = torch.zeros(1, *spec["input"])
+        for i, layer in enumerate(spec["layer"]):
+            kind = layer["kind"]
+            get = lambda key, default=None: layer.get(key, default)  # noqa: E731
+            if kind == "conv2d":
+                part = torch.nn.Conv2d(x.shape[1], get("out"), get("kernel"), get("stride", 1), get("padding", 0),
+                                       groups=get("groups", 1), bias=get("bias", True))
+            elif kind in ("maxpool2d", "avgpool2d"):
+                k, s, p = get("kernel"), get("stride", 0) or get("kernel"), get("padding", 0)
+                part = torch.nn.MaxPool2d(k, s, p) if kind == "maxpool2d" else torch.nn.AvgPool2d(k, s, p, count_include_pad=True)
+            elif kind == "global-avgpool":
+                part = GlobalAvgPool()
+            elif kind == "flatten":
+                part = torch.nn.Flatten()
+            elif kind == "linear":
+                part = torch.nn.Linear(x.shape[-1], get("out"), bias=get("bias", True))
+            elif kind == "layernorm":
+                part = torch.nn.LayerNorm(x.shape[-1], eps=1e-5)
+            elif kind == "relu":
+                part = torch.nn.ReLU()
+            elif kind == "gelu":
+                part = torch.nn.GELU(approximate="tanh")
+            elif kind == "cross_entropy":
+                part = None
+            else:
+                raise ValueError(f"layer {i}: kind {kind} has no torch twin here")
+            self.kinds.append(kind)
+            self.parts.append(part if part is not None else torch.nn.Identity())
+            if part is not None:
+                x = part(x)
+
+    def named(self):
+        return {(i, name): p for i, part in enumerate(self.parts) for name, p in part.named_parameters()}
+
+    def forward(self, x, targets):
+        for kind, part in zip(self.kinds, self.parts):
+            if kind != "cross_entropy":
+                x = part(x)
+        return F.cross_entropy(x, targets.long())
+
+
+class GlobalAvgPool(torch.nn.Module):
+    def forward(self, x):
+        return x.mean(dim=(2, 3))

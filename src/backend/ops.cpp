@@ -254,6 +254,52 @@ void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutK
   else MPIPE_ON_GPU(inp, cuda::dropout_apply(ptr<E>(out), ptr<E>(inp), B, per_sample, p, key));
 }
 
+namespace {
+void cpu_only(const char* op, const Tensor& t) {
+  if (t.device != Device::cpu) throw Error(cat(op, " has no GPU kernel yet: run the model with --device cpu"));
+  is_f32(op, t);
+}
+}  // namespace
+
+int64_t conv2d_scratch(const Window2d& w) { return cpu::conv2d_cols(w); }
+
+void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& cols,
+                    const Window2d& w) {
+  cpu_only("conv2d", inp);
+  same_place("conv2d", out, inp);
+  MPIPE_CHECK(cols.numel() >= cpu::conv2d_cols(w), "conv2d: scratch of ", cols.numel(), " floats");
+  cpu::conv2d_forward(out.f32(), inp.f32(), weight.f32(), ptr_or_null<float>(bias), cols.f32(), w);
+}
+
+void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                     const Tensor& inp, const Tensor& weight, const Tensor& cols, const Window2d& w, GradMode mode) {
+  cpu_only("conv2d", dout);
+  same_place("conv2d", dinp, dout);
+  cpu::conv2d_backward(ptr_or_null<float>(dinp), dweight.f32(), ptr_or_null<float>(dbias), dout.f32(), inp.f32(),
+                       weight.f32(), cols.f32(), w, mode);
+}
+
+void maxpool2d_forward(const Tensor& out, const Tensor& argmax, const Tensor& inp, const Window2d& w) {
+  cpu_only("maxpool2d", inp);
+  MPIPE_CHECK(argmax.dtype == DType::i32, "maxpool2d: argmax of ", to_string(argmax.dtype));
+  cpu::maxpool2d_forward(out.f32(), ptr<std::int32_t>(argmax), inp.f32(), w);
+}
+
+void maxpool2d_backward(const Tensor& dinp, const Tensor& dout, const Tensor& argmax, const Window2d& w, GradMode mode) {
+  cpu_only("maxpool2d", dout);
+  cpu::maxpool2d_backward(dinp.f32(), dout.f32(), ptr<std::int32_t>(argmax), w, mode);
+}
+
+void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w) {
+  cpu_only("avgpool2d", inp);
+  cpu::avgpool2d_forward(out.f32(), inp.f32(), w);
+}
+
+void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode) {
+  cpu_only("avgpool2d", dout);
+  cpu::avgpool2d_backward(dinp.f32(), dout.f32(), w, mode);
+}
+
 void add(const Tensor& y, const Tensor& x) {
   same_place("add", y, x);
   MPIPE_CHECK(y.numel() == x.numel(), "add: ", y.shape.str(), " += ", x.shape.str());

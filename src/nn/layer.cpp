@@ -78,13 +78,18 @@ std::vector<ParamSpec> Linear::param_specs() const {
   return specs;
 }
 
-void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  weight_ = params[0];
-  dweight_ = grads[0];
-  if (has_bias_) {
-    bias_ = params[1];
-    dbias_ = grads[1];
+void bind_weight_bias(std::span<const Tensor> params, std::span<const Tensor> grads, Tensor& weight, Tensor& dweight,
+                      Tensor& bias, Tensor& dbias) {
+  weight = params[0];
+  dweight = grads[0];
+  if (params.size() > 1) {
+    bias = params[1];
+    dbias = grads[1];
   }
+}
+
+void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  bind_weight_bias(params, grads, weight_, dweight_, bias_, dbias_);
 }
 
 Tensor Linear::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {

@@ -10,6 +10,7 @@
 
 #include "mpipe/core/error.hpp"
 #include "mpipe/core/toml_text.hpp"
+#include "mpipe/nn/conv_layers.hpp"
 
 namespace mpipe {
 
@@ -84,6 +85,26 @@ Attention attention_args(const LayerArgs& a) {
   return {c, heads, static_cast<float>(init), static_cast<float>(proj < 0 ? init / std::sqrt(2.0 * std::max(blocks, 1)) : proj)};
 }
 
+// The window of a layer over an (N, C, H, W) input; refuses other inputs and windows
+// larger than the padded plane.
+Window2d image_window(const LayerArgs& a, std::int64_t kernel, std::int64_t stride, std::int64_t padding) {
+  if (a.input.rank != 4)
+    a.refuse("kind", cat("needs images (batch, channels, height, width), gets ", a.input.str()), "give the model input = [C, H, W]");
+  Window2d w;
+  w.N = a.input[0];
+  w.C = a.input[1];
+  w.H = a.input[2];
+  w.W = a.input[3];
+  w.KH = w.KW = kernel;
+  w.stride = stride;
+  w.padding = padding;
+  if (w.H + 2 * padding < kernel || w.W + 2 * padding < kernel)
+    a.refuse("kernel", cat(kernel, " is larger than the ", w.H, " x ", w.W, " plane (padding ", padding, ")"), "use a smaller kernel or more padding");
+  w.OH = (w.H + 2 * padding - kernel) / stride + 1;
+  w.OW = (w.W + 2 * padding - kernel) / stride + 1;
+  return w;
+}
+
 std::vector<LayerKind> make_kinds() {
   using T = OptionType;
   const OptionSpec init_std{"init-std", T::number, 0.02, "std of the normal initial weights"};
@@ -155,6 +176,53 @@ std::vector<LayerKind> make_kinds() {
                  if (!(p >= 0 && p < 1)) a.refuse("p", cat("must be in [0, 1), got ", p), "e.g. p = 0.1");
                  return std::make_unique<Dropout>(static_cast<float>(p), 0);
                }});
+  // Convolutional layers (NCHW): CPU kernels only so far.
+  k.push_back({"conv2d", "2-D convolution: (N, C, H, W) -> (N, out, OH, OW), OH = (H + 2 padding - kernel) / stride + 1",
+               {{"out", T::integer, std::nullopt, "output channels"},
+                {"kernel", T::integer, std::nullopt, "kernel side"},
+                {"stride", T::integer, std::int64_t{1}, "stride"},
+                {"padding", T::integer, std::int64_t{0}, "zero padding on each side"},
+                {"groups", T::integer, std::int64_t{1}, "groups (dividing C and out)"},
+                {"bias", T::boolean, true, "add a learned bias"},
+                {"init-std", T::number, -1.0, "std of the normal initial weights; -1: sqrt(2 / fan-in) (He)"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const Window2d w = image_window(a, a.integer("kernel"), a.integer("stride"), a.integer("padding", 0));
+                 const std::int64_t out = a.integer("out"), groups = a.integer("groups");
+                 if (w.C % groups != 0 || out % groups != 0)
+                   a.refuse("groups", cat(groups, " does not divide the ", w.C, " channels in and ", out, " out"), "pick groups dividing both");
+                 const double fan_in = static_cast<double>(w.C / groups * w.KH * w.KW), given = a.number("init-std");
+                 return std::make_unique<Conv2d>(w.C, out, w.KH, w.stride, w.padding, groups, a.boolean("bias"),
+                                                 static_cast<float>(given < 0 ? std::sqrt(2.0 / fan_in) : given));
+               },
+               false});
+  for (const bool max : {true, false})
+    k.push_back({max ? "maxpool2d" : "avgpool2d",
+                 max ? "max over kernel x kernel windows of each plane (padding counts as -inf)"
+                     : "mean over kernel x kernel windows of each plane (padding counts as zeros)",
+                 {{"kernel", T::integer, std::nullopt, "window side"},
+                  {"stride", T::integer, std::int64_t{0}, "stride; 0: the kernel"},
+                  {"padding", T::integer, std::int64_t{0}, "padding on each side, at most kernel / 2"}},
+                 false,
+                 [max](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                   const std::int64_t kernel = a.integer("kernel"), stride = a.integer("stride", 0);
+                   const Window2d w = image_window(a, kernel, stride ? stride : kernel, a.integer("padding", 0));
+                   if (2 * w.padding > kernel) a.refuse("padding", cat(w.padding, " is more than half the kernel ", kernel), "pad at most kernel / 2");
+                   return std::make_unique<Pool2d>(max ? Pool2d::Op::max : Pool2d::Op::average, kernel, w.stride, w.padding);
+                 },
+                 false});
+  k.push_back({"global-avgpool", "mean of each plane: (N, C, H, W) -> (N, C)", {}, false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 image_window(a, 1, 1, 0);
+                 return std::make_unique<Pool2d>(Pool2d::Op::global_average, 0, 1, 0);
+               },
+               false});
+  k.push_back({"flatten", "(N, d1, d2, ...) -> (N, d1 x d2 x ...)", {}, false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 if (a.input.rank < 2) a.refuse("kind", cat("needs (batch, ...), gets ", a.input.str()), "put it after a layer with features");
+                 return std::make_unique<Flatten>();
+               },
+               false});
   k.push_back({"cross_entropy", "the loss: softmax cross-entropy of logits (.., classes) against targets; the last layer",
                {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<CrossEntropyLoss>(); }});
   return k;
@@ -177,9 +245,10 @@ void LayerArgs::refuse(const std::string& name, const std::string& problem, cons
   throw UserError(cat(where, ": ", name == "kind" ? "" : cat("'", name, "': "), problem), hint);
 }
 
-std::int64_t LayerArgs::integer(const std::string& name) const {
+std::int64_t LayerArgs::integer(const std::string& name, std::int64_t least) const {
   const auto v = std::get<std::int64_t>(spec.options.at(name));
-  if (v < 1 || v > max_size) refuse(name, cat("must be from 1 to ", max_size, ", got ", v), "give a positive size");
+  if (v < least || v > max_size)
+    refuse(name, cat("must be from ", least, " to ", max_size, ", got ", v), least > 0 ? "give a positive size" : "give a size of 0 or more");
   return v;
 }
 

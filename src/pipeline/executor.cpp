@@ -114,6 +114,11 @@ Executor::Executor(const TrainConfig& config, const Communicator& world)
   shapes_ = model_.shapes(micro_);
   MPIPE_CHECK(config_.device != "auto", "resolve_device() must run before the executor is built");
   if (config_.device == "cuda") {
+    for (int i = 0; i < model_.size(); ++i) {
+      const LayerKind* kind = find_layer_kind(model_.layer(i).kind());
+      MPIPE_REQUIRE(!kind || kind->gpu, "run this model with --device cpu", "layer ", i, " (", model_.layer(i).kind(),
+                    ") has no GPU kernels yet");
+    }
     MPIPE_CHECK(cuda::active(), "--device cuda without cuda::init()");
     device_ = Device::cuda;
     dtype_ = config_.precision == "bf16" ? DType::bf16 : DType::f32;

@@ -376,12 +376,19 @@ model-file)
   run 2 "${file_model[@]}" --steps 3 --checkpoint-dir "$work/file" --metrics "$work/file.jsonl" >/dev/null
   [[ "$(losses "$work/preset.jsonl")" == "$(losses "$work/file.jsonl")" ]] || fail "preset and model file losses differ"
   same_tensors "$work/preset/ckpt-00000003.h5" "$work/file/ckpt-00000003.h5"
-  lm=(train --model "$(dirname "$0")/../cli/models/tiny_lm.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3
-      --log-every 1)
-  run 1 "${lm[@]}" --steps 3 --checkpoint-dir "$work/k1" --metrics "$work/k1.jsonl" >/dev/null
-  run 3 "${lm[@]}" --steps 3 --checkpoint-dir "$work/k3" --metrics "$work/k3.jsonl" --schedule 1f1b --remat always >/dev/null
-  [[ "$(losses "$work/k1.jsonl")" == "$(losses "$work/k3.jsonl")" ]] || fail "a model file's losses differ between K = 1 and 3"
-  same_tensors "$work/k1/ckpt-00000003.h5" "$work/k3/ckpt-00000003.h5"
+  # transparent FILE K: the model file on 1 and on K stages (1f1b, remat), bitwise; the
+  # runs' checkpoint directories are $work/k1 and $work/kK.
+  transparent() {
+    local args=(train --model "$1" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1 --steps 3)
+    rm -rf "$work/k1" "$work/k$2"
+    run 1 "${args[@]}" --checkpoint-dir "$work/k1" --metrics "$work/k1.jsonl" >/dev/null
+    run "$2" "${args[@]}" --checkpoint-dir "$work/k$2" --metrics "$work/k$2.jsonl" --schedule 1f1b --remat always >/dev/null
+    [[ "$(losses "$work/k1.jsonl")" == "$(losses "$work/k$2.jsonl")" ]] || fail "$1: losses differ between K = 1 and $2"
+    same_tensors "$work/k1/ckpt-00000003.h5" "$work/k$2/ckpt-00000003.h5"
+  }
+  # A CNN (convolutions, pools, flatten) on 4 stages, then a language model on 3.
+  transparent "$(dirname "$0")/../reference/cnn.toml" 4
+  transparent "$(dirname "$0")/../cli/models/tiny_lm.toml" 3
   "$mpipe" inspect "$work/k3/ckpt-00000003.h5" --config | grep -q "^model = \".*tiny_lm.toml\"$" || fail "inspect --config lacks the model file"
   # The same file elsewhere resumes; another layer list is refused by name.
   cp "$(dirname "$0")/../cli/models/tiny_lm.toml" "$work/moved.toml"

@@ -10,13 +10,14 @@ import argparse
 import os
 import subprocess
 import sys
+import tomllib
 
 import h5py
 import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-from mpipe_torch import GPT, MLP  # noqa: E402
+from mpipe_torch import GPT, MLP, Sequential  # noqa: E402
 
 torch.set_num_threads(2)
 TOL = 1e-4
@@ -42,17 +43,24 @@ def rel(a, b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", required=True)
-    ap.add_argument("--model", choices=["gpt", "mlp"], required=True)
+    ap.add_argument("--model", required=True, help="gpt, mlp or a model file (TOML) of non-sequence layers")
     ap.add_argument("--workdir", required=True)
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
-    path = os.path.join(args.workdir, f"reference-{args.model}.h5")
+    name = os.path.splitext(os.path.basename(args.model))[0]
+    path = os.path.join(args.workdir, f"reference-{name}.h5")
     subprocess.run([args.dump, "--model", args.model, "--out", path], check=True)
 
     f = h5py.File(path, "r")
     n_layer, C, H, T, V, hidden, inputs, classes, batch = (int(v) for v in f["config/sizes"][()])
     beta1, beta2, eps, wd = (float(v) for v in f["config/adamw"][()])
-    model = GPT(n_layer, C, H, T, V) if args.model == "gpt" else MLP(n_layer, hidden, inputs, classes)
+    if args.model == "gpt":
+        model = GPT(n_layer, C, H, T, V)
+    elif args.model == "mlp":
+        model = MLP(n_layer, hidden, inputs, classes)
+    else:
+        with open(args.model, "rb") as spec:
+            model = Sequential(tomllib.load(spec))
     params = model.named()
     init, grads, final = keyed(f["params"]), keyed(f["grads"]), keyed(f["final"])
     decay = {k: int(v[0]) for k, v in keyed(f["decay"]).items()}
@@ -118,7 +126,7 @@ def main():
     if failures:
         print("FAILED:\n  " + "\n  ".join(failures))
         sys.exit(1)
-    print(f"reference {args.model}: OK")
+    print(f"reference {name}: OK")
 
 
 if __name__ == "__main__":

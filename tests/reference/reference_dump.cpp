@@ -1,7 +1,7 @@
 // Writes what the PyTorch reference needs to rebuild and check our model: initial
 // parameters (keyed by global layer and name), every step's batch, the gradients of
 // step 0, and the loss and learning rate of 10 training steps. HDF5, read with h5py.
-// Usage: reference_dump --model gpt|mlp --out FILE.h5
+// Usage: reference_dump --model gpt|mlp|FILE --out FILE.h5
 #include <hdf5.h>
 
 #include <cstring>
@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   std::vector<float> in_f(in.numel());
   std::vector<std::int32_t> in_i(in.numel()), targets(tg.numel());
   for (int step = 0; step < c.steps; ++step) {
-    const bool tokens = model == "gpt";
+    const bool tokens = trainer.model().tokens() > 0;
     Tensor x = tokens ? make_tensor(in_i.data(), in) : make_tensor(in_f.data(), in);
     trainer.dataset()->fill(static_cast<std::uint64_t>(step) * c.batch_size, c.batch_size, x, make_tensor(targets.data(), tg));
     const std::string base = "/batch/" + std::to_string(step);

@@ -16,8 +16,13 @@ using namespace mpipe;
 
 namespace {
 
-// A spec with every required option of `kind` set to something that fits an input of
-// (1, 8, 16) (or tokens (1, 8) for the embedding).
+bool takes_images(const std::string& kind) {
+  return kind == "conv2d" || kind == "maxpool2d" || kind == "avgpool2d" || kind == "global-avgpool";
+}
+
+// A spec with every required option of `kind` set to something that fits its input:
+// tokens (1, 8) for the embedding, images (1, 4, 6, 6) for the convolutional kinds,
+// (1, 8, 16) after an embedding for the rest.
 ModelSpec one_layer_model(const LayerKind& kind) {
   ModelSpec m;
   m.name = "test";
@@ -25,9 +30,12 @@ ModelSpec one_layer_model(const LayerKind& kind) {
   for (const OptionSpec& o : kind.options)
     if (!o.fallback) {
       if (o.name == "p") l.options[o.name] = 0.25;
-      else l.options[o.name] = std::int64_t{o.name == "heads" ? 4 : 16};
+      else l.options[o.name] = std::int64_t{o.name == "heads" ? 4 : o.name == "kernel" ? 3 : 16};
     }
-  if (kind.takes_tokens) {
+  if (takes_images(kind.name)) {
+    m.input = {4, 6, 6};
+    m.layers = {l, {"cross_entropy", {}}};
+  } else if (kind.takes_tokens) {
     m.tokens = 8;
     m.layers = {l, {"cross_entropy", {}}};
   } else if (kind.name == "cross_entropy") {
@@ -49,14 +57,16 @@ std::string write_temp(const std::string& name, const std::string& text) {
 }  // namespace
 
 TEST_CASE("every registered layer kind builds from its options and is the layer it names") {
-  CHECK(layer_kinds().size() >= 9);
+  CHECK(layer_kinds().size() >= 14);
   for (const LayerKind& kind : layer_kinds()) {
     INFO(kind.name);
     CHECK_FALSE(kind.help.empty());
     CHECK(find_layer_kind(kind.name) == &kind);
     const ModelSpec m = one_layer_model(kind);
-    const int at = kind.takes_tokens || kind.name == "cross_entropy" ? 0 : 1;
-    const Shape input = at == 0 ? (m.tokens > 0 ? Shape{1, 8} : Shape{1, 16}) : Shape{1, 8, 16};
+    const int at = kind.takes_tokens || kind.name == "cross_entropy" || takes_images(kind.name) ? 0 : 1;
+    const Shape input = takes_images(kind.name) ? Shape{1, 4, 6, 6}
+                        : at == 0           ? (m.tokens > 0 ? Shape{1, 8} : Shape{1, 16})
+                                            : Shape{1, 8, 16};
     const auto layer = make_layer(m, at, input, "test layer");
     CHECK(layer->kind() == kind.name);
     for (const OptionSpec& o : kind.options) CHECK_FALSE(o.help.empty());

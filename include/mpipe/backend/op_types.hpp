@@ -18,4 +18,12 @@ struct DropoutKey {
   std::uint32_t site = 0;          // global layer index * 16 + site within the layer
 };
 
+// The geometry of a 2-D convolution or pooling window over NCHW tensors: input
+// (N, C, H, W), output (N, OC, OH, OW), kernel KH x KW, the same stride and zero
+// padding along both axes, C and OC split into `groups` (convolution only).
+struct Window2d {
+  std::int64_t N = 0, C = 0, H = 0, W = 0, OC = 0, OH = 0, OW = 0;
+  std::int64_t KH = 1, KW = 1, stride = 1, padding = 0, groups = 1;
+};
+
 }  // namespace mpipe

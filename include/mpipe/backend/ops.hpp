@@ -60,6 +60,19 @@ void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Te
 // Over the first dimension as samples.
 void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key);
 
+// Convolution and pooling over NCHW (see cpu/ops.hpp); on the CPU only so far: a GPU
+// tensor is an Error (the registry refuses such layers with --device cuda up front).
+// `cols` is scratch of conv2d_scratch(w) floats.
+int64_t conv2d_scratch(const Window2d& w);
+void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& cols,
+                    const Window2d& w);
+void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                     const Tensor& inp, const Tensor& weight, const Tensor& cols, const Window2d& w, GradMode mode);
+void maxpool2d_forward(const Tensor& out, const Tensor& argmax, const Tensor& inp, const Window2d& w);
+void maxpool2d_backward(const Tensor& dinp, const Tensor& dout, const Tensor& argmax, const Window2d& w, GradMode mode);
+void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w);
+void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode);
+
 // y = x in y's element type (fp32 <-> bf16 on the GPU); a plain copy when they agree.
 void convert(const Tensor& y, const Tensor& x);
 void add(const Tensor& y, const Tensor& x);

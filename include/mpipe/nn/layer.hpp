@@ -95,6 +95,10 @@ class Layer {
   int global_index_ = -1;
 };
 
+// For layers of a weight and an optional bias (param_specs in that order).
+void bind_weight_bias(std::span<const Tensor> params, std::span<const Tensor> grads, Tensor& weight, Tensor& dweight,
+                      Tensor& bias, Tensor& dbias);
+
 // ---- the layers ----------------------------------------------------------------------
 
 // y (.., OC) = x (.., C) · W^T + b, W stored (OC, C) as PyTorch does.

@@ -55,7 +55,7 @@ struct LayerArgs {
   Shape input;  // what enters the layer (batch 1)
   std::string where;  // "model file 'm.toml', layer 3 (linear)", for errors
 
-  std::int64_t integer(const std::string& name) const;  // checked: 1 .. 2^31
+  std::int64_t integer(const std::string& name, std::int64_t least = 1) const;  // checked: least .. 2^31
   double number(const std::string& name) const;
   bool boolean(const std::string& name) const;
   // A UserError about option `name` of this layer.
@@ -68,6 +68,7 @@ struct LayerKind {
   std::vector<OptionSpec> options;
   bool takes_tokens = false;  // its input is token ids (B, T) int32
   std::function<std::unique_ptr<Layer>(const LayerArgs&)> make;
+  bool gpu = true;  // has CUDA kernels (--device cuda refuses a model with one that has not)
 };
 
 // Every layer kind, in the order `plan --layers-help` lists them.

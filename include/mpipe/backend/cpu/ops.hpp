@@ -75,6 +75,26 @@ void crossentropy_backward(float* dlogits, const float* logits, const float* lse
 void dropout_apply(float* out, const float* inp, int64_t B, int64_t per_sample, float p,
                    const DropoutKey& key);
 
+// ---- convolution and pooling over NCHW (conv.cpp) ------------------------------------
+using mpipe::Window2d;
+// out (N, OC, OH, OW) = conv(inp, weight (OC, C/g, KH, KW)) + bias (OC; may be null),
+// through im2col and one GEMM per sample and group. `cols` is scratch of
+// conv2d_cols(w) floats. Overwrites out.
+int64_t conv2d_cols(const Window2d& w);
+void conv2d_forward(float* out, const float* inp, const float* weight, const float* bias, float* cols,
+                    const Window2d& w);
+// dinp per mode (skipped when null); dweight and dbias (null: none) accumulate, over the
+// samples in order.
+void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                     const float* weight, float* cols, const Window2d& w, GradMode mode);
+// Max over each window (padding counts as -inf); `argmax` (N, C, OH, OW) keeps the
+// input offset within its (n, c) plane for backward. Overwrites out and argmax.
+void maxpool2d_forward(float* out, int32_t* argmax, const float* inp, const Window2d& w);
+void maxpool2d_backward(float* dinp, const float* dout, const int32_t* argmax, const Window2d& w, GradMode mode);
+// Mean over each window, padding counted as zeros (PyTorch's count_include_pad).
+void avgpool2d_forward(float* out, const float* inp, const Window2d& w);
+void avgpool2d_backward(float* dinp, const float* dout, const Window2d& w, GradMode mode);
+
 // y (+)= x
 void add(float* y, const float* x, int64_t n);
 void copy(float* y, const float* x, int64_t n);

@@ -1,0 +1,68 @@
+// Convolutional layers over NCHW tensors: conv2d, max and average pooling, global
+// average pooling, flatten. CPU only so far (their LayerKind says gpu = false).
+#pragma once
+#include "mpipe/nn/layer.hpp"
+
+namespace mpipe {
+
+// y (N, out, OH, OW) = conv(x (N, C, H, W), weight (out, C/groups, k, k)) + bias,
+// OH = (H + 2 padding - k) / stride + 1.
+class Conv2d final : public Layer {
+ public:
+  Conv2d(int64_t channels, int64_t out, int64_t kernel, int64_t stride, int64_t padding, int64_t groups, bool bias,
+         float init_std);
+  std::string kind() const override { return "conv2d"; }
+  Shape output_shape(const Shape& in) const override;
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  Window2d window(const Shape& in) const;
+  int64_t channels_, out_, kernel_, stride_, padding_, groups_;
+  bool has_bias_;
+  float init_std_;
+  Tensor weight_, bias_, dweight_, dbias_;
+};
+
+// Max or mean over k x k windows of each plane: (N, C, H, W) -> (N, C, OH, OW). The
+// mean counts padding as zeros; global averages a whole plane: (N, C, H, W) -> (N, C).
+class Pool2d final : public Layer {
+ public:
+  enum class Op { max, average, global_average };
+  Pool2d(Op op, int64_t kernel, int64_t stride, int64_t padding)
+      : op_(op), kernel_(kernel), stride_(stride), padding_(padding) {}
+  std::string kind() const override;
+  Shape output_shape(const Shape& in) const override;
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  Window2d window(const Shape& in) const;
+  Op op_;
+  int64_t kernel_, stride_, padding_;
+};
+
+// (N, d1, d2, ...) -> (N, d1 * d2 * ...), a copy.
+class Flatten final : public Layer {
+ public:
+  std::string kind() const override { return "flatten"; }
+  Shape output_shape(const Shape& in) const override { return Shape{in[0], in.numel() / in[0]}; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+};
+
+}  // namespace mpipe

@@ -1,0 +1,156 @@
+// Convolutional layers: shapes, costs and parameters here, the math in backend/ops.
+#include "mpipe/nn/conv_layers.hpp"
+
+#include <cmath>
+
+namespace mpipe {
+
+namespace {
+// The output side of a window sweep.
+int64_t swept(int64_t size, int64_t kernel, int64_t stride, int64_t padding) {
+  return (size + 2 * padding - kernel) / stride + 1;
+}
+}  // namespace
+
+// ---- Conv2d --------------------------------------------------------------------------
+
+Conv2d::Conv2d(int64_t channels, int64_t out, int64_t kernel, int64_t stride, int64_t padding, int64_t groups,
+               bool bias, float init_std)
+    : channels_(channels), out_(out), kernel_(kernel), stride_(stride), padding_(padding), groups_(groups),
+      has_bias_(bias), init_std_(init_std) {}
+
+Window2d Conv2d::window(const Shape& in) const {
+  Window2d w;
+  w.N = in[0];
+  w.C = in[1];
+  w.H = in[2];
+  w.W = in[3];
+  w.OC = out_;
+  w.KH = w.KW = kernel_;
+  w.stride = stride_;
+  w.padding = padding_;
+  w.groups = groups_;
+  w.OH = swept(w.H, kernel_, stride_, padding_);
+  w.OW = swept(w.W, kernel_, stride_, padding_);
+  return w;
+}
+
+Shape Conv2d::output_shape(const Shape& in) const {
+  const Window2d w = window(in);
+  return Shape{w.N, w.OC, w.OH, w.OW};
+}
+
+Cost Conv2d::cost(const Shape& in) const {
+  const Window2d w = window(in);
+  const double macs = static_cast<double>(w.N * w.OC * w.OH * w.OW) * static_cast<double>(w.C / w.groups * w.KH * w.KW);
+  const double params = static_cast<double>(w.OC * (w.C / w.groups) * w.KH * w.KW + (has_bias_ ? w.OC : 0));
+  // Held until the step ends: the output, and the im2col scratch of the forward and of
+  // the backward (arena memory lives for the step).
+  const double held = 4.0 * static_cast<double>(w.N * w.OC * w.OH * w.OW) + 2 * 4.0 * static_cast<double>(ops::conv2d_scratch(w));
+  return {2 * macs, 4 * macs, 4 * params, held};
+}
+
+std::vector<ParamSpec> Conv2d::param_specs() const {
+  std::vector<ParamSpec> specs;
+  specs.push_back({"weight", Shape{out_, channels_ / groups_, kernel_, kernel_}, Init::normal, init_std_, true});
+  if (has_bias_) specs.push_back({"bias", Shape{out_}, Init::zeros, 0.0f, false});
+  return specs;
+}
+
+void Conv2d::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  bind_weight_bias(params, grads, weight_, dweight_, bias_, dbias_);
+}
+
+Tensor Conv2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const Window2d w = window(x.shape);
+  Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);
+  ops::conv2d_forward(y, x, weight_, bias_, pass.arena->tensor(Shape{ops::conv2d_scratch(w)}), w);
+  return y;
+}
+
+void Conv2d::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+  const Window2d w = window(ctx.input.shape);
+  ops::conv2d_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, pass.arena->tensor(Shape{ops::conv2d_scratch(w)}), w,
+                       mode);
+}
+
+// ---- Pool2d --------------------------------------------------------------------------
+
+std::string Pool2d::kind() const {
+  return op_ == Op::max ? "maxpool2d" : op_ == Op::average ? "avgpool2d" : "global-avgpool";
+}
+
+Window2d Pool2d::window(const Shape& in) const {
+  Window2d w;
+  w.N = in[0];
+  w.C = w.OC = in[1];
+  w.H = in[2];
+  w.W = in[3];
+  if (op_ == Op::global_average) {
+    w.KH = w.H;
+    w.KW = w.W;
+  } else {
+    w.KH = w.KW = kernel_;
+    w.stride = stride_;
+    w.padding = padding_;
+  }
+  w.OH = swept(w.H, w.KH, w.stride, w.padding);
+  w.OW = swept(w.W, w.KW, w.stride, w.padding);
+  return w;
+}
+
+Shape Pool2d::output_shape(const Shape& in) const {
+  const Window2d w = window(in);
+  return op_ == Op::global_average ? Shape{w.N, w.C} : Shape{w.N, w.C, w.OH, w.OW};
+}
+
+Cost Pool2d::cost(const Shape& in) const {
+  const Window2d w = window(in);
+  const double out = static_cast<double>(w.N * w.C * w.OH * w.OW), window_size = static_cast<double>(w.KH * w.KW);
+  // The max pool keeps its argmax (int32) beside the output.
+  return {out * window_size, out * window_size, 0, (op_ == Op::max ? 8.0 : 4.0) * out};
+}
+
+Tensor Pool2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const Window2d w = window(x.shape);
+  Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);
+  if (op_ == Op::max) {
+    ctx.saved[0] = pass.arena->tensor(Shape{w.N, w.C, w.OH, w.OW}, DType::i32);
+    ops::maxpool2d_forward(y, ctx.saved[0], x, w);
+  } else {
+    ops::avgpool2d_forward(y, x, w);
+  }
+  return y;
+}
+
+void Pool2d::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+  if (dx.empty()) return;
+  const Window2d w = window(ctx.input.shape);
+  if (op_ == Op::max) ops::maxpool2d_backward(dx, dy, ctx.saved[0], w, mode);
+  else ops::avgpool2d_backward(dx, dy, w, mode);
+}
+
+// ---- Flatten -------------------------------------------------------------------------
+
+Cost Flatten::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {0, 0, 0, 4 * n};
+}
+
+Tensor Flatten::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);
+  Tensor flat = x;
+  flat.shape = y.shape;
+  ops::copy(y, flat);
+  return y;
+}
+
+void Flatten::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+  if (dx.empty()) return;
+  Tensor d = dy;
+  d.shape = dx.shape;
+  if (mode == GradMode::overwrite) ops::copy(dx, d);
+  else ops::add(dx, d);
+}
+
+}  // namespace mpipe
