@@ -21,6 +21,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string_view>
 
 #include "mpipe/backend/cpu/ops.hpp"
@@ -466,6 +467,15 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--threads", c.threads, "Threads per rank (BLAS and loops); 0: the cores given to the rank")
       ->capture_default_str();
   cmd.add_option("--log-every", c.log_every, "Print a line every N steps")->capture_default_str();
+  cmd.add_option("--eval-data", c.eval_data,
+                 "Held-out data to evaluate on (synthetic, text:PATH, tokens:PATH or hdf5:PATH; empty: none): forward "
+                 "only, dropout off; loss and accuracy")
+      ->capture_default_str();
+  cmd.add_option("--eval-every", c.eval_every, "Evaluate every N steps, and at the end (0: only at the end)")
+      ->capture_default_str();
+  cmd.add_option("--eval-batches", c.eval_batches,
+                 "Batches of --batch-size per evaluation (0: a file's every whole batch; 8 of endless data)")
+      ->capture_default_str();
   cmd.add_option("--progress", c.progress,
                  "A live progress line on rank 0 between the logged steps: auto (when a person watches: "
                  "standard output, and under mpirun the launcher's, is a terminal), on or off")
@@ -657,6 +667,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
                   t % 3600 / 60, t % 60, config.time_limit.c_str(), exit_preempted);
     }
     if (const Dataset* data = exec->dataset()) std::printf("data: %s\n", data->describe().c_str());
+    if (const Dataset* data = exec->eval_dataset()) std::printf("eval data: %s\n", data->describe().c_str());
     print_plan(config, exec->model(), exec->partition(), grid.shape());
     if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(config, grid.shape());
     std::printf("%s, lr %g, %d steps\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps);
@@ -724,6 +735,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
       }
       if (config.checkpoint_every > 0 && (step + 1) % config.checkpoint_every == 0 && step + 1 < config.steps)
         if (!checkpoint(step + 1)) return exit_internal_error;
+      std::optional<EvalResult> evaluated;  // printed after the step's own line
+      if (!config.eval_data.empty() &&
+          ((config.eval_every > 0 && (step + 1) % config.eval_every == 0) || step + 1 == config.steps))
+        evaluated = exec->evaluate();  // every rank
       if (!root) continue;
       if (step > first_step) step_seconds.push_back(r.seconds);
       const double samples_per_s = config.batch_size / r.seconds;
@@ -757,6 +772,25 @@ int run_train(const TrainConfig& options, const Communicator& world) {
                     r.loss, tokens_per_sample > 0 ? tokens_per_s : samples_per_s, tokens_per_sample > 0 ? "tok/s" : "samples/s",
                     static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
         std::fflush(stdout);
+      }
+      if (evaluated) {
+        const EvalResult& e = *evaluated;
+        if (progress) std::printf("\r\033[K");
+        std::printf("eval step %lld | loss %.6f | %s %.2f%% | %lld samples", static_cast<long long>(step + 1), e.loss,
+                    tokens_per_sample > 0 ? "token accuracy" : "accuracy", 100 * e.accuracy,
+                    static_cast<long long>(e.samples));
+        if (tokens_per_sample > 0) std::printf(" | perplexity %.3f", std::exp(e.loss));
+        std::printf("\n");
+        std::fflush(stdout);
+        if (metrics && output_error.empty()) {
+          try {
+            metrics->write_line(cat("{\"step\": ", step + 1, ", \"eval_loss\": ", shortest_text(e.loss),
+                                    ", \"eval_accuracy\": ", shortest_text(e.accuracy), ", \"eval_samples\": ", e.samples, "}"));
+          } catch (const UserError& error) {
+            output_error = cat("mpipe: error: ", error.what(), "; hint: ", error.hint());
+            exec->request_stop();
+          }
+        }
       }
     }
   } catch (const TimeoutError& e) {

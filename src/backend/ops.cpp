@@ -1,6 +1,8 @@
 // Tensor ops: device and element-type checks, then the CPU or the CUDA op.
 #include "mpipe/backend/ops.hpp"
 
+#include <vector>
+
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/core/bf16.hpp"
@@ -260,6 +262,26 @@ void cpu_only(const char* op, const Tensor& t) {
   is_f32(op, t);
 }
 }  // namespace
+
+int64_t count_correct(const Tensor& logits, const Tensor& targets) {
+  const int64_t V = logits.shape[-1], N = logits.shape.rows();
+  MPIPE_CHECK(targets.numel() == N, "count_correct: ", targets.numel(), " targets for ", N, " rows");
+  if (logits.device == Device::cpu) return cpu::count_correct(logits.f32(), targets.i32(), N, V);
+  std::vector<float> host(static_cast<std::size_t>(N * V));
+  std::vector<std::int32_t> wanted(static_cast<std::size_t>(N));
+  if (logits.dtype == DType::bf16) {
+    std::vector<bf16> half(host.size());
+    cuda::copy_to_host(half.data(), logits.data, half.size() * sizeof(bf16));
+    cuda::copy_to_host(wanted.data(), targets.data, wanted.size() * sizeof(std::int32_t));
+    cuda::synchronize(cuda::StreamKind::compute);
+    for (std::size_t i = 0; i < host.size(); ++i) host[i] = to_float(half[i]);
+  } else {
+    cuda::copy_to_host(host.data(), logits.data, host.size() * sizeof(float));
+    cuda::copy_to_host(wanted.data(), targets.data, wanted.size() * sizeof(std::int32_t));
+    cuda::synchronize(cuda::StreamKind::compute);
+  }
+  return cpu::count_correct(host.data(), wanted.data(), N, V);
+}
 
 int64_t conv2d_scratch(const Window2d& w) { return cpu::conv2d_cols(w); }
 

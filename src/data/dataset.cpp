@@ -130,6 +130,19 @@ class TeacherClassification final : public Dataset {
   mutable std::vector<float> hidden_;  // scratch, grown on the first call only
 };
 
+// ---- held-out synthetic data: samples from 2^40 on, which no training run reaches ---
+class HeldOut final : public Dataset {
+ public:
+  explicit HeldOut(std::unique_ptr<Dataset> data) : data_(std::move(data)) {}
+  void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
+    data_->fill(first + (std::uint64_t{1} << 40), count, inputs, targets);
+  }
+  std::string describe() const override { return "held out: " + data_->describe(); }
+
+ private:
+  std::unique_ptr<Dataset> data_;
+};
+
 // ---- token files -------------------------------------------------------------------
 // Each sample is a window of seq_len + 1 tokens at a position drawn from (seed, sample).
 class TokenFile final : public Dataset {
@@ -188,10 +201,12 @@ std::string data_file(const std::string& spec) {
   return colon == std::string::npos ? std::string() : spec.substr(colon + 1);
 }
 
-std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed) {
-  const std::string hint = "use --data synthetic, text:PATH or tokens:PATH";
+std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed, bool held_out) {
+  const std::string hint = "use --data synthetic, text:PATH, tokens:PATH or hdf5:PATH";
   // A model of tokens predicts tokens of its vocabulary (the loss's classes).
   const int64_t seq_len = model.tokens(), vocab = model.classes();
+  if (spec.rfind("hdf5:", 0) == 0 && spec.size() > 5) return make_labelled_file(spec.substr(5), model, seed, !held_out);
+  if (spec == "synthetic" && held_out) return std::make_unique<HeldOut>(make_dataset(spec, model, seed));
   if (spec == "synthetic") {
     if (seq_len == 0) return std::make_unique<TeacherClassification>(static_cast<int>(model.input_shape(1).numel()), static_cast<int>(vocab), seed);
     MPIPE_REQUIRE(vocab >= MarkovTokens::k, "use --vocab 4 or more",

@@ -426,6 +426,7 @@ Tensor CrossEntropyLoss::forward_impl(const Tensor& x, Context& ctx, const Pass&
   ctx.saved[0] = pass.arena->tensor(Shape{rows});  // log-sum-exp (N), fp32
   ctx.saved[1] = pass.targets;
   ctx.value = ops::crossentropy_forward(ctx.saved[0], x, pass.targets, pass.device_loss_sum);
+  if (!pass.training) ctx.correct = static_cast<double>(ops::count_correct(x, pass.targets));
   // The summed loss on the CPU. On a GPU the sum went to pass.device_loss_sum, which the
   // executor reads once per step, and this output is zero.
   Tensor loss = pass.arena->zeros(Shape{1});

@@ -34,7 +34,7 @@ void Executor::start_trace_clock() {
 
 void Executor::record(std::int64_t step, int kind, int micro_batch, Clock::time_point start, Clock::time_point end,
                       int layer) {
-  if (!tracing(step)) return;
+  if (evaluating_ || !tracing(step)) return;
   TraceEvent e;
   e.start = std::chrono::duration<double>(start - trace_origin_).count();
   e.end = std::chrono::duration<double>(end - trace_origin_).count();
@@ -60,6 +60,11 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(c.threads >= 0, "e.g. --threads 2, or 0 for every core", "--threads must be >= 0, got ", c.threads);
   MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
   MPIPE_REQUIRE(c.trace_steps >= 0, "e.g. --trace-steps 5", "--trace-steps must be >= 0, got ", c.trace_steps);
+  MPIPE_REQUIRE(c.eval_every >= 0, "e.g. --eval-every 100", "--eval-every must be >= 0, got ", c.eval_every);
+  MPIPE_REQUIRE(c.eval_batches >= 0, "e.g. --eval-batches 8, or 0 for a file's every batch", "--eval-batches must be >= 0, got ",
+                c.eval_batches);
+  MPIPE_REQUIRE(!c.eval_data.empty() || (c.eval_every == 0 && c.eval_batches == 0), "give --eval-data, e.g. hdf5:test.h5",
+                "--eval-every and --eval-batches need --eval-data");
   MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
                 "unknown --progress '", c.progress, "'");
   MPIPE_REQUIRE(p.remat == "always" || p.remat == "except-last" || p.remat == "never",
@@ -205,7 +210,10 @@ void Executor::connect() {
   }
   grid_->connect_tied(owner_stage, copy_stage);
   // The data is an input: its problems are said before anything large is allocated.
-  if (grid_->first_stage() || grid_->last_stage()) dataset_ = make_dataset(config_.data, model_, config_.seed);
+  if (grid_->first_stage() || grid_->last_stage()) {
+    dataset_ = make_dataset(config_.data, model_, config_.seed);
+    if (!config_.eval_data.empty()) eval_dataset_ = make_dataset(config_.eval_data, model_, config_.seed, true);
+  }
 }
 
 void Executor::allocate() {
@@ -395,7 +403,7 @@ Context* Executor::forward_layers(const Pass& pass, int mb, Tensor* output) {
   return contexts;
 }
 
-void Executor::run_forward(std::int64_t step, int mb) {
+void Executor::run_forward(std::int64_t step, int mb, bool training) {
   if (world_.rank() == fail_rank_ && step == fail_step_) {
     if (fail_stall_)
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -403,10 +411,15 @@ void Executor::run_forward(std::int64_t step, int mb) {
   }
   const auto start = Clock::now();
   begin_compute(TraceEvent::forward, mb);
-  const bool remat = rematerialize(mb);
+  const bool remat = training && rematerialize(mb);
+  Pass pass = make_pass(step, mb, remat ? scratch_.get() : persistent_.get());
+  pass.training = training;
   Tensor out;
-  Context* contexts = forward_layers(make_pass(step, mb, remat ? scratch_.get() : persistent_.get()), mb, &out);
-  if (grid_->last_stage()) loss_sum_ += contexts[end_ - begin_ - 1].value;
+  Context* contexts = forward_layers(pass, mb, &out);
+  if (grid_->last_stage()) {
+    loss_sum_ += contexts[end_ - begin_ - 1].value;
+    correct_sum_ += contexts[end_ - begin_ - 1].correct;
+  }
   if (remat) {
     // Keep only what leaves the stage; the contexts die with the scratch arena (whose
     // memory the GPU stream reuses only after this copy, in stream order).
@@ -525,16 +538,16 @@ void Executor::gradients_final(int layer) {
     if (t.layer == layer) t.sum->start();
 }
 
-void Executor::run_pipeline(std::int64_t step) {
+void Executor::run_pipeline(std::int64_t step, bool training) {
   const auto start = Clock::now();
   const int stage = grid_->stage();
-  loss_sum_ = 0.0;
+  loss_sum_ = correct_sum_ = 0.0;
   persistent_->reset();  // also when compute_gradients() is called without step()
-  params_->zero_grads();
-  if (dataset_) {
+  if (training) params_->zero_grads();
+  if (const Dataset* data = training ? dataset_.get() : eval_dataset_.get()) {
     const int share = config_.batch_size / grid_->replicas();
-    dataset_->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
-                   share, inputs_, targets_);
+    data->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
+               share, inputs_, targets_);
     if (device_ == Device::cuda)
       cuda::copy_to_device(batch_device_.data(), batch_host_.data(), batch_host_.bytes());
   }
@@ -545,17 +558,21 @@ void Executor::run_pipeline(std::int64_t step) {
     gpu_origin_ = Clock::now();  // the stream was idle: its mark is now
   }
   // Every receive of the step is posted before any compute.
-  transport_->post_receives();
-  for (TiedSpan& t : tied_spans_) t.sum->post_receive();
+  transport_->post_receives(training);
+  if (training)
+    for (TiedSpan& t : tied_spans_) t.sum->post_receive();
   next_bucket_ = 0;
   for (const Action& action : schedule_.actions[stage]) {
     const int mb = action.micro_batch;
+    if (!training && (action.kind == ActionKind::backward || action.kind == ActionKind::recv_grad ||
+                      action.kind == ActionKind::send_grad))
+      continue;
     const auto action_start = Clock::now();
     try {
       transport_->between_actions();
       progress_->poll();
       switch (action.kind) {
-        case ActionKind::forward: run_forward(step, mb); break;
+        case ActionKind::forward: run_forward(step, mb, training); break;
         case ActionKind::backward: run_backward(step, mb); break;
         case ActionKind::recv_act:
           times_.p2p_wait += transport_->receive(Direction::forward, mb);
@@ -653,6 +670,35 @@ double Executor::compute_gradients(std::int64_t step) {
   times_.allreduce += since(start);
   record(step, TraceEvent::allreduce, -1, reduce_start);
   return reduce_buffer_[L] / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
+}
+
+EvalResult Executor::evaluate() {
+  MPIPE_CHECK(!config_.eval_data.empty(), "evaluate() without --eval-data");
+  int batches = config_.eval_batches;
+  if (batches == 0) {  // a file's whole batches (the same on every rank: rank 0 knows the size)
+    double size = eval_dataset_ ? static_cast<double>(eval_dataset_->size()) : 0.0;
+    world_.broadcast(std::span<double>(&size, 1), 0);
+    batches = size > 0 ? std::max(1, static_cast<int>(size) / config_.batch_size) : 8;
+  }
+  const PhaseTimes saved = times_;
+  evaluating_ = true;
+  double sums[2] = {0, 0};
+  for (int b = 0; b < batches; ++b) {
+    run_pipeline(b, false);
+    sums[0] += loss_sum_;
+    sums[1] += correct_sum_;
+  }
+  persistent_->reset();
+  Progress::Ticket ticket = progress_->track(world_.iallreduce(std::span<double>(sums), Reduce::sum), false);
+  progress_->wait(ticket, config_.pipeline.p2p_timeout, "the evaluation's allreduce, batch", batches);
+  evaluating_ = false;
+  times_ = saved;
+  EvalResult r;
+  r.samples = static_cast<std::int64_t>(batches) * config_.batch_size;
+  const double rows = static_cast<double>(r.samples * model_.rows_per_sample());
+  r.loss = sums[0] / rows;
+  r.accuracy = sums[1] / rows;
+  return r;
 }
 
 StepResult Executor::step(std::int64_t step) {

@@ -60,12 +60,13 @@ int Transport::source(Direction direction) const {
   return direction == Direction::forward ? grid_.stage() - 1 : grid_.stage() + 1;
 }
 
-void Transport::post_receives() {
+void Transport::post_receives(bool backward) {
   const Communicator& pipe = grid_.pipeline();
   send_tickets_.clear();
   sent_.clear();
   pending_sends_.clear();
   for (const Direction d : {Direction::forward, Direction::backward}) {
+    if (d == Direction::backward && !backward) continue;
     std::vector<Inbox>& messages = received_[index(d)];
     const int from = source(d);
     for (int mb = 0; mb < static_cast<int>(messages.size()); ++mb)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checkpoint tests with the real binary under mpiexec and real HDF5 files.
 # Usage: checkpoint_test.sh MPIPE CASE   (CASE: layout | resume | reshard | preempt |
-#        damaged | bad-input | keep | continue | ownership | lock | state | stopped | model-file)
+#        damaged | bad-input | keep | continue | ownership | lock | state | stopped | model-file | eval | image-data)
 set -euo pipefail
 mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -403,6 +403,61 @@ model-file)
   out=$(run 1 train --model "$work/from_ckpt.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --steps 5 \
         --checkpoint-dir "$work/k1" 2>&1) || fail "resume with inspect --model's file: $out"
   grep -q "resumed from .*ckpt-00000004.h5" <<<"$out" || fail "inspect --model's file did not resume: $out"
+  ;;
+eval)
+  # Evaluation on held-out data changes nothing in training (losses and checkpoint
+  # bitwise with and without it) and is the same on any number of stages.
+  # A language model with dropout (off in evaluation): token accuracy and perplexity.
+  args=(train --model "$(dirname "$0")/../cli/models/tiny_lm.toml" --batch-size 8 --micro-batches 4 --threads 1
+        --lr 3e-3 --log-every 1 --steps 4)
+  run 2 "${args[@]}" --checkpoint-dir "$work/plain" --metrics "$work/plain.jsonl" >/dev/null
+  run 2 "${args[@]}" --checkpoint-dir "$work/e2" --metrics "$work/e2.jsonl" --eval-data synthetic --eval-every 2 \
+    --eval-batches 3 > "$work/e2.log"
+  [[ "$(losses "$work/plain.jsonl")" == "$(losses "$work/e2.jsonl")" ]] || fail "evaluation changed the training losses"
+  same_tensors "$work/plain/ckpt-00000004.h5" "$work/e2/ckpt-00000004.h5"
+  [[ $(grep -c "^eval step [24] | loss [0-9.]* | token accuracy [0-9.]*% | 24 samples | perplexity [0-9.]*$" "$work/e2.log") -eq 2 ]] \
+    || fail "expected eval lines at steps 2 and 4: $(cat "$work/e2.log")"
+  run 4 "${args[@]}" --checkpoint-dir "$work/e4" --eval-data synthetic --eval-every 2 --eval-batches 3 > "$work/e4.log"
+  [[ "$(grep "^eval" "$work/e2.log")" == "$(grep "^eval" "$work/e4.log")" ]] || fail "eval differs between K = 2 and 4"
+  evals=$(/usr/bin/python3 -c "import json,sys; print(sum('eval_loss' in json.loads(l) for l in open(sys.argv[1])))" "$work/e2.jsonl")
+  [[ $evals -eq 2 ]] || fail "expected 2 eval records in the metrics, got $evals"
+  expect_error 2 "--eval-every and --eval-batches need --eval-data" run 1 "${args[@]}" --eval-every 2
+  ;;
+image-data)
+  # A real data set: the digits, a 2-stage CNN, and a held-out accuracy of at least 97%.
+  bash "$(dirname "$0")/../../scripts/make_digits.sh" "$work/digits" >/dev/null
+  digits=(train --model "$(dirname "$0")/../../inputs/digits-cnn.toml" --data "hdf5:$work/digits/digits-train.h5"
+          --eval-data "hdf5:$work/digits/digits-test.h5" --batch-size 32 --micro-batches 4 --threads 1 --lr 3e-3
+          --log-every 100)
+  out=$(run 2 "${digits[@]}" --steps 300 2>&1) || fail "digits: $out"
+  accuracy=$(sed -n 's/^eval step 300 | loss [0-9.]* | accuracy \([0-9.]*\)% | 352 samples$/\1/p' <<<"$out")
+  [[ -n "$accuracy" ]] || fail "no final evaluation: $out"
+  /usr/bin/python3 -c "import sys; sys.exit(float(sys.argv[1]) < 97)" "$accuracy" || fail "digits test accuracy $accuracy% < 97%"
+  echo "digits: test accuracy $accuracy% after 300 steps"
+  # Bad files: one line, exit 2, before training.
+  /usr/bin/python3 - "$work" <<'PY'
+import sys, h5py, numpy as np
+w = sys.argv[1]
+def make(name, **sets):
+    with h5py.File(f"{w}/{name}.h5", "w") as f:
+        for key, value in sets.items():
+            f.create_dataset(key, data=value)
+x, y = np.zeros((10, 1, 8, 8), np.float32), np.arange(10, dtype=np.int32)
+make("no_labels", inputs=x)
+make("wrong_shape", inputs=np.zeros((10, 1, 8, 7), np.float32), labels=y)
+make("label_range", inputs=x, labels=np.full(10, 10, np.int32))
+make("label_count", inputs=x, labels=y[:9])
+make("uint8", inputs=np.full((10, 1, 8, 8), 255, np.uint8), labels=y)
+PY
+  model=(train --model "$(dirname "$0")/../../inputs/digits-cnn.toml" --batch-size 8 --threads 1 --steps 1)
+  expect_error 2 "no_labels.h5' has no /labels dataset" run 1 "${model[@]}" --data "hdf5:$work/no_labels.h5"
+  expect_error 2 "wrong_shape.h5': /inputs is \(10, 1, 8, 7\), the model takes \(N, 1, 8, 8\)" \
+    run 1 "${model[@]}" --data "hdf5:$work/wrong_shape.h5"
+  expect_error 2 "label 10 of sample 0 is out of range; hint: labels must be 0 to 9" \
+    run 1 "${model[@]}" --data "hdf5:$work/label_range.h5"
+  expect_error 2 "/labels has 9 entries for 10 samples" run 1 "${model[@]}" --eval-data "hdf5:$work/label_count.h5"
+  expect_error 2 "is not an HDF5 file" run 1 "${model[@]}" --data "hdf5:$(dirname "$0")/../../inputs/cnn.toml"
+  run 1 "${model[@]}" --data "hdf5:$work/uint8.h5" >/dev/null || fail "uint8 inputs were refused"
   ;;
 *) fail "unknown case $case" ;;
 esac

@@ -57,6 +57,10 @@ double crossentropy_forward(const Tensor& lse, const Tensor& logits, const Tenso
 void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
                            float scale);
 
+// Rows of logits (.., V) whose largest entry is at the target: for accuracy. On a GPU
+// the logits and targets are copied to the host first (evaluation only).
+int64_t count_correct(const Tensor& logits, const Tensor& targets);
+
 // Over the first dimension as samples.
 void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key);
 

@@ -23,13 +23,22 @@ class Dataset {
                     const Tensor& targets) const = 0;
   // One line for the log: what the data is and, where known, the best achievable loss.
   virtual std::string describe() const = 0;
+  // Distinct samples (a file's), or 0 for an endless source (synthetic, token windows).
+  virtual std::int64_t size() const { return 0; }
 };
 
 // The file a --data spec names (PATH of text:PATH or tokens:PATH), or "" for none.
 std::string data_file(const std::string& spec);
 
-// Parses --data (synthetic | text:PATH | tokens:PATH) for the model (what it takes
-// and predicts); UserError on a bad spec or file.
-std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed);
+// Parses --data (synthetic | text:PATH | tokens:PATH | hdf5:PATH) for the model (what
+// it takes and predicts); UserError on a bad spec or file. `held_out`: the data of
+// --eval-data: a file in its own order, synthetic samples the training never sees.
+std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed,
+                                      bool held_out = false);
+// hdf5:PATH: /inputs (N, ...) of the model's input shape, uint8 (scaled to [0, 1]) or
+// float, normalised by its optional per-channel attributes mean and std; /labels (N)
+// integers below the model's classes. Read whole; shuffled per epoch when `shuffle`.
+std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model& model, std::uint64_t seed,
+                                            bool shuffle);
 
 }  // namespace mpipe

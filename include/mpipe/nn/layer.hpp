@@ -63,6 +63,7 @@ struct Context {
   Tensor saved[max_saved];
   Context* children = nullptr;
   double value = 0.0;  // the loss layer's summed loss (on the CPU; see Pass)
+  double correct = 0.0;  // evaluation: the loss layer's rows predicted right
 };
 
 class Layer {

@@ -54,6 +54,9 @@ struct TrainConfig {
   OptimizerConfig optimizer;
   PipelineConfig pipeline;
   std::string data = "synthetic";
+  std::string eval_data;    // held-out data (same specs as data); empty: no evaluation
+  int eval_every = 0;       // steps between evaluations (and one at the end); 0: only at the end
+  int eval_batches = 0;     // batches per evaluation; 0: a file's every whole batch, 8 of synthetic data
   int batch_size = 32;      // global mini-batch, in samples
   int micro_batches = 1;    // per replica
   int steps = 100;          // the step training runs up to
@@ -125,6 +128,13 @@ struct PhaseTimes {
   }
 };
 
+// One evaluation: the mean loss per row, the fraction of rows predicted right (tokens
+// for a model of tokens), over `samples` samples.
+struct EvalResult {
+  double loss = 0, accuracy = 0;
+  std::int64_t samples = 0;
+};
+
 class Executor {
  public:
   // Three phases so that a failure on one rank never leaves another in a collective:
@@ -140,6 +150,10 @@ class Executor {
   // (replicas, tied weights) but no update; returns the mean loss.
   double compute_gradients(std::int64_t step);
 
+  // Forward only over --eval-data (dropout off, no remat, no update), the batches of
+  // --eval-batches; collective. The trace and the step times do not see it.
+  EvalResult evaluate();
+
   const TrainConfig& config() const { return config_; }
   const Grid& grid() const { return *grid_; }
   const Partition& partition() const { return partition_; }
@@ -154,6 +168,7 @@ class Executor {
   // reports it in StepResult::stop.
   void request_stop() { stop_requested_ = true; }
   const Dataset* dataset() const { return dataset_.get(); }
+  const Dataset* eval_dataset() const { return eval_dataset_.get(); }
   const Arena& arena() const { return *persistent_; }
   Device device() const { return device_; }
   bool cuda_aware() const { return cuda_aware_; }
@@ -184,12 +199,14 @@ class Executor {
   StepResult step_unchecked(std::int64_t step);
   Pass make_pass(std::int64_t step, int micro_batch, Arena* arena) const;
   bool rematerialize(int micro_batch) const;
-  void run_forward(std::int64_t step, int micro_batch);
+  void run_forward(std::int64_t step, int micro_batch, bool training = true);
   void run_backward(std::int64_t step, int micro_batch);
   Context* forward_layers(const Pass& pass, int micro_batch, Tensor* output);
   void gradients_final(int layer);  // after the last micro-batch's backward of `layer`
   void reduce_gradients(std::int64_t step);
-  void run_pipeline(std::int64_t step);
+  // training: forward and backward over the step's batch; otherwise forward only over
+  // batch `step` of the held-out data.
+  void run_pipeline(std::int64_t step, bool training = true);
   void begin_compute(int kind, int micro_batch);
   void end_compute();
   void resolve_gpu_times(std::int64_t step);
@@ -208,7 +225,7 @@ class Executor {
   bool cuda_aware_ = false;
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<Optimizer> optimizer_;
-  std::unique_ptr<Dataset> dataset_;
+  std::unique_ptr<Dataset> dataset_, eval_dataset_;
   std::unique_ptr<Arena> persistent_, scratch_;
   std::unique_ptr<Progress> progress_;    // before the transport, which uses it
   std::unique_ptr<Transport> transport_;
@@ -235,7 +252,8 @@ class Executor {
   std::vector<double> reduce_buffer_;              // per-layer norms, loss, bubble
   std::unique_ptr<std::byte[]> batch_memory_;
   Tensor inputs_, targets_;                        // this replica's share of the batch
-  double loss_sum_ = 0.0;
+  double loss_sum_ = 0.0, correct_sum_ = 0.0;
+  bool evaluating_ = false;  // record() is quiet
   std::int64_t updates_ = 0;
   PhaseTimes times_;
   int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP[:stall]

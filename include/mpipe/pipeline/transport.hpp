@@ -49,8 +49,9 @@ class Transport {
   Transport(const Grid& grid, Progress& progress, Device device, DType dtype, bool cuda_aware, int micro_batches,
             const Shape& input, const Shape& output, double timeout_s);
 
-  // The step's receives, all of them, before any compute.
-  void post_receives();
+  // The step's receives, all of them, before any compute; `backward` false: only the
+  // activations (a forward-only pass: evaluation).
+  void post_receives(bool backward = true);
   // Waits for micro-batch `mb`'s activation (forward) or gradient (backward); returns
   // the seconds waited. received() then holds it (on a GPU: for the compute stream).
   double receive(Direction direction, int mb);

@@ -400,4 +400,14 @@ void sgd_update(float* params, const float* grads, float* velocity, int64_t n, f
   }
 }
 
+int64_t count_correct(const float* logits, const int32_t* targets, int64_t N, int64_t V) {
+  int64_t correct = 0;
+#pragma omp parallel for schedule(static) reduction(+ : correct)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = logits + n * V;
+    correct += (std::max_element(row, row + V) - row) == targets[n] ? 1 : 0;
+  }
+  return correct;
+}
+
 }  // namespace mpipe::cpu

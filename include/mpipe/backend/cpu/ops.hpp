@@ -95,6 +95,9 @@ void maxpool2d_backward(float* dinp, const float* dout, const int32_t* argmax, c
 void avgpool2d_forward(float* out, const float* inp, const Window2d& w);
 void avgpool2d_backward(float* dinp, const float* dout, const Window2d& w, GradMode mode);
 
+// Rows whose largest logit (the first of equal ones) is the target's: accuracy.
+int64_t count_correct(const float* logits, const int32_t* targets, int64_t N, int64_t V);
+
 // y (+)= x
 void add(float* y, const float* x, int64_t n);
 void copy(float* y, const float* x, int64_t n);

@@ -1,0 +1,152 @@
+// --data hdf5:PATH: a labelled data set in an HDF5 file (images or feature vectors).
+#include <hdf5.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <numeric>
+
+#include "mpipe/core/rng.hpp"
+#include "mpipe/data/dataset.hpp"
+
+namespace mpipe {
+
+namespace {
+
+struct H5Handle {  // closes an HDF5 object on every path out
+  hid_t id;
+  herr_t (*close)(hid_t);
+  ~H5Handle() {
+    if (id >= 0) close(id);
+  }
+};
+
+class LabelledFile final : public Dataset {
+ public:
+  LabelledFile(std::vector<float> inputs, std::vector<std::int32_t> labels, std::int64_t per_sample, std::string what,
+               std::uint64_t seed, bool shuffle)
+      : inputs_(std::move(inputs)), labels_(std::move(labels)), per_sample_(per_sample), what_(std::move(what)),
+        seed_(seed), shuffle_(shuffle), order_(labels_.size()) {}
+
+  // Sample s is row order(s / N)[s % N]: every row once per epoch, in an order drawn
+  // from (seed, epoch) when shuffled, in file order otherwise (held-out data).
+  void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
+    const auto n = static_cast<std::uint64_t>(labels_.size());
+    float* x = inputs.f32();
+    std::int32_t* y = targets.i32();
+    for (std::int64_t i = 0; i < count; ++i) {
+      const std::uint64_t s = first + static_cast<std::uint64_t>(i);
+      const std::uint64_t row = shuffle_ ? order(s / n)[s % n] : s % n;
+      std::copy_n(inputs_.data() + row * static_cast<std::uint64_t>(per_sample_), per_sample_, x + i * per_sample_);
+      y[i] = labels_[row];
+    }
+  }
+
+  std::int64_t size() const override { return static_cast<std::int64_t>(labels_.size()); }
+
+  std::string describe() const override {
+    return cat(what_, ": ", labels_.size(), " samples", shuffle_ ? ", shuffled per epoch" : ", in file order");
+  }
+
+ private:
+  const std::vector<std::uint32_t>& order(std::uint64_t epoch) const {
+    if (epoch != epoch_) {  // Fisher-Yates, from (seed, epoch)
+      std::iota(order_.begin(), order_.end(), 0u);
+      const RandomStream r = make_stream(seed_, Stream::data_setup, 7, static_cast<std::uint32_t>(epoch),
+                                         static_cast<std::uint32_t>(epoch >> 32));
+      for (std::size_t i = order_.size(); i > 1; --i) std::swap(order_[i - 1], order_[r.word(i) % i]);
+      epoch_ = epoch;
+    }
+    return order_;
+  }
+
+  std::vector<float> inputs_;
+  std::vector<std::int32_t> labels_;
+  std::int64_t per_sample_;
+  std::string what_;
+  std::uint64_t seed_;
+  bool shuffle_;
+  mutable std::vector<std::uint32_t> order_;
+  mutable std::uint64_t epoch_ = ~std::uint64_t{0};
+};
+
+}  // namespace
+
+std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model& model, std::uint64_t seed, bool shuffle) {
+  namespace fs = std::filesystem;
+  const std::string hint = "see docs/data.md for the layout (/inputs N x ..., /labels N)";
+  const std::string file_name = cat("data file '", path, "'");
+  std::error_code ec;
+  MPIPE_REQUIRE(fs::is_regular_file(path, ec), "give the path of an HDF5 file", file_name, " is not a regular file");
+  MPIPE_REQUIRE(model.tokens() == 0, "use hdf5 data with a model of 'input = [...]' (mlp, a CNN)",
+                "--data hdf5: labelled samples are for models of inputs, not of tokens");
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // our messages, not HDF5's stack
+  MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, hint, file_name, " is not an HDF5 file");
+  H5Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
+  MPIPE_REQUIRE(file.id >= 0, hint, file_name, " cannot be opened");
+  for (const char* name : {"inputs", "labels"})
+    MPIPE_REQUIRE(H5Lexists(file.id, name, H5P_DEFAULT) > 0, hint, file_name, " has no /", name, " dataset");
+  H5Handle inputs{H5Dopen2(file.id, "inputs", H5P_DEFAULT), H5Dclose}, labels{H5Dopen2(file.id, "labels", H5P_DEFAULT), H5Dclose};
+  H5Handle in_space{H5Dget_space(inputs.id), H5Sclose}, label_space{H5Dget_space(labels.id), H5Sclose};
+  hsize_t dims[8] = {}, label_dims[8] = {};
+  const int rank = H5Sget_simple_extent_dims(in_space.id, dims, nullptr);
+  const int label_rank = H5Sget_simple_extent_dims(label_space.id, label_dims, nullptr);
+  // One sample of the model: (1, C, H, W) or (1, features).
+  const Shape sample = model.input_shape(1);
+  std::string want = "(N", got = "(";
+  for (int i = 1; i < sample.rank; ++i) want += cat(", ", sample[i]);
+  for (int i = 0; i < std::max(rank, 0); ++i) got += cat(i ? ", " : "", dims[i]);
+  want += ")", got += ")";
+  bool same = rank == sample.rank && dims[0] > 0;
+  for (int i = 1; same && i < sample.rank; ++i) same = static_cast<std::int64_t>(dims[i]) == sample[i];
+  MPIPE_REQUIRE(same, "make the file's /inputs match the model's input", file_name, ": /inputs is ", got,
+                ", the model takes ", want);
+  MPIPE_REQUIRE(label_rank == 1 && label_dims[0] == dims[0], "give one label per sample", file_name, ": /labels has ",
+                label_rank == 1 ? cat(label_dims[0], " entries") : cat(label_rank, " dimensions"), " for ", dims[0],
+                " samples");
+  H5Handle type{H5Dget_type(inputs.id), H5Tclose};
+  const bool bytes = H5Tget_class(type.id) == H5T_INTEGER && H5Tget_size(type.id) == 1 && H5Tget_sign(type.id) == H5T_SGN_NONE;
+  MPIPE_REQUIRE(bytes || H5Tget_class(type.id) == H5T_FLOAT, "store /inputs as uint8 or float32", file_name,
+                ": /inputs is neither uint8 nor floating point");
+  const std::int64_t n = static_cast<std::int64_t>(dims[0]), per_sample = sample.numel();
+  MPIPE_REQUIRE(static_cast<double>(n) * static_cast<double>(per_sample) * 4 < 64e9, "use a smaller file", file_name,
+                " holds more than 64 GB of samples");
+  std::vector<float> x(static_cast<std::size_t>(n * per_sample));
+  MPIPE_REQUIRE(H5Dread(inputs.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, x.data()) >= 0, hint, file_name,
+                ": cannot read /inputs");
+  if (bytes)
+    for (float& v : x) v /= 255.0f;
+  // Optional per-channel normalisation: attributes mean and std of C values.
+  const std::int64_t channels = sample.rank == 4 ? sample[1] : 1, plane = per_sample / channels;
+  std::vector<float> mean(static_cast<std::size_t>(channels), 0.0f), stdev(static_cast<std::size_t>(channels), 1.0f);
+  for (auto [name, values] : {std::pair{"mean", &mean}, std::pair{"std", &stdev}}) {
+    if (H5Aexists(inputs.id, name) <= 0) continue;
+    H5Handle attribute{H5Aopen(inputs.id, name, H5P_DEFAULT), H5Aclose};
+    H5Handle space{H5Aget_space(attribute.id), H5Sclose};
+    MPIPE_REQUIRE(H5Sget_simple_extent_npoints(space.id) == channels, cat("give ", channels, " values, one per channel"),
+                  file_name, ": /inputs attribute ", name, " has ", H5Sget_simple_extent_npoints(space.id), " values");
+    MPIPE_REQUIRE(H5Aread(attribute.id, H5T_NATIVE_FLOAT, values->data()) >= 0, hint, file_name, ": cannot read ", name);
+  }
+  for (std::int64_t c = 0; c < channels; ++c)
+    MPIPE_REQUIRE(stdev[static_cast<std::size_t>(c)] > 0, "give positive std values", file_name, ": std of channel ", c,
+                  " is not positive");
+  for (std::int64_t s = 0; s < n; ++s)
+    for (std::int64_t c = 0; c < channels; ++c) {
+      float* p = x.data() + s * per_sample + c * plane;
+      const float m = mean[static_cast<std::size_t>(c)], inv = 1.0f / stdev[static_cast<std::size_t>(c)];
+      for (std::int64_t i = 0; i < plane; ++i) p[i] = (p[i] - m) * inv;
+    }
+  std::vector<std::int64_t> wide(static_cast<std::size_t>(n));
+  MPIPE_REQUIRE(H5Dread(labels.id, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, wide.data()) >= 0,
+                "store /labels as integers", file_name, ": cannot read /labels as integers");
+  std::vector<std::int32_t> y(static_cast<std::size_t>(n));
+  const std::int64_t classes = model.classes();
+  for (std::int64_t s = 0; s < n; ++s) {
+    const std::int64_t label = wide[static_cast<std::size_t>(s)];
+    MPIPE_REQUIRE(label >= 0 && label < classes, cat("labels must be 0 to ", classes - 1, " for a model of ", classes, " classes"),
+                  file_name, ": label ", label, " of sample ", s, " is out of range");
+    y[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(label);
+  }
+  return std::make_unique<LabelledFile>(std::move(x), std::move(y), per_sample, cat("hdf5 file ", path), seed, shuffle);
+}
+
+}  // namespace mpipe
