@@ -91,45 +91,24 @@ class MLP(torch.nn.Module):
 
 class Sequential(torch.nn.Module):
     """A model file's layer list (mpipe --model FILE) for the layer kinds that need no
-    sequence: the convolutional ones, linear, layernorm, activations, flatten. Parameters
-    are keyed (layer index, name) as in mpipe's checkpoints."""
+    sequence: the convolutional ones, residual blocks, linear, layernorm, activations,
+    flatten. Parameters are keyed (layer index, name) as in mpipe's checkpoints."""
 
     def __init__(self, spec):
         super().__init__()
         self.kinds, self.parts = [], torch.nn.ModuleList()
         x = torch.zeros(1, *spec["input"])
-        for i, layer in enumerate(spec["layer"]):
-            kind = layer["kind"]
-            get = lambda key, default=None: layer.get(key, default)  # noqa: E731
-            if kind == "conv2d":
-                part = torch.nn.Conv2d(x.shape[1], get("out"), get("kernel"), get("stride", 1), get("padding", 0),
-                                       groups=get("groups", 1), bias=get("bias", True))
-            elif kind in ("maxpool2d", "avgpool2d"):
-                k, s, p = get("kernel"), get("stride", 0) or get("kernel"), get("padding", 0)
-                part = torch.nn.MaxPool2d(k, s, p) if kind == "maxpool2d" else torch.nn.AvgPool2d(k, s, p, count_include_pad=True)
-            elif kind == "global-avgpool":
-                part = GlobalAvgPool()
-            elif kind == "flatten":
-                part = torch.nn.Flatten()
-            elif kind == "linear":
-                part = torch.nn.Linear(x.shape[-1], get("out"), bias=get("bias", True))
-            elif kind == "layernorm":
-                part = torch.nn.LayerNorm(x.shape[-1], eps=1e-5)
-            elif kind == "relu":
-                part = torch.nn.ReLU()
-            elif kind == "gelu":
-                part = torch.nn.GELU(approximate="tanh")
-            elif kind == "cross_entropy":
-                part = None
-            else:
-                raise ValueError(f"layer {i}: kind {kind} has no torch twin here")
-            self.kinds.append(kind)
+        for layer in repeated(spec["layer"]):
+            part, x = build_part(layer, x)
+            self.kinds.append(layer["kind"])
             self.parts.append(part if part is not None else torch.nn.Identity())
-            if part is not None:
-                x = part(x)
 
     def named(self):
-        return {(i, name): p for i, part in enumerate(self.parts) for name, p in part.named_parameters()}
+        out = {}
+        for i, part in enumerate(self.parts):
+            names = part.mpipe_named() if isinstance(part, Residual) else dict(part.named_parameters())
+            out.update({(i, name): p for name, p in names.items()})
+        return out
 
     def forward(self, x, targets):
         for kind, part in zip(self.kinds, self.parts):
@@ -138,6 +117,77 @@ class Sequential(torch.nn.Module):
         return F.cross_entropy(x, targets.long())
 
 
+def repeated(layers):
+    """A model file's list with each layer's `repeat` unrolled, as mpipe reads it."""
+    return [layer for layer in layers for _ in range(layer.get("repeat", 1))]
+
+
+class Residual(torch.nn.Module):
+    """mpipe's residual block: inner layers plus the identity or a bias-free projection
+    (a 1x1 convolution with the stride that maps the plane, or a linear map)."""
+
+    def __init__(self, layer, x):
+        super().__init__()
+        self.inner = torch.nn.ModuleList()
+        h = x
+        for child in repeated(layer["layer"]):
+            part, h = build_part(child, h)
+            self.inner.append(part)
+        self.skip = None
+        if h.shape != x.shape or layer.get("skip", "auto") == "projection":
+            if x.dim() == 4:
+                stride = next(s for s in range(1, x.shape[2] + 1)
+                              if (x.shape[2] - 1) // s + 1 == h.shape[2] and (x.shape[3] - 1) // s + 1 == h.shape[3])
+                self.skip = torch.nn.Conv2d(x.shape[1], h.shape[1], 1, stride, 0, bias=False)
+            else:
+                self.skip = torch.nn.Linear(x.shape[-1], h.shape[-1], bias=False)
+
+    def mpipe_named(self):
+        out = {}
+        for j, part in enumerate(self.inner):
+            out.update({f"{j}.{name}": p for name, p in part.named_parameters()})
+        if self.skip is not None:
+            out.update({f"skip.{name}": p for name, p in self.skip.named_parameters()})
+        return out
+
+    def forward(self, x):
+        h = x
+        for part in self.inner:
+            h = part(h)
+        return h + (self.skip(x) if self.skip is not None else x)
+
+
 class GlobalAvgPool(torch.nn.Module):
     def forward(self, x):
         return x.mean(dim=(2, 3))
+
+
+def build_part(layer, x):
+    """The torch module of one mpipe layer spec (None for the loss), and x through it."""
+    kind = layer["kind"]
+    get = layer.get
+    if kind == "conv2d":
+        part = torch.nn.Conv2d(x.shape[1], get("out"), get("kernel"), get("stride", 1), get("padding", 0),
+                               groups=get("groups", 1), bias=get("bias", True))
+    elif kind in ("maxpool2d", "avgpool2d"):
+        k, s, p = get("kernel"), get("stride", 0) or get("kernel"), get("padding", 0)
+        part = torch.nn.MaxPool2d(k, s, p) if kind == "maxpool2d" else torch.nn.AvgPool2d(k, s, p, count_include_pad=True)
+    elif kind == "global-avgpool":
+        part = GlobalAvgPool()
+    elif kind == "flatten":
+        part = torch.nn.Flatten()
+    elif kind == "linear":
+        part = torch.nn.Linear(x.shape[-1], get("out"), bias=get("bias", True))
+    elif kind == "layernorm":
+        part = torch.nn.LayerNorm(x.shape[-1], eps=1e-5)
+    elif kind == "relu":
+        part = torch.nn.ReLU()
+    elif kind == "gelu":
+        part = torch.nn.GELU(approximate="tanh")
+    elif kind == "residual":
+        part = Residual(layer, x)
+    elif kind == "cross_entropy":
+        return None, x
+    else:
+        raise ValueError(f"kind {kind} has no torch twin here")
+    return part, part(x)

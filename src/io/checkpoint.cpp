@@ -65,17 +65,19 @@ std::string model_text(const Model& model) {
 // out = 48 here", or "" when they do not.
 std::string first_difference(const std::string& there, const std::string& here) {
   std::istringstream a(there), b(here);
-  std::string x, y, kind;
-  int layer = -1;
+  std::string x, y, kind, inner_kind;
+  int layer = -1, inner = -1;  // inner: a residual block's layer ([[layer.layer]])
   for (;;) {
     const bool more_a = static_cast<bool>(std::getline(a, x)), more_b = static_cast<bool>(std::getline(b, y));
     if (!more_a && !more_b) return "";
     if (!more_a || !more_b) return more_a ? cat("it has more layers, from layer ", layer + 1) : cat("it has fewer layers: ", layer + 1);
-    if (x == "[[layer]]") ++layer;
-    if (x.rfind("kind = ", 0) == 0) kind = x.substr(8, x.size() - 9);
+    if (x == "[[layer]]") ++layer, inner = -1;
+    if (x == "[[layer.layer]]") ++inner;
+    if (x.rfind("kind = ", 0) == 0) (inner < 0 ? kind : inner_kind) = x.substr(8, x.size() - 9);
     if (x != y) {
       if (layer < 0) return cat(x, " there, ", y, " here");
-      return cat("layer ", layer, " (", kind, "): ", x.empty() ? "(nothing)" : x, " there, ", y.empty() ? "(nothing)" : y, " here");
+      return cat("layer ", layer, " (", kind, ")", inner >= 0 ? cat(", inner layer ", inner, " (", inner_kind, ")") : "", ": ",
+                 x.empty() ? "(nothing)" : x, " there, ", y.empty() ? "(nothing)" : y, " here");
     }
   }
 }

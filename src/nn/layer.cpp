@@ -412,6 +412,91 @@ void TransformerBlock::backward_impl(const Context& ctx, const Tensor& dy, const
   ln1_.backward(c[0], dh, dx, GradMode::accumulate, pass);
 }
 
+// ---- Residual ------------------------------------------------------------------------
+
+Residual::Residual(std::vector<std::unique_ptr<Layer>> inner, std::unique_ptr<Layer> projection)
+    : inner_(std::move(inner)), projection_(std::move(projection)) {}
+
+void Residual::set_global_index(int index) {
+  Layer::set_global_index(index);
+  for (auto& part : inner_) part->set_global_index(index);
+  if (projection_) projection_->set_global_index(index);
+}
+
+Shape Residual::output_shape(const Shape& in) const {
+  Shape s = in;
+  for (const auto& part : inner_) s = part->output_shape(s);
+  return s;
+}
+
+Cost Residual::cost(const Shape& in) const {
+  Cost total;
+  Shape s = in;
+  auto add = [&](const Cost& c) {
+    total.forward_flops += c.forward_flops;
+    total.backward_flops += c.backward_flops;
+    total.param_bytes += c.param_bytes;
+    total.activation_bytes += c.activation_bytes;
+  };
+  for (const auto& part : inner_) {
+    add(part->cost(s));
+    s = part->output_shape(s);
+  }
+  if (projection_) add(projection_->cost(in));
+  const double out = static_cast<double>(s.numel());
+  total.forward_flops += out;
+  total.backward_flops += out;
+  total.activation_bytes += 4 * out;  // the sum
+  return total;
+}
+
+std::vector<ParamSpec> Residual::param_specs() const {
+  std::vector<ParamSpec> specs;
+  for (std::size_t i = 0; i < inner_.size(); ++i) append_specs(specs, cat(i, "."), *inner_[i]);
+  if (projection_) append_specs(specs, "skip.", *projection_);
+  return specs;
+}
+
+void Residual::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  std::size_t at = 0;
+  auto give = [&](Layer& part) {
+    const std::size_t n = part.param_specs().size();
+    part.bind(params.subspan(at, n), grads.subspan(at, n));
+    at += n;
+  };
+  for (auto& part : inner_) give(*part);
+  if (projection_) give(*projection_);
+  MPIPE_CHECK(at == params.size(), "bound ", at, " of ", params.size(), " parameters");
+}
+
+// Children: the inner layers in order, then the projection.
+Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const std::size_t n = inner_.size();
+  Context* c = ctx.children = pass.arena->objects<Context>(n + 1);
+  Tensor h = x;
+  for (std::size_t i = 0; i < n; ++i) h = inner_[i]->forward(h, c[i], pass);
+  const Tensor skip = projection_ ? projection_->forward(x, c[n], pass) : x;
+  // A fresh sum: an inner layer's context may keep its own output (ReLU does).
+  Tensor y = pass.arena->tensor(h.shape, pass.dtype);
+  ops::copy(y, h);
+  ops::add(y, skip);
+  return y;
+}
+
+void Residual::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+  const std::size_t n = inner_.size();
+  const Context* c = ctx.children;
+  Tensor g = dy;
+  for (std::size_t i = n; i-- > 1;) {
+    Tensor d = pass.arena->tensor(c[i].input.shape, pass.dtype);
+    inner_[i]->backward(c[i], g, d, GradMode::overwrite, pass);
+    g = d;
+  }
+  inner_[0]->backward(c[0], g, dx, mode, pass);  // dx may be empty: weight gradients only
+  if (projection_) projection_->backward(c[n], dy, dx, GradMode::accumulate, pass);
+  else if (!dx.empty()) ops::add(dx, dy);
+}
+
 // ---- CrossEntropyLoss --------------------------------------------------------------
 
 Cost CrossEntropyLoss::cost(const Shape& in) const {

@@ -2,6 +2,7 @@
 #include "mpipe/nn/registry.hpp"
 
 #include <cmath>
+#include <functional>
 #include <filesystem>
 
 #define TOML_HEADER_ONLY 1
@@ -105,6 +106,10 @@ Window2d image_window(const LayerArgs& a, std::int64_t kernel, std::int64_t stri
   return w;
 }
 
+std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int index, const Shape& input,
+                             const std::string& where, bool nested);
+std::unique_ptr<Layer> projection(const LayerArgs& a, const Shape& in, const Shape& out);
+
 std::vector<LayerKind> make_kinds() {
   using T = OptionType;
   const OptionSpec init_std{"init-std", T::number, 0.02, "std of the normal initial weights"};
@@ -152,6 +157,7 @@ std::vector<LayerKind> make_kinds() {
                  auto layer = std::make_unique<Linear>(in, out, a.boolean("bias"), static_cast<float>(a.number("init-std")));
                  const auto tie = std::get<std::int64_t>(a.spec.options.at("tie"));
                  if (tie >= 0) {
+                   if (a.nested) a.refuse("tie", "cannot tie a layer inside a residual block", "tie the model's head, not a block's layer");
                    if (tie >= a.index || a.model.layers[static_cast<std::size_t>(tie)].kind != "embedding")
                      a.refuse("tie", cat(tie, " is not an earlier embedding layer"), "give the index of the embedding");
                    const LayerSpec& e = a.model.layers[static_cast<std::size_t>(tie)];
@@ -223,6 +229,25 @@ std::vector<LayerKind> make_kinds() {
                  return std::make_unique<Flatten>();
                },
                false});
+  k.push_back({"residual",
+               "y = inner(x) + skip(x): the block's [[layer.layer]] tables, and the identity, or a bias-free 1x1 "
+               "convolution (images) or linear map where they change the shape",
+               {{"skip", T::text, std::string("auto"), "auto (identity unless the shape changes), identity or projection"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 if (a.nested) a.refuse("kind", "cannot be inside another residual block", "put the blocks one after another");
+                 if (a.spec.children.empty()) a.refuse("kind", "has no inner layers", "give its layers as [[layer.layer]] tables");
+                 std::vector<std::unique_ptr<Layer>> inner;
+                 Shape s = a.input;
+                 for (std::size_t j = 0; j < a.spec.children.size(); ++j) {
+                   const LayerSpec& child = a.spec.children[j];
+                   inner.push_back(build(child, a.model, a.index, s, cat(a.where, ", inner layer ", j, " (", child.kind, ")"), true));
+                   s = inner.back()->output_shape(s);
+                 }
+                 auto skip = projection(a, a.input, s);
+                 return std::make_unique<Residual>(std::move(inner), std::move(skip));
+               },
+               false});
   k.push_back({"cross_entropy", "the loss: softmax cross-entropy of logits (.., classes) against targets; the last layer",
                {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<CrossEntropyLoss>(); }});
   return k;
@@ -260,12 +285,18 @@ double LayerArgs::number(const std::string& name) const {
 
 bool LayerArgs::boolean(const std::string& name) const { return std::get<bool>(spec.options.at(name)); }
 
-std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape& input, const std::string& where) {
-  const LayerSpec& given = model.layers[static_cast<std::size_t>(index)];
+namespace {
+
+// Builds `given` with `input` coming in: its options checked by name and type, defaults
+// filled, then its kind's builder. `nested`: inside a residual block.
+std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int index, const Shape& input,
+                             const std::string& where, bool nested) {
   const LayerKind* kind = find_layer_kind(given.kind);
   MPIPE_REQUIRE(kind, cat("the kinds are ", kind_names()), where, ": unknown layer kind '", given.kind, "'");
+  MPIPE_REQUIRE(given.children.empty() || given.kind == "residual", "only a residual block holds [[layer.layer]] tables",
+                where, ": a ", given.kind, " has inner layers");
   // Every option present and of its type: the builders read them without checking.
-  LayerSpec spec{given.kind, {}};
+  LayerSpec spec{given.kind, {}, given.children};
   for (const auto& [name, value] : given.options) {
     const auto it = std::find_if(kind->options.begin(), kind->options.end(), [&](const OptionSpec& o) { return o.name == name; });
     MPIPE_REQUIRE(it != kind->options.end(), option_names(*kind), where, ": unknown key '", name, "'");
@@ -279,6 +310,14 @@ std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape
     MPIPE_REQUIRE(o.fallback.has_value(), option_names(*kind), where, ": '", o.name, "' is required (", o.help, ")");
     spec.options[o.name] = *as_type(*o.fallback, o.type);
   }
+  if (nested) {
+    // Each layer of a block shares the block's index, which keys dropout masks and ties.
+    static const char* const inside[] = {"conv2d", "relu", "gelu", "maxpool2d", "avgpool2d", "linear", "layernorm", "attention"};
+    MPIPE_REQUIRE(std::find(std::begin(inside), std::end(inside), given.kind) != std::end(inside),
+                  "inside a residual use conv2d, relu, gelu, maxpool2d, avgpool2d, linear, layernorm or attention", where,
+                  ": a ", given.kind, " cannot be inside a residual block");
+    return kind->make(LayerArgs{spec, model, index, input, where, true});
+  }
   if (kind->takes_tokens != (input.rank == 2 && model.tokens > 0 && index == 0))
     throw UserError(cat(where, ": ", kind->takes_tokens ? "takes token ids, which only the first layer of a model of tokens gets"
                                                         : "cannot take token ids: a model of tokens starts with an embedding"),
@@ -286,7 +325,36 @@ std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape
   const bool last = index + 1 == static_cast<int>(model.layers.size());
   MPIPE_REQUIRE((kind->name == "cross_entropy") == last, "end the model with one cross_entropy layer", where,
                 last ? ": the last layer must be the loss (cross_entropy)" : ": the loss (cross_entropy) must be the last layer");
-  return kind->make(LayerArgs{spec, model, index, input, where});
+  return kind->make(LayerArgs{spec, model, index, input, where, false});
+}
+
+// The skip path of a residual block from `in` to `out`: none (the identity), a 1x1
+// convolution with the stride that maps the plane (images), or a linear map of the
+// channels; bias-free.
+std::unique_ptr<Layer> projection(const LayerArgs& a, const Shape& in, const Shape& out) {
+  const std::string skip = std::get<std::string>(a.spec.options.at("skip"));
+  if (skip != "auto" && skip != "identity" && skip != "projection")
+    a.refuse("skip", cat("must be auto, identity or projection, got '", skip, "'"), "e.g. skip = \"auto\"");
+  if (in == out && skip != "projection") return nullptr;
+  if (skip == "identity")
+    a.refuse("skip", cat("is the identity, but the block maps ", in.str(), " to ", out.str()), "use skip = \"auto\" for a projection");
+  if (in.rank == 4 && out.rank == 4) {
+    for (std::int64_t s = 1; s <= in[2]; ++s)
+      if ((in[2] - 1) / s + 1 == out[2] && (in[3] - 1) / s + 1 == out[3])
+        return std::make_unique<Conv2d>(in[1], out[1], 1, s, 0, 1, false, static_cast<float>(std::sqrt(2.0 / static_cast<double>(in[1]))));
+  } else if (in.rank == out.rank && in.rank >= 2) {
+    bool same_rows = true;
+    for (int d = 0; d + 1 < in.rank; ++d) same_rows = same_rows && in[d] == out[d];
+    if (same_rows) return std::make_unique<Linear>(in[-1], out[-1], false, 0.02f);
+  }
+  a.refuse("kind", cat("maps ", in.str(), " to ", out.str(), ", which no 1x1 convolution or linear skip path matches"),
+           "keep the plane a stride of the input's, and the rank");
+}
+
+}  // namespace
+
+std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape& input, const std::string& where) {
+  return build(model.layers[static_cast<std::size_t>(index)], model, index, input, where, false);
 }
 
 // ---- model files -------------------------------------------------------------------------
@@ -300,8 +368,9 @@ std::string ModelSpec::to_toml() const {
     for (std::size_t i = 0; i < input.size(); ++i) o += cat(i ? ", " : "", input[i]);
     o += "]\n";
   }
-  for (const LayerSpec& l : layers) {
-    o += cat("\n[[layer]]\nkind = ", toml_quoted(l.kind), "\n");
+  // A layer as a [[table]] under `path` (layer, layer.layer for a block's inner ones).
+  const std::function<void(const LayerSpec&, const std::string&)> table = [&](const LayerSpec& l, const std::string& path) {
+    o += cat("\n[[", path, "]]\nkind = ", toml_quoted(l.kind), "\n");
     for (const auto& [key, value] : l.options) {
       o += key + " = ";
       std::visit(
@@ -315,9 +384,57 @@ std::string ModelSpec::to_toml() const {
           value);
       o += "\n";
     }
-  }
+    for (const LayerSpec& child : l.children) table(child, path + ".layer");
+  };
+  for (const LayerSpec& l : layers) table(l, "layer");
   return o;
 }
+
+namespace {
+
+// One [[layer]] table (depth 1: a residual block's [[layer.layer]]); the layer and how
+// many times it stands in the list (its `repeat`, default 1: copies with their own
+// parameters).
+std::pair<LayerSpec, std::int64_t> parse_layer(const toml::table& t, const std::string& where, int depth) {
+  LayerSpec l;
+  std::int64_t repeat = 1;
+  for (const auto& [k, v] : t) {
+    const std::string option(k.str());
+    if (option == "kind") {
+      const auto* s = v.as_string();
+      MPIPE_REQUIRE(s, cat("the kinds are ", kind_names()), where, ": 'kind' must be a string");
+      l.kind = s->get();
+    } else if (option == "repeat") {
+      const auto* i = v.as_integer();
+      MPIPE_REQUIRE(i && i->get() >= 1 && i->get() <= max_layers, "e.g. repeat = 3", where, ": 'repeat' must be an integer from 1 to ",
+                    max_layers);
+      repeat = i->get();
+    } else if (option == "layer") {
+      const auto* list = v.as_array();
+      MPIPE_REQUIRE(list && list->is_array_of_tables() && depth == 0, "a residual block holds its layers as [[layer.layer]] tables",
+                    where, ": 'layer' must be [[layer.layer]] tables of a top-level layer");
+      for (const auto& node : *list) {
+        const auto [child, times] = parse_layer(*node.as_table(), cat(where, ", inner layer ", l.children.size()), depth + 1);
+        for (std::int64_t r = 0; r < times; ++r) l.children.push_back(child);
+      }
+    } else if (const auto* i = v.as_integer()) {
+      l.options[option] = i->get();
+    } else if (const auto* f = v.as_floating_point()) {
+      l.options[option] = f->get();
+    } else if (const auto* b = v.as_boolean()) {
+      l.options[option] = b->get();
+    } else if (const auto* s = v.as_string()) {
+      l.options[option] = s->get();
+    } else {
+      throw UserError(cat(where, ": '", option, "' must be a number, true/false or a string"),
+                      "see 'mpipe plan --layer-kinds' for each kind's keys");
+    }
+  }
+  MPIPE_REQUIRE(!l.kind.empty(), cat("the kinds are ", kind_names()), where, ": no 'kind'");
+  return {l, repeat};
+}
+
+}  // namespace
 
 ModelSpec parse_model_file(const std::string& path) {
   namespace fs = std::filesystem;
@@ -359,29 +476,11 @@ ModelSpec parse_model_file(const std::string& path) {
       MPIPE_REQUIRE(list && list->is_array_of_tables(), "write each layer as a [[layer]] table", at, ": 'layer' must be [[layer]] tables");
       MPIPE_REQUIRE(list->size() <= static_cast<std::size_t>(max_layers), cat("give at most ", max_layers), at, ": ", list->size(), " layers");
       for (const auto& node : *list) {
-        const auto& t = *node.as_table();
-        LayerSpec l;
-        const std::string where = cat(file, ", layer ", spec.layers.size(), " (line ", t.source().begin.line, ")");
-        for (const auto& [k, v] : t) {
-          const std::string option(k.str());
-          if (option == "kind") {
-            const auto* s = v.as_string();
-            MPIPE_REQUIRE(s, cat("the kinds are ", kind_names()), where, ": 'kind' must be a string");
-            l.kind = s->get();
-          } else if (const auto* i = v.as_integer()) {
-            l.options[option] = i->get();
-          } else if (const auto* f = v.as_floating_point()) {
-            l.options[option] = f->get();
-          } else if (const auto* b = v.as_boolean()) {
-            l.options[option] = b->get();
-          } else if (const auto* s = v.as_string()) {
-            l.options[option] = s->get();
-          } else {
-            throw UserError(cat(where, ": '", option, "' must be a number, true/false or a string"), hint);
-          }
-        }
-        MPIPE_REQUIRE(!l.kind.empty(), cat("the kinds are ", kind_names()), where, ": no 'kind'");
-        spec.layers.push_back(std::move(l));
+        const std::string where = cat(file, ", layer ", spec.layers.size(), " (line ", node.source().begin.line, ")");
+        const auto [layer, repeat] = parse_layer(*node.as_table(), where, 0);
+        for (std::int64_t r = 0; r < repeat; ++r) spec.layers.push_back(layer);
+        MPIPE_REQUIRE(spec.layers.size() <= static_cast<std::size_t>(max_layers), cat("give at most ", max_layers), where,
+                      ": more than ", max_layers, " layers");
       }
     } else {
       throw UserError(cat(at, ": unknown key '", name, "'"), "a model file has tokens or input, and [[layer]] tables");

@@ -388,6 +388,7 @@ model-file)
   }
   # A CNN (convolutions, pools, flatten) on 4 stages, then a language model on 3.
   transparent "$(dirname "$0")/../reference/cnn.toml" 4
+  transparent "$(dirname "$0")/../reference/resnet.toml" 4
   transparent "$(dirname "$0")/../cli/models/tiny_lm.toml" 3
   "$mpipe" inspect "$work/k3/ckpt-00000003.h5" --config | grep -q "^model = \".*tiny_lm.toml\"$" || fail "inspect --config lacks the model file"
   # The same file elsewhere resumes; another layer list is refused by name.
@@ -434,6 +435,12 @@ image-data)
   [[ -n "$accuracy" ]] || fail "no final evaluation: $out"
   /usr/bin/python3 -c "import sys; sys.exit(float(sys.argv[1]) < 97)" "$accuracy" || fail "digits test accuracy $accuracy% < 97%"
   echo "digits: test accuracy $accuracy% after 300 steps"
+  # A residual network (three blocks, projections) too, at 400 steps.
+  digits[2]="$(dirname "$0")/../../inputs/resnet-digits.toml"
+  out=$(run 2 "${digits[@]}" --steps 400 2>&1) || fail "resnet digits: $out"
+  accuracy=$(sed -n 's/^eval step 400 | loss [0-9.]* | accuracy \([0-9.]*\)% | 352 samples$/\1/p' <<<"$out")
+  /usr/bin/python3 -c "import sys; sys.exit(float(sys.argv[1]) < 97)" "${accuracy:-0}" || fail "resnet digits accuracy '$accuracy' < 97%"
+  echo "resnet digits: test accuracy $accuracy% after 400 steps"
   # Bad files: one line, exit 2, before training.
   /usr/bin/python3 - "$work" <<'PY'
 import sys, h5py, numpy as np

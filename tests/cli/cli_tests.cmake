@@ -86,3 +86,9 @@ mpipe_cli_test(model_file_loss_shape 2 "error: model file '.*loss_shape.toml': t
 mpipe_cli_test(model_file_embedding_late 2 "error: model file '.*', layer 0 \\(embedding\\): takes token ids.*; hint" train --model ${MODELS}/embedding_late.toml)
 mpipe_cli_test(model_file_text_data 2 "error: --data text: files of tokens are for models of tokens \\(gpt\\); hint" train --model ${MODELS}/classifier.toml --data text:${MODELS}/classifier.toml)
 mpipe_cli_test(cnn_model 0 "step +2/2 \\| loss .* samples/s" train --model ${CMAKE_SOURCE_DIR}/inputs/cnn.toml --steps 2 --threads 1 --batch-size 8 --micro-batches 2)
+# Residual blocks: [[layer.layer]] tables inside a residual only, one level deep, no dropout
+# inside (its masks are keyed by the layer), an identity skip only where the shape stays.
+mpipe_cli_test(model_file_nested_residual 2 "error: model file '.*', layer 0 \\(residual\\), inner layer 0 \\(residual\\): a residual cannot be inside a residual block; hint" plan --model ${MODELS}/nested_residual.toml)
+mpipe_cli_test(model_file_dropout_in_residual 2 "error: model file '.*', layer 0 \\(residual\\), inner layer 1 \\(dropout\\): a dropout cannot be inside a residual block; hint" plan --model ${MODELS}/dropout_in_residual.toml)
+mpipe_cli_test(model_file_identity_skip 2 "error: model file '.*', layer 0 \\(residual\\): 'skip': is the identity, but the block maps \\(1, 2, 6, 6\\) to \\(1, 4, 6, 6\\); hint" plan --model ${MODELS}/identity_skip.toml)
+mpipe_cli_test(model_file_children 2 "error: model file '.*', layer 0 \\(conv2d\\): a conv2d has inner layers; hint: only a residual block" plan --model ${MODELS}/children_not_residual.toml)

@@ -17,7 +17,8 @@ using namespace mpipe;
 namespace {
 
 bool takes_images(const std::string& kind) {
-  return kind == "conv2d" || kind == "maxpool2d" || kind == "avgpool2d" || kind == "global-avgpool";
+  return kind == "conv2d" || kind == "maxpool2d" || kind == "avgpool2d" || kind == "global-avgpool" ||
+         kind == "residual";
 }
 
 // A spec with every required option of `kind` set to something that fits its input:
@@ -32,6 +33,8 @@ ModelSpec one_layer_model(const LayerKind& kind) {
       if (o.name == "p") l.options[o.name] = 0.25;
       else l.options[o.name] = std::int64_t{o.name == "heads" ? 4 : o.name == "kernel" ? 3 : 16};
     }
+  if (kind.name == "residual")  // a block of one convolution that keeps the shape
+    l.children = {{"conv2d", {{"out", std::int64_t{4}}, {"kernel", std::int64_t{3}}, {"padding", std::int64_t{1}}}}};
   if (takes_images(kind.name)) {
     m.input = {4, 6, 6};
     m.layers = {l, {"cross_entropy", {}}};
@@ -57,7 +60,7 @@ std::string write_temp(const std::string& name, const std::string& text) {
 }  // namespace
 
 TEST_CASE("every registered layer kind builds from its options and is the layer it names") {
-  CHECK(layer_kinds().size() >= 14);
+  CHECK(layer_kinds().size() >= 15);
   for (const LayerKind& kind : layer_kinds()) {
     INFO(kind.name);
     CHECK_FALSE(kind.help.empty());

@@ -265,6 +265,30 @@ class TransformerBlock final : public Layer {
   float dropout_;
 };
 
+// A residual block: y = inner(x) + skip(x), inner a list of layers (a model file's
+// [[layer.layer]] tables), skip the identity or, where inner changes the shape, a
+// projection (a 1x1 convolution with stride for images, a linear map otherwise; no bias).
+// Its parameters are the inner layers' under "<i>." and the projection's under "skip.".
+class Residual final : public Layer {
+ public:
+  Residual(std::vector<std::unique_ptr<Layer>> inner, std::unique_ptr<Layer> projection);
+  std::string kind() const override { return "residual"; }
+  void set_global_index(int index) override;
+  Shape output_shape(const Shape& in) const override;
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  std::vector<std::unique_ptr<Layer>> inner_;
+  std::unique_ptr<Layer> projection_;  // null: the identity
+};
+
 // Softmax cross-entropy over the last dimension against pass.targets. Its output is the
 // micro-batch's summed loss, shape (1); backward ignores dy and writes
 // dlogits = loss_scale * (softmax - onehot).

@@ -24,6 +24,7 @@ using OptionValue = std::variant<std::int64_t, double, bool, std::string>;
 struct LayerSpec {
   std::string kind;
   std::map<std::string, OptionValue> options;
+  std::vector<LayerSpec> children;  // a residual block's inner layers ([[layer.layer]])
 };
 
 // What goes into a model, and its layers in order (the last one is the loss).
@@ -54,6 +55,7 @@ struct LayerArgs {
   int index;    // in the model's list
   Shape input;  // what enters the layer (batch 1)
   std::string where;  // "model file 'm.toml', layer 3 (linear)", for errors
+  bool nested = false;  // inside a residual block (index is the block's)
 
   std::int64_t integer(const std::string& name, std::int64_t least = 1) const;  // checked: least .. 2^31
   double number(const std::string& name) const;
