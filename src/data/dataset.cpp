@@ -130,6 +130,63 @@ class TeacherClassification final : public Dataset {
   mutable std::vector<float> hidden_;  // scratch, grown on the first call only
 };
 
+// ---- synthetic images: a template per class, plus noise -----------------------------
+// Class k's template is a fixed random sum of low-frequency waves per channel; a sample
+// is its class's template plus unit Gaussian noise, so a convolutional network can learn
+// the classes from the images (the Bayes error is small but not zero).
+class SyntheticImages final : public Dataset {
+ public:
+  static constexpr int waves = 3;
+
+  SyntheticImages(int channels, int height, int width, int classes, std::uint64_t seed)
+      : c_(channels), h_(height), w_(width), classes_(classes), seed_(seed),
+        templates_(static_cast<std::size_t>(classes) * channels * height * width, 0.0f) {
+    const RandomStream r = make_stream(seed, Stream::data_setup, 5, 0, 0);
+    std::uint64_t at = 0;
+    for (int k = 0; k < classes; ++k)
+      for (int ch = 0; ch < channels; ++ch) {
+        float* t = templates_.data() + (static_cast<std::size_t>(k) * channels + ch) * height * width;
+        for (int wave = 0; wave < waves; ++wave) {
+          const float amplitude = 0.5f + r.uniform(at++), phase = 6.2831853f * r.uniform(at++);
+          const float fy = static_cast<float>(r.word(at++) % 3), fx = static_cast<float>(r.word(at++) % 3);
+          for (int y = 0; y < height; ++y)
+            for (int x = 0; x < width; ++x)
+              t[y * width + x] += amplitude * std::sin(6.2831853f * (fy * static_cast<float>(y) / static_cast<float>(height) +
+                                                                     fx * static_cast<float>(x) / static_cast<float>(width)) + phase);
+        }
+      }
+  }
+
+  void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
+    const std::int64_t per = static_cast<std::int64_t>(c_) * h_ * w_;
+    float* x = inputs.f32();
+    std::int32_t* y = targets.i32();
+#pragma omp parallel for schedule(static)
+    for (std::int64_t s = 0; s < count; ++s) {
+      const std::uint64_t sample = first + static_cast<std::uint64_t>(s);
+      const RandomStream r = make_stream(seed_, Stream::data, static_cast<std::uint32_t>(sample),
+                                         static_cast<std::uint32_t>(sample >> 32), 1);
+      const int label = static_cast<int>(r.word(0) % static_cast<std::uint32_t>(classes_));
+      y[s] = label;
+      float* out = x + s * per;
+      make_stream(seed_, Stream::data, static_cast<std::uint32_t>(sample), static_cast<std::uint32_t>(sample >> 32), 2)
+          .fill_normal(out, static_cast<std::uint64_t>(per));
+      const float* t = templates_.data() + static_cast<std::size_t>(label) * per;
+      for (std::int64_t i = 0; i < per; ++i) out[i] += t[i];
+    }
+  }
+
+  std::string describe() const override {
+    return cat("synthetic images: ", c_, "x", h_, "x", w_, ", ", classes_,
+               " classes, each a fixed random low-frequency template plus unit Gaussian noise");
+  }
+
+ private:
+  int c_, h_, w_, classes_;
+  std::uint64_t seed_;
+  std::vector<float> templates_;
+};
+
 // ---- held-out synthetic data: samples from 2^40 on, which no training run reaches ---
 class HeldOut final : public Dataset {
  public:
@@ -208,7 +265,11 @@ std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& mode
   if (spec.rfind("hdf5:", 0) == 0 && spec.size() > 5) return make_labelled_file(spec.substr(5), model, seed, !held_out);
   if (spec == "synthetic" && held_out) return std::make_unique<HeldOut>(make_dataset(spec, model, seed));
   if (spec == "synthetic") {
-    if (seq_len == 0) return std::make_unique<TeacherClassification>(static_cast<int>(model.input_shape(1).numel()), static_cast<int>(vocab), seed);
+    const Shape sample = model.input_shape(1);
+    if (seq_len == 0 && sample.rank == 4)  // images (C, H, W)
+      return std::make_unique<SyntheticImages>(static_cast<int>(sample[1]), static_cast<int>(sample[2]),
+                                               static_cast<int>(sample[3]), static_cast<int>(vocab), seed);
+    if (seq_len == 0) return std::make_unique<TeacherClassification>(static_cast<int>(sample.numel()), static_cast<int>(vocab), seed);
     MPIPE_REQUIRE(vocab >= MarkovTokens::k, "use --vocab 4 or more",
                   "synthetic data needs a vocabulary of at least 4 tokens, got ", vocab);
     return std::make_unique<MarkovTokens>(static_cast<int>(vocab), static_cast<int>(seq_len), seed);

@@ -132,3 +132,52 @@ TEST_CASE("bad data: one clear user error naming the problem") {
   CHECK(user_error("nonsense", gpt()).find("bad --data") != std::string::npos);
   for (const auto& p : {empty, short_text, odd, big}) fs::remove(p);
 }
+
+TEST_CASE("synthetic images: the same however split, labels in range, and learnable from the pixels") {
+  const auto path = fs::temp_directory_path() / "mpipe_images.toml";
+  std::ofstream(path) << "input = [2, 6, 5]\n[[layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\n"
+                         "[[layer]]\nkind = \"global-avgpool\"\n[[layer]]\nkind = \"linear\"\nout = 5\n"
+                         "[[layer]]\nkind = \"cross_entropy\"\n";
+  ModelConfig m;
+  m.kind = path.string();
+  const Model model(m);
+  fs::remove(path);
+  auto data = make_dataset("synthetic", model, 9);
+  CHECK(data->describe().find("synthetic images: 2x6x5, 5 classes") != std::string::npos);
+  const int per = 2 * 6 * 5, n = 768;
+  std::vector<float> x(static_cast<std::size_t>(n * per)), parts(x.size());
+  std::vector<std::int32_t> y(n), y_parts(n);
+  data->fill(0, n, make_tensor(x.data(), Shape{n, 2, 6, 5}), make_tensor(y.data(), Shape{n}));
+  data->fill(0, 100, make_tensor(parts.data(), Shape{100, 2, 6, 5}), make_tensor(y_parts.data(), Shape{100}));
+  data->fill(100, n - 100, make_tensor(parts.data() + 100 * per, Shape{n - 100, 2, 6, 5}),
+             make_tensor(y_parts.data() + 100, Shape{n - 100}));
+  CHECK(x == parts);
+  CHECK(y == y_parts);
+  // Class means of the first 512 samples classify the other 256 by the nearest mean.
+  std::vector<double> mean(static_cast<std::size_t>(5 * per), 0.0);
+  std::vector<int> count(5, 0);
+  for (int s = 0; s < 512; ++s) {
+    REQUIRE((y[s] >= 0 && y[s] < 5));
+    ++count[y[s]];
+    for (int i = 0; i < per; ++i) mean[static_cast<std::size_t>(y[s] * per + i)] += x[static_cast<std::size_t>(s * per + i)];
+  }
+  for (int k = 0; k < 5; ++k) {
+    REQUIRE(count[k] > 50);  // every class drawn
+    for (int i = 0; i < per; ++i) mean[static_cast<std::size_t>(k * per + i)] /= count[k];
+  }
+  int right = 0;
+  for (int s = 512; s < n; ++s) {
+    int best = 0;
+    double best_distance = 1e300;
+    for (int k = 0; k < 5; ++k) {
+      double d = 0;
+      for (int i = 0; i < per; ++i) {
+        const double e = x[static_cast<std::size_t>(s * per + i)] - mean[static_cast<std::size_t>(k * per + i)];
+        d += e * e;
+      }
+      if (d < best_distance) best_distance = d, best = k;
+    }
+    right += best == y[s] ? 1 : 0;
+  }
+  CHECK(right > 0.8 * (n - 512));
+}
