@@ -94,8 +94,9 @@ class Sequential(torch.nn.Module):
     sequence: the convolutional ones, residual blocks, linear, layernorm, activations,
     flatten. Parameters are keyed (layer index, name) as in mpipe's checkpoints."""
 
-    def __init__(self, spec):
+    def __init__(self, spec, micro_batches=1):
         super().__init__()
+        self.micro_batches = micro_batches  # BatchNorm: statistics per micro-batch, in order
         self.kinds, self.parts = [], torch.nn.ModuleList()
         x = torch.zeros(1, *spec["input"])
         for layer in repeated(spec["layer"]):
@@ -104,17 +105,30 @@ class Sequential(torch.nn.Module):
             self.parts.append(part if part is not None else torch.nn.Identity())
 
     def named(self):
+        """Parameters and BatchNorm's running statistics, keyed as mpipe's checkpoints."""
         out = {}
         for i, part in enumerate(self.parts):
-            names = part.mpipe_named() if isinstance(part, Residual) else dict(part.named_parameters())
+            names = part.mpipe_named() if isinstance(part, Residual) else state_of(part)
             out.update({(i, name): p for name, p in names.items()})
         return out
 
     def forward(self, x, targets):
-        for kind, part in zip(self.kinds, self.parts):
-            if kind != "cross_entropy":
-                x = part(x)
-        return F.cross_entropy(x, targets.long())
+        # As the pipeline: micro-batch by micro-batch (BatchNorm sees each alone), the
+        # loss the mean over every row.
+        total = 0.0
+        for xs, ts in zip(x.chunk(self.micro_batches), targets.chunk(self.micro_batches)):
+            for kind, part in zip(self.kinds, self.parts):
+                if kind != "cross_entropy":
+                    xs = part(xs)
+            total = total + F.cross_entropy(xs, ts.long(), reduction="sum")
+        return total / x.shape[0]
+
+
+def state_of(part):
+    """A module's parameters and running statistics (not num_batches_tracked)."""
+    names = dict(part.named_parameters())
+    names.update({n: b for n, b in part.named_buffers() if n.startswith("running_")})
+    return names
 
 
 def repeated(layers):
@@ -145,7 +159,7 @@ class Residual(torch.nn.Module):
     def mpipe_named(self):
         out = {}
         for j, part in enumerate(self.inner):
-            out.update({f"{j}.{name}": p for name, p in part.named_parameters()})
+            out.update({f"{j}.{name}": p for name, p in state_of(part).items()})
         if self.skip is not None:
             out.update({f"skip.{name}": p for name, p in self.skip.named_parameters()})
         return out
@@ -178,6 +192,8 @@ def build_part(layer, x):
         part = torch.nn.Flatten()
     elif kind == "linear":
         part = torch.nn.Linear(x.shape[-1], get("out"), bias=get("bias", True))
+    elif kind == "batchnorm2d":
+        part = torch.nn.BatchNorm2d(x.shape[1], eps=get("eps", 1e-5), momentum=get("momentum", 0.1))
     elif kind == "layernorm":
         part = torch.nn.LayerNorm(x.shape[-1], eps=1e-5)
     elif kind == "relu":
@@ -190,4 +206,9 @@ def build_part(layer, x):
         return None, x
     else:
         raise ValueError(f"kind {kind} has no torch twin here")
-    return part, part(x)
+    with torch.no_grad():  # the shape only: no running statistics moved
+        training = part.training
+        part.eval()
+        y = part(x)
+        part.train(training)
+    return part, y

@@ -1,6 +1,7 @@
 // Tensor ops: device and element-type checks, then the CPU or the CUDA op.
 #include "mpipe/backend/ops.hpp"
 
+#include <array>
 #include <vector>
 
 #include "mpipe/backend/cpu/ops.hpp"
@@ -320,6 +321,37 @@ void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w) 
 void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode) {
   cpu_only("avgpool2d", dout);
   cpu::avgpool2d_backward(dinp.f32(), dout.f32(), w, mode);
+}
+
+namespace {
+// (N, C, plane) of a BatchNorm input.
+std::array<int64_t, 3> channels_of(const Tensor& t) { return {t.shape[0], t.shape[1], t.numel() / (t.shape[0] * t.shape[1])}; }
+}  // namespace
+
+void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
+                             const Tensor& running_var, const Tensor& inp, const Tensor& weight, const Tensor& bias,
+                             float eps, float momentum) {
+  cpu_only("batchnorm2d", inp);
+  const auto [N, C, plane] = channels_of(inp);
+  cpu::batchnorm_forward_train(out.f32(), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
+                               ptr_or_null<float>(running_var), inp.f32(), weight.f32(), bias.f32(), N, C, plane, eps,
+                               momentum);
+}
+
+void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
+                            const Tensor& running_mean, const Tensor& running_var, float eps) {
+  cpu_only("batchnorm2d", inp);
+  const auto [N, C, plane] = channels_of(inp);
+  cpu::batchnorm_forward_eval(out.f32(), inp.f32(), weight.f32(), bias.f32(), running_mean.f32(), running_var.f32(), N, C,
+                              plane, eps);
+}
+
+void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                        const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd, GradMode mode) {
+  cpu_only("batchnorm2d", dout);
+  const auto [N, C, plane] = channels_of(inp);
+  cpu::batchnorm_backward(ptr_or_null<float>(dinp), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(),
+                          mean.f32(), rstd.f32(), N, C, plane, mode);
 }
 
 void add(const Tensor& y, const Tensor& x) {

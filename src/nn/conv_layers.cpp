@@ -130,6 +130,52 @@ void Pool2d::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& d
   else ops::avgpool2d_backward(dx, dy, w, mode);
 }
 
+// ---- BatchNorm2d ---------------------------------------------------------------------
+
+Cost BatchNorm2d::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {5 * n, 8 * n, 4.0 * 4 * static_cast<double>(channels_), 4 * n + 8.0 * static_cast<double>(channels_)};
+}
+
+std::vector<ParamSpec> BatchNorm2d::param_specs() const {
+  std::vector<ParamSpec> specs;
+  specs.push_back({"weight", Shape{channels_}, Init::ones, 0.0f, false});
+  specs.push_back({"bias", Shape{channels_}, Init::zeros, 0.0f, false});
+  ParamSpec mean{"running_mean", Shape{channels_}, Init::zeros, 0.0f, false};
+  ParamSpec var{"running_var", Shape{channels_}, Init::ones, 0.0f, false};
+  mean.buffer = var.buffer = true;
+  specs.push_back(mean);
+  specs.push_back(var);
+  return specs;
+}
+
+void BatchNorm2d::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  weight_ = params[0];
+  bias_ = params[1];
+  running_mean_ = params[2];
+  running_var_ = params[3];
+  dweight_ = grads[0];
+  dbias_ = grads[1];
+}
+
+Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  if (!pass.training) {
+    ops::batchnorm_forward_eval(y, x, weight_, bias_, running_mean_, running_var_, eps_);
+    return y;
+  }
+  ctx.saved[0] = pass.arena->tensor(Shape{channels_});  // the micro-batch's mean
+  ctx.saved[1] = pass.arena->tensor(Shape{channels_});  // and 1 / sqrt(var + eps)
+  const bool update = !pass.recompute;
+  ops::batchnorm_forward_train(y, ctx.saved[0], ctx.saved[1], update ? running_mean_ : Tensor{},
+                               update ? running_var_ : Tensor{}, x, weight_, bias_, eps_, momentum_);
+  return y;
+}
+
+void BatchNorm2d::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+  ops::batchnorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode);
+}
+
 // ---- Flatten -------------------------------------------------------------------------
 
 Cost Flatten::cost(const Shape& in) const {

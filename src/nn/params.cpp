@@ -73,6 +73,7 @@ ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
       e.name = spec.name;
       e.shape = spec.shape;
       e.decay = spec.decay;
+      e.buffer = spec.buffer;
       e.owner_layer = layer;
       e.owner_index = i;
       if (spec.tied_layer >= 0) {

@@ -223,6 +223,20 @@ std::vector<LayerKind> make_kinds() {
                  return std::make_unique<Pool2d>(Pool2d::Op::global_average, 0, 1, 0);
                },
                false});
+  k.push_back({"batchnorm2d",
+               "BatchNorm over the channels of (N, C, H, W): each micro-batch normalised with its own statistics in "
+               "training (GPipe's rule), the running statistics in evaluation",
+               {{"eps", T::number, 1e-5, "added to the variance"},
+                {"momentum", T::number, 0.1, "how far the running statistics move toward each micro-batch's"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const Window2d w = image_window(a, 1, 1, 0);
+                 const double eps = a.number("eps"), momentum = a.number("momentum");
+                 if (!(eps > 0)) a.refuse("eps", cat("must be positive, got ", eps), "e.g. eps = 1e-5");
+                 if (!(momentum >= 0 && momentum <= 1)) a.refuse("momentum", cat("must be in [0, 1], got ", momentum), "e.g. momentum = 0.1");
+                 return std::make_unique<BatchNorm2d>(w.C, static_cast<float>(eps), static_cast<float>(momentum));
+               },
+               false});
   k.push_back({"flatten", "(N, d1, d2, ...) -> (N, d1 x d2 x ...)", {}, false,
                [](const LayerArgs& a) -> std::unique_ptr<Layer> {
                  if (a.input.rank < 2) a.refuse("kind", cat("needs (batch, ...), gets ", a.input.str()), "put it after a layer with features");
@@ -312,9 +326,10 @@ std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int
   }
   if (nested) {
     // Each layer of a block shares the block's index, which keys dropout masks and ties.
-    static const char* const inside[] = {"conv2d", "relu", "gelu", "maxpool2d", "avgpool2d", "linear", "layernorm", "attention"};
+    static const char* const inside[] = {"conv2d", "batchnorm2d", "relu", "gelu", "maxpool2d", "avgpool2d", "linear",
+                                         "layernorm", "attention"};
     MPIPE_REQUIRE(std::find(std::begin(inside), std::end(inside), given.kind) != std::end(inside),
-                  "inside a residual use conv2d, relu, gelu, maxpool2d, avgpool2d, linear, layernorm or attention", where,
+                  "inside a residual use conv2d, batchnorm2d, relu, gelu, maxpool2d, avgpool2d, linear, layernorm or attention", where,
                   ": a ", given.kind, " cannot be inside a residual block");
     return kind->make(LayerArgs{spec, model, index, input, where, true});
   }

@@ -483,6 +483,7 @@ void Executor::run_backward(std::int64_t step, int mb) {
     begin_compute(TraceEvent::recompute, mb);
     Tensor unused;
     Pass recompute = make_pass(step, mb, scratch_.get());
+    recompute.recompute = true;
     recompute.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
     contexts = forward_layers(recompute, mb, &unused);
     end_compute();
@@ -672,6 +673,19 @@ double Executor::compute_gradients(std::int64_t step) {
   return reduce_buffer_[L] / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
 }
 
+// Buffers (BatchNorm's running statistics) saw only this replica's micro-batches: every
+// replica takes their mean, so all end the step identical (and K-invariant: the sum runs
+// over replicas in rank order).
+void Executor::average_buffers() {
+  if (grid_->replicas() == 1) return;
+  for (const ParamEntry& e : params_->entries()) {
+    if (!e.buffer) continue;
+    std::span<float> values = params_->params().subspan(e.param_offset, static_cast<std::size_t>(e.numel()));
+    grid_->data().allreduce(values, Reduce::sum);
+    for (float& v : values) v /= static_cast<float>(grid_->replicas());
+  }
+}
+
 EvalResult Executor::evaluate() {
   MPIPE_CHECK(!config_.eval_data.empty(), "evaluate() without --eval-data");
   int batches = config_.eval_batches;
@@ -737,6 +751,7 @@ StepResult Executor::step_unchecked(std::int64_t step) {
       params_->scale_grads(factor);
     }
     optimizer_->update(r.lr, ++updates_);
+    average_buffers();
     if (device_ == Device::cuda) cuda::synchronize(cuda::StreamKind::compute);  // honest step times
     times_.optimizer += since(opt_start);
     record(step, TraceEvent::optimizer, -1, opt_start);

@@ -389,6 +389,17 @@ model-file)
   # A CNN (convolutions, pools, flatten) on 4 stages, then a language model on 3.
   transparent "$(dirname "$0")/../reference/cnn.toml" 4
   transparent "$(dirname "$0")/../reference/resnet.toml" 4
+  # BatchNorm: its running statistics too (a recomputation must not move them again).
+  transparent "$(dirname "$0")/../reference/resnet-bn.toml" 4
+  # ... and they resume and reshard: the step-3 checkpoint of a 5-step run on 2 stages,
+  # resumed on 4, ends as the unbroken run.
+  bn=(train --model "$(dirname "$0")/../reference/resnet-bn.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3
+      --steps 5)
+  run 2 "${bn[@]}" --checkpoint-every 3 --checkpoint-dir "$work/bn" >/dev/null
+  mkdir "$work/bn4" && cp "$work/bn/ckpt-00000003.h5" "$work/bn4/"
+  out=$(run 4 "${bn[@]}" --checkpoint-dir "$work/bn4" 2>&1) || fail "BatchNorm resume on 4 stages: $out"
+  grep -q "resumed from .*ckpt-00000003.h5" <<<"$out" || fail "BatchNorm model did not resume: $out"
+  same_tensors "$work/bn/ckpt-00000005.h5" "$work/bn4/ckpt-00000005.h5"
   transparent "$(dirname "$0")/../cli/models/tiny_lm.toml" 3
   "$mpipe" inspect "$work/k3/ckpt-00000003.h5" --config | grep -q "^model = \".*tiny_lm.toml\"$" || fail "inspect --config lacks the model file"
   # The same file elsewhere resumes; another layer list is refused by name.
@@ -423,6 +434,13 @@ eval)
   evals=$(/usr/bin/python3 -c "import json,sys; print(sum('eval_loss' in json.loads(l) for l in open(sys.argv[1])))" "$work/e2.jsonl")
   [[ $evals -eq 2 ]] || fail "expected 2 eval records in the metrics, got $evals"
   expect_error 2 "--eval-every and --eval-batches need --eval-data" run 1 "${args[@]}" --eval-every 2
+  # BatchNorm evaluates on its running statistics: the same on 1 and 3 stages.
+  bn=(train --model "$(dirname "$0")/../reference/resnet-bn.toml" --batch-size 8 --micro-batches 4 --threads 1 --steps 4
+      --eval-data synthetic --eval-every 2 --eval-batches 2)
+  run 1 "${bn[@]}" > "$work/bn1.log"
+  run 3 "${bn[@]}" --remat always > "$work/bn3.log"
+  [[ $(grep -c "^eval step" "$work/bn1.log") -eq 2 ]] || fail "BatchNorm model: no eval lines: $(cat "$work/bn1.log")"
+  [[ "$(grep "^eval" "$work/bn1.log")" == "$(grep "^eval" "$work/bn3.log")" ]] || fail "BatchNorm eval differs between K = 1 and 3"
   ;;
 image-data)
   # A real data set: the digits, a 2-stage CNN, and a held-out accuracy of at least 97%.
@@ -435,7 +453,7 @@ image-data)
   [[ -n "$accuracy" ]] || fail "no final evaluation: $out"
   /usr/bin/python3 -c "import sys; sys.exit(float(sys.argv[1]) < 97)" "$accuracy" || fail "digits test accuracy $accuracy% < 97%"
   echo "digits: test accuracy $accuracy% after 300 steps"
-  # A residual network (three blocks, projections) too, at 400 steps.
+  # A residual network with BatchNorm (three blocks, a projection) too, at 400 steps.
   digits[2]="$(dirname "$0")/../../inputs/resnet-digits.toml"
   out=$(run 2 "${digits[@]}" --steps 400 2>&1) || fail "resnet digits: $out"
   accuracy=$(sed -n 's/^eval step 400 | loss [0-9.]* | accuracy \([0-9.]*\)% | 352 samples$/\1/p' <<<"$out")

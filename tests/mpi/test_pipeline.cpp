@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -298,4 +299,39 @@ TEST_CASE("the watchdog's heartbeats keep guarded work longer than the liveness 
   int alive = 1;
   world().allreduce(std::span<int>(&alive, 1), Reduce::sum);
   CHECK(alive == world().size());
+}
+
+TEST_CASE("BatchNorm with replicas: every replica ends each step with the same running statistics") {
+  if (world().size() != 4) return;
+  // A CNN with BatchNorm (in a residual block too), K = 2 x D = 2: the replicas see other
+  // micro-batches, and average their statistics after each update.
+  const auto path = std::filesystem::temp_directory_path() / cat("mpipe_bn_", world().rank(), ".toml");
+  std::ofstream(path) << "input = [2, 6, 6]\n"
+                         "[[layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
+                         "[[layer]]\nkind = \"batchnorm2d\"\n"
+                         "[[layer]]\nkind = \"residual\"\n"
+                         "[[layer.layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
+                         "[[layer.layer]]\nkind = \"batchnorm2d\"\n"
+                         "[[layer]]\nkind = \"global-avgpool\"\n"
+                         "[[layer]]\nkind = \"linear\"\nout = 3\n"
+                         "[[layer]]\nkind = \"cross_entropy\"\n";
+  TrainConfig c;
+  c.model.kind = path.string();
+  c.batch_size = 16;
+  c.micro_batches = 2;
+  c.steps = 3;
+  c.seed = 5;
+  c.threads = 1;
+  c.optimizer.lr = 1e-2f;
+  c.pipeline.grid.replicas = 2;
+  const RunResult r = run(c, 4);
+  std::filesystem::remove(path);
+  if (world().rank() == 0) {
+    REQUIRE(r.params.size() == r.replica_params.size());
+    CHECK(std::memcmp(r.params.data(), r.replica_params.data(), r.params.size() * sizeof(float)) == 0);
+    // The running statistics moved: some value is neither its initial 0 nor 1.
+    bool moved = false;
+    for (float v : r.params) moved = moved || (v != 0.0f && v != 1.0f && std::fabs(v) < 0.5f);
+    CHECK(moved);
+  }
 }

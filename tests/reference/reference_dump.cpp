@@ -74,6 +74,7 @@ int main(int argc, char** argv) {
   const int sizes[] = {c.model.layers, c.model.d_model, c.model.heads, c.model.seq_len, c.model.vocab,
                        c.model.hidden, c.model.inputs,  c.model.classes, c.batch_size};
   write(file, "/config/sizes", sizes, H5T_NATIVE_INT, {9});
+  write(file, "/config/micro_batches", &c.micro_batches, H5T_NATIVE_INT, {1});
   const float opt[] = {c.optimizer.beta1, c.optimizer.beta2, c.optimizer.eps, c.optimizer.weight_decay};
   write(file, "/config/adamw", opt, H5T_NATIVE_FLOAT, {4});
 

@@ -18,7 +18,7 @@ namespace {
 
 bool takes_images(const std::string& kind) {
   return kind == "conv2d" || kind == "maxpool2d" || kind == "avgpool2d" || kind == "global-avgpool" ||
-         kind == "residual";
+         kind == "residual" || kind == "batchnorm2d";
 }
 
 // A spec with every required option of `kind` set to something that fits its input:
@@ -60,7 +60,7 @@ std::string write_temp(const std::string& name, const std::string& text) {
 }  // namespace
 
 TEST_CASE("every registered layer kind builds from its options and is the layer it names") {
-  CHECK(layer_kinds().size() >= 15);
+  CHECK(layer_kinds().size() >= 16);
   for (const LayerKind& kind : layer_kinds()) {
     INFO(kind.name);
     CHECK_FALSE(kind.help.empty());
@@ -124,6 +124,13 @@ TEST_CASE("layer options are checked by name, type and range") {
   CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), doctest::Contains("'out': must be from 1"), UserError);
   m.layers[0].options = {{"width", std::int64_t{4}}};
   CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), "here: unknown key 'width'", UserError);
+  m.input = {3, 4, 4};
+  m.layers[0] = {"batchnorm2d", {{"eps", 0.0}}};
+  CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 3, 4, 4}, "here"), doctest::Contains("'eps': must be positive"), UserError);
+  m.layers[0] = {"batchnorm2d", {{"momentum", 1.5}}};
+  CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 3, 4, 4}, "here"), doctest::Contains("'momentum': must be in [0, 1]"), UserError);
+  CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), doctest::Contains("needs images"), UserError);
+  m.input = {16};
   m.layers[0] = {"dropout", {{"p", 1.0}}};
   CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), doctest::Contains("'p': must be in [0, 1)"), UserError);
 }

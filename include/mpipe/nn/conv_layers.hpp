@@ -52,6 +52,30 @@ class Pool2d final : public Layer {
   int64_t kernel_, stride_, padding_;
 };
 
+// BatchNorm over the channels of (N, C, ...) with GPipe's micro-batch semantics: in
+// training each micro-batch is normalised with its own statistics, and the running mean
+// and variance (buffers) move once per micro-batch, in micro-batch order, never in a
+// recomputation (remat); evaluation normalises with the running statistics.
+class BatchNorm2d final : public Layer {
+ public:
+  BatchNorm2d(int64_t channels, float eps, float momentum) : channels_(channels), eps_(eps), momentum_(momentum) {}
+  std::string kind() const override { return "batchnorm2d"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  int64_t channels_;
+  float eps_, momentum_;
+  Tensor weight_, bias_, running_mean_, running_var_, dweight_, dbias_;
+};
+
 // (N, d1, d2, ...) -> (N, d1 * d2 * ...), a copy.
 class Flatten final : public Layer {
  public:

@@ -32,6 +32,10 @@ struct ParamSpec {
   bool decay = false;        // AdamW weight decay applies
   int tied_layer = -1;       // owner's global layer index, or -1
   std::string tied_name;     // owner's parameter name
+  // A buffer, not trained: state the layer itself writes (BatchNorm's running
+  // statistics). Stored, checkpointed and resharded like a parameter; its gradient stays
+  // zero, so no optimizer moves it, and with D > 1 the replicas average it every step.
+  bool buffer = false;
 };
 
 struct Cost {
@@ -49,6 +53,7 @@ struct Pass {
   std::uint64_t step = 0;
   std::uint64_t sample_begin = 0;  // index within the step of the micro-batch's first sample
   bool training = true;
+  bool recompute = false;          // a forward again for backward (remat): no state updates
   Tensor targets;                  // (B, T) or (B) int32, for the loss layer
   float loss_scale = 1.0f;         // d(total loss)/d(per-row loss): 1 / rows in the step
   DType dtype = DType::f32;        // of activations and their gradients (bf16 on a GPU)

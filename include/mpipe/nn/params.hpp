@@ -43,6 +43,7 @@ struct ParamEntry {
   std::size_t offset = 0;        // of its gradient (and, unless alias, its values)
   std::size_t param_offset = 0;  // of its values: the owner's when alias
   bool decay = false;
+  bool buffer = false;  // not trained (ParamSpec::buffer)
   // A tied copy (the GPT head's view of wte) keeps its own gradient, which is summed
   // with the owner's after backward. When the owner lives in the same store the copy
   // shares the owner's values (alias) and the optimizer skips it; otherwise it holds

@@ -197,6 +197,7 @@ class Executor {
     std::unique_ptr<PairSum> sum;
   };
   StepResult step_unchecked(std::int64_t step);
+  void average_buffers();
   Pass make_pass(std::int64_t step, int micro_batch, Arena* arena) const;
   bool rematerialize(int micro_batch) const;
   void run_forward(std::int64_t step, int micro_batch, bool training = true);

@@ -3,6 +3,7 @@
 #include <cblas.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 
@@ -174,6 +175,91 @@ void avgpool2d_backward(float* dinp, const float* dout, const Window2d& w, GradM
           }
         }
       }
+  }
+}
+
+// ---- BatchNorm: channels split among threads; each channel's sums in double, in order --
+
+namespace {
+// Channel c of (N, C, plane): y = x * scale + shift.
+void affine_channel(float* out, const float* inp, int64_t c, float scale, float shift, int64_t N, int64_t C, int64_t plane) {
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + (n * C + c) * plane;
+    float* y = out + (n * C + c) * plane;
+    for (int64_t i = 0; i < plane; ++i) y[i] = x[i] * scale + shift;
+  }
+}
+}  // namespace
+
+void batchnorm_forward_train(float* out, float* mean, float* rstd, float* running_mean, float* running_var,
+                             const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
+                             int64_t plane, float eps, float momentum) {
+  const double count = static_cast<double>(N * plane);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < C; ++c) {
+    double sum = 0, squares = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = inp + (n * C + c) * plane;
+      for (int64_t i = 0; i < plane; ++i) sum += x[i];
+    }
+    const double m = sum / count;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = inp + (n * C + c) * plane;
+      for (int64_t i = 0; i < plane; ++i) squares += (x[i] - m) * (x[i] - m);
+    }
+    const double var = squares / count;
+    const float r = static_cast<float>(1.0 / std::sqrt(var + eps));
+    mean[c] = static_cast<float>(m);
+    rstd[c] = r;
+    const float scale = weight[c] * r;
+    affine_channel(out, inp, c, scale, bias[c] - static_cast<float>(m) * scale, N, C, plane);
+    if (running_mean) {
+      const double unbiased = count > 1 ? squares / (count - 1) : var;
+      running_mean[c] = (1 - momentum) * running_mean[c] + momentum * static_cast<float>(m);
+      running_var[c] = (1 - momentum) * running_var[c] + momentum * static_cast<float>(unbiased);
+    }
+  }
+}
+
+void batchnorm_forward_eval(float* out, const float* inp, const float* weight, const float* bias,
+                            const float* running_mean, const float* running_var, int64_t N, int64_t C, int64_t plane,
+                            float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < C; ++c) {
+    const float scale = weight[c] / std::sqrt(running_var[c] + eps);
+    affine_channel(out, inp, c, scale, bias[c] - running_mean[c] * scale, N, C, plane);
+  }
+}
+
+void batchnorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C, int64_t plane,
+                        GradMode mode) {
+  const double count = static_cast<double>(N * plane);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < C; ++c) {
+    double sum_dy = 0, sum_dy_xhat = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = inp + (n * C + c) * plane;
+      const float* dy = dout + (n * C + c) * plane;
+      for (int64_t i = 0; i < plane; ++i) {
+        sum_dy += dy[i];
+        sum_dy_xhat += dy[i] * (x[i] - mean[c]) * rstd[c];
+      }
+    }
+    dweight[c] += static_cast<float>(sum_dy_xhat);
+    dbias[c] += static_cast<float>(sum_dy);
+    if (!dinp) continue;
+    // dx = w * rstd * (dy - mean(dy) - xhat * mean(dy * xhat))
+    const float k = weight[c] * rstd[c], a = static_cast<float>(sum_dy / count), b = static_cast<float>(sum_dy_xhat / count);
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = inp + (n * C + c) * plane;
+      const float* dy = dout + (n * C + c) * plane;
+      float* dx = dinp + (n * C + c) * plane;
+      for (int64_t i = 0; i < plane; ++i) {
+        const float g = k * (dy[i] - a - (x[i] - mean[c]) * rstd[c] * b);
+        dx[i] = mode == GradMode::overwrite ? g : dx[i] + g;
+      }
+    }
   }
 }
 

@@ -98,6 +98,21 @@ void avgpool2d_backward(float* dinp, const float* dout, const Window2d& w, GradM
 // Rows whose largest logit (the first of equal ones) is the target's: accuracy.
 int64_t count_correct(const float* logits, const int32_t* targets, int64_t N, int64_t V);
 
+// BatchNorm over (N, C, plane) per channel, eps inside the root. Training: the batch's
+// mean and biased variance (mean, rstd (C) kept for backward); running statistics, when
+// given, move by `momentum` toward the batch's (the variance unbiased, as PyTorch).
+// Inference: the running statistics. Both overwrite out.
+void batchnorm_forward_train(float* out, float* mean, float* rstd, float* running_mean, float* running_var,
+                             const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
+                             int64_t plane, float eps, float momentum);
+void batchnorm_forward_eval(float* out, const float* inp, const float* weight, const float* bias,
+                            const float* running_mean, const float* running_var, int64_t N, int64_t C, int64_t plane,
+                            float eps);
+// dinp per mode; dweight and dbias accumulate.
+void batchnorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C, int64_t plane,
+                        GradMode mode);
+
 // y (+)= x
 void add(float* y, const float* x, int64_t n);
 void copy(float* y, const float* x, int64_t n);
