@@ -114,7 +114,7 @@ Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
     const Clock::time_point now = Clock::now();
     deadline_ = after(seconds);
     next_send_ = now;
-    for (Peer& p : peers_) p.heard = Clock::time_point{};  // not yet: see run()
+    for (Peer& p : peers_) p.heard = now;  // a peer has the liveness time for its first word
     armed_ = true;
   }
   wake_.notify_all();
@@ -185,9 +185,6 @@ void Watchdog::run() {
       if (send) next_send_ = now + std::chrono::duration_cast<Clock::duration>(period);
       beat(now, send);
       for (const Peer& p : peers_) {
-        // Judged from its first word on: a peer arms a little later than this rank (after
-        // the same collective), and one that never arms is the deadline's to find.
-        if (p.heard == Clock::time_point{}) continue;
         const double silent = std::chrono::duration<double>(now - p.heard).count();
         if (silent < liveness_s_) continue;
         const std::string context = cat(rank_name_, ": ", what_);

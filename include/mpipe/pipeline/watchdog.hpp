@@ -29,8 +29,9 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
 // Liveness: while armed, the watchdog threads exchange heartbeats (rank 0 with every
 // rank) whatever their main threads are doing, so a long write is told apart from a
 // stopped rank: rank 0 names a rank silent for `liveness_s` seconds; when rank 0 is the
-// silent one, the others hold a roll call that names it. The ranks arm and disarm it
-// together (after and before a collective), as the heartbeats flow only while armed. The deadline then only bounds
+// silent one, the others hold a roll call that names it. A peer is silent from the arm on
+// (a rank stopped before its first word is found too), so the ranks must arm and disarm
+// it together, after and before a collective: the heartbeats flow only while armed. The deadline then only bounds
 // work that every rank is still doing (a hung file system). Heartbeats need
 // MPI_THREAD_MULTIPLE; without it the deadline alone stands.
 class Watchdog {
