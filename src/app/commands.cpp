@@ -532,15 +532,13 @@ int run_plan(const TrainConfig& config, int ranks) {
   const GridShape grid = resolve_grid(config.pipeline.grid, ranks);
   Model model(config.model);
   const int micro = config.batch_size / (config.micro_batches * grid.replicas);
-  Partition part;
-  if (!config.pipeline.balance.empty()) {
-    part = partition_from_balance(parse_balance(config.pipeline.balance), model.size());
-  } else if (config.pipeline.partition == "time") {
+  std::vector<double> measured;
+  if (config.pipeline.balance.empty() && config.pipeline.partition == "time") {
     cpu::set_threads(config.threads > 0 ? config.threads : 1);
-    part = partition_min_max(measure_layer_times(model, micro, config.seed), grid.stages, boundary_bytes(model, micro));
-  } else {
-    part = partition_min_max(layer_costs(model, config.pipeline.partition, micro), grid.stages, boundary_bytes(model, micro));
+    measured = measure_layer_times(model, micro, config.seed);
   }
+  const Partition part = choose_partition(config.pipeline.balance, config.pipeline.partition, model, grid.stages, micro,
+                                          measured);
   std::printf("mpipe %s (git %s) plan for %d ranks\n", version(), git_hash(), ranks);
   std::printf("layers (%d):", model.size());
   for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
@@ -714,6 +712,17 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     const double save = checkpoint_seconds > 0 ? checkpoint_seconds : longest_step;
     return elapsed + longest_step + save >= time_limit_s;
   };
+  // A metrics line that cannot be written (a full disk) stops the run with the others at
+  // the next step boundary, with a checkpoint.
+  auto to_metrics = [&](auto&& write) {
+    if (!metrics || !output_error.empty()) return;
+    try {
+      write(*metrics);
+    } catch (const UserError& e) {
+      output_error = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
+      exec->request_stop();
+    }
+  };
   try {
     for (int64_t step = first_step; step < config.steps; ++step) {
       if (g_stop_signal) exec->request_stop();
@@ -743,15 +752,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
       if (step > first_step) step_seconds.push_back(r.seconds);
       const double samples_per_s = config.batch_size / r.seconds;
       const double tokens_per_s = samples_per_s * static_cast<double>(tokens_per_sample);
-      if (metrics && output_error.empty()) {
-        try {
-          metrics->write(r, samples_per_s, tokens_per_s);
-        } catch (const UserError& e) {
-          // Stop with the others at the next step boundary, with a checkpoint.
-          output_error = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
-          exec->request_stop();
-        }
-      }
+      to_metrics([&](MetricsWriter& out) { out.write(r, samples_per_s, tokens_per_s); });
       if (r.skipped)
         std::printf("step %lld: non-finite loss or gradients (norm %g); update skipped on every rank\n",
                     static_cast<long long>(step + 1), r.grad_norm);
@@ -782,15 +783,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
         if (tokens_per_sample > 0) std::printf(" | perplexity %.3f", std::exp(e.loss));
         std::printf("\n");
         std::fflush(stdout);
-        if (metrics && output_error.empty()) {
-          try {
-            metrics->write_line(cat("{\"step\": ", step + 1, ", \"eval_loss\": ", shortest_text(e.loss),
-                                    ", \"eval_accuracy\": ", shortest_text(e.accuracy), ", \"eval_samples\": ", e.samples, "}"));
-          } catch (const UserError& error) {
-            output_error = cat("mpipe: error: ", error.what(), "; hint: ", error.hint());
-            exec->request_stop();
-          }
-        }
+        to_metrics([&](MetricsWriter& out) { out.write_eval(step, e); });
       }
     }
   } catch (const TimeoutError& e) {

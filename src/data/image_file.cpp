@@ -1,24 +1,15 @@
 // --data hdf5:PATH: a labelled data set in an HDF5 file (images or feature vectors).
-#include <hdf5.h>
-
 #include <algorithm>
 #include <filesystem>
 #include <numeric>
 
 #include "mpipe/core/rng.hpp"
 #include "mpipe/data/dataset.hpp"
+#include "mpipe/data/hdf5.hpp"
 
 namespace mpipe {
 
 namespace {
-
-struct H5Handle {  // closes an HDF5 object on every path out
-  hid_t id;
-  herr_t (*close)(hid_t);
-  ~H5Handle() {
-    if (id >= 0) close(id);
-  }
-};
 
 class LabelledFile final : public Dataset {
  public:
@@ -79,17 +70,17 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
   MPIPE_REQUIRE(fs::is_regular_file(path, ec), "give the path of an HDF5 file", file_name, " is not a regular file");
   MPIPE_REQUIRE(model.tokens() == 0, "use hdf5 data with a model of 'input = [...]' (mlp, a CNN)",
                 "--data hdf5: labelled samples are for models of inputs, not of tokens");
-  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);  // our messages, not HDF5's stack
+  quiet_hdf5();
   MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, hint, file_name, " is not an HDF5 file");
-  H5Handle file{H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose};
-  MPIPE_REQUIRE(file.id >= 0, hint, file_name, " cannot be opened");
+  const Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  MPIPE_REQUIRE(file.ok(), hint, file_name, " cannot be opened");
   for (const char* name : {"inputs", "labels"})
-    MPIPE_REQUIRE(H5Lexists(file.id, name, H5P_DEFAULT) > 0, hint, file_name, " has no /", name, " dataset");
-  H5Handle inputs{H5Dopen2(file.id, "inputs", H5P_DEFAULT), H5Dclose}, labels{H5Dopen2(file.id, "labels", H5P_DEFAULT), H5Dclose};
-  H5Handle in_space{H5Dget_space(inputs.id), H5Sclose}, label_space{H5Dget_space(labels.id), H5Sclose};
+    MPIPE_REQUIRE(H5Lexists(file.get(), name, H5P_DEFAULT) > 0, hint, file_name, " has no /", name, " dataset");
+  const Handle inputs(H5Dopen2(file.get(), "inputs", H5P_DEFAULT), H5Dclose), labels{H5Dopen2(file.get(), "labels", H5P_DEFAULT), H5Dclose};
+  const Handle in_space(H5Dget_space(inputs.get()), H5Sclose), label_space{H5Dget_space(labels.get()), H5Sclose};
   hsize_t dims[8] = {}, label_dims[8] = {};
-  const int rank = H5Sget_simple_extent_dims(in_space.id, dims, nullptr);
-  const int label_rank = H5Sget_simple_extent_dims(label_space.id, label_dims, nullptr);
+  const int rank = H5Sget_simple_extent_dims(in_space.get(), dims, nullptr);
+  const int label_rank = H5Sget_simple_extent_dims(label_space.get(), label_dims, nullptr);
   // One sample of the model: (1, C, H, W) or (1, features).
   const Shape sample = model.input_shape(1);
   std::string want = "(N", got = "(";
@@ -103,15 +94,15 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
   MPIPE_REQUIRE(label_rank == 1 && label_dims[0] == dims[0], "give one label per sample", file_name, ": /labels has ",
                 label_rank == 1 ? cat(label_dims[0], " entries") : cat(label_rank, " dimensions"), " for ", dims[0],
                 " samples");
-  H5Handle type{H5Dget_type(inputs.id), H5Tclose};
-  const bool bytes = H5Tget_class(type.id) == H5T_INTEGER && H5Tget_size(type.id) == 1 && H5Tget_sign(type.id) == H5T_SGN_NONE;
-  MPIPE_REQUIRE(bytes || H5Tget_class(type.id) == H5T_FLOAT, "store /inputs as uint8 or float32", file_name,
+  const Handle type(H5Dget_type(inputs.get()), H5Tclose);
+  const bool bytes = H5Tget_class(type.get()) == H5T_INTEGER && H5Tget_size(type.get()) == 1 && H5Tget_sign(type.get()) == H5T_SGN_NONE;
+  MPIPE_REQUIRE(bytes || H5Tget_class(type.get()) == H5T_FLOAT, "store /inputs as uint8 or float32", file_name,
                 ": /inputs is neither uint8 nor floating point");
   const std::int64_t n = static_cast<std::int64_t>(dims[0]), per_sample = sample.numel();
   MPIPE_REQUIRE(static_cast<double>(n) * static_cast<double>(per_sample) * 4 < 64e9, "use a smaller file", file_name,
                 " holds more than 64 GB of samples");
   std::vector<float> x(static_cast<std::size_t>(n * per_sample));
-  MPIPE_REQUIRE(H5Dread(inputs.id, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, x.data()) >= 0, hint, file_name,
+  MPIPE_REQUIRE(H5Dread(inputs.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, x.data()) >= 0, hint, file_name,
                 ": cannot read /inputs");
   if (bytes)
     for (float& v : x) v /= 255.0f;
@@ -119,12 +110,12 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
   const std::int64_t channels = sample.rank == 4 ? sample[1] : 1, plane = per_sample / channels;
   std::vector<float> mean(static_cast<std::size_t>(channels), 0.0f), stdev(static_cast<std::size_t>(channels), 1.0f);
   for (auto [name, values] : {std::pair{"mean", &mean}, std::pair{"std", &stdev}}) {
-    if (H5Aexists(inputs.id, name) <= 0) continue;
-    H5Handle attribute{H5Aopen(inputs.id, name, H5P_DEFAULT), H5Aclose};
-    H5Handle space{H5Aget_space(attribute.id), H5Sclose};
-    MPIPE_REQUIRE(H5Sget_simple_extent_npoints(space.id) == channels, cat("give ", channels, " values, one per channel"),
-                  file_name, ": /inputs attribute ", name, " has ", H5Sget_simple_extent_npoints(space.id), " values");
-    MPIPE_REQUIRE(H5Aread(attribute.id, H5T_NATIVE_FLOAT, values->data()) >= 0, hint, file_name, ": cannot read ", name);
+    if (H5Aexists(inputs.get(), name) <= 0) continue;
+    const Handle attribute(H5Aopen(inputs.get(), name, H5P_DEFAULT), H5Aclose);
+    const Handle space(H5Aget_space(attribute.get()), H5Sclose);
+    MPIPE_REQUIRE(H5Sget_simple_extent_npoints(space.get()) == channels, cat("give ", channels, " values, one per channel"),
+                  file_name, ": /inputs attribute ", name, " has ", H5Sget_simple_extent_npoints(space.get()), " values");
+    MPIPE_REQUIRE(H5Aread(attribute.get(), H5T_NATIVE_FLOAT, values->data()) >= 0, hint, file_name, ": cannot read ", name);
   }
   for (std::int64_t c = 0; c < channels; ++c)
     MPIPE_REQUIRE(stdev[static_cast<std::size_t>(c)] > 0, "give positive std values", file_name, ": std of channel ", c,
@@ -136,7 +127,7 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
       for (std::int64_t i = 0; i < plane; ++i) p[i] = (p[i] - m) * inv;
     }
   std::vector<std::int64_t> wide(static_cast<std::size_t>(n));
-  MPIPE_REQUIRE(H5Dread(labels.id, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, wide.data()) >= 0,
+  MPIPE_REQUIRE(H5Dread(labels.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, wide.data()) >= 0,
                 "store /labels as integers", file_name, ": cannot read /labels as integers");
   std::vector<std::int32_t> y(static_cast<std::size_t>(n));
   const std::int64_t classes = model.classes();

@@ -18,6 +18,7 @@
 #include <sstream>
 
 #include "mpipe/core/version.hpp"
+#include "mpipe/data/hdf5.hpp"
 #include "mpipe/io/config_file.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
@@ -27,30 +28,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// ---- small HDF5 helpers ------------------------------------------------------------
-
-// Closes an HDF5 handle with the right function when it goes out of scope.
-class Handle {
- public:
-  Handle() = default;
-  Handle(hid_t id, herr_t (*close)(hid_t)) : id_(id), close_(close) {}
-  Handle(Handle&& o) noexcept : id_(o.id_), close_(o.close_) { o.id_ = H5I_INVALID_HID; }
-  Handle& operator=(Handle&& o) noexcept {
-    std::swap(id_, o.id_);
-    std::swap(close_, o.close_);
-    return *this;
-  }
-  Handle(const Handle&) = delete;
-  ~Handle() {
-    if (id_ >= 0 && close_) close_(id_);
-  }
-  hid_t get() const { return id_; }
-  bool ok() const { return id_ >= 0; }
-
- private:
-  hid_t id_ = H5I_INVALID_HID;
-  herr_t (*close_)(hid_t) = nullptr;
-};
+// ---- small HDF5 helpers (Handle and quiet_hdf5 in data/hdf5.hpp) ----------------
 
 // The model's layer list as a model file, without the name line (the same list read
 // from another path is the same model).
@@ -80,11 +58,6 @@ std::string first_difference(const std::string& there, const std::string& here) 
                  x.empty() ? "(nothing)" : x, " there, ", y.empty() ? "(nothing)" : y, " here");
     }
   }
-}
-
-void quiet_hdf5() {
-  // Our messages say what went wrong in one line; HDF5's own error stack is noise.
-  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
 }
 
 #define H5_CHECK(expr, ...)                                                    \

@@ -44,10 +44,8 @@ void apply_config_file(CLI::App& command) {
   try {
     table = toml::parse_file(path);
   } catch (const toml::parse_error& e) {
-    std::string what(e.description());
-    for (char& ch : what)  // one line, printable: the parser may quote what it choked on
-      if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
-    throw UserError(cat(where(path, e.source()), ": ", what), "check the TOML syntax (key = value, one per line)");
+    throw UserError(cat(where(path, e.source()), ": ", printable_line(std::string(e.description()))),
+                    "check the TOML syntax (key = value, one per line)");
   }
   for (const auto& [key, value] : table) {
     const std::string name(key.str());

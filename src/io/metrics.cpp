@@ -6,6 +6,8 @@
 #include <cstring>
 #include <iomanip>
 
+#include "mpipe/core/toml_text.hpp"
+
 namespace mpipe {
 
 MetricsWriter::MetricsWriter(const std::string& path) : path_(path) {
@@ -36,6 +38,11 @@ void MetricsWriter::write(const StepResult& r, double samples_per_s, double toke
                static_cast<long long>(r.step + 1), num(static_cast<float>(r.loss)).c_str(), num(r.lr).c_str(),
                num(r.grad_norm).c_str(), r.skipped ? "true" : "false", num(r.seconds).c_str(),
                num(samples_per_s).c_str(), num(tokens_per_s).c_str(), num(r.bubble_fraction).c_str()));
+}
+
+void MetricsWriter::write_eval(std::int64_t step, const EvalResult& e) {
+  write_line(cat("{\"step\": ", step + 1, ", \"eval_loss\": ", shortest_text(e.loss), ", \"eval_accuracy\": ",
+                 shortest_text(e.accuracy), ", \"eval_samples\": ", e.samples, "}"));
 }
 
 }  // namespace mpipe

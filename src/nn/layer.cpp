@@ -17,8 +17,7 @@ void append_specs(std::vector<ParamSpec>& out, const std::string& prefix, const 
 }
 
 // Hands consecutive slices of params/grads to the parts, in param_specs() order.
-void bind_parts(std::span<const Tensor> params, std::span<const Tensor> grads,
-                std::initializer_list<Layer*> parts) {
+void bind_parts(std::span<const Tensor> params, std::span<const Tensor> grads, std::span<Layer* const> parts) {
   std::size_t at = 0;
   for (Layer* part : parts) {
     const std::size_t n = part->param_specs().size();
@@ -26,6 +25,9 @@ void bind_parts(std::span<const Tensor> params, std::span<const Tensor> grads,
     at += n;
   }
   MPIPE_CHECK(at == params.size(), "bound ", at, " of ", params.size(), " parameters");
+}
+void bind_parts(std::span<const Tensor> params, std::span<const Tensor> grads, std::initializer_list<Layer*> parts) {
+  bind_parts(params, grads, std::span<Layer* const>(parts.begin(), parts.size()));
 }
 
 double f32_bytes(double elements) { return 4.0 * elements; }
@@ -340,12 +342,8 @@ Cost TransformerBlock::cost(const Shape& in) const {
   wide[-1] = 4 * channels_;
   Cost total;
   for (const Cost& c : {ln1_.cost(in), attn_.cost(in), ln2_.cost(in), fc_.cost(in), gelu_.cost(wide),
-                        fc_proj_.cost(wide)}) {
-    total.forward_flops += c.forward_flops;
-    total.backward_flops += c.backward_flops;
-    total.param_bytes += c.param_bytes;
-    total.activation_bytes += c.activation_bytes;
-  }
+                        fc_proj_.cost(wide)})
+    total += c;
   total.activation_bytes += f32_bytes(static_cast<double>(in.numel()));  // the residual sum
   return total;
 }
@@ -432,17 +430,11 @@ Shape Residual::output_shape(const Shape& in) const {
 Cost Residual::cost(const Shape& in) const {
   Cost total;
   Shape s = in;
-  auto add = [&](const Cost& c) {
-    total.forward_flops += c.forward_flops;
-    total.backward_flops += c.backward_flops;
-    total.param_bytes += c.param_bytes;
-    total.activation_bytes += c.activation_bytes;
-  };
   for (const auto& part : inner_) {
-    add(part->cost(s));
+    total += part->cost(s);
     s = part->output_shape(s);
   }
-  if (projection_) add(projection_->cost(in));
+  if (projection_) total += projection_->cost(in);
   const double out = static_cast<double>(s.numel());
   total.forward_flops += out;
   total.backward_flops += out;
@@ -458,15 +450,10 @@ std::vector<ParamSpec> Residual::param_specs() const {
 }
 
 void Residual::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
-  std::size_t at = 0;
-  auto give = [&](Layer& part) {
-    const std::size_t n = part.param_specs().size();
-    part.bind(params.subspan(at, n), grads.subspan(at, n));
-    at += n;
-  };
-  for (auto& part : inner_) give(*part);
-  if (projection_) give(*projection_);
-  MPIPE_CHECK(at == params.size(), "bound ", at, " of ", params.size(), " parameters");
+  std::vector<Layer*> parts;
+  for (auto& part : inner_) parts.push_back(part.get());
+  if (projection_) parts.push_back(projection_.get());
+  bind_parts(params, grads, parts);
 }
 
 // Children: the inner layers in order, then the projection.

@@ -461,10 +461,8 @@ ModelSpec parse_model_file(const std::string& path) {
   try {
     table = toml::parse_file(path);
   } catch (const toml::parse_error& e) {
-    std::string what(e.description());
-    for (char& ch : what)
-      if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
-    throw UserError(cat("model file '", path, "' line ", e.source().begin.line, ", column ", e.source().begin.column, ": ", what),
+    throw UserError(cat("model file '", path, "' line ", e.source().begin.line, ", column ", e.source().begin.column, ": ",
+                        printable_line(std::string(e.description()))),
                     "check the TOML syntax");
   }
   ModelSpec spec;

@@ -173,13 +173,12 @@ void Executor::connect() {
   grid_ = std::make_unique<Grid>(world_, config_.pipeline.grid);
   const auto& p = config_.pipeline;
   const int K = grid_->stages();
-  if (!p.balance.empty()) {
-    partition_ = partition_from_balance(parse_balance(p.balance), model_.size());
-  } else if (p.partition == "time") {
-    // Measured once, on world rank 0, so every rank cuts at the same layers.
-    // Measured once, on a model of its own (its layers' views die with the probe), and
-    // a failure is broadcast as NaN so that no rank is left in the broadcast.
-    std::vector<double> costs(model_.size(), 0.0);
+  std::vector<double> costs;
+  if (p.balance.empty() && p.partition == "time") {
+    // Measured once, on world rank 0, so every rank cuts at the same layers; on a model
+    // of its own (its layers' views die with the probe), and a failure is broadcast as
+    // NaN so that no rank is left in the broadcast.
+    costs.assign(static_cast<std::size_t>(model_.size()), 0.0);
     std::string problem;
     if (world_.rank() == 0) {
       try {
@@ -192,10 +191,8 @@ void Executor::connect() {
     }
     world_.broadcast(std::span<double>(costs), 0);
     if (std::isnan(costs[0])) throw Error(cat("measuring layer times on rank 0 failed", problem.empty() ? "" : ": " + problem));
-    partition_ = partition_min_max(costs, K, boundary_bytes(model_, micro_));
-  } else {
-    partition_ = partition_min_max(layer_costs(model_, p.partition, micro_), K, boundary_bytes(model_, micro_));
   }
+  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs);
   begin_ = partition_.begin(grid_->stage());
   end_ = partition_.end(grid_->stage());
   // Tied weights: every tie must join the same two stages (GPT has one tie).

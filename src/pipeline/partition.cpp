@@ -157,6 +157,13 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
   return seconds;
 }
 
+Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
+                           int micro, const std::vector<double>& measured) {
+  if (!balance.empty()) return partition_from_balance(parse_balance(balance), model.size());
+  return partition_min_max(method == "time" ? measured : layer_costs(model, method, micro), stages,
+                           boundary_bytes(model, micro));
+}
+
 std::vector<int> parse_balance(const std::string& text) {
   std::vector<int> out;
   std::stringstream in(text);

@@ -32,4 +32,11 @@ inline std::string toml_quoted(const std::string& text) {
   return out + "\"";
 }
 
+// A parser's message as one printable line (it may quote the bytes it choked on).
+inline std::string printable_line(std::string text) {
+  for (char& ch : text)
+    if (static_cast<unsigned char>(ch) < 0x20 || static_cast<unsigned char>(ch) >= 0x7f) ch = '?';
+  return text;
+}
+
 }  // namespace mpipe

@@ -16,6 +16,8 @@ class MetricsWriter {
   MetricsWriter& operator=(const MetricsWriter&) = delete;
   // Each throws UserError when the line cannot be written (a full disk).
   void write(const StepResult& r, double samples_per_s, double tokens_per_s);
+  // An evaluation after step `step` (0-based, as StepResult::step).
+  void write_eval(std::int64_t step, const EvalResult& e);
   void write_line(const std::string& json);
 
  private:

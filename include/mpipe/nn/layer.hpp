@@ -43,6 +43,13 @@ struct Cost {
   double backward_flops = 0;
   double param_bytes = 0;
   double activation_bytes = 0;  // what the context keeps between forward and backward
+  Cost& operator+=(const Cost& c) {  // composite layers: the sum of their parts
+    forward_flops += c.forward_flops;
+    backward_flops += c.backward_flops;
+    param_bytes += c.param_bytes;
+    activation_bytes += c.activation_bytes;
+    return *this;
+  }
 };
 
 // One forward or backward pass over a micro-batch: where memory comes from and where in

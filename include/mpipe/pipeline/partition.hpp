@@ -46,6 +46,12 @@ std::vector<double> layer_costs(const Model& model, const std::string& method, i
 // process (each layer's parameters exist only while it is measured).
 std::vector<double> measure_layer_times(Model& model, int micro, unsigned long long seed);
 
+// The partition --balance (layers per stage) or, without it, --partition `method` asks
+// for: the exact min-max of the layer costs with the cut sizes of boundary_bytes();
+// `measured`: the layer times of --partition time.
+Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
+                           int micro, const std::vector<double>& measured = {});
+
 std::vector<int> parse_balance(const std::string& text);  // "2,3,3"; UserError if malformed
 
 }  // namespace mpipe
