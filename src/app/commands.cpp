@@ -650,6 +650,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
        })))
     return code;
   if (!config.trace.empty()) exec->start_trace_clock();
+  // Heartbeats from here to the end (after a collective, so every rank starts them
+  // together): a rank stopped before or inside a checkpoint, or before the end of
+  // training, is named within --p2p-timeout.
+  Watchdog watchdog(world, exec->grid().name(), config.pipeline.p2p_timeout);
 
   const auto& m = config.model;
   const Grid& grid = exec->grid();
@@ -689,7 +693,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   auto checkpoint = [&](int64_t done) {
     if (config.checkpoint_dir.empty() || done == last_saved) return true;
     try {
-      const SaveResult saved = save_checkpoint(*exec, checkpoint_dir, done);
+      const SaveResult saved = save_checkpoint(*exec, checkpoint_dir, done, &watchdog);
       last_saved = done;
       checkpoint_seconds = saved.write_seconds + saved.verify_seconds;
       if (root)
@@ -809,7 +813,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     return exit_user_error;
   }
   // The closing gathers are collectives: a rank stopped by now is named, not waited for.
-  rendezvous(world, "the end of training", config.pipeline.p2p_timeout);
+  rendezvous(world, "the end of training", config.pipeline.p2p_timeout, &watchdog);
   std::vector<StagePhases> phases = phase_table(stats, world, grid.stages(), theory);
   double peak = static_cast<double>(exec->peak_activation_bytes());
   std::vector<double> peaks(root ? world.size() : 0);

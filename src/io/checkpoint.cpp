@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -594,7 +595,7 @@ void check_checkpoint_options(const TrainConfig& c, bool create) {
 
 // ---- saving --------------------------------------------------------------------------
 
-SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step) {
+SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step, Watchdog* liveness) {
   quiet_hdf5();
   auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
   SaveResult result;
@@ -610,8 +611,9 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
   // heartbeats within --p2p-timeout, however large the file. Its deadline, which allows
   // a healthy write at 10 MB/s, bounds a write that every rank is still doing.
   const double timeout = config.pipeline.p2p_timeout;
-  rendezvous(world, cat("checkpoint step ", step), timeout);
-  Watchdog watchdog(world, cat("rank ", world.rank(), " (stage ", grid.stage(), ", replica ", grid.replica(), ")"), timeout);
+  rendezvous(world, cat("checkpoint step ", step), timeout, liveness);
+  std::optional<Watchdog> own;
+  Watchdog& watchdog = liveness ? *liveness : own.emplace(world, grid.name(), timeout);
   const double file_bytes = 4.0 * static_cast<double>(model.parameter_count()) *
                             static_cast<double>(1 + exec.optimizer().state_names().size());
   const auto guard = watchdog.arm(cat("writing checkpoint ", final_path), timeout + file_bytes / 10e6);

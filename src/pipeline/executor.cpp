@@ -584,7 +584,7 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
         case ActionKind::send_grad: transport_->send(Direction::backward, mb, input_grads_[mb]); break;
       }
     } catch (const std::exception& e) {
-      rethrow_as(e, cat("rank ", world_.rank(), " (stage ", stage, ", replica ", grid_->replica(), ") at step ", step,
+      rethrow_as(e, cat(grid_->name(), " at step ", step,
                         " during ", to_string(action), ": ", e.what()));
     }
   }
@@ -719,8 +719,7 @@ StepResult Executor::step(std::int64_t step) {
     // The action loop names its action already; everything else gets rank and stage.
     const std::string what = e.what();
     if (what.rfind("rank ", 0) == 0) throw;
-    rethrow_as(e, cat("rank ", world_.rank(), " (stage ", grid_->stage(), ", replica ", grid_->replica(), ") at step ",
-                      step, " during the gradient reduction or update: ", what));
+    rethrow_as(e, cat(grid_->name(), " at step ", step, " during the gradient reduction or update: ", what));
   }
 }
 

@@ -48,7 +48,7 @@ bool wait_until(std::vector<MPI_Request>& requests, Clock::time_point deadline) 
 
 }  // namespace
 
-void rendezvous(const Communicator& world, const std::string& what, double timeout_s) {
+void rendezvous(const Communicator& world, const std::string& what, double timeout_s, Watchdog* liveness) {
   const int size = world.size();
   if (size == 1) return;
   const Clock::time_point first_deadline = after(timeout_s), last_deadline = after(2 * timeout_s);
@@ -75,10 +75,20 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
     std::vector<MPI_Request> requests(2);
     MPI_Isend(&token, 1, MPI_INT, 0, rendezvous_tag, world.get(), &requests[0]);
     MPI_Irecv(&go, 1, MPI_INT, 0, rendezvous_tag, world.get(), &requests[1]);
-    // Rank 0 speaks first about missing ranks; later, rank 0 itself is what is missing.
-    if (!wait_until(requests, after(2 * timeout_s + 5)))
-      end_job(world.get(), cat("rank ", world.rank(), ": rank 0 did not answer at ", what, " within ", 2 * timeout_s + 5,
-                               " s: stopped or hung; ending the job"));
+    // Rank 0 speaks first about missing ranks. Rank 0 itself missing: its heartbeats say
+    // so within the timeout; without them, only waiting longer than it would take to speak.
+    const bool heartbeats = liveness && liveness->heartbeats();
+    const Clock::time_point deadline = after(2 * timeout_s + 5);
+    for (;;) {
+      if (wait_until(requests, std::min(deadline, after(0.05)))) return;
+      if (heartbeats && liveness->silent_s(0) >= timeout_s)
+        roll_call(world.get(), cat("rank ", world.rank(), ": waiting for rank 0 at ", what, " (no heartbeat for ", timeout_s,
+                                   " s, --p2p-timeout)"),
+                  std::min(timeout_s, 3.0));
+      if (Clock::now() > deadline)
+        end_job(world.get(), cat("rank ", world.rank(), ": rank 0 did not answer at ", what, " within ", 2 * timeout_s + 5,
+                                 " s: stopped or hung; ending the job"));
+    }
   }
 }
 
@@ -88,10 +98,11 @@ Watchdog::Watchdog(const Communicator& world, std::string rank_name, double live
   MPI_Query_thread(&level);
   heartbeats_ = level == MPI_THREAD_MULTIPLE && world.size() > 1 && liveness_s > 0;
   if (heartbeats_) {
+    const Clock::time_point now = Clock::now();  // a peer has the liveness time for its first word
     if (rank_ == 0)
-      for (int r = 1; r < world.size(); ++r) peers_.push_back(Peer{r});
+      for (int r = 1; r < world.size(); ++r) peers_.push_back(Peer{r, 0, 0, MPI_REQUEST_NULL, MPI_REQUEST_NULL, now});
     else
-      peers_.push_back(Peer{0});
+      peers_.push_back(Peer{0, 0, 0, MPI_REQUEST_NULL, MPI_REQUEST_NULL, now});
   }
   thread_ = std::thread([this] { run(); });
 }
@@ -111,14 +122,22 @@ Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
     std::lock_guard<std::mutex> lock(mutex_);
     what_ = std::move(what);
     seconds_ = seconds;
-    const Clock::time_point now = Clock::now();
     deadline_ = after(seconds);
-    next_send_ = now;
-    for (Peer& p : peers_) p.heard = now;  // a peer has the liveness time for its first word
+    // The ranks arm together (after a collective): a peer has the liveness time from here
+    // for its next word, whatever it did before (it may have built its watchdog later).
+    const Clock::time_point now = Clock::now();
+    for (Peer& p : peers_) p.heard = now;
     armed_ = true;
   }
   wake_.notify_all();
   return Guard(*this);
+}
+
+double Watchdog::silent_s(int peer) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const Peer& p : peers_)
+    if (p.rank == peer) return std::chrono::duration<double>(Clock::now() - p.heard).count();
+  return 0;
 }
 
 void Watchdog::disarm() {
@@ -160,22 +179,26 @@ void Watchdog::beat(Clock::time_point now, bool send) {
 }
 
 void Watchdog::run() {
-  // Words every quarter of the liveness time (at most 1 s apart), polled at least as often.
+  // Words every quarter of the liveness time (at most 1 s apart), polled at least as often,
+  // armed or not; judgements (a silent peer, the deadline) only while armed.
   const auto period = std::chrono::duration<double>(std::clamp(liveness_s_ / 4, 0.05, 1.0));
   const auto poll = std::chrono::duration_cast<Clock::duration>(period / 4);
   std::unique_lock<std::mutex> lock(mutex_);
+  next_send_ = Clock::now();
   while (!stop_) {
-    if (!armed_) {
+    if (!armed_ && !heartbeats_) {
       wake_.wait(lock);
       continue;
     }
-    const Clock::time_point until = heartbeats_ ? std::min(deadline_, Clock::now() + poll) : deadline_;
+    const bool was_armed = armed_;
+    const Clock::time_point until =
+        !heartbeats_ ? deadline_ : armed_ ? std::min(deadline_, Clock::now() + poll) : Clock::now() + poll;
     wake_.wait_until(lock, until);
-    if (!armed_ || stop_) continue;
+    if (stop_) break;
     const Clock::time_point now = Clock::now();
-    // Woken far too late: this rank was the stopped one (SIGSTOP, and mpirun's SIGCONT
-    // before it kills). The others have named it; it stays quiet until the job ends.
-    if (now - until > std::chrono::seconds(1)) {
+    // Woken far too late while armed: this rank was the stopped one (SIGSTOP, and mpirun's
+    // SIGCONT before it kills). The others have named it; it stays quiet until the job ends.
+    if (was_armed && armed_ && now - until > std::chrono::seconds(1)) {
       lock.unlock();
       std::this_thread::sleep_for(std::chrono::duration<double>(std::min(liveness_s_, 3.0) + 5));
       MPI_Abort(world_, 1);
@@ -184,15 +207,16 @@ void Watchdog::run() {
       const bool send = now >= next_send_;
       if (send) next_send_ = now + std::chrono::duration_cast<Clock::duration>(period);
       beat(now, send);
-      for (const Peer& p : peers_) {
-        const double silent = std::chrono::duration<double>(now - p.heard).count();
-        if (silent < liveness_s_) continue;
-        const std::string context = cat(rank_name_, ": ", what_);
-        if (rank_ == 0)  // it hears every rank: it names the silent one
-          end_job(world_, cat("rank ", p.rank, " stopped answering (no heartbeat for ", liveness_s_, " s, --p2p-timeout). Seen by ",
-                              context, "; ending the job"));
-        roll_call(world_, context, std::min(liveness_s_, 3.0));  // rank 0 is silent: the others name it
-      }
+    }
+    if (!armed_) continue;
+    for (const Peer& p : peers_) {
+      const double silent = std::chrono::duration<double>(now - p.heard).count();
+      if (silent < liveness_s_) continue;
+      const std::string context = cat(rank_name_, ": ", what_);
+      if (rank_ == 0)  // it hears every rank: it names the silent one
+        end_job(world_, cat("rank ", p.rank, " stopped answering (no heartbeat for ", liveness_s_, " s, --p2p-timeout). Seen by ",
+                            context, "; ending the job"));
+      roll_call(world_, context, std::min(liveness_s_, 3.0));  // rank 0 is silent: the others name it
     }
     if (now >= deadline_)
       roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"), std::min(seconds_, 3.0));

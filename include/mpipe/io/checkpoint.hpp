@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/watchdog.hpp"
 
 namespace mpipe {
 
@@ -105,8 +106,9 @@ struct SaveResult {
 // Collective over the world. Replica 0 writes step `step`'s checkpoint (the state after
 // `step` completed steps); world rank 0 verifies it, renames it into place and prunes
 // to --keep. Throws on every rank if it failed anywhere; the previous checkpoints are
-// untouched then.
-SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step);
+// untouched then. `liveness`: the run's watchdog (its heartbeats name a rank stopped
+// before or within the checkpoint); without one, a watchdog for this checkpoint alone.
+SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step, Watchdog* liveness = nullptr);
 
 // Collective: resumes as --resume asks. auto tries the checkpoints of --checkpoint-dir
 // newest first, skipping (with a warning) any whose structure or data does not check

@@ -14,9 +14,13 @@
 namespace mpipe {
 
 // Every rank of `world` tells rank 0 it reached `what`, then waits for rank 0's word to
-// go on. Rank 0 names the ranks that did not come within `timeout_s`; a rank not released
-// in twice that names rank 0. Either way: one line on stderr and MPI_Abort (exit 1).
-void rendezvous(const Communicator& world, const std::string& what, double timeout_s);
+// go on. Rank 0 names the ranks that did not come within `timeout_s`. The others name
+// rank 0 (a roll call among them) once `liveness`'s heartbeats say it has been silent for
+// `timeout_s`; without heartbeats, once it has not released them in twice that and 5 s.
+// Either way: one line on stderr and MPI_Abort (exit 1).
+class Watchdog;
+void rendezvous(const Communicator& world, const std::string& what, double timeout_s,
+                Watchdog* liveness = nullptr);
 
 // A wait timed out (`context`: what this rank saw). Every rank that gets here tells all
 // others; after `grace_s`, the lowest rank heard names the ranks not heard from (the
@@ -26,14 +30,16 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
 // A thread that ends the job (one line, then MPI_Abort) when a guarded stretch of work
 // outlives its deadline, or, sooner, when a rank stops answering within it.
 //
-// Liveness: while armed, the watchdog threads exchange heartbeats (rank 0 with every
-// rank) whatever their main threads are doing, so a long write is told apart from a
-// stopped rank: rank 0 names a rank silent for `liveness_s` seconds; when rank 0 is the
-// silent one, the others hold a roll call that names it. A peer is silent from the arm on
-// (a rank stopped before its first word is found too), so the ranks must arm and disarm
-// it together, after and before a collective: the heartbeats flow only while armed. The deadline then only bounds
-// work that every rank is still doing (a hung file system). Heartbeats need
-// MPI_THREAD_MULTIPLE; without it the deadline alone stands.
+// Liveness: from its construction on, the watchdog threads exchange heartbeats (rank 0
+// with every rank) whatever their main threads are doing, so a long write is told apart
+// from a stopped rank. While armed, rank 0 names a rank silent for `liveness_s` seconds;
+// when rank 0 is the silent one, the others hold a roll call that names it; unarmed,
+// `silent_s` tells a wait how long a peer has been silent (a rendezvous asks about rank 0).
+// A peer is silent from the construction on, and again from each arm on (a rank stopped
+// before its first word is found too), so the ranks construct it together, after a
+// collective (one for a whole run), and arm it together.
+// The deadline then only bounds work that every rank is still doing (a hung file system).
+// Heartbeats need MPI_THREAD_MULTIPLE; without it the deadline alone stands.
 class Watchdog {
  public:
   Watchdog(const Communicator& world, std::string rank_name, double liveness_s);
@@ -58,6 +64,10 @@ class Watchdog {
 
   // Whether heartbeats run (MPI_THREAD_MULTIPLE, more than one rank, liveness_s > 0).
   bool heartbeats() const { return heartbeats_; }
+  // Seconds since `peer` was last heard (from the construction on); 0 for a rank this one
+  // does not exchange heartbeats with (rank 0's peers are all ranks, the others' rank 0).
+  double silent_s(int peer);
+  double liveness_s() const { return liveness_s_; }
   // Heartbeats received so far, from every peer.
   long words_heard() {
     std::lock_guard<std::mutex> lock(mutex_);

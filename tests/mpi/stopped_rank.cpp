@@ -1,0 +1,33 @@
+// A rank stopped (SIGSTOP) just before a rendezvous, the wait that opens every checkpoint
+// and the end of training: the ranks still answering must name it within the timeout,
+// rank 0 included, which only its heartbeats can tell apart from a slow rank 0.
+// Usage: mpiexec -n N stopped_rank VICTIM TIMEOUT_S. Never exits 0: the job ends by
+// MPI_Abort with one line naming VICTIM (stopped_rank.sh checks the line and the time).
+#include <mpi.h>
+
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+
+#include "mpipe/pipeline/watchdog.hpp"
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  if (argc != 3) {
+    std::fprintf(stderr, "usage: stopped_rank VICTIM TIMEOUT_S\n");
+    MPI_Abort(MPI_COMM_WORLD, 2);
+  }
+  const int victim = std::atoi(argv[1]);
+  const double timeout = std::atof(argv[2]);
+  {
+    const mpipe::Communicator world = mpipe::Communicator::borrow(MPI_COMM_WORLD);
+    mpipe::Watchdog watchdog(world, mpipe::cat("rank ", world.rank()), timeout);
+    world.barrier();  // the watchdogs start together, as in a run
+    if (world.rank() == victim) std::raise(SIGSTOP);
+    mpipe::rendezvous(world, "the test's rendezvous", timeout, &watchdog);
+  }
+  std::fprintf(stderr, "the rendezvous passed with rank %d stopped\n", victim);
+  MPI_Finalize();
+  return 0;
+}
