@@ -138,7 +138,8 @@ def repeated(layers):
 
 class Residual(torch.nn.Module):
     """mpipe's residual block: inner layers plus the identity or a bias-free projection
-    (a 1x1 convolution with the stride that maps the plane, or a linear map)."""
+    (a 1x1 convolution with the stride that maps the plane, or a linear map), with
+    skip-norm a BatchNorm after it."""
 
     def __init__(self, layer, x):
         super().__init__()
@@ -147,12 +148,14 @@ class Residual(torch.nn.Module):
         for child in repeated(layer["layer"]):
             part, h = build_part(child, h)
             self.inner.append(part)
-        self.skip = None
+        self.skip = self.skip_norm = None
         if h.shape != x.shape or layer.get("skip", "auto") == "projection":
             if x.dim() == 4:
                 stride = next(s for s in range(1, x.shape[2] + 1)
                               if (x.shape[2] - 1) // s + 1 == h.shape[2] and (x.shape[3] - 1) // s + 1 == h.shape[3])
                 self.skip = torch.nn.Conv2d(x.shape[1], h.shape[1], 1, stride, 0, bias=False)
+                if layer.get("skip-norm", False):
+                    self.skip_norm = torch.nn.BatchNorm2d(h.shape[1])
             else:
                 self.skip = torch.nn.Linear(x.shape[-1], h.shape[-1], bias=False)
 
@@ -162,13 +165,18 @@ class Residual(torch.nn.Module):
             out.update({f"{j}.{name}": p for name, p in state_of(part).items()})
         if self.skip is not None:
             out.update({f"skip.{name}": p for name, p in self.skip.named_parameters()})
+        if self.skip_norm is not None:
+            out.update({f"skip_norm.{name}": p for name, p in state_of(self.skip_norm).items()})
         return out
 
     def forward(self, x):
         h = x
         for part in self.inner:
             h = part(h)
-        return h + (self.skip(x) if self.skip is not None else x)
+        if self.skip is None:
+            return h + x
+        s = self.skip(x)
+        return h + (self.skip_norm(s) if self.skip_norm is not None else s)
 
 
 class GlobalAvgPool(torch.nn.Module):
@@ -194,6 +202,8 @@ def build_part(layer, x):
         part = torch.nn.Linear(x.shape[-1], get("out"), bias=get("bias", True))
     elif kind == "batchnorm2d":
         part = torch.nn.BatchNorm2d(x.shape[1], eps=get("eps", 1e-5), momentum=get("momentum", 0.1))
+        if get("zero-init", False):
+            torch.nn.init.zeros_(part.weight)
     elif kind == "layernorm":
         part = torch.nn.LayerNorm(x.shape[-1], eps=1e-5)
     elif kind == "relu":

@@ -198,8 +198,10 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   const auto figures = stage_figures(model, part, micro);
   std::printf("partition (%s): %s\n", config.pipeline.balance.empty() ? config.pipeline.partition.c_str() : "balance",
               part.to_text().c_str());
-  std::printf("%-6s %-9s %-28s %10s %12s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb", "act. no remat",
-              "act. remat");
+  // Values, gradients and the optimizer's state, fp32.
+  const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());
+  std::printf("%-6s %-9s %-28s %10s %12s %14s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb", "weights+state",
+              "act. no remat", "act. remat");
   for (int s = 0; s < K; ++s) {
     std::string kinds;
     for (int i = part.begin(s); i < part.end(s); ++i) {
@@ -209,9 +211,10 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
     if (kinds.size() > 28) kinds = kinds.substr(0, 25) + "...";
     const int live = in_flight(compute, s);
     const StageFigures& f = figures[s];
-    std::printf("%-6d %-9s %-28s %10s %12.3f %16s %16s\n", s, cat(part.begin(s), "-", part.end(s) - 1).c_str(),
+    std::printf("%-6d %-9s %-28s %10s %12.3f %14s %16s %16s\n", s, cat(part.begin(s), "-", part.end(s) - 1).c_str(),
                 kinds.c_str(), human_count(f.params).c_str(), (f.forward_flops + f.backward_flops) / 1e9,
-                human_bytes(f.held(live, false)).c_str(), human_bytes(f.held(live, true)).c_str());
+                human_bytes(4.0 * f.params * states).c_str(), human_bytes(f.held(live, false)).c_str(),
+                human_bytes(f.held(live, true)).c_str());
   }
   const Schedule lowered = lower(compute);
   StageCosts costs = StageCosts::uniform(K);
@@ -253,6 +256,13 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
 
 void print_schedule_grid(const TrainConfig& config, const GridShape& grid) {
   const Schedule lowered = lower(make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches));
+  constexpr int widest = 16;  // a grid beyond this many stages or micro-batches is no longer read at a glance
+  if (grid.stages > widest || config.micro_batches > widest) {
+    const Simulation sim = simulate(lowered, StageCosts::uniform(grid.stages));
+    std::printf("schedule %s (forward 1 unit, backward 2): makespan %g, bubble %.1f%% (drawn for up to %d stages and "
+                "micro-batches)\n", lowered.name.c_str(), sim.makespan, 100 * sim.bubble_fraction, widest);
+    return;
+  }
   std::printf("schedule %s (forward 1 unit, backward 2):\n%s", lowered.name.c_str(),
               render(lowered, StageCosts::uniform(grid.stages)).c_str());
 }
@@ -425,15 +435,18 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   auto& m = c.model;
   auto& o = c.optimizer;
   auto& p = c.pipeline;
-  cmd.add_option("--model", m.kind, "Model: a preset (gpt or mlp, sized by the options below) or a model file (TOML: see plan --print-model and --layer-kinds)")->capture_default_str();
-  cmd.add_option("--layers", m.layers, "Transformer blocks (gpt) or hidden blocks (mlp)")->capture_default_str();
+  cmd.add_option("--model", m.kind, "Model: a preset (gpt, mlp or resnet, sized by the options below) or a model file (TOML: see plan --print-model and --layer-kinds)")->capture_default_str();
+  cmd.add_option("--layers", m.layers, "Transformer blocks (gpt), hidden blocks (mlp) or depth (resnet: 18, 34, 50, 101 or 152; default 18)")->capture_default_str();
   cmd.add_option("--d-model", m.d_model, "Channels of the residual stream (gpt)")->capture_default_str();
   cmd.add_option("--heads", m.heads, "Attention heads (gpt)")->capture_default_str();
   cmd.add_option("--seq-len", m.seq_len, "Tokens per sample (gpt)")->capture_default_str();
   cmd.add_option("--vocab", m.vocab, "Vocabulary size (gpt)")->capture_default_str();
   cmd.add_option("--hidden", m.hidden, "Width of the hidden layers (mlp)")->capture_default_str();
   cmd.add_option("--inputs", m.inputs, "Input features (mlp)")->capture_default_str();
-  cmd.add_option("--classes", m.classes, "Output classes (mlp)")->capture_default_str();
+  cmd.add_option("--classes", m.classes, "Output classes (mlp, resnet)")->capture_default_str();
+  cmd.add_option("--image", m.image, "Input side in pixels (resnet; from 128 on ImageNet's 7x7/2 stem and max pool)")->capture_default_str();
+  cmd.add_option("--channels", m.channels, "Input channels (resnet)")->capture_default_str();
+  cmd.add_option("--width", m.width, "Channels of the first of the four stages (resnet)")->capture_default_str();
   cmd.add_option("--dropout", m.dropout, "Dropout probability")->capture_default_str();
   cmd.add_option("--data", c.data, "synthetic, text:PATH (bytes) or tokens:PATH (uint16)")->capture_default_str();
   cmd.add_option("--batch-size", c.batch_size, "Global mini-batch, in samples")->capture_default_str();
@@ -926,10 +939,14 @@ int run_main(int argc, char** argv) {
     if (plan->parsed()) apply_config_file(*plan);
     // A model file has its own sizes: the presets' options would be ignored.
     for (const auto& [command, config] : {std::pair{train, &train_config}, std::pair{plan, &plan_config}}) {
-      if (!command->parsed() || is_preset(config->model.kind)) continue;
-      for (const char* name : {"--layers", "--d-model", "--heads", "--seq-len", "--vocab", "--hidden", "--inputs", "--classes", "--dropout"})
+      if (!command->parsed()) continue;
+      // ResNet's depth is one of five: 18 unless given.
+      if (config->model.kind == "resnet" && command->get_option("--layers")->count() == 0) config->model.layers = 18;
+      if (is_preset(config->model.kind)) continue;
+      for (const char* name : {"--layers", "--d-model", "--heads", "--seq-len", "--vocab", "--hidden", "--inputs", "--classes",
+                               "--image", "--channels", "--width", "--dropout"})
         MPIPE_REQUIRE(command->get_option(name)->count() == 0, "set it in the model file (mpipe plan --layer-kinds lists the keys)",
-                      name, " sizes the presets (gpt, mlp); model file '", config->model.kind, "' has its own");
+                      name, " sizes the presets (gpt, mlp, resnet); model file '", config->model.kind, "' has its own");
     }
   } catch (const CLI::CallForHelp& e) {
     return finish(rank == 0 ? app.exit(e) : 0);

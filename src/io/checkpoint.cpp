@@ -486,6 +486,8 @@ std::string model_signature(const Model& model) {
     s = cat("gpt layers=", c.layers, " d_model=", c.d_model, " heads=", c.heads, " seq_len=", c.seq_len, " vocab=", c.vocab);
   } else if (c.kind == "mlp") {
     s = cat("mlp layers=", c.layers, " hidden=", c.hidden, " inputs=", c.inputs, " classes=", c.classes);
+  } else if (c.kind == "resnet") {
+    s = cat("resnet layers=", c.layers, " image=", c.image, " channels=", c.channels, " width=", c.width, " classes=", c.classes);
   } else {  // a model file: its layer list, wherever the file lies
     const std::string text = model_text(model);
     char list[16];

@@ -85,6 +85,11 @@ std::string to_toml(const TrainConfig& c) {
     line("hidden", cat(m.hidden));
     line("inputs", cat(m.inputs));
     line("classes", cat(m.classes));
+  } else if (m.kind == "resnet") {
+    line("image", cat(m.image));
+    line("channels", cat(m.channels));
+    line("width", cat(m.width));
+    line("classes", cat(m.classes));
   }
   if (is_preset(m.kind)) line("dropout", toml_float(m.dropout));
   line("data", toml_quoted(c.data));

@@ -139,7 +139,7 @@ Cost BatchNorm2d::cost(const Shape& in) const {
 
 std::vector<ParamSpec> BatchNorm2d::param_specs() const {
   std::vector<ParamSpec> specs;
-  specs.push_back({"weight", Shape{channels_}, Init::ones, 0.0f, false});
+  specs.push_back({"weight", Shape{channels_}, zero_weight_ ? Init::zeros : Init::ones, 0.0f, false});
   specs.push_back({"bias", Shape{channels_}, Init::zeros, 0.0f, false});
   ParamSpec mean{"running_mean", Shape{channels_}, Init::zeros, 0.0f, false};
   ParamSpec var{"running_var", Shape{channels_}, Init::ones, 0.0f, false};

@@ -412,13 +412,13 @@ void TransformerBlock::backward_impl(const Context& ctx, const Tensor& dy, const
 
 // ---- Residual ------------------------------------------------------------------------
 
-Residual::Residual(std::vector<std::unique_ptr<Layer>> inner, std::unique_ptr<Layer> projection)
-    : inner_(std::move(inner)), projection_(std::move(projection)) {}
+Residual::Residual(std::vector<std::unique_ptr<Layer>> inner, std::vector<std::unique_ptr<Layer>> skip)
+    : inner_(std::move(inner)), skip_(std::move(skip)) {}
 
 void Residual::set_global_index(int index) {
   Layer::set_global_index(index);
   for (auto& part : inner_) part->set_global_index(index);
-  if (projection_) projection_->set_global_index(index);
+  for (auto& part : skip_) part->set_global_index(index);
 }
 
 Shape Residual::output_shape(const Shape& in) const {
@@ -434,7 +434,11 @@ Cost Residual::cost(const Shape& in) const {
     total += part->cost(s);
     s = part->output_shape(s);
   }
-  if (projection_) total += projection_->cost(in);
+  Shape k = in;
+  for (const auto& part : skip_) {
+    total += part->cost(k);
+    k = part->output_shape(k);
+  }
   const double out = static_cast<double>(s.numel());
   total.forward_flops += out;
   total.backward_flops += out;
@@ -445,24 +449,25 @@ Cost Residual::cost(const Shape& in) const {
 std::vector<ParamSpec> Residual::param_specs() const {
   std::vector<ParamSpec> specs;
   for (std::size_t i = 0; i < inner_.size(); ++i) append_specs(specs, cat(i, "."), *inner_[i]);
-  if (projection_) append_specs(specs, "skip.", *projection_);
+  for (std::size_t i = 0; i < skip_.size(); ++i) append_specs(specs, i == 0 ? "skip." : "skip_norm.", *skip_[i]);
   return specs;
 }
 
 void Residual::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
   std::vector<Layer*> parts;
   for (auto& part : inner_) parts.push_back(part.get());
-  if (projection_) parts.push_back(projection_.get());
+  for (auto& part : skip_) parts.push_back(part.get());
   bind_parts(params, grads, parts);
 }
 
-// Children: the inner layers in order, then the projection.
+// Children: the inner layers in order, then the skip path's.
 Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   const std::size_t n = inner_.size();
-  Context* c = ctx.children = pass.arena->objects<Context>(n + 1);
+  Context* c = ctx.children = pass.arena->objects<Context>(n + skip_.size());
   Tensor h = x;
   for (std::size_t i = 0; i < n; ++i) h = inner_[i]->forward(h, c[i], pass);
-  const Tensor skip = projection_ ? projection_->forward(x, c[n], pass) : x;
+  Tensor skip = x;
+  for (std::size_t j = 0; j < skip_.size(); ++j) skip = skip_[j]->forward(skip, c[n + j], pass);
   // A fresh sum: an inner layer's context may keep its own output (ReLU does).
   Tensor y = pass.arena->tensor(h.shape, pass.dtype);
   ops::copy(y, h);
@@ -470,17 +475,22 @@ Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   return y;
 }
 
-void Residual::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
-  const std::size_t n = inner_.size();
-  const Context* c = ctx.children;
+// Runs layers[count-1] .. layers[0] backward from dy, the first into dx by `mode`.
+static void backward_chain(std::span<const std::unique_ptr<Layer>> layers, const Context* c, const Tensor& dy, const Tensor& dx,
+                    GradMode mode, const Pass& pass) {
   Tensor g = dy;
-  for (std::size_t i = n; i-- > 1;) {
+  for (std::size_t i = layers.size(); i-- > 1;) {
     Tensor d = pass.arena->tensor(c[i].input.shape, pass.dtype);
-    inner_[i]->backward(c[i], g, d, GradMode::overwrite, pass);
+    layers[i]->backward(c[i], g, d, GradMode::overwrite, pass);
     g = d;
   }
-  inner_[0]->backward(c[0], g, dx, mode, pass);  // dx may be empty: weight gradients only
-  if (projection_) projection_->backward(c[n], dy, dx, GradMode::accumulate, pass);
+  layers[0]->backward(c[0], g, dx, mode, pass);  // dx may be empty: weight gradients only
+}
+
+void Residual::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+  const Context* c = ctx.children;
+  backward_chain(inner_, c, dy, dx, mode, pass);
+  if (!skip_.empty()) backward_chain(skip_, c + inner_.size(), dy, dx, GradMode::accumulate, pass);
   else if (!dx.empty()) ops::add(dx, dy);
 }
 

@@ -2,16 +2,87 @@
 // initialisation, an MLP) and the layers through the registry.
 #include "mpipe/nn/model.hpp"
 
+#include <array>
 #include <cmath>
 #include <map>
 
 namespace mpipe {
 
-bool is_preset(const std::string& kind) { return kind == "gpt" || kind == "mlp"; }
+bool is_preset(const std::string& kind) { return kind == "gpt" || kind == "mlp" || kind == "resnet"; }
+
+namespace {
+
+// Residual blocks per stage of each ResNet depth.
+std::array<int, 4> resnet_blocks(int depth) {
+  switch (depth) {
+    case 18: return {2, 2, 2, 2};
+    case 34: return {3, 4, 6, 3};
+    case 50: return {3, 4, 6, 3};
+    case 101: return {3, 4, 23, 3};
+    case 152: return {3, 8, 36, 3};
+    default: return {0, 0, 0, 0};
+  }
+}
+
+using Options = std::map<std::string, OptionValue>;
+
+Options conv(std::int64_t out, std::int64_t kernel, std::int64_t stride, std::int64_t padding) {
+  return Options{{"out", out}, {"kernel", kernel}, {"stride", stride}, {"padding", padding}, {"bias", false}};
+}
+
+// ResNet (He et al. 2016; torchvision's v1.5: the stride on the 3x3 convolution), every
+// convolution followed by BatchNorm, the projection skips too; each block's last
+// BatchNorm starts at scale 0 (the block starts as its skip path: Goyal et al. 2017,
+// timm's default), which also keeps a deep, narrow one well conditioned under
+// micro-batch statistics. Images from 128 on get ImageNet's stem (7x7/2 convolution,
+// 3x3/2 max pool); smaller ones CIFAR's (3x3/1).
+void resnet_layers(const ModelConfig& c, ModelSpec& spec) {
+  spec.input = {c.channels, c.image, c.image};
+  const bool imagenet = c.image >= 128, bottleneck = c.layers >= 50;
+  const std::int64_t width = c.width;
+  spec.layers.push_back({"conv2d", imagenet ? conv(width, 7, 2, 3) : conv(width, 3, 1, 1)});
+  spec.layers.push_back({"batchnorm2d", {}});
+  spec.layers.push_back({"relu", {}});
+  if (imagenet)
+    spec.layers.push_back({"maxpool2d", Options{{"kernel", std::int64_t{3}}, {"stride", std::int64_t{2}}, {"padding", std::int64_t{1}}}});
+  std::int64_t channels = width;
+  const std::array<int, 4> blocks = resnet_blocks(c.layers);
+  for (int stage = 0; stage < 4; ++stage) {
+    const std::int64_t w = width << stage, out = bottleneck ? 4 * w : w;
+    for (int b = 0; b < blocks[static_cast<std::size_t>(stage)]; ++b) {
+      const std::int64_t stride = stage > 0 && b == 0 ? 2 : 1;
+      LayerSpec block{"residual", Options{{"skip-norm", stride != 1 || channels != out}}, {}};
+      auto add = [&](Options o, bool last = false) {
+        block.children.push_back({"conv2d", std::move(o)});
+        block.children.push_back({"batchnorm2d", last ? Options{{"zero-init", true}} : Options{}});
+      };
+      if (bottleneck) {
+        add(conv(w, 1, 1, 0));
+        block.children.push_back({"relu", {}});
+        add(conv(w, 3, stride, 1));
+        block.children.push_back({"relu", {}});
+        add(conv(out, 1, 1, 0), true);
+      } else {
+        add(conv(w, 3, stride, 1));
+        block.children.push_back({"relu", {}});
+        add(conv(w, 3, 1, 1), true);
+      }
+      spec.layers.push_back(std::move(block));
+      spec.layers.push_back({"relu", {}});
+      channels = out;
+    }
+  }
+  spec.layers.push_back({"global-avgpool", {}});
+  spec.layers.push_back({"linear", Options{{"out", std::int64_t{c.classes}}}});
+}
+
+}  // namespace
+
+bool is_resnet_depth(int layers) { return resnet_blocks(layers)[0] > 0; }
 
 void validate(const ModelConfig& c) {
   const std::string hint = "check the model options";
-  MPIPE_REQUIRE(!c.kind.empty(), "use --model gpt, mlp or the path of a model file", "--model is empty");
+  MPIPE_REQUIRE(!c.kind.empty(), "use --model gpt, mlp, resnet or the path of a model file", "--model is empty");
   MPIPE_REQUIRE(c.layers > 0, hint, "--layers must be positive, got ", c.layers);
   // Beyond any real network; and the layer list alone would not fit in memory.
   constexpr int max_layers = 100000;
@@ -29,6 +100,14 @@ void validate(const ModelConfig& c) {
     MPIPE_REQUIRE(c.hidden > 0, hint, "--hidden must be positive, got ", c.hidden);
     MPIPE_REQUIRE(c.inputs > 0, hint, "--inputs must be positive, got ", c.inputs);
     MPIPE_REQUIRE(c.classes > 1, hint, "--classes must be at least 2, got ", c.classes);
+  } else if (c.kind == "resnet") {
+    MPIPE_REQUIRE(is_resnet_depth(c.layers), "give --layers 18, 34, 50, 101 or 152", "--layers ", c.layers,
+                  " is not a ResNet depth");
+    MPIPE_REQUIRE(c.image >= 8 && c.image <= 4096, "give --image from 8 to 4096 (224 for ImageNet)",
+                  "--image must be from 8 to 4096, got ", c.image);
+    MPIPE_REQUIRE(c.channels > 0 && c.channels <= 4096, hint, "--channels must be from 1 to 4096, got ", c.channels);
+    MPIPE_REQUIRE(c.width > 0 && c.width <= 4096, hint, "--width must be from 1 to 4096, got ", c.width);
+    MPIPE_REQUIRE(c.classes > 1, hint, "--classes must be at least 2, got ", c.classes);
   }
 }
 
@@ -37,8 +116,9 @@ ModelSpec model_spec(const ModelConfig& c) {
   if (!is_preset(c.kind)) return parse_model_file(c.kind);
   ModelSpec spec;
   spec.name = c.kind;
-  using Options = std::map<std::string, OptionValue>;
-  if (c.kind == "gpt") {
+  if (c.kind == "resnet") {
+    resnet_layers(c, spec);
+  } else if (c.kind == "gpt") {
     spec.tokens = c.seq_len;
     spec.layers.push_back({"embedding", Options{{"vocab", std::int64_t{c.vocab}}, {"out", std::int64_t{c.d_model}},
                                                 {"dropout", static_cast<double>(c.dropout)}}});

@@ -108,7 +108,7 @@ Window2d image_window(const LayerArgs& a, std::int64_t kernel, std::int64_t stri
 
 std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int index, const Shape& input,
                              const std::string& where, bool nested);
-std::unique_ptr<Layer> projection(const LayerArgs& a, const Shape& in, const Shape& out);
+std::vector<std::unique_ptr<Layer>> projection(const LayerArgs& a, const Shape& in, const Shape& out);
 
 std::vector<LayerKind> make_kinds() {
   using T = OptionType;
@@ -227,14 +227,16 @@ std::vector<LayerKind> make_kinds() {
                "BatchNorm over the channels of (N, C, H, W): each micro-batch normalised with its own statistics in "
                "training (GPipe's rule), the running statistics in evaluation",
                {{"eps", T::number, 1e-5, "added to the variance"},
-                {"momentum", T::number, 0.1, "how far the running statistics move toward each micro-batch's"}},
+                {"momentum", T::number, 0.1, "how far the running statistics move toward each micro-batch's"},
+                {"zero-init", T::boolean, false,
+                 "start the scale (weight) at 0, not 1: as a residual block's last layer, the block starts as its skip path"}},
                false,
                [](const LayerArgs& a) -> std::unique_ptr<Layer> {
                  const Window2d w = image_window(a, 1, 1, 0);
                  const double eps = a.number("eps"), momentum = a.number("momentum");
                  if (!(eps > 0)) a.refuse("eps", cat("must be positive, got ", eps), "e.g. eps = 1e-5");
                  if (!(momentum >= 0 && momentum <= 1)) a.refuse("momentum", cat("must be in [0, 1], got ", momentum), "e.g. momentum = 0.1");
-                 return std::make_unique<BatchNorm2d>(w.C, static_cast<float>(eps), static_cast<float>(momentum));
+                 return std::make_unique<BatchNorm2d>(w.C, static_cast<float>(eps), static_cast<float>(momentum), a.boolean("zero-init"));
                },
                false});
   k.push_back({"flatten", "(N, d1, d2, ...) -> (N, d1 x d2 x ...)", {}, false,
@@ -246,7 +248,8 @@ std::vector<LayerKind> make_kinds() {
   k.push_back({"residual",
                "y = inner(x) + skip(x): the block's [[layer.layer]] tables, and the identity, or a bias-free 1x1 "
                "convolution (images) or linear map where they change the shape",
-               {{"skip", T::text, std::string("auto"), "auto (identity unless the shape changes), identity or projection"}},
+               {{"skip", T::text, std::string("auto"), "auto (identity unless the shape changes), identity or projection"},
+                {"skip-norm", T::boolean, false, "a batchnorm2d after the projection convolution (ResNet's downsample)"}},
                false,
                [](const LayerArgs& a) -> std::unique_ptr<Layer> {
                  if (a.nested) a.refuse("kind", "cannot be inside another residual block", "put the blocks one after another");
@@ -344,23 +347,36 @@ std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int
 }
 
 // The skip path of a residual block from `in` to `out`: none (the identity), a 1x1
-// convolution with the stride that maps the plane (images), or a linear map of the
-// channels; bias-free.
-std::unique_ptr<Layer> projection(const LayerArgs& a, const Shape& in, const Shape& out) {
+// convolution with the stride that maps the plane (images), optionally followed by a
+// BatchNorm, or a linear map of the channels; bias-free.
+std::vector<std::unique_ptr<Layer>> projection(const LayerArgs& a, const Shape& in, const Shape& out) {
   const std::string skip = std::get<std::string>(a.spec.options.at("skip"));
+  const bool norm = a.boolean("skip-norm");
   if (skip != "auto" && skip != "identity" && skip != "projection")
     a.refuse("skip", cat("must be auto, identity or projection, got '", skip, "'"), "e.g. skip = \"auto\"");
-  if (in == out && skip != "projection") return nullptr;
+  std::vector<std::unique_ptr<Layer>> path;
+  if (in == out && skip != "projection") {
+    if (norm) a.refuse("skip-norm", "is set, but the skip path is the identity", "drop it, or give skip = \"projection\"");
+    return path;
+  }
   if (skip == "identity")
     a.refuse("skip", cat("is the identity, but the block maps ", in.str(), " to ", out.str()), "use skip = \"auto\" for a projection");
   if (in.rank == 4 && out.rank == 4) {
     for (std::int64_t s = 1; s <= in[2]; ++s)
-      if ((in[2] - 1) / s + 1 == out[2] && (in[3] - 1) / s + 1 == out[3])
-        return std::make_unique<Conv2d>(in[1], out[1], 1, s, 0, 1, false, static_cast<float>(std::sqrt(2.0 / static_cast<double>(in[1]))));
+      if ((in[2] - 1) / s + 1 == out[2] && (in[3] - 1) / s + 1 == out[3]) {
+        path.push_back(std::make_unique<Conv2d>(in[1], out[1], 1, s, 0, 1, false,
+                                                static_cast<float>(std::sqrt(2.0 / static_cast<double>(in[1])))));
+        if (norm) path.push_back(std::make_unique<BatchNorm2d>(out[1], 1e-5f, 0.1f));
+        return path;
+      }
   } else if (in.rank == out.rank && in.rank >= 2) {
+    if (norm) a.refuse("skip-norm", cat("needs images (N, C, H, W); the block maps ", in.str()), "drop it");
     bool same_rows = true;
     for (int d = 0; d + 1 < in.rank; ++d) same_rows = same_rows && in[d] == out[d];
-    if (same_rows) return std::make_unique<Linear>(in[-1], out[-1], false, 0.02f);
+    if (same_rows) {
+      path.push_back(std::make_unique<Linear>(in[-1], out[-1], false, 0.02f));
+      return path;
+    }
   }
   a.refuse("kind", cat("maps ", in.str(), " to ", out.str(), ", which no 1x1 convolution or linear skip path matches"),
            "keep the plane a stride of the input's, and the rank");

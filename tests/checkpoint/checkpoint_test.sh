@@ -391,6 +391,9 @@ model-file)
   transparent "$(dirname "$0")/../reference/resnet.toml" 4
   # BatchNorm: its running statistics too (a recomputation must not move them again).
   transparent "$(dirname "$0")/../reference/resnet-bn.toml" 4
+  # The resnet preset (a narrow ResNet-18: BatchNorm on the projections, zero-init scales).
+  "$mpipe" plan --model resnet --width 4 --image 8 --classes 5 --print-model > "$work/resnet18.toml"
+  transparent "$work/resnet18.toml" 4
   # ... and they resume and reshard: the step-3 checkpoint of a 5-step run on 2 stages,
   # resumed on 4, ends as the unbroken run.
   bn=(train --model "$(dirname "$0")/../reference/resnet-bn.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3

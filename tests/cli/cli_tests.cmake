@@ -71,7 +71,7 @@ mpipe_cli_test(model_file_plan 0 "partition \\(flops\\): 0-1 \\| 2-9" plan --mod
 mpipe_cli_test(print_model 0 "^kind = \"cross_entropy\"$" plan --model gpt --layers 2 --d-model 32 --heads 4 --seq-len 16 --vocab 64 --print-model)
 mpipe_cli_test(layer_kinds 0 "^  out +output features \\(required\\)$" plan --layer-kinds)
 mpipe_cli_test(model_file_missing 2 "error: model file '/no/such.toml' does not exist; hint" train --model /no/such.toml)
-mpipe_cli_test(model_file_preset_option 2 "error: --layers sizes the presets \\(gpt, mlp\\); model file '.*classifier.toml' has its own; hint" train --model ${MODELS}/classifier.toml --layers 3)
+mpipe_cli_test(model_file_preset_option 2 "error: --layers sizes the presets \\(gpt, mlp, resnet\\); model file '.*classifier.toml' has its own; hint" train --model ${MODELS}/classifier.toml --layers 3)
 mpipe_cli_test(model_file_broken 2 "error: model file '.*broken.toml' line 2, column 1: .*; hint" plan --model ${MODELS}/broken.toml)
 mpipe_cli_test(model_file_unknown_kind 2 "error: model file '.*unknown_kind.toml', layer 1 \\(conv9\\): unknown layer kind 'conv9'; hint: the kinds are embedding, block" train --model ${MODELS}/unknown_kind.toml)
 mpipe_cli_test(model_file_unknown_key 2 "error: model file '.*', layer 0 \\(linear\\): unknown key 'outs'; hint: linear takes out, bias, init-std, tie" train --model ${MODELS}/unknown_key.toml)
@@ -92,3 +92,9 @@ mpipe_cli_test(model_file_nested_residual 2 "error: model file '.*', layer 0 \\(
 mpipe_cli_test(model_file_dropout_in_residual 2 "error: model file '.*', layer 0 \\(residual\\), inner layer 1 \\(dropout\\): a dropout cannot be inside a residual block; hint" plan --model ${MODELS}/dropout_in_residual.toml)
 mpipe_cli_test(model_file_identity_skip 2 "error: model file '.*', layer 0 \\(residual\\): 'skip': is the identity, but the block maps \\(1, 2, 6, 6\\) to \\(1, 4, 6, 6\\); hint" plan --model ${MODELS}/identity_skip.toml)
 mpipe_cli_test(model_file_children 2 "error: model file '.*', layer 0 \\(conv2d\\): a conv2d has inner layers; hint: only a residual block" plan --model ${MODELS}/children_not_residual.toml)
+# The resnet preset: trains (CIFAR-sized, a narrow ResNet-18), plans an ImageNet ResNet-50
+# without allocating it, and takes only ResNet depths.
+mpipe_cli_test(resnet_train 0 "resnet model, 22 layers, 177602 parameters" train --model resnet --width 8 --image 16 --classes 10 --steps 2 --threads 1 --batch-size 8 --micro-batches 2)
+mpipe_cli_test(resnet_plan 0 "7      31-38     relu,residual,global-avgp... +10.99M" plan --model resnet --layers 50 --image 224 --classes 1000 --ranks 8 --micro-batches 32 --batch-size 256)
+mpipe_cli_test(resnet_depth 2 "error: --layers 20 is not a ResNet depth; hint: give --layers 18, 34, 50, 101 or 152" train --model resnet --layers 20)
+mpipe_cli_test(resnet_image 2 "error: --image must be from 8 to 4096, got 4; hint" plan --model resnet --image 4 --ranks 2)

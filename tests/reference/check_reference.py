@@ -45,6 +45,8 @@ def main():
     ap.add_argument("--dump", required=True)
     ap.add_argument("--model", required=True, help="gpt, mlp or a model file (TOML) of non-sequence layers")
     ap.add_argument("--workdir", required=True)
+    ap.add_argument("--final-tol", type=float, default=1e-3,
+                    help="relative error allowed in the parameters after the 10 steps (see below)")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     name = os.path.splitext(os.path.basename(args.model))[0]
@@ -123,7 +125,11 @@ def main():
     # Loose on purpose: the key part of c_attn.bias has a true gradient of exactly zero
     # (softmax ignores a shift of all keys), so both sides step it by float noise that
     # Adam normalises to full-size updates of either sign.
-    if worst_final > 1e-3:
+    # The same for the BatchNorm biases inside a residual block whose last BatchNorm starts
+    # at scale 0 (the resnet preset): their gradients are that scale times a normal one,
+    # float noise weighs in, and Adam's normalisation turns it into steps of either sign
+    # (1.2e-2 after 10 steps, while every loss agrees to 2e-5): --final-tol.
+    if worst_final > args.final_tol:
         failures.append(f"final parameters rel error {worst_final:.2e}")
 
     if failures:

@@ -78,11 +78,11 @@ TEST_CASE("every registered layer kind builds from its options and is the layer 
 }
 
 TEST_CASE("a preset written as a model file reads back as the same layer list") {
-  for (const std::string preset : {"gpt", "mlp"}) {
+  for (const std::string preset : {"gpt", "mlp", "resnet"}) {
     ModelConfig c;
     c.kind = preset;
-    c.layers = 3;
-    c.dropout = 0.125f;
+    c.layers = preset == "resnet" ? 50 : 3;
+    c.dropout = preset == "resnet" ? 0.0f : 0.125f;
     const ModelSpec spec = model_spec(c);
     const std::string path = write_temp("mpipe_registry_" + preset + ".toml", spec.to_toml());
     const ModelSpec back = parse_model_file(path);
@@ -93,6 +93,11 @@ TEST_CASE("a preset written as a model file reads back as the same layer list") 
     for (std::size_t i = 0; i < spec.layers.size(); ++i) {
       CHECK(back.layers[i].kind == spec.layers[i].kind);
       CHECK(back.layers[i].options == spec.layers[i].options);
+      REQUIRE(back.layers[i].children.size() == spec.layers[i].children.size());
+      for (std::size_t j = 0; j < spec.layers[i].children.size(); ++j) {
+        CHECK(back.layers[i].children[j].kind == spec.layers[i].children[j].kind);
+        CHECK(back.layers[i].children[j].options == spec.layers[i].children[j].options);
+      }
     }
     // And builds the same model: the same layers, parameters and ties.
     ModelConfig from_file;
@@ -106,6 +111,42 @@ TEST_CASE("a preset written as a model file reads back as the same layer list") 
     CHECK(a.input_shape(2) == b.input_shape(2));
     CHECK(a.classes() == b.classes());
   }
+}
+
+TEST_CASE("the resnet preset is He et al.'s ResNet: torchvision's parameter counts and multiply-adds at 224") {
+  // torchvision.models.resnetN(num_classes=1000): parameters (BatchNorm's running
+  // statistics are buffers, not counted) and forward GMACs from its model table.
+  struct Expected {
+    int depth;
+    std::int64_t params;
+    double gmacs;
+  };
+  for (const Expected e : {Expected{18, 11689512, 1.81}, Expected{34, 21797672, 3.66}, Expected{50, 25557032, 4.09},
+                           Expected{101, 44549160, 7.80}, Expected{152, 60192808, 11.51}}) {
+    CAPTURE(e.depth);
+    ModelConfig c;
+    c.kind = "resnet";
+    c.layers = e.depth;
+    c.image = 224;
+    c.classes = 1000;
+    const Model m(c);
+    std::int64_t params = 0;
+    double forward = 0;
+    const std::vector<Shape> shapes = m.shapes(1);
+    for (int i = 0; i < m.size(); ++i) {
+      for (const ParamSpec& p : m.layer(i).param_specs())
+        if (!p.buffer) params += p.shape.numel();
+      forward += m.layer(i).cost(shapes[static_cast<std::size_t>(i)]).forward_flops;
+    }
+    CHECK(params == e.params);
+    // 2 FLOPs per multiply-add, and BatchNorm, ReLU, the sums and pools on top (~1%).
+    CHECK(forward / 2e9 >= e.gmacs * 0.995);
+    CHECK(forward / 2e9 <= e.gmacs * 1.03);
+  }
+  ModelConfig c;
+  c.kind = "resnet";
+  c.layers = 20;
+  CHECK_THROWS_WITH_AS(validate(c), "--layers 20 is not a ResNet depth", UserError);
 }
 
 TEST_CASE("layer options are checked by name, type and range") {

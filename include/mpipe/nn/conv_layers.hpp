@@ -58,7 +58,10 @@ class Pool2d final : public Layer {
 // recomputation (remat); evaluation normalises with the running statistics.
 class BatchNorm2d final : public Layer {
  public:
-  BatchNorm2d(int64_t channels, float eps, float momentum) : channels_(channels), eps_(eps), momentum_(momentum) {}
+  // `zero_weight`: the scale starts at 0 (a residual block's last BatchNorm: the block
+  // starts as its skip path; Goyal et al. 2017, timm's zero_init_last).
+  BatchNorm2d(int64_t channels, float eps, float momentum, bool zero_weight = false)
+      : channels_(channels), eps_(eps), momentum_(momentum), zero_weight_(zero_weight) {}
   std::string kind() const override { return "batchnorm2d"; }
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
@@ -73,6 +76,7 @@ class BatchNorm2d final : public Layer {
  private:
   int64_t channels_;
   float eps_, momentum_;
+  bool zero_weight_ = false;
   Tensor weight_, bias_, running_mean_, running_var_, dweight_, dbias_;
 };
 

@@ -279,11 +279,14 @@ class TransformerBlock final : public Layer {
 
 // A residual block: y = inner(x) + skip(x), inner a list of layers (a model file's
 // [[layer.layer]] tables), skip the identity or, where inner changes the shape, a
-// projection (a 1x1 convolution with stride for images, a linear map otherwise; no bias).
-// Its parameters are the inner layers' under "<i>." and the projection's under "skip.".
+// projection (a 1x1 convolution with stride for images, a linear map otherwise; no bias),
+// optionally followed by a BatchNorm (ResNet's downsample path).
+// Its parameters are the inner layers' under "<i>.", the projection's under "skip." and
+// the projection's BatchNorm's under "skip_norm.".
 class Residual final : public Layer {
  public:
-  Residual(std::vector<std::unique_ptr<Layer>> inner, std::unique_ptr<Layer> projection);
+  // `skip`: empty (the identity), {projection} or {projection, norm}.
+  Residual(std::vector<std::unique_ptr<Layer>> inner, std::vector<std::unique_ptr<Layer>> skip);
   std::string kind() const override { return "residual"; }
   void set_global_index(int index) override;
   Shape output_shape(const Shape& in) const override;
@@ -298,7 +301,7 @@ class Residual final : public Layer {
 
  private:
   std::vector<std::unique_ptr<Layer>> inner_;
-  std::unique_ptr<Layer> projection_;  // null: the identity
+  std::vector<std::unique_ptr<Layer>> skip_;  // empty: the identity
 };
 
 // Softmax cross-entropy over the last dimension against pass.targets. Its output is the

@@ -12,15 +12,18 @@
 namespace mpipe {
 
 struct ModelConfig {
-  std::string kind = "gpt";  // a preset (gpt | mlp) or the path of a model file
-  int layers = 4;            // transformer blocks (gpt) or hidden blocks (mlp); presets only
+  std::string kind = "gpt";  // a preset (gpt | mlp | resnet) or the path of a model file
+  int layers = 4;            // transformer blocks (gpt), hidden blocks (mlp) or depth (resnet); presets only
   int d_model = 128;
   int heads = 4;
   int seq_len = 64;
   int vocab = 256;
   int hidden = 256;   // mlp width
   int inputs = 64;    // mlp input features
-  int classes = 10;   // mlp classes
+  int classes = 10;   // mlp and resnet classes
+  int image = 32;     // resnet: input side (H = W); from 128 on, ImageNet's stem
+  int channels = 3;   // resnet: input channels
+  int width = 64;     // resnet: channels of the first stage (64, 128, 256, 512 by default)
   float dropout = 0.0f;
 };
 
@@ -28,6 +31,9 @@ struct ModelConfig {
 void validate(const ModelConfig& config);
 // Whether --model names a preset (otherwise it is a model file).
 bool is_preset(const std::string& kind);
+// ResNet depths the resnet preset builds (He et al. 2016): 18 and 34 with basic blocks,
+// 50, 101 and 152 with bottleneck blocks.
+bool is_resnet_depth(int layers);
 // The layer list --model describes: a preset's, built from the sizes, or a file's.
 ModelSpec model_spec(const ModelConfig& config);
 
