@@ -94,15 +94,41 @@ class Sequential(torch.nn.Module):
     sequence: the convolutional ones, residual blocks, linear, layernorm, activations,
     flatten. Parameters are keyed (layer index, name) as in mpipe's checkpoints."""
 
-    def __init__(self, spec, micro_batches=1):
+    def __init__(self, spec, micro_batches=1, batchnorm="micro"):
         super().__init__()
         self.micro_batches = micro_batches  # BatchNorm: statistics per micro-batch, in order
         self.kinds, self.parts = [], torch.nn.ModuleList()
+        self.deferred = batchnorm == "deferred"
         x = torch.zeros(1, *spec["input"])
         for layer in repeated(spec["layer"]):
             part, x = build_part(layer, x)
             self.kinds.append(layer["kind"])
             self.parts.append(part if part is not None else torch.nn.Identity())
+        # --batchnorm deferred (torchgpipe's DeferredBatchNorm, with PyTorch's unbiased
+        # variance): each micro-batch is normalised with its own statistics, but the
+        # running ones move once per step, toward the whole mini-batch's (apply_deferred).
+        self.seen = {}
+        if self.deferred:
+            for bn in self.modules():
+                if isinstance(bn, torch.nn.BatchNorm2d):
+                    bn.deferred_momentum, bn.momentum = bn.momentum, 0.0
+                    bn.register_forward_pre_hook(self._gather)
+
+    def _gather(self, bn, inputs):
+        if bn.training:
+            self.seen.setdefault(bn, []).append(inputs[0].detach())
+
+    def apply_deferred(self, keep=True):
+        """Moves the running statistics toward the step's whole batch (keep=False: drops it)."""
+        with torch.no_grad():
+            for bn, xs in self.seen.items():
+                if not keep:
+                    continue
+                x = torch.cat(xs)
+                m = bn.deferred_momentum
+                bn.running_mean.mul_(1 - m).add_(m * x.mean(dim=(0, 2, 3)))
+                bn.running_var.mul_(1 - m).add_(m * x.var(dim=(0, 2, 3), unbiased=True))
+        self.seen = {}
 
     def named(self):
         """Parameters and BatchNorm's running statistics, keyed as mpipe's checkpoints."""

@@ -503,6 +503,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
       ->capture_default_str();
   cmd.add_option("--schedule", p.schedule, "gpipe or 1f1b")->capture_default_str();
   cmd.add_option("--remat", p.remat, "Re-materialization: always, except-last or never")->capture_default_str();
+  cmd.add_option("--batchnorm", p.batchnorm,
+                 "BatchNorm's running statistics: micro (moved by each micro-batch, GPipe) or deferred (by the "
+                 "mini-batch once per step, torchgpipe)")
+      ->capture_default_str();
   cmd.add_option("--partition", p.partition, "Balance stages by uniform, params, flops or time")->capture_default_str();
   cmd.add_option("--balance", p.balance, "Layers per stage, e.g. 3,5 (overrides --partition)");
   cmd.add_option("--p2p-timeout", p.p2p_timeout, "Seconds a point-to-point wait may block")->capture_default_str();

@@ -329,13 +329,23 @@ std::array<int64_t, 3> channels_of(const Tensor& t) { return {t.shape[0], t.shap
 }  // namespace
 
 void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
-                             const Tensor& running_var, const Tensor& inp, const Tensor& weight, const Tensor& bias,
-                             float eps, float momentum) {
+                             const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
+                             const Tensor& bias, float eps, float momentum) {
   cpu_only("batchnorm2d", inp);
   const auto [N, C, plane] = channels_of(inp);
+  MPIPE_CHECK(sums.empty() || sums.size() == static_cast<std::size_t>(1 + 2 * C), "batchnorm: ", sums.size(), " sums for ",
+              C, " channels");
   cpu::batchnorm_forward_train(out.f32(), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
-                               ptr_or_null<float>(running_var), inp.f32(), weight.f32(), bias.f32(), N, C, plane, eps,
-                               momentum);
+                               ptr_or_null<float>(running_var), sums.empty() ? nullptr : sums.data(), inp.f32(),
+                               weight.f32(), bias.f32(), N, C, plane, eps, momentum);
+}
+
+void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,
+                          float momentum) {
+  cpu_only("batchnorm2d", running_mean);
+  const int64_t C = running_mean.numel();
+  MPIPE_CHECK(sums.size() == static_cast<std::size_t>(1 + 2 * C), "batchnorm: ", sums.size(), " sums for ", C, " channels");
+  cpu::batchnorm_apply_sums(running_mean.f32(), running_var.f32(), sums.data(), C, momentum);
 }
 
 void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,

@@ -115,6 +115,7 @@ std::string to_toml(const TrainConfig& c) {
   line("rank-order", toml_quoted(q.grid.rank_order));
   line("schedule", toml_quoted(q.schedule));
   line("remat", toml_quoted(q.remat));
+  line("batchnorm", toml_quoted(q.batchnorm));
   line("partition", toml_quoted(q.partition));
   if (!q.balance.empty()) line("balance", toml_quoted(q.balance));
   line("p2p-timeout", toml_float(q.p2p_timeout));

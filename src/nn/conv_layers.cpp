@@ -166,10 +166,18 @@ Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass
   }
   ctx.saved[0] = pass.arena->tensor(Shape{channels_});  // the micro-batch's mean
   ctx.saved[1] = pass.arena->tensor(Shape{channels_});  // and 1 / sqrt(var + eps)
-  const bool update = !pass.recompute;
+  // Micro-batch statistics move the running ones now (GPipe); deferred, the step's sums
+  // gather them and move them once at its end. A recomputation does neither.
+  const bool update = !pass.recompute && !pass.deferred_statistics, gather = !pass.recompute && pass.deferred_statistics;
   ops::batchnorm_forward_train(y, ctx.saved[0], ctx.saved[1], update ? running_mean_ : Tensor{},
-                               update ? running_var_ : Tensor{}, x, weight_, bias_, eps_, momentum_);
+                               update ? running_var_ : Tensor{}, gather ? std::span<double>(sums_) : std::span<double>(),
+                               x, weight_, bias_, eps_, momentum_);
   return y;
+}
+
+void BatchNorm2d::apply_step_sums() {
+  ops::batchnorm_apply_sums(running_mean_, running_var_, sums_, momentum_);
+  clear_step_sums();
 }
 
 void BatchNorm2d::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {

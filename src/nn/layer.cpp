@@ -460,6 +460,12 @@ void Residual::bind(std::span<const Tensor> params, std::span<const Tensor> grad
   bind_parts(params, grads, parts);
 }
 
+void Residual::parts(std::vector<Layer*>& out) {
+  out.push_back(this);
+  for (auto& part : inner_) part->parts(out);
+  for (auto& part : skip_) part->parts(out);
+}
+
 // Children: the inner layers in order, then the skip path's.
 Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   const std::size_t n = inner_.size();

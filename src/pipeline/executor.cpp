@@ -69,6 +69,8 @@ void validate(const TrainConfig& c, int world) {
                 "unknown --progress '", c.progress, "'");
   MPIPE_REQUIRE(p.remat == "always" || p.remat == "except-last" || p.remat == "never",
                 "use --remat always, except-last or never", "unknown --remat '", p.remat, "'");
+  MPIPE_REQUIRE(p.batchnorm == "micro" || p.batchnorm == "deferred", "use --batchnorm micro or deferred",
+                "unknown --batchnorm '", p.batchnorm, "'");
   MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
   parse_progress_mode(p.comm_progress);  // throws UserError for an unknown name
   MPIPE_REQUIRE(p.comm_poll_us >= 0 && p.comm_poll_us <= 1e6, "e.g. --comm-poll-us 5000 (0: no pause)",
@@ -218,6 +220,10 @@ void Executor::allocate() {
   schedule_ = lower(make_schedule(config_.pipeline.schedule, K, M));
   if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
   params_ = std::make_unique<ParamStore>(model_, begin_, end_, config_.seed);
+  std::vector<Layer*> parts;
+  for (int i = begin_; i < end_; ++i) model_.layer(i).parts(parts);
+  for (Layer* part : parts)
+    if (!part->step_sums().empty()) deferred_.push_back(part);
   optimizer_ = std::make_unique<Optimizer>(*params_, config_.optimizer);
   if (device_ == Device::cuda) {
     params_->to_device(dtype_);
@@ -362,6 +368,7 @@ Pass Executor::make_pass(std::int64_t step, int mb, Arena* arena) const {
   const int share = config_.batch_size / grid_->replicas();
   pass.sample_begin = static_cast<std::uint64_t>(grid_->replica() * share + mb * micro_);
   pass.training = true;
+  pass.deferred_statistics = config_.pipeline.batchnorm == "deferred";
   pass.dtype = dtype_;
   if (grid_->last_stage()) {
     const Shape tg = model_.target_shape(micro_);
@@ -648,6 +655,7 @@ void Executor::reduce_gradients(std::int64_t step) {
 }
 
 double Executor::compute_gradients(std::int64_t step) {
+  for (Layer* layer : deferred_) layer->clear_step_sums();  // a step's sums begin with its forward
   run_pipeline(step);
   const auto reduce_start = Clock::now();
   reduce_gradients(step);
@@ -673,8 +681,20 @@ double Executor::compute_gradients(std::int64_t step) {
 // Buffers (BatchNorm's running statistics) saw only this replica's micro-batches: every
 // replica takes their mean, so all end the step identical (and K-invariant: the sum runs
 // over replicas in rank order).
-void Executor::average_buffers() {
-  if (grid_->replicas() == 1) return;
+void Executor::settle_buffers(bool updated) {
+  if (config_.pipeline.batchnorm == "deferred") {
+    // Each layer's sums are the same size on every replica of this stage.
+    for (Layer* layer : deferred_) {
+      if (!updated) {  // a skipped step (non-finite): its statistics are dropped with it
+        layer->clear_step_sums();
+        continue;
+      }
+      if (grid_->replicas() > 1) grid_->data().allreduce(layer->step_sums(), Reduce::sum);
+      layer->apply_step_sums();
+    }
+    return;
+  }
+  if (!updated || grid_->replicas() == 1) return;
   for (const ParamEntry& e : params_->entries()) {
     if (!e.buffer) continue;
     std::span<float> values = params_->params().subspan(e.param_offset, static_cast<std::size_t>(e.numel()));
@@ -739,6 +759,7 @@ StepResult Executor::step_unchecked(std::int64_t step) {
   // Every rank sees the same loss and norm, so every rank skips or steps alike.
   if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss)) {
     r.skipped = true;
+    settle_buffers(false);
   } else {
     const auto opt_start = Clock::now();
     const float clip = config_.optimizer.clip_grad;
@@ -747,7 +768,7 @@ StepResult Executor::step_unchecked(std::int64_t step) {
       params_->scale_grads(factor);
     }
     optimizer_->update(r.lr, ++updates_);
-    average_buffers();
+    settle_buffers(true);
     if (device_ == Device::cuda) cuda::synchronize(cuda::StreamKind::compute);  // honest step times
     times_.optimizer += since(opt_start);
     record(step, TraceEvent::optimizer, -1, opt_start);

@@ -376,10 +376,10 @@ model-file)
   run 2 "${file_model[@]}" --steps 3 --checkpoint-dir "$work/file" --metrics "$work/file.jsonl" >/dev/null
   [[ "$(losses "$work/preset.jsonl")" == "$(losses "$work/file.jsonl")" ]] || fail "preset and model file losses differ"
   same_tensors "$work/preset/ckpt-00000003.h5" "$work/file/ckpt-00000003.h5"
-  # transparent FILE K: the model file on 1 and on K stages (1f1b, remat), bitwise; the
-  # runs' checkpoint directories are $work/k1 and $work/kK.
+  # transparent FILE K [OPTION...]: the model file on 1 and on K stages (1f1b, remat),
+  # bitwise; the runs' checkpoint directories are $work/k1 and $work/kK.
   transparent() {
-    local args=(train --model "$1" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1 --steps 3)
+    local args=(train --model "$1" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1 --steps 3 "${@:3}")
     rm -rf "$work/k1" "$work/k$2"
     run 1 "${args[@]}" --checkpoint-dir "$work/k1" --metrics "$work/k1.jsonl" >/dev/null
     run "$2" "${args[@]}" --checkpoint-dir "$work/k$2" --metrics "$work/k$2.jsonl" --schedule 1f1b --remat always >/dev/null
@@ -391,9 +391,10 @@ model-file)
   transparent "$(dirname "$0")/../reference/resnet.toml" 4
   # BatchNorm: its running statistics too (a recomputation must not move them again).
   transparent "$(dirname "$0")/../reference/resnet-bn.toml" 4
-  # The resnet preset (a narrow ResNet-18: BatchNorm on the projections, zero-init scales).
-  "$mpipe" plan --model resnet --width 4 --image 8 --classes 5 --print-model > "$work/resnet18.toml"
-  transparent "$work/resnet18.toml" 4
+  # Deferred, they move once per step: the same on any K, and not as the micro-batches move them.
+  cp "$work/k4/ckpt-00000003.h5" "$work/micro.h5"
+  transparent "$(dirname "$0")/../reference/resnet-bn.toml" 4 --batchnorm deferred
+  ! h5diff -q "$work/micro.h5" "$work/k4/ckpt-00000003.h5" /model /model >/dev/null 2>&1 || fail "--batchnorm deferred changed nothing"
   # ... and they resume and reshard: the step-3 checkpoint of a 5-step run on 2 stages,
   # resumed on 4, ends as the unbroken run.
   bn=(train --model "$(dirname "$0")/../reference/resnet-bn.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3
@@ -403,6 +404,9 @@ model-file)
   out=$(run 4 "${bn[@]}" --checkpoint-dir "$work/bn4" 2>&1) || fail "BatchNorm resume on 4 stages: $out"
   grep -q "resumed from .*ckpt-00000003.h5" <<<"$out" || fail "BatchNorm model did not resume: $out"
   same_tensors "$work/bn/ckpt-00000005.h5" "$work/bn4/ckpt-00000005.h5"
+  # The resnet preset (a narrow ResNet-18: BatchNorm on the projections, zero-init scales).
+  "$mpipe" plan --model resnet --width 4 --image 8 --classes 5 --print-model > "$work/resnet18.toml"
+  transparent "$work/resnet18.toml" 4
   transparent "$(dirname "$0")/../cli/models/tiny_lm.toml" 3
   "$mpipe" inspect "$work/k3/ckpt-00000003.h5" --config | grep -q "^model = \".*tiny_lm.toml\"$" || fail "inspect --config lacks the model file"
   # The same file elsewhere resumes; another layer list is refused by name.

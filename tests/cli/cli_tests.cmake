@@ -98,3 +98,4 @@ mpipe_cli_test(resnet_train 0 "resnet model, 22 layers, 177602 parameters" train
 mpipe_cli_test(resnet_plan 0 "7      31-38     relu,residual,global-avgp... +10.99M" plan --model resnet --layers 50 --image 224 --classes 1000 --ranks 8 --micro-batches 32 --batch-size 256)
 mpipe_cli_test(resnet_depth 2 "error: --layers 20 is not a ResNet depth; hint: give --layers 18, 34, 50, 101 or 152" train --model resnet --layers 20)
 mpipe_cli_test(resnet_image 2 "error: --image must be from 8 to 4096, got 4; hint" plan --model resnet --image 4 --ranks 2)
+mpipe_cli_test(batchnorm_unknown 2 "error: unknown --batchnorm 'later'; hint: use --batchnorm micro or deferred" train --batchnorm later)

@@ -304,7 +304,8 @@ TEST_CASE("the watchdog's heartbeats keep guarded work longer than the liveness 
 TEST_CASE("BatchNorm with replicas: every replica ends each step with the same running statistics") {
   if (world().size() != 4) return;
   // A CNN with BatchNorm (in a residual block too), K = 2 x D = 2: the replicas see other
-  // micro-batches, and average their statistics after each update.
+  // micro-batches; micro: they average their statistics after each update; deferred:
+  // they add up the step's sums and apply the same.
   const auto path = std::filesystem::temp_directory_path() / cat("mpipe_bn_", world().rank(), ".toml");
   std::ofstream(path) << "input = [2, 6, 6]\n"
                          "[[layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
@@ -315,23 +316,30 @@ TEST_CASE("BatchNorm with replicas: every replica ends each step with the same r
                          "[[layer]]\nkind = \"global-avgpool\"\n"
                          "[[layer]]\nkind = \"linear\"\nout = 3\n"
                          "[[layer]]\nkind = \"cross_entropy\"\n";
-  TrainConfig c;
-  c.model.kind = path.string();
-  c.batch_size = 16;
-  c.micro_batches = 2;
-  c.steps = 3;
-  c.seed = 5;
-  c.threads = 1;
-  c.optimizer.lr = 1e-2f;
-  c.pipeline.grid.replicas = 2;
-  const RunResult r = run(c, 4);
-  std::filesystem::remove(path);
-  if (world().rank() == 0) {
-    REQUIRE(r.params.size() == r.replica_params.size());
-    CHECK(std::memcmp(r.params.data(), r.replica_params.data(), r.params.size() * sizeof(float)) == 0);
-    // The running statistics moved: some value is neither its initial 0 nor 1.
-    bool moved = false;
-    for (float v : r.params) moved = moved || (v != 0.0f && v != 1.0f && std::fabs(v) < 0.5f);
-    CHECK(moved);
+  std::vector<float> micro;
+  for (const std::string mode : {"micro", "deferred"}) {
+    CAPTURE(mode);
+    TrainConfig c;
+    c.model.kind = path.string();
+    c.batch_size = 16;
+    c.micro_batches = 2;
+    c.steps = 3;
+    c.seed = 5;
+    c.threads = 1;
+    c.optimizer.lr = 1e-2f;
+    c.pipeline.grid.replicas = 2;
+    c.pipeline.batchnorm = mode;
+    const RunResult r = run(c, 4);
+    if (world().rank() == 0) {
+      REQUIRE(r.params.size() == r.replica_params.size());
+      CHECK(std::memcmp(r.params.data(), r.replica_params.data(), r.params.size() * sizeof(float)) == 0);
+      // The running statistics moved: some value is neither its initial 0 nor 1.
+      bool moved = false;
+      for (float v : r.params) moved = moved || (v != 0.0f && v != 1.0f && std::fabs(v) < 0.5f);
+      CHECK(moved);
+      if (mode == "micro") micro = r.params;
+      else CHECK(micro != r.params);  // deferred moves them otherwise
+    }
   }
+  std::filesystem::remove(path);
 }

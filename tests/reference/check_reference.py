@@ -45,13 +45,14 @@ def main():
     ap.add_argument("--dump", required=True)
     ap.add_argument("--model", required=True, help="gpt, mlp or a model file (TOML) of non-sequence layers")
     ap.add_argument("--workdir", required=True)
+    ap.add_argument("--batchnorm", default="micro", help="micro or deferred (mpipe's --batchnorm)")
     ap.add_argument("--final-tol", type=float, default=1e-3,
                     help="relative error allowed in the parameters after the 10 steps (see below)")
     args = ap.parse_args()
     os.makedirs(args.workdir, exist_ok=True)
     name = os.path.splitext(os.path.basename(args.model))[0]
     path = os.path.join(args.workdir, f"reference-{name}.h5")
-    subprocess.run([args.dump, "--model", args.model, "--out", path], check=True)
+    subprocess.run([args.dump, "--model", args.model, "--out", path, "--batchnorm", args.batchnorm], check=True)
 
     f = h5py.File(path, "r")
     n_layer, C, H, T, V, hidden, inputs, classes, batch = (int(v) for v in f["config/sizes"][()])
@@ -62,7 +63,10 @@ def main():
         model = MLP(n_layer, hidden, inputs, classes)
     else:
         with open(args.model, "rb") as spec:
-            model = Sequential(tomllib.load(spec), micro_batches=int(f["config/micro_batches"][0]))
+            model = Sequential(tomllib.load(spec), micro_batches=int(f["config/micro_batches"][0]),
+                               batchnorm=args.batchnorm)
+    if int(f["config/deferred_batchnorm"][0]) != (args.batchnorm == "deferred"):
+        sys.exit("reference_dump did not take --batchnorm")
     params = model.named()
     # BatchNorm's running statistics: compared as values, never as gradients or stepped.
     trained = {k: p for k, p in params.items() if isinstance(p, torch.nn.Parameter)}
@@ -86,6 +90,8 @@ def main():
     model.zero_grad()
     loss = model(*batch_of(0))
     loss.backward()
+    if isinstance(model, Sequential):
+        model.apply_deferred(keep=False)  # mpipe applies a step's sums only with its update
     loss0 = float(f["loss0"][0])
     err = abs(loss0 - loss.item()) / abs(loss.item())
     print(f"loss at init: mpipe {loss0:.9g} torch {loss.item():.9g} rel {err:.2e}")
@@ -115,6 +121,8 @@ def main():
         loss = model(*batch_of(step))
         loss.backward()
         opt.step()
+        if isinstance(model, Sequential):
+            model.apply_deferred()  # deferred BatchNorm: once per step, as mpipe
         e = abs(ours[step] - loss.item()) / abs(loss.item())
         print(f"step {step}: lr {lr:.3e} loss mpipe {ours[step]:.9g} torch {loss.item():.9g} rel {e:.2e}")
         if e > TOL:

@@ -37,13 +37,15 @@ std::vector<hsize_t> dims_of(const Shape& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string model = "gpt", out = "reference.h5";
+  std::string model = "gpt", out = "reference.h5", batchnorm = "micro";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--model") == 0) model = argv[i + 1];
     if (std::strcmp(argv[i], "--out") == 0) out = argv[i + 1];
+    if (std::strcmp(argv[i], "--batchnorm") == 0) batchnorm = argv[i + 1];
   }
   TrainConfig c;
   c.model.kind = model;
+  c.pipeline.batchnorm = batchnorm;
   c.model.layers = 2;
   c.model.d_model = 32;
   c.model.heads = 4;
@@ -75,6 +77,8 @@ int main(int argc, char** argv) {
                        c.model.hidden, c.model.inputs,  c.model.classes, c.batch_size};
   write(file, "/config/sizes", sizes, H5T_NATIVE_INT, {9});
   write(file, "/config/micro_batches", &c.micro_batches, H5T_NATIVE_INT, {1});
+  const int deferred = batchnorm == "deferred";
+  write(file, "/config/deferred_batchnorm", &deferred, H5T_NATIVE_INT, {1});
   const float opt[] = {c.optimizer.beta1, c.optimizer.beta2, c.optimizer.eps, c.optimizer.weight_decay};
   write(file, "/config/adamw", opt, H5T_NATIVE_FLOAT, {4});
 

@@ -78,10 +78,13 @@ void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w);
 void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode);
 
 // BatchNorm over (N, C, ...) per channel (see cpu/ops.hpp); CPU only so far. Training
-// with running statistics given (non-empty) moves them; inference reads them.
+// with running statistics given (non-empty) moves them, with `sums` given (1 + 2C) adds
+// the batch to them; inference reads them.
 void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
-                             const Tensor& running_var, const Tensor& inp, const Tensor& weight, const Tensor& bias,
-                             float eps, float momentum);
+                             const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
+                             const Tensor& bias, float eps, float momentum);
+void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,
+                          float momentum);
 void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
                             const Tensor& running_mean, const Tensor& running_var, float eps);
 void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,

@@ -1,6 +1,8 @@
 // Convolutional layers over NCHW tensors: conv2d, max and average pooling, global
 // average pooling, flatten. CPU only so far (their LayerKind says gpu = false).
 #pragma once
+#include <algorithm>
+
 #include "mpipe/nn/layer.hpp"
 
 namespace mpipe {
@@ -61,12 +63,16 @@ class BatchNorm2d final : public Layer {
   // `zero_weight`: the scale starts at 0 (a residual block's last BatchNorm: the block
   // starts as its skip path; Goyal et al. 2017, timm's zero_init_last).
   BatchNorm2d(int64_t channels, float eps, float momentum, bool zero_weight = false)
-      : channels_(channels), eps_(eps), momentum_(momentum), zero_weight_(zero_weight) {}
+      : channels_(channels), eps_(eps), momentum_(momentum), zero_weight_(zero_weight),
+        sums_(static_cast<std::size_t>(1 + 2 * channels), 0.0) {}
   std::string kind() const override { return "batchnorm2d"; }
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  std::span<double> step_sums() override { return sums_; }
+  void apply_step_sums() override;
+  void clear_step_sums() override { std::fill(sums_.begin(), sums_.end(), 0.0); }
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
@@ -77,6 +83,7 @@ class BatchNorm2d final : public Layer {
   int64_t channels_;
   float eps_, momentum_;
   bool zero_weight_ = false;
+  std::vector<double> sums_;  // --batchnorm deferred: the step's count, sums and sums of squares
   Tensor weight_, bias_, running_mean_, running_var_, dweight_, dbias_;
 };
 

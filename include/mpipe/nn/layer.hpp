@@ -61,6 +61,7 @@ struct Pass {
   std::uint64_t sample_begin = 0;  // index within the step of the micro-batch's first sample
   bool training = true;
   bool recompute = false;          // a forward again for backward (remat): no state updates
+  bool deferred_statistics = false;  // --batchnorm deferred: gather a step's sums, apply them at its end
   Tensor targets;                  // (B, T) or (B) int32, for the loss layer
   float loss_scale = 1.0f;         // d(total loss)/d(per-row loss): 1 / rows in the step
   DType dtype = DType::f32;        // of activations and their gradients (bf16 on a GPU)
@@ -98,6 +99,15 @@ class Layer {
   int global_index() const { return global_index_; }
   // Composite layers pass the index on to their parts (it keys dropout masks).
   virtual void set_global_index(int index) { global_index_ = index; }
+  // This layer and, for a composite one, its parts, depth first.
+  virtual void parts(std::vector<Layer*>& out) { out.push_back(this); }
+
+  // Statistics gathered over a step's micro-batches and applied once at its end
+  // (--batchnorm deferred): the sums (empty: none), which the executor adds up over the
+  // replicas before apply_step_sums(); clear_step_sums() starts a step.
+  virtual std::span<double> step_sums() { return {}; }
+  virtual void apply_step_sums() {}
+  virtual void clear_step_sums() {}
 
  protected:
   virtual Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) = 0;
@@ -293,6 +303,7 @@ class Residual final : public Layer {
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  void parts(std::vector<Layer*>& out) override;
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;

@@ -41,6 +41,7 @@ struct PipelineConfig {
   GridShape grid;                  // --stages, --replicas (0: inferred), --rank-order
   std::string schedule = "gpipe";  // gpipe | 1f1b
   std::string remat = "never";     // always | except-last | never
+  std::string batchnorm = "micro"; // micro | deferred: when BatchNorm's running statistics move
   std::string partition = "flops"; // uniform | params | flops | time
   std::string balance;             // "a,b,..." layers per stage; overrides partition
   double p2p_timeout = 600.0;      // seconds a point-to-point wait may block
@@ -197,7 +198,9 @@ class Executor {
     std::unique_ptr<PairSum> sum;
   };
   StepResult step_unchecked(std::int64_t step);
-  void average_buffers();
+  // After an update: the replicas' running statistics made equal, by averaging (micro)
+  // or by applying the step's sums added up over the replicas (deferred).
+  void settle_buffers(bool updated);
   Pass make_pass(std::int64_t step, int micro_batch, Arena* arena) const;
   bool rematerialize(int micro_batch) const;
   void run_forward(std::int64_t step, int micro_batch, bool training = true);
@@ -251,6 +254,7 @@ class Executor {
   std::vector<TiedSpan> tied_spans_;              // summed with the other stage holding them
   bool tied_early_ = false;  // tied sums start in the backward (one replica, on the CPU)
   std::vector<double> reduce_buffer_;              // per-layer norms, loss, bubble
+  std::vector<Layer*> deferred_;                   // this stage's layers (parts too) with step sums
   std::unique_ptr<std::byte[]> batch_memory_;
   Tensor inputs_, targets_;                        // this replica's share of the batch
   double loss_sum_ = 0.0, correct_sum_ = 0.0;

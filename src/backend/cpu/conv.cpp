@@ -192,9 +192,10 @@ void affine_channel(float* out, const float* inp, int64_t c, float scale, float 
 }  // namespace
 
 void batchnorm_forward_train(float* out, float* mean, float* rstd, float* running_mean, float* running_var,
-                             const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
-                             int64_t plane, float eps, float momentum) {
+                             double* sums, const float* inp, const float* weight, const float* bias, int64_t N,
+                             int64_t C, int64_t plane, float eps, float momentum) {
   const double count = static_cast<double>(N * plane);
+  if (sums) sums[0] += count;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < C; ++c) {
     double sum = 0, squares = 0;
@@ -218,6 +219,22 @@ void batchnorm_forward_train(float* out, float* mean, float* rstd, float* runnin
       running_mean[c] = (1 - momentum) * running_mean[c] + momentum * static_cast<float>(m);
       running_var[c] = (1 - momentum) * running_var[c] + momentum * static_cast<float>(unbiased);
     }
+    if (sums) {
+      sums[1 + c] += sum;
+      sums[1 + C + c] += squares + count * m * m;
+    }
+  }
+}
+
+void batchnorm_apply_sums(float* running_mean, float* running_var, const double* sums, int64_t C, float momentum) {
+  const double count = sums[0];
+  if (count <= 0) return;  // nothing gathered
+  for (int64_t c = 0; c < C; ++c) {
+    const double m = sums[1 + c] / count;
+    const double squares = std::max(0.0, sums[1 + C + c] - sums[1 + c] * m);
+    const double unbiased = count > 1 ? squares / (count - 1) : squares / count;
+    running_mean[c] = (1 - momentum) * running_mean[c] + momentum * static_cast<float>(m);
+    running_var[c] = (1 - momentum) * running_var[c] + momentum * static_cast<float>(unbiased);
   }
 }
 

@@ -101,10 +101,14 @@ int64_t count_correct(const float* logits, const int32_t* targets, int64_t N, in
 // BatchNorm over (N, C, plane) per channel, eps inside the root. Training: the batch's
 // mean and biased variance (mean, rstd (C) kept for backward); running statistics, when
 // given, move by `momentum` toward the batch's (the variance unbiased, as PyTorch).
+// `sums`, when given (1 + 2C), gathers the batch for deferred statistics: [0] += the
+// values per channel, [1 + c] += their sum, [1 + C + c] += the sum of their squares.
 // Inference: the running statistics. Both overwrite out.
 void batchnorm_forward_train(float* out, float* mean, float* rstd, float* running_mean, float* running_var,
-                             const float* inp, const float* weight, const float* bias, int64_t N, int64_t C,
-                             int64_t plane, float eps, float momentum);
+                             double* sums, const float* inp, const float* weight, const float* bias, int64_t N,
+                             int64_t C, int64_t plane, float eps, float momentum);
+// Running statistics moved by `momentum` toward those of the batch gathered in `sums`.
+void batchnorm_apply_sums(float* running_mean, float* running_var, const double* sums, int64_t C, float momentum);
 void batchnorm_forward_eval(float* out, const float* inp, const float* weight, const float* bias,
                             const float* running_mean, const float* running_var, int64_t N, int64_t C, int64_t plane,
                             float eps);
