@@ -11,31 +11,63 @@ namespace mpipe {
 
 namespace {
 
+// The labels are read once (N integers, checked against the model's classes); the inputs
+// are read by part: each fill() reads the rows it draws straight into the batch, as
+// float, then scales and normalises them in place. Only the ranks that need inputs (the
+// first stage) read them.
 class LabelledFile final : public Dataset {
  public:
-  LabelledFile(std::vector<float> inputs, std::vector<std::int32_t> labels, std::int64_t per_sample, std::string what,
-               std::uint64_t seed, bool shuffle)
-      : inputs_(std::move(inputs)), labels_(std::move(labels)), per_sample_(per_sample), what_(std::move(what)),
-        seed_(seed), shuffle_(shuffle), order_(labels_.size()) {}
+  struct Source {
+    Handle file, inputs, rows, row;  // the file, /inputs, its dataspace, one row's
+    std::int64_t per_sample = 0, channels = 1;
+    bool bytes = false;              // uint8, scaled to [0, 1]
+    std::vector<float> mean, inverse_std;
+  };
+
+  LabelledFile(Source source, std::vector<std::int32_t> labels, std::string what, std::uint64_t seed, bool shuffle)
+      : source_(std::move(source)), labels_(std::move(labels)), what_(std::move(what)), seed_(seed), shuffle_(shuffle),
+        order_(labels_.size()) {}
 
   // Sample s is row order(s / N)[s % N]: every row once per epoch, in an order drawn
   // from (seed, epoch) when shuffled, in file order otherwise (held-out data).
   void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
     const auto n = static_cast<std::uint64_t>(labels_.size());
-    float* x = inputs.f32();
     std::int32_t* y = targets.i32();
     for (std::int64_t i = 0; i < count; ++i) {
       const std::uint64_t s = first + static_cast<std::uint64_t>(i);
       const std::uint64_t row = shuffle_ ? order(s / n)[s % n] : s % n;
-      std::copy_n(inputs_.data() + row * static_cast<std::uint64_t>(per_sample_), per_sample_, x + i * per_sample_);
+      if (!inputs.empty()) read_row(row, inputs.f32() + i * source_.per_sample);
       y[i] = labels_[row];
     }
   }
 
+  bool targets_alone() const override { return true; }
   std::int64_t size() const override { return static_cast<std::int64_t>(labels_.size()); }
 
   std::string describe() const override {
-    return cat(what_, ": ", labels_.size(), " samples", shuffle_ ? ", shuffled per epoch" : ", in file order");
+    return cat(what_, ": ", labels_.size(), " samples", shuffle_ ? ", shuffled per epoch" : ", in file order",
+               ", read by part");
+  }
+
+  // Row `row` of /inputs into x (per_sample floats), scaled and normalised.
+  void read_row(std::uint64_t row, float* x) const {
+    const Source& src = source_;
+    hsize_t start[8] = {row}, count[8] = {1};
+    const int rank = H5Sget_simple_extent_ndims(src.rows.get());
+    hsize_t dims[8] = {};
+    H5Sget_simple_extent_dims(src.rows.get(), dims, nullptr);
+    for (int d = 1; d < rank; ++d) count[d] = dims[d];
+    if (H5Sselect_hyperslab(src.rows.get(), H5S_SELECT_SET, start, nullptr, count, nullptr) < 0 ||
+        H5Dread(src.inputs.get(), H5T_NATIVE_FLOAT, src.row.get(), src.rows.get(), H5P_DEFAULT, x) < 0)
+      throw Error(cat(what_, ": cannot read row ", row, " of /inputs (the file changed or the disk failed)"));
+    const std::int64_t plane = src.per_sample / src.channels;
+    for (std::int64_t c = 0; c < src.channels; ++c) {
+      float* p = x + c * plane;
+      const float m = src.mean[static_cast<std::size_t>(c)], inv = src.inverse_std[static_cast<std::size_t>(c)];
+      if (src.bytes)
+        for (std::int64_t i = 0; i < plane; ++i) p[i] /= 255.0f;
+      for (std::int64_t i = 0; i < plane; ++i) p[i] = (p[i] - m) * inv;
+    }
   }
 
  private:
@@ -50,9 +82,8 @@ class LabelledFile final : public Dataset {
     return order_;
   }
 
-  std::vector<float> inputs_;
+  Source source_;
   std::vector<std::int32_t> labels_;
-  std::int64_t per_sample_;
   std::string what_;
   std::uint64_t seed_;
   bool shuffle_;
@@ -72,11 +103,11 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
                 "--data hdf5: labelled samples are for models of inputs, not of tokens");
   quiet_hdf5();
   MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, hint, file_name, " is not an HDF5 file");
-  const Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   MPIPE_REQUIRE(file.ok(), hint, file_name, " cannot be opened");
   for (const char* name : {"inputs", "labels"})
     MPIPE_REQUIRE(H5Lexists(file.get(), name, H5P_DEFAULT) > 0, hint, file_name, " has no /", name, " dataset");
-  const Handle inputs(H5Dopen2(file.get(), "inputs", H5P_DEFAULT), H5Dclose), labels{H5Dopen2(file.get(), "labels", H5P_DEFAULT), H5Dclose};
+  Handle inputs(H5Dopen2(file.get(), "inputs", H5P_DEFAULT), H5Dclose), labels{H5Dopen2(file.get(), "labels", H5P_DEFAULT), H5Dclose};
   const Handle in_space(H5Dget_space(inputs.get()), H5Sclose), label_space{H5Dget_space(labels.get()), H5Sclose};
   hsize_t dims[8] = {}, label_dims[8] = {};
   const int rank = H5Sget_simple_extent_dims(in_space.get(), dims, nullptr);
@@ -99,33 +130,29 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
   MPIPE_REQUIRE(bytes || H5Tget_class(type.get()) == H5T_FLOAT, "store /inputs as uint8 or float32", file_name,
                 ": /inputs is neither uint8 nor floating point");
   const std::int64_t n = static_cast<std::int64_t>(dims[0]), per_sample = sample.numel();
-  MPIPE_REQUIRE(static_cast<double>(n) * static_cast<double>(per_sample) * 4 < 64e9, "use a smaller file", file_name,
-                " holds more than 64 GB of samples");
-  std::vector<float> x(static_cast<std::size_t>(n * per_sample));
-  MPIPE_REQUIRE(H5Dread(inputs.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, x.data()) >= 0, hint, file_name,
-                ": cannot read /inputs");
-  if (bytes)
-    for (float& v : x) v /= 255.0f;
+  MPIPE_REQUIRE(n < (std::int64_t{1} << 32), "split the file", file_name, " holds more than 2^32 samples");
   // Optional per-channel normalisation: attributes mean and std of C values.
-  const std::int64_t channels = sample.rank == 4 ? sample[1] : 1, plane = per_sample / channels;
-  std::vector<float> mean(static_cast<std::size_t>(channels), 0.0f), stdev(static_cast<std::size_t>(channels), 1.0f);
+  LabelledFile::Source source;
+  source.per_sample = per_sample;
+  source.channels = sample.rank == 4 ? sample[1] : 1;
+  source.bytes = bytes;
+  const auto channels = static_cast<std::size_t>(source.channels);
+  std::vector<float> mean(channels, 0.0f), stdev(channels, 1.0f);
   for (auto [name, values] : {std::pair{"mean", &mean}, std::pair{"std", &stdev}}) {
     if (H5Aexists(inputs.get(), name) <= 0) continue;
     const Handle attribute(H5Aopen(inputs.get(), name, H5P_DEFAULT), H5Aclose);
     const Handle space(H5Aget_space(attribute.get()), H5Sclose);
-    MPIPE_REQUIRE(H5Sget_simple_extent_npoints(space.get()) == channels, cat("give ", channels, " values, one per channel"),
-                  file_name, ": /inputs attribute ", name, " has ", H5Sget_simple_extent_npoints(space.get()), " values");
+    MPIPE_REQUIRE(H5Sget_simple_extent_npoints(space.get()) == source.channels,
+                  cat("give ", source.channels, " values, one per channel"), file_name, ": /inputs attribute ", name,
+                  " has ", H5Sget_simple_extent_npoints(space.get()), " values");
     MPIPE_REQUIRE(H5Aread(attribute.get(), H5T_NATIVE_FLOAT, values->data()) >= 0, hint, file_name, ": cannot read ", name);
   }
-  for (std::int64_t c = 0; c < channels; ++c)
-    MPIPE_REQUIRE(stdev[static_cast<std::size_t>(c)] > 0, "give positive std values", file_name, ": std of channel ", c,
-                  " is not positive");
-  for (std::int64_t s = 0; s < n; ++s)
-    for (std::int64_t c = 0; c < channels; ++c) {
-      float* p = x.data() + s * per_sample + c * plane;
-      const float m = mean[static_cast<std::size_t>(c)], inv = 1.0f / stdev[static_cast<std::size_t>(c)];
-      for (std::int64_t i = 0; i < plane; ++i) p[i] = (p[i] - m) * inv;
-    }
+  for (std::size_t c = 0; c < channels; ++c) {
+    MPIPE_REQUIRE(stdev[c] > 0, "give positive std values", file_name, ": std of channel ", c, " is not positive");
+    stdev[c] = 1.0f / stdev[c];
+  }
+  source.mean = std::move(mean);
+  source.inverse_std = std::move(stdev);
   std::vector<std::int64_t> wide(static_cast<std::size_t>(n));
   MPIPE_REQUIRE(H5Dread(labels.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, wide.data()) >= 0,
                 "store /labels as integers", file_name, ": cannot read /labels as integers");
@@ -137,7 +164,22 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
                   file_name, ": label ", label, " of sample ", s, " is out of range");
     y[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(label);
   }
-  return std::make_unique<LabelledFile>(std::move(x), std::move(y), per_sample, cat("hdf5 file ", path), seed, shuffle);
+  // The inputs stay in the file: its handles move into the data set, which reads rows.
+  const hsize_t row_dims[1] = {static_cast<hsize_t>(per_sample)};
+  source.row = Handle(H5Screate_simple(1, row_dims, nullptr), H5Sclose);
+  source.rows = Handle(H5Dget_space(inputs.get()), H5Sclose);
+  source.inputs = std::move(inputs);
+  source.file = std::move(file);
+  MPIPE_REQUIRE(source.row.ok() && source.rows.ok(), hint, file_name, ": cannot select rows of /inputs");
+  auto data = std::make_unique<LabelledFile>(std::move(source), std::move(y), cat("hdf5 file ", path), seed, shuffle);
+  // One row read now: a dataset HDF5 cannot convert to float fails here, not mid-run.
+  std::vector<float> probe(static_cast<std::size_t>(per_sample));
+  try {
+    data->read_row(0, probe.data());
+  } catch (const Error&) {
+    throw UserError(cat(file_name, ": cannot read /inputs as numbers"), hint);
+  }
+  return data;
 }
 
 }  // namespace mpipe

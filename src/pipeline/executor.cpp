@@ -552,7 +552,7 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   if (const Dataset* data = training ? dataset_.get() : eval_dataset_.get()) {
     const int share = config_.batch_size / grid_->replicas();
     data->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
-               share, inputs_, targets_);
+               share, grid_->first_stage() || !data->targets_alone() ? inputs_ : Tensor{}, targets_);
     if (device_ == Device::cuda)
       cuda::copy_to_device(batch_device_.data(), batch_host_.data(), batch_host_.bytes());
   }

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include <hdf5.h>
+
 #include "mpipe/data/dataset.hpp"
 
 using namespace mpipe;
@@ -180,4 +182,82 @@ TEST_CASE("synthetic images: the same however split, labels in range, and learna
     right += best == y[s] ? 1 : 0;
   }
   CHECK(right > 0.8 * (n - 512));
+}
+
+TEST_CASE("hdf5 data: rows read by part, scaled and normalised, every row once per epoch, labels alone") {
+  // 7 samples of (2, 3, 2) uint8 with per-channel mean and std; sample s, channel c,
+  // pixel i holds 10 s + 3 c + i, and label s % 4.
+  const auto path = fs::temp_directory_path() / "mpipe_labelled.h5";
+  constexpr int N = 7, C = 2, plane = 6, per = C * plane;
+  {
+    std::vector<std::uint8_t> pixels(N * per);
+    std::vector<std::int32_t> labels(N);
+    for (int s = 0; s < N; ++s) {
+      labels[static_cast<std::size_t>(s)] = s % 4;
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < plane; ++i) pixels[static_cast<std::size_t>(s * per + c * plane + i)] = static_cast<std::uint8_t>(10 * s + 3 * c + i);
+    }
+    const hid_t file = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    const hsize_t dims[4] = {N, C, 3, 2}, label_dims[1] = {N}, channel_dims[1] = {C};
+    const hid_t space = H5Screate_simple(4, dims, nullptr), label_space = H5Screate_simple(1, label_dims, nullptr);
+    const hid_t inputs = H5Dcreate2(file, "inputs", H5T_NATIVE_UINT8, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Dwrite(inputs, H5T_NATIVE_UINT8, H5S_ALL, H5S_ALL, H5P_DEFAULT, pixels.data());
+    const hid_t ls = H5Dcreate2(file, "labels", H5T_NATIVE_INT32, label_space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Dwrite(ls, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels.data());
+    const hid_t channel_space = H5Screate_simple(1, channel_dims, nullptr);
+    const float mean[C] = {0.1f, 0.2f}, stdev[C] = {0.5f, 0.25f};
+    for (auto [name, values] : {std::pair{"mean", mean}, std::pair{"std", stdev}}) {
+      const hid_t a = H5Acreate2(inputs, name, H5T_NATIVE_FLOAT, channel_space, H5P_DEFAULT, H5P_DEFAULT);
+      H5Awrite(a, H5T_NATIVE_FLOAT, values);
+      H5Aclose(a);
+    }
+    for (hid_t id : {channel_space, space, label_space}) H5Sclose(id);
+    H5Dclose(inputs);
+    H5Dclose(ls);
+    H5Fclose(file);
+  }
+  const auto model_path = fs::temp_directory_path() / "mpipe_labelled.toml";
+  std::ofstream(model_path) << "input = [2, 3, 2]\n[[layer]]\nkind = \"flatten\"\n[[layer]]\nkind = \"linear\"\nout = 4\n"
+                               "[[layer]]\nkind = \"cross_entropy\"\n";
+  ModelConfig m;
+  m.kind = model_path.string();
+  const Model model(m);
+  fs::remove(model_path);
+  const auto expected = [&](int s, int c, int i) {
+    const float mean = c == 0 ? 0.1f : 0.2f, inv = 1.0f / (c == 0 ? 0.5f : 0.25f);
+    return (static_cast<float>(10 * s + 3 * c + i) / 255.0f - mean) * inv;
+  };
+  // Held-out order (the file's): samples 5 .. 5 + 2N - 1 wrap around the epoch.
+  auto held_out = make_dataset("hdf5:" + path.string(), model, 3, /*held_out=*/true);
+  CHECK(held_out->size() == N);
+  CHECK(held_out->targets_alone());
+  std::vector<float> x(2 * N * per);
+  std::vector<std::int32_t> y(2 * N);
+  held_out->fill(5, 2 * N, make_tensor(x.data(), Shape{2 * N, C, 3, 2}), make_tensor(y.data(), Shape{2 * N}));
+  for (int k = 0; k < 2 * N; ++k) {
+    const int s = (5 + k) % N;
+    CHECK(y[static_cast<std::size_t>(k)] == s % 4);
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < plane; ++i) CHECK(x[static_cast<std::size_t>(k * per + c * plane + i)] == expected(s, c, i));
+  }
+  // Training order: each epoch a permutation of the rows, the rows intact; the labels
+  // alone (an empty inputs tensor: the last stage) are the same labels.
+  auto train = make_dataset("hdf5:" + path.string(), model, 3);
+  train->fill(0, 2 * N, make_tensor(x.data(), Shape{2 * N, C, 3, 2}), make_tensor(y.data(), Shape{2 * N}));
+  std::vector<std::int32_t> alone(2 * N);
+  train->fill(0, 2 * N, Tensor{}, make_tensor(alone.data(), Shape{2 * N}));
+  CHECK(alone == y);
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    std::vector<int> seen(N, 0);
+    for (int k = epoch * N; k < (epoch + 1) * N; ++k) {
+      const int s = static_cast<int>(std::lround((x[static_cast<std::size_t>(k * per)] * 0.5f + 0.1f) * 255.0f)) / 10;
+      REQUIRE((s >= 0 && s < N));
+      ++seen[static_cast<std::size_t>(s)];
+      CHECK(y[static_cast<std::size_t>(k)] == s % 4);
+      for (int c = 0; c < C; ++c)
+        for (int i = 0; i < plane; ++i) CHECK(x[static_cast<std::size_t>(k * per + c * plane + i)] == expected(s, c, i));
+    }
+    CHECK(seen == std::vector<int>(N, 1));
+  }
+  fs::remove(path);
 }

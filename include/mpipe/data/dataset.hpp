@@ -25,6 +25,9 @@ class Dataset {
   virtual std::string describe() const = 0;
   // Distinct samples (a file's), or 0 for an endless source (synthetic, token windows).
   virtual std::int64_t size() const { return 0; }
+  // Whether fill() takes an empty inputs tensor and then fills only the targets (a
+  // labelled file: the last stage reads its labels, not its inputs).
+  virtual bool targets_alone() const { return false; }
 };
 
 // The file a --data spec names (PATH of text:PATH or tokens:PATH), or "" for none.
@@ -37,7 +40,8 @@ std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& mode
                                       bool held_out = false);
 // hdf5:PATH: /inputs (N, ...) of the model's input shape, uint8 (scaled to [0, 1]) or
 // float, normalised by its optional per-channel attributes mean and std; /labels (N)
-// integers below the model's classes. Read whole; shuffled per epoch when `shuffle`.
+// integers below the model's classes. The labels are read whole, the inputs by part (the
+// rows each batch draws, on the ranks that need them); shuffled per epoch when `shuffle`.
 std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model& model, std::uint64_t seed,
                                             bool shuffle);
 
