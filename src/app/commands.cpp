@@ -18,6 +18,7 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -501,7 +502,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--replicas", p.grid.replicas, "Data-parallel replicas D (0: world size / stages)")->capture_default_str();
   cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks) or data")
       ->capture_default_str();
-  cmd.add_option("--schedule", p.schedule, "gpipe or 1f1b")->capture_default_str();
+  cmd.add_option("--schedule", p.schedule,
+                 "gpipe, 1f1b, or file:PATH (a line 'stage S: F0 F1 B0 ...' per stage; plan --write-schedule writes one)")
+      ->capture_default_str();
   cmd.add_option("--remat", p.remat, "Re-materialization: always, except-last or never")->capture_default_str();
   cmd.add_option("--batchnorm", p.batchnorm,
                  "BatchNorm's running statistics: micro (moved by each micro-batch, GPipe) or deferred (by the "
@@ -543,7 +546,7 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
 // CLI11 2.1 reads config files only for the top-level app, so a subcommand's file is
 // applied here, the way CLI11 applies one: each key fills the option of the same name
 // unless the command line already gave it. Unknown keys and sections are errors.
-int run_plan(const TrainConfig& config, int ranks) {
+int run_plan(const TrainConfig& config, int ranks, const std::string& write_schedule) {
   MPIPE_REQUIRE(ranks > 0, "e.g. --ranks 4", "--ranks must be positive, got ", ranks);
   validate(config, ranks);
   const GridShape grid = resolve_grid(config.pipeline.grid, ranks);
@@ -565,6 +568,17 @@ int run_plan(const TrainConfig& config, int ranks) {
   for (int r = 0; r < ranks; ++r) std::printf(" %d=s%d/r%d", r, grid.stage_of(r), grid.replica_of(r));
   std::printf("\n");
   print_schedule_grid(config, grid);
+  if (!write_schedule.empty()) {
+    const Schedule s = make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches);
+    std::ofstream out(write_schedule);
+    out << cat("# mpipe schedule ", s.name, ": ", grid.stages, " stages, ", config.micro_batches,
+               " micro-batches; train with --schedule file:", write_schedule, "\n")
+        << s.to_text();
+    out.close();
+    MPIPE_REQUIRE(out.good(), "give a path in a directory you can write", "--write-schedule: cannot write '",
+                  write_schedule, "'");
+    std::printf("schedule written to %s\n", write_schedule.c_str());
+  }
   return 0;
 }
 
@@ -919,6 +933,9 @@ int run_main(int argc, char** argv) {
   add_train_options(*plan, plan_config);
   int plan_ranks = 1;
   plan->add_option("--ranks", plan_ranks, "Number of ranks to plan for")->capture_default_str();
+  std::string write_schedule;
+  plan->add_option("--write-schedule", write_schedule,
+                   "Also write the schedule's actions per stage to this file, for editing and --schedule file:PATH");
   bool print_model = false, layer_kinds_help = false;
   plan->add_flag("--print-model", print_model,
                  "Print only the model's layer list as a model file (mpipe plan --model gpt --print-model > m.toml; "
@@ -998,7 +1015,7 @@ int run_main(int argc, char** argv) {
       std::fputs(model_spec(plan_config.model).to_toml().c_str(), stdout);
       return 0;
     }
-    return run_plan(plan_config, plan_ranks);
+    return run_plan(plan_config, plan_ranks, write_schedule);
   } catch (const UserError& e) {
     std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
     return exit_user_error;

@@ -83,7 +83,6 @@ void validate(const TrainConfig& c, int world) {
                 "unknown --precision '", c.precision, "'");
   MPIPE_REQUIRE(c.precision == "fp32" || c.device != "cpu", "use --device cuda (or auto on GPU nodes) with bf16",
                 "--precision bf16 needs a GPU; the CPU backend computes in fp32");
-  make_schedule(p.schedule, 1, 1);  // throws UserError for an unknown name
   GridShape grid = p.grid;
   if (world > 0) grid = resolve_grid(grid, world);
   const int replicas = std::max(1, grid.replicas);
@@ -100,6 +99,8 @@ void validate(const TrainConfig& c, int world) {
                   cat("pick a --batch-size that is a multiple of ", c.micro_batches * replicas),
                   "--batch-size ", c.batch_size, " does not split into --micro-batches ", c.micro_batches, " x ",
                   replicas, " replicas");
+  // UserError for an unknown name, or a schedule file that does not fit or breaks a rule.
+  if (grid.stages > 0 || p.schedule.rfind("file:", 0) != 0) make_schedule(p.schedule, std::max(1, grid.stages), c.micro_batches);
   const int layers = Model(c.model).size();
   if (!p.balance.empty()) {
     const Partition part = partition_from_balance(parse_balance(p.balance), layers);

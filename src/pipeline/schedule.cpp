@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <map>
 #include <sstream>
 
@@ -96,10 +98,75 @@ Schedule one_f_one_b_schedule(int stages, int micro_batches) {
 
 std::vector<std::string> schedule_names() { return {"gpipe", "1f1b"}; }
 
+Schedule parse_schedule(const std::string& text, const std::string& source) {
+  const std::string hint = "write one line per stage, e.g. 'stage 0: F0 F1 B0 B1' (mpipe plan --write-schedule)";
+  std::map<int, std::vector<Action>> lists;
+  std::istringstream in(text);
+  std::string line;
+  int number = 0, micro_batches = 0;
+  while (std::getline(in, line)) {
+    ++number;
+    if (const auto hash = line.find('#'); hash != std::string::npos) line.erase(hash);
+    std::istringstream words(line);
+    std::string word;
+    if (!(words >> word)) continue;  // blank
+    const std::string at = cat(source, " line ", number);
+    std::string label;
+    words >> label;
+    MPIPE_REQUIRE(word == "stage" && label.size() > 1 && label.back() == ':' &&
+                      std::all_of(label.begin(), label.end() - 1, [](char c) { return c >= '0' && c <= '9'; }) &&
+                      label.size() <= 6,
+                  hint, at, ": expected 'stage N:', got '", word, " ", label, "'");
+    const int stage = std::stoi(label.substr(0, label.size() - 1));
+    MPIPE_REQUIRE(!lists.count(stage), "give each stage one line", at, ": stage ", stage, " again");
+    auto& list = lists[stage];
+    while (words >> word) {
+      Action a;
+      try {
+        a = parse_action(word);
+      } catch (const Error&) {
+        throw UserError(cat(at, ": '", word, "' is not an action"), "write F<micro-batch> or B<micro-batch>, e.g. F3");
+      }
+      MPIPE_REQUIRE(a.is_compute(), "give only F and B actions: the sends and receives are inserted", at, ": ", word,
+                    " is a communication action");
+      MPIPE_REQUIRE(a.micro_batch <= 16383, "use at most 16383 micro-batches", at, ": ", word, " is beyond them");
+      micro_batches = std::max(micro_batches, a.micro_batch + 1);
+      list.push_back(a);
+    }
+  }
+  MPIPE_REQUIRE(!lists.empty(), hint, source, " has no stage lines");
+  const int stages = static_cast<int>(lists.size());
+  MPIPE_REQUIRE(lists.rbegin()->first == stages - 1, "number the stages 0 to K-1", source, " has ", stages,
+                " stage lines but a stage ", lists.rbegin()->first);
+  Schedule s = empty_schedule(source, stages, std::max(micro_batches, 1));
+  for (auto& [stage, list] : lists) s.actions[static_cast<std::size_t>(stage)] = std::move(list);
+  return s;
+}
+
 Schedule make_schedule(const std::string& name, int stages, int micro_batches) {
   if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
   if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
-  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe or --schedule 1f1b");
+  if (name.rfind("file:", 0) == 0 && name.size() > 5) {
+    const std::string path = name.substr(5), source = cat("schedule file '", path, "'");
+    std::error_code ec;
+    MPIPE_REQUIRE(std::filesystem::is_regular_file(path, ec), "give the path of a schedule file (mpipe plan --write-schedule)",
+                  source, " is not a regular file");
+    std::ifstream file(path);
+    std::ostringstream text;
+    text << file.rdbuf();
+    MPIPE_REQUIRE(file.good() || file.eof(), "check the file's permissions", source, " cannot be read");
+    Schedule s = parse_schedule(text.str(), source);
+    s.name = name;
+    MPIPE_REQUIRE(s.stages == stages, cat("write one line for each of the ", stages, " stages"), source, " has ",
+                  s.stages, " stages, the run ", stages);
+    s.micro_batches = micro_batches;  // validate() names an action beyond them, or one missing
+    if (auto problem = validate(lower(s))) {
+      const std::string first_line = problem->substr(0, problem->find('\n'));
+      throw UserError(cat(source, ": ", first_line), "each stage runs F0, F1, ... and B0, B1, ... in ascending order, each B after its F, with no cycle of waits (docs/schedules.md)");
+    }
+    return s;
+  }
+  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b or file:PATH");
 }
 
 Schedule lower(const Schedule& in) {
@@ -182,7 +249,10 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
   for (int st = 0; st < s.stages; ++st) {
     if (next[st] < s.actions[st].size()) {
       sim.deadlock = true;
-      sim.blocked += cat("stage ", st, " waits at ", to_string(s.actions[st][next[st]]), " (action ", next[st], "); ");
+      const Action& a = s.actions[st][next[st]];
+      sim.blocked += cat(sim.blocked.empty() ? "" : "; ", "stage ", st, " waits at ", to_string(a), " (",
+                         a.kind == ActionKind::recv_act ? "the activation" : "the gradient", " of micro-batch ", a.micro_batch,
+                         ")");
     }
     sim.makespan = std::max(sim.makespan, clock[st]);
   }
@@ -198,9 +268,11 @@ std::optional<std::string> validate(const Schedule& s) {
     for (int i = 0; i < static_cast<int>(s.actions[st].size()); ++i) {
       const Action& a = s.actions[st][i];
       if (a.micro_batch < 0 || a.micro_batch >= s.micro_batches)
-        return cat("stage ", st, " action ", i, " (", to_string(a), "): micro-batch out of range");
+        return cat("stage ", st, ": ", to_string(a), " is beyond the ", s.micro_batches, " micro-batches");
       if (a.kind == ActionKind::forward) {
         if (forward_at[a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");
+        if (a.micro_batch > 0 && forward_at[a.micro_batch - 1] < 0)
+          return cat("stage ", st, ": ", to_string(a), " before F", a.micro_batch - 1, " (forwards must ascend)");
         forward_at[a.micro_batch] = i;
       } else if (a.kind == ActionKind::backward) {
         if (backward_at[a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");

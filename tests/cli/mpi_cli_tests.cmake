@@ -19,3 +19,5 @@ mpipe_mpi_test(summary_full 2 2 "error: cannot write summary file '/dev/full': N
 mpipe_mpi_test(summary_dir 2 2 "error: --summary '.*' is a directory; hint: give a file, e.g. .*summary.json" ${SMALL} --micro-batches 2 --summary ${CMAKE_CURRENT_BINARY_DIR})
 mpipe_mpi_test(outputs_same_file 2 2 "error: --metrics and --trace name the same file '.*/out.json'; hint: give each output its own file" ${SMALL} --micro-batches 2 --metrics ${CMAKE_CURRENT_BINARY_DIR}/out.json --trace ${CMAKE_CURRENT_BINARY_DIR}/./out.json)
 mpipe_mpi_test(output_no_dir 2 2 "error: --trace '/no/such/dir/t.json': no directory '/no/such/dir'; hint" ${SMALL} --micro-batches 2 --trace /no/such/dir/t.json)
+# A schedule file that deadlocks: refused on every rank before training, one line.
+mpipe_mpi_test(schedule_file_deadlock 2 2 "error: schedule file '.*deadlock.txt': deadlock: stage 0 waits at RB0 \\(the gradient of micro-batch 0\\); stage 1 waits at RF1" train --schedule file:${CMAKE_CURRENT_SOURCE_DIR}/cli/schedules/deadlock.txt --micro-batches 2 --steps 1)

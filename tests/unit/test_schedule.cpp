@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 
@@ -235,4 +237,67 @@ TEST_CASE("partition errors are user errors") {
   CHECK_THROWS_AS(partition_from_balance({0, 5}, 5), UserError);
   CHECK_THROWS_AS(parse_balance("2,x"), UserError);
   CHECK(partition_from_balance(parse_balance("2,3"), 5).to_text() == "0-1 | 2-4");
+}
+
+TEST_CASE("schedule files: every built-in schedule round-trips through its text, and runs as itself") {
+  for (int K = 1; K <= 5; ++K)
+    for (int M = 1; M <= 8; ++M)
+      for (const std::string name : {"gpipe", "1f1b"}) {
+        CAPTURE(K);
+        CAPTURE(M);
+        CAPTURE(name);
+        const Schedule s = make_schedule(name, K, M);
+        const Schedule back = parse_schedule("# written by a test\n" + s.to_text() + "\n", "test");
+        CHECK(back.stages == K);
+        CHECK(back.micro_batches == M);
+        CHECK(back.actions == s.actions);
+        const auto path = std::filesystem::temp_directory_path() / "mpipe_schedule.txt";
+        std::ofstream(path) << s.to_text();
+        CHECK(make_schedule("file:" + path.string(), K, M).actions == s.actions);
+        std::filesystem::remove(path);
+      }
+}
+
+TEST_CASE("schedule files: a broken one is one user error naming the file, the line or stage, and the rule") {
+  const auto path = std::filesystem::temp_directory_path() / "mpipe_broken_schedule.txt";
+  const std::string spec = "file:" + path.string();
+  auto refused = [&](const std::string& text, int stages, int micro_batches) -> std::string {
+    std::ofstream(path) << text;
+    try {
+      make_schedule(spec, stages, micro_batches);
+    } catch (const UserError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  auto says = [](const std::string& message, const std::string& part) {
+    CAPTURE(message);
+    CHECK(message.find(part) != std::string::npos);
+  };
+  struct Case {
+    const char* text;
+    int stages, micro_batches;
+    const char* says;
+  };
+  for (const Case& c : {
+           Case{"stage 0: F0 B0 F1 B1\nstage 1: F0 F1 B0 B1\n", 2, 2, "schedule.txt': deadlock: stage 0 waits at RB0"},
+           Case{"stage 0: F0 F1 B1 B0\n", 1, 2, "': stage 0: B0 after B1 (backwards must ascend)"},
+           Case{"stage 0: F1 F0 B0 B1\n", 1, 2, "': stage 0: F1 before F0 (forwards must ascend)"},
+           Case{"stage 0: F0 B1 F1 B0\n", 1, 2, "': stage 0: B1 before its forward"},
+           Case{"stage 0: F0 F1 B0\n", 1, 2, "': stage 0: micro-batch 1 is missing F or B"},
+           Case{"stage 0: F0 F1 F2 B0 B1 B2\n", 1, 2, "': stage 0: F2 is beyond the 2 micro-batches"},
+           Case{"stage 0: F0 B0\nstage 1: F0 B0\n", 3, 1, "' has 2 stages, the run 3"},
+           Case{"stage 0: F0 B0\nstage 2: F0 B0\n", 2, 1, "' has 2 stage lines but a stage 2"},
+           Case{"stage 0: F0 B0\nstage 0: F0 B0\n", 2, 1, "' line 2: stage 0 again"},
+           Case{"stage 0: F0 SF0 B0\n", 1, 1, "' line 1: SF0 is a communication action"},
+           Case{"stage 0: F0 X0\n", 1, 1, "' line 1: 'X0' is not an action"},
+           Case{"stages 0: F0 B0\n", 1, 1, "' line 1: expected 'stage N:'"},
+           Case{"# nothing\n", 1, 1, "' has no stage lines"},
+       })
+    says(refused(c.text, c.stages, c.micro_batches), c.says);
+  std::filesystem::remove(path);
+  says(refused("", 1, 1), "' has no stage lines");
+  std::filesystem::remove(path);
+  CHECK_THROWS_WITH_AS(make_schedule(spec, 1, 1), doctest::Contains("is not a regular file"), UserError);
+  CHECK_THROWS_WITH_AS(make_schedule("zb-h9", 1, 1), "unknown schedule 'zb-h9'", UserError);
 }

@@ -12,8 +12,9 @@ void add_train_options(CLI::App& command, TrainConfig& config);
 
 // Runs training on `world` (MPI initialised); returns the exit code of this rank.
 int run_train(const TrainConfig& config, const Communicator& world);
-// Prints the grid, partition, schedule and predicted bubble for `ranks` ranks, no MPI.
-int run_plan(const TrainConfig& config, int ranks);
+// Prints the grid, partition, schedule and predicted bubble for `ranks` ranks, no MPI;
+// with `write_schedule`, also writes the schedule there as a schedule file.
+int run_plan(const TrainConfig& config, int ranks, const std::string& write_schedule = "");
 
 // SIGTERM and SIGUSR1 (what Slurm and mpirun send) ask training to stop after the
 // current step with a checkpoint, exit 75. `environment`: main's envp. main.cpp calls

@@ -36,9 +36,19 @@ struct Schedule {
 // Generators: compute-only lists, backward always in ascending micro-batch order.
 Schedule gpipe_schedule(int stages, int micro_batches);
 Schedule one_f_one_b_schedule(int stages, int micro_batches);
-// By name (gpipe | 1f1b); UserError for an unknown name.
+// By name: gpipe, 1f1b, or file:PATH (a schedule file: parse_schedule, then checked for
+// `stages` and `micro_batches` and by validate(), each problem a UserError naming the
+// file, the stage and the action); UserError for an unknown name.
 Schedule make_schedule(const std::string& name, int stages, int micro_batches);
+// The built-in generators (file:PATH is not one).
 std::vector<std::string> schedule_names();
+
+// A schedule file's text: one line per stage, "stage S: F0 F1 B0 B1 ..." (forwards F and
+// backwards B of micro-batches, in the order the stage runs them; the sends and receives
+// are inserted by lower()); blank lines and # comments are skipped. Stages 0 .. K-1,
+// each once, in any order. UserError naming `source` and the line on a malformed one.
+// Schedule::to_text() writes this form.
+Schedule parse_schedule(const std::string& text, const std::string& source);
 
 // Adds the receive before and the send after each compute action that needs one.
 Schedule lower(const Schedule& compute_only);
@@ -64,8 +74,10 @@ struct Simulation {
 Simulation simulate(const Schedule& lowered, const StageCosts& costs);
 
 // Checks a lowered schedule: every micro-batch's forward and backward exactly once per
-// stage, backward after forward and in ascending order, every send matched by one
-// receive on the neighbour, no deadlock. Returns the problem, or nothing.
+// stage, backward after forward, forwards and backwards each in ascending order (the
+// order BatchNorm's statistics and the gradient sums see them: bitwise the same results
+// under every schedule), every send matched by one receive on the neighbour, no
+// deadlock. Returns the problem (its first line names the stage and the action), or nothing.
 std::optional<std::string> validate(const Schedule& lowered);
 
 // The step-by-stage grid of the compute actions, from a unit-cost simulation.
