@@ -22,6 +22,7 @@ class LabelledFile final : public Dataset {
     std::int64_t per_sample = 0, channels = 1;
     bool bytes = false;              // uint8, scaled to [0, 1]
     std::vector<float> mean, inverse_std;
+    mutable std::vector<std::uint8_t> staging;  // one uint8 row, converted here (HDF5's conversion is slower)
   };
 
   LabelledFile(Source source, std::vector<std::int32_t> labels, std::string what, std::uint64_t seed, bool shuffle)
@@ -57,9 +58,13 @@ class LabelledFile final : public Dataset {
     hsize_t dims[8] = {};
     H5Sget_simple_extent_dims(src.rows.get(), dims, nullptr);
     for (int d = 1; d < rank; ++d) count[d] = dims[d];
+    void* into = src.bytes ? static_cast<void*>(src.staging.data()) : static_cast<void*>(x);
     if (H5Sselect_hyperslab(src.rows.get(), H5S_SELECT_SET, start, nullptr, count, nullptr) < 0 ||
-        H5Dread(src.inputs.get(), H5T_NATIVE_FLOAT, src.row.get(), src.rows.get(), H5P_DEFAULT, x) < 0)
+        H5Dread(src.inputs.get(), src.bytes ? H5T_NATIVE_UINT8 : H5T_NATIVE_FLOAT, src.row.get(), src.rows.get(),
+                H5P_DEFAULT, into) < 0)
       throw Error(cat(what_, ": cannot read row ", row, " of /inputs (the file changed or the disk failed)"));
+    if (src.bytes)
+      for (std::int64_t i = 0; i < src.per_sample; ++i) x[i] = static_cast<float>(src.staging[static_cast<std::size_t>(i)]);
     const std::int64_t plane = src.per_sample / src.channels;
     for (std::int64_t c = 0; c < src.channels; ++c) {
       float* p = x + c * plane;
@@ -136,6 +141,7 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
   source.per_sample = per_sample;
   source.channels = sample.rank == 4 ? sample[1] : 1;
   source.bytes = bytes;
+  if (bytes) source.staging.resize(static_cast<std::size_t>(per_sample));
   const auto channels = static_cast<std::size_t>(source.channels);
   std::vector<float> mean(channels, 0.0f), stdev(channels, 1.0f);
   for (auto [name, values] : {std::pair{"mean", &mean}, std::pair{"std", &stdev}}) {
