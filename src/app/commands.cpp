@@ -179,15 +179,6 @@ double available_memory() {
 }
 
 // Micro-batches whose activations a stage holds at once under the schedule.
-int in_flight(const Schedule& compute_only, int stage) {
-  int live = 0, peak = 0;
-  for (const Action& a : compute_only.actions[stage]) {
-    live += a.kind == ActionKind::forward ? 1 : -1;
-    peak = std::max(peak, live);
-  }
-  return peak;
-}
-
 void print_plan(const TrainConfig& config, const Model& model, const Partition& part, const GridShape& grid) {
   const int K = grid.stages, D = grid.replicas, M = config.micro_batches;
   const int micro = config.batch_size / (M * D);

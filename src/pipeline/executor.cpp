@@ -251,6 +251,10 @@ void Executor::allocate() {
     targets_ = {host + in.numel() * 4, tg, DType::i32, Device::cpu};
   }
   outputs_.assign(M, Tensor{});
+  const int live = in_flight(schedule_, grid_->stage());
+  for (int s = 0; s < live; ++s) slots_.push_back(std::make_unique<Arena>(ops::device_memory(device_)));
+  free_slots_.reserve(slots_.size());
+  slot_of_.assign(M, -1);
   input_grads_.assign(M, Tensor{});
   contexts_.assign(M, nullptr);
   reduce_buffer_.assign(model_.size() + 3, 0.0);  // per layer, loss, bubble, stop
@@ -354,7 +358,32 @@ void Executor::upload_state() {
   optimizer_->upload();
 }
 
-std::size_t Executor::peak_activation_bytes() const { return persistent_->high_water() + scratch_->high_water(); }
+std::size_t Executor::peak_activation_bytes() const {
+  std::size_t bytes = persistent_->high_water() + scratch_->high_water();
+  for (const auto& slot : slots_) bytes += slot->high_water();
+  return bytes;
+}
+
+Arena* Executor::take_slot(int mb) {
+  MPIPE_CHECK(!free_slots_.empty(), "micro-batch ", mb, ": more in flight than the schedule's ", slots_.size());
+  const int slot = free_slots_.back();
+  free_slots_.pop_back();
+  slot_of_[static_cast<std::size_t>(mb)] = slot;
+  return slots_[static_cast<std::size_t>(slot)].get();
+}
+
+// After micro-batch mb's backward: its activations are dead once the send of its output
+// (which lives in the slot) has completed; by now the next stage has used it.
+void Executor::release_slot(int mb) {
+  const int slot = slot_of_[static_cast<std::size_t>(mb)];
+  if (slot < 0) return;
+  if (!grid_->last_stage()) times_.p2p_wait += transport_->wait_sent(Direction::forward, mb);
+  slots_[static_cast<std::size_t>(slot)]->reset();
+  free_slots_.push_back(slot);
+  slot_of_[static_cast<std::size_t>(mb)] = -1;
+  contexts_[static_cast<std::size_t>(mb)] = nullptr;
+  outputs_[static_cast<std::size_t>(mb)] = Tensor{};
+}
 
 bool Executor::rematerialize(int micro_batch) const {
   const std::string& mode = config_.pipeline.remat;
@@ -417,7 +446,7 @@ void Executor::run_forward(std::int64_t step, int mb, bool training) {
   const auto start = Clock::now();
   begin_compute(TraceEvent::forward, mb);
   const bool remat = training && rematerialize(mb);
-  Pass pass = make_pass(step, mb, remat ? scratch_.get() : persistent_.get());
+  Pass pass = make_pass(step, mb, remat ? scratch_.get() : training ? take_slot(mb) : persistent_.get());
   pass.training = training;
   Tensor out;
   Context* contexts = forward_layers(pass, mb, &out);
@@ -519,6 +548,7 @@ void Executor::run_backward(std::int64_t step, int mb) {
     times_.backward += since(start);
     record(step, TraceEvent::backward, mb, start);
   }
+  release_slot(mb);
 }
 
 // This layer's gradients are final after the last micro-batch's backward: start the
@@ -549,6 +579,12 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   const int stage = grid_->stage();
   loss_sum_ = correct_sum_ = 0.0;
   persistent_->reset();  // also when compute_gradients() is called without step()
+  free_slots_.clear();
+  for (std::size_t s = slots_.size(); s-- > 0;) {
+    slots_[s]->reset();
+    free_slots_.push_back(static_cast<int>(s));
+  }
+  std::fill(slot_of_.begin(), slot_of_.end(), -1);
   if (training) params_->zero_grads();
   if (const Dataset* data = training ? dataset_.get() : eval_dataset_.get()) {
     const int share = config_.batch_size / grid_->replicas();

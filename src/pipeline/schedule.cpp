@@ -169,6 +169,15 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches) {
   throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b or file:PATH");
 }
 
+int in_flight(const Schedule& schedule, int stage) {
+  int live = 0, peak = 0;
+  for (const Action& a : schedule.actions[static_cast<std::size_t>(stage)]) {
+    if (a.kind == ActionKind::forward) peak = std::max(peak, ++live);
+    else if (a.kind == ActionKind::backward) --live;
+  }
+  return peak;
+}
+
 Schedule lower(const Schedule& in) {
   Schedule out = in;
   for (int stage = 0; stage < in.stages; ++stage) {

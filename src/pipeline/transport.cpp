@@ -146,10 +146,24 @@ void Transport::post_ready_sends(bool wait) {
   pending_sends_.erase(pending_sends_.begin(), pending_sends_.begin() + static_cast<std::ptrdiff_t>(posted));
 }
 
+double Transport::wait_sent(Direction direction, int mb) {
+  if (!pending_sends_.empty()) post_ready_sends(true);
+  for (std::size_t i = 0; i < send_tickets_.size(); ++i) {
+    if (sent_[i].direction != direction || sent_[i].micro_batch != mb || send_tickets_[i] == Progress::none) continue;
+    const Progress::Completion c =
+        progress_.wait(send_tickets_[i], timeout_, "a send to a neighbour stage, request", static_cast<int>(i));
+    sent_[i].posted = c.posted;
+    sent_[i].completed = c.completed;
+    return c.waited;
+  }
+  return 0.0;
+}
+
 double Transport::finish_sends() {
   post_ready_sends(true);
   double waited = 0.0;
   for (std::size_t i = 0; i < send_tickets_.size(); ++i) {
+    if (send_tickets_[i] == Progress::none) continue;  // waited for by wait_sent()
     const Progress::Completion c =
         progress_.wait(send_tickets_[i], timeout_, "a send to a neighbour stage, request", static_cast<int>(i));
     sent_[i].posted = c.posted;

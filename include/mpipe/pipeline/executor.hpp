@@ -201,6 +201,8 @@ class Executor {
   // After an update: the replicas' running statistics made equal, by averaging (micro)
   // or by applying the step's sums added up over the replicas (deferred).
   void settle_buffers(bool updated);
+  Arena* take_slot(int mb);
+  void release_slot(int mb);
   Pass make_pass(std::int64_t step, int micro_batch, Arena* arena) const;
   bool rematerialize(int micro_batch) const;
   void run_forward(std::int64_t step, int micro_batch, bool training = true);
@@ -231,6 +233,12 @@ class Executor {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Dataset> dataset_, eval_dataset_;
   std::unique_ptr<Arena> persistent_, scratch_;
+  // A training forward's activations live in a slot from its F to its B, when the slot is
+  // reset for the next micro-batch: as many slots as the schedule holds micro-batches at
+  // once on this stage (M for gpipe, K - stage for 1f1b), so 1F1B's saving is real.
+  std::vector<std::unique_ptr<Arena>> slots_;
+  std::vector<int> free_slots_;  // indices into slots_
+  std::vector<int> slot_of_;     // [micro-batch]: its slot, or -1
   std::unique_ptr<Progress> progress_;    // before the transport, which uses it
   std::unique_ptr<Transport> transport_;
   cuda::PinnedBuffer batch_host_;                  // GPU: the batch on the host, pinned

@@ -50,6 +50,10 @@ std::vector<std::string> schedule_names();
 // Schedule::to_text() writes this form.
 Schedule parse_schedule(const std::string& text, const std::string& source);
 
+// The most micro-batches between their forward and backward at once on `stage`: the
+// activations the stage holds (without remat) at its peak.
+int in_flight(const Schedule& schedule, int stage);
+
 // Adds the receive before and the send after each compute action that needs one.
 Schedule lower(const Schedule& compute_only);
 

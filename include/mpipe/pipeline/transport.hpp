@@ -63,6 +63,9 @@ class Transport {
   void between_actions() {
     if (!pending_sends_.empty()) post_ready_sends(false);
   }
+  // Waits for micro-batch `mb`'s send in `direction`, whose data may then be reused;
+  // returns the seconds waited (0 when it was not sent, or already waited for).
+  double wait_sent(Direction direction, int mb);
   // Waits for every send of the step; returns the seconds waited.
   double finish_sends();
   // This step's sends, once finish_sends() has returned.
