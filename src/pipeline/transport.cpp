@@ -147,7 +147,14 @@ void Transport::post_ready_sends(bool wait) {
 }
 
 double Transport::wait_sent(Direction direction, int mb) {
-  if (!pending_sends_.empty()) post_ready_sends(true);
+  // Still queued behind its GPU data (not seen in practice: by a micro-batch's backward its
+  // activation has reached the next stage): post the queue, waiting for the data. Sends
+  // of later micro-batches stay queued, so the host does not wait for the GPU here.
+  for (const PendingSend& p : pending_sends_)
+    if (p.direction == direction && p.micro_batch == mb) {
+      post_ready_sends(true);
+      break;
+    }
   for (std::size_t i = 0; i < send_tickets_.size(); ++i) {
     if (sent_[i].direction != direction || sent_[i].micro_batch != mb || send_tickets_[i] == Progress::none) continue;
     const Progress::Completion c =
