@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pipeline speed-up on this machine, one BLAS thread per rank. Prints three tables:
+# Pipeline speed-up on this machine, one BLAS thread per rank. Prints four tables:
 #  1. A K ladder (1, 2, 4, 8 stages where cores allow) of a GPT whose stages balance:
 #     tokens/s, speed-up over K = 1 beside the GPipe bound K*M/(M+K-1), measured and
 #     theoretical bubble; for Open MPI's shared memory as it comes (single-copy, CMA)
@@ -12,10 +12,13 @@
 #  3. bench_comm: blocking MPI_Allreduce and point-to-point against what the executor
 #     does with the same bytes (an activation of the ladder's model, and a GPT-2 tied
 #     embedding's 154 MB), with and without single-copy.
+#  4. Schedules at K = 2 (gpipe, 1f1b, a schedule file): tokens/s, measured against simulated
+#     bubble, peak activation memory per rank, and the last loss (bitwise the same).
 # Environment:
 #   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
 #   STEPS=5  steps per run (the first excluded: it sizes the arenas)   REPEAT=2  rounds of the ladder
 #   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm
+#   SCHEDULES=0: skip table 4 (gpipe, 1f1b and a schedule file at K = 2, MS4="4 8")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -164,5 +167,47 @@ if [[ "${COMM:-1}" != 0 ]]; then
     echo
     echo "3. bench_comm, 2 ranks, shared memory $transport"
     mpirun -n 2 --bind-to core "${launcher[@]}" build/release/tests/bench_comm --sizes-mb "$act_mb,154"
+  done
+fi
+
+# ---- 4. schedules at K = 2 ---------------------------------------------------------------
+if [[ "${SCHEDULES:-1}" != 0 ]]; then
+  sched_model=(--model gpt --layers 4 --d-model 192 --heads 6 --seq-len 128 --vocab 64 --partition flops --threads 1
+               --steps "${STEPS_S:-8}" --log-every 1000000 --lr 1e-3 --resume never --remat never)
+  # A schedule file between the two: stage 0 as GPipe, stage 1 as 1F1B (docs/schedules.md).
+  # sched_run M SCHEDULE -> "tokens/s measured_bubble simulated_bubble peak_bytes_max loss"
+  sched_run() {
+    mpirun -n 2 --bind-to core build/release/mpipe train "${sched_model[@]}" --micro-batches "$1" \
+      --batch-size $(($1 * 4)) --schedule "$2" --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
+    /usr/bin/python3 - "$tmp/s.json" "$tmp/m.jsonl" "$tmp/log" <<'PY'
+import json, re, sys
+s = json.load(open(sys.argv[1]))
+losses = [r["loss"] for r in map(json.loads, open(sys.argv[2])) if "loss" in r]
+log = open(sys.argv[3]).read()
+theory = float(re.search(r"schedule's theoretical ([0-9.]+)%", log).group(1)) / 100
+peaks = re.search(r"peak activation memory per rank:(.*)", log).group(1).split()
+units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+peak = max(float(v) * units[u] for v, u in zip(peaks[::2], peaks[1::2]))
+print(s["tokens_per_s"], s["bubble_fraction"], theory, peak, repr(losses[-1]))
+PY
+  }
+  echo
+  echo "4. schedules at K = 2: GPT 4 blocks x 192 channels, seq 128, micro-batch 4 samples, no remat;"
+  echo "   tokens/s of the median step of $((${STEPS_S:-8} - 1)); bubble measured (mean over steps and ranks) against"
+  echo "   the unit-cost simulation; peak activation memory of the fuller rank; the last loss (the same in each M)"
+  printf '%4s %-8s %10s %9s %10s %12s %14s\n' M schedule tokens/s bubble simulated "peak memory" "last loss"
+  for M4 in ${MS4:-4 8}; do
+    {
+      printf 'stage 0:'; for ((m = 0; m < M4; ++m)); do printf ' F%d' "$m"; done
+      for ((m = 0; m < M4; ++m)); do printf ' B%d' "$m"; done; printf '\n'
+      printf 'stage 1:'; for ((m = 0; m < M4; ++m)); do printf ' F%d B%d' "$m" "$m"; done; printf '\n'
+    } > "$tmp/mixed.txt"
+    for schedule in gpipe 1f1b "file:$tmp/mixed.txt"; do
+      read -r tps bubble simulated peak loss < <(sched_run "$M4" "$schedule")
+      name=$schedule
+      [[ $name == file:* ]] && name=file
+      /usr/bin/python3 -c "import sys; M, n, t, b, s, p, l = sys.argv[1:]; print(f'{int(M):4d} {n:<8} {float(t):10.0f} {100 * float(b):8.1f}% {100 * float(s):9.1f}% {float(p) / 2**20:8.1f} MiB {l:>14}')" \
+        "$M4" "$name" "$tps" "$bubble" "$simulated" "$peak" "$loss"
+    done
   done
 fi
