@@ -42,6 +42,7 @@ constexpr int exit_user_error = 2;
 
 // Set by SIGTERM / SIGUSR1 (what Slurm sends before preempting or at the time limit).
 volatile std::sig_atomic_t g_stop_signal = 0;
+static_assert(std::atomic<int>::is_always_lock_free, "the stop handler counts signals in an atomic");
 bool g_output_is_pipe[3] = {};
 pid_t g_main_thread = 0;
 extern "C" void on_stop_signal(int signal) {
@@ -54,6 +55,7 @@ extern "C" void on_stop_signal(int signal) {
     return;
   }
   g_stop_signal = signal;
+  stop_signals_received.fetch_add(1, std::memory_order_relaxed);  // lock-free: safe in a handler
   // SIGTERM to mpirun: Open MPI's mpirun sends SIGTERM to the ranks and then stops
   // reading their output until it kills them (odls_base_sigkill_timeout later). A rank
   // blocked on a full output pipe would never reach its checkpoint, so from here on
@@ -815,7 +817,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   } catch (const TimeoutError& e) {
     // A wait passed --p2p-timeout: name the ranks that stopped answering, once.
     std::fflush(stdout);
-    roll_call(world.get(), e.what(), std::min(config.pipeline.p2p_timeout, 3.0));
+    roll_call(world.get(), e.what(), std::min(config.pipeline.p2p_timeout, 3.0), &watchdog);
   } catch (const std::exception& e) {
     // One rank failed mid-run: the others may be waiting on it, so end the whole job.
     std::fflush(stdout);

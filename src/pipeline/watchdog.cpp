@@ -8,6 +8,8 @@
 
 namespace mpipe {
 
+std::atomic<int> stop_signals_received{0};
+
 namespace {
 
 constexpr int rendezvous_tag = 32001;  // on the world communicator, where stages send nothing
@@ -84,7 +86,7 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
       if (heartbeats && liveness->silent_s(0) >= timeout_s)
         roll_call(world.get(), cat("rank ", world.rank(), ": waiting for rank 0 at ", what, " (no heartbeat for ", timeout_s,
                                    " s, --p2p-timeout)"),
-                  std::min(timeout_s, 3.0));
+                  std::min(timeout_s, 3.0), liveness);
       if (Clock::now() > deadline)
         end_job(world.get(), cat("rank ", world.rank(), ": rank 0 did not answer at ", what, " within ", 2 * timeout_s + 5,
                                  " s: stopped or hung; ending the job"));
@@ -127,6 +129,7 @@ Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
     // for its next word, whatever it did before (it may have built its watchdog later).
     const Clock::time_point now = Clock::now();
     for (Peer& p : peers_) p.heard = now;
+    signals_at_arm_ = stop_signals_received.load();
     armed_ = true;
   }
   wake_.notify_all();
@@ -137,7 +140,7 @@ double Watchdog::silent_s(int peer) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const Peer& p : peers_)
     if (p.rank == peer) return std::chrono::duration<double>(Clock::now() - p.heard).count();
-  return 0;
+  return -1;
 }
 
 void Watchdog::disarm() {
@@ -213,17 +216,26 @@ void Watchdog::run() {
       const double silent = std::chrono::duration<double>(now - p.heard).count();
       if (silent < liveness_s_) continue;
       const std::string context = cat(rank_name_, ": ", what_);
+      if (stop_signals_received.load() != signals_at_arm_) {  // the job is being torn down: another rank spoke
+        lock.unlock();
+        std::this_thread::sleep_for(std::chrono::duration<double>(std::min(liveness_s_, 3.0) + 5));
+        MPI_Abort(world_, 1);
+      }
       if (rank_ == 0)  // it hears every rank: it names the silent one
         end_job(world_, cat("rank ", p.rank, " stopped answering (no heartbeat for ", liveness_s_, " s, --p2p-timeout). Seen by ",
                             context, "; ending the job"));
-      roll_call(world_, context, std::min(liveness_s_, 3.0));  // rank 0 is silent: the others name it
+      lock.unlock();  // roll_call asks this watchdog who is alive
+      roll_call(world_, context, std::min(liveness_s_, 3.0), this);  // rank 0 is silent: the others name it
     }
-    if (now >= deadline_)
-      roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"), std::min(seconds_, 3.0));
+    if (now >= deadline_) {
+      lock.unlock();
+      roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"), std::min(seconds_, 3.0), this);
+    }
   }
 }
 
-void roll_call(MPI_Comm world, const std::string& context, double grace_s) {
+void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watchdog* liveness) {
+  const int signals_at_entry = stop_signals_received.load();
   int size = 1, me = 0;
   MPI_Comm_size(world, &size);
   MPI_Comm_rank(world, &me);
@@ -248,13 +260,17 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s) {
   std::vector<int> silent;
   int lowest_alive = size;
   bool named = false;  // this rank was the silent one, and is heard only now
+  // Not in the roll call but heard by the heartbeats just now: alive, still in its own wait.
+  const double alive_within = liveness && liveness->heartbeats() ? liveness->liveness_s() / 2 : -1;
   for (int r = 0; r < size; ++r) {
     const long long word = heard[static_cast<std::size_t>(r)];
-    if (word == 0) silent.push_back(r);
+    const double quiet = alive_within > 0 && r != me ? liveness->silent_s(r) : -1;
+    if (word == 0 && !(quiet >= 0 && quiet < alive_within)) silent.push_back(r);
     else lowest_alive = std::min(lowest_alive, r);
     if (word != 0 && token[0] - word > static_cast<long long>(grace_s * 1000)) named = true;
   }
-  if (lowest_alive != me || named) {  // another rank speaks and ends the job
+  // Another rank speaks and ends the job; or it has (mpirun's SIGTERM of the teardown).
+  if (lowest_alive != me || named || stop_signals_received.load() != signals_at_entry) {
     std::this_thread::sleep_for(std::chrono::duration<double>(grace_s + 5));
     MPI_Abort(world, 1);
   }

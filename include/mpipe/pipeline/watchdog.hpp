@@ -2,6 +2,7 @@
 // collective file operations (a checkpoint). A rank that stops answering there (SIGSTOP,
 // a hung node) would otherwise leave every other rank waiting for ever.
 #pragma once
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
@@ -22,10 +23,19 @@ class Watchdog;
 void rendezvous(const Communicator& world, const std::string& what, double timeout_s,
                 Watchdog* liveness = nullptr);
 
+// Stop signals (SIGTERM, SIGUSR1) this process has received; the application's handler
+// counts them. A rank that gets one while it is about to name a stopped rank stays quiet:
+// mpirun sends SIGTERM when another rank's MPI_Abort tears the job down, and that rank
+// has spoken already (one line per failure).
+extern std::atomic<int> stop_signals_received;
+
 // A wait timed out (`context`: what this rank saw). Every rank that gets here tells all
 // others; after `grace_s`, the lowest rank heard names the ranks not heard from (the
 // stopped ones) in one line and ends the job (MPI_Abort, exit 1); the others stay quiet.
-[[noreturn]] void roll_call(MPI_Comm world, const std::string& context, double grace_s);
+// With `liveness` (the run's watchdog, on rank 0: heartbeats from every rank), a rank not
+// in the roll call but heard from within half the liveness time is alive (its own wait
+// has not timed out yet) and is not named.
+[[noreturn]] void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watchdog* liveness = nullptr);
 
 // A thread that ends the job (one line, then MPI_Abort) when a guarded stretch of work
 // outlives its deadline, or, sooner, when a rank stops answering within it.
@@ -64,8 +74,8 @@ class Watchdog {
 
   // Whether heartbeats run (MPI_THREAD_MULTIPLE, more than one rank, liveness_s > 0).
   bool heartbeats() const { return heartbeats_; }
-  // Seconds since `peer` was last heard (from the construction on); 0 for a rank this one
-  // does not exchange heartbeats with (rank 0's peers are all ranks, the others' rank 0).
+  // Seconds since `peer` was last heard (from the construction on); -1 for a rank this
+  // one does not exchange heartbeats with (rank 0's peers are all ranks, the others' rank 0).
   double silent_s(int peer);
   double liveness_s() const { return liveness_s_; }
   // Heartbeats received so far, from every peer.
@@ -91,6 +101,7 @@ class Watchdog {
   std::string rank_name_, what_;
   double seconds_ = 0, liveness_s_ = 0;
   bool heartbeats_ = false, armed_ = false, stop_ = false;
+  int signals_at_arm_ = 0;
   long words_heard_ = 0;
   std::vector<Peer> peers_;
   std::chrono::steady_clock::time_point deadline_, next_send_;
