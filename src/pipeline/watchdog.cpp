@@ -257,23 +257,32 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
   }
   wait_until(receives, after(grace_s));
   heard[static_cast<std::size_t>(me)] = token[0];
-  std::vector<int> silent;
-  int lowest_alive = size;
+  std::vector<int> silent, running;  // not in the roll call: stopped, or their heartbeats go on
+  int lowest_alive = size;             // of the ranks in the roll call: the one that speaks
   bool named = false;  // this rank was the silent one, and is heard only now
-  // Not in the roll call but heard by the heartbeats just now: alive, still in its own wait.
+  // Not in the roll call but heard by the heartbeats just now: its threads run (its own
+  // wait has not timed out yet, or its work is stuck).
   const double alive_within = liveness && liveness->heartbeats() ? liveness->liveness_s() / 2 : -1;
   for (int r = 0; r < size; ++r) {
     const long long word = heard[static_cast<std::size_t>(r)];
-    const double quiet = alive_within > 0 && r != me ? liveness->silent_s(r) : -1;
-    if (word == 0 && !(quiet >= 0 && quiet < alive_within)) silent.push_back(r);
-    else lowest_alive = std::min(lowest_alive, r);
-    if (word != 0 && token[0] - word > static_cast<long long>(grace_s * 1000)) named = true;
+    if (word != 0) {
+      lowest_alive = std::min(lowest_alive, r);
+      if (token[0] - word > static_cast<long long>(grace_s * 1000)) named = true;
+      continue;
+    }
+    const double quiet = alive_within > 0 ? liveness->silent_s(r) : -1;
+    (quiet >= 0 && quiet < alive_within ? running : silent).push_back(r);
   }
   // Another rank speaks and ends the job; or it has (mpirun's SIGTERM of the teardown).
   if (lowest_alive != me || named || stop_signals_received.load() != signals_at_entry) {
     std::this_thread::sleep_for(std::chrono::duration<double>(grace_s + 5));
     MPI_Abort(world, 1);
   }
+  // Stopped ranks first; a rank whose heartbeats go on is named only when no rank stopped
+  // (its work is stuck: a hang inside it), as a rank still in a wait of its own is not.
+  if (silent.empty() && !running.empty())
+    end_job(world, cat(rank_list(running), " stopped answering (its heartbeats go on: stuck in its own work). Seen by ",
+                       context, "; ending the job"));
   if (silent.empty()) end_job(world, cat(context, "; every rank answers (a hung file system, or a deadlock); ending the job"));
   end_job(world, cat(rank_list(silent), " stopped answering (silent for ", grace_s, " s after the deadline). Seen by ",
                      context, "; ending the job"));
