@@ -223,8 +223,16 @@ void Executor::allocate() {
   params_ = std::make_unique<ParamStore>(model_, begin_, end_, config_.seed);
   std::vector<Layer*> parts;
   for (int i = begin_; i < end_; ++i) model_.layer(i).parts(parts);
+  std::size_t sums = 0, buffers = 0;
   for (Layer* part : parts)
-    if (!part->step_sums().empty()) deferred_.push_back(part);
+    if (!part->step_sums().empty()) {
+      deferred_.push_back(part);
+      sums += part->step_sums().size();
+    }
+  for (const ParamEntry& e : params_->entries())
+    if (e.buffer) buffers += static_cast<std::size_t>(e.numel());
+  settle_sums_.assign(sums, 0.0);  // sized once: nothing in the step allocates
+  settle_values_.assign(buffers, 0.0f);
   optimizer_ = std::make_unique<Optimizer>(*params_, config_.optimizer);
   if (device_ == Device::cuda) {
     params_->to_device(dtype_);
@@ -718,26 +726,50 @@ double Executor::compute_gradients(std::int64_t step) {
 // Buffers (BatchNorm's running statistics) saw only this replica's micro-batches: every
 // replica takes their mean, so all end the step identical (and K-invariant: the sum runs
 // over replicas in rank order).
+// One sum over the replicas for all of a stage's layers (packed, element by element the
+// same as one per layer), waited on like every other wait of a step: within --p2p-timeout.
 void Executor::settle_buffers(bool updated) {
+  const bool replicas = grid_->replicas() > 1;
+  auto sum_over_replicas = [&](auto values) {
+    Progress::Ticket ticket = progress_->track(grid_->data().iallreduce(values, Reduce::sum), false);
+    progress_->wait(ticket, config_.pipeline.p2p_timeout, "the running statistics' sum over replicas, update",
+                    static_cast<int>(updates_));
+  };
   if (config_.pipeline.batchnorm == "deferred") {
-    // Each layer's sums are the same size on every replica of this stage.
-    for (Layer* layer : deferred_) {
-      if (!updated) {  // a skipped step (non-finite): its statistics are dropped with it
-        layer->clear_step_sums();
-        continue;
-      }
-      if (grid_->replicas() > 1) grid_->data().allreduce(layer->step_sums(), Reduce::sum);
-      layer->apply_step_sums();
+    if (!updated) {  // a skipped step (non-finite): its statistics are dropped with it
+      for (Layer* layer : deferred_) layer->clear_step_sums();
+      return;
     }
+    if (replicas) {  // each layer's sums are the same size on every replica of this stage
+      auto packed = settle_sums_.begin();
+      for (Layer* layer : deferred_) packed = std::copy(layer->step_sums().begin(), layer->step_sums().end(), packed);
+      sum_over_replicas(std::span<double>(settle_sums_));
+      packed = settle_sums_.begin();
+      for (Layer* layer : deferred_) {
+        const std::span<double> sums = layer->step_sums();
+        std::copy_n(packed, sums.size(), sums.begin());
+        packed += static_cast<std::ptrdiff_t>(sums.size());
+      }
+    }
+    for (Layer* layer : deferred_) layer->apply_step_sums();
     return;
   }
-  if (!updated || grid_->replicas() == 1) return;
-  for (const ParamEntry& e : params_->entries()) {
-    if (!e.buffer) continue;
-    std::span<float> values = params_->params().subspan(e.param_offset, static_cast<std::size_t>(e.numel()));
-    grid_->data().allreduce(values, Reduce::sum);
-    for (float& v : values) v /= static_cast<float>(grid_->replicas());
-  }
+  if (!updated || !replicas || settle_values_.empty()) return;
+  auto each_buffer = [&](auto&& f) {
+    std::size_t at = 0;
+    for (const ParamEntry& e : params_->entries()) {
+      if (!e.buffer) continue;
+      const std::span<float> values = params_->params().subspan(e.param_offset, static_cast<std::size_t>(e.numel()));
+      f(values, std::span<float>(settle_values_).subspan(at, values.size()));
+      at += values.size();
+    }
+  };
+  each_buffer([](std::span<float> values, std::span<float> packed) { std::copy(values.begin(), values.end(), packed.begin()); });
+  sum_over_replicas(std::span<float>(settle_values_));
+  const auto n = static_cast<float>(grid_->replicas());
+  each_buffer([n](std::span<float> values, std::span<float> packed) {
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = packed[i] / n;
+  });
 }
 
 EvalResult Executor::evaluate() {

@@ -263,6 +263,8 @@ class Executor {
   bool tied_early_ = false;  // tied sums start in the backward (one replica, on the CPU)
   std::vector<double> reduce_buffer_;              // per-layer norms, loss, bubble
   std::vector<Layer*> deferred_;                   // this stage's layers (parts too) with step sums
+  std::vector<double> settle_sums_;                // their sums, packed for the sum over replicas
+  std::vector<float> settle_values_;               // the buffers, packed for their mean over replicas
   std::unique_ptr<std::byte[]> batch_memory_;
   Tensor inputs_, targets_;                        // this replica's share of the batch
   double loss_sum_ = 0.0, correct_sum_ = 0.0;
