@@ -16,6 +16,15 @@ constexpr int rendezvous_tag = 32001;  // on the world communicator, where stage
 constexpr int roll_call_tag = 32002;
 constexpr int heartbeat_tag = 32003;
 
+// Another rank names the failure and ends the job (or has): this one says nothing and
+// waits long enough for that to happen (the grace of a roll call, and 5 s for mpirun),
+// ending the job itself only if it has not.
+[[noreturn]] void stay_quiet(MPI_Comm world, double grace_s) {
+  std::this_thread::sleep_for(std::chrono::duration<double>(grace_s + 5));
+  MPI_Abort(world, 1);
+  std::abort();  // not reached
+}
+
 [[noreturn]] void end_job(MPI_Comm world, const std::string& line) {
   std::fflush(stdout);
   std::fprintf(stderr, "mpipe: error: %s\n", line.c_str());
@@ -203,8 +212,7 @@ void Watchdog::run() {
     // SIGCONT before it kills). The others have named it; it stays quiet until the job ends.
     if (was_armed && armed_ && now - until > std::chrono::seconds(1)) {
       lock.unlock();
-      std::this_thread::sleep_for(std::chrono::duration<double>(std::min(liveness_s_, 3.0) + 5));
-      MPI_Abort(world_, 1);
+      stay_quiet(world_, std::min(liveness_s_, 3.0));
     }
     if (heartbeats_) {
       const bool send = now >= next_send_;
@@ -218,8 +226,7 @@ void Watchdog::run() {
       const std::string context = cat(rank_name_, ": ", what_);
       if (stop_signals_received.load() != signals_at_arm_) {  // the job is being torn down: another rank spoke
         lock.unlock();
-        std::this_thread::sleep_for(std::chrono::duration<double>(std::min(liveness_s_, 3.0) + 5));
-        MPI_Abort(world_, 1);
+        stay_quiet(world_, std::min(liveness_s_, 3.0));
       }
       if (rank_ == 0)  // it hears every rank: it names the silent one
         end_job(world_, cat("rank ", p.rank, " stopped answering (no heartbeat for ", liveness_s_, " s, --p2p-timeout). Seen by ",
@@ -274,10 +281,7 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
     (quiet >= 0 && quiet < alive_within ? running : silent).push_back(r);
   }
   // Another rank speaks and ends the job; or it has (mpirun's SIGTERM of the teardown).
-  if (lowest_alive != me || named || stop_signals_received.load() != signals_at_entry) {
-    std::this_thread::sleep_for(std::chrono::duration<double>(grace_s + 5));
-    MPI_Abort(world, 1);
-  }
+  if (lowest_alive != me || named || stop_signals_received.load() != signals_at_entry) stay_quiet(world, grace_s);
   // Stopped ranks first; a rank whose heartbeats go on is named only when no rank stopped
   // (its work is stuck: a hang inside it), as a rank still in a wait of its own is not.
   if (silent.empty() && !running.empty())
