@@ -180,7 +180,6 @@ double available_memory() {
   return available;
 }
 
-// Micro-batches whose activations a stage holds at once under the schedule.
 void print_plan(const TrainConfig& config, const Model& model, const Partition& part, const GridShape& grid) {
   const int K = grid.stages, D = grid.replicas, M = config.micro_batches;
   const int micro = config.batch_size / (M * D);
@@ -607,13 +606,16 @@ void check_output_files(const TrainConfig& c) {
                     o.path, "': directory '", parent.string(), "' is not writable");
     }
   }
-  if (const std::string data = data_file(c.data); !data.empty()) outputs.push_back({"--data", data, ""});
   auto same = [](const std::string& a, const std::string& b) {
     std::error_code ec1, ec2;
     const fs::path pa = fs::weakly_canonical(a, ec1), pb = fs::weakly_canonical(b, ec2);
     if (ec1 || ec2 || pa != pb) return false;
     return !fs::is_character_file(pa, ec1);  // /dev/null may take them all
   };
+  // The inputs are files no output may overwrite (the two inputs may be one file).
+  const std::string data = data_file(c.data), eval_data = data_file(c.eval_data);
+  if (!data.empty()) outputs.push_back({"--data", data, ""});
+  if (!eval_data.empty() && !(!data.empty() && same(data, eval_data))) outputs.push_back({"--eval-data", eval_data, ""});
   for (std::size_t i = 0; i < outputs.size(); ++i)
     for (std::size_t j = i + 1; j < outputs.size(); ++j)
       MPIPE_REQUIRE(!same(outputs[i].path, outputs[j].path), "give each output its own file", outputs[i].option, " and ",

@@ -41,8 +41,10 @@ void MetricsWriter::write(const StepResult& r, double samples_per_s, double toke
 }
 
 void MetricsWriter::write_eval(std::int64_t step, const EvalResult& e) {
-  write_line(cat("{\"step\": ", step + 1, ", \"eval_loss\": ", shortest_text(e.loss), ", \"eval_accuracy\": ",
-                 shortest_text(e.accuracy), ", \"eval_samples\": ", e.samples, "}"));
+  // As in write(): JSON has no NaN or Infinity (a diverged model's loss), null instead.
+  auto num = [](double v) { return std::isfinite(v) ? shortest_text(v) : std::string("null"); };
+  write_line(cat("{\"step\": ", step + 1, ", \"eval_loss\": ", num(e.loss), ", \"eval_accuracy\": ", num(e.accuracy),
+                 ", \"eval_samples\": ", e.samples, "}"));
 }
 
 }  // namespace mpipe

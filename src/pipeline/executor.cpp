@@ -596,8 +596,12 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   if (training) params_->zero_grads();
   if (const Dataset* data = training ? dataset_.get() : eval_dataset_.get()) {
     const int share = config_.batch_size / grid_->replicas();
-    data->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
-               share, grid_->first_stage() || !data->targets_alone() ? inputs_ : Tensor{}, targets_);
+    try {
+      data->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
+                 share, grid_->first_stage() || !data->targets_alone() ? inputs_ : Tensor{}, targets_);
+    } catch (const std::exception& e) {
+      rethrow_as(e, cat(grid_->name(), " at ", training ? "step " : "evaluation batch ", step, " reading the batch: ", e.what()));
+    }
     if (device_ == Device::cuda)
       cuda::copy_to_device(batch_device_.data(), batch_host_.data(), batch_host_.bytes());
   }
@@ -754,7 +758,8 @@ void Executor::settle_buffers(bool updated) {
     for (Layer* layer : deferred_) layer->apply_step_sums();
     return;
   }
-  if (!updated || !replicas || settle_values_.empty()) return;
+  // Micro-batch statistics moved during the forwards, skipped step or not: averaged either way.
+  if (!replicas || settle_values_.empty()) return;
   auto each_buffer = [&](auto&& f) {
     std::size_t at = 0;
     for (const ParamEntry& e : params_->entries()) {
