@@ -12,13 +12,14 @@
 #  3. bench_comm: blocking MPI_Allreduce and point-to-point against what the executor
 #     does with the same bytes (an activation of the ladder's model, and a GPT-2 tied
 #     embedding's 154 MB), with and without single-copy.
-#  4. Schedules at K = 2 (gpipe, 1f1b, a schedule file): tokens/s, measured against simulated
-#     bubble, peak activation memory per rank, and the last loss (bitwise the same).
+#  4. Schedules at K = 2 (gpipe, 1f1b, zb-h1, a schedule file): tokens/s, measured against
+#     simulated bubble, peak activation memory of each rank, and the last loss (bitwise the same).
 # Environment:
 #   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
 #   STEPS=5  steps per run (the first excluded: it sizes the arenas)   REPEAT=2  rounds of the ladder
-#   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm
-#   SCHEDULES=0: skip table 4 (gpipe, 1f1b and a schedule file at K = 2, MS4="4 8")
+#   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm   LADDER=0: skip the K ladder
+#   SCHEDULES=0: skip table 4 (gpipe, 1f1b, zb-h1 and a schedule file at K = 2, MS4="4 8",
+#   ROUNDS4=1 rounds, each schedule once per round, interleaved)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -38,6 +39,7 @@ trap 'rm -rf "$tmp"' EXIT
 nocma=(--mca btl_vader_single_copy_mechanism none)
 
 # ---- 1. K ladder --------------------------------------------------------------------
+if [[ "${LADDER:-1}" != 0 ]]; then
 ladder=(--model gpt --layers 8 --d-model 256 --heads 8 --seq-len 128 --vocab 256 --batch-size 64
         --micro-batches "$M" --threads 1 --steps "$steps" --log-every 1000000 --resume never --partition flops)
 # ladder_run K LAUNCHER_ARGS... -- MPIPE_ARGS... -> "tokens_per_s bubble" from the run's summary
@@ -92,6 +94,8 @@ for (transport, progress, K), rs in runs.items():
     print(f"{transport:>14} {progress:>9} {K:3d} {tps:8.0f} {spread:>11} {tps / k1:8.2f}x {bound:6.2f}x "
           f"{100 * tps / k1 / bound:8.1f}% {100 * bubble:6.1f}% {100 * (K - 1) / (M + K - 1):6.1f}%")
 PY
+
+fi
 
 # ---- 2. M ladder at K = 2 -------------------------------------------------------------
 if [[ -n "${MS-1 2 4 8 16}" ]]; then
@@ -175,7 +179,7 @@ if [[ "${SCHEDULES:-1}" != 0 ]]; then
   sched_model=(--model gpt --layers 4 --d-model 192 --heads 6 --seq-len 128 --vocab 64 --partition flops --threads 1
                --steps "${STEPS_S:-8}" --log-every 1000000 --lr 1e-3 --resume never --remat never)
   # A schedule file between the two: stage 0 as GPipe, stage 1 as 1F1B (docs/schedules.md).
-  # sched_run M SCHEDULE -> "tokens/s measured_bubble simulated_bubble peak_bytes_max loss"
+  # sched_run M SCHEDULE -> "tokens/s measured_bubble unit_cost_bubble simulated_bubble peak_bytes_rank0 peak_bytes_rank1 loss"
   sched_run() {
     mpirun -n 2 --bind-to core build/release/mpipe train "${sched_model[@]}" --micro-batches "$1" \
       --batch-size $(($1 * 4)) --schedule "$2" --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
@@ -187,27 +191,31 @@ log = open(sys.argv[3]).read()
 theory = float(re.search(r"schedule's theoretical ([0-9.]+)%", log).group(1)) / 100
 peaks = re.search(r"peak activation memory per rank:(.*)", log).group(1).split()
 units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-peak = max(float(v) * units[u] for v, u in zip(peaks[::2], peaks[1::2]))
-print(s["tokens_per_s"], s["bubble_fraction"], theory, peak, repr(losses[-1]))
+peak = [float(v) * units[u] for v, u in zip(peaks[::2], peaks[1::2])]
+print(s["tokens_per_s"], s["bubble_fraction"], theory, s["simulated_bubble"], peak[0], peak[-1], repr(losses[-1]))
 PY
   }
   echo
   echo "4. schedules at K = 2: GPT 4 blocks x 192 channels, seq 128, micro-batch 4 samples, no remat;"
   echo "   tokens/s of the median step of $((${STEPS_S:-8} - 1)); bubble measured (mean over steps and ranks) against"
-  echo "   the unit-cost simulation; peak activation memory of the fuller rank; the last loss (the same in each M)"
-  printf '%4s %-8s %10s %9s %10s %12s %14s\n' M schedule tokens/s bubble simulated "peak memory" "last loss"
+  echo "   the schedule simulated at unit costs (F 1, B 2 = B 1 + W 1 for zb-h1) and with the run's mean action times"
+  echo "   per stage; peak activation memory of rank 0 / rank 1; the last loss (the same in each M)"
+  printf '%4s %-8s %10s %9s %10s %10s %21s %14s\n' M schedule tokens/s bubble "unit cost" "measured" "peak memory r0 / r1" \
+    "last loss"
+  for ((round = 0; round < ${ROUNDS4:-1}; ++round)); do
   for M4 in ${MS4:-4 8}; do
     {
       printf 'stage 0:'; for ((m = 0; m < M4; ++m)); do printf ' F%d' "$m"; done
       for ((m = 0; m < M4; ++m)); do printf ' B%d' "$m"; done; printf '\n'
       printf 'stage 1:'; for ((m = 0; m < M4; ++m)); do printf ' F%d B%d' "$m" "$m"; done; printf '\n'
     } > "$tmp/mixed.txt"
-    for schedule in gpipe 1f1b "file:$tmp/mixed.txt"; do
-      read -r tps bubble simulated peak loss < <(sched_run "$M4" "$schedule")
+    for schedule in gpipe 1f1b zb-h1 "file:$tmp/mixed.txt"; do
+      read -r tps bubble unit simulated peak0 peak1 loss < <(sched_run "$M4" "$schedule")
       name=$schedule
       [[ $name == file:* ]] && name=file
-      /usr/bin/python3 -c "import sys; M, n, t, b, s, p, l = sys.argv[1:]; print(f'{int(M):4d} {n:<8} {float(t):10.0f} {100 * float(b):8.1f}% {100 * float(s):9.1f}% {float(p) / 2**20:8.1f} MiB {l:>14}')" \
-        "$M4" "$name" "$tps" "$bubble" "$simulated" "$peak" "$loss"
+      /usr/bin/python3 -c "import sys; M, n, t, b, u, s, p0, p1, l = sys.argv[1:]; print(f'{int(M):4d} {n:<8} {float(t):10.0f} {100 * float(b):8.1f}% {100 * float(u):9.1f}% {100 * float(s):9.1f}% {float(p0) / 2**20:8.1f} / {float(p1) / 2**20:5.1f} MiB {l:>14}')" \
+        "$M4" "$name" "$tps" "$bubble" "$unit" "$simulated" "$peak0" "$peak1" "$loss"
     done
+  done
   done
 fi

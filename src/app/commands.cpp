@@ -214,6 +214,7 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   for (int s = 0; s < K; ++s) {
     costs.forward[s] = figures[s].forward_flops;
     costs.backward[s] = figures[s].backward_flops;
+    costs.weight[s] = figures[s].backward_flops / 2;  // a Linear's dW is half its backward; other layers' less
   }
   const double theory = simulate(lowered, StageCosts::uniform(K)).bubble_fraction;
   const double predicted = simulate(lowered, costs).bubble_fraction;
@@ -252,18 +253,19 @@ void print_schedule_grid(const TrainConfig& config, const GridShape& grid) {
   constexpr int widest = 16;  // a grid beyond this many stages or micro-batches is no longer read at a glance
   if (grid.stages > widest || config.micro_batches > widest) {
     const Simulation sim = simulate(lowered, StageCosts::uniform(grid.stages));
-    std::printf("schedule %s (forward 1 unit, backward 2): makespan %g, bubble %.1f%% (drawn for up to %d stages and "
-                "micro-batches)\n", lowered.name.c_str(), sim.makespan, 100 * sim.bubble_fraction, widest);
+    std::printf("schedule %s (forward 1 unit, backward 2 = B 1 + W 1 where split): makespan %g, bubble %.1f%% (drawn "
+                "for up to %d stages and micro-batches)\n", lowered.name.c_str(), sim.makespan, 100 * sim.bubble_fraction,
+                widest);
     return;
   }
-  std::printf("schedule %s (forward 1 unit, backward 2):\n%s", lowered.name.c_str(),
+  std::printf("schedule %s (forward 1 unit, backward 2 = B 1 + W 1 where split):\n%s", lowered.name.c_str(),
               render(lowered, StageCosts::uniform(grid.stages)).c_str());
 }
 
 // Phase statistics over steps, one set per rank, gathered to rank 0 for the table.
 struct PhaseStats {
   double min[PhaseTimes::count], sum[PhaseTimes::count], max[PhaseTimes::count];
-  double steps = 0, stage = 0, bubble = 0;
+  double steps = 0, stage = 0, bubble = 0, weight = 0;
   PhaseStats() {
     std::fill(std::begin(min), std::end(min), std::numeric_limits<double>::infinity());
     std::fill(std::begin(sum), std::end(sum), 0.0);
@@ -276,18 +278,24 @@ struct PhaseStats {
       max[i] = std::max(max[i], t[i]);
     }
     bubble += bubble_fraction;
+    weight += t.weight;
     ++steps;
   }
 };
 
 // Gathers every rank's phase statistics to world rank 0, which prints the per-stage
-// table and returns its rows (other ranks: nothing).
-std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator& world, int stages, double theory) {
+// table and the bubble: measured, the schedule's at unit costs (`theory`), and the
+// schedule simulated with each stage's mean forward, backward and W times of this run
+// (into *simulated). Returns the rows (other ranks: nothing).
+std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator& world, const Schedule& schedule,
+                                     int micro_batches, double theory, double* simulated) {
+  const int stages = schedule.stages;
   constexpr int n = sizeof(PhaseStats) / sizeof(double);
   std::vector<PhaseStats> all(world.rank() == 0 ? world.size() : 0);
   MPI_CHECK(MPI_Gather(&mine, n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, 0, world.get()));
   if (world.rank() != 0 || mine.steps == 0) return {};
   std::vector<StagePhases> rows(static_cast<std::size_t>(stages));
+  StageCosts measured = StageCosts::uniform(stages);
   std::printf("time per step in ms, min / avg / max over %g steps (the first excluded) and replicas\n", mine.steps);
   std::printf("%-6s", "stage");
   for (int i = 0; i < PhaseTimes::count; ++i) std::printf(" %20s", PhaseTimes::name(i));
@@ -296,6 +304,7 @@ std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator&
     StagePhases& row = rows[static_cast<std::size_t>(s)];
     double count = 0;
     std::fill(std::begin(row.min), std::end(row.min), std::numeric_limits<double>::infinity());
+    double weight = 0;
     for (const PhaseStats& r : all) {
       if (static_cast<int>(r.stage) != s) continue;
       for (int i = 0; i < PhaseTimes::count; ++i) {
@@ -303,17 +312,24 @@ std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator&
         row.avg[i] += r.sum[i];
         row.max[i] = std::max(row.max[i], r.max[i]);
       }
+      weight += r.weight;
       count += r.steps;
     }
     for (double& a : row.avg) a /= count;
+    // Per action: a recomputation is part of its backward.
+    measured.forward[s] = row.avg[0] / micro_batches;
+    measured.backward[s] = (row.avg[1] + row.avg[2]) / micro_batches;
+    measured.weight[s] = weight / count / micro_batches;
     std::printf("%-6d", s);
     for (int i = 0; i < PhaseTimes::count; ++i)
       std::printf(" %20s", cat(std::round(row.min[i] * 1e4) / 10, "/", std::round(row.avg[i] * 1e4) / 10, "/",
                                std::round(row.max[i] * 1e4) / 10).c_str());
     std::printf("\n");
   }
-  std::printf("bubble: measured %.1f%% (mean over steps and ranks), schedule's theoretical %.1f%%\n",
-              100 * mine.bubble / mine.steps, 100 * theory);
+  *simulated = simulate(schedule, measured).bubble_fraction;
+  std::printf("bubble: measured %.1f%% (mean over steps and ranks), schedule's theoretical %.1f%% (unit costs), "
+              "%.1f%% simulated with the measured action times\n",
+              100 * mine.bubble / mine.steps, 100 * theory, 100 * *simulated);
   return rows;
 }
 
@@ -495,7 +511,8 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks) or data")
       ->capture_default_str();
   cmd.add_option("--schedule", p.schedule,
-                 "gpipe, 1f1b, or file:PATH (a line 'stage S: F0 F1 B0 ...' per stage; plan --write-schedule writes one)")
+                 "gpipe, 1f1b, zb-h1 (zero bubble: backward split into input and weight gradients), or file:PATH (a "
+                 "line 'stage S: F0 F1 B0 ...' per stage; plan --write-schedule writes one)")
       ->capture_default_str();
   cmd.add_option("--remat", p.remat, "Re-materialization: always, except-last or never")->capture_default_str();
   cmd.add_option("--batchnorm", p.batchnorm,
@@ -840,7 +857,8 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   }
   // The closing gathers are collectives: a rank stopped by now is named, not waited for.
   rendezvous(world, "the end of training", config.pipeline.p2p_timeout, &watchdog);
-  std::vector<StagePhases> phases = phase_table(stats, world, grid.stages(), theory);
+  double simulated = 0;
+  std::vector<StagePhases> phases = phase_table(stats, world, exec->schedule(), config.micro_batches, theory, &simulated);
   double peak = static_cast<double>(exec->peak_activation_bytes());
   std::vector<double> peaks(root ? world.size() : 0);
   MPI_CHECK(MPI_Gather(&peak, 1, MPI_DOUBLE, peaks.data(), 1, MPI_DOUBLE, 0, world.get()));
@@ -863,6 +881,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     }
     summary.bubble = stats.steps > 0 ? stats.bubble / stats.steps : 0.0;
     summary.theoretical_bubble = theory;
+    summary.simulated_bubble = simulated;
     summary.peak_bytes_per_rank = peaks;
     summary.phases = std::move(phases);
     const std::string json = summary_json(*exec, summary);

@@ -90,10 +90,10 @@ void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& db
   is_f32("matmul backward", dbias);
   const int64_t N = inp.shape.rows(), C = inp.shape[-1], OC = weight.shape[0];
   if (inp.device == Device::cpu)
-    cpu::matmul_backward(ptr_or_null<float>(dinp), dweight.f32(), ptr_or_null<float>(dbias), dout.f32(), inp.f32(),
+    cpu::matmul_backward(ptr_or_null<float>(dinp), ptr_or_null<float>(dweight), ptr_or_null<float>(dbias), dout.f32(), inp.f32(),
                          weight.f32(), N, C, OC, mode);
   else
-    MPIPE_ON_GPU(inp, cuda::matmul_backward(ptr_or_null<E>(dinp), dweight.f32(), ptr_or_null<float>(dbias),
+    MPIPE_ON_GPU(inp, cuda::matmul_backward(ptr_or_null<E>(dinp), ptr_or_null<float>(dweight), ptr_or_null<float>(dbias),
                                             ptr<E>(dout), ptr<E>(inp), ptr<E>(weight), N, C, OC, mode));
 }
 

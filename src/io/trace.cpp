@@ -20,7 +20,7 @@ void close_output(std::FILE* out, const std::string& path, const char* what, con
 }
 
 std::string event_label(const TraceEvent& e) {
-  static const char* prefix[TraceEvent::count] = {"F", "B", "R", "SF", "RF", "SB", "RB", "", "", "", "", ""};
+  static const char* prefix[TraceEvent::count] = {"F", "B", "R", "SF", "RF", "SB", "RB", "", "", "", "", "", "W"};
   if (e.layer >= 0) return cat(TraceEvent::name(e.kind), " L", e.layer);
   if (e.micro_batch < 0) return TraceEvent::name(e.kind);
   return cat(prefix[e.kind], e.micro_batch);
@@ -142,8 +142,9 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
   char numbers[512];
   std::snprintf(numbers, sizeof numbers,
                 "\"steps_timed\": %lld, \"step_time_s\": %.9g, \"samples_per_s\": %.9g, \"tokens_per_s\": %.9g, "
-                "\"bubble_fraction\": %.9g, \"theoretical_bubble\": %.9g",
-                s.steps, s.median_step_s, s.samples_per_s, s.tokens_per_s, s.bubble, s.theoretical_bubble);
+                "\"bubble_fraction\": %.9g, \"theoretical_bubble\": %.9g, \"simulated_bubble\": %.9g",
+                s.steps, s.median_step_s, s.samples_per_s, s.tokens_per_s, s.bubble, s.theoretical_bubble,
+                s.simulated_bubble);
   return cat("{\"summary\": true, \"model\": \"", c.model.kind, "\", \"stages\": ", g.stages(), ", \"replicas\": ",
              g.replicas(), ", \"micro_batches\": ", c.micro_batches, ", \"batch_size\": ", c.batch_size,
              ", \"schedule\": \"", c.pipeline.schedule, "\", \"remat\": \"", c.pipeline.remat, "\", ", numbers,

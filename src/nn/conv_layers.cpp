@@ -68,7 +68,7 @@ Tensor Conv2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   return y;
 }
 
-void Conv2d::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+void Conv2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   const Window2d w = window(ctx.input.shape);
   ops::conv2d_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, pass.arena->tensor(Shape{ops::conv2d_scratch(w)}), w,
                        mode);
@@ -123,7 +123,7 @@ Tensor Pool2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   return y;
 }
 
-void Pool2d::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+void Pool2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   if (dx.empty()) return;
   const Window2d w = window(ctx.input.shape);
   if (op_ == Op::max) ops::maxpool2d_backward(dx, dy, ctx.saved[0], w, mode);
@@ -180,7 +180,7 @@ void BatchNorm2d::apply_step_sums() {
   clear_step_sums();
 }
 
-void BatchNorm2d::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+void BatchNorm2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   ops::batchnorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode);
 }
 
@@ -199,7 +199,7 @@ Tensor Flatten::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   return y;
 }
 
-void Flatten::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+void Flatten::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   if (dx.empty()) return;
   Tensor d = dy;
   d.shape = dx.shape;

@@ -47,7 +47,7 @@ Tensor Layer::forward(const Tensor& x, Context& ctx, const Pass& pass) {
   return y;
 }
 
-void Layer::backward(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+void Layer::backward(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) {
   MPIPE_CHECK(dy.shape == output_shape(ctx.input.shape), kind(), " layer ", global_index_,
               ": dy ", dy.shape.str(), " expected ", output_shape(ctx.input.shape).str());
@@ -114,9 +114,23 @@ Tensor Linear::forward_gelu(const Tensor& x, Context& ctx, Context& gelu_ctx, co
   return y;
 }
 
-void Linear::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+void Linear::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                            const Pass& pass) {
-  ops::matmul_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, mode);
+  if (!pass.stash) {
+    ops::matmul_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, mode);
+    return;
+  }
+  // Split: dx now; dy kept (the caller may overwrite its own) for the weight gradient,
+  // which is then the same two calls as above, only later.
+  ops::matmul_backward(dx, Tensor{}, Tensor{}, dy, ctx.input, weight_, mode);
+  ctx.output_grad = pass.stash->tensor(dy.shape, dy.dtype);
+  ops::copy(ctx.output_grad, dy);
+}
+
+void Linear::backward_weight_impl(Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(!ctx.output_grad.empty(), "linear layer ", global_index(), ": weight gradient without a split backward");
+  ops::matmul_backward(Tensor{}, dweight_, dbias_, ctx.output_grad, ctx.input, weight_, GradMode::accumulate);
+  ctx.output_grad = Tensor{};  // once per backward
 }
 
 // ---- ReLU, GELU --------------------------------------------------------------------
@@ -133,7 +147,7 @@ Tensor ReLU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   return y;
 }
 
-void ReLU::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+void ReLU::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                          const Pass& pass) {
   ops::relu_backward(dx, dy, ctx.saved[0], mode);
 }
@@ -149,7 +163,7 @@ Tensor GELU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   return y;
 }
 
-void GELU::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+void GELU::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                          const Pass& pass) {
   ops::gelu_backward(dx, dy, ctx.input, mode);
 }
@@ -183,7 +197,7 @@ Tensor LayerNorm::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) 
   return y;
 }
 
-void LayerNorm::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+void LayerNorm::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
                               GradMode mode, const Pass& pass) {
   ops::layernorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode);
 }
@@ -206,7 +220,7 @@ Tensor Dropout::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   return y;
 }
 
-void Dropout::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+void Dropout::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                             const Pass& pass) {
   if (!pass.training || p_ == 0.0f) {
     if (mode == GradMode::accumulate) ops::add(dx, dy);
@@ -255,7 +269,7 @@ Tensor Embedding::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) 
   return y;
 }
 
-void Embedding::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+void Embedding::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
                               GradMode mode, const Pass& pass) {
   Tensor grad = dy;
   if (pass.training && dropout_ > 0.0f) {
@@ -312,7 +326,7 @@ Tensor CausalSelfAttention::forward_impl(const Tensor& x, Context& ctx, const Pa
   return proj_.forward(att, ctx.children[1], pass);
 }
 
-void CausalSelfAttention::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+void CausalSelfAttention::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
                                         GradMode mode, const Pass& pass) {
   const int64_t B = dy.shape[0], T = dy.shape[1], C = channels_;
   Tensor datt = pass.arena->tensor(Shape{B, T, C}, pass.dtype);      // (B, T, C)
@@ -321,6 +335,11 @@ void CausalSelfAttention::backward_impl(const Context& ctx, const Tensor& dy, co
   // The attention output is the projection's input, which its context keeps.
   ops::attention_backward(dqkv, datt, ctx.saved[0], ctx.children[1].input, ctx.saved[1], heads_, *pass.arena);
   qkv_.backward(ctx.children[0], dqkv, dx, mode, pass);
+}
+
+void CausalSelfAttention::backward_weight_impl(Context& ctx, const Pass& pass) {
+  proj_.backward_weight(ctx.children[1], pass);
+  qkv_.backward_weight(ctx.children[0], pass);
 }
 
 // ---- TransformerBlock ----------------------------------------------------------------
@@ -379,10 +398,10 @@ Tensor TransformerBlock::forward_impl(const Tensor& x, Context& ctx, const Pass&
   return f;
 }
 
-void TransformerBlock::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
                                      GradMode mode, const Pass& pass) {
   const bool drop = pass.training && dropout_ > 0.0f;
-  const Context* c = ctx.children;
+  Context* c = ctx.children;
   Tensor scratch = drop ? pass.arena->tensor(dy.shape, pass.dtype) : Tensor{};  // (B, T, C)
   // MLP branch.
   Tensor df = dy;
@@ -482,7 +501,7 @@ Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
 }
 
 // Runs layers[count-1] .. layers[0] backward from dy, the first into dx by `mode`.
-static void backward_chain(std::span<const std::unique_ptr<Layer>> layers, const Context* c, const Tensor& dy, const Tensor& dx,
+static void backward_chain(std::span<const std::unique_ptr<Layer>> layers, Context* c, const Tensor& dy, const Tensor& dx,
                     GradMode mode, const Pass& pass) {
   Tensor g = dy;
   for (std::size_t i = layers.size(); i-- > 1;) {
@@ -493,8 +512,19 @@ static void backward_chain(std::span<const std::unique_ptr<Layer>> layers, const
   layers[0]->backward(c[0], g, dx, mode, pass);  // dx may be empty: weight gradients only
 }
 
-void Residual::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
-  const Context* c = ctx.children;
+void TransformerBlock::backward_weight_impl(Context& ctx, const Pass& pass) {
+  fc_proj_.backward_weight(ctx.children[5], pass);
+  fc_.backward_weight(ctx.children[3], pass);
+  attn_.backward_weight(ctx.children[1], pass);
+}
+
+void Residual::backward_weight_impl(Context& ctx, const Pass& pass) {
+  for (std::size_t i = inner_.size(); i-- > 0;) inner_[i]->backward_weight(ctx.children[i], pass);
+  for (std::size_t j = skip_.size(); j-- > 0;) skip_[j]->backward_weight(ctx.children[inner_.size() + j], pass);
+}
+
+void Residual::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+  Context* c = ctx.children;
   backward_chain(inner_, c, dy, dx, mode, pass);
   if (!skip_.empty()) backward_chain(skip_, c + inner_.size(), dy, dx, GradMode::accumulate, pass);
   else if (!dx.empty()) ops::add(dx, dy);
@@ -522,7 +552,7 @@ Tensor CrossEntropyLoss::forward_impl(const Tensor& x, Context& ctx, const Pass&
   return loss;
 }
 
-void CrossEntropyLoss::backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+void CrossEntropyLoss::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
                                      GradMode mode, const Pass& pass) {
   MPIPE_CHECK(mode == GradMode::overwrite, "cross-entropy writes its gradient");
   ops::crossentropy_backward(dx, ctx.input, ctx.saved[0], ctx.saved[1], pass.loss_scale);

@@ -23,7 +23,8 @@ double since(Clock::time_point start) { return std::chrono::duration<double>(Clo
 const char* TraceEvent::name(int kind) {
   static const char* names[count] = {"forward",       "backward",      "recompute", "send activation",
                                      "wait activation", "send gradient", "wait gradient", "wait sends",
-                                     "allreduce",     "optimizer",     "gradient sum", "tied-weight sum"};
+                                     "allreduce",     "optimizer",     "gradient sum", "tied-weight sum",
+                                     "weight gradient"};
   return names[kind];
 }
 
@@ -220,6 +221,7 @@ void Executor::allocate() {
   const int M = config_.micro_batches, K = grid_->stages(), D = grid_->replicas();
   schedule_ = lower(make_schedule(config_.pipeline.schedule, K, M));
   if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
+  split_ = schedule_.splits(grid_->stage());
   params_ = std::make_unique<ParamStore>(model_, begin_, end_, config_.seed);
   std::vector<Layer*> parts;
   for (int i = begin_; i < end_; ++i) model_.layer(i).parts(parts);
@@ -326,11 +328,12 @@ void Executor::allocate() {
   if (device_ == Device::cuda) {
     device_loss_ = cuda::DeviceBuffer(sizeof(double));
     host_loss_ = cuda::PinnedBuffer(sizeof(double));
-    // Forward, backward and recompute of every micro-batch, two marks each, and the origin.
+    // Forward, backward, weight gradient and recompute of every micro-batch, two marks
+    // each, and the origin.
     marks_.clear();
-    for (int i = 0; i < 1 + 6 * M; ++i) marks_.emplace_back(true);
+    for (int i = 0; i < 1 + 8 * M; ++i) marks_.emplace_back(true);
     compute_marks_.clear();
-    compute_marks_.reserve(3 * static_cast<std::size_t>(M));
+    compute_marks_.reserve(4 * static_cast<std::size_t>(M));
   }
 
   // Without CUDA-aware MPI, replica sums go through a pinned host copy.
@@ -503,7 +506,10 @@ void Executor::resolve_gpu_times(std::int64_t step) {
     const double a = cuda::seconds_between(marks_[0], marks_[1 + 2 * i]);
     const double b = cuda::seconds_between(marks_[0], marks_[2 + 2 * i]);
     const ComputeMark& m = compute_marks_[i];
-    (m.kind == TraceEvent::forward ? times_.forward : m.kind == TraceEvent::backward ? times_.backward : times_.recompute) += b - a;
+    (m.kind == TraceEvent::forward    ? times_.forward
+     : m.kind == TraceEvent::recompute ? times_.recompute
+                                       : times_.backward) += b - a;
+    if (m.kind == TraceEvent::weight) times_.weight += b - a;
     if (tracing(step)) {
       TraceEvent e;
       e.start = origin + a;
@@ -516,6 +522,9 @@ void Executor::resolve_gpu_times(std::int64_t step) {
   }
 }
 
+// Where the schedule splits the backward (split_), this is B: the input gradients, with
+// what W needs (each Linear's dy) kept in the micro-batch's slot, which lives on until
+// its W; a rematerialized forward is recomputed into a slot too, for W's sake.
 void Executor::run_backward(std::int64_t step, int mb) {
   const int n = end_ - begin_;
   Context* contexts = contexts_[mb];
@@ -524,10 +533,11 @@ void Executor::run_backward(std::int64_t step, int mb) {
     const auto start = Clock::now();
     begin_compute(TraceEvent::recompute, mb);
     Tensor unused;
-    Pass recompute = make_pass(step, mb, scratch_.get());
+    Pass recompute = make_pass(step, mb, split_ ? take_slot(mb) : scratch_.get());
     recompute.recompute = true;
     recompute.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
     contexts = forward_layers(recompute, mb, &unused);
+    if (split_) contexts_[mb] = contexts;
     end_compute();
     if (device_ == Device::cpu) {
       times_.recompute += since(start);
@@ -536,7 +546,8 @@ void Executor::run_backward(std::int64_t step, int mb) {
   }
   const auto start = Clock::now();
   begin_compute(TraceEvent::backward, mb);
-  const Pass pass = make_pass(step, mb, scratch_.get());
+  Pass pass = make_pass(step, mb, scratch_.get());
+  if (split_) pass.stash = slots_[static_cast<std::size_t>(slot_of_[static_cast<std::size_t>(mb)])].get();
   static float loss_gradient = 1.0f;  // the loss layer ignores its incoming gradient
   Tensor dy = grid_->last_stage() ? make_tensor(&loss_gradient, Shape{1}) : transport_->received(Direction::backward, mb);
   const bool last_micro_batch = mb == config_.micro_batches - 1;
@@ -547,7 +558,7 @@ void Executor::run_backward(std::int64_t step, int mb) {
     else if (!grid_->first_stage()) dx = input_grads_[mb] = persistent_->tensor(in, dtype_);
     model_.layer(begin_ + i).backward(contexts[i], dy, dx, GradMode::overwrite, pass);
     dy = dx;
-    if (last_micro_batch) gradients_final(begin_ + i);
+    if (last_micro_batch && !split_) gradients_final(begin_ + i);
     progress_->poll();  // messages and sums keep moving between layers
   }
   scratch_->reset();
@@ -555,6 +566,32 @@ void Executor::run_backward(std::int64_t step, int mb) {
   if (device_ == Device::cpu) {
     times_.backward += since(start);
     record(step, TraceEvent::backward, mb, start);
+  }
+  if (!split_) release_slot(mb);
+}
+
+// W: the weight gradients B left, in the same layer order; the micro-batch's slot is
+// free after it. Ws run in ascending micro-batch order (validate()), so every gradient
+// sums its micro-batches in the same order as under the fused backward: bitwise equal.
+void Executor::run_weight(std::int64_t step, int mb) {
+  const int n = end_ - begin_;
+  Context* contexts = contexts_[mb];
+  MPIPE_CHECK(split_ && contexts, "W", mb, " without its split backward");
+  const auto start = Clock::now();
+  begin_compute(TraceEvent::weight, mb);
+  const Pass pass = make_pass(step, mb, scratch_.get());
+  const bool last_micro_batch = mb == config_.micro_batches - 1;
+  for (int i = n - 1; i >= 0; --i) {
+    model_.layer(begin_ + i).backward_weight(contexts[i], pass);
+    if (last_micro_batch) gradients_final(begin_ + i);
+    progress_->poll();
+  }
+  scratch_->reset();
+  end_compute();
+  if (device_ == Device::cpu) {
+    times_.backward += since(start);
+    times_.weight += since(start);
+    record(step, TraceEvent::weight, mb, start);
   }
   release_slot(mb);
 }
@@ -618,8 +655,8 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   next_bucket_ = 0;
   for (const Action& action : schedule_.actions[stage]) {
     const int mb = action.micro_batch;
-    if (!training && (action.kind == ActionKind::backward || action.kind == ActionKind::recv_grad ||
-                      action.kind == ActionKind::send_grad))
+    if (!training && (action.kind == ActionKind::backward || action.kind == ActionKind::weight ||
+                      action.kind == ActionKind::recv_grad || action.kind == ActionKind::send_grad))
       continue;
     const auto action_start = Clock::now();
     try {
@@ -628,6 +665,7 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
       switch (action.kind) {
         case ActionKind::forward: run_forward(step, mb, training); break;
         case ActionKind::backward: run_backward(step, mb); break;
+        case ActionKind::weight: run_weight(step, mb); break;
         case ActionKind::recv_act:
           times_.p2p_wait += transport_->receive(Direction::forward, mb);
           record(step, TraceEvent::recv_act, mb, action_start);

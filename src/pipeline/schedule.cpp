@@ -22,6 +22,7 @@ const char* prefix(ActionKind kind) {
     case ActionKind::recv_act: return "RF";
     case ActionKind::send_grad: return "SB";
     case ActionKind::recv_grad: return "RB";
+    case ActionKind::weight: return "W";
   }
   return "?";
 }
@@ -42,7 +43,7 @@ std::string to_string(const Action& a) { return prefix(a.kind) + std::to_string(
 
 Action parse_action(const std::string& text) {
   for (ActionKind kind : {ActionKind::send_act, ActionKind::recv_act, ActionKind::send_grad, ActionKind::recv_grad,
-                          ActionKind::forward, ActionKind::backward}) {
+                          ActionKind::forward, ActionKind::backward, ActionKind::weight}) {
     const std::string p = prefix(kind);
     if (text.size() > p.size() && text.compare(0, p.size(), p) == 0 &&
         std::all_of(text.begin() + static_cast<long>(p.size()), text.end(), [](char c) { return c >= '0' && c <= '9'; }))
@@ -64,6 +65,11 @@ std::string Schedule::to_text() const {
     out += '\n';
   }
   return out;
+}
+
+bool Schedule::splits(int stage) const {
+  const auto& list = actions[static_cast<std::size_t>(stage)];
+  return std::any_of(list.begin(), list.end(), [](const Action& a) { return a.kind == ActionKind::weight; });
 }
 
 // GPipe: every forward, then every backward (torchgpipe's clock: micro-batch m reaches
@@ -96,7 +102,44 @@ Schedule one_f_one_b_schedule(int stages, int micro_batches) {
   return s;
 }
 
-std::vector<std::string> schedule_names() { return {"gpipe", "1f1b"}; }
+// List scheduling at unit costs (F = B = W = 1 tick): each tick, every stage runs the
+// first of these it can: a forward (its input has arrived, fewer than K - s micro-batches
+// wait for their B and fewer than K for their W), a backward (its gradient has arrived),
+// a pending W. A W runs only where the stage would otherwise wait, and the limit of K
+// keeps stage s from holding more micro-batches than stage 0 does under 1F1B.
+Schedule zb_h1_schedule(int stages, int micro_batches) {
+  Schedule s = empty_schedule("zb-h1", stages, micro_batches);
+  const int K = stages, M = micro_batches;
+  std::vector<int> forwards(K, 0), backwards(K, 0), weights(K, 0);
+  // The tick at whose start each action's result is there; -1 not yet run.
+  std::vector<std::vector<long>> forward_done(K, std::vector<long>(M, -1)), backward_done = forward_done;
+  auto ready = [](long done, long tick) { return done >= 0 && done <= tick; };
+  long left = 3L * K * M;
+  for (long tick = 0; left > 0; ++tick) {
+    MPIPE_CHECK(tick <= 6L * K * M + 2L * K, "zb-h1 schedule for ", K, " stages and ", M, " micro-batches makes no progress");
+    for (int st = 0; st < K; ++st) {
+      const int f = forwards[st], b = backwards[st];
+      auto& list = s.actions[st];
+      if (f < M && f - b < K - st && f - weights[st] < K && (st == 0 || ready(forward_done[st - 1][f], tick))) {
+        list.push_back({ActionKind::forward, f});
+        forward_done[st][f] = tick + 1;
+        ++forwards[st];
+      } else if (b < f && ready(st == K - 1 ? forward_done[st][b] : backward_done[st + 1][b], tick)) {
+        list.push_back({ActionKind::backward, b});
+        backward_done[st][b] = tick + 1;
+        ++backwards[st];
+      } else if (weights[st] < b) {
+        list.push_back({ActionKind::weight, weights[st]++});
+      } else {
+        continue;
+      }
+      --left;
+    }
+  }
+  return s;
+}
+
+std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "zb-h1"}; }
 
 Schedule parse_schedule(const std::string& text, const std::string& source) {
   const std::string hint = "write one line per stage, e.g. 'stage 0: F0 F1 B0 B1' (mpipe plan --write-schedule)";
@@ -125,9 +168,9 @@ Schedule parse_schedule(const std::string& text, const std::string& source) {
       try {
         a = parse_action(word);
       } catch (const Error&) {
-        throw UserError(cat(at, ": '", word, "' is not an action"), "write F<micro-batch> or B<micro-batch>, e.g. F3");
+        throw UserError(cat(at, ": '", word, "' is not an action"), "write F<micro-batch>, B<micro-batch> or W<micro-batch>, e.g. F3");
       }
-      MPIPE_REQUIRE(a.is_compute(), "give only F and B actions: the sends and receives are inserted", at, ": ", word,
+      MPIPE_REQUIRE(a.is_compute(), "give only F, B and W actions: the sends and receives are inserted", at, ": ", word,
                     " is a communication action");
       MPIPE_REQUIRE(a.micro_batch <= 16383, "use at most 16383 micro-batches", at, ": ", word, " is beyond them");
       micro_batches = std::max(micro_batches, a.micro_batch + 1);
@@ -146,6 +189,7 @@ Schedule parse_schedule(const std::string& text, const std::string& source) {
 Schedule make_schedule(const std::string& name, int stages, int micro_batches) {
   if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
   if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
+  if (name == "zb-h1") return zb_h1_schedule(stages, micro_batches);
   if (name.rfind("file:", 0) == 0 && name.size() > 5) {
     const std::string path = name.substr(5), source = cat("schedule file '", path, "'");
     std::error_code ec;
@@ -162,18 +206,19 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches) {
     s.micro_batches = micro_batches;  // validate() names an action beyond them, or one missing
     if (auto problem = validate(lower(s))) {
       const std::string first_line = problem->substr(0, problem->find('\n'));
-      throw UserError(cat(source, ": ", first_line), "each stage runs F0, F1, ... and B0, B1, ... in ascending order, each B after its F, with no cycle of waits (docs/schedules.md)");
+      throw UserError(cat(source, ": ", first_line), "each stage runs F0, F1, ..., B0, B1, ... (and W0, W1, ... or none) in ascending order, each B after its F and each W after its B, with no cycle of waits (docs/schedules.md)");
     }
     return s;
   }
-  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b or file:PATH");
+  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b, zb-h1 or file:PATH");
 }
 
 int in_flight(const Schedule& schedule, int stage) {
+  const ActionKind last = schedule.splits(stage) ? ActionKind::weight : ActionKind::backward;
   int live = 0, peak = 0;
   for (const Action& a : schedule.actions[static_cast<std::size_t>(stage)]) {
     if (a.kind == ActionKind::forward) peak = std::max(peak, ++live);
-    else if (a.kind == ActionKind::backward) --live;
+    else if (a.kind == last) --live;
   }
   return peak;
 }
@@ -190,6 +235,8 @@ Schedule lower(const Schedule& in) {
         if (!first) list.push_back({ActionKind::recv_act, a.micro_batch});
         list.push_back(a);
         if (!last) list.push_back({ActionKind::send_act, a.micro_batch});
+      } else if (a.kind == ActionKind::weight) {
+        list.push_back(a);  // nothing leaves the stage
       } else {
         if (!last) list.push_back({ActionKind::recv_grad, a.micro_batch});
         list.push_back(a);
@@ -200,16 +247,18 @@ Schedule lower(const Schedule& in) {
   return out;
 }
 
-StageCosts StageCosts::uniform(int stages, double forward, double backward) {
+StageCosts StageCosts::uniform(int stages, double forward, double backward, double weight) {
   StageCosts c;
   c.forward.assign(stages, forward);
   c.backward.assign(stages, backward);
+  c.weight.assign(stages, weight < 0 ? backward / 2 : weight);
   return c;
 }
 
 Simulation simulate(const Schedule& s, const StageCosts& costs) {
   MPIPE_CHECK(static_cast<int>(costs.forward.size()) == s.stages && static_cast<int>(costs.backward.size()) == s.stages,
               "costs for ", costs.forward.size(), " stages, schedule has ", s.stages);
+  MPIPE_CHECK(costs.weight.size() == costs.backward.size(), "weight costs for ", costs.weight.size(), " stages");
   Simulation sim;
   sim.start.resize(s.stages);
   sim.end.resize(s.stages);
@@ -220,7 +269,9 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
   // Arrival time of each message: key (receiving stage, kind of the receive, micro-batch).
   std::map<std::tuple<int, ActionKind, int>, double> arrivals;
   std::vector<std::size_t> next(s.stages, 0);
-  std::vector<double> clock(s.stages, 0.0);
+  std::vector<double> clock(s.stages, 0.0), backward_cost(s.stages);
+  for (int st = 0; st < s.stages; ++st)
+    backward_cost[st] = s.splits(st) ? costs.backward[st] - costs.weight[st] : costs.backward[st];
   double busy = 0.0;
   bool progress = true;
   while (progress) {
@@ -231,7 +282,8 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
         double start = clock[st], end = start;
         switch (a.kind) {
           case ActionKind::forward: end = start + costs.forward[st]; busy += costs.forward[st]; break;
-          case ActionKind::backward: end = start + costs.backward[st]; busy += costs.backward[st]; break;
+          case ActionKind::backward: end = start + backward_cost[st]; busy += backward_cost[st]; break;
+          case ActionKind::weight: end = start + costs.weight[st]; busy += costs.weight[st]; break;
           case ActionKind::send_act:
             arrivals[{st + 1, ActionKind::recv_act, a.micro_batch}] = start + costs.message;
             break;
@@ -272,8 +324,19 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
 std::optional<std::string> validate(const Schedule& s) {
   if (static_cast<int>(s.actions.size()) != s.stages) return cat("schedule has ", s.actions.size(), " lists for ", s.stages, " stages");
   for (int st = 0; st < s.stages; ++st) {
-    std::vector<int> forward_at(s.micro_batches, -1), backward_at(s.micro_batches, -1);
-    int last_backward = -1;
+    std::vector<int> forward_at(s.micro_batches, -1), backward_at(s.micro_batches, -1), weight_at(s.micro_batches, -1);
+    int last_backward = -1, last_weight = -1;
+    // A B (W): once, after its F (B), in ascending order.
+    auto follows = [&](const Action& a, int i, std::vector<int>& at, const std::vector<int>& prior, const char* prior_name,
+                       int& last, const char* plural) -> std::string {
+      if (at[a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");
+      if (prior[a.micro_batch] < 0) return cat("stage ", st, ": ", to_string(a), " before its ", prior_name);
+      if (a.micro_batch < last)
+        return cat("stage ", st, ": ", to_string(a), " after ", prefix(a.kind), last, " (", plural, " must ascend)");
+      at[a.micro_batch] = i;
+      last = a.micro_batch;
+      return {};
+    };
     for (int i = 0; i < static_cast<int>(s.actions[st].size()); ++i) {
       const Action& a = s.actions[st][i];
       if (a.micro_batch < 0 || a.micro_batch >= s.micro_batches)
@@ -284,16 +347,20 @@ std::optional<std::string> validate(const Schedule& s) {
           return cat("stage ", st, ": ", to_string(a), " before F", a.micro_batch - 1, " (forwards must ascend)");
         forward_at[a.micro_batch] = i;
       } else if (a.kind == ActionKind::backward) {
-        if (backward_at[a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");
-        if (forward_at[a.micro_batch] < 0) return cat("stage ", st, ": ", to_string(a), " before its forward");
-        if (a.micro_batch < last_backward)
-          return cat("stage ", st, ": ", to_string(a), " after B", last_backward, " (backwards must ascend)");
-        backward_at[a.micro_batch] = i;
-        last_backward = a.micro_batch;
+        if (auto problem = follows(a, i, backward_at, forward_at, "forward", last_backward, "backwards"); !problem.empty())
+          return problem;
+      } else if (a.kind == ActionKind::weight) {
+        if (auto problem = follows(a, i, weight_at, backward_at, "backward", last_weight, "weight gradients");
+            !problem.empty())
+          return problem;
       }
     }
-    for (int mb = 0; mb < s.micro_batches; ++mb)
+    const bool split = s.splits(st);
+    for (int mb = 0; mb < s.micro_batches; ++mb) {
       if (forward_at[mb] < 0 || backward_at[mb] < 0) return cat("stage ", st, ": micro-batch ", mb, " is missing F or B");
+      if (split && weight_at[mb] < 0)
+        return cat("stage ", st, ": micro-batch ", mb, " has no W (a stage with W actions needs one per micro-batch)");
+    }
   }
   // Every send matched by exactly one receive on the neighbour, and every receive by a send.
   std::map<std::tuple<int, ActionKind, int>, int> sends, receives;

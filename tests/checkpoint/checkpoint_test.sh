@@ -37,9 +37,10 @@ layout)
   run 1 "${model[@]}" --steps 4 --checkpoint-dir "$work/k1" >/dev/null
   run 4 "${model[@]}" --steps 4 --checkpoint-dir "$work/k4" --schedule 1f1b --remat always >/dev/null
   same_tensors "$work/k1/ckpt-00000004.h5" "$work/k4/ckpt-00000004.h5"
-  # A schedule from a file (stage 0 as GPipe, stage 1 between, stage 2 as 1F1B, as
-  # plan --write-schedule writes them): the same tensors.
-  printf '%s\n' "stage 0: F0 F1 F2 F3 B0 B1 B2 B3" "stage 1: F0 F1 B0 F2 B1 F3 B2 B3" "stage 2: F0 B0 F1 B1 F2 B2 F3 B3" \
+  # A schedule from a file (stage 0 as GPipe, stage 1 between with its backwards split
+  # into B and W, stage 2 as 1F1B): the same tensors.
+  printf '%s\n' "stage 0: F0 F1 F2 F3 B0 B1 B2 B3" "stage 1: F0 F1 B0 F2 B1 W0 F3 W1 B2 W2 B3 W3" \
+    "stage 2: F0 B0 F1 B1 F2 B2 F3 B3" \
     > "$work/mixed.txt"
   mkdir "$work/file"
   run 3 "${model[@]}" --steps 4 --checkpoint-dir "$work/file" --schedule "file:$work/mixed.txt" --remat except-last >/dev/null

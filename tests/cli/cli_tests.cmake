@@ -28,6 +28,7 @@ mpipe_cli_test(plan 0 "bubble 20%" plan --config ${CMAKE_SOURCE_DIR}/inputs/quic
 mpipe_cli_test(plan_partition 0 "partition \\(flops\\): 0-2 \\| 3-7" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2)
 mpipe_cli_test(plan_balance 0 "partition \\(balance\\): 0-0 \\| 1-7" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2 --balance 1,7)
 mpipe_cli_test(plan_bad_world 2 "error: world size 3 is not divisible by --stages 2" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 3 --stages 2)
+mpipe_cli_test(plan_zb_h1 0 "bubble: 11.1% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h1)
 mpipe_cli_test(plan_unknown_schedule 2 "error: unknown schedule 'zb'; hint" plan --ranks 2 --schedule zb)
 mpipe_cli_test(plan_bad_remat 2 "error: unknown --remat 'sometimes'" plan --ranks 2 --remat sometimes)
 mpipe_cli_test(unknown_device 2 "error: unknown --device 'tpu'; hint: use --device cpu, cuda or auto" train --device tpu)

@@ -50,6 +50,9 @@ for rank in range(4):
         assert all(names[e["tid"]].startswith(f"rank {rank}: stage {rank}, replica 0: communication") for e in sends)
         assert len(sends) == (8 if rank in (0, 3) else 16), (rank, step, len(sends))
 assert abs(s["theoretical_bubble"] - 3 / 11) < 1e-9
+# GPipe simulated with the run's own action times: a bubble, and one of the same order as the
+# unit-cost one (K = 4, M = 8: every stage but one waits for the others at both ends).
+assert 0.5 * 3 / 11 < s["simulated_bubble"] < 0.9, s["simulated_bubble"]
 last = json.loads(open(sys.argv[3]).read().splitlines()[-1])
 assert last == s, "the metrics file's last line is not the summary"
 # One step numbering: the metrics' steps are the console's, 1 to --steps.

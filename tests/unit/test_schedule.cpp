@@ -53,6 +53,40 @@ TEST_CASE("1f1b has gpipe's bubble but at most K - s micro-batches in flight on 
     }
 }
 
+TEST_CASE("zb-h1: a third of 1F1B's bubble at unit costs, K between F and W, K - s between F and B") {
+  for (int K : {1, 2, 3, 4, 5, 8})
+    for (int M : {1, 2, 3, 4, 8, 16, 33}) {
+      INFO("K=" << K << " M=" << M);
+      const Schedule s = zb_h1_schedule(K, M);
+      // F = 1, B + W = 2, split into B = W = 1.
+      const double bubble = simulate(lower(s), StageCosts::uniform(K, 1.0, 2.0, 1.0)).bubble_fraction;
+      const double one_f_one_b = simulate(lower(one_f_one_b_schedule(K, M)), StageCosts::uniform(K)).bubble_fraction;
+      CHECK(bubble <= one_f_one_b + 1e-12);
+      // From M >= K on, the lower bound: the last stage's wait for the first forward.
+      if (M >= K) CHECK(bubble == doctest::Approx(static_cast<double>(K - 1) / (3 * M + K - 1)));
+      for (int stage = 0; stage < K; ++stage) {
+        CHECK(s.splits(stage));
+        int before_b = 0, before_w = 0, peak_b = 0;
+        for (const Action& a : s.actions[stage]) {
+          before_b += a.kind == ActionKind::forward ? 1 : a.kind == ActionKind::backward ? -1 : 0;
+          before_w += a.kind == ActionKind::forward ? 1 : a.kind == ActionKind::weight ? -1 : 0;
+          peak_b = std::max(peak_b, before_b);
+        }
+        CHECK(peak_b <= K - stage);
+        CHECK(in_flight(s, stage) <= K);
+      }
+      CHECK(in_flight(s, 0) == std::min(K, M));
+    }
+  // The issue's figure: K = 4, M = 8 predicted 11.1% (1F1B: 27.3%).
+  CHECK(simulate(lower(zb_h1_schedule(4, 8)), StageCosts::uniform(4, 1.0, 2.0, 1.0)).bubble_fraction ==
+        doctest::Approx(3.0 / 27));
+  // Its text, as the zero-bubble paper draws it: stage 0 does 1F1B with each W right after
+  // its B, the last stage defers Ws into what would be its bubble.
+  const std::string text = zb_h1_schedule(4, 8).to_text();
+  CHECK(text.find("stage 0: F0 F1 F2 F3 B0 W0 F4 B1 W1 F5") != std::string::npos);
+  CHECK(text.find("stage 3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1") != std::string::npos);
+}
+
 TEST_CASE("backwards run in ascending micro-batch order in every schedule") {
   for (const std::string& name : schedule_names()) {
     const Schedule s = make_schedule(name, 4, 9);
@@ -90,6 +124,17 @@ TEST_CASE("the validator finds broken schedules and says where") {
     const auto problem = validate(lower(broken));
     REQUIRE(problem);
     CHECK(problem->find("ascend") != std::string::npos);
+  }
+  SUBCASE("weight gradients: each once, after its B, ascending, on every micro-batch of a splitting stage") {
+    auto problem_of = [](const std::string& line) {
+      Schedule one = parse_schedule(line, "test");
+      return validate(lower(one)).value_or("");
+    };
+    CHECK(problem_of("stage 0: F0 B0 W0 F1 B1 W1") == "");
+    CHECK(problem_of("stage 0: F0 W0 B0 F1 B1 W1").find("W0 before its backward") != std::string::npos);
+    CHECK(problem_of("stage 0: F0 B0 W0 W0 F1 B1 W1").find("W0 twice") != std::string::npos);
+    CHECK(problem_of("stage 0: F0 B0 F1 B1 W1 W0").find("(weight gradients must ascend)") != std::string::npos);
+    CHECK(problem_of("stage 0: F0 B0 W0 F1 B1").find("micro-batch 1 has no W") != std::string::npos);
   }
   SUBCASE("a cycle of waits is a deadlock, reported with the grid") {
     // Stage 0 waits for micro-batch 0's gradient before sending its activation.

@@ -20,6 +20,8 @@ DeviceMemory device_memory(Device device);
 
 // out (N, OC) = inp (N, C) · weight^T + bias; bias may be empty.
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias);
+// dinp per mode, dweight and dbias accumulated; each may be empty (a split backward
+// computes dinp alone, then dweight and dbias).
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                      const Tensor& inp, const Tensor& weight, GradMode mode);
 // GELU(inp · weight^T + bias) into out, keeping the pre-activation in `pre`: one fused

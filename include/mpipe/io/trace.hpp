@@ -20,6 +20,7 @@ struct StagePhases {
 
 struct RunSummary {
   double median_step_s = 0, samples_per_s = 0, tokens_per_s = 0, bubble = 0, theoretical_bubble = 0;
+  double simulated_bubble = 0;  // the schedule simulated with the run's mean action times per stage
   long long steps = 0;
   std::vector<double> peak_bytes_per_rank;  // activations and scratch
   std::vector<StagePhases> phases;           // per stage; empty when no step was timed

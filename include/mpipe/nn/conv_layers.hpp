@@ -21,7 +21,7 @@ class Conv2d final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -45,7 +45,7 @@ class Pool2d final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -76,7 +76,7 @@ class BatchNorm2d final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -96,7 +96,7 @@ class Flatten final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 };
 

@@ -3,6 +3,10 @@
 // forward(x) returns y and fills a per-call Context with what backward needs, so many
 // micro-batches can be in flight at once; both live in the pass's Arena. backward(ctx,
 // dy, dx) writes dx per GradMode and *accumulates* (+=) into the parameter gradients.
+// Split backward (zero-bubble schedules): with Pass::stash set, backward() computes dx
+// and the layers whose weight gradient is a GEMM of their own (Linear) keep their dy
+// in the stash and leave that gradient to backward_weight(ctx), called later with the
+// same context; every other gradient is still accumulated in backward().
 // The public forward/backward check shapes and call the virtual *_impl (as in
 // tiny-cuda-nn's object.h). Each layer reports its cost for the partitioner and `plan`.
 #pragma once
@@ -66,6 +70,9 @@ struct Pass {
   float loss_scale = 1.0f;         // d(total loss)/d(per-row loss): 1 / rows in the step
   DType dtype = DType::f32;        // of activations and their gradients (bf16 on a GPU)
   double* device_loss_sum = nullptr;  // on a GPU the loss layer adds its sum here (not in a recompute)
+  // Split backward: where backward() keeps what backward_weight() needs (it must live
+  // until then); null: the full backward, weight gradients included.
+  Arena* stash = nullptr;
 };
 
 // What backward needs from one forward call. Trivially destructible: it lives in the
@@ -77,6 +84,7 @@ struct Context {
   Context* children = nullptr;
   double value = 0.0;  // the loss layer's summed loss (on the CPU; see Pass)
   double correct = 0.0;  // evaluation: the loss layer's rows predicted right
+  Tensor output_grad;    // split backward: the dy kept for backward_weight() (in Pass::stash)
 };
 
 class Layer {
@@ -93,8 +101,10 @@ class Layer {
 
   Tensor forward(const Tensor& x, Context& ctx, const Pass& pass);
   // dx may be empty when no input gradient is wanted (the first layer).
-  void backward(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                 const Pass& pass);
+  // After a split backward(ctx, ...): the weight gradients it left, accumulated (+=).
+  void backward_weight(Context& ctx, const Pass& pass) { backward_weight_impl(ctx, pass); }
 
   int global_index() const { return global_index_; }
   // Composite layers pass the index on to their parts (it keys dropout masks).
@@ -111,8 +121,10 @@ class Layer {
 
  protected:
   virtual Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) = 0;
-  virtual void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx,
+  virtual void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
                              GradMode mode, const Pass& pass) = 0;
+  // Layers that leave work to backward_weight() (Linear) and composites of them.
+  virtual void backward_weight_impl(Context& ctx, const Pass& pass) {}
 
  private:
   int global_index_ = -1;
@@ -141,7 +153,8 @@ class Linear final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_weight_impl(Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -161,7 +174,7 @@ class ReLU final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 };
 
@@ -173,7 +186,7 @@ class GELU final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 };
 
@@ -188,7 +201,7 @@ class LayerNorm final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -207,7 +220,7 @@ class Dropout final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -231,7 +244,7 @@ class Embedding final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -253,7 +266,8 @@ class CausalSelfAttention final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_weight_impl(Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -275,7 +289,8 @@ class TransformerBlock final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_weight_impl(Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -307,7 +322,8 @@ class Residual final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_weight_impl(Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 
  private:
@@ -326,7 +342,7 @@ class CrossEntropyLoss final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(const Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 };
 

@@ -39,7 +39,7 @@ namespace mpipe {
 
 struct PipelineConfig {
   GridShape grid;                  // --stages, --replicas (0: inferred), --rank-order
-  std::string schedule = "gpipe";  // gpipe | 1f1b
+  std::string schedule = "gpipe";  // gpipe | 1f1b | zb-h1 | file:PATH
   std::string remat = "never";     // always | except-last | never
   std::string batchnorm = "micro"; // micro | deferred: when BatchNorm's running statistics move
   std::string partition = "flops"; // uniform | params | flops | time
@@ -106,7 +106,7 @@ struct StepResult {
 // where they overlap the compute.
 struct TraceEvent {
   enum Kind : std::int16_t { forward, backward, recompute, send_act, recv_act, send_grad, recv_grad, send_wait,
-                             allreduce, optimizer, gradient_sum, tied_sum, count };
+                             allreduce, optimizer, gradient_sum, tied_sum, weight, count };
   static const char* name(int kind);
   static bool communication(int kind) {
     return kind == send_act || kind == send_grad || kind == gradient_sum || kind == tied_sum;
@@ -123,6 +123,7 @@ struct PhaseTimes {
   static constexpr int count = 8;
   static const char* name(int i);
   double forward = 0, backward = 0, recompute = 0, p2p_wait = 0, allreduce = 0, optimizer = 0, idle = 0, step = 0;
+  double weight = 0;  // the part of backward spent in W actions (split schedules); not a phase of its own
   double operator[](int i) const {
     const double all[count] = {forward, backward, recompute, p2p_wait, allreduce, optimizer, idle, step};
     return all[i];
@@ -207,6 +208,7 @@ class Executor {
   bool rematerialize(int micro_batch) const;
   void run_forward(std::int64_t step, int micro_batch, bool training = true);
   void run_backward(std::int64_t step, int micro_batch);
+  void run_weight(std::int64_t step, int micro_batch);
   Context* forward_layers(const Pass& pass, int micro_batch, Tensor* output);
   void gradients_final(int layer);  // after the last micro-batch's backward of `layer`
   void reduce_gradients(std::int64_t step);
@@ -233,12 +235,14 @@ class Executor {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Dataset> dataset_, eval_dataset_;
   std::unique_ptr<Arena> persistent_, scratch_;
-  // A training forward's activations live in a slot from its F to its B, when the slot is
-  // reset for the next micro-batch: as many slots as the schedule holds micro-batches at
-  // once on this stage (M for gpipe, K - stage for 1f1b), so 1F1B's saving is real.
+  // A training forward's activations live in a slot from its F to its B (its W, with what
+  // W needs, where the stage splits backwards), when the slot is reset for the next
+  // micro-batch: as many slots as the schedule holds micro-batches at once on this stage
+  // (M for gpipe, K - stage for 1f1b, K for zb-h1), so 1F1B's saving is real.
   std::vector<std::unique_ptr<Arena>> slots_;
   std::vector<int> free_slots_;  // indices into slots_
   std::vector<int> slot_of_;     // [micro-batch]: its slot, or -1
+  bool split_ = false;           // this stage's schedule splits backwards into B and W (zb-h1)
   std::unique_ptr<Progress> progress_;    // before the transport, which uses it
   std::unique_ptr<Transport> transport_;
   cuda::PinnedBuffer batch_host_;                  // GPU: the batch on the host, pinned

@@ -45,6 +45,7 @@ void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dou
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, C, OC, 1.0f, dout, OC, weight, C,
                 mode == GradMode::accumulate ? 1.0f : 0.0f, dinp, C);
   }
+  if (!dweight) return;  // split backward: the input gradient alone
   // dweight (OC, C) += dout^T (OC, N) · inp (N, C)
   cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OC, C, N, 1.0f, dout, OC, inp, C, 1.0f,
               dweight, C);

@@ -531,6 +531,7 @@ void matmul_backward(E* dinp, float* dweight, float* dbias, const E* dout, const
     g.beta = mode == GradMode::accumulate ? 1.0f : 0.0f;
     gemm(g);
   }
+  if (!dweight) return;  // split backward: the input gradient alone
   {
     // dweight (OC, C) += dout^T (OC, N) · inp (N, C), in fp32 whatever E is
     Gemm g;

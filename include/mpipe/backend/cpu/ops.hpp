@@ -25,7 +25,7 @@ int threads();
 void matmul_forward(float* out, const float* inp, const float* weight, const float* bias,
                     int64_t N, int64_t C, int64_t OC);
 // dinp (N, C) per mode (skipped when null); dweight (OC, C) and dbias (OC) accumulate
-// (dbias skipped when null).
+// (dbias skipped when null; both when dweight is: the input gradient of a split backward).
 void matmul_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                      const float* inp, const float* weight, int64_t N, int64_t C, int64_t OC,
                      GradMode mode);
