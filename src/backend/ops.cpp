@@ -298,7 +298,7 @@ void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& db
                      const Tensor& inp, const Tensor& weight, const Tensor& cols, const Window2d& w, GradMode mode) {
   cpu_only("conv2d", dout);
   same_place("conv2d", dinp, dout);
-  cpu::conv2d_backward(ptr_or_null<float>(dinp), dweight.f32(), ptr_or_null<float>(dbias), dout.f32(), inp.f32(),
+  cpu::conv2d_backward(ptr_or_null<float>(dinp), ptr_or_null<float>(dweight), ptr_or_null<float>(dbias), dout.f32(), inp.f32(),
                        weight.f32(), cols.f32(), w, mode);
 }
 

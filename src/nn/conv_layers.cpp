@@ -70,8 +70,23 @@ Tensor Conv2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
 
 void Conv2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   const Window2d w = window(ctx.input.shape);
-  ops::conv2d_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, pass.arena->tensor(Shape{ops::conv2d_scratch(w)}), w,
-                       mode);
+  const Tensor cols = pass.arena->tensor(Shape{ops::conv2d_scratch(w)});
+  if (!pass.stash) {
+    ops::conv2d_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, cols, w, mode);
+    return;
+  }
+  // Split, as Linear: dx now, dy kept for the weight and bias gradients.
+  ops::conv2d_backward(dx, Tensor{}, Tensor{}, dy, ctx.input, weight_, cols, w, mode);
+  ctx.output_grad = pass.stash->tensor(dy.shape, dy.dtype);
+  ops::copy(ctx.output_grad, dy);
+}
+
+void Conv2d::backward_weight_impl(Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(!ctx.output_grad.empty(), "conv2d layer ", global_index(), ": weight gradient without a split backward");
+  const Window2d w = window(ctx.input.shape);
+  ops::conv2d_backward(Tensor{}, dweight_, dbias_, ctx.output_grad, ctx.input, weight_,
+                       pass.arena->tensor(Shape{ops::conv2d_scratch(w)}), w, GradMode::accumulate);
+  ctx.output_grad = Tensor{};
 }
 
 // ---- Pool2d --------------------------------------------------------------------------

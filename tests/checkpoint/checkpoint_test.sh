@@ -384,13 +384,13 @@ model-file)
   run 2 "${file_model[@]}" --steps 3 --checkpoint-dir "$work/file" --metrics "$work/file.jsonl" >/dev/null
   [[ "$(losses "$work/preset.jsonl")" == "$(losses "$work/file.jsonl")" ]] || fail "preset and model file losses differ"
   same_tensors "$work/preset/ckpt-00000003.h5" "$work/file/ckpt-00000003.h5"
-  # transparent FILE K [OPTION...]: the model file on 1 and on K stages (1f1b, remat),
-  # bitwise; the runs' checkpoint directories are $work/k1 and $work/kK.
+  # transparent FILE K [OPTION...]: the model file on 1 and on K stages ($SCHEDULE, 1f1b
+  # by default, remat), bitwise; the runs' checkpoint directories are $work/k1 and $work/kK.
   transparent() {
     local args=(train --model "$1" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1 --steps 3 "${@:3}")
     rm -rf "$work/k1" "$work/k$2"
     run 1 "${args[@]}" --checkpoint-dir "$work/k1" --metrics "$work/k1.jsonl" >/dev/null
-    run "$2" "${args[@]}" --checkpoint-dir "$work/k$2" --metrics "$work/k$2.jsonl" --schedule 1f1b --remat always >/dev/null
+    run "$2" "${args[@]}" --checkpoint-dir "$work/k$2" --metrics "$work/k$2.jsonl" --schedule "${SCHEDULE:-1f1b}" --remat always >/dev/null
     [[ "$(losses "$work/k1.jsonl")" == "$(losses "$work/k$2.jsonl")" ]] || fail "$1: losses differ between K = 1 and $2"
     same_tensors "$work/k1/ckpt-00000003.h5" "$work/k$2/ckpt-00000003.h5"
   }
@@ -403,6 +403,8 @@ model-file)
   cp "$work/k4/ckpt-00000003.h5" "$work/micro.h5"
   transparent "$(dirname "$0")/../reference/resnet-bn.toml" 4 --batchnorm deferred
   ! h5diff -q "$work/micro.h5" "$work/k4/ckpt-00000003.h5" /model /model >/dev/null 2>&1 || fail "--batchnorm deferred changed nothing"
+  # Zero bubble: convolutions' weight gradients in W, BatchNorm's in B, the same training.
+  SCHEDULE=zb-h1 transparent "$(dirname "$0")/../reference/resnet-bn.toml" 4
   # ... and they resume and reshard: the step-3 checkpoint of a 5-step run on 2 stages,
   # resumed on 4, ends as the unbroken run.
   bn=(train --model "$(dirname "$0")/../reference/resnet-bn.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3

@@ -21,6 +21,7 @@ class Conv2d final : public Layer {
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_weight_impl(Context& ctx, const Pass& pass) override;
   void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
 

@@ -79,16 +79,18 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
   for (int64_t n = 0; n < w.N; ++n)
     for (int64_t g = 0; g < w.groups; ++g) {
       const float* d = dout + (n * w.OC + g * OCg) * P;
-      if (dbias)
-        for (int64_t oc = 0; oc < OCg; ++oc) {
-          double sum = 0;
-          for (int64_t p = 0; p < P; ++p) sum += d[oc * P + p];
-          dbias[g * OCg + oc] += static_cast<float>(sum);
-        }
-      im2col(cols, inp + (n * w.C + g * Cg) * w.H * w.W, Cg, w);
-      // dW_g (OCg, K) += dout_g (OCg, P) . cols^T (P, K)
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, OCg, K, P, 1.0f, d, P, cols, P, 1.0f,
-                  dweight + g * OCg * K, K);
+      if (dweight) {
+        if (dbias)
+          for (int64_t oc = 0; oc < OCg; ++oc) {
+            double sum = 0;
+            for (int64_t p = 0; p < P; ++p) sum += d[oc * P + p];
+            dbias[g * OCg + oc] += static_cast<float>(sum);
+          }
+        im2col(cols, inp + (n * w.C + g * Cg) * w.H * w.W, Cg, w);
+        // dW_g (OCg, K) += dout_g (OCg, P) . cols^T (P, K)
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, OCg, K, P, 1.0f, d, P, cols, P, 1.0f,
+                    dweight + g * OCg * K, K);
+      }
       if (!dinp) continue;
       // dcols (K, P) = W_g^T (K, OCg) . dout_g (OCg, P), added back to the input plane.
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, K, P, OCg, 1.0f, weight + g * OCg * K, K, d, P, 0.0f,

@@ -83,8 +83,8 @@ using mpipe::Window2d;
 int64_t conv2d_cols(const Window2d& w);
 void conv2d_forward(float* out, const float* inp, const float* weight, const float* bias, float* cols,
                     const Window2d& w);
-// dinp per mode (skipped when null); dweight and dbias (null: none) accumulate, over the
-// samples in order.
+// dinp per mode (skipped when null); dweight and dbias (null: none; both when dweight
+// is, the input gradient of a split backward) accumulate, over the samples in order.
 void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, float* cols, const Window2d& w, GradMode mode);
 // Max over each window (padding counts as -inf); `argmax` (N, C, OH, OW) keeps the
