@@ -12,13 +12,13 @@
 #  3. bench_comm: blocking MPI_Allreduce and point-to-point against what the executor
 #     does with the same bytes (an activation of the ladder's model, and a GPT-2 tied
 #     embedding's 154 MB), with and without single-copy.
-#  4. Schedules at K = 2 (gpipe, 1f1b, zb-h1, a schedule file): tokens/s, measured against
+#  4. Schedules at K = 2 (gpipe, 1f1b, zb-h1, interleaved with v = 2, a schedule file): tokens/s, measured against
 #     simulated bubble, peak activation memory of each rank, and the last loss (bitwise the same).
 # Environment:
 #   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
 #   STEPS=5  steps per run (the first excluded: it sizes the arenas)   REPEAT=2  rounds of the ladder
 #   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm   LADDER=0: skip the K ladder
-#   SCHEDULES=0: skip table 4 (gpipe, 1f1b, zb-h1 and a schedule file at K = 2, MS4="4 8",
+#   SCHEDULES=0: skip table 4 (gpipe, 1f1b, zb-h1, interleaved and a schedule file at K = 2, MS4="4 8",
 #   ROUNDS4=1 rounds, each schedule once per round, interleaved)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -182,7 +182,7 @@ if [[ "${SCHEDULES:-1}" != 0 ]]; then
   # sched_run M SCHEDULE -> "tokens/s measured_bubble unit_cost_bubble simulated_bubble peak_bytes_rank0 peak_bytes_rank1 loss"
   sched_run() {
     mpirun -n 2 --bind-to core build/release/mpipe train "${sched_model[@]}" --micro-batches "$1" \
-      --batch-size $(($1 * 4)) --schedule "$2" --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
+      --batch-size $(($1 * 4)) --schedule "$2" "${@:3}" --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
     /usr/bin/python3 - "$tmp/s.json" "$tmp/m.jsonl" "$tmp/log" <<'PY'
 import json, re, sys
 s = json.load(open(sys.argv[1]))
@@ -209,10 +209,13 @@ PY
       for ((m = 0; m < M4; ++m)); do printf ' B%d' "$m"; done; printf '\n'
       printf 'stage 1:'; for ((m = 0; m < M4; ++m)); do printf ' F%d B%d' "$m" "$m"; done; printf '\n'
     } > "$tmp/mixed.txt"
-    for schedule in gpipe 1f1b zb-h1 "file:$tmp/mixed.txt"; do
-      read -r tps bubble unit simulated peak0 peak1 loss < <(sched_run "$M4" "$schedule")
+    for schedule in gpipe 1f1b zb-h1 interleaved "file:$tmp/mixed.txt"; do
+      extra=()
+      [[ $schedule == interleaved ]] && extra=(--virtual-stages 2)
+      read -r tps bubble unit simulated peak0 peak1 loss < <(sched_run "$M4" "$schedule" "${extra[@]}")
       name=$schedule
       [[ $name == file:* ]] && name=file
+      [[ $name == interleaved ]] && name=interl.2
       /usr/bin/python3 -c "import sys; M, n, t, b, u, s, p0, p1, l = sys.argv[1:]; print(f'{int(M):4d} {n:<8} {float(t):10.0f} {100 * float(b):8.1f}% {100 * float(u):9.1f}% {100 * float(s):9.1f}% {float(p0) / 2**20:8.1f} / {float(p1) / 2**20:5.1f} MiB {l:>14}')" \
         "$M4" "$name" "$tps" "$bubble" "$unit" "$simulated" "$peak0" "$peak1" "$loss"
     done

@@ -187,36 +187,40 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
               D * K, D * K > 1 ? "s" : "", grid.rank_order.c_str());
   std::printf("batch %d = %d replica%s x %d micro-batches of %d; schedule %s, remat %s\n", config.batch_size, D,
               D > 1 ? "s" : "", M, micro, config.pipeline.schedule.c_str(), config.pipeline.remat.c_str());
-  const Schedule compute = make_schedule(config.pipeline.schedule, K, M);
+  const int v = config.pipeline.virtual_stages;
+  const Schedule compute = make_schedule(config.pipeline.schedule, K, M, v);
   const auto figures = stage_figures(model, part, micro);
+  if (v > 1)
+    std::printf("virtual stages: %d per rank, model stage m on pipeline stage m mod %d (\"p\" below)\n", v, K);
   std::printf("partition (%s): %s\n", config.pipeline.balance.empty() ? config.pipeline.partition.c_str() : "balance",
               part.to_text().c_str());
   // Values, gradients and the optimizer's state, fp32.
   const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());
   std::printf("%-6s %-9s %-28s %10s %12s %14s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb", "weights+state",
               "act. no remat", "act. remat");
-  for (int s = 0; s < K; ++s) {
+  for (int s = 0; s < part.stages(); ++s) {
     std::string kinds;
     for (int i = part.begin(s); i < part.end(s); ++i) {
       const std::string k = model.layer(i).kind();
       if (kinds.find(k) == std::string::npos) kinds += (kinds.empty() ? "" : ",") + k;
     }
     if (kinds.size() > 28) kinds = kinds.substr(0, 25) + "...";
-    const int live = in_flight(compute, s);
+    const int live = in_flight(compute, compute.list_of(s), v > 1 ? s : -1);
     const StageFigures& f = figures[s];
-    std::printf("%-6d %-9s %-28s %10s %12.3f %14s %16s %16s\n", s, cat(part.begin(s), "-", part.end(s) - 1).c_str(),
+    std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s\n", (v > 1 ? cat(s, " p", s % K) : cat(s)).c_str(),
+                cat(part.begin(s), "-", part.end(s) - 1).c_str(),
                 kinds.c_str(), human_count(f.params).c_str(), (f.forward_flops + f.backward_flops) / 1e9,
                 human_bytes(4.0 * f.params * states).c_str(), human_bytes(f.held(live, false)).c_str(),
                 human_bytes(f.held(live, true)).c_str());
   }
   const Schedule lowered = lower(compute);
-  StageCosts costs = StageCosts::uniform(K);
-  for (int s = 0; s < K; ++s) {
+  StageCosts costs = StageCosts::unit(lowered);
+  for (int s = 0; s < part.stages(); ++s) {
     costs.forward[s] = figures[s].forward_flops;
     costs.backward[s] = figures[s].backward_flops;
     costs.weight[s] = figures[s].backward_flops / 2;  // a Linear's dW is half its backward; other layers' less
   }
-  const double theory = simulate(lowered, StageCosts::uniform(K)).bubble_fraction;
+  const double theory = simulate(lowered, StageCosts::unit(lowered)).bubble_fraction;
   const double predicted = simulate(lowered, costs).bubble_fraction;
   std::printf("bubble: %.1f%% for equal stages ((K-1)/(M+K-1) for gpipe), %.1f%% predicted from this partition's FLOPs\n",
               100 * theory, 100 * predicted);
@@ -230,12 +234,15 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
   const int K = exec.grid().stages(), M = config.micro_batches, D = exec.grid().replicas();
   const int stage = exec.grid().stage();
   const auto figures = stage_figures(exec.model(), exec.partition(), config.batch_size / (M * D));
-  const StageFigures& f = figures[stage];
-  const int live = in_flight(make_schedule(config.pipeline.schedule, K, M), stage);
+  const Schedule schedule = make_schedule(config.pipeline.schedule, K, M, config.pipeline.virtual_stages);
+  const int live = in_flight(schedule, stage);
   const bool remat = config.pipeline.remat == "always" || (config.pipeline.remat == "except-last" && stage + 1 < K);
   const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());  // values, gradients, state
-  const double weights = 4.0 * f.params * states;
-  const double activations = f.held(live, remat);
+  double weights = 0, activations = 0;  // over the rank's model stages
+  for (int m = stage; m < schedule.model_stages(); m += K) {
+    weights += 4.0 * figures[m].params * states;
+    activations += figures[m].held(in_flight(schedule, stage, schedule.virtual_stages > 1 ? m : -1), remat);
+  }
   const double need = weights + activations, have = available_memory() / std::max(1, node_ranks);
   if (have <= 0) return;  // nothing to go by
   MPIPE_REQUIRE(need <= have,
@@ -249,17 +256,18 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
 }
 
 void print_schedule_grid(const TrainConfig& config, const GridShape& grid) {
-  const Schedule lowered = lower(make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches));
+  const Schedule lowered =
+      lower(make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages));
   constexpr int widest = 16;  // a grid beyond this many stages or micro-batches is no longer read at a glance
   if (grid.stages > widest || config.micro_batches > widest) {
-    const Simulation sim = simulate(lowered, StageCosts::uniform(grid.stages));
+    const Simulation sim = simulate(lowered, StageCosts::unit(lowered));
     std::printf("schedule %s (forward 1 unit, backward 2 = B 1 + W 1 where split): makespan %g, bubble %.1f%% (drawn "
                 "for up to %d stages and micro-batches)\n", lowered.name.c_str(), sim.makespan, 100 * sim.bubble_fraction,
                 widest);
     return;
   }
   std::printf("schedule %s (forward 1 unit, backward 2 = B 1 + W 1 where split):\n%s", lowered.name.c_str(),
-              render(lowered, StageCosts::uniform(grid.stages)).c_str());
+              render(lowered, StageCosts::unit(lowered)).c_str());
 }
 
 // Phase statistics over steps, one set per rank, gathered to rank 0 for the table.
@@ -289,13 +297,13 @@ struct PhaseStats {
 // (into *simulated). Returns the rows (other ranks: nothing).
 std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator& world, const Schedule& schedule,
                                      int micro_batches, double theory, double* simulated) {
-  const int stages = schedule.stages;
+  const int stages = schedule.stages, v = schedule.virtual_stages;
   constexpr int n = sizeof(PhaseStats) / sizeof(double);
   std::vector<PhaseStats> all(world.rank() == 0 ? world.size() : 0);
   MPI_CHECK(MPI_Gather(&mine, n, MPI_DOUBLE, all.data(), n, MPI_DOUBLE, 0, world.get()));
   if (world.rank() != 0 || mine.steps == 0) return {};
   std::vector<StagePhases> rows(static_cast<std::size_t>(stages));
-  StageCosts measured = StageCosts::uniform(stages);
+  StageCosts measured = StageCosts::unit(schedule);
   std::printf("time per step in ms, min / avg / max over %g steps (the first excluded) and replicas\n", mine.steps);
   std::printf("%-6s", "stage");
   for (int i = 0; i < PhaseTimes::count; ++i) std::printf(" %20s", PhaseTimes::name(i));
@@ -316,10 +324,13 @@ std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator&
       count += r.steps;
     }
     for (double& a : row.avg) a /= count;
-    // Per action: a recomputation is part of its backward.
-    measured.forward[s] = row.avg[0] / micro_batches;
-    measured.backward[s] = (row.avg[1] + row.avg[2]) / micro_batches;
-    measured.weight[s] = weight / count / micro_batches;
+    // Per action: a recomputation is part of its backward; model stages of one pipeline
+    // stage share its times evenly.
+    for (int m = s; m < stages * v; m += stages) {
+      measured.forward[m] = row.avg[0] / (micro_batches * v);
+      measured.backward[m] = (row.avg[1] + row.avg[2]) / (micro_batches * v);
+      measured.weight[m] = weight / count / (micro_batches * v);
+    }
     std::printf("%-6d", s);
     for (int i = 0; i < PhaseTimes::count; ++i)
       std::printf(" %20s", cat(std::round(row.min[i] * 1e4) / 10, "/", std::round(row.avg[i] * 1e4) / 10, "/",
@@ -514,6 +525,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "gpipe, 1f1b, zb-h1 (zero bubble: backward split into input and weight gradients), or file:PATH (a "
                  "line 'stage S: F0 F1 B0 ...' per stage; plan --write-schedule writes one)")
       ->capture_default_str();
+  cmd.add_option("--virtual-stages", p.virtual_stages,
+                 "Model stages per rank, for --schedule interleaved (2 or more; stage m on pipeline stage m mod K)")
+      ->capture_default_str();
   cmd.add_option("--remat", p.remat, "Re-materialization: always, except-last or never")->capture_default_str();
   cmd.add_option("--batchnorm", p.batchnorm,
                  "BatchNorm's running statistics: micro (moved by each micro-batch, GPipe) or deferred (by the "
@@ -567,7 +581,7 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
     measured = measure_layer_times(model, micro, config.seed);
   }
   const Partition part = choose_partition(config.pipeline.balance, config.pipeline.partition, model, grid.stages, micro,
-                                          measured);
+                                          measured, config.pipeline.virtual_stages);
   std::printf("mpipe %s (git %s) plan for %d ranks\n", version(), git_hash(), ranks);
   std::printf("layers (%d):", model.size());
   for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
@@ -578,10 +592,12 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   std::printf("\n");
   print_schedule_grid(config, grid);
   if (!write_schedule.empty()) {
-    const Schedule s = make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches);
+    const Schedule s =
+        make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages);
     std::ofstream out(write_schedule);
     out << cat("# mpipe schedule ", s.name, ": ", grid.stages, " stages, ", config.micro_batches,
-               " micro-batches; train with --schedule file:", write_schedule, "\n")
+               " micro-batches; train with --schedule file:", write_schedule,
+               s.virtual_stages > 1 ? cat(" --virtual-stages ", s.virtual_stages) : std::string(), "\n")
         << s.to_text();
     out.close();
     MPIPE_REQUIRE(out.good(), "give a path in a directory you can write", "--write-schedule: cannot write '",
@@ -722,7 +738,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     std::fflush(stdout);
   }
 
-  const double theory = simulate(exec->schedule(), StageCosts::uniform(grid.stages())).bubble_fraction;
+  const double theory = simulate(exec->schedule(), StageCosts::unit(exec->schedule())).bubble_fraction;
   const int64_t tokens_per_sample = exec->model().tokens();
   PhaseStats stats;
   stats.stage = grid.stage();

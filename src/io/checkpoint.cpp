@@ -303,7 +303,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const std::s
   const ParamStore& store = exec.params();
   for (std::size_t i = 0; i < all.size(); ++i) {
     const DatasetSpec& d = all[i];
-    if (writers[i % params.size()] != grid.stage()) continue;
+    if (exec.partition().pipeline_stage(writers[i % params.size()]) != grid.stage()) continue;
     const ParamEntry* entry = nullptr;
     for (const ParamEntry& e : store.entries())
       if (!e.alias && e.owner_layer == d.layer &&

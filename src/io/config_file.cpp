@@ -114,6 +114,7 @@ std::string to_toml(const TrainConfig& c) {
   line("replicas", cat(q.grid.replicas));
   line("rank-order", toml_quoted(q.grid.rank_order));
   line("schedule", toml_quoted(q.schedule));
+  line("virtual-stages", cat(q.virtual_stages));
   line("remat", toml_quoted(q.remat));
   line("batchnorm", toml_quoted(q.batchnorm));
   line("partition", toml_quoted(q.partition));

@@ -23,7 +23,7 @@ std::string event_label(const TraceEvent& e) {
   static const char* prefix[TraceEvent::count] = {"F", "B", "R", "SF", "RF", "SB", "RB", "", "", "", "", "", "W"};
   if (e.layer >= 0) return cat(TraceEvent::name(e.kind), " L", e.layer);
   if (e.micro_batch < 0) return TraceEvent::name(e.kind);
-  return cat(prefix[e.kind], e.micro_batch);
+  return cat(e.stage >= 0 ? std::to_string(e.stage) : std::string(), prefix[e.kind], e.micro_batch);
 }
 
 // Transfers overlap one another (a send still moving when the next is posted, several

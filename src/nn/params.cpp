@@ -1,6 +1,7 @@
 // Flat parameter storage, tied-weight aliasing and deterministic initialisation.
 #include "mpipe/nn/params.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 
@@ -57,14 +58,28 @@ void initialise(float* data, std::int64_t n, const ParamSpec& spec, std::uint64_
 
 }  // namespace
 
+namespace {
+std::vector<int> range(int begin, int end) {
+  MPIPE_CHECK(0 <= begin && begin < end, "layer range ", begin, "..", end);
+  std::vector<int> layers(static_cast<std::size_t>(end - begin));
+  for (int i = begin; i < end; ++i) layers[static_cast<std::size_t>(i - begin)] = i;
+  return layers;
+}
+}  // namespace
+
 ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
-    : model_(model), begin_(begin), end_(end) {
-  MPIPE_CHECK(0 <= begin && begin < end && end <= model.size(), "layer range ", begin, "..", end);
-  std::vector<std::vector<ParamSpec>> specs(end - begin);
+    : ParamStore(model, range(begin, end), seed) {}
+
+ParamStore::ParamStore(Model& model, std::vector<int> layers, std::uint64_t seed)
+    : model_(model), layers_(std::move(layers)) {
+  MPIPE_CHECK(!layers_.empty() && std::is_sorted(layers_.begin(), layers_.end()) && layers_.front() >= 0 &&
+                  layers_.back() < model.size() && std::adjacent_find(layers_.begin(), layers_.end()) == layers_.end(),
+              "parameter store of layers ", layers_.empty() ? -1 : layers_.front(), "..", layers_.empty() ? -1 : layers_.back());
+  std::vector<std::vector<ParamSpec>> specs(static_cast<std::size_t>(model.size()));
   std::size_t total = 0;
-  for (int layer = begin; layer < end; ++layer) {
-    specs[layer - begin] = model.layer(layer).param_specs();
-    const auto& layer_specs = specs[layer - begin];
+  for (const int layer : layers_) {
+    specs[static_cast<std::size_t>(layer)] = model.layer(layer).param_specs();
+    const auto& layer_specs = specs[static_cast<std::size_t>(layer)];
     for (int i = 0; i < static_cast<int>(layer_specs.size()); ++i) {
       const ParamSpec& spec = layer_specs[i];
       ParamEntry e;
@@ -103,7 +118,7 @@ ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
   grads_ = FloatBuffer(total);
   for (const ParamEntry& e : entries_) {
     if (e.alias) continue;
-    const auto owner_specs = e.owner_layer == e.layer ? specs[e.layer - begin]
+    const auto owner_specs = e.owner_layer == e.layer ? specs[static_cast<std::size_t>(e.layer)]
                                                       : model.layer(e.owner_layer).param_specs();
     initialise(params_.data() + e.offset, e.numel(), owner_specs[e.owner_index], seed, e.owner_layer,
                e.owner_index);
@@ -113,7 +128,7 @@ ParamStore::ParamStore(Model& model, int begin, int end, std::uint64_t seed)
 
 void ParamStore::bind_layers() {
   std::size_t at = 0;
-  for (int layer = begin_; layer < end_; ++layer) {
+  for (const int layer : layers_) {
     std::vector<Tensor> p, g;
     for (; at < entries_.size() && entries_[at].layer == layer; ++at) {
       p.push_back(param(entries_[at]));
@@ -214,11 +229,11 @@ void ParamStore::refresh_compute_copy() {
 }
 
 void ParamStore::grad_sum_squares(std::span<double> per_layer) const {
-  MPIPE_CHECK(per_layer.size() == static_cast<std::size_t>(end_ - begin_), "per-layer span");
+  MPIPE_CHECK(per_layer.size() == static_cast<std::size_t>(model_.size()), "per-layer span");
   std::fill(per_layer.begin(), per_layer.end(), 0.0);
   if (device_ == Device::cpu) {
     for (const ParamEntry& e : entries_)
-      if (!e.tied_copy) per_layer[e.layer - begin_] += cpu::sum_squares(grads_.data() + e.offset, e.numel());
+      if (!e.tied_copy) per_layer[static_cast<std::size_t>(e.layer)] += cpu::sum_squares(grads_.data() + e.offset, e.numel());
     return;
   }
 #if MPIPE_HAVE_CUDA
@@ -230,7 +245,7 @@ void ParamStore::grad_sum_squares(std::span<double> per_layer) const {
   const double* sums = norm_sums_host_.as<double>();
   int i = 0;
   for (const ParamEntry& e : entries_)
-    if (!e.tied_copy) per_layer[e.layer - begin_] += sums[i++];
+    if (!e.tied_copy) per_layer[static_cast<std::size_t>(e.layer)] += sums[i++];
 #endif
 }
 

@@ -43,6 +43,7 @@ void Executor::record(std::int64_t step, int kind, int micro_batch, Clock::time_
   e.kind = static_cast<std::int16_t>(kind);
   e.micro_batch = static_cast<std::int16_t>(micro_batch);
   e.layer = layer;
+  if (micro_batch >= 0) e.stage = trace_stage_;
   trace_.push_back(e);
 }
 
@@ -87,9 +88,16 @@ void validate(const TrainConfig& c, int world) {
   GridShape grid = p.grid;
   if (world > 0) grid = resolve_grid(grid, world);
   const int replicas = std::max(1, grid.replicas);
-  // Tags are 2 * micro-batch + direction; MPI promises tags up to 32767.
+  // Tags are 2 * micro-batch + direction (with virtual stages, of model stage · M +
+  // micro-batch); MPI promises tags up to 32767.
+  MPIPE_REQUIRE(p.virtual_stages >= 1 && p.virtual_stages <= 64, "e.g. --virtual-stages 2 with --schedule interleaved",
+                "--virtual-stages must be between 1 and 64, got ", p.virtual_stages);
   MPIPE_REQUIRE(c.micro_batches <= 16383, "use at most 16383 micro-batches", "--micro-batches ", c.micro_batches,
                 " is too many");
+  const int v = p.virtual_stages, stages = std::max(1, grid.stages);
+  MPIPE_REQUIRE(v == 1 || static_cast<std::int64_t>(c.micro_batches) * stages * v <= 16383,
+                "use fewer micro-batches or virtual stages", "--micro-batches ", c.micro_batches, " x ", stages,
+                " stages x --virtual-stages ", v, " is more than 16383 messages tags can tell apart");
   MPIPE_REQUIRE(c.micro_batches <= c.batch_size, "use at most one micro-batch per sample",
                 "--micro-batches ", c.micro_batches, " exceeds --batch-size ", c.batch_size);
   if (replicas == 1)
@@ -101,18 +109,19 @@ void validate(const TrainConfig& c, int world) {
                   "--batch-size ", c.batch_size, " does not split into --micro-batches ", c.micro_batches, " x ",
                   replicas, " replicas");
   // UserError for an unknown name, or a schedule file that does not fit or breaks a rule.
-  if (grid.stages > 0 || p.schedule.rfind("file:", 0) != 0) make_schedule(p.schedule, std::max(1, grid.stages), c.micro_batches);
+  if (grid.stages > 0 || p.schedule.rfind("file:", 0) != 0) make_schedule(p.schedule, stages, c.micro_batches, v);
   const int layers = Model(c.model).size();
   if (!p.balance.empty()) {
     const Partition part = partition_from_balance(parse_balance(p.balance), layers);
-    MPIPE_REQUIRE(grid.stages == 0 || part.stages() == grid.stages, "give one count per stage",
-                  "--balance has ", part.stages(), " stages, the grid has ", grid.stages);
+    MPIPE_REQUIRE(grid.stages == 0 || part.stages() == grid.stages * v,
+                  v > 1 ? "give one count per model stage (stages x --virtual-stages)" : "give one count per stage",
+                  "--balance has ", part.stages(), " stages, the grid has ", grid.stages * v);
   } else {
     MPIPE_REQUIRE(p.partition == "uniform" || p.partition == "params" || p.partition == "flops" || p.partition == "time",
                   "use --partition uniform, params, flops or time", "unknown --partition '", p.partition, "'");
   }
-  MPIPE_REQUIRE(grid.stages <= layers, "use fewer stages or a deeper model", "more stages (", grid.stages,
-                ") than layers (", layers, "); see 'mpipe plan' for the layer list");
+  MPIPE_REQUIRE(grid.stages * v <= layers, v > 1 ? "use fewer stages or virtual stages, or a deeper model" : "use fewer stages or a deeper model",
+                "more stages (", grid.stages * v, ") than layers (", layers, "); see 'mpipe plan' for the layer list");
 }
 
 Executor::Executor(const TrainConfig& config, const Communicator& world)
@@ -196,14 +205,17 @@ void Executor::connect() {
     world_.broadcast(std::span<double>(costs), 0);
     if (std::isnan(costs[0])) throw Error(cat("measuring layer times on rank 0 failed", problem.empty() ? "" : ": " + problem));
   }
-  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs);
-  begin_ = partition_.begin(grid_->stage());
-  end_ = partition_.end(grid_->stage());
+  const int v = p.virtual_stages;
+  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, v);
+  chunks_.clear();
+  for (int m = grid_->stage(); m < K * v; m += K)
+    chunks_.push_back({m, partition_.begin(m), partition_.end(m), m == 0, m == K * v - 1});
   // Tied weights: every tie must join the same two stages (GPT has one tie).
   int owner_stage = 0, copy_stage = 0;
   bool found = false;
   for (const Model::Tie& tie : model_.ties()) {
-    const int a = partition_.stage_of(tie.owner_layer), b = partition_.stage_of(tie.copy_layer);
+    const int a = partition_.pipeline_stage(partition_.stage_of(tie.owner_layer)),
+              b = partition_.pipeline_stage(partition_.stage_of(tie.copy_layer));
     MPIPE_CHECK(!found || (a == owner_stage && b == copy_stage), "tied weights across different stage pairs");
     owner_stage = a;
     copy_stage = b;
@@ -219,12 +231,13 @@ void Executor::connect() {
 
 void Executor::allocate() {
   const int M = config_.micro_batches, K = grid_->stages(), D = grid_->replicas();
-  schedule_ = lower(make_schedule(config_.pipeline.schedule, K, M));
+  const int v = config_.pipeline.virtual_stages, C = static_cast<int>(chunks_.size());
+  schedule_ = lower(make_schedule(config_.pipeline.schedule, K, M, v));
   if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
   split_ = schedule_.splits(grid_->stage());
-  params_ = std::make_unique<ParamStore>(model_, begin_, end_, config_.seed);
+  params_ = std::make_unique<ParamStore>(model_, layers(), config_.seed);
   std::vector<Layer*> parts;
-  for (int i = begin_; i < end_; ++i) model_.layer(i).parts(parts);
+  for (const int i : layers()) model_.layer(i).parts(parts);
   std::size_t sums = 0, buffers = 0;
   for (Layer* part : parts)
     if (!part->step_sums().empty()) {
@@ -260,13 +273,13 @@ void Executor::allocate() {
     inputs_ = {host, in, model_.input_dtype(), Device::cpu};
     targets_ = {host + in.numel() * 4, tg, DType::i32, Device::cpu};
   }
-  outputs_.assign(M, Tensor{});
+  outputs_.assign(static_cast<std::size_t>(C * M), Tensor{});
   const int live = in_flight(schedule_, grid_->stage());
   for (int s = 0; s < live; ++s) slots_.push_back(std::make_unique<Arena>(ops::device_memory(device_)));
   free_slots_.reserve(slots_.size());
-  slot_of_.assign(M, -1);
-  input_grads_.assign(M, Tensor{});
-  contexts_.assign(M, nullptr);
+  slot_of_.assign(static_cast<std::size_t>(C * M), -1);
+  input_grads_.assign(static_cast<std::size_t>(C * M), Tensor{});
+  contexts_.assign(static_cast<std::size_t>(C * M), nullptr);
   reduce_buffer_.assign(model_.size() + 3, 0.0);  // per layer, loss, bubble, stop
 
   // One bucket per layer with parameters, from the last layer down: gradients become
@@ -277,7 +290,9 @@ void Executor::allocate() {
   if (D > 1) {
     const auto entries = params_->entries();
     std::size_t hi = params_->grads().size();
-    for (int layer = end_ - 1; layer >= begin_; --layer) {
+    const std::vector<int> mine = layers();
+    for (auto it = mine.rbegin(); it != mine.rend(); ++it) {
+      const int layer = *it;
       std::size_t lo = hi;
       for (const ParamEntry& e : entries)
         if (e.layer == layer) lo = std::min(lo, e.offset);
@@ -296,7 +311,8 @@ void Executor::allocate() {
     for (const ParamEntry& e : params_->entries()) {
       // A copy held apart from its owner, or an owner whose copy is on a later stage (an
       // alias copy is summed locally).
-      const bool tied = (e.tied_copy && !e.alias) || model_.copy_layer_of(e.layer, e.name) >= end_;
+      const int copy = model_.copy_layer_of(e.layer, e.name);
+      const bool tied = (e.tied_copy && !e.alias) || (copy >= 0 && !holds(copy));
       if (tied) {
         MPIPE_CHECK(!grid_->tied().null(), "stage ", grid_->stage(), " holds a tied weight but no tied group");
         tied_spans_.push_back({e.layer, e.offset, static_cast<std::size_t>(e.numel()), nullptr});
@@ -311,7 +327,7 @@ void Executor::allocate() {
 
   // Every request in flight at once: each micro-batch's two receives and two sends, the
   // buckets, the tied sums' two messages each and the step's closing allreduce.
-  const int requests = 4 * M + static_cast<int>(buckets_.size() + 2 * tied_spans_.size()) + 4;
+  const int requests = 4 * M * C + static_cast<int>(buckets_.size() + 2 * tied_spans_.size()) + 4;
   // Waits sleep between tests once nothing moves, unless asked to spin (docs/communication.md).
   const bool spin_waits = config_.pipeline.comm_wait == "spin";
   progress_ = std::make_unique<Progress>(parse_progress_mode(config_.pipeline.comm_progress),
@@ -323,17 +339,20 @@ void Executor::allocate() {
     t.sum = std::make_unique<PairSum>(grid_->tied(), *progress_, device_, cuda_aware_,
                                       params_->grads().subspan(t.offset, t.count), static_cast<int>(i));
   }
-  transport_ = std::make_unique<Transport>(*grid_, *progress_, device_, dtype_, cuda_aware_, M, shapes_[begin_],
-                                           shapes_[end_], config_.pipeline.p2p_timeout);
+  std::vector<Transport::Channel> channels;
+  for (const Chunk& c : chunks_)
+    channels.push_back({c.stage, shapes_[static_cast<std::size_t>(c.begin)], shapes_[static_cast<std::size_t>(c.end)], c.first, c.last});
+  transport_ = std::make_unique<Transport>(*grid_, *progress_, device_, dtype_, cuda_aware_, M, std::move(channels), K * v,
+                                           config_.pipeline.p2p_timeout);
   if (device_ == Device::cuda) {
     device_loss_ = cuda::DeviceBuffer(sizeof(double));
     host_loss_ = cuda::PinnedBuffer(sizeof(double));
     // Forward, backward, weight gradient and recompute of every micro-batch, two marks
     // each, and the origin.
     marks_.clear();
-    for (int i = 0; i < 1 + 8 * M; ++i) marks_.emplace_back(true);
+    for (int i = 0; i < 1 + 8 * M * C; ++i) marks_.emplace_back(true);
     compute_marks_.clear();
-    compute_marks_.reserve(4 * static_cast<std::size_t>(M));
+    compute_marks_.reserve(4 * static_cast<std::size_t>(M * C));
   }
 
   // Without CUDA-aware MPI, replica sums go through a pinned host copy.
@@ -343,7 +362,7 @@ void Executor::allocate() {
   trace_.clear();
   if (!config_.trace.empty()) {
     // Every action and transfer of every traced step, plus the reductions: sized once, here.
-    std::size_t per_step = schedule_.actions[grid_->stage()].size() + 3 * static_cast<std::size_t>(M) +
+    std::size_t per_step = schedule_.actions[grid_->stage()].size() + 3 * static_cast<std::size_t>(M * C) +
                            buckets_.size() + tied_spans_.size() + 8;
     trace_.reserve(per_step * static_cast<std::size_t>(std::max(0, config_.trace_steps)));
   }
@@ -375,25 +394,36 @@ std::size_t Executor::peak_activation_bytes() const {
   return bytes;
 }
 
-Arena* Executor::take_slot(int mb) {
+bool Executor::holds(int layer) const {
+  return std::any_of(chunks_.begin(), chunks_.end(), [layer](const Chunk& c) { return c.begin <= layer && layer < c.end; });
+}
+
+std::vector<int> Executor::layers() const {
+  std::vector<int> out;
+  for (const Chunk& c : chunks_)
+    for (int i = c.begin; i < c.end; ++i) out.push_back(i);
+  return out;
+}
+
+Arena* Executor::take_slot(int c, int mb) {
   MPIPE_CHECK(!free_slots_.empty(), "micro-batch ", mb, ": more in flight than the schedule's ", slots_.size());
   const int slot = free_slots_.back();
   free_slots_.pop_back();
-  slot_of_[static_cast<std::size_t>(mb)] = slot;
+  slot_of_[at(c, mb)] = slot;
   return slots_[static_cast<std::size_t>(slot)].get();
 }
 
 // After micro-batch mb's backward: its activations are dead once the send of its output
 // (which lives in the slot) has completed; by now the next stage has used it.
-void Executor::release_slot(int mb) {
-  const int slot = slot_of_[static_cast<std::size_t>(mb)];
+void Executor::release_slot(int c, int mb) {
+  const int slot = slot_of_[at(c, mb)];
   if (slot < 0) return;
-  if (!grid_->last_stage()) times_.p2p_wait += transport_->wait_sent(Direction::forward, mb);
+  if (!chunks_[static_cast<std::size_t>(c)].last) times_.p2p_wait += transport_->wait_sent(Direction::forward, c, mb);
   slots_[static_cast<std::size_t>(slot)]->reset();
   free_slots_.push_back(slot);
-  slot_of_[static_cast<std::size_t>(mb)] = -1;
-  contexts_[static_cast<std::size_t>(mb)] = nullptr;
-  outputs_[static_cast<std::size_t>(mb)] = Tensor{};
+  slot_of_[at(c, mb)] = -1;
+  contexts_[at(c, mb)] = nullptr;
+  outputs_[at(c, mb)] = Tensor{};
 }
 
 bool Executor::rematerialize(int micro_batch) const {
@@ -401,7 +431,7 @@ bool Executor::rematerialize(int micro_batch) const {
   return mode == "always" || (mode == "except-last" && micro_batch != config_.micro_batches - 1);
 }
 
-Pass Executor::make_pass(std::int64_t step, int mb, Arena* arena) const {
+Pass Executor::make_pass(std::int64_t step, int c, int mb, Arena* arena) const {
   Pass pass;
   pass.arena = arena;
   pass.seed = config_.seed;
@@ -411,7 +441,7 @@ Pass Executor::make_pass(std::int64_t step, int mb, Arena* arena) const {
   pass.training = true;
   pass.deferred_statistics = config_.pipeline.batchnorm == "deferred";
   pass.dtype = dtype_;
-  if (grid_->last_stage()) {
+  if (chunks_[static_cast<std::size_t>(c)].last) {
     const Shape tg = model_.target_shape(micro_);
     const Tensor& all = device_ == Device::cpu ? targets_ : device_targets_;
     pass.targets = {static_cast<std::byte*>(all.data) + static_cast<std::size_t>(mb) * tg.numel() * 4, tg,
@@ -422,10 +452,11 @@ Pass Executor::make_pass(std::int64_t step, int mb, Arena* arena) const {
   return pass;
 }
 
-Context* Executor::forward_layers(const Pass& pass, int mb, Tensor* output) {
-  const int n = end_ - begin_;
+Context* Executor::forward_layers(const Pass& pass, int c, int mb, Tensor* output) {
+  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
+  const int n = chunk.end - chunk.begin;
   Tensor x;
-  if (grid_->first_stage()) {
+  if (chunk.first) {
     const Shape in = shapes_[0];
     const Tensor& all = device_ == Device::cpu ? inputs_ : device_inputs_;
     // Tokens (int32) for GPT, fp32 features for the MLP.
@@ -437,38 +468,39 @@ Context* Executor::forward_layers(const Pass& pass, int mb, Tensor* output) {
       x = converted;
     }
   } else {
-    x = transport_->received(Direction::forward, mb);
+    x = transport_->received(Direction::forward, c, mb);
   }
   Context* contexts = pass.arena->objects<Context>(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) {
-    x = model_.layer(begin_ + i).forward(x, contexts[i], pass);
+    x = model_.layer(chunk.begin + i).forward(x, contexts[i], pass);
     progress_->poll();  // messages keep moving between layers
   }
   *output = x;
   return contexts;
 }
 
-void Executor::run_forward(std::int64_t step, int mb, bool training) {
+void Executor::run_forward(std::int64_t step, int c, int mb, bool training) {
   if (world_.rank() == fail_rank_ && step == fail_step_) {
     if (fail_stall_)
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     throw Error("injected failure (MPIPE_TEST_FAIL)");
   }
+  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
   const auto start = Clock::now();
   begin_compute(TraceEvent::forward, mb);
   const bool remat = training && rematerialize(mb);
-  Pass pass = make_pass(step, mb, remat ? scratch_.get() : training ? take_slot(mb) : persistent_.get());
+  Pass pass = make_pass(step, c, mb, remat ? scratch_.get() : training ? take_slot(c, mb) : persistent_.get());
   pass.training = training;
   Tensor out;
-  Context* contexts = forward_layers(pass, mb, &out);
-  if (grid_->last_stage()) {
-    loss_sum_ += contexts[end_ - begin_ - 1].value;
-    correct_sum_ += contexts[end_ - begin_ - 1].correct;
+  Context* contexts = forward_layers(pass, c, mb, &out);
+  if (chunk.last) {
+    loss_sum_ += contexts[chunk.end - chunk.begin - 1].value;
+    correct_sum_ += contexts[chunk.end - chunk.begin - 1].correct;
   }
   if (remat) {
     // Keep only what leaves the stage; the contexts die with the scratch arena (whose
     // memory the GPU stream reuses only after this copy, in stream order).
-    if (!grid_->last_stage()) {
+    if (!chunk.last) {
       Tensor kept = persistent_->tensor(out.shape, out.dtype);
       if (device_ == Device::cpu) std::memcpy(kept.data, out.data, out.bytes());
       else cuda::copy_on_device(kept.data, out.data, out.bytes());
@@ -477,8 +509,8 @@ void Executor::run_forward(std::int64_t step, int mb, bool training) {
     scratch_->reset();
     contexts = nullptr;
   }
-  outputs_[mb] = out;
-  contexts_[mb] = contexts;
+  outputs_[at(c, mb)] = out;
+  contexts_[at(c, mb)] = contexts;
   end_compute();
   if (device_ == Device::cpu) {
     times_.forward += since(start);
@@ -491,7 +523,7 @@ void Executor::begin_compute(int kind, int micro_batch) {
   if (device_ == Device::cpu) return;
   const std::size_t i = compute_marks_.size();
   MPIPE_CHECK(2 * i + 2 < marks_.size(), "more compute actions than the step has marks for");
-  compute_marks_.push_back({kind, micro_batch});
+  compute_marks_.push_back({kind, micro_batch, trace_stage_});
   marks_[1 + 2 * i].record(cuda::StreamKind::compute);
 }
 
@@ -517,6 +549,7 @@ void Executor::resolve_gpu_times(std::int64_t step) {
       e.step = static_cast<std::int32_t>(step);
       e.kind = static_cast<std::int16_t>(m.kind);
       e.micro_batch = static_cast<std::int16_t>(m.micro_batch);
+      e.stage = m.stage;
       trace_.push_back(e);
     }
   }
@@ -525,19 +558,20 @@ void Executor::resolve_gpu_times(std::int64_t step) {
 // Where the schedule splits the backward (split_), this is B: the input gradients, with
 // what W needs (each Linear's dy) kept in the micro-batch's slot, which lives on until
 // its W; a rematerialized forward is recomputed into a slot too, for W's sake.
-void Executor::run_backward(std::int64_t step, int mb) {
-  const int n = end_ - begin_;
-  Context* contexts = contexts_[mb];
+void Executor::run_backward(std::int64_t step, int c, int mb) {
+  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
+  const int n = chunk.end - chunk.begin;
+  Context* contexts = contexts_[at(c, mb)];
   if (!contexts) {
     // Recompute the forward with the same pass, hence the same dropout masks.
     const auto start = Clock::now();
     begin_compute(TraceEvent::recompute, mb);
     Tensor unused;
-    Pass recompute = make_pass(step, mb, split_ ? take_slot(mb) : scratch_.get());
+    Pass recompute = make_pass(step, c, mb, split_ ? take_slot(c, mb) : scratch_.get());
     recompute.recompute = true;
     recompute.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
-    contexts = forward_layers(recompute, mb, &unused);
-    if (split_) contexts_[mb] = contexts;
+    contexts = forward_layers(recompute, c, mb, &unused);
+    if (split_) contexts_[at(c, mb)] = contexts;
     end_compute();
     if (device_ == Device::cpu) {
       times_.recompute += since(start);
@@ -546,19 +580,19 @@ void Executor::run_backward(std::int64_t step, int mb) {
   }
   const auto start = Clock::now();
   begin_compute(TraceEvent::backward, mb);
-  Pass pass = make_pass(step, mb, scratch_.get());
-  if (split_) pass.stash = slots_[static_cast<std::size_t>(slot_of_[static_cast<std::size_t>(mb)])].get();
+  Pass pass = make_pass(step, c, mb, scratch_.get());
+  if (split_) pass.stash = slots_[static_cast<std::size_t>(slot_of_[at(c, mb)])].get();
   static float loss_gradient = 1.0f;  // the loss layer ignores its incoming gradient
-  Tensor dy = grid_->last_stage() ? make_tensor(&loss_gradient, Shape{1}) : transport_->received(Direction::backward, mb);
+  Tensor dy = chunk.last ? make_tensor(&loss_gradient, Shape{1}) : transport_->received(Direction::backward, c, mb);
   const bool last_micro_batch = mb == config_.micro_batches - 1;
   for (int i = n - 1; i >= 0; --i) {
-    const Shape& in = shapes_[begin_ + i];
+    const Shape& in = shapes_[static_cast<std::size_t>(chunk.begin + i)];
     Tensor dx;
     if (i > 0) dx = scratch_->tensor(in, dtype_);
-    else if (!grid_->first_stage()) dx = input_grads_[mb] = persistent_->tensor(in, dtype_);
-    model_.layer(begin_ + i).backward(contexts[i], dy, dx, GradMode::overwrite, pass);
+    else if (!chunk.first) dx = input_grads_[at(c, mb)] = persistent_->tensor(in, dtype_);
+    model_.layer(chunk.begin + i).backward(contexts[i], dy, dx, GradMode::overwrite, pass);
     dy = dx;
-    if (last_micro_batch && !split_) gradients_final(begin_ + i);
+    if (last_micro_batch && !split_) gradients_final(chunk.begin + i);
     progress_->poll();  // messages and sums keep moving between layers
   }
   scratch_->reset();
@@ -567,23 +601,24 @@ void Executor::run_backward(std::int64_t step, int mb) {
     times_.backward += since(start);
     record(step, TraceEvent::backward, mb, start);
   }
-  if (!split_) release_slot(mb);
+  if (!split_) release_slot(c, mb);
 }
 
 // W: the weight gradients B left, in the same layer order; the micro-batch's slot is
 // free after it. Ws run in ascending micro-batch order (validate()), so every gradient
 // sums its micro-batches in the same order as under the fused backward: bitwise equal.
-void Executor::run_weight(std::int64_t step, int mb) {
-  const int n = end_ - begin_;
-  Context* contexts = contexts_[mb];
+void Executor::run_weight(std::int64_t step, int c, int mb) {
+  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
+  const int n = chunk.end - chunk.begin;
+  Context* contexts = contexts_[at(c, mb)];
   MPIPE_CHECK(split_ && contexts, "W", mb, " without its split backward");
   const auto start = Clock::now();
   begin_compute(TraceEvent::weight, mb);
-  const Pass pass = make_pass(step, mb, scratch_.get());
+  const Pass pass = make_pass(step, c, mb, scratch_.get());
   const bool last_micro_batch = mb == config_.micro_batches - 1;
   for (int i = n - 1; i >= 0; --i) {
-    model_.layer(begin_ + i).backward_weight(contexts[i], pass);
-    if (last_micro_batch) gradients_final(begin_ + i);
+    model_.layer(chunk.begin + i).backward_weight(contexts[i], pass);
+    if (last_micro_batch) gradients_final(chunk.begin + i);
     progress_->poll();
   }
   scratch_->reset();
@@ -593,7 +628,7 @@ void Executor::run_weight(std::int64_t step, int mb) {
     times_.weight += since(start);
     record(step, TraceEvent::weight, mb, start);
   }
-  release_slot(mb);
+  release_slot(c, mb);
 }
 
 // This layer's gradients are final after the last micro-batch's backward: start the
@@ -655,6 +690,8 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   next_bucket_ = 0;
   for (const Action& action : schedule_.actions[stage]) {
     const int mb = action.micro_batch;
+    const int c = schedule_.stage_of(stage, action) / grid_->stages();  // this rank's chunk
+    if (schedule_.virtual_stages > 1) trace_stage_ = chunks_[static_cast<std::size_t>(c)].stage;
     if (!training && (action.kind == ActionKind::backward || action.kind == ActionKind::weight ||
                       action.kind == ActionKind::recv_grad || action.kind == ActionKind::send_grad))
       continue;
@@ -663,19 +700,19 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
       transport_->between_actions();
       progress_->poll();
       switch (action.kind) {
-        case ActionKind::forward: run_forward(step, mb, training); break;
-        case ActionKind::backward: run_backward(step, mb); break;
-        case ActionKind::weight: run_weight(step, mb); break;
+        case ActionKind::forward: run_forward(step, c, mb, training); break;
+        case ActionKind::backward: run_backward(step, c, mb); break;
+        case ActionKind::weight: run_weight(step, c, mb); break;
         case ActionKind::recv_act:
-          times_.p2p_wait += transport_->receive(Direction::forward, mb);
+          times_.p2p_wait += transport_->receive(Direction::forward, c, mb);
           record(step, TraceEvent::recv_act, mb, action_start);
           break;
         case ActionKind::recv_grad:
-          times_.p2p_wait += transport_->receive(Direction::backward, mb);
+          times_.p2p_wait += transport_->receive(Direction::backward, c, mb);
           record(step, TraceEvent::recv_grad, mb, action_start);
           break;
-        case ActionKind::send_act: transport_->send(Direction::forward, mb, outputs_[mb]); break;
-        case ActionKind::send_grad: transport_->send(Direction::backward, mb, input_grads_[mb]); break;
+        case ActionKind::send_act: transport_->send(Direction::forward, c, mb, outputs_[at(c, mb)]); break;
+        case ActionKind::send_grad: transport_->send(Direction::backward, c, mb, input_grads_[at(c, mb)]); break;
       }
     } catch (const std::exception& e) {
       rethrow_as(e, cat(grid_->name(), " at step ", step,
@@ -685,9 +722,12 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   const auto sends_start = Clock::now();
   times_.p2p_wait += transport_->finish_sends();
   record(step, TraceEvent::send_wait, -1, sends_start);
-  for (const Transport::Transfer& t : transport_->sent())
+  for (const Transport::Transfer& t : transport_->sent()) {
+    if (schedule_.virtual_stages > 1) trace_stage_ = chunks_[static_cast<std::size_t>(t.channel)].stage;
     record(step, t.direction == Direction::forward ? TraceEvent::send_act : TraceEvent::send_grad, t.micro_batch,
            t.posted, t.completed);
+  }
+  trace_stage_ = -1;
   if (device_ == Device::cuda) {
     // The step's compute is queued; wait for it, read the loss and the action times.
     cuda::synchronize(cuda::StreamKind::compute);
@@ -753,7 +793,7 @@ double Executor::compute_gradients(std::int64_t step) {
   const int L = model_.size();
   std::span<double> per_layer(reduce_buffer_.data(), static_cast<std::size_t>(L));
   std::fill(per_layer.begin(), per_layer.end(), 0.0);
-  if (grid_->replica() == 0) params_->grad_sum_squares(per_layer.subspan(begin_, end_ - begin_));
+  if (grid_->replica() == 0) params_->grad_sum_squares(per_layer);
   reduce_buffer_[L] = grid_->last_stage() ? loss_sum_ : 0.0;
   reduce_buffer_[L + 2] = stop_requested_ ? 1.0 : 0.0;
   // Non-blocking and waited on through Progress: a rank that finished early blocks

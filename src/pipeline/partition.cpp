@@ -158,10 +158,14 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
 }
 
 Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
-                           int micro, const std::vector<double>& measured) {
-  if (!balance.empty()) return partition_from_balance(parse_balance(balance), model.size());
-  return partition_min_max(method == "time" ? measured : layer_costs(model, method, micro), stages,
-                           boundary_bytes(model, micro));
+                           int micro, const std::vector<double>& measured, int virtual_stages) {
+  Partition p = !balance.empty() ? partition_from_balance(parse_balance(balance), model.size())
+                                 : partition_min_max(method == "time" ? measured : layer_costs(model, method, micro),
+                                                     stages * virtual_stages, boundary_bytes(model, micro));
+  MPIPE_REQUIRE(p.stages() == stages * virtual_stages, "give one count per model stage (stages x virtual stages)",
+                "--balance has ", p.stages(), " stages, the run ", stages * virtual_stages);
+  p.virtual_stages = virtual_stages;
+  return p;
 }
 
 std::vector<int> parse_balance(const std::string& text) {

@@ -39,15 +39,22 @@ Schedule empty_schedule(const std::string& name, int stages, int micro_batches) 
 
 }  // namespace
 
-std::string to_string(const Action& a) { return prefix(a.kind) + std::to_string(a.micro_batch); }
+std::string to_string(const Action& a) {
+  return (a.stage >= 0 ? std::to_string(a.stage) : std::string()) + prefix(a.kind) + std::to_string(a.micro_batch);
+}
 
 Action parse_action(const std::string& text) {
+  auto digit = [](char c) { return c >= '0' && c <= '9'; };
+  const auto letters = std::find_if_not(text.begin(), text.end(), digit);
+  const auto stage_digits = letters - text.begin();
   for (ActionKind kind : {ActionKind::send_act, ActionKind::recv_act, ActionKind::send_grad, ActionKind::recv_grad,
                           ActionKind::forward, ActionKind::backward, ActionKind::weight}) {
     const std::string p = prefix(kind);
-    if (text.size() > p.size() && text.compare(0, p.size(), p) == 0 &&
-        std::all_of(text.begin() + static_cast<long>(p.size()), text.end(), [](char c) { return c >= '0' && c <= '9'; }))
-      return {kind, std::stoi(text.substr(p.size()))};
+    const std::string rest(letters, text.end());
+    // At most 9 digits each: every number fits an int.
+    if (rest.size() > p.size() && rest.size() - p.size() <= 9 && stage_digits <= 9 && rest.compare(0, p.size(), p) == 0 &&
+        std::all_of(rest.begin() + static_cast<long>(p.size()), rest.end(), digit))
+      return {kind, std::stoi(rest.substr(p.size())), stage_digits > 0 ? std::stoi(text.substr(0, stage_digits)) : -1};
   }
   throw Error(cat("not an action: '", text, "'"));
 }
@@ -139,7 +146,33 @@ Schedule zb_h1_schedule(int stages, int micro_batches) {
   return s;
 }
 
-std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "zb-h1"}; }
+// Megatron-LM's order (schedules.py, forward_backward_pipelining_with_interleaving): the
+// k-th forward of a pipeline stage is micro-batch (k / Kv)·K + k % K on its model stage
+// (k % Kv) / K; backwards likewise with the model stages in reverse.
+Schedule interleaved_schedule(int stages, int virtual_stages, int micro_batches) {
+  const int K = stages, v = virtual_stages, M = micro_batches;
+  MPIPE_CHECK(v >= 1 && M % K == 0, "interleaved: ", M, " micro-batches on ", K, " stages");
+  Schedule s = empty_schedule("interleaved", K, M);
+  s.virtual_stages = v;
+  const int total = M * v;
+  for (int list = 0; list < K; ++list) {
+    auto action = [&](ActionKind kind, int k) {
+      const int within = k % (K * v), chunk = within / K;
+      return Action{kind, k / (K * v) * K + within % K, (kind == ActionKind::forward ? chunk : v - 1 - chunk) * K + list};
+    };
+    const int warmup = std::min(total, (K - list - 1) * 2 + (v - 1) * K);
+    auto& out = s.actions[list];
+    for (int k = 0; k < warmup; ++k) out.push_back(action(ActionKind::forward, k));
+    for (int k = 0; k < total - warmup; ++k) {
+      out.push_back(action(ActionKind::forward, warmup + k));
+      out.push_back(action(ActionKind::backward, k));
+    }
+    for (int k = total - warmup; k < total; ++k) out.push_back(action(ActionKind::backward, k));
+  }
+  return s;
+}
+
+std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "zb-h1", "interleaved"}; }
 
 Schedule parse_schedule(const std::string& text, const std::string& source) {
   const std::string hint = "write one line per stage, e.g. 'stage 0: F0 F1 B0 B1' (mpipe plan --write-schedule)";
@@ -186,7 +219,19 @@ Schedule parse_schedule(const std::string& text, const std::string& source) {
   return s;
 }
 
-Schedule make_schedule(const std::string& name, int stages, int micro_batches) {
+Schedule make_schedule(const std::string& name, int stages, int micro_batches, int virtual_stages) {
+  if (name == "interleaved") {
+    MPIPE_REQUIRE(virtual_stages >= 2, "give --virtual-stages 2 (or more) with --schedule interleaved",
+                  "--schedule interleaved with --virtual-stages ", virtual_stages, ": nothing to interleave");
+    MPIPE_REQUIRE(micro_batches % stages == 0, cat("use --micro-batches ", (micro_batches / stages + 1) * stages, " (a multiple of the ", stages, " stages), as Megatron-LM does"),
+                  "--schedule interleaved runs the micro-batches in groups of the ", stages, " stages; ", micro_batches,
+                  " is not a multiple of ", stages);
+    return interleaved_schedule(stages, virtual_stages, micro_batches);
+  }
+  const std::vector<std::string> names = schedule_names();
+  MPIPE_REQUIRE(virtual_stages == 1 || std::find(names.begin(), names.end(), name) == names.end(),
+                "use --schedule interleaved (or a schedule file) with --virtual-stages", "--schedule ", name,
+                " runs one stage per rank, not --virtual-stages ", virtual_stages);
   if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
   if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
   if (name == "zb-h1") return zb_h1_schedule(stages, micro_batches);
@@ -204,19 +249,21 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches) {
     MPIPE_REQUIRE(s.stages == stages, cat("write one line for each of the ", stages, " stages"), source, " has ",
                   s.stages, " stages, the run ", stages);
     s.micro_batches = micro_batches;  // validate() names an action beyond them, or one missing
+    s.virtual_stages = virtual_stages;  // and an action on a stage beyond them
     if (auto problem = validate(lower(s))) {
       const std::string first_line = problem->substr(0, problem->find('\n'));
       throw UserError(cat(source, ": ", first_line), "each stage runs F0, F1, ..., B0, B1, ... (and W0, W1, ... or none) in ascending order, each B after its F and each W after its B, with no cycle of waits (docs/schedules.md)");
     }
     return s;
   }
-  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b, zb-h1 or file:PATH");
+  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b, zb-h1, interleaved or file:PATH");
 }
 
-int in_flight(const Schedule& schedule, int stage) {
+int in_flight(const Schedule& schedule, int stage, int model_stage) {
   const ActionKind last = schedule.splits(stage) ? ActionKind::weight : ActionKind::backward;
   int live = 0, peak = 0;
   for (const Action& a : schedule.actions[static_cast<std::size_t>(stage)]) {
+    if (model_stage >= 0 && schedule.stage_of(stage, a) != model_stage) continue;
     if (a.kind == ActionKind::forward) peak = std::max(peak, ++live);
     else if (a.kind == last) --live;
   }
@@ -228,19 +275,20 @@ Schedule lower(const Schedule& in) {
   for (int stage = 0; stage < in.stages; ++stage) {
     auto& list = out.actions[stage];
     list.clear();
-    const bool first = stage == 0, last = stage == in.stages - 1;
     for (const Action& a : in.actions[stage]) {
       MPIPE_CHECK(a.is_compute(), "lower() takes compute-only schedules, got ", to_string(a));
+      const int model_stage = in.stage_of(stage, a);
+      const bool first = model_stage == 0, last = model_stage == in.model_stages() - 1;
       if (a.kind == ActionKind::forward) {
-        if (!first) list.push_back({ActionKind::recv_act, a.micro_batch});
+        if (!first) list.push_back({ActionKind::recv_act, a.micro_batch, a.stage});
         list.push_back(a);
-        if (!last) list.push_back({ActionKind::send_act, a.micro_batch});
+        if (!last) list.push_back({ActionKind::send_act, a.micro_batch, a.stage});
       } else if (a.kind == ActionKind::weight) {
         list.push_back(a);  // nothing leaves the stage
       } else {
-        if (!last) list.push_back({ActionKind::recv_grad, a.micro_batch});
+        if (!last) list.push_back({ActionKind::recv_grad, a.micro_batch, a.stage});
         list.push_back(a);
-        if (!first) list.push_back({ActionKind::send_grad, a.micro_batch});
+        if (!first) list.push_back({ActionKind::send_grad, a.micro_batch, a.stage});
       }
     }
   }
@@ -255,9 +303,15 @@ StageCosts StageCosts::uniform(int stages, double forward, double backward, doub
   return c;
 }
 
+StageCosts StageCosts::unit(const Schedule& s) {
+  const double v = s.virtual_stages;
+  return uniform(s.model_stages(), 1.0 / v, 2.0 / v);
+}
+
 Simulation simulate(const Schedule& s, const StageCosts& costs) {
-  MPIPE_CHECK(static_cast<int>(costs.forward.size()) == s.stages && static_cast<int>(costs.backward.size()) == s.stages,
-              "costs for ", costs.forward.size(), " stages, schedule has ", s.stages);
+  const int stages = s.model_stages();
+  MPIPE_CHECK(static_cast<int>(costs.forward.size()) == stages && static_cast<int>(costs.backward.size()) == stages,
+              "costs for ", costs.forward.size(), " stages, schedule has ", stages);
   MPIPE_CHECK(costs.weight.size() == costs.backward.size(), "weight costs for ", costs.weight.size(), " stages");
   Simulation sim;
   sim.start.resize(s.stages);
@@ -266,12 +320,12 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
     sim.start[st].assign(s.actions[st].size(), 0.0);
     sim.end[st].assign(s.actions[st].size(), 0.0);
   }
-  // Arrival time of each message: key (receiving stage, kind of the receive, micro-batch).
+  // Arrival time of each message: key (receiving model stage, kind of the receive, micro-batch).
   std::map<std::tuple<int, ActionKind, int>, double> arrivals;
   std::vector<std::size_t> next(s.stages, 0);
-  std::vector<double> clock(s.stages, 0.0), backward_cost(s.stages);
-  for (int st = 0; st < s.stages; ++st)
-    backward_cost[st] = s.splits(st) ? costs.backward[st] - costs.weight[st] : costs.backward[st];
+  std::vector<double> clock(s.stages, 0.0), backward_cost(stages);
+  for (int m = 0; m < stages; ++m)
+    backward_cost[m] = s.splits(s.list_of(m)) ? costs.backward[m] - costs.weight[m] : costs.backward[m];
   double busy = 0.0;
   bool progress = true;
   while (progress) {
@@ -279,20 +333,21 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
     for (int st = 0; st < s.stages; ++st) {
       while (next[st] < s.actions[st].size()) {
         const Action& a = s.actions[st][next[st]];
+        const int m = s.stage_of(st, a);
         double start = clock[st], end = start;
         switch (a.kind) {
-          case ActionKind::forward: end = start + costs.forward[st]; busy += costs.forward[st]; break;
-          case ActionKind::backward: end = start + backward_cost[st]; busy += backward_cost[st]; break;
-          case ActionKind::weight: end = start + costs.weight[st]; busy += costs.weight[st]; break;
+          case ActionKind::forward: end = start + costs.forward[m]; busy += costs.forward[m]; break;
+          case ActionKind::backward: end = start + backward_cost[m]; busy += backward_cost[m]; break;
+          case ActionKind::weight: end = start + costs.weight[m]; busy += costs.weight[m]; break;
           case ActionKind::send_act:
-            arrivals[{st + 1, ActionKind::recv_act, a.micro_batch}] = start + costs.message;
+            arrivals[{m + 1, ActionKind::recv_act, a.micro_batch}] = start + costs.message;
             break;
           case ActionKind::send_grad:
-            arrivals[{st - 1, ActionKind::recv_grad, a.micro_batch}] = start + costs.message;
+            arrivals[{m - 1, ActionKind::recv_grad, a.micro_batch}] = start + costs.message;
             break;
           case ActionKind::recv_act:
           case ActionKind::recv_grad: {
-            const auto it = arrivals.find({st, a.kind, a.micro_batch});
+            const auto it = arrivals.find({m, a.kind, a.micro_batch});
             if (it == arrivals.end()) goto blocked;  // its send has not run yet
             end = std::max(start, it->second);
             break;
@@ -323,105 +378,136 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
 
 std::optional<std::string> validate(const Schedule& s) {
   if (static_cast<int>(s.actions.size()) != s.stages) return cat("schedule has ", s.actions.size(), " lists for ", s.stages, " stages");
+  const int stages = s.model_stages(), M = s.micro_batches;
   for (int st = 0; st < s.stages; ++st) {
-    std::vector<int> forward_at(s.micro_batches, -1), backward_at(s.micro_batches, -1), weight_at(s.micro_batches, -1);
-    int last_backward = -1, last_weight = -1;
+    // Per model stage this list holds (st, st + K, ...): where each F, B and W is.
+    const int v = s.virtual_stages;
+    std::vector<std::vector<int>> forward_at(v, std::vector<int>(M, -1)), backward_at = forward_at, weight_at = forward_at;
+    std::vector<int> last_backward(v, -1), last_weight(v, -1);
     // A B (W): once, after its F (B), in ascending order.
     auto follows = [&](const Action& a, int i, std::vector<int>& at, const std::vector<int>& prior, const char* prior_name,
                        int& last, const char* plural) -> std::string {
       if (at[a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");
       if (prior[a.micro_batch] < 0) return cat("stage ", st, ": ", to_string(a), " before its ", prior_name);
       if (a.micro_batch < last)
-        return cat("stage ", st, ": ", to_string(a), " after ", prefix(a.kind), last, " (", plural, " must ascend)");
+        return cat("stage ", st, ": ", to_string(a), " after ", a.stage >= 0 ? std::to_string(a.stage) : "",
+                   a.kind == ActionKind::weight ? "W" : "B", last, " (", plural, " must ascend)");
       at[a.micro_batch] = i;
       last = a.micro_batch;
       return {};
     };
+    // The compute actions' places first (the sends and receives around them follow them).
+    for (const Action& a : s.actions[st]) {
+      const int m = s.stage_of(st, a);
+      if (a.is_compute() && (m >= stages || s.list_of(m) != st))
+        return cat("stage ", st, ": ", to_string(a), " is not on one of its model stages (",
+                   v == 1 ? cat(st) : cat(st, ", ", st + s.stages, ", ..."), " of ", stages, ")");
+    }
     for (int i = 0; i < static_cast<int>(s.actions[st].size()); ++i) {
       const Action& a = s.actions[st][i];
-      if (a.micro_batch < 0 || a.micro_batch >= s.micro_batches)
-        return cat("stage ", st, ": ", to_string(a), " is beyond the ", s.micro_batches, " micro-batches");
+      if (a.micro_batch < 0 || a.micro_batch >= M)
+        return cat("stage ", st, ": ", to_string(a), " is beyond the ", M, " micro-batches");
+      const int m = s.stage_of(st, a);
+      if (m >= stages || s.list_of(m) != st) return cat("stage ", st, ": ", to_string(a), " is on another stage");
+      const int local = m / s.stages;
       if (a.kind == ActionKind::forward) {
-        if (forward_at[a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");
-        if (a.micro_batch > 0 && forward_at[a.micro_batch - 1] < 0)
-          return cat("stage ", st, ": ", to_string(a), " before F", a.micro_batch - 1, " (forwards must ascend)");
-        forward_at[a.micro_batch] = i;
+        if (forward_at[local][a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");
+        if (a.micro_batch > 0 && forward_at[local][a.micro_batch - 1] < 0)
+          return cat("stage ", st, ": ", to_string(a), " before ", a.stage >= 0 ? std::to_string(a.stage) : "", "F",
+                     a.micro_batch - 1, " (forwards must ascend)");
+        forward_at[local][a.micro_batch] = i;
       } else if (a.kind == ActionKind::backward) {
-        if (auto problem = follows(a, i, backward_at, forward_at, "forward", last_backward, "backwards"); !problem.empty())
+        if (auto problem = follows(a, i, backward_at[local], forward_at[local], "forward", last_backward[local], "backwards");
+            !problem.empty())
           return problem;
       } else if (a.kind == ActionKind::weight) {
-        if (auto problem = follows(a, i, weight_at, backward_at, "backward", last_weight, "weight gradients");
+        if (auto problem = follows(a, i, weight_at[local], backward_at[local], "backward", last_weight[local], "weight gradients");
             !problem.empty())
           return problem;
       }
     }
     const bool split = s.splits(st);
-    for (int mb = 0; mb < s.micro_batches; ++mb) {
-      if (forward_at[mb] < 0 || backward_at[mb] < 0) return cat("stage ", st, ": micro-batch ", mb, " is missing F or B");
-      if (split && weight_at[mb] < 0)
-        return cat("stage ", st, ": micro-batch ", mb, " has no W (a stage with W actions needs one per micro-batch)");
-    }
+    for (int local = 0; local < v; ++local)
+      for (int mb = 0; mb < M; ++mb) {
+        const std::string where = v == 1 ? std::string() : cat(" on model stage ", local * s.stages + st);
+        if (forward_at[local][mb] < 0 || backward_at[local][mb] < 0)
+          return cat("stage ", st, ": micro-batch ", mb, where, " is missing F or B");
+        if (split && weight_at[local][mb] < 0)
+          return cat("stage ", st, ": micro-batch ", mb, where, " has no W (a stage with W actions needs one per micro-batch)");
+      }
   }
   // Every send matched by exactly one receive on the neighbour, and every receive by a send.
   std::map<std::tuple<int, ActionKind, int>, int> sends, receives;
   for (int st = 0; st < s.stages; ++st)
     for (const Action& a : s.actions[st]) {
+      const int m = s.stage_of(st, a);
       if (a.kind == ActionKind::send_act) {
-        if (st + 1 >= s.stages) return cat("stage ", st, ": ", to_string(a), " has no next stage");
-        ++sends[{st + 1, ActionKind::recv_act, a.micro_batch}];
+        if (m + 1 >= stages) return cat("stage ", st, ": ", to_string(a), " has no next stage");
+        ++sends[{m + 1, ActionKind::recv_act, a.micro_batch}];
       } else if (a.kind == ActionKind::send_grad) {
-        if (st == 0) return cat("stage 0: ", to_string(a), " has no previous stage");
-        ++sends[{st - 1, ActionKind::recv_grad, a.micro_batch}];
+        if (m == 0) return cat("stage ", st, ": ", to_string(a), " has no previous stage");
+        ++sends[{m - 1, ActionKind::recv_grad, a.micro_batch}];
       } else if (a.kind == ActionKind::recv_act || a.kind == ActionKind::recv_grad) {
-        ++receives[{st, a.kind, a.micro_batch}];
+        ++receives[{m, a.kind, a.micro_batch}];
       }
     }
+  // The text of a receive on model stage m.
+  auto receive_text = [&](const std::tuple<int, ActionKind, int>& key) {
+    const int m = std::get<0>(key);
+    return to_string({std::get<1>(key), std::get<2>(key), s.virtual_stages > 1 ? m : -1});
+  };
   for (const auto& [key, n] : sends)
     if (n != 1 || receives[key] != 1)
-      return cat("stage ", std::get<0>(key), ": ", n, " sends but ", receives[key], " receives of ",
-                 to_string({std::get<1>(key), std::get<2>(key)}));
+      return cat("stage ", s.list_of(std::get<0>(key)), ": ", n, " sends but ", receives[key], " receives of ",
+                 receive_text(key));
   for (const auto& [key, n] : receives)
     if (!sends.count(key))
-      return cat("stage ", std::get<0>(key), ": ", to_string({std::get<1>(key), std::get<2>(key)}), " is never sent");
-  // Stages with neighbours must exchange every micro-batch.
-  for (int st = 0; st < s.stages; ++st)
-    for (int mb = 0; mb < s.micro_batches; ++mb) {
-      if (st > 0 && !receives.count({st, ActionKind::recv_act, mb}))
-        return cat("stage ", st, ": never receives the activation of micro-batch ", mb);
-      if (st + 1 < s.stages && !receives.count({st, ActionKind::recv_grad, mb}))
-        return cat("stage ", st, ": never receives the gradient of micro-batch ", mb);
+      return cat("stage ", s.list_of(std::get<0>(key)), ": ", receive_text(key), " is never sent");
+  // Model stages with neighbours must exchange every micro-batch.
+  for (int m = 0; m < stages; ++m)
+    for (int mb = 0; mb < M; ++mb) {
+      const std::string where = s.virtual_stages == 1 ? std::string() : cat(" on model stage ", m);
+      if (m > 0 && !receives.count({m, ActionKind::recv_act, mb}))
+        return cat("stage ", s.list_of(m), ": never receives the activation of micro-batch ", mb, where);
+      if (m + 1 < stages && !receives.count({m, ActionKind::recv_grad, mb}))
+        return cat("stage ", s.list_of(m), ": never receives the gradient of micro-batch ", mb, where);
     }
-  const Simulation sim = simulate(s, StageCosts::uniform(s.stages));
-  if (sim.deadlock) return cat("deadlock: ", sim.blocked, "\n", render(s, StageCosts::uniform(s.stages)));
+  const Simulation sim = simulate(s, StageCosts::unit(s));
+  if (sim.deadlock) return cat("deadlock: ", sim.blocked, "\n", render(s, StageCosts::unit(s)));
   return std::nullopt;
 }
 
 std::string render(const Schedule& s, const StageCosts& costs) {
   const Simulation sim = simulate(s, costs);
-  // One column per unit of time; a compute action fills its columns with its label.
-  const auto columns = static_cast<std::size_t>(std::ceil(sim.makespan));
+  // One column per unit of time (per 1/v with virtual stages); a compute action fills its
+  // columns with its label.
+  const double unit = 1.0 / s.virtual_stages;
+  const std::size_t width = s.virtual_stages == 1 ? 4 : 6;
+  const auto columns = static_cast<std::size_t>(std::ceil(sim.makespan / unit - 1e-9));
   std::ostringstream out;
   out << "time    ";
   for (std::size_t c = 0; c < columns; ++c) {
-    const std::string label = c % 5 == 0 ? std::to_string(c) : std::string();
-    out << label << std::string(label.size() < 4 ? 4 - label.size() : 1, ' ');
+    const std::string label = c % 5 == 0 ? cat(std::round(static_cast<double>(c) * unit * 100) / 100) : std::string();
+    out << label << std::string(label.size() < width ? width - label.size() : 1, ' ');
   }
   out << "\n";
   for (int st = 0; st < s.stages; ++st) {
-    std::vector<std::string> cells(columns, ".   ");
+    std::vector<std::string> cells(columns, "." + std::string(width - 1, ' '));
     for (std::size_t i = 0; i < s.actions[st].size(); ++i) {
       const Action& a = s.actions[st][i];
       if (!a.is_compute() || i >= sim.end[st].size() || sim.end[st][i] <= sim.start[st][i]) continue;
       std::string label = to_string(a);
-      label.resize(4, ' ');
-      for (auto c = static_cast<std::size_t>(sim.start[st][i]); c < columns && c < static_cast<std::size_t>(std::ceil(sim.end[st][i])); ++c)
-        cells[c] = label;
+      label.resize(width, ' ');
+      const auto first = static_cast<std::size_t>(std::floor(sim.start[st][i] / unit + 1e-9));
+      const auto last = static_cast<std::size_t>(std::ceil(sim.end[st][i] / unit - 1e-9));
+      for (std::size_t c = first; c < columns && c < last; ++c) cells[c] = label;
     }
     out << "stage " << st << (st < 10 ? " " : "");
     for (const auto& cell : cells) out << cell;
     out << "\n";
   }
-  out << cat("makespan ", sim.makespan, ", bubble ", std::round(sim.bubble_fraction * 1000) / 10, "%\n");
+  out << cat("makespan ", std::round(sim.makespan * 1000) / 1000, ", bubble ", std::round(sim.bubble_fraction * 1000) / 10,
+             "%\n");
   return out.str();
 }
 

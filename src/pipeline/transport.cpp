@@ -24,40 +24,50 @@ Inbox Inbox::make(const Shape& shape, DType dtype, Device device, bool cuda_awar
 }
 
 Transport::Transport(const Grid& grid, Progress& progress, Device device, DType dtype, bool cuda_aware,
-                     int micro_batches, const Shape& input, const Shape& output, double timeout_s)
-    : grid_(grid), progress_(progress), device_(device), dtype_(dtype), cuda_aware_(cuda_aware),
-      timeout_(timeout_s) {
-  const int M = micro_batches;
-  const bool first = grid.first_stage(), last = grid.last_stage();
-  for (int mb = 0; mb < M; ++mb) {
-    if (!first) received_[index(Direction::forward)].push_back(Inbox::make(input, dtype_, device_, cuda_aware_));
-    if (!last) received_[index(Direction::backward)].push_back(Inbox::make(output, dtype_, device_, cuda_aware_));
-  }
-  for (auto& tickets : receive_tickets_) tickets.assign(static_cast<std::size_t>(M), Progress::none);
-  send_tickets_.reserve(2 * static_cast<std::size_t>(M));
-  sent_.reserve(2 * static_cast<std::size_t>(M));
-  pending_sends_.reserve(2 * static_cast<std::size_t>(M));
-  if (device_ == Device::cpu) return;
-  for (const Direction d : {Direction::forward, Direction::backward}) {
-    // Activations leave by the end of the stage, gradients by its start.
-    const Shape& shape = d == Direction::forward ? output : input;
-    const bool sends = d == Direction::forward ? !last : !first;
+                     int micro_batches, std::vector<Channel> channels, int model_stages, double timeout_s)
+    : grid_(grid), channels_(std::move(channels)), micro_batches_(micro_batches),
+      virtual_(model_stages > grid.stages()), progress_(progress), device_(device), dtype_(dtype),
+      cuda_aware_(cuda_aware), timeout_(timeout_s) {
+  const int M = micro_batches, C = static_cast<int>(channels_.size());
+  // Every (channel, micro-batch) has an inbox per direction; the model's first stage
+  // receives no activations and its last no gradients: theirs stay empty.
+  for (const Channel& c : channels_)
     for (int mb = 0; mb < M; ++mb) {
-      if (sends && !cuda_aware_)
-        send_staging_[index(d)].emplace_back(static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_));
-      send_ready_[index(d)].emplace_back();
-      receive_ready_[index(d)].emplace_back();
+      received_[index(Direction::forward)].push_back(c.first ? Inbox{} : Inbox::make(c.input, dtype_, device_, cuda_aware_));
+      received_[index(Direction::backward)].push_back(c.last ? Inbox{} : Inbox::make(c.output, dtype_, device_, cuda_aware_));
     }
-  }
+  for (auto& tickets : receive_tickets_) tickets.assign(static_cast<std::size_t>(C * M), Progress::none);
+  send_tickets_.reserve(2 * static_cast<std::size_t>(C * M));
+  sent_.reserve(2 * static_cast<std::size_t>(C * M));
+  pending_sends_.reserve(2 * static_cast<std::size_t>(C * M));
+  if (device_ == Device::cpu) return;
+  for (const Direction d : {Direction::forward, Direction::backward})
+    for (const Channel& c : channels_) {
+      // Activations leave by the end of the stage, gradients by its start.
+      const Shape& shape = d == Direction::forward ? c.output : c.input;
+      const bool sends = d == Direction::forward ? !c.last : !c.first;
+      for (int mb = 0; mb < M; ++mb) {
+        if (sends && !cuda_aware_)
+          send_staging_[index(d)].emplace_back(static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_));
+        else
+          send_staging_[index(d)].emplace_back();  // keeps the (channel, micro-batch) indexing
+        send_ready_[index(d)].emplace_back();
+        receive_ready_[index(d)].emplace_back();
+      }
+    }
 }
 
+// Neighbouring model stages are on neighbouring pipeline stages, the last one's next
+// being the first (virtual stages only: with one model stage per rank the model's
+// ends send nothing past them).
 int Transport::peer(Direction direction) const {
-  return direction == Direction::forward ? grid_.stage() + 1 : grid_.stage() - 1;
+  const int K = grid_.stages();
+  return direction == Direction::forward ? (grid_.stage() + 1) % K : (grid_.stage() + K - 1) % K;
 }
 
 int Transport::source(Direction direction) const {
   // Activations come from the previous stage, gradients from the next.
-  return direction == Direction::forward ? grid_.stage() - 1 : grid_.stage() + 1;
+  return peer(direction == Direction::forward ? Direction::backward : Direction::forward);
 }
 
 void Transport::post_receives(bool backward) {
@@ -67,22 +77,25 @@ void Transport::post_receives(bool backward) {
   pending_sends_.clear();
   for (const Direction d : {Direction::forward, Direction::backward}) {
     if (d == Direction::backward && !backward) continue;
-    std::vector<Inbox>& messages = received_[index(d)];
     const int from = source(d);
-    for (int mb = 0; mb < static_cast<int>(messages.size()); ++mb)
-      receive_tickets_[index(d)][static_cast<std::size_t>(mb)] =
-          progress_.track(pipe.irecv(messages[static_cast<std::size_t>(mb)].wire, from, message_tag(mb, d)), true);
+    for (int c = 0; c < static_cast<int>(channels_.size()); ++c)
+      for (int mb = 0; mb < micro_batches_; ++mb) {
+        Inbox& m = received_[index(d)][slot(c, mb)];
+        if (m.wire.empty() && m.tensor.empty()) continue;  // the model's first (last) stage
+        receive_tickets_[index(d)][slot(c, mb)] =
+            progress_.track(pipe.irecv(m.wire, from, tag(channels_[static_cast<std::size_t>(c)].stage, mb, d)), true);
+      }
   }
 }
 
-double Transport::receive(Direction direction, int mb) {
+double Transport::receive(Direction direction, int c, int mb) {
   // A neighbour may be waiting for one of our queued sends before it can send this.
   post_ready_sends(true);
-  Inbox& m = received_[index(direction)][static_cast<std::size_t>(mb)];
+  Inbox& m = received_[index(direction)][slot(c, mb)];
   double waited = 0;
   try {
     waited = progress_
-                 .wait(receive_tickets_[index(direction)][static_cast<std::size_t>(mb)], timeout_,
+                 .wait(receive_tickets_[index(direction)][slot(c, mb)], timeout_,
                        direction == Direction::forward ? "the activation of micro-batch" : "the gradient of micro-batch",
                        mb, static_cast<long>(m.wire.size()))
                  .waited;
@@ -94,43 +107,44 @@ double Transport::receive(Direction direction, int mb) {
   if (device_ == Device::cuda && !cuda_aware_) {
     // Copied in on its own stream; the compute stream waits for that copy, the host does not.
     cuda::copy_to_device(m.tensor.data, m.staging.data(), m.tensor.bytes(), cuda::StreamKind::to_device);
-    cuda::Event& ready = receive_ready_[index(direction)][static_cast<std::size_t>(mb)];
+    cuda::Event& ready = receive_ready_[index(direction)][slot(c, mb)];
     ready.record(cuda::StreamKind::to_device);
     ready.wait(cuda::StreamKind::compute);
   }
   return waited;
 }
 
-const Tensor& Transport::received(Direction direction, int mb) const {
-  return received_[index(direction)][static_cast<std::size_t>(mb)].tensor;
+const Tensor& Transport::received(Direction direction, int c, int mb) const {
+  return received_[index(direction)][slot(c, mb)].tensor;
 }
 
 // On the CPU a send is posted at once. On a GPU an event marks where its data is final
 // in the compute stream; without CUDA-aware MPI the copy-out stream waits for that event
 // and copies to pinned memory. The MPI send is posted by post_ready_sends() once the
 // data is there, so the host goes on queueing work.
-void Transport::send(Direction direction, int mb, const Tensor& data) {
+void Transport::send(Direction direction, int c, int mb, const Tensor& data) {
   if (device_ == Device::cpu) {
-    post_send(data.byte_span(), direction, mb);
+    post_send(data.byte_span(), direction, c, mb);
     return;
   }
-  cuda::Event& ready = send_ready_[index(direction)][static_cast<std::size_t>(mb)];
+  cuda::Event& ready = send_ready_[index(direction)][slot(c, mb)];
   ready.record(cuda::StreamKind::compute);
   std::span<const std::byte> wire = data.byte_span();
   if (!cuda_aware_) {
-    cuda::PinnedBuffer& staging = send_staging_[index(direction)][static_cast<std::size_t>(mb)];
+    cuda::PinnedBuffer& staging = send_staging_[index(direction)][slot(c, mb)];
     ready.wait(cuda::StreamKind::to_host);
     cuda::copy_to_host(staging.data(), data.data, data.bytes(), cuda::StreamKind::to_host);
     ready.record(cuda::StreamKind::to_host);
     wire = {staging.as<std::byte>(), data.bytes()};
   }
-  pending_sends_.push_back({&ready, wire, direction, mb});
+  pending_sends_.push_back({&ready, wire, direction, c, mb});
   post_ready_sends(false);
 }
 
-void Transport::post_send(std::span<const std::byte> wire, Direction direction, int mb) {
-  send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, peer(direction), message_tag(mb, direction)), true));
-  sent_.push_back({direction, mb, {}, {}});
+void Transport::post_send(std::span<const std::byte> wire, Direction direction, int c, int mb) {
+  const int to = channels_[static_cast<std::size_t>(c)].stage + (direction == Direction::forward ? 1 : -1);
+  send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, peer(direction), tag(to, mb, direction)), true));
+  sent_.push_back({direction, c, mb, {}, {}});
 }
 
 // Posts queued sends in order while their data is ready; with `wait`, waits for all.
@@ -141,22 +155,24 @@ void Transport::post_ready_sends(bool wait) {
     PendingSend& p = pending_sends_[posted];
     if (wait) p.ready->synchronize();
     else if (!p.ready->done()) break;
-    post_send(p.wire, p.direction, p.micro_batch);
+    post_send(p.wire, p.direction, p.channel, p.micro_batch);
   }
   pending_sends_.erase(pending_sends_.begin(), pending_sends_.begin() + static_cast<std::ptrdiff_t>(posted));
 }
 
-double Transport::wait_sent(Direction direction, int mb) {
+double Transport::wait_sent(Direction direction, int c, int mb) {
   // Still queued behind its GPU data (not seen in practice: by a micro-batch's backward its
   // activation has reached the next stage): post the queue, waiting for the data. Sends
   // of later micro-batches stay queued, so the host does not wait for the GPU here.
   for (const PendingSend& p : pending_sends_)
-    if (p.direction == direction && p.micro_batch == mb) {
+    if (p.direction == direction && p.channel == c && p.micro_batch == mb) {
       post_ready_sends(true);
       break;
     }
   for (std::size_t i = 0; i < send_tickets_.size(); ++i) {
-    if (sent_[i].direction != direction || sent_[i].micro_batch != mb || send_tickets_[i] == Progress::none) continue;
+    if (sent_[i].direction != direction || sent_[i].channel != c || sent_[i].micro_batch != mb ||
+        send_tickets_[i] == Progress::none)
+      continue;
     const Progress::Completion c =
         progress_.wait(send_tickets_[i], timeout_, "a send to a neighbour stage, request", static_cast<int>(i));
     sent_[i].posted = c.posted;

@@ -45,6 +45,11 @@ layout)
   mkdir "$work/file"
   run 3 "${model[@]}" --steps 4 --checkpoint-dir "$work/file" --schedule "file:$work/mixed.txt" --remat except-last >/dev/null
   same_tensors "$work/k1/ckpt-00000004.h5" "$work/file/ckpt-00000004.h5"
+  # Interleaved, 2 ranks x 3 model stages each (stages 0, 2, 4 on rank 0): written by the
+  # ranks holding each layer, the same tensors.
+  mkdir "$work/interleaved"
+  run 2 "${model[@]}" --steps 4 --checkpoint-dir "$work/interleaved" --schedule interleaved --virtual-stages 3 >/dev/null
+  same_tensors "$work/k1/ckpt-00000004.h5" "$work/interleaved/ckpt-00000004.h5"
   # Data written through HDF5's MPI-IO driver instead of O_DIRECT: the same file content.
   mkdir "$work/buffered"
   MPIPE_CHECKPOINT_BUFFERED=1 mpiexec -n 2 -x MPIPE_CHECKPOINT_BUFFERED --oversubscribe "$mpipe" "${model[@]}" --steps 4 \

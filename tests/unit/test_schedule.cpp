@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <random>
 
 #include "mpipe/nn/model.hpp"
@@ -15,15 +16,44 @@
 
 using namespace mpipe;
 
-TEST_CASE("every generated schedule is valid for K <= 16 and M <= 64, M < K included") {
+TEST_CASE("every generated schedule is valid for K <= 16 and M <= 64, M < K included, v <= 4") {
   for (const std::string& name : schedule_names())
-    for (int K : {1, 2, 3, 4, 5, 8, 13, 16})
-      for (int M : {1, 2, 3, 4, 7, 8, 16, 31, 64}) {
-        const Schedule s = lower(make_schedule(name, K, M));
-        const auto problem = validate(s);
-        INFO(name << " K=" << K << " M=" << M << ": " << problem.value_or(""));
-        CHECK(!problem.has_value());
+    for (int v : {1, 2, 3, 4}) {
+      if ((name == "interleaved") != (v > 1)) continue;
+      for (int K : {1, 2, 3, 4, 5, 8, 13, 16})
+        for (int M : {1, 2, 3, 4, 7, 8, 16, 31, 64}) {
+          if (name == "interleaved" && M % K != 0) continue;
+          const Schedule s = lower(make_schedule(name, K, M, v));
+          const auto problem = validate(s);
+          INFO(name << " K=" << K << " M=" << M << " v=" << v << ": " << problem.value_or(""));
+          CHECK(!problem.has_value());
+        }
+    }
+}
+
+TEST_CASE("interleaved: 1F1B's bubble divided by about v, at most M·v micro-batch stages in flight") {
+  for (int K : {2, 4, 8})
+    for (int v : {2, 3, 4})
+      for (int groups : {1, 2, 4, 8}) {
+        const int M = groups * K;
+        INFO("K=" << K << " v=" << v << " M=" << M);
+        const Schedule s = interleaved_schedule(K, v, M);
+        const double bubble = simulate(lower(s), StageCosts::unit(s)).bubble_fraction;
+        const double one_f_one_b = simulate(lower(one_f_one_b_schedule(K, M)), StageCosts::uniform(K)).bubble_fraction;
+        // Megatron-LM's figure: the 1F1B bubble's (K-1) forward-backward times shrink to (K-1)/v.
+        CHECK(bubble == doctest::Approx(static_cast<double>(K - 1) / (v * M + K - 1)));
+        CHECK(bubble < one_f_one_b);
+        for (int stage = 0; stage < K; ++stage) CHECK(in_flight(s, stage) <= M * v);
       }
+  // The issue's figure: K = 4, M = 8, v = 2: 15.8% (1F1B 27.3%).
+  const Schedule s = interleaved_schedule(4, 2, 8);
+  CHECK(simulate(lower(s), StageCosts::unit(s)).bubble_fraction == doctest::Approx(3.0 / 19));
+  // Stage 0 holds model stages 0 and 4: the first group's forwards on 0, then on 4.
+  CHECK(s.to_text().find("stage 0: 0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4") == 0);
+  CHECK(s.to_text().find("stage 3: 3F0 3F1 3F2 3F3 7F0 7B0 7F1 7B1") != std::string::npos);
+  CHECK_THROWS_WITH_AS(make_schedule("interleaved", 4, 6, 2), doctest::Contains("6 is not a multiple of 4"), UserError);
+  CHECK_THROWS_WITH_AS(make_schedule("interleaved", 4, 8, 1), doctest::Contains("nothing to interleave"), UserError);
+  CHECK_THROWS_WITH_AS(make_schedule("1f1b", 4, 8, 2), doctest::Contains("runs one stage per rank"), UserError);
 }
 
 TEST_CASE("gpipe's simulated bubble is (K-1)/(M+K-1) with equal stages") {
@@ -87,15 +117,17 @@ TEST_CASE("zb-h1: a third of 1F1B's bubble at unit costs, K between F and W, K -
   CHECK(text.find("stage 3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1") != std::string::npos);
 }
 
-TEST_CASE("backwards run in ascending micro-batch order in every schedule") {
+TEST_CASE("backwards run in ascending micro-batch order on every model stage of every schedule") {
   for (const std::string& name : schedule_names()) {
-    const Schedule s = make_schedule(name, 4, 9);
-    for (const auto& list : s.actions) {
-      int last = -1;
-      for (const Action& a : list)
+    const bool interleaved = name == "interleaved";
+    const Schedule s = make_schedule(name, 4, interleaved ? 12 : 9, interleaved ? 3 : 1);
+    for (int stage = 0; stage < s.stages; ++stage) {
+      std::map<int, int> last;  // model stage -> its last backward
+      for (const Action& a : s.actions[stage])
         if (a.kind == ActionKind::backward) {
-          CHECK(a.micro_batch == last + 1);
-          last = a.micro_batch;
+          const int m = s.stage_of(stage, a);
+          CHECK(a.micro_batch == (last.count(m) ? last[m] : -1) + 1);
+          last[m] = a.micro_batch;
         }
     }
   }
@@ -287,18 +319,20 @@ TEST_CASE("partition errors are user errors") {
 TEST_CASE("schedule files: every built-in schedule round-trips through its text, and runs as itself") {
   for (int K = 1; K <= 5; ++K)
     for (int M = 1; M <= 8; ++M)
-      for (const std::string name : {"gpipe", "1f1b"}) {
+      for (const std::string name : schedule_names()) {
+        const int v = name == "interleaved" ? 2 : 1;
+        if (M % K != 0 && v > 1) continue;
         CAPTURE(K);
         CAPTURE(M);
         CAPTURE(name);
-        const Schedule s = make_schedule(name, K, M);
+        const Schedule s = make_schedule(name, K, M, v);
         const Schedule back = parse_schedule("# written by a test\n" + s.to_text() + "\n", "test");
         CHECK(back.stages == K);
         CHECK(back.micro_batches == M);
         CHECK(back.actions == s.actions);
         const auto path = std::filesystem::temp_directory_path() / "mpipe_schedule.txt";
         std::ofstream(path) << s.to_text();
-        CHECK(make_schedule("file:" + path.string(), K, M).actions == s.actions);
+        CHECK(make_schedule("file:" + path.string(), K, M, v).actions == s.actions);
         std::filesystem::remove(path);
       }
 }
@@ -338,8 +372,19 @@ TEST_CASE("schedule files: a broken one is one user error naming the file, the l
            Case{"stage 0: F0 X0\n", 1, 1, "' line 1: 'X0' is not an action"},
            Case{"stages 0: F0 B0\n", 1, 1, "' line 1: expected 'stage N:'"},
            Case{"# nothing\n", 1, 1, "' has no stage lines"},
+           Case{"stage 0: F0 B0 1F1 1B1\nstage 1: 1F0 1B0 F1 B1\n", 2, 2, "': stage 0: 1F1 is not on one of its model stages (0 of 2)"},
+           Case{"stage 0: F99999999999\n", 1, 1, "' line 1: 'F99999999999' is not an action"},
        })
     says(refused(c.text, c.stages, c.micro_batches), c.says);
+  // Virtual stages: every model stage of the list, each micro-batch on each.
+  std::ofstream(path) << "stage 0: 0F0 2F0 2B0 0B0\nstage 1: 1F0 3F0 3B0 1B0\n";
+  CHECK(make_schedule(spec, 2, 1, 2).virtual_stages == 2);
+  std::ofstream(path) << "stage 0: 0F0 0B0\nstage 1: 1F0 3F0 3B0 1B0\n";
+  CHECK_THROWS_WITH_AS(make_schedule(spec, 2, 1, 2), doctest::Contains("stage 0: micro-batch 0 on model stage 2 is missing F or B"),
+                       UserError);
+  std::ofstream(path) << "stage 0: 0F0 2F0 2B0 0B0\nstage 1: 1F0 3F0 3B0 1B0\n";
+  CHECK_THROWS_WITH_AS(make_schedule(spec, 2, 1, 1), doctest::Contains("2F0 is not on one of its model stages (0 of 2)"),
+                       UserError);
   std::filesystem::remove(path);
   says(refused("", 1, 1), "' has no stage lines");
   std::filesystem::remove(path);

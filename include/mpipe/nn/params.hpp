@@ -57,7 +57,10 @@ struct ParamEntry {
 
 class ParamStore {
  public:
-  // Parameters of layers [begin, end) of model, initialised from seed as GPT-2 does.
+  // Parameters of `layers` (ascending) of model, initialised from seed as GPT-2 does,
+  // stored in layer order.
+  ParamStore(Model& model, std::vector<int> layers, std::uint64_t seed);
+  // Of layers [begin, end).
   ParamStore(Model& model, int begin, int end, std::uint64_t seed);
 
   std::span<const ParamEntry> entries() const { return entries_; }
@@ -85,20 +88,20 @@ class ParamStore {
   void upload();
   // After an update on a GPU: the bf16 compute copy from the fp32 master values.
   void refresh_compute_copy();
-  // Sum of squared gradients per layer of the range, in layer order; tied copies are
-  // left out (their gradient equals the owner's once summed).
+  // Sum of squared gradients per layer, at [layer] of a span of the model's size (the
+  // layers not held here: 0); tied copies are left out (their gradient equals the
+  // owner's once summed).
   void grad_sum_squares(std::span<double> per_layer) const;
   // Where owner and tied copy both live here: the owner's gradient becomes their sum and
   // the copy's is zeroed (its values are the owner's).
   void sum_local_tied_grads();
-  int begin() const { return begin_; }
-  int end() const { return end_; }
+  const std::vector<int>& layers() const { return layers_; }
 
  private:
   void bind_layers();
 
   Model& model_;
-  int begin_, end_;
+  std::vector<int> layers_;
   std::vector<ParamEntry> entries_;
   FloatBuffer params_, grads_;
   Device device_ = Device::cpu;

@@ -1,7 +1,9 @@
 // The executor: the one interpreter of lowered schedules, and the only code that
 // touches both the communicators and the layers.
 //
-// Each rank runs one stage (a contiguous range of layers) of one replica. A step:
+// Each rank runs one pipeline stage of one replica: a contiguous range of layers, or with
+// --virtual-stages v the model stages s, s + K, ... of a model cut into K·v (interleaved
+// schedules; messages between model stages then wrap from the last rank to the first). A step:
 // zero gradients, draw this replica's share of the mini-batch, post every receive,
 // walk the stage's action list (F, B, sends, receives), sum gradients over replicas
 // in buckets started while the last backward still runs, sum tied-weight gradients
@@ -39,7 +41,8 @@ namespace mpipe {
 
 struct PipelineConfig {
   GridShape grid;                  // --stages, --replicas (0: inferred), --rank-order
-  std::string schedule = "gpipe";  // gpipe | 1f1b | zb-h1 | file:PATH
+  std::string schedule = "gpipe";  // gpipe | 1f1b | zb-h1 | interleaved | file:PATH
+  int virtual_stages = 1;          // model stages per rank (interleaved)
   std::string remat = "never";     // always | except-last | never
   std::string batchnorm = "micro"; // micro | deferred: when BatchNorm's running statistics move
   std::string partition = "flops"; // uniform | params | flops | time
@@ -116,6 +119,7 @@ struct TraceEvent {
   std::int16_t kind = 0;
   std::int16_t micro_batch = -1;
   std::int32_t layer = -1;    // of a gradient sum
+  std::int32_t stage = -1;    // the model stage of a micro-batch's action, with virtual stages
 };
 
 // Seconds one rank spent in each phase of a step.
@@ -202,14 +206,15 @@ class Executor {
   // After an update: the replicas' running statistics made equal, by averaging (micro)
   // or by applying the step's sums added up over the replicas (deferred).
   void settle_buffers(bool updated);
-  Arena* take_slot(int mb);
-  void release_slot(int mb);
-  Pass make_pass(std::int64_t step, int micro_batch, Arena* arena) const;
+  // Actions of micro-batch `mb` on this rank's model stage chunks_[c].
+  Arena* take_slot(int c, int mb);
+  void release_slot(int c, int mb);
+  Pass make_pass(std::int64_t step, int c, int micro_batch, Arena* arena) const;
   bool rematerialize(int micro_batch) const;
-  void run_forward(std::int64_t step, int micro_batch, bool training = true);
-  void run_backward(std::int64_t step, int micro_batch);
-  void run_weight(std::int64_t step, int micro_batch);
-  Context* forward_layers(const Pass& pass, int micro_batch, Tensor* output);
+  void run_forward(std::int64_t step, int c, int micro_batch, bool training = true);
+  void run_backward(std::int64_t step, int c, int micro_batch);
+  void run_weight(std::int64_t step, int c, int micro_batch);
+  Context* forward_layers(const Pass& pass, int c, int micro_batch, Tensor* output);
   void gradients_final(int layer);  // after the last micro-batch's backward of `layer`
   void reduce_gradients(std::int64_t step);
   // training: forward and backward over the step's batch; otherwise forward only over
@@ -225,7 +230,18 @@ class Executor {
   std::unique_ptr<Grid> grid_;
   Partition partition_;
   Schedule schedule_;
-  int begin_ = 0, end_ = 0;  // this stage's layers
+  // The model stages this rank runs, ascending: its pipeline stage's one, or v of them
+  // (stage s, s + K, ...) with virtual stages.
+  struct Chunk {
+    int stage;         // model stage
+    int begin, end;    // its layers
+    bool first, last;  // the model's first / last stage
+  };
+  std::vector<Chunk> chunks_;
+  // Per (chunk, micro-batch) state is at [c · M + mb].
+  std::size_t at(int c, int mb) const { return static_cast<std::size_t>(c * config_.micro_batches + mb); }
+  bool holds(int layer) const;
+  std::vector<int> layers() const;  // this rank's, ascending
   int micro_ = 0;            // samples per micro-batch
   std::vector<Shape> shapes_;
   Device device_ = Device::cpu;
@@ -241,7 +257,7 @@ class Executor {
   // (M for gpipe, K - stage for 1f1b, K for zb-h1), so 1F1B's saving is real.
   std::vector<std::unique_ptr<Arena>> slots_;
   std::vector<int> free_slots_;  // indices into slots_
-  std::vector<int> slot_of_;     // [micro-batch]: its slot, or -1
+  std::vector<int> slot_of_;     // [chunk · M + micro-batch]: its slot, or -1
   bool split_ = false;           // this stage's schedule splits backwards into B and W (zb-h1)
   std::unique_ptr<Progress> progress_;    // before the transport, which uses it
   std::unique_ptr<Transport> transport_;
@@ -253,13 +269,13 @@ class Executor {
   cuda::PinnedBuffer grad_staging_;                // replica sums when MPI is not CUDA-aware
   // GPU timing: marks_[0] at the step's start, then two per compute action.
   struct ComputeMark {
-    int kind, micro_batch;
+    int kind, micro_batch, stage;
   };
   std::vector<cuda::Event> marks_;
   std::vector<ComputeMark> compute_marks_;
   std::chrono::steady_clock::time_point gpu_origin_;
-  std::vector<Tensor> outputs_, input_grads_;      // [micro-batch], in persistent_
-  std::vector<Context*> contexts_;                 // [micro-batch], null when rematerialized
+  std::vector<Tensor> outputs_, input_grads_;      // [chunk · M + micro-batch], in persistent_
+  std::vector<Context*> contexts_;                 // [chunk · M + micro-batch], null when rematerialized
   std::vector<Bucket> buckets_;
   std::vector<Progress::Ticket> bucket_tickets_;   // [bucket]
   std::size_t next_bucket_ = 0;                    // the next bucket to start
@@ -280,6 +296,7 @@ class Executor {
   bool stop_requested_ = false;
   std::vector<TraceEvent> trace_;                  // reserved once; never grows in a step
   std::chrono::steady_clock::time_point trace_origin_;
+  int trace_stage_ = -1;  // the model stage recorded with micro-batch events (virtual stages only)
   bool tracing(std::int64_t step) const {
     return !config_.trace.empty() && step >= 1 && step <= config_.trace_steps && trace_.size() < trace_.capacity();
   }

@@ -12,9 +12,12 @@
 namespace mpipe {
 
 struct Partition {
-  std::vector<int> bounds;        // K + 1 layer indices: stage s owns [bounds[s], bounds[s+1])
+  std::vector<int> bounds;        // K·v + 1 layer indices: model stage s owns [bounds[s], bounds[s+1])
   std::vector<double> layer_cost; // the costs it was made from (empty for --balance)
-  int stages() const { return static_cast<int>(bounds.size()) - 1; }
+  int virtual_stages = 1;         // v: model stages per pipeline stage, round robin
+  int stages() const { return static_cast<int>(bounds.size()) - 1; }  // model stages
+  // The pipeline stage (the rank of a replica) holding model stage `s`.
+  int pipeline_stage(int s) const { return s % (stages() / virtual_stages); }
   int begin(int stage) const { return bounds[stage]; }
   int end(int stage) const { return bounds[stage + 1]; }
   int stage_of(int layer) const;  // the stage holding global layer `layer`
@@ -46,11 +49,11 @@ std::vector<double> layer_costs(const Model& model, const std::string& method, i
 // process (each layer's parameters exist only while it is measured).
 std::vector<double> measure_layer_times(Model& model, int micro, unsigned long long seed);
 
-// The partition --balance (layers per stage) or, without it, --partition `method` asks
-// for: the exact min-max of the layer costs with the cut sizes of boundary_bytes();
-// `measured`: the layer times of --partition time.
+// The partition --balance (layers per model stage) or, without it, --partition `method`
+// asks for: the exact min-max of the layer costs with the cut sizes of boundary_bytes(),
+// into stages · virtual_stages model stages; `measured`: the layer times of --partition time.
 Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
-                           int micro, const std::vector<double>& measured = {});
+                           int micro, const std::vector<double>& measured = {}, int virtual_stages = 1);
 
 std::vector<int> parse_balance(const std::string& text);  // "2,3,3"; UserError if malformed
 

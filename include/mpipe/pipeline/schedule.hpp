@@ -1,12 +1,17 @@
-// Schedules as data. A schedule is, for each stage, the ordered list of actions it
-// runs in one training step: generators (gpipe, 1f1b, zb-h1) produce compute-only lists,
-// lower() adds the sends and receives, validate() and simulate() are pure functions,
-// and render() draws the step-by-stage grid. The executor interprets lowered lists.
+// Schedules as data. A schedule is, for each pipeline stage (one rank of a replica), the
+// ordered list of actions it runs in one training step: generators (gpipe, 1f1b, zb-h1,
+// interleaved) produce compute-only lists, lower() adds the sends and receives,
+// validate() and simulate() are pure functions, and render() draws the step-by-stage
+// grid. The executor interprets lowered lists.
+//
+// Virtual stages: with v > 1 the model is cut into K·v stages and pipeline stage s holds
+// stages s, s + K, s + 2K, ... (round robin, as Megatron-LM's interleaved schedule); each
+// action names the stage it runs. With v = 1 an action's stage is its list's (-1).
 //
 // Text form of an action: F3 / B3 (forward / backward of micro-batch 3), W3 (its weight
 // gradient, where the schedule splits the backward: B3 is then the input gradient alone),
 // SF3 / RF3 (send / receive micro-batch 3's activation), SB3 / RB3 (send / receive its
-// gradient).
+// gradient); with a stage, the stage first: 5F3 is micro-batch 3's forward on stage 5.
 #pragma once
 #include <optional>
 #include <string>
@@ -19,6 +24,7 @@ enum class ActionKind : unsigned char { forward, backward, send_act, recv_act, s
 struct Action {
   ActionKind kind = ActionKind::forward;
   int micro_batch = 0;
+  int stage = -1;  // the (virtual) stage it runs on; -1: its list's only one
   bool operator==(const Action&) const = default;
   bool is_compute() const {
     return kind == ActionKind::forward || kind == ActionKind::backward || kind == ActionKind::weight;
@@ -30,13 +36,19 @@ Action parse_action(const std::string& text);  // Error on malformed text
 
 struct Schedule {
   std::string name;
-  int stages = 1;
+  int stages = 1;          // pipeline stages K: the lists
+  int virtual_stages = 1;  // v: model stages per pipeline stage
   int micro_batches = 1;
-  std::vector<std::vector<Action>> actions;  // [stage] -> ordered actions
+  std::vector<std::vector<Action>> actions;  // [pipeline stage] -> ordered actions
 
   std::string to_text() const;  // one line per stage: "stage 0: F0 F1 B0 B1"
-  // Whether `stage` splits its backwards: it has W actions, one per micro-batch.
+  // Whether pipeline stage `stage` splits its backwards: it has W actions, one per
+  // micro-batch (and model stage).
   bool splits(int stage) const;
+  int model_stages() const { return stages * virtual_stages; }
+  // The model stage action `a` of list `list` runs on, and the list holding model stage `s`.
+  int stage_of(int list, const Action& a) const { return a.stage >= 0 ? a.stage : list; }
+  int list_of(int model_stage) const { return model_stage % stages; }
 };
 
 // Generators: compute-only lists, backward always in ascending micro-batch order.
@@ -47,10 +59,17 @@ Schedule one_f_one_b_schedule(int stages, int micro_batches);
 // K - s micro-batches between F and B on stage s (1F1B's), at most K between F and W.
 // Bubble at unit costs F = B = W: (K-1) / (3M + K-1), a third of 1F1B's.
 Schedule zb_h1_schedule(int stages, int micro_batches);
-// By name: gpipe, 1f1b, zb-h1, or file:PATH (a schedule file: parse_schedule, then checked for
-// `stages` and `micro_batches` and by validate(), each problem a UserError naming the
-// file, the stage and the action); UserError for an unknown name.
-Schedule make_schedule(const std::string& name, int stages, int micro_batches);
+// Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v model stages per pipeline
+// stage, run in groups of K micro-batches (all of a group's forwards on one model stage,
+// then on the next); K - 1 - s pipeline stages' worth of warm-up, twice, plus (v-1)·K.
+// Bubble at equal costs (K-1) / (v·M + K-1): 1F1B's divided by about v, for v times the
+// messages. M must be a multiple of K.
+Schedule interleaved_schedule(int stages, int virtual_stages, int micro_batches);
+// By name: gpipe, 1f1b, zb-h1, interleaved (virtual_stages >= 2; the others 1), or
+// file:PATH (a schedule file: parse_schedule, then checked for `stages`,
+// `virtual_stages` and `micro_batches` and by validate(), each problem a UserError naming
+// the file, the stage and the action); UserError for an unknown name.
+Schedule make_schedule(const std::string& name, int stages, int micro_batches, int virtual_stages = 1);
 // The built-in generators (file:PATH is not one).
 std::vector<std::string> schedule_names();
 
@@ -64,19 +83,23 @@ Schedule parse_schedule(const std::string& text, const std::string& source);
 
 // The most micro-batches between their forward and backward (their W, where the stage
 // splits) at once on `stage`: the activations the stage holds (without remat) at its peak.
-int in_flight(const Schedule& schedule, int stage);
+// `model_stage` >= 0: only the micro-batches in flight on that one of the stage's model stages.
+int in_flight(const Schedule& schedule, int stage, int model_stage = -1);
 
 // Adds the receive before and the send after each compute action that needs one.
 Schedule lower(const Schedule& compute_only);
 
-// Per-stage costs for simulate(): seconds (or any unit) per forward / whole backward of
-// one micro-batch, the part of that backward a W takes where a stage splits it (B then
+// Per model stage costs for simulate(): seconds (or any unit) per forward / whole backward
+// of one micro-batch, the part of that backward a W takes where a stage splits it (B then
 // costs backward - weight), and the latency of one point-to-point message.
 struct StageCosts {
   std::vector<double> forward, backward, weight;
   double message = 0.0;
   // weight < 0: half the backward.
   static StageCosts uniform(int stages, double forward = 1.0, double backward = 2.0, double weight = -1.0);
+  // Equal pipeline stages, forward 1 and backward 2 units each (W half of it), shared
+  // evenly by their model stages: what `plan` and the unit-cost bubble use.
+  static StageCosts unit(const Schedule& schedule);
 };
 
 struct Simulation {

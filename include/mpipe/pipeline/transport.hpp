@@ -2,9 +2,11 @@
 // neighbouring stages, and keeps every posted message moving (Progress).
 //
 // Every receive of a step is posted before any compute, into a buffer of its own per
-// micro-batch; a send is posted as soon as its data is final, so the transfer of
-// micro-batch i overlaps the compute of i + 1 on both sides. Tags come from
-// (micro-batch, direction). On a GPU the messages go straight from and into device memory
+// micro-batch (and model stage: a rank with virtual stages holds several, each a channel);
+// a send is posted as soon as its data is final, so the transfer of micro-batch i
+// overlaps the compute of i + 1 on both sides. Tags come from (micro-batch, direction),
+// and the receiving model stage where a rank holds more than one. With virtual stages
+// the last pipeline stage sends activations on to the first (round robin). On a GPU the messages go straight from and into device memory
 // when MPI is CUDA-aware; otherwise through pinned host buffers, with the copies on
 // their own streams, and a send is posted once its copy is done while the next
 // micro-batch computes.
@@ -39,33 +41,40 @@ class Transport {
   // A send as Progress saw it: posted, then complete (the data left this rank).
   struct Transfer {
     Direction direction;
-    int micro_batch;
+    int channel, micro_batch;
     Clock::time_point posted, completed;
   };
+  // One model stage of this rank. `input`: what it receives forward (its first layer's
+  // input), `output`: what it receives backward (the gradient of its last layer's
+  // output). The model's first stage receives no activations, its last no gradients.
+  struct Channel {
+    int stage;  // model stage
+    Shape input, output;
+    bool first, last;
+  };
 
-  // `input`: what this stage receives forward (its first layer's input), `output`: what
-  // it receives backward (the gradient of its last layer's output). The first stage
-  // receives no activations, the last no gradients.
+  // `channels` in ascending model stage; `model_stages`: K·v.
   Transport(const Grid& grid, Progress& progress, Device device, DType dtype, bool cuda_aware, int micro_batches,
-            const Shape& input, const Shape& output, double timeout_s);
+            std::vector<Channel> channels, int model_stages, double timeout_s);
 
   // The step's receives, all of them, before any compute; `backward` false: only the
   // activations (a forward-only pass: evaluation).
   void post_receives(bool backward = true);
-  // Waits for micro-batch `mb`'s activation (forward) or gradient (backward); returns
-  // the seconds waited. received() then holds it (on a GPU: for the compute stream).
-  double receive(Direction direction, int mb);
-  const Tensor& received(Direction direction, int mb) const;
-  // Sends `data`, which stays untouched until finish_sends(): activations forward to
-  // the next stage, gradients backward to the previous one.
-  void send(Direction direction, int mb, const Tensor& data);
+  // Waits for micro-batch `mb`'s activation (forward) or gradient (backward) on channel
+  // `c`; returns the seconds waited. received() then holds it (on a GPU: for the compute
+  // stream).
+  double receive(Direction direction, int c, int mb);
+  const Tensor& received(Direction direction, int c, int mb) const;
+  // Sends `data` from channel `c`, which stays untouched until finish_sends():
+  // activations forward to the next model stage, gradients backward to the previous one.
+  void send(Direction direction, int c, int mb, const Tensor& data);
   // Between actions: posts the GPU sends whose data has become ready.
   void between_actions() {
     if (!pending_sends_.empty()) post_ready_sends(false);
   }
-  // Waits for micro-batch `mb`'s send in `direction`, whose data may then be reused;
-  // returns the seconds waited (0 when it was not sent, or already waited for).
-  double wait_sent(Direction direction, int mb);
+  // Waits for micro-batch `mb`'s send in `direction` from channel `c`, whose data may then
+  // be reused; returns the seconds waited (0 when it was not sent, or already waited for).
+  double wait_sent(Direction direction, int c, int mb);
   // Waits for every send of the step; returns the seconds waited.
   double finish_sends();
   // This step's sends, once finish_sends() has returned.
@@ -76,25 +85,33 @@ class Transport {
     cuda::Event* ready;
     std::span<const std::byte> wire;
     Direction direction;
-    int micro_batch;
+    int channel, micro_batch;
   };
   void post_ready_sends(bool wait);
-  void post_send(std::span<const std::byte> wire, Direction direction, int mb);
-  int peer(Direction direction) const;    // the stage messages in `direction` go to
-  int source(Direction direction) const;  // the stage they come from
+  void post_send(std::span<const std::byte> wire, Direction direction, int c, int mb);
+  int peer(Direction direction) const;    // the pipeline stage messages in `direction` go to
+  int source(Direction direction) const;  // the pipeline stage they come from
+  // The tag of micro-batch mb's message in `direction` into model stage `to`.
+  int tag(int to, int mb, Direction direction) const {
+    return message_tag(virtual_ ? to * micro_batches_ + mb : mb, direction);
+  }
+  std::size_t slot(int c, int mb) const { return static_cast<std::size_t>(c * micro_batches_ + mb); }
   static int index(Direction direction) { return static_cast<int>(direction); }
 
   const Grid& grid_;
+  std::vector<Channel> channels_;
+  int micro_batches_;
+  bool virtual_;  // more than one model stage per pipeline stage
   Progress& progress_;
   Device device_;
   DType dtype_;
   bool cuda_aware_;
   double timeout_;
-  std::vector<Inbox> received_[2];                   // [direction][micro-batch]
+  std::vector<Inbox> received_[2];                   // [direction][channel · M + micro-batch]
   std::vector<Progress::Ticket> receive_tickets_[2];
   std::vector<Progress::Ticket> send_tickets_;      // this step's, in order of posting
   std::vector<Transfer> sent_;
-  // GPU: per direction and micro-batch, the staging buffer of an outgoing message and
+  // GPU: per direction, channel and micro-batch, the staging buffer of an outgoing message and
   // the event marking its data ready; the events that order a received message's copy
   // before its use.
   std::vector<cuda::PinnedBuffer> send_staging_[2];
