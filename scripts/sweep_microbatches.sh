@@ -2,13 +2,15 @@
 # Sweeps the micro-batch count M (and schedules) with mpirun on this machine and writes
 # one CSV row per run: M, schedule, K, D, samples/s, step time, measured and theoretical
 # bubble, peak activation memory per rank; plus a K=1 baseline per M for the bound.
-# Usage: scripts/sweep_microbatches.sh [--ms "1 2 4 8 16"] [--schedules "gpipe 1f1b"]
+# Usage: scripts/sweep_microbatches.sh [--ms "1 2 4 8 16"] [--schedules "gpipe 1f1b zb-h1 interleaved:2"]
 #          [--ranks N] [--replicas D] [--micro-size S] [--out sweep.csv]
 #          [--slurm CONFIG.toml] [-- extra mpipe train options]
 # With --slurm, nothing runs here: one job array per schedule is submitted
 # (slurm/sweep-microbatches.sbatch, one array task per M, --ntasks-per-node=ranks),
 # its tasks append their rows to the same CSV and log beside it.
 # The global batch is M x D x micro-size, so every run has micro-batches of one size.
+# interleaved:V runs --schedule interleaved --virtual-stages V (an M that is not a multiple
+# of the stages is skipped for it, with a line on stderr); its CSV rows say interleaved:V.
 # Then: /usr/bin/python3 scripts/plot_sweep.py sweep.csv sweep.png
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,10 +47,11 @@ trap 'rm -rf "$tmp"' EXIT
 bind=(--bind-to core)
 (( ranks > $(nproc) )) && bind=(--oversubscribe --bind-to none)
 
-run() {  # ranks schedule M -> summary JSON line
-  local n=$1 schedule=$2 M=$3 D=$4
+run() {  # ranks schedule[:virtual stages] M -> summary JSON line
+  local n=$1 schedule=${2%%:*} v=1 M=$3 D=$4
+  [[ $2 == *:* ]] && v=${2#*:}
   mpirun -n "$n" "${bind[@]}" build/release/mpipe train --threads 1 --log-every 1000000 "${extra[@]}" \
-    --schedule "$schedule" --micro-batches "$M" --replicas "$D" --batch-size $((M * D * micro)) \
+    --schedule "$schedule" --virtual-stages "$v" --micro-batches "$M" --replicas "$D" --batch-size $((M * D * micro)) \
     --summary "$tmp/summary.json" > "$tmp/log" || { cat "$tmp/log" >&2; exit 1; }
   cat "$tmp/summary.json"
 }
@@ -57,11 +60,16 @@ echo "M,schedule,K,D,samples_per_s,step_time_s,bubble,theoretical_bubble,baselin
 for M in $ms; do
   base=$(run "$replicas" gpipe "$M" "$replicas")
   for schedule in $schedules; do
+    if [[ $schedule == interleaved* ]] && (( M % (ranks / replicas) != 0 )); then
+      echo "M=$M: $schedule needs a multiple of the $((ranks / replicas)) stages; skipped" >&2
+      continue
+    fi
     line=$(run "$ranks" "$schedule" "$M" "$replicas")
     /usr/bin/python3 - "$line" "$base" >> "$out" <<'PY'
 import json, sys
 s, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-print(f"{s['micro_batches']},{s['schedule']},{s['stages']},{s['replicas']},{s['samples_per_s']:.6g},"
+v = s.get("virtual_stages", 1)
+print(f"{s['micro_batches']},{s['schedule']}{f':{v}' if v > 1 else ''},{s['stages']},{s['replicas']},{s['samples_per_s']:.6g},"
       f"{s['step_time_s']:.6g},{s['bubble_fraction']:.6g},{s['theoretical_bubble']:.6g},{b['samples_per_s']:.6g},"
       + ";".join(str(p) for p in s["peak_activation_bytes_per_rank"]))
 PY

@@ -140,9 +140,12 @@ progress)
   [[ $rc -eq 2 ]] && grep -q "unknown --progress 'maybe'" <<<"$out" || fail "bad --progress: rc $rc: $out"
   ;;
 sweep)
-  bash "$root/scripts/sweep_microbatches.sh" --ms "1 4" --schedules "gpipe 1f1b" --ranks 2 --micro-size 2 \
-    --out "$work/sweep.csv" -- "${small[@]}" --steps 3 > "$work/log"
-  [[ $(wc -l < "$work/sweep.csv") -eq 5 ]] || fail "expected a header and 4 rows: $(cat "$work/sweep.csv")"
+  bash "$root/scripts/sweep_microbatches.sh" --ms "1 4" --schedules "gpipe 1f1b interleaved:2" --ranks 2 --micro-size 2 \
+    --out "$work/sweep.csv" -- "${small[@]}" --steps 3 > "$work/log" 2> "$work/err"
+  # interleaved:2 skips M = 1 (not a multiple of the 2 stages), saying so.
+  [[ $(wc -l < "$work/sweep.csv") -eq 6 ]] || fail "expected a header and 5 rows: $(cat "$work/sweep.csv")"
+  grep -q "^4,interleaved:2,2,1," "$work/sweep.csv" || fail "no M=4 interleaved row: $(cat "$work/sweep.csv")"
+  grep -q "M=1: interleaved:2 needs a multiple of the 2 stages; skipped" "$work/err" || fail "no skip line: $(cat "$work/err")"
   head -1 "$work/sweep.csv" | grep -q "^M,schedule,K,D,samples_per_s,step_time_s,bubble,theoretical_bubble" \
     || fail "CSV header: $(head -1 "$work/sweep.csv")"
   grep -q "^4,1f1b,2,1," "$work/sweep.csv" || fail "no M=4 1f1b row: $(cat "$work/sweep.csv")"
