@@ -134,10 +134,15 @@ std::string human_count(double n) {
 
 // Per-stage figures of a partition for one micro-batch: what plan prints and train echoes.
 struct StageFigures {
-  double params = 0, forward_flops = 0, backward_flops = 0, activation = 0, boundary = 0;
+  double params = 0, forward_flops = 0, backward_flops = 0, weight_flops = 0, activation = 0, boundary = 0, stash = 0;
   // Activation bytes held with `live` micro-batches in flight: without remat each keeps
   // its activations; with remat only its input, plus one micro-batch's while recomputing.
-  double held(int live, bool remat) const { return remat ? live * boundary + activation : live * activation; }
+  // A stage that splits its backwards (zero bubble) also keeps W's output gradients, and
+  // under remat its recomputation lives until W.
+  double held(int live, bool remat, bool split = false) const {
+    const double each = activation + (split ? stash : 0);
+    return remat && !split ? live * boundary + activation : live * each;
+  }
 };
 
 std::vector<StageFigures> stage_figures(const Model& model, const Partition& part, int micro) {
@@ -149,7 +154,9 @@ std::vector<StageFigures> stage_figures(const Model& model, const Partition& par
       out[s].params += c.param_bytes / 4;
       out[s].forward_flops += c.forward_flops;
       out[s].backward_flops += c.backward_flops;
+      out[s].weight_flops += c.weight_flops;
       out[s].activation += c.activation_bytes;
+      out[s].stash += c.weight_stash_bytes;
     }
     out[s].boundary = static_cast<double>(shapes[part.begin(s)].numel()) * 4;
   }
@@ -206,19 +213,20 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
     }
     if (kinds.size() > 28) kinds = kinds.substr(0, 25) + "...";
     const int live = in_flight(compute, compute.list_of(s), v > 1 ? s : -1);
+    const bool split = compute.splits(compute.list_of(s));
     const StageFigures& f = figures[s];
     std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s\n", (v > 1 ? cat(s, " p", s % K) : cat(s)).c_str(),
                 cat(part.begin(s), "-", part.end(s) - 1).c_str(),
                 kinds.c_str(), human_count(f.params).c_str(), (f.forward_flops + f.backward_flops) / 1e9,
-                human_bytes(4.0 * f.params * states).c_str(), human_bytes(f.held(live, false)).c_str(),
-                human_bytes(f.held(live, true)).c_str());
+                human_bytes(4.0 * f.params * states).c_str(), human_bytes(f.held(live, false, split)).c_str(),
+                human_bytes(f.held(live, true, split)).c_str());
   }
   const Schedule lowered = lower(compute);
   StageCosts costs = StageCosts::unit(lowered);
   for (int s = 0; s < part.stages(); ++s) {
     costs.forward[s] = figures[s].forward_flops;
     costs.backward[s] = figures[s].backward_flops;
-    costs.weight[s] = figures[s].backward_flops / 2;  // a Linear's dW is half its backward; other layers' less
+    costs.weight[s] = figures[s].weight_flops;
   }
   const double theory = simulate(lowered, StageCosts::unit(lowered)).bubble_fraction;
   const double predicted = simulate(lowered, costs).bubble_fraction;
@@ -241,7 +249,8 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
   double weights = 0, activations = 0;  // over the rank's model stages
   for (int m = stage; m < schedule.model_stages(); m += K) {
     weights += 4.0 * figures[m].params * states;
-    activations += figures[m].held(in_flight(schedule, stage, schedule.virtual_stages > 1 ? m : -1), remat);
+    activations +=
+        figures[m].held(in_flight(schedule, stage, schedule.virtual_stages > 1 ? m : -1), remat, schedule.splits(stage));
   }
   const double need = weights + activations, have = available_memory() / std::max(1, node_ranks);
   if (have <= 0) return;  // nothing to go by

@@ -47,7 +47,8 @@ Cost Conv2d::cost(const Shape& in) const {
   // Held until the step ends: the output, and the im2col scratch of the forward and of
   // the backward (arena memory lives for the step).
   const double held = 4.0 * static_cast<double>(w.N * w.OC * w.OH * w.OW) + 2 * 4.0 * static_cast<double>(ops::conv2d_scratch(w));
-  return {2 * macs, 4 * macs, 4 * params, held};
+  const double output = 4.0 * static_cast<double>(w.N * w.OC * w.OH * w.OW);
+  return {2 * macs, 4 * macs, 4 * params, held, 2 * macs, output};
 }
 
 std::vector<ParamSpec> Conv2d::param_specs() const {

@@ -70,7 +70,8 @@ Shape Linear::output_shape(const Shape& in) const {
 Cost Linear::cost(const Shape& in) const {
   const double rows = static_cast<double>(in.rows());
   return {2.0 * rows * in_ * out_, 4.0 * rows * in_ * out_,
-          f32_bytes(static_cast<double>(in_) * out_ + (has_bias_ ? out_ : 0)), f32_bytes(rows * out_)};
+          f32_bytes(static_cast<double>(in_) * out_ + (has_bias_ ? out_ : 0)), f32_bytes(rows * out_),
+          2.0 * rows * in_ * out_, f32_bytes(rows * out_)};
 }
 
 std::vector<ParamSpec> Linear::param_specs() const {
@@ -297,9 +298,12 @@ Cost CausalSelfAttention::cost(const Shape& in) const {
   const double B = static_cast<double>(in[0]), T = static_cast<double>(in[1]), C = static_cast<double>(channels_);
   const Cost a = qkv_.cost(in), b = proj_.cost(in);
   const double core = 4.0 * B * T * T * C;  // QK^T and PV
-  return {a.forward_flops + b.forward_flops + core, a.backward_flops + b.backward_flops + 2 * core,
+  return {a.forward_flops + b.forward_flops + core,
+          a.backward_flops + b.backward_flops + 2 * core,
           a.param_bytes + b.param_bytes,
-          a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T * T + B * T * C)};
+          a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T * T + B * T * C),
+          a.weight_flops + b.weight_flops,
+          a.weight_stash_bytes + b.weight_stash_bytes};
 }
 
 std::vector<ParamSpec> CausalSelfAttention::param_specs() const {

@@ -175,3 +175,26 @@ TEST_CASE("layer options are checked by name, type and range") {
   m.layers[0] = {"dropout", {{"p", 1.0}}};
   CHECK_THROWS_WITH_AS(make_layer(m, 0, Shape{1, 16}, "here"), doctest::Contains("'p': must be in [0, 1)"), UserError);
 }
+
+TEST_CASE("weight-gradient cost: what W runs and keeps is every Linear's and Conv2d's dW and output gradient") {
+  // A GPT block at (B, T, C): four Linears (qkv C->3C, proj C->C, fc C->4C, fc_proj 4C->C),
+  // each dW a GEMM of 2 * rows * in * out FLOPs, each keeping its output gradient.
+  ModelConfig c;
+  c.kind = "gpt";
+  c.layers = 1;
+  c.d_model = 16;
+  c.heads = 2;
+  c.seq_len = 8;
+  c.vocab = 32;
+  const Model m(c);
+  const std::vector<Shape> shapes = m.shapes(2);
+  const double rows = 2 * 8, C = 16;
+  const Cost block = m.layer(1).cost(shapes[1]);
+  CHECK(m.layer(1).kind() == "block");
+  CHECK(block.weight_flops == doctest::Approx(2 * rows * C * C * (3 + 1 + 4 + 4)));
+  CHECK(block.weight_stash_bytes == doctest::Approx(4 * rows * C * (3 + 1 + 4 + 1)));
+  CHECK(block.weight_flops < block.backward_flops);  // the attention core and the rest stay in B
+  const Cost norm = m.layer(2).cost(shapes[2]);      // the final LayerNorm: its gradients all in B
+  CHECK(norm.weight_flops == 0);
+  CHECK(norm.weight_stash_bytes == 0);
+}

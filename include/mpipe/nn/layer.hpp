@@ -47,11 +47,16 @@ struct Cost {
   double backward_flops = 0;
   double param_bytes = 0;
   double activation_bytes = 0;  // what the context keeps between forward and backward
+  // Split backward (zero-bubble schedules): the part of backward_flops that
+  // backward_weight() runs, and the output gradient kept for it until then.
+  double weight_flops = 0, weight_stash_bytes = 0;
   Cost& operator+=(const Cost& c) {  // composite layers: the sum of their parts
     forward_flops += c.forward_flops;
     backward_flops += c.backward_flops;
     param_bytes += c.param_bytes;
     activation_bytes += c.activation_bytes;
+    weight_flops += c.weight_flops;
+    weight_stash_bytes += c.weight_stash_bytes;
     return *this;
   }
 };
