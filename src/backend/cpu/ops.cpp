@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "mpipe/backend/cpu/vmath.hpp"
 #include "mpipe/core/error.hpp"
 #include "mpipe/core/rng.hpp"
 
@@ -82,29 +83,20 @@ void relu_backward(float* dinp, const float* dout, const float* out, int64_t n, 
   }
 }
 
-namespace {
-constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
-}
-
+// Through vmath.hpp's sigmoid form: plain arithmetic the loop vectorises (std::tanh was a
+// scalar libm call per element, a third of a CPU GPT step).
 void gelu_forward(float* out, const float* inp, int64_t n) {
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = inp[i];
-    out[i] = 0.5f * x * (1.0f + std::tanh(kGeluScale * (x + 0.044715f * x * x * x)));
-  }
+  for (int64_t i = 0; i < n; ++i) out[i] = gelu_value(inp[i]);
 }
 
 void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n, GradMode mode) {
-  const bool accumulate = mode == GradMode::accumulate;
+  if (mode == GradMode::accumulate) {
 #pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < n; ++i) {
-    const float x = inp[i];
-    const float u = kGeluScale * (x + 0.044715f * x * x * x);
-    const float th = std::tanh(u);
-    const float sech2 = 1.0f - th * th;
-    const float grad = 0.5f * (1.0f + th) + 0.5f * x * sech2 * kGeluScale * (1.0f + 3.0f * 0.044715f * x * x);
-    const float d = grad * dout[i];
-    dinp[i] = accumulate ? dinp[i] + d : d;
+    for (int64_t i = 0; i < n; ++i) dinp[i] += gelu_derivative(inp[i]) * dout[i];
+  } else {
+#pragma omp parallel for simd schedule(static)
+    for (int64_t i = 0; i < n; ++i) dinp[i] = gelu_derivative(inp[i]) * dout[i];
   }
 }
 
