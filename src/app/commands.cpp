@@ -201,6 +201,25 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
     std::printf("virtual stages: %d per rank, model stage m on pipeline stage m mod %d (\"p\" below)\n", v, K);
   std::printf("partition (%s): %s\n", config.pipeline.balance.empty() ? config.pipeline.partition.c_str() : "balance",
               part.to_text().c_str());
+  if (!part.comm_cost.empty()) {
+    // Link l joins model stage l to l + 1; with virtual stages the last one returns to rank 0.
+    const auto fixed = [](double x, int digits) {
+      char text[32];
+      std::snprintf(text, sizeof text, "%.*f", digits, x);
+      return std::string(text);
+    };
+    std::string links, work, comm;
+    for (int l = 0; l < (v > 1 ? K : K - 1); ++l)
+      links += cat(l ? ", " : "", l, "->", (l + 1) % K, " ",
+                   fixed(1e-9 / part.link_cost_per_byte[static_cast<std::size_t>(l)], 2), " GB/s");
+    for (int s = 0; s < part.stages(); ++s) {
+      work += cat(s ? " / " : "", fixed(1e3 * part.stage_cost(s), 3));
+      comm += cat(s ? " / " : "", fixed(1e3 * part.comm_cost[static_cast<std::size_t>(s)], 3));
+    }
+    std::printf("links (%s): %s; per micro-batch, ms by stage: compute %s, links %s\n",
+                config.pipeline.link_bandwidth == "auto" ? "measured" : "configured", links.c_str(), work.c_str(),
+                comm.c_str());
+  }
   // Values, gradients and the optimizer's state, fp32.
   const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());
   std::printf("%-6s %-9s %-28s %10s %12s %14s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb", "weights+state",
@@ -544,6 +563,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
       ->capture_default_str();
   cmd.add_option("--partition", p.partition, "Balance stages by uniform, params, flops or time")->capture_default_str();
   cmd.add_option("--balance", p.balance, "Layers per stage, e.g. 3,5 (overrides --partition)");
+  cmd.add_option("--link-bandwidth", p.link_bandwidth,
+                 "Links between stages, counted by --partition time (a stage's time includes moving its boundary "
+                 "activations and gradients): auto (measured by train; plan does not count them), off, or GB/s")
+      ->capture_default_str();
   cmd.add_option("--p2p-timeout", p.p2p_timeout, "Seconds a point-to-point wait may block")->capture_default_str();
   cmd.add_option("--comm-progress", p.comm_progress,
                  "How posted messages move while a rank computes: thread (a progress thread), layers (tests "
@@ -589,13 +612,21 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
     cpu::set_threads(config.threads > 0 ? config.threads : 1);
     measured = measure_layer_times(model, micro, config.seed);
   }
+  // plan has no links to measure: a configured bandwidth counts, auto does not.
+  const double link = parse_link_bandwidth(config.pipeline.link_bandwidth);
+  const std::vector<double> links =
+      link > 0 && grid.stages > 1 ? std::vector<double>(static_cast<std::size_t>(grid.stages), link) : std::vector<double>{};
   const Partition part = choose_partition(config.pipeline.balance, config.pipeline.partition, model, grid.stages, micro,
-                                          measured, config.pipeline.virtual_stages);
+                                          measured, config.pipeline.virtual_stages, links);
   std::printf("mpipe %s (git %s) plan for %d ranks\n", version(), git_hash(), ranks);
   std::printf("layers (%d):", model.size());
   for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
   std::printf("\n");
   print_plan(config, model, part, grid);
+  if (config.pipeline.partition == "time" && config.pipeline.balance.empty() && grid.stages > 1 && links.empty())
+    std::printf("links: not counted (%s)\n", config.pipeline.link_bandwidth == "off"
+                                                  ? "--link-bandwidth off"
+                                                  : "plan cannot measure them; give --link-bandwidth GB/s");
   std::printf("ranks:");
   for (int r = 0; r < ranks; ++r) std::printf(" %d=s%d/r%d", r, grid.stage_of(r), grid.replica_of(r));
   std::printf("\n");

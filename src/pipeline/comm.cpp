@@ -1,9 +1,12 @@
 // MPI wrappers.
 #include "mpipe/pipeline/comm.hpp"
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
+#include <limits>
 #include <string>
+#include <vector>
 
 #if __has_include(<mpi-ext.h>)
 #include <mpi-ext.h>  // Open MPI: MPIX_Query_cuda_support
@@ -112,5 +115,24 @@ void Communicator::broadcast(std::string& text, int root) const {
 }
 
 void Communicator::barrier() const { MPI_CHECK(MPI_Barrier(comm_)); }
+
+double Communicator::ping_pong(int peer, std::size_t bytes, bool initiator, int rounds) const {
+  constexpr int tag = 32000;  // before the transport exists: no other message is in flight
+  std::vector<std::byte> buffer(bytes, std::byte{1});
+  const int count = mpi_count(bytes);
+  double best = std::numeric_limits<double>::infinity();
+  for (int round = 0; round <= rounds; ++round) {
+    const double start = MPI_Wtime();
+    if (initiator) {
+      MPI_CHECK(MPI_Send(buffer.data(), count, MPI_BYTE, peer, tag, comm_));
+      MPI_CHECK(MPI_Recv(buffer.data(), count, MPI_BYTE, peer, tag, comm_, MPI_STATUS_IGNORE));
+    } else {
+      MPI_CHECK(MPI_Recv(buffer.data(), count, MPI_BYTE, peer, tag, comm_, MPI_STATUS_IGNORE));
+      MPI_CHECK(MPI_Send(buffer.data(), count, MPI_BYTE, peer, tag, comm_));
+    }
+    if (round > 0) best = std::min(best, (MPI_Wtime() - start) / 2);
+  }
+  return best;
+}
 
 }  // namespace mpipe

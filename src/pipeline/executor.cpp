@@ -18,6 +18,33 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
+// --link-bandwidth for --partition time: seconds per byte of each link between the
+// pipeline ranks of a replica, link r from stage r to r + 1 mod K (the last one, back to
+// stage 0, only carries messages under virtual stages), the configured bandwidth for
+// every link, or measured: a ping-pong of one typical boundary activation over each link
+// in turn, every replica at once, the slowest replica's figure kept. Empty: not counted.
+std::vector<double> link_costs(const PipelineConfig& p, const Grid& grid, const Model& model, int micro) {
+  const int K = grid.stages();
+  const double configured = parse_link_bandwidth(p.link_bandwidth);
+  if (K == 1 || configured == 0) return {};
+  if (configured > 0) return std::vector<double>(static_cast<std::size_t>(K), configured);
+  const std::vector<double> bytes = boundary_bytes(model, micro);  // activation + gradient per cut
+  double sum = 0;
+  for (std::size_t b = 1; b + 1 < bytes.size(); ++b) sum += bytes[b] / 2;
+  const double mean = bytes.size() > 2 ? sum / static_cast<double>(bytes.size() - 2) : 0.0;
+  const auto message = static_cast<std::size_t>(std::clamp(mean, 4096.0, 64.0 * 1024 * 1024));
+  std::vector<double> cost(static_cast<std::size_t>(K), 0.0);
+  const int links = p.virtual_stages > 1 ? K : K - 1;
+  for (int l = 0; l < links; ++l) {
+    const int from = l, to = (l + 1) % K;
+    if (grid.stage() == from) cost[static_cast<std::size_t>(l)] = grid.pipeline().ping_pong(to, message, true);
+    if (grid.stage() == to) grid.pipeline().ping_pong(from, message, false);
+  }
+  for (double& c : cost) c /= static_cast<double>(message);
+  grid.world().allreduce(std::span<double>(cost), Reduce::max);
+  return cost;
+}
+
 }  // namespace
 
 const char* TraceEvent::name(int kind) {
@@ -75,6 +102,7 @@ void validate(const TrainConfig& c, int world) {
                 "unknown --batchnorm '", p.batchnorm, "'");
   MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
   parse_progress_mode(p.comm_progress);  // throws UserError for an unknown name
+  parse_link_bandwidth(p.link_bandwidth);  // likewise
   MPIPE_REQUIRE(p.comm_poll_us >= 0 && p.comm_poll_us <= 1e6, "e.g. --comm-poll-us 5000 (0: no pause)",
                 "--comm-poll-us must be between 0 and 1000000, got ", p.comm_poll_us);
   MPIPE_REQUIRE(p.comm_wait == "sleep" || p.comm_wait == "spin", "use --comm-wait sleep or spin",
@@ -206,7 +234,9 @@ void Executor::connect() {
     if (std::isnan(costs[0])) throw Error(cat("measuring layer times on rank 0 failed", problem.empty() ? "" : ": " + problem));
   }
   const int v = p.virtual_stages;
-  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, v);
+  const std::vector<double> links =
+      p.balance.empty() && p.partition == "time" ? link_costs(p, *grid_, model_, micro_) : std::vector<double>{};
+  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, v, links);
   chunks_.clear();
   for (int m = grid_->stage(); m < K * v; m += K)
     chunks_.push_back({m, partition_.begin(m), partition_.end(m), m == 0, m == K * v - 1});

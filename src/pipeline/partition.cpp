@@ -42,21 +42,33 @@ Partition partition_from_balance(const std::vector<int>& counts, int layers) {
   return p;
 }
 
-Partition partition_min_max(const std::vector<double>& cost, int stages, const std::vector<double>& boundary_bytes) {
+Partition partition_min_max(const std::vector<double>& cost, int stages, const std::vector<double>& boundary_bytes,
+                            const std::vector<double>& link_cost_per_byte) {
   const int L = static_cast<int>(cost.size());
   MPIPE_REQUIRE(stages <= L, "use fewer stages or a deeper model",
                 "more stages (", stages, ") than layers (", L, ")");
   MPIPE_CHECK(boundary_bytes.empty() || static_cast<int>(boundary_bytes.size()) == L + 1, "boundary bytes for ",
               boundary_bytes.size() - 1, " layers, costs for ", L);
+  MPIPE_CHECK(link_cost_per_byte.empty() || !boundary_bytes.empty(), "link costs without boundary bytes");
   std::vector<double> prefix(L + 1, 0.0);
   for (int i = 0; i < L; ++i) prefix[i + 1] = prefix[i] + cost[i];
+  // Model stage s over layers [j, i): its layers, and its cuts over their links.
+  const auto links = link_cost_per_byte.size();
+  const auto comm = [&](int s, int j, int i) {
+    if (links == 0) return 0.0;
+    double c = 0;
+    if (j > 0) c += boundary_bytes[static_cast<std::size_t>(j)] * link_cost_per_byte[static_cast<std::size_t>(s - 1) % links];
+    if (i < L) c += boundary_bytes[static_cast<std::size_t>(i)] * link_cost_per_byte[static_cast<std::size_t>(s) % links];
+    return c;
+  };
+  const auto stage = [&](int s, int j, int i) { return prefix[i] - prefix[j] + comm(s, j, i); };
   const double inf = std::numeric_limits<double>::infinity();
   // 1. The smallest largest-stage cost: best[k][i] over layers [0, i) in k stages.
   std::vector<std::vector<double>> best(stages + 1, std::vector<double>(L + 1, inf));
   best[0][0] = 0.0;
   for (int k = 1; k <= stages; ++k)
     for (int i = k; i <= L - (stages - k); ++i)
-      for (int j = k - 1; j < i; ++j) best[k][i] = std::min(best[k][i], std::max(best[k - 1][j], prefix[i] - prefix[j]));
+      for (int j = k - 1; j < i; ++j) best[k][i] = std::min(best[k][i], std::max(best[k - 1][j], stage(k - 1, j, i)));
   // 2. Among the partitions whose every stage is within `near` of that (no cost model
   // is more precise: they are equally fast): the fewest bytes across the cuts (a cut
   // before the loss moves the logits, and leaves a rank next to idle), then the most
@@ -75,7 +87,7 @@ Partition partition_min_max(const std::vector<double>& cost, int stages, const s
   for (int k = 1; k <= stages; ++k)
     for (int i = k; i <= L - (stages - k); ++i)
       for (int j = k - 1; j < i; ++j) {
-        const double c = prefix[i] - prefix[j];
+        const double c = stage(k - 1, j, i);
         if (c > limit || score[k - 1][j].bytes == inf) continue;
         const double crossing = (j > 0 && !boundary_bytes.empty()) ? boundary_bytes[static_cast<std::size_t>(j)] : 0.0;
         const Score candidate{score[k - 1][j].bytes + crossing, score[k - 1][j].squares + c * c};
@@ -92,6 +104,10 @@ Partition partition_min_max(const std::vector<double>& cost, int stages, const s
     i = cut[k][i];
     MPIPE_CHECK(i >= 0, "partitioner: no partition within its own optimum");
     p.bounds[k - 1] = i;
+  }
+  if (links > 0) {
+    p.link_cost_per_byte = link_cost_per_byte;
+    for (int s = 0; s < stages; ++s) p.comm_cost.push_back(comm(s, p.begin(s), p.end(s)));
   }
   return p;
 }
@@ -158,14 +174,32 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
 }
 
 Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
-                           int micro, const std::vector<double>& measured, int virtual_stages) {
+                           int micro, const std::vector<double>& measured, int virtual_stages,
+                           const std::vector<double>& link_seconds_per_byte) {
   Partition p = !balance.empty() ? partition_from_balance(parse_balance(balance), model.size())
                                  : partition_min_max(method == "time" ? measured : layer_costs(model, method, micro),
-                                                     stages * virtual_stages, boundary_bytes(model, micro));
+                                                     stages * virtual_stages, boundary_bytes(model, micro),
+                                                     method == "time" ? link_seconds_per_byte : std::vector<double>{});
   MPIPE_REQUIRE(p.stages() == stages * virtual_stages, "give one count per model stage (stages x virtual stages)",
                 "--balance has ", p.stages(), " stages, the run ", stages * virtual_stages);
   p.virtual_stages = virtual_stages;
   return p;
+}
+
+double parse_link_bandwidth(const std::string& text) {
+  if (text == "auto") return -1;
+  if (text == "off") return 0;
+  const std::string hint = "give auto, off, or gigabytes per second, e.g. --link-bandwidth 12.5";
+  double gbps = 0;
+  try {
+    std::size_t used = 0;
+    gbps = std::stod(text, &used);
+    MPIPE_REQUIRE(used == text.size(), hint, "--link-bandwidth '", text, "' is not a number");
+  } catch (const std::logic_error&) {
+    throw UserError(cat("--link-bandwidth '", text, "' is not a number"), hint);
+  }
+  MPIPE_REQUIRE(std::isfinite(gbps) && gbps > 0, hint, "--link-bandwidth must be positive, got ", text);
+  return 1.0 / (gbps * 1e9);
 }
 
 std::vector<int> parse_balance(const std::string& text) {

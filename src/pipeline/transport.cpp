@@ -173,11 +173,11 @@ double Transport::wait_sent(Direction direction, int c, int mb) {
     if (sent_[i].direction != direction || sent_[i].channel != c || sent_[i].micro_batch != mb ||
         send_tickets_[i] == Progress::none)
       continue;
-    const Progress::Completion c =
+    const Progress::Completion done =
         progress_.wait(send_tickets_[i], timeout_, "a send to a neighbour stage, request", static_cast<int>(i));
-    sent_[i].posted = c.posted;
-    sent_[i].completed = c.completed;
-    return c.waited;
+    sent_[i].posted = done.posted;
+    sent_[i].completed = done.completed;
+    return done.waited;
   }
   return 0.0;
 }

@@ -26,6 +26,12 @@ mpipe_cli_test(gpt_small_config 0 "gpt model, 16 layers, 123702528 parameters" t
 mpipe_cli_test(negative_threads 2 "error: --threads must be >= 0, got -1; hint" train --threads -1)
 mpipe_cli_test(plan 0 "bubble 20%" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --schedule 1f1b)
 mpipe_cli_test(plan_partition 0 "partition \\(flops\\): 0-2 \\| 3-7" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2)
+# Links under --partition time: a configured bandwidth counts in plan (a slow one pushes
+# the cuts to small activations); auto is measured by train only.
+mpipe_cli_test(plan_links 0 "links \\(configured\\): 0->1 0.05 GB/s, 1->2 0.05 GB/s, 2->3 0.05 GB/s; per micro-batch, ms by stage: compute [0-9./ ]+, links [0-9./ ]+" plan --model resnet --image 16 --width 4 --classes 10 --batch-size 16 --micro-batches 2 --ranks 4 --partition time --link-bandwidth 0.05)
+mpipe_cli_test(plan_links_auto 0 "links: not counted \\(plan cannot measure them; give --link-bandwidth GB/s\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2 --partition time)
+mpipe_cli_test(link_bandwidth_word 2 "error: --link-bandwidth 'fast' is not a number; hint: give auto, off, or gigabytes per second" train --link-bandwidth fast)
+mpipe_cli_test(link_bandwidth_zero 2 "error: --link-bandwidth must be positive, got 0; hint" plan --ranks 2 --link-bandwidth 0)
 mpipe_cli_test(plan_balance 0 "partition \\(balance\\): 0-0 \\| 1-7" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2 --balance 1,7)
 mpipe_cli_test(plan_bad_world 2 "error: world size 3 is not divisible by --stages 2" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 3 --stages 2)
 mpipe_cli_test(plan_zb_h1 0 "bubble: 11.1% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h1)

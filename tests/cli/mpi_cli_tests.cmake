@@ -6,6 +6,8 @@ mpipe_mpi_test(more_stages_than_layers 8 2 "error: more stages \\(8\\) than laye
 mpipe_mpi_test(batch_not_md 4 2 "error: --batch-size 8 does not split into --micro-batches 3 x 2 replicas" ${SMALL} --micro-batches 3 --stages 2)
 mpipe_mpi_test(balance_sum 2 2 "error: --balance adds up to 5 layers, the model has 6" ${SMALL} --balance 2,3)
 mpipe_mpi_test(balance_stages 2 2 "error: --balance has 3 stages, the grid has 2" ${SMALL} --balance 2,2,2)
+# --partition time on 2 x 2 ranks: both replicas measure the link between their stages.
+mpipe_mpi_test(links_measured 4 0 "links \\(measured\\): 0->1 [0-9.]+ GB/s; per micro-batch, ms by stage: compute [0-9.]+ / [0-9.]+, links [0-9.]+ / [0-9.]+" ${SMALL} --micro-batches 2 --stages 2 --partition time)
 mpipe_mpi_test(rank_fails 4 1 "error: rank 2 \\(stage 2, replica 0\\) at step 1 during F0: injected failure" ${SMALL} --micro-batches 4)
 set_tests_properties(mpi.rank_fails PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};MPIPE_TEST_FAIL=2:1")
 mpipe_mpi_test(rank_stalls 2 1 "rank 1 \\(stage 1, replica 0\\) at step 1 during RF0: timed out after 2 s waiting for the activation of micro-batch 0 .*; it comes from rank 0 \\(stage 0\\)" ${SMALL} --micro-batches 2 --p2p-timeout 2)

@@ -288,6 +288,77 @@ TEST_CASE("among near-optimal partitions: the fewest bytes across cuts, then the
   }
 }
 
+TEST_CASE("with link costs a stage costs its layers plus both cuts over their links: exact (brute force agrees)") {
+  std::mt19937 engine(11);
+  std::uniform_real_distribution<double> uniform(0.0, 1.0);
+  for (int trial = 0; trial < 80; ++trial) {
+    const int L = 3 + trial % 8, K = 2 + trial % std::min(L - 1, 4);
+    std::vector<double> costs(L), bytes(static_cast<std::size_t>(L) + 1, 0.0);
+    for (double& c : costs) c = std::floor(uniform(engine) * 20) + 1;
+    for (int b = 1; b < L; ++b) bytes[static_cast<std::size_t>(b)] = std::floor(uniform(engine) * 8) * 1000;
+    // Per link (some slow, some fast), as many as there are cuts, or fewer (reused mod size).
+    std::vector<double> link(static_cast<std::size_t>(1 + trial % (K - 1)));
+    for (double& l : link) l = uniform(engine) < 0.5 ? 1e-3 : 1e-2;
+    const Partition p = partition_min_max(costs, K, bytes, link);
+    const auto stage = [&](int s, int begin, int end) {
+      double c = 0;
+      for (int i = begin; i < end; ++i) c += costs[static_cast<std::size_t>(i)];
+      if (begin > 0) c += bytes[static_cast<std::size_t>(begin)] * link[static_cast<std::size_t>(s - 1) % link.size()];
+      if (end < L) c += bytes[static_cast<std::size_t>(end)] * link[static_cast<std::size_t>(s) % link.size()];
+      return c;
+    };
+    double best = 1e300;
+    std::vector<int> cuts;
+    std::function<void(int)> search = [&](int start) {
+      if (static_cast<int>(cuts.size()) == K - 1) {
+        double worst = 0;
+        for (int s = 0, begin = 0; s < K; ++s) {
+          const int end = s < K - 1 ? cuts[static_cast<std::size_t>(s)] : L;
+          worst = std::max(worst, stage(s, begin, end));
+          begin = end;
+        }
+        best = std::min(best, worst);
+        return;
+      }
+      for (int cut = start; cut <= L - (K - 1 - static_cast<int>(cuts.size())); ++cut) {
+        cuts.push_back(cut);
+        search(cut + 1);
+        cuts.pop_back();
+      }
+    };
+    search(1);
+    INFO("trial ", trial, ": L ", L, ", K ", K, ", partition ", p.to_text());
+    REQUIRE(p.comm_cost.size() == static_cast<std::size_t>(K));
+    double worst = 0;
+    for (int s = 0; s < K; ++s) {
+      CHECK(p.stage_total(s) == doctest::Approx(stage(s, p.begin(s), p.end(s))).epsilon(1e-12));
+      worst = std::max(worst, p.stage_total(s));
+    }
+    CHECK(worst <= best * (1 + partition_near));
+    CHECK(worst >= best);
+  }
+  // A slow link moves a cut off a big activation that the compute alone would cut at.
+  const std::vector<double> costs = {1, 1, 1, 1.5}, bytes = {0, 10, 1000, 10, 0};
+  CHECK(partition_min_max(costs, 2, bytes).to_text() == "0-1 | 2-3");
+  CHECK(partition_min_max(costs, 2, bytes, {1e-4}).to_text() == "0-1 | 2-3");  // 2.6 against 3.001
+  const Partition slow = partition_min_max(costs, 2, bytes, {1e-2});           // 12 against 3.1
+  CHECK(slow.to_text() == "0-2 | 3-3");
+  CHECK(slow.comm_cost == std::vector<double>{0.1, 0.1});
+  CHECK(partition_min_max(costs, 2, bytes).comm_cost.empty());
+}
+
+TEST_CASE("--link-bandwidth: auto, off, or a positive number of GB/s") {
+  CHECK(parse_link_bandwidth("auto") == -1);
+  CHECK(parse_link_bandwidth("off") == 0);
+  CHECK(parse_link_bandwidth("12.5") == doctest::Approx(1.0 / 12.5e9));
+  CHECK_THROWS_AS(parse_link_bandwidth("fast"), UserError);
+  CHECK_THROWS_AS(parse_link_bandwidth("0"), UserError);
+  CHECK_THROWS_AS(parse_link_bandwidth("-3"), UserError);
+  CHECK_THROWS_AS(parse_link_bandwidth("1e999"), UserError);
+  CHECK_THROWS_AS(parse_link_bandwidth("nan"), UserError);
+  CHECK_THROWS_AS(parse_link_bandwidth("4 GB/s"), UserError);
+}
+
 TEST_CASE("GPT-2 small on 8 stages: the loss stays with the LM head, no stage of the loss alone") {
   ModelConfig m;
   m.kind = "gpt";
@@ -319,7 +390,7 @@ TEST_CASE("partition errors are user errors") {
 TEST_CASE("schedule files: every built-in schedule round-trips through its text, and runs as itself") {
   for (int K = 1; K <= 5; ++K)
     for (int M = 1; M <= 8; ++M)
-      for (const std::string name : schedule_names()) {
+      for (const std::string& name : schedule_names()) {
         const int v = name == "interleaved" ? 2 : 1;
         if (M % K != 0 && v > 1) continue;
         CAPTURE(K);

@@ -72,6 +72,10 @@ class Communicator {
   void broadcast(std::span<T> data, int root) const;
   void broadcast(std::string& text, int root) const;  // any length
   void barrier() const;
+  // Seconds one message of `bytes` takes from this rank to `peer`, which calls this too
+  // (one of the two with `initiator`): the best of `rounds` round trips, halved, after an
+  // unmeasured one that touches the buffers. Host memory; blocking.
+  double ping_pong(int peer, std::size_t bytes, bool initiator, int rounds = 5) const;
 
  private:
   static Communicator own(Communicator& fresh);  // takes a new handle: freed, errors returned

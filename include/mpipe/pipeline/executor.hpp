@@ -47,6 +47,7 @@ struct PipelineConfig {
   std::string batchnorm = "micro"; // micro | deferred: when BatchNorm's running statistics move
   std::string partition = "flops"; // uniform | params | flops | time
   std::string balance;             // "a,b,..." layers per stage; overrides partition
+  std::string link_bandwidth = "auto";  // auto | off | GB/s: links counted by --partition time
   double p2p_timeout = 600.0;      // seconds a point-to-point wait may block
   std::string comm_progress = "thread";  // thread | layers | waits (pipeline/progress.hpp)
   double comm_poll_us = 5000;      // the progress thread's poll interval while nothing moves, microseconds

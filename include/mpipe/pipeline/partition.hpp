@@ -14,6 +14,10 @@ namespace mpipe {
 struct Partition {
   std::vector<int> bounds;        // K·v + 1 layer indices: model stage s owns [bounds[s], bounds[s+1])
   std::vector<double> layer_cost; // the costs it was made from (empty for --balance)
+  // When communication was counted: each model stage's cost of moving its boundary
+  // activations and gradients (in the costs' unit), and the links' cost per byte, link l
+  // joining model stage l to l + 1 (index l mod size). Both empty otherwise.
+  std::vector<double> comm_cost, link_cost_per_byte;
   int virtual_stages = 1;         // v: model stages per pipeline stage, round robin
   int stages() const { return static_cast<int>(bounds.size()) - 1; }  // model stages
   // The pipeline stage (the rank of a replica) holding model stage `s`.
@@ -21,7 +25,8 @@ struct Partition {
   int begin(int stage) const { return bounds[stage]; }
   int end(int stage) const { return bounds[stage + 1]; }
   int stage_of(int layer) const;  // the stage holding global layer `layer`
-  double stage_cost(int stage) const;
+  double stage_cost(int stage) const;  // compute alone
+  double stage_total(int stage) const { return stage_cost(stage) + (comm_cost.empty() ? 0.0 : comm_cost[stage]); }
   std::string to_text() const;    // "0-3 | 4-7"
 };
 
@@ -34,9 +39,15 @@ inline constexpr double partition_near = 0.01;
 // Minimises the largest stage cost over contiguous partitions into `stages` non-empty
 // ranges, exactly; among the partitions within `partition_near` of it, the one with the
 // fewest bytes crossing its cuts (`boundary_bytes`, when given: see boundary_bytes()),
-// then the most even stages. UserError if there are more stages than layers.
+// then the most even stages. With `link_cost_per_byte` (needs boundary_bytes), a stage's
+// cost is its layers' plus the bytes of both its cuts times the cost per byte of the link
+// each crosses (link l joins model stage l to l + 1; index l mod size): a stage moves its
+// input and output activations and gradients in its own time, which is how a pipeline
+// pays for them where messages do not overlap its compute. UserError if there are more
+// stages than layers.
 Partition partition_min_max(const std::vector<double>& layer_costs, int stages,
-                            const std::vector<double>& boundary_bytes = {});
+                            const std::vector<double>& boundary_bytes = {},
+                            const std::vector<double>& link_cost_per_byte = {});
 // Bytes that cross a cut before layer b, at [b] (1 <= b < layers; [0] and [layers] are
 // 0): its input activation per micro-batch of `micro` samples, and the same again for
 // the gradient that comes back (none for token inputs).
@@ -51,9 +62,16 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
 
 // The partition --balance (layers per model stage) or, without it, --partition `method`
 // asks for: the exact min-max of the layer costs with the cut sizes of boundary_bytes(),
-// into stages · virtual_stages model stages; `measured`: the layer times of --partition time.
+// into stages · virtual_stages model stages; `measured`: the layer times of --partition
+// time, and `link_seconds_per_byte` (--partition time only: the costs are then seconds)
+// the links between pipeline ranks, link r from rank r to r + 1 mod stages.
 Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
-                           int micro, const std::vector<double>& measured = {}, int virtual_stages = 1);
+                           int micro, const std::vector<double>& measured = {}, int virtual_stages = 1,
+                           const std::vector<double>& link_seconds_per_byte = {});
+
+// --link-bandwidth: "auto" (measured by train), "off", or GB/s (> 0). Seconds per byte
+// for a number, 0 for off, -1 for auto; UserError otherwise.
+double parse_link_bandwidth(const std::string& text);
 
 std::vector<int> parse_balance(const std::string& text);  // "2,3,3"; UserError if malformed
 
