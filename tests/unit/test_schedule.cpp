@@ -230,6 +230,26 @@ TEST_CASE("the partitioner finds the exact min-max split (brute force agrees)") 
     }
 }
 
+// Calls visit(bounds) for every partition of L layers into K non-empty contiguous stages
+// (bounds: K + 1 layer indices, as Partition::bounds).
+static void for_each_partition(int L, int K, const std::function<void(const std::vector<int>&)>& visit) {
+  std::vector<int> bounds = {0};
+  std::function<void(int)> search = [&](int start) {
+    if (static_cast<int>(bounds.size()) == K) {
+      bounds.push_back(L);
+      visit(bounds);
+      bounds.pop_back();
+      return;
+    }
+    for (int cut = start; cut <= L - (K - static_cast<int>(bounds.size())); ++cut) {
+      bounds.push_back(cut);
+      search(cut + 1);
+      bounds.pop_back();
+    }
+  };
+  search(1);
+}
+
 TEST_CASE("among near-optimal partitions: the fewest bytes across cuts, then the most even (brute force agrees)") {
   // Random costs and boundary sizes; every partition of L layers into K stages listed.
   std::mt19937 engine(7);
@@ -244,30 +264,17 @@ TEST_CASE("among near-optimal partitions: the fewest bytes across cuts, then the
       double worst, crossing, squares;
     };
     std::vector<Found> all;
-    std::vector<int> cuts;
-    std::function<void(int)> search = [&](int start) {
-      if (static_cast<int>(cuts.size()) == K - 1) {
-        Found f{0, 0, 0};
-        int begin = 0;
-        for (std::size_t s = 0; s <= cuts.size(); ++s) {
-          const int end = s < cuts.size() ? cuts[s] : L;
-          double c = 0;
-          for (int i = begin; i < end; ++i) c += costs[static_cast<std::size_t>(i)];
-          f.worst = std::max(f.worst, c);
-          f.squares += c * c;
-          if (s < cuts.size()) f.crossing += bytes[static_cast<std::size_t>(end)];
-          begin = end;
-        }
-        all.push_back(f);
-        return;
+    for_each_partition(L, K, [&](const std::vector<int>& bounds) {
+      Found f{0, 0, 0};
+      for (int s = 0; s < K; ++s) {
+        double c = 0;
+        for (int i = bounds[s]; i < bounds[s + 1]; ++i) c += costs[static_cast<std::size_t>(i)];
+        f.worst = std::max(f.worst, c);
+        f.squares += c * c;
+        if (s > 0) f.crossing += bytes[static_cast<std::size_t>(bounds[s])];
       }
-      for (int cut = start; cut <= L - (K - 1 - static_cast<int>(cuts.size())); ++cut) {
-        cuts.push_back(cut);
-        search(cut + 1);
-        cuts.pop_back();
-      }
-    };
-    search(1);
+      all.push_back(f);
+    });
     double best = 1e300;
     for (const Found& f : all) best = std::min(best, f.worst);
     double fewest = 1e300, evenest = 1e300;
@@ -308,25 +315,11 @@ TEST_CASE("with link costs a stage costs its layers plus both cuts over their li
       return c;
     };
     double best = 1e300;
-    std::vector<int> cuts;
-    std::function<void(int)> search = [&](int start) {
-      if (static_cast<int>(cuts.size()) == K - 1) {
-        double worst = 0;
-        for (int s = 0, begin = 0; s < K; ++s) {
-          const int end = s < K - 1 ? cuts[static_cast<std::size_t>(s)] : L;
-          worst = std::max(worst, stage(s, begin, end));
-          begin = end;
-        }
-        best = std::min(best, worst);
-        return;
-      }
-      for (int cut = start; cut <= L - (K - 1 - static_cast<int>(cuts.size())); ++cut) {
-        cuts.push_back(cut);
-        search(cut + 1);
-        cuts.pop_back();
-      }
-    };
-    search(1);
+    for_each_partition(L, K, [&](const std::vector<int>& bounds) {
+      double worst = 0;
+      for (int s = 0; s < K; ++s) worst = std::max(worst, stage(s, bounds[s], bounds[s + 1]));
+      best = std::min(best, worst);
+    });
     INFO("trial ", trial, ": L ", L, ", K ", K, ", partition ", p.to_text());
     REQUIRE(p.comm_cost.size() == static_cast<std::size_t>(K));
     double worst = 0;
