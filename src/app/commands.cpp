@@ -123,6 +123,12 @@ std::string human_bytes(double bytes) {
   return text;
 }
 
+std::string fixed(double x, int digits) {
+  char text[32];
+  std::snprintf(text, sizeof text, "%.*f", digits, x);
+  return text;
+}
+
 std::string human_count(double n) {
   char text[32];
   if (n >= 1e9) std::snprintf(text, sizeof text, "%.2fG", n / 1e9);
@@ -203,11 +209,6 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
               part.to_text().c_str());
   if (!part.comm_cost.empty()) {
     // Link l joins model stage l to l + 1; with virtual stages the last one returns to rank 0.
-    const auto fixed = [](double x, int digits) {
-      char text[32];
-      std::snprintf(text, sizeof text, "%.*f", digits, x);
-      return std::string(text);
-    };
     std::string links, work, comm;
     for (int l = 0; l < (v > 1 ? K : K - 1); ++l)
       links += cat(l ? ", " : "", l, "->", (l + 1) % K, " ",

@@ -45,9 +45,9 @@ Cost Conv2d::cost(const Shape& in) const {
   const double macs = static_cast<double>(w.N * w.OC * w.OH * w.OW) * static_cast<double>(w.C / w.groups * w.KH * w.KW);
   const double params = static_cast<double>(w.OC * (w.C / w.groups) * w.KH * w.KW + (has_bias_ ? w.OC : 0));
   // Held until the step ends: the output, and the im2col scratch of the forward and of
-  // the backward (arena memory lives for the step).
-  const double held = 4.0 * static_cast<double>(w.N * w.OC * w.OH * w.OW) + 2 * 4.0 * static_cast<double>(ops::conv2d_scratch(w));
+  // the backward (arena memory lives for the step). W keeps the output's gradient.
   const double output = 4.0 * static_cast<double>(w.N * w.OC * w.OH * w.OW);
+  const double held = output + 2 * 4.0 * static_cast<double>(ops::conv2d_scratch(w));
   return {2 * macs, 4 * macs, 4 * params, held, 2 * macs, output};
 }
 

@@ -42,16 +42,15 @@ inline float exp_clamped(float x) {
 constexpr float kGeluScale = 0.7978845608028654f;  // sqrt(2 / pi)
 constexpr float kGeluCubic = 0.044715f;
 
-inline float gelu_value(float x) {
-  const float u = kGeluScale * (x + kGeluCubic * x * x * x);
-  return x / (1.0f + exp_clamped(-2.0f * u));
-}
+// e^(-2u), the one transcendental both directions need.
+inline float gelu_exp(float x) { return exp_clamped(-2.0f * kGeluScale * (x + kGeluCubic * x * x * x)); }
+
+inline float gelu_value(float x) { return x / (1.0f + gelu_exp(x)); }
 
 // d gelu / dx = s + x (1 - tanh^2 u) u' / 2 = s + 2 x s (1 - s) u', with s = 1 / (1 + e),
 // e = e^(-2u); 1 - s is taken as e s, which does not cancel where s is near 1.
 inline float gelu_derivative(float x) {
-  const float u = kGeluScale * (x + kGeluCubic * x * x * x);
-  const float e = exp_clamped(-2.0f * u);
+  const float e = gelu_exp(x);
   const float s = 1.0f / (1.0f + e);
   const float du = kGeluScale * (1.0f + 3.0f * kGeluCubic * x * x);
   return s + 2.0f * x * ((e * s) * s) * du;
