@@ -490,6 +490,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--heads", m.heads, "Attention heads (gpt)")->capture_default_str();
   cmd.add_option("--seq-len", m.seq_len, "Tokens per sample (gpt)")->capture_default_str();
   cmd.add_option("--vocab", m.vocab, "Vocabulary size (gpt)")->capture_default_str();
+  cmd.add_option("--head-chunks", m.head_chunks,
+                 "The LM head as this many vocabulary chunks, layers a pipeline can put on different stages "
+                 "(gpt; 1: one linear layer)")->capture_default_str();
   cmd.add_option("--hidden", m.hidden, "Width of the hidden layers (mlp)")->capture_default_str();
   cmd.add_option("--inputs", m.inputs, "Input features (mlp)")->capture_default_str();
   cmd.add_option("--classes", m.classes, "Output classes (mlp, resnet)")->capture_default_str();

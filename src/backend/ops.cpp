@@ -284,6 +284,42 @@ int64_t count_correct(const Tensor& logits, const Tensor& targets) {
   return cpu::count_correct(host.data(), wanted.data(), N, V);
 }
 
+void vocab_chunk_forward(const Tensor& out, const Tensor& in, const Tensor& z, const Tensor& targets, int64_t v0) {
+  cpu_only("the vocabulary chunk of a head", z);
+  const int64_t N = z.shape.rows(), V = z.shape[-1];
+  MPIPE_CHECK(out.numel() == 4 * N && (in.empty() || in.numel() == 4 * N) && targets.numel() == N,
+              "vocab chunk: statistics of ", out.numel(), " for ", N, " rows");
+  cpu::vocab_chunk_forward(out.f32(), ptr_or_null<float>(in), z.f32(), targets.i32(), N, V, v0);
+}
+
+void vocab_chunk_backward(const Tensor& dz, const Tensor& din, const Tensor& dout, const Tensor& z, const Tensor& in,
+                          const Tensor& out, const Tensor& targets, int64_t v0, GradMode mode) {
+  cpu_only("the vocabulary chunk of a head", z);
+  const int64_t N = z.shape.rows(), V = z.shape[-1];
+  MPIPE_CHECK(dz.shape == z.shape && dout.numel() == 4 * N && (din.empty() || din.numel() == 4 * N), "vocab chunk backward shapes");
+  cpu::vocab_chunk_backward(dz.f32(), ptr_or_null<float>(din), dout.f32(), z.f32(), ptr_or_null<float>(in), out.f32(),
+                            targets.i32(), N, V, v0, mode);
+}
+
+double vocab_loss_forward(const Tensor& lse, const Tensor& stats, const Tensor& targets, int64_t vocab) {
+  cpu_only("the loss of a head split over the vocabulary", stats);
+  const int64_t N = lse.numel();
+  MPIPE_CHECK(stats.numel() == 4 * N && targets.numel() == N, "vocab loss: ", targets.numel(), " targets for ", N, " rows");
+  return cpu::vocab_loss_forward(lse.f32(), stats.f32(), targets.i32(), N, vocab);
+}
+
+void vocab_loss_backward(const Tensor& dstats, const Tensor& stats, float scale) {
+  cpu_only("the loss of a head split over the vocabulary", stats);
+  MPIPE_CHECK(dstats.numel() == stats.numel() && stats.numel() % 4 == 0, "vocab loss backward shapes");
+  cpu::vocab_loss_backward(dstats.f32(), stats.f32(), scale, stats.numel() / 4);
+}
+
+int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets) {
+  cpu_only("the loss of a head split over the vocabulary", stats);
+  MPIPE_CHECK(stats.numel() == 4 * targets.numel(), "vocab count: ", targets.numel(), " targets");
+  return cpu::vocab_count_correct(stats.f32(), targets.i32(), targets.numel());
+}
+
 int64_t conv2d_scratch(const Window2d& w) { return cpu::conv2d_cols(w); }
 
 void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& cols,

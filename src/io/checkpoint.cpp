@@ -172,8 +172,9 @@ std::vector<int> writer_stages(const Model& model, const Partition& part, const 
   std::vector<int> copy_stage(params.size(), -1);
   for (std::size_t i = 0; i < params.size(); ++i) {
     writer[i] = part.stage_of(params[i].layer);
-    const int copy = model.copy_layer_of(params[i].layer, params[i].name);
-    if (copy >= 0) copy_stage[i] = part.stage_of(copy);
+    // A copy of all of it (not of some rows: a vocabulary chunk of the head) may write it.
+    const auto ties = model.ties_of(params[i].layer, params[i].name);
+    if (ties.size() == 1 && ties[0]->whole) copy_stage[i] = part.stage_of(ties[0]->copy_layer);
     if (copy_stage[i] < 0 || copy_stage[i] == writer[i]) bytes[writer[i]] += static_cast<double>(params[i].shape.numel());
   }
   for (std::size_t i = 0; i < params.size(); ++i)
@@ -770,20 +771,29 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
       throw Error("optimizer mismatch");
     }
     const auto names = exec.optimizer().state_names();
+    std::vector<float> rows;  // a row copy's owner, whole
     for (const ParamEntry& e : store.entries()) {
       if (e.alias) continue;  // the owner's values, loaded with the owner
       // A tied copy on another stage loads the owner's values and state.
       const std::string key = "/" + layer_key(e.owner_layer) + "/" +
                               (e.tied_copy ? exec.model().layer(e.owner_layer).param_specs()[e.owner_index].name : e.name);
-      if (auto p = read_checked(file.get(), "/model" + key, store.params().data() + e.param_offset,
-                                static_cast<std::size_t>(e.numel())))
-        throw Error(cat("'", path, "': ", *p));
+      // A copy of some of the owner's rows reads the owner's dataset and keeps its rows.
+      const std::size_t whole = e.tied_copy ? static_cast<std::size_t>(
+                                                  exec.model().layer(e.owner_layer).param_specs()[e.owner_index].shape.numel())
+                                            : static_cast<std::size_t>(e.numel());
+      auto read = [&](const std::string& name, float* out) {
+        float* into = out;
+        if (whole != static_cast<std::size_t>(e.numel())) {
+          rows.resize(whole);
+          into = rows.data();
+        }
+        if (auto p = read_checked(file.get(), name, into, whole)) throw Error(cat("'", path, "': ", *p));
+        if (into != out) std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(e.owner_element), e.numel(), out);
+      };
+      read("/model" + key, store.params().data() + e.param_offset);
       if (!state.optimizer.empty())
         for (std::size_t s = 0; s < names.size(); ++s)
-          if (auto p = read_checked(file.get(), "/optimizer/" + names[s] + key,
-                                    exec.optimizer().state(static_cast<int>(s)).data() + e.offset,
-                                    static_cast<std::size_t>(e.numel())))
-            throw Error(cat("'", path, "': ", *p));
+          read("/optimizer/" + names[s] + key, exec.optimizer().state(static_cast<int>(s)).data() + e.offset);
     }
   } catch (const std::exception& e) {
     problem = e.what();

@@ -81,6 +81,7 @@ std::string to_toml(const TrainConfig& c) {
     line("heads", cat(m.heads));
     line("seq-len", cat(m.seq_len));
     line("vocab", cat(m.vocab));
+    line("head-chunks", cat(m.head_chunks));
   } else if (m.kind == "mlp") {
     line("hidden", cat(m.hidden));
     line("inputs", cat(m.inputs));

@@ -96,6 +96,8 @@ void validate(const ModelConfig& c) {
                   "--d-model ", c.d_model, " is not divisible by --heads ", c.heads);
     MPIPE_REQUIRE(c.seq_len > 0, hint, "--seq-len must be positive, got ", c.seq_len);
     MPIPE_REQUIRE(c.vocab > 0, hint, "--vocab must be positive, got ", c.vocab);
+    MPIPE_REQUIRE(c.head_chunks >= 1 && c.head_chunks <= c.vocab, "give from 1 (one linear head) to --vocab",
+                  "--head-chunks must be from 1 to the vocabulary's ", c.vocab, ", got ", c.head_chunks);
   } else if (c.kind == "mlp") {
     MPIPE_REQUIRE(c.hidden > 0, hint, "--hidden must be positive, got ", c.hidden);
     MPIPE_REQUIRE(c.inputs > 0, hint, "--inputs must be positive, got ", c.inputs);
@@ -125,8 +127,13 @@ ModelSpec model_spec(const ModelConfig& c) {
     for (int i = 0; i < c.layers; ++i)
       spec.layers.push_back({"block", Options{{"heads", std::int64_t{c.heads}}, {"dropout", static_cast<double>(c.dropout)}}});
     spec.layers.push_back({"layernorm", {}});
-    // The LM head is the token embedding, transposed.
-    spec.layers.push_back({"linear", Options{{"out", std::int64_t{c.vocab}}, {"bias", false}, {"tie", std::int64_t{0}}}});
+    // The LM head is the token embedding, transposed: one layer, or chunks of the
+    // vocabulary that a pipeline can spread over stages.
+    if (c.head_chunks == 1)
+      spec.layers.push_back({"linear", Options{{"out", std::int64_t{c.vocab}}, {"bias", false}, {"tie", std::int64_t{0}}}});
+    for (int i = 0; c.head_chunks > 1 && i < c.head_chunks; ++i)
+      spec.layers.push_back({"vocab-chunk", Options{{"vocab", std::int64_t{c.vocab}}, {"chunk", std::int64_t{i}},
+                                                    {"chunks", std::int64_t{c.head_chunks}}, {"tie", std::int64_t{0}}}});
   } else {
     spec.input = {c.inputs};
     for (int i = 0; i < c.layers; ++i) {
@@ -151,14 +158,19 @@ Model::Model(const ModelConfig& config) : config_(config), spec_(model_spec(conf
   for (int i = 0; i < size(); ++i) {
     layers_[i]->set_global_index(i);
     for (const ParamSpec& spec : layers_[i]->param_specs())
-      if (spec.tied_layer >= 0) ties_.push_back({spec.tied_layer, spec.tied_name, i});
+      if (spec.tied_layer >= 0) {
+        const bool whole = spec.tied_rows_end < 0;
+        ties_.push_back({spec.tied_layer, spec.tied_name, i, whole ? 0 : spec.tied_rows_begin,
+                         whole ? spec.shape[0] : spec.tied_rows_end, whole});
+      }
   }
 }
 
-int Model::copy_layer_of(int layer, const std::string& name) const {
+std::vector<const Model::Tie*> Model::ties_of(int layer, const std::string& name) const {
+  std::vector<const Tie*> out;
   for (const Tie& tie : ties_)
-    if (tie.owner_layer == layer && tie.name == name) return tie.copy_layer;
-  return -1;
+    if (tie.owner_layer == layer && tie.name == name) out.push_back(&tie);
+  return out;
 }
 
 Shape Model::input_shape(int64_t batch) const {
@@ -198,7 +210,12 @@ void Model::check_loss_input(const std::string& file) const {
   }
 }
 
-int64_t Model::classes() const { return shapes(1)[static_cast<std::size_t>(size()) - 1][-1]; }
+int64_t Model::classes() const {
+  // After a head split over the vocabulary the loss gets statistics, not logits.
+  if (size() > 1 && spec_.layers[static_cast<std::size_t>(size()) - 2].kind == "vocab-chunk")
+    return std::get<std::int64_t>(spec_.layers[static_cast<std::size_t>(size()) - 2].options.at("vocab"));
+  return shapes(1)[static_cast<std::size_t>(size()) - 1][-1];
+}
 
 std::vector<Shape> Model::shapes(int64_t batch) const {
   std::vector<Shape> out{input_shape(batch)};

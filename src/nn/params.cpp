@@ -29,8 +29,10 @@ namespace {
 // Every view starts on a 64-byte boundary.
 std::size_t padded(std::int64_t n) { return static_cast<std::size_t>((n + 15) / 16 * 16); }
 
+// Elements [first, first + n) of the parameter `spec` of (layer, index): a tied copy of
+// some of the owner's rows draws exactly those of the owner's values.
 void initialise(float* data, std::int64_t n, const ParamSpec& spec, std::uint64_t seed, int layer,
-                int index) {
+                int index, std::int64_t first = 0) {
   switch (spec.init) {
     case Init::zeros:
       std::fill(data, data + n, 0.0f);
@@ -43,12 +45,16 @@ void initialise(float* data, std::int64_t n, const ParamSpec& spec, std::uint64_
       const RandomStream stream = make_stream(seed, Stream::init, static_cast<std::uint32_t>(layer),
                                               static_cast<std::uint32_t>(index), 0);
       constexpr std::int64_t chunk = 1 << 16;  // a multiple of 4: chunks start on block boundaries
+      const std::int64_t lead = first % 4;      // elements of the first block before `first`
 #pragma omp parallel for schedule(static)
-      for (std::int64_t begin = 0; begin < n; begin += chunk) {
-        const std::int64_t count = std::min(chunk, n - begin);
+      for (std::int64_t begin = 0; begin < n + lead; begin += chunk) {
+        const std::int64_t count = std::min(chunk, n + lead - begin);
         for (std::int64_t b = 0; b * 4 < count; ++b) {  // element i is normals4(i / 4)[i % 4]
-          const auto v = stream.normals4(static_cast<std::uint64_t>((begin / 4) + b));
-          for (std::int64_t j = 0; j < 4 && b * 4 + j < count; ++j) data[begin + b * 4 + j] = spec.std * v[j];
+          const auto v = stream.normals4(static_cast<std::uint64_t>((first - lead + begin) / 4 + b));
+          for (std::int64_t j = 0; j < 4 && b * 4 + j < count; ++j) {
+            const std::int64_t at = begin + b * 4 + j - lead;
+            if (at >= 0) data[at] = spec.std * v[j];
+          }
         }
       }
       break;
@@ -98,14 +104,24 @@ ParamStore::ParamStore(Model& model, std::vector<int> layers, std::uint64_t seed
         for (int j = 0; j < static_cast<int>(owner_specs.size()); ++j)
           if (owner_specs[j].name == spec.tied_name) owner_index = j;
         MPIPE_CHECK(owner_index >= 0, "tied parameter ", spec.tied_name, " not found");
-        MPIPE_CHECK(owner_specs[owner_index].shape == spec.shape, "tied shapes differ");
+        const Shape& owner = owner_specs[owner_index].shape;
+        if (spec.tied_rows_end < 0) {
+          MPIPE_CHECK(owner == spec.shape, "tied shapes differ");
+        } else {
+          const std::int64_t row = owner.numel() / owner[0];
+          MPIPE_CHECK(0 <= spec.tied_rows_begin && spec.tied_rows_begin < spec.tied_rows_end &&
+                          spec.tied_rows_end <= owner[0] && spec.shape[0] == spec.tied_rows_end - spec.tied_rows_begin &&
+                          spec.shape.numel() / spec.shape[0] == row,
+                      "tied rows ", spec.tied_rows_begin, "..", spec.tied_rows_end, " of ", owner.str(), " as ", spec.shape.str());
+          e.owner_element = static_cast<std::size_t>(spec.tied_rows_begin * row);
+        }
         e.owner_layer = spec.tied_layer;
         e.owner_index = owner_index;
         e.tied_copy = true;
         for (const ParamEntry& other : entries_)
           if (other.layer == e.owner_layer && other.index == owner_index) {
             e.alias = true;
-            e.param_offset = other.offset;
+            e.param_offset = other.offset + e.owner_element;
           }
       }
       e.offset = total;
@@ -121,7 +137,7 @@ ParamStore::ParamStore(Model& model, std::vector<int> layers, std::uint64_t seed
     const auto owner_specs = e.owner_layer == e.layer ? specs[static_cast<std::size_t>(e.layer)]
                                                       : model.layer(e.owner_layer).param_specs();
     initialise(params_.data() + e.offset, e.numel(), owner_specs[e.owner_index], seed, e.owner_layer,
-               e.owner_index);
+               e.owner_index, static_cast<std::int64_t>(e.owner_element));
   }
   bind_layers();
 }
@@ -255,7 +271,9 @@ void ParamStore::sum_local_tied_grads() {
     for (const ParamEntry& owner : entries_)
       if (owner.layer == copy.owner_layer && owner.index == copy.owner_index) {
         // The copy's values are the owner's, so only the owner's gradient may count.
-        ops::add(grad(owner), grad(copy));
+        Tensor rows = grad(copy);
+        rows.data = static_cast<float*>(grad(owner).data) + copy.owner_element;
+        ops::add(rows, grad(copy));
         ops::zero(grad(copy));
       }
   }

@@ -12,6 +12,7 @@
 #include "mpipe/core/error.hpp"
 #include "mpipe/core/toml_text.hpp"
 #include "mpipe/nn/conv_layers.hpp"
+#include "mpipe/nn/vocab_layers.hpp"
 
 namespace mpipe {
 
@@ -106,6 +107,23 @@ Window2d image_window(const LayerArgs& a, std::int64_t kernel, std::int64_t stri
   return w;
 }
 
+// The layer's `tie` option: -1 (none), or the index of an earlier embedding whose token
+// table is `rows` x `width`, the shape of the weight (`what`: "weight", "head's") tied to it.
+int tied_table(const LayerArgs& a, std::int64_t rows, std::int64_t width, const char* what) {
+  const auto tie = std::get<std::int64_t>(a.spec.options.at("tie"));
+  if (tie == -1) return -1;
+  if (tie < 0) a.refuse("tie", cat("must be a layer index or -1 (none), got ", tie), "give the embedding's index");
+  if (a.nested) a.refuse("tie", "cannot tie a layer inside a residual block", "tie the model's head, not a block's layer");
+  if (tie >= a.index || a.model.layers[static_cast<std::size_t>(tie)].kind != "embedding")
+    a.refuse("tie", cat(tie, " is not an earlier embedding layer"), "give the index of the embedding");
+  const LayerSpec& e = a.model.layers[static_cast<std::size_t>(tie)];
+  const auto vocab = std::get<std::int64_t>(e.options.at("vocab")), out = std::get<std::int64_t>(e.options.at("out"));
+  if (vocab != rows || out != width)
+    a.refuse("tie", cat("the embedding's table is ", vocab, " x ", out, ", this ", what, " ", rows, " x ", width),
+             "tie a layer of out = vocab after channels = the embedding's out");
+  return static_cast<int>(tie);
+}
+
 std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int index, const Shape& input,
                              const std::string& where, bool nested);
 std::vector<std::unique_ptr<Layer>> projection(const LayerArgs& a, const Shape& in, const Shape& out);
@@ -155,20 +173,8 @@ std::vector<LayerKind> make_kinds() {
                [](const LayerArgs& a) -> std::unique_ptr<Layer> {
                  const std::int64_t in = channels(a), out = a.integer("out");
                  auto layer = std::make_unique<Linear>(in, out, a.boolean("bias"), static_cast<float>(a.number("init-std")));
-                 const auto tie = std::get<std::int64_t>(a.spec.options.at("tie"));
-                 if (tie >= 0) {
-                   if (a.nested) a.refuse("tie", "cannot tie a layer inside a residual block", "tie the model's head, not a block's layer");
-                   if (tie >= a.index || a.model.layers[static_cast<std::size_t>(tie)].kind != "embedding")
-                     a.refuse("tie", cat(tie, " is not an earlier embedding layer"), "give the index of the embedding");
-                   const LayerSpec& e = a.model.layers[static_cast<std::size_t>(tie)];
-                   const auto vocab = std::get<std::int64_t>(e.options.at("vocab")), width = std::get<std::int64_t>(e.options.at("out"));
-                   if (vocab != out || width != in)
-                     a.refuse("tie", cat("the embedding's table is ", vocab, " x ", width, ", this weight ", out, " x ", in),
-                              "tie a layer of out = vocab after channels = the embedding's out");
-                   layer->tie_weight(static_cast<int>(tie), "wte");
-                 } else if (tie != -1) {
-                   a.refuse("tie", cat("must be a layer index or -1 (none), got ", tie), "give the embedding's index");
-                 }
+                 const int tie = tied_table(a, out, in, "weight");
+                 if (tie >= 0) layer->tie_weight(tie, "wte");
                  return layer;
                }});
   k.push_back({"relu", "max(x, 0)", {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<ReLU>(); }});
@@ -265,8 +271,54 @@ std::vector<LayerKind> make_kinds() {
                  return std::make_unique<Residual>(std::move(inner), std::move(skip));
                },
                false});
-  k.push_back({"cross_entropy", "the loss: softmax cross-entropy of logits (.., classes) against targets; the last layer",
-               {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<CrossEntropyLoss>(); }});
+  k.push_back({"vocab-chunk",
+               "chunk c of n of a language-model head split over the vocabulary (an online softmax carried from "
+               "chunk to chunk, so a pipeline can spread the head over stages): (.., C) or the previous chunk's "
+               "(.., C + 4) -> (.., C + 4); the loss follows the last chunk",
+               {{"vocab", T::integer, std::nullopt, "tokens in the whole vocabulary"},
+                {"chunk", T::integer, std::nullopt, "which chunk, from 0; chunk c covers [c vocab / n, (c + 1) vocab / n)"},
+                {"chunks", T::integer, std::nullopt, "chunks the vocabulary is split into"},
+                init_std,
+                {"tie", T::integer, std::int64_t{-1}, "index of an earlier embedding whose token table's rows this weight is"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const std::int64_t vocab = a.integer("vocab"), chunks = a.integer("chunks"), chunk = a.integer("chunk", 0);
+                 if (chunks > vocab) a.refuse("chunks", cat(chunks, " is more than the ", vocab, " tokens"), "give at most vocab chunks");
+                 if (chunk >= chunks) a.refuse("chunk", cat(chunk, " is not below chunks = ", chunks), "number the chunks from 0");
+                 // The chunks come in order, one after another, then the loss.
+                 const LayerSpec* before = a.index > 0 ? &a.model.layers[static_cast<std::size_t>(a.index - 1)] : nullptr;
+                 const bool follows = before && before->kind == "vocab-chunk" &&
+                                      std::get<std::int64_t>(before->options.at("vocab")) == vocab &&
+                                      std::get<std::int64_t>(before->options.at("chunks")) == chunks &&
+                                      std::get<std::int64_t>(before->options.at("chunk")) == chunk - 1;
+                 if (chunk > 0 && !follows)
+                   a.refuse("chunk", cat(chunk, " does not follow chunk ", chunk - 1, " of the same vocab and chunks"), "put the chunks in order, one after another");
+                 if (chunk == 0 && before && before->kind == "vocab-chunk")
+                   a.refuse("chunk", "0 follows another chunk", "one head's chunks are 0 .. chunks - 1 in order");
+                 const std::size_t next = static_cast<std::size_t>(a.index + 1);
+                 const bool last = chunk == chunks - 1;
+                 if (next < a.model.layers.size() && a.model.layers[next].kind != (last ? "cross_entropy" : "vocab-chunk"))
+                   a.refuse("chunk", last ? "the last chunk must be followed by the loss (cross_entropy)" : cat("must be followed by chunk ", chunk + 1),
+                            "put the chunks in order, then the loss");
+                 if (a.input.rank < 2) a.refuse("kind", cat("needs (batch, …, channels), gets ", a.input.str()), "put it after a layer that makes channels");
+                 const std::int64_t C = chunk == 0 ? a.input[-1] : a.input[-1] - 4;
+                 const int tie = tied_table(a, vocab, C, "head's");
+                 return std::make_unique<VocabChunk>(vocab, chunk, chunks, C, static_cast<float>(a.number("init-std")), tie);
+               },
+               false});
+  k.push_back({"cross_entropy",
+               "the loss: softmax cross-entropy of logits (.., classes) against targets, or of the statistics of a "
+               "head split over the vocabulary (after its last vocab-chunk); the last layer",
+               {}, false, [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const LayerSpec* before = a.index > 0 ? &a.model.layers[static_cast<std::size_t>(a.index - 1)] : nullptr;
+                 if (before && before->kind == "vocab-chunk") {
+                   const auto chunk = std::get<std::int64_t>(before->options.at("chunk")),
+                              chunks = std::get<std::int64_t>(before->options.at("chunks"));
+                   if (chunk != chunks - 1) a.refuse("kind", cat("follows chunk ", chunk, " of ", chunks, ", not the last"), "give every chunk of the head");
+                   return std::make_unique<VocabLoss>(std::get<std::int64_t>(before->options.at("vocab")), a.input[-1] - 4);
+                 }
+                 return std::make_unique<CrossEntropyLoss>();
+               }});
   return k;
 }
 

@@ -196,6 +196,13 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
                 "--precision bf16 needs a GPU, and --device ", config.device == "cpu" ? "cpu" : "auto",
                 " chose the CPU");
   if (config.device == "cpu") return "device: cpu";
+  // The head's vocabulary chunks have no GPU kernels yet: one linear head instead, the
+  // same parameters (tied to the token table either way) and the same checkpoints.
+  std::string head;
+  if (config.model.kind == "gpt" && config.model.head_chunks > 1) {
+    head = cat("; the LM head as one layer, not ", config.model.head_chunks, " vocabulary chunks (no GPU kernels for them yet)");
+    config.model.head_chunks = 1;
+  }
   // Node-local rank modulo the GPUs this rank sees: one GPU per rank with one rank per
   // GPU, or ranks sharing GPUs round-robin when there are more ranks than GPUs.
   const Communicator node = Communicator::node(world);
@@ -204,7 +211,8 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
   const cuda::DeviceProperties p = cuda::properties(ordinal);
   return cat("device: cuda, ", p.name, " (sm_", p.major, p.minor, ", ", p.memory_bytes >> 30, " GiB); ", gpus,
              " GPU(s) and ", node.size(), " rank(s) per node; precision ", config.precision, "; MPI ",
-             mpi_cuda_aware() ? "CUDA-aware (messages from device memory)" : "not CUDA-aware (messages staged in pinned host memory)");
+             mpi_cuda_aware() ? "CUDA-aware (messages from device memory)" : "not CUDA-aware (messages staged in pinned host memory)",
+             head);
 }
 
 // Requests a failed step left behind are cancelled by Progress.
@@ -238,22 +246,20 @@ void Executor::connect() {
       p.balance.empty() && p.partition == "time" ? link_costs(p, *grid_, model_, micro_) : std::vector<double>{};
   partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, v, links);
   chunks_.clear();
-  for (int m = grid_->stage(); m < K * v; m += K)
-    chunks_.push_back({m, partition_.begin(m), partition_.end(m), m == 0, m == K * v - 1});
-  // Tied weights: every tie must join the same two stages (GPT has one tie).
-  int owner_stage = 0, copy_stage = 0;
-  bool found = false;
-  for (const Model::Tie& tie : model_.ties()) {
-    const int a = partition_.pipeline_stage(partition_.stage_of(tie.owner_layer)),
-              b = partition_.pipeline_stage(partition_.stage_of(tie.copy_layer));
-    MPIPE_CHECK(!found || (a == owner_stage && b == copy_stage), "tied weights across different stage pairs");
-    owner_stage = a;
-    copy_stage = b;
-    found = true;
+  for (int m = grid_->stage(); m < K * v; m += K) {
+    bool targets = false;
+    for (int i = partition_.begin(m); i < partition_.end(m); ++i) targets = targets || model_.layer(i).needs_targets();
+    chunks_.push_back({m, partition_.begin(m), partition_.end(m), m == 0, m == K * v - 1, targets});
   }
-  grid_->connect_tied(owner_stage, copy_stage);
+  // Tied weights: the stages holding an owner or a copy (GPT: the embedding and the
+  // head, or each of the head's vocabulary chunks) form one group per replica.
+  std::vector<int> tied_stages;
+  for (const Model::Tie& tie : model_.ties())
+    for (const int layer : {tie.owner_layer, tie.copy_layer})
+      tied_stages.push_back(partition_.pipeline_stage(partition_.stage_of(layer)));
+  grid_->connect_tied(tied_stages);
   // The data is an input: its problems are said before anything large is allocated.
-  if (grid_->first_stage() || grid_->last_stage()) {
+  if (needs_batch()) {
     dataset_ = make_dataset(config_.data, model_, config_.seed);
     if (!config_.eval_data.empty()) eval_dataset_ = make_dataset(config_.eval_data, model_, config_.seed, true);
   }
@@ -284,8 +290,7 @@ void Executor::allocate() {
     optimizer_->to_device();
   }
 
-  const bool first = grid_->first_stage(), last = grid_->last_stage();
-  if (first || last) {
+  if (needs_batch()) {
     const int share = config_.batch_size / D;
     const Shape in = model_.input_shape(share), tg = model_.target_shape(share);
     const std::size_t bytes = static_cast<std::size_t>(in.numel() + tg.numel()) * 4;
@@ -334,18 +339,26 @@ void Executor::allocate() {
   }
   bucket_tickets_.assign(buckets_.size(), Progress::none);
 
-  // Tied weights split over stages: the owner's and the copy's gradient spans, in entry
-  // order (the owner and the copy each hold one entry per tie, so the two ranks agree).
+  // Tied weights split over stages: each copy held apart from its owner sums its
+  // gradient with the owner's rows it is, one exchange per tie between the two stages.
+  // Every rank lists its spans in entry order and tags them with the tie's index, so
+  // the two ranks of a tie agree (an alias copy is summed locally).
   tied_spans_.clear();
   if (K > 1) {
+    const auto& ties = model_.ties();
+    auto stage_of = [&](int layer) { return partition_.pipeline_stage(partition_.stage_of(layer)); };
     for (const ParamEntry& e : params_->entries()) {
-      // A copy held apart from its owner, or an owner whose copy is on a later stage (an
-      // alias copy is summed locally).
-      const int copy = model_.copy_layer_of(e.layer, e.name);
-      const bool tied = (e.tied_copy && !e.alias) || (copy >= 0 && !holds(copy));
-      if (tied) {
+      for (std::size_t t = 0; t < ties.size(); ++t) {
+        const Model::Tie& tie = ties[t];
+        const bool copy_here = e.tied_copy && !e.alias && tie.copy_layer == e.layer;
+        const bool owner_here = !e.tied_copy && tie.owner_layer == e.layer && tie.name == e.name && !holds(tie.copy_layer);
+        if (!copy_here && !owner_here) continue;
         MPIPE_CHECK(!grid_->tied().null(), "stage ", grid_->stage(), " holds a tied weight but no tied group");
-        tied_spans_.push_back({e.layer, e.offset, static_cast<std::size_t>(e.numel()), nullptr});
+        const std::size_t row = static_cast<std::size_t>(e.numel() / e.shape[0]);
+        const std::size_t offset = copy_here ? e.offset : e.offset + static_cast<std::size_t>(tie.rows_begin) * row;
+        const std::size_t count = static_cast<std::size_t>(tie.rows_end - tie.rows_begin) * row;
+        tied_spans_.push_back({e.layer, offset, count, stage_of(copy_here ? tie.owner_layer : tie.copy_layer),
+                               static_cast<int>(t), nullptr});
       }
     }
   }
@@ -366,8 +379,8 @@ void Executor::allocate() {
                                          });
   for (std::size_t i = 0; i < tied_spans_.size(); ++i) {
     TiedSpan& t = tied_spans_[i];
-    t.sum = std::make_unique<PairSum>(grid_->tied(), *progress_, device_, cuda_aware_,
-                                      params_->grads().subspan(t.offset, t.count), static_cast<int>(i));
+    t.sum = std::make_unique<PairSum>(grid_->tied(), grid_->tied_rank(t.partner_stage), *progress_, device_, cuda_aware_,
+                                      params_->grads().subspan(t.offset, t.count), t.tag);
   }
   std::vector<Transport::Channel> channels;
   for (const Chunk& c : chunks_)
@@ -424,6 +437,10 @@ std::size_t Executor::peak_activation_bytes() const {
   return bytes;
 }
 
+bool Executor::needs_batch() const {
+  return grid_->first_stage() || std::any_of(chunks_.begin(), chunks_.end(), [](const Chunk& c) { return c.targets; });
+}
+
 bool Executor::holds(int layer) const {
   return std::any_of(chunks_.begin(), chunks_.end(), [layer](const Chunk& c) { return c.begin <= layer && layer < c.end; });
 }
@@ -471,12 +488,13 @@ Pass Executor::make_pass(std::int64_t step, int c, int mb, Arena* arena) const {
   pass.training = true;
   pass.deferred_statistics = config_.pipeline.batchnorm == "deferred";
   pass.dtype = dtype_;
-  if (chunks_[static_cast<std::size_t>(c)].last) {
+  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
+  if (chunk.targets) {
     const Shape tg = model_.target_shape(micro_);
     const Tensor& all = device_ == Device::cpu ? targets_ : device_targets_;
     pass.targets = {static_cast<std::byte*>(all.data) + static_cast<std::size_t>(mb) * tg.numel() * 4, tg,
                     DType::i32, device_};
-    if (device_ == Device::cuda) pass.device_loss_sum = device_loss_.as<double>();
+    if (device_ == Device::cuda && chunk.last) pass.device_loss_sum = device_loss_.as<double>();
   }
   pass.loss_scale = 1.0f / static_cast<float>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
   return pass;
@@ -799,8 +817,7 @@ void Executor::reduce_gradients(std::int64_t step) {
   } else {
     wait_buckets();
   }
-  // Tied weights: owner (first stage) and copy (last stage) end with the sum of both,
-  // after the replica sums. All spans go at once; then each is waited on and added.
+  // Tied weights: owner and copy end with the sum of both, after the replica sums. All spans go at once; then each is waited on and added.
   params_->sum_local_tied_grads();
   for (TiedSpan& t : tied_spans_)
     if (!t.sum->started()) t.sum->start();

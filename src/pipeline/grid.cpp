@@ -1,6 +1,8 @@
 // Process grid and communicator construction.
 #include "mpipe/pipeline/grid.hpp"
 
+#include <algorithm>
+
 namespace mpipe {
 
 GridShape resolve_grid(GridShape g, int world) {
@@ -31,9 +33,19 @@ Grid::Grid(const Communicator& world, const GridShape& shape) : world_(&world), 
   data_ = Communicator::split(world, stage_, replica_);
 }
 
-void Grid::connect_tied(int owner_stage, int copy_stage) {
-  const bool member = owner_stage != copy_stage && (stage_ == owner_stage || stage_ == copy_stage);
+void Grid::connect_tied(std::vector<int> stages) {
+  std::sort(stages.begin(), stages.end());
+  stages.erase(std::unique(stages.begin(), stages.end()), stages.end());
+  if (stages.size() < 2) stages.clear();  // all on one stage: summed there
+  tied_stages_ = stages;
+  const bool member = std::find(stages.begin(), stages.end(), stage_) != stages.end();
   tied_ = Communicator::split(*world_, member ? replica_ : MPI_UNDEFINED, stage_);
+}
+
+int Grid::tied_rank(int stage) const {
+  const auto it = std::find(tied_stages_.begin(), tied_stages_.end(), stage);
+  MPIPE_CHECK(it != tied_stages_.end(), "stage ", stage, " is not in the tied group");
+  return static_cast<int>(it - tied_stages_.begin());
 }
 
 

@@ -7,10 +7,12 @@
 
 namespace mpipe {
 
-PairSum::PairSum(const Communicator& pair, Progress& progress, Device device, bool cuda_aware, std::span<float> span,
-                 int tag)
-    : pair_(pair), progress_(progress), device_(device), cuda_aware_(cuda_aware), span_(span), tag_(tag) {
-  MPIPE_CHECK(pair.size() == 2, "a pair sum over ", pair.size(), " ranks");
+PairSum::PairSum(const Communicator& group, int partner, Progress& progress, Device device, bool cuda_aware,
+                 std::span<float> span, int tag)
+    : group_(group), partner_(partner), progress_(progress), device_(device), cuda_aware_(cuda_aware), span_(span),
+      tag_(tag) {
+  MPIPE_CHECK(partner >= 0 && partner < group.size() && partner != group.rank(), "a pair sum with rank ", partner,
+              " of ", group.size());
   incoming_ = Inbox::make(Shape{static_cast<std::int64_t>(span.size())}, DType::f32, device, cuda_aware);
   send_wire_ = std::as_bytes(span);
   if (device == Device::cuda && !cuda_aware) {
@@ -21,7 +23,7 @@ PairSum::PairSum(const Communicator& pair, Progress& progress, Device device, bo
 
 void PairSum::post_receive() {
   MPIPE_CHECK(receive_ == Progress::none && send_ == Progress::none, "a pair sum posted twice");
-  receive_ = progress_.track(pair_.irecv(incoming_.wire, 1 - pair_.rank(), tag_), true);
+  receive_ = progress_.track(group_.irecv(incoming_.wire, partner_, tag_), true);
 }
 
 void PairSum::start() {
@@ -29,7 +31,7 @@ void PairSum::start() {
     if (!cuda_aware_) cuda::copy_to_host(outgoing_host_.data(), span_.data(), span_.size_bytes());
     cuda::synchronize(cuda::StreamKind::compute);  // MPI reads the data now
   }
-  send_ = progress_.track(pair_.isend(send_wire_, 1 - pair_.rank(), tag_), true);
+  send_ = progress_.track(group_.isend(send_wire_, partner_, tag_), true);
 }
 
 Progress::Completion PairSum::finish(double timeout_s, const char* what, int index) {

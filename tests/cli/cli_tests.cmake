@@ -22,13 +22,16 @@ mpipe_cli_test(unwritable_metrics 2 "error: --metrics '/no/such/dir/m.jsonl': no
 mpipe_cli_test(missing_config 2 "error: .*no/such.toml" train --config /no/such.toml)
 mpipe_cli_test(quickstart_config 0 "step +3/3 \\| loss" train --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --steps 3 --threads 1)
 mpipe_cli_test(mlp_config 0 "step +2/2 \\| loss .* samples/s" train --config ${CMAKE_SOURCE_DIR}/inputs/mlp.toml --steps 2 --threads 1)
-mpipe_cli_test(gpt_small_config 0 "gpt model, 16 layers, 123702528 parameters" train --config ${CMAKE_SOURCE_DIR}/inputs/gpt-small.toml --steps 1 --threads 2 --batch-size 1 --micro-batches 1 --seq-len 64)
+mpipe_cli_test(gpt_small_config 0 "gpt model, 19 layers, 123702528 parameters" train --config ${CMAKE_SOURCE_DIR}/inputs/gpt-small.toml --steps 1 --threads 2 --batch-size 1 --micro-batches 1 --seq-len 64)
 mpipe_cli_test(negative_threads 2 "error: --threads must be >= 0, got -1; hint" train --threads -1)
 mpipe_cli_test(plan 0 "bubble 20%" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --schedule 1f1b)
 mpipe_cli_test(plan_partition 0 "partition \\(flops\\): 0-2 \\| 3-7" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2)
 # Links under --partition time: a configured bandwidth counts in plan (a slow one pushes
 # the cuts to small activations); auto is measured by train only.
 mpipe_cli_test(plan_links 0 "links \\(configured\\): 0->1 0.05 GB/s, 1->2 0.05 GB/s, 2->3 0.05 GB/s; per micro-batch, ms by stage: compute [0-9./ ]+, links [0-9./ ]+" plan --model resnet --image 16 --width 4 --classes 10 --batch-size 16 --micro-batches 2 --ranks 4 --partition time --link-bandwidth 0.05)
+# GPT-2 small's head as 4 vocabulary chunks over 8 stages: within 5 points of equal stages (60.5% as one layer).
+mpipe_cli_test(plan_gpt_small_k8 0 "bubble: 30.4% for equal stages [^,]*, (3[0-4]\\.[0-9]|35\\.[0-4])% predicted" plan --config ${CMAKE_SOURCE_DIR}/inputs/gpt-small.toml --ranks 8 --micro-batches 16)
+mpipe_cli_test(head_chunks_zero 2 "error: --head-chunks must be from 1 to the vocabulary's 256, got 0; hint: give from 1 \\(one linear head\\) to --vocab" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --head-chunks 0)
 mpipe_cli_test(plan_links_auto 0 "links: not counted \\(plan cannot measure them; give --link-bandwidth GB/s\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2 --partition time)
 mpipe_cli_test(link_bandwidth_word 2 "error: --link-bandwidth 'fast' is not a number; hint: give auto, off, or gigabytes per second" train --link-bandwidth fast)
 mpipe_cli_test(link_bandwidth_zero 2 "error: --link-bandwidth must be positive, got 0; hint" plan --ranks 2 --link-bandwidth 0)

@@ -82,6 +82,26 @@ RunResult run(const TrainConfig& config, int ranks) {
   return result;
 }
 
+// A directory for checkpoints, named on rank 0 and known to every rank.
+std::string temp_dir(const char* prefix) {
+  std::string dir = std::string("/tmp/") + prefix + "-XXXXXX";
+  if (world().rank() == 0) dir = mkdtemp(dir.data());
+  world().broadcast(dir, 0);
+  return dir;
+}
+
+// Trains `config` on every rank for `steps` steps and checkpoints it; the parameters
+// (on rank 0).
+std::vector<float> train_and_save(const TrainConfig& config, int steps) {
+  Executor writer(config, world());
+  writer.connect();
+  writer.allocate();
+  for (int step = 0; step < steps; ++step) writer.step(step);
+  CheckpointDir owner(config);
+  owner.begin(world());
+  save_checkpoint(writer, owner, steps);
+  return gather_params(writer, world(), 0);
+}
 
 }  // namespace
 
@@ -234,23 +254,11 @@ TEST_CASE("three replicas: K = 1 and K = 2 stay bitwise identical (mpiexec -n 6)
 
 TEST_CASE("a checkpoint written with K = 4 loads bitwise into K = 2 x D = 2") {
   if (world().size() != 4) return;
-  char dir_template[] = "/tmp/mpipe-reshard-XXXXXX";
-  std::string dir;
-  if (world().rank() == 0) dir = mkdtemp(dir_template);
-  world().broadcast(dir, 0);
+  const std::string dir = temp_dir("mpipe-reshard");
   TrainConfig config = tiny_gpt("gpipe", "never");
   config.checkpoint_dir = dir;
-  std::vector<float> saved, loaded;
-  {
-    Executor writer(config, world());
-    writer.connect();
-    writer.allocate();
-    for (int step = 0; step < 2; ++step) writer.step(step);
-    CheckpointDir owner(config);
-    owner.begin(world());
-    save_checkpoint(writer, owner, 2);
-    saved = gather_params(writer, world(), 0);
-  }
+  const std::vector<float> saved = train_and_save(config, 2);
+  std::vector<float> loaded;
   TrainConfig other = config;
   other.pipeline.grid.stages = 2;
   other.pipeline.grid.replicas = 2;
@@ -437,4 +445,96 @@ TEST_CASE("1F1B holds the activations of K - stage micro-batches, GPipe of all M
   // gradients W needs (measured: 0.75 of gpipe's on stage 0, 0.95 on the last).
   if (stage == 0) CHECK(zb < 0.8);
   CHECK(zb < 1.0);
+}
+
+TEST_CASE("a head split over the vocabulary: chunks on stages apart train bitwise as on one rank; K = 4 reloads as K = 2 x D = 2") {
+  if (world().size() != 4) return;
+  // 9 layers: embedding, 3 blocks, layernorm, 3 chunks of the 32-token head (rows 0-9,
+  // 10-20, 21-31 of the token table), loss.
+  auto config = [](const char* schedule, const char* remat, const char* balance) {
+    TrainConfig c = tiny_gpt(schedule, remat, 4);
+    c.model.head_chunks = 3;
+    c.pipeline.balance = balance;
+    return c;
+  };
+  const RunResult reference = run(config("gpipe", "never", ""), 1);
+  // K = 2: chunk 0 beside the embedding (an alias), chunks 1 and 2 on stage 1. K = 4:
+  // chunks 0 and 1 on stage 2, chunk 2 and the loss on stage 3: the embedding's stage
+  // sums rows with two others.
+  struct Case {
+    const char* schedule;
+    const char* remat;
+    int ranks;
+    const char* balance;
+  };
+  for (const Case& k : {Case{"gpipe", "never", 2, "6,3"}, Case{"1f1b", "always", 2, "6,3"}, Case{"gpipe", "never", 4, "2,2,3,2"},
+                        Case{"zb-h1", "except-last", 4, "2,2,3,2"}, Case{"1f1b", "never", 4, "1,4,2,2"}}) {
+    const RunResult r = run(config(k.schedule, k.remat, k.balance), k.ranks);
+    if (world().rank() != 0) continue;
+    INFO(k.schedule << ", remat " << k.remat << ", K " << k.ranks << ", balance " << k.balance);
+    CHECK(r.losses == reference.losses);
+    CHECK(r.norms == reference.norms);
+    REQUIRE(r.params.size() == reference.params.size());
+    CHECK(std::memcmp(r.params.data(), reference.params.data(), r.params.size() * sizeof(float)) == 0);
+  }
+  if (world().rank() == 0) CHECK(reference.losses.back() < reference.losses.front());
+
+  // Every copy on another stage holds exactly its rows of the embedding after training.
+  {
+    TrainConfig c = config("1f1b", "never", "2,2,3,2");
+    Executor e(c, world());
+    e.connect();
+    e.allocate();
+    for (int step = 0; step < 3; ++step) e.step(step);
+    std::vector<float> wte(32 * 16);
+    if (e.grid().stage() == 0)
+      for (const ParamEntry& entry : e.params().entries())
+        if (entry.layer == 0 && entry.name == "wte") std::memcpy(wte.data(), e.params().param(entry).f32(), wte.size() * sizeof(float));
+    world().broadcast(std::span<float>(wte), 0);
+    int copies = 0;
+    for (const ParamEntry& entry : e.params().entries())
+      if (entry.tied_copy) {
+        ++copies;
+        CHECK(!entry.alias);
+        CHECK(entry.owner_element % 16 == 0);
+        CHECK(std::memcmp(wte.data() + entry.owner_element, e.params().param(entry).f32(), entry.numel() * sizeof(float)) == 0);
+      }
+    CHECK(copies == (e.grid().stage() == 2 ? 2 : e.grid().stage() == 3 ? 1 : 0));
+  }
+
+  // A checkpoint of the split head, written by K = 4, loads bitwise into K = 2 x D = 2.
+  const std::string dir = temp_dir("mpipe-vocab");
+  TrainConfig c = config("gpipe", "never", "2,2,3,2");
+  c.checkpoint_dir = dir;
+  const std::vector<float> saved = train_and_save(c, 2);
+  TrainConfig other = c;
+  other.pipeline.balance = "6,3";
+  other.pipeline.grid.stages = 2;
+  other.pipeline.grid.replicas = 2;
+  other.micro_batches = 2;
+  Executor reader(other, world());
+  reader.connect();
+  reader.allocate();
+  CHECK(load_checkpoint(reader, checkpoint_path(dir, 2)) == 2);
+  const std::vector<float> loaded = gather_params(reader, world(), 0), replica = gather_params(reader, world(), 1);
+  // The copies too: stage 1 of each replica holds chunks 1 and 2, read from the rows of
+  // the embedding's dataset.
+  std::vector<float> wte(32 * 16);
+  if (reader.grid().stage() == 0)
+    for (const ParamEntry& entry : reader.params().entries())
+      if (entry.layer == 0 && entry.name == "wte") std::memcpy(wte.data(), reader.params().param(entry).f32(), wte.size() * sizeof(float));
+  reader.grid().pipeline().broadcast(std::span<float>(wte), 0);
+  int copies = 0;
+  for (const ParamEntry& entry : reader.params().entries())
+    if (entry.tied_copy && !entry.alias) {
+      ++copies;
+      CHECK(std::memcmp(wte.data() + entry.owner_element, reader.params().param(entry).f32(), entry.numel() * sizeof(float)) == 0);
+    }
+  CHECK(copies == (reader.grid().stage() == 1 ? 2 : 0));
+  if (world().rank() == 0) {
+    REQUIRE(saved.size() == loaded.size());
+    CHECK(std::memcmp(saved.data(), loaded.data(), saved.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(saved.data(), replica.data(), saved.size() * sizeof(float)) == 0);
+    std::filesystem::remove_all(dir);
+  }
 }

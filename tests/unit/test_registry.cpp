@@ -31,6 +31,8 @@ ModelSpec one_layer_model(const LayerKind& kind) {
   for (const OptionSpec& o : kind.options)
     if (!o.fallback) {
       if (o.name == "p") l.options[o.name] = 0.25;
+      else if (o.name == "chunk") l.options[o.name] = std::int64_t{0};  // a head of one chunk
+      else if (o.name == "chunks") l.options[o.name] = std::int64_t{1};
       else l.options[o.name] = std::int64_t{o.name == "heads" ? 4 : o.name == "kernel" ? 3 : 16};
     }
   if (kind.name == "residual")  // a block of one convolution that keeps the shape

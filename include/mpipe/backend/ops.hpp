@@ -63,6 +63,15 @@ void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Te
 // the logits and targets are copied to the host first (evaluation only).
 int64_t count_correct(const Tensor& logits, const Tensor& targets);
 
+// A language-model head split over the vocabulary (cpu/ops.hpp has the rules); the
+// statistics are (4, N) fp32. CPU only so far.
+void vocab_chunk_forward(const Tensor& out, const Tensor& in, const Tensor& z, const Tensor& targets, int64_t v0);
+void vocab_chunk_backward(const Tensor& dz, const Tensor& din, const Tensor& dout, const Tensor& z, const Tensor& in,
+                          const Tensor& out, const Tensor& targets, int64_t v0, GradMode mode);
+double vocab_loss_forward(const Tensor& lse, const Tensor& stats, const Tensor& targets, int64_t vocab);
+void vocab_loss_backward(const Tensor& dstats, const Tensor& stats, float scale);
+int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets);
+
 // Over the first dimension as samples.
 void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key);
 

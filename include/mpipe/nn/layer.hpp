@@ -26,8 +26,9 @@ namespace mpipe {
 enum class Init { normal, zeros, ones };
 
 // A parameter a layer declares. A tied parameter names the (layer, parameter) that owns
-// it; the stage holding both shares one storage, otherwise it keeps a copy whose
-// gradient is summed with the owner's.
+// it, and which of the owner's rows it is (all of them, or a range: one vocabulary chunk
+// of a language-model head tied to the token table); the stage holding both shares one
+// storage, otherwise it keeps a copy whose gradient is summed with the owner's rows.
 struct ParamSpec {
   std::string name;
   Shape shape;
@@ -40,6 +41,9 @@ struct ParamSpec {
   // statistics). Stored, checkpointed and resharded like a parameter; its gradient stays
   // zero, so no optimizer moves it, and with D > 1 the replicas average it every step.
   bool buffer = false;
+  // A tie to rows [tied_rows_begin, tied_rows_end) of the owner's (rows, ...) parameter;
+  // tied_rows_end -1: all of them.
+  std::int64_t tied_rows_begin = 0, tied_rows_end = -1;
 };
 
 struct Cost {
@@ -99,6 +103,9 @@ class Layer {
   virtual std::string kind() const = 0;
   virtual Shape output_shape(const Shape& in) const = 0;
   virtual DType input_dtype() const { return DType::f32; }
+  // Reads Pass::targets (the loss, a vocabulary chunk of the head): the stage holding it
+  // loads the batch's targets.
+  virtual bool needs_targets() const { return false; }
   virtual Cost cost(const Shape& in) const = 0;
   virtual std::vector<ParamSpec> param_specs() const { return {}; }
   // Receives views of this layer's parameters and gradients, in param_specs() order.
@@ -342,6 +349,7 @@ class Residual final : public Layer {
 class CrossEntropyLoss final : public Layer {
  public:
   std::string kind() const override { return "cross_entropy"; }
+  bool needs_targets() const override { return true; }
   Shape output_shape(const Shape& in) const override { return Shape{1}; }
   Cost cost(const Shape& in) const override;
 

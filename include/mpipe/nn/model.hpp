@@ -25,6 +25,9 @@ struct ModelConfig {
   int channels = 3;   // resnet: input channels
   int width = 64;     // resnet: channels of the first stage (64, 128, 256, 512 by default)
   float dropout = 0.0f;
+  // gpt: the LM head as this many vocabulary chunks (layers a pipeline can put on
+  // different stages; nn/vocab_layers.hpp), 1: one linear layer.
+  int head_chunks = 1;
 };
 
 // Checks sizes and combinations; throws UserError naming the option at fault.
@@ -53,15 +56,19 @@ class Model {
   DType input_dtype() const;
   Shape target_shape(int64_t batch) const;
   // Weights shared by two layers (GPT's embedding and head): the owner's layer and
-  // parameter name, and the layer holding the copy.
+  // parameter name, the layer holding the copy, and which rows of the owner's the copy
+  // is (a vocabulary chunk of the head holds a range of the token table's rows).
   struct Tie {
     int owner_layer;
     std::string name;
     int copy_layer;
+    std::int64_t rows_begin = 0, rows_end = 0;  // of the owner's rows
+    bool whole = true;                          // the copy is all of the owner
   };
   const std::vector<Tie>& ties() const { return ties_; }
-  // The layer holding a copy of (layer, name), or -1.
-  int copy_layer_of(int layer, const std::string& name) const;
+  // The ties whose owner is (layer, name), in model order (a head split over the
+  // vocabulary has one per chunk).
+  std::vector<const Tie*> ties_of(int layer, const std::string& name) const;
   // Parameters of the whole model, a tied weight counted once.
   int64_t parameter_count() const;
   // Loss rows (predicted tokens or samples) per sample: T for a model of tokens, else 1.

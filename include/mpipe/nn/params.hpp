@@ -52,6 +52,9 @@ struct ParamEntry {
   bool alias = false;
   int owner_layer = -1;          // who initialises it (itself, or the tied owner)
   int owner_index = -1;
+  // A copy of some of the owner's rows (a vocabulary chunk of the head): where in the
+  // owner's elements it begins (0 for a copy of all of it).
+  std::size_t owner_element = 0;
   std::int64_t numel() const { return shape.numel(); }
 };
 

@@ -201,6 +201,8 @@ class Executor {
   struct TiedSpan {
     int layer;                 // final when this layer's last backward is done
     std::size_t offset, count; // of the gradient buffer
+    int partner_stage;         // the stage holding the other side of the tie
+    int tag;                   // the tie's index in the model
     std::unique_ptr<PairSum> sum;
   };
   StepResult step_unchecked(std::int64_t step);
@@ -237,7 +239,9 @@ class Executor {
     int stage;         // model stage
     int begin, end;    // its layers
     bool first, last;  // the model's first / last stage
+    bool targets;      // a layer reads the targets (the loss, a vocabulary chunk of the head)
   };
+  bool needs_batch() const;  // this rank reads batches: the first stage's inputs, or targets
   std::vector<Chunk> chunks_;
   // Per (chunk, micro-batch) state is at [c · M + mb].
   std::size_t at(int c, int mb) const { return static_cast<std::size_t>(c * config_.micro_batches + mb); }

@@ -5,6 +5,7 @@
 // stage's replicas on consecutive ranks (rank = stage * D + replica).
 #pragma once
 #include <string>
+#include <vector>
 
 #include "mpipe/pipeline/comm.hpp"
 
@@ -45,16 +46,20 @@ class Grid {
   const Communicator& world() const { return *world_; }
   const Communicator& pipeline() const { return pipeline_; }  // this replica's stages, rank = stage
   const Communicator& data() const { return data_; }          // this stage's replicas, rank = replica
-  const Communicator& tied() const { return tied_; }          // the two stages of a tied weight; else null
-  // Collective over the world: joins, in each replica, the stages holding the owner and
-  // the copy of a tied weight (GPT's embedding and head) when they differ.
-  void connect_tied(int owner_stage, int copy_stage);
+  const Communicator& tied() const { return tied_; }          // the stages of tied weights; else null
+  // Collective over the world: joins, in each replica, the stages holding the owners and
+  // copies of tied weights (GPT's embedding and head, or the head's vocabulary chunks),
+  // when there are two or more of them; ranks in stage order.
+  void connect_tied(std::vector<int> stages);
+  // The rank in tied() of the member holding `stage`.
+  int tied_rank(int stage) const;
 
  private:
   const Communicator* world_;
   GridShape shape_;
   int stage_ = 0, replica_ = 0;
   Communicator pipeline_, data_, tied_;
+  std::vector<int> tied_stages_;  // sorted, distinct
 };
 
 }  // namespace mpipe

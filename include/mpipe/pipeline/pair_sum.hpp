@@ -1,4 +1,5 @@
-// The sum of a gradient span that two ranks hold (a tied weight's owner and its copy),
+// The sum of a gradient span that two ranks hold (a tied weight's owner and its copy, or
+// the owner's rows that one vocabulary chunk of a head is),
 // by exchanging it: each rank posts its receive when the step starts, into a buffer of
 // its own, sends its span as soon as it is final, and adds what arrived. One transfer
 // each way, kept moving by Progress while the ranks still compute, with no collective
@@ -20,10 +21,11 @@ namespace mpipe {
 
 class PairSum {
  public:
-  // `pair`: the two ranks, this one and its partner. `span`: this rank's part, in device
+  // `group`: the ranks of tied weights, `partner` the other rank of this sum in it.
+  // `span`: this rank's part, in device
   // memory on a GPU; messages go from and into it directly when MPI is CUDA-aware,
   // otherwise through pinned host buffers. `tag` tells this span's messages apart.
-  PairSum(const Communicator& pair, Progress& progress, Device device, bool cuda_aware, std::span<float> span,
+  PairSum(const Communicator& group, int partner, Progress& progress, Device device, bool cuda_aware, std::span<float> span,
           int tag);
   // At the step's start, before any compute: the partner's part may arrive early.
   void post_receive();
@@ -35,7 +37,8 @@ class PairSum {
   Progress::Completion finish(double timeout_s, const char* what, int index);
 
  private:
-  const Communicator& pair_;
+  const Communicator& group_;
+  int partner_;
   Progress& progress_;
   Device device_;
   bool cuda_aware_;

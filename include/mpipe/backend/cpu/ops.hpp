@@ -70,6 +70,27 @@ double crossentropy_forward(float* lse, const float* logits, const int32_t* targ
 void crossentropy_backward(float* dlogits, const float* logits, const float* lse,
                            const int32_t* targets, float scale, int64_t N, int64_t V);
 
+// A language-model head split over the vocabulary (nn/vocab_layers.hpp): each chunk's
+// logits z (N, V) for vocabulary entries [v0, v0 + V) update per-row statistics, kept as
+// four arrays of N: the running maximum m, the sum s of e^(z - m) so far, the target's
+// logit t (0 until its chunk) and the index a of the first largest logit, as a float.
+// `in`: the statistics so far, null for the first chunk. Overwrites `out`.
+void vocab_chunk_forward(float* out, const float* in, const float* z, const int32_t* targets, int64_t N, int64_t V,
+                         int64_t v0);
+// From the gradient `dout` of the statistics out (only ds and dt are non-zero; m is a
+// stabiliser, the loss does not depend on it): dz (N, V) = ds e^(z - m_out) + dt at the
+// target, overwritten; and, unless `din` is null, the gradient of the statistics in:
+// ds e^(m_in - m_out) and dt, by `mode`.
+void vocab_chunk_backward(float* dz, float* din, const float* dout, const float* z, const float* in, const float* out,
+                          const int32_t* targets, int64_t N, int64_t V, int64_t v0, GradMode mode);
+// The loss from the last chunk's statistics: lse (N) = m + log s, overwritten; returns
+// the sum over rows of lse - t in a fixed order. Targets are checked < vocab.
+double vocab_loss_forward(float* lse, const float* stats, const int32_t* targets, int64_t N, int64_t vocab);
+// dstats (4 N): ds = scale / s, dt = -scale, dm = da = 0. Overwrites.
+void vocab_loss_backward(float* dstats, const float* stats, float scale, int64_t N);
+// Rows whose first largest logit (the statistics' a) is the target.
+int64_t vocab_count_correct(const float* stats, const int32_t* targets, int64_t N);
+
 // out = inp * mask / (1 - p) over B samples of per_sample elements each. Overwrites out
 // (may alias inp). The backward is the same call on the gradient.
 void dropout_apply(float* out, const float* inp, int64_t B, int64_t per_sample, float p,

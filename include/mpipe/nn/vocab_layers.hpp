@@ -1,0 +1,67 @@
+// A language-model head split over the vocabulary, so that a pipeline can spread it
+// over stages: GPT-2 small's head is 27% of the model's FLOPs, more than an eighth, so
+// on 8 stages as one layer it alone sets the pace (`plan`: 60.5% bubble against 30.4%).
+//
+// Chunk c of n computes the logits of vocabulary entries [c V / n, (c + 1) V / n) and
+// folds them into per-token statistics of an online softmax (Milakov and Gimelshein
+// 2018): the running maximum m, the sum s of e^(z - m), the target's logit t and the
+// index of the first largest logit. Its output carries the hidden states on, for the
+// next chunk, with the statistics: a (.., C + 4) tensor packed as the hidden states
+// (rows, C) first, then the four statistics as (4, rows). The loss after the last chunk
+// is m + log s - t. Backward is exact: m is only a stabiliser (the loss does not depend
+// on it), and the gradient of s carries the softmax's normaliser back through the
+// chunks, so each chunk's dz is softmax - onehot as in one head; dX sums every chunk's
+// dz W. With `tie`, chunk c's weight is rows of the embedding's token table (GPT-2's
+// tied head), its gradient summed into those rows.
+#pragma once
+#include "mpipe/nn/layer.hpp"
+
+namespace mpipe {
+
+class VocabChunk final : public Layer {
+ public:
+  // `tie`: the embedding layer whose token table this is a slice of, or -1.
+  VocabChunk(int64_t vocab, int64_t chunk, int64_t chunks, int64_t channels, float init_std, int tie);
+  std::string kind() const override { return "vocab-chunk"; }
+  bool needs_targets() const override { return true; }
+  Shape output_shape(const Shape& in) const override;
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  int64_t begin() const { return begin_; }
+  int64_t end() const { return end_; }
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+  void backward_weight_impl(Context& ctx, const Pass& pass) override;
+
+ private:
+  int64_t chunk_, channels_, begin_, end_;
+  float init_std_;
+  int tie_;
+  Tensor weight_, dweight_;
+};
+
+// The loss after the last chunk: sum over tokens of m + log s - t, as CrossEntropyLoss
+// (its kind is the same: the model's last layer); backward ignores dy and writes the
+// statistics' gradient (ds = loss_scale / s, dt = -loss_scale), the hidden part zero.
+class VocabLoss final : public Layer {
+ public:
+  VocabLoss(int64_t vocab, int64_t channels) : vocab_(vocab), channels_(channels) {}
+  std::string kind() const override { return "cross_entropy"; }
+  bool needs_targets() const override { return true; }
+  Shape output_shape(const Shape& in) const override { return Shape{1}; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  int64_t vocab_, channels_;
+};
+
+}  // namespace mpipe
