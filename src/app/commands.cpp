@@ -250,8 +250,15 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   }
   const double theory = simulate(lowered, StageCosts::unit(lowered)).bubble_fraction;
   const double predicted = simulate(lowered, costs).bubble_fraction;
-  std::printf("bubble: %.1f%% for equal stages ((K-1)/(M+K-1) for gpipe), %.1f%% predicted from this partition's FLOPs\n",
-              100 * theory, 100 * predicted);
+  // The closed form of the equal-stage bubble where there is one (M >= K).
+  const std::string& name = config.pipeline.schedule;
+  const char* formula = M < K                               ? "simulated"
+                        : name == "gpipe" || name == "1f1b" ? "(K-1)/(M+K-1)"
+                        : name == "zb-h1"                   ? "(K-1)/(3M+K-1)"
+                        : name == "interleaved"             ? "(K-1)/(vM+K-1)"
+                                                            : "simulated";
+  std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n", 100 * theory,
+              formula, 100 * predicted);
 }
 
 // Before any rank allocates (CPU): this rank's parameters, gradients, optimizer state

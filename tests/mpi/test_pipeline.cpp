@@ -479,6 +479,19 @@ TEST_CASE("a head split over the vocabulary: chunks on stages apart train bitwis
   }
   if (world().rank() == 0) CHECK(reference.losses.back() < reference.losses.front());
 
+  // Two replicas: each replica's stages sum their own rows; K = 2 is bitwise K = 1.
+  TrainConfig d2 = config("1f1b", "never", "");
+  d2.pipeline.grid.replicas = 2;
+  d2.micro_batches = 2;
+  const RunResult k1 = run(d2, 2);
+  d2.pipeline.balance = "6,3";
+  const RunResult k2 = run(d2, 4);
+  if (world().rank() == 0) {
+    CHECK(k2.losses == k1.losses);
+    CHECK(std::memcmp(k2.params.data(), k1.params.data(), k1.params.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(k2.params.data(), k2.replica_params.data(), k2.params.size() * sizeof(float)) == 0);
+  }
+
   // Every copy on another stage holds exactly its rows of the embedding after training.
   {
     TrainConfig c = config("1f1b", "never", "2,2,3,2");
