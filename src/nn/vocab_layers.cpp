@@ -76,8 +76,7 @@ Tensor VocabChunk::forward_impl(const Tensor& x, Context& ctx, const Pass& pass)
   ops::matmul_forward(z, h, weight_, Tensor{});
   ops::vocab_chunk_forward(statistics(y, channels_), statistics(x, channels_), z, pass.targets, begin_);
   ctx.saved[0] = z;
-  ctx.saved[1] = pass.arena->tensor(Shape{stats, rows});  // the statistics out: backward reads m
-  ops::copy(ctx.saved[1], statistics(y, channels_));
+  ctx.saved[1] = statistics(y, channels_);  // backward reads m; y lives as long as this context
   ctx.saved[2] = pass.targets;
   return y;
 }
@@ -116,8 +115,7 @@ Tensor VocabLoss::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) 
   const Tensor s = statistics(x, channels_);
   const int64_t rows = s.shape[1];
   MPIPE_CHECK(pass.targets.numel() == rows, "cross-entropy: ", pass.targets.numel(), " targets for ", rows, " rows");
-  ctx.saved[0] = pass.arena->tensor(Shape{rows});  // log-sum-exp
-  ctx.value = ops::vocab_loss_forward(ctx.saved[0], s, pass.targets, vocab_);
+  ctx.value = ops::vocab_loss_forward(s, pass.targets, vocab_);
   if (!pass.training) ctx.correct = static_cast<double>(ops::vocab_count_correct(s, pass.targets));
   Tensor loss = pass.arena->zeros(Shape{1});
   loss.f32()[0] = static_cast<float>(ctx.value);

@@ -68,7 +68,7 @@ int64_t count_correct(const Tensor& logits, const Tensor& targets);
 void vocab_chunk_forward(const Tensor& out, const Tensor& in, const Tensor& z, const Tensor& targets, int64_t v0);
 void vocab_chunk_backward(const Tensor& dz, const Tensor& din, const Tensor& dout, const Tensor& z, const Tensor& in,
                           const Tensor& out, const Tensor& targets, int64_t v0, GradMode mode);
-double vocab_loss_forward(const Tensor& lse, const Tensor& stats, const Tensor& targets, int64_t vocab);
+double vocab_loss_forward(const Tensor& stats, const Tensor& targets, int64_t vocab);
 void vocab_loss_backward(const Tensor& dstats, const Tensor& stats, float scale);
 int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets);
 

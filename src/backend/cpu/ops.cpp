@@ -354,13 +354,13 @@ void vocab_chunk_backward(float* dz, float* din, const float* dout, const float*
   }
 }
 
-double vocab_loss_forward(float* lse, const float* stats, const int32_t* targets, int64_t N, int64_t vocab) {
+double vocab_loss_forward(const float* stats, const int32_t* targets, int64_t N, int64_t vocab) {
   for (int64_t n = 0; n < N; ++n)
     MPIPE_CHECK(targets[n] >= 0 && targets[n] < vocab, "target ", targets[n], " outside ", vocab, " classes");
   double loss = 0.0;
   for (int64_t n = 0; n < N; ++n) {
-    lse[n] = stats[n] + std::log(stats[N + n]);
-    loss += static_cast<double>(lse[n]) - stats[2 * N + n];
+    const float lse = stats[n] + std::log(stats[N + n]);
+    loss += static_cast<double>(lse) - stats[2 * N + n];
   }
   return loss;
 }

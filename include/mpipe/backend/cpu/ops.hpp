@@ -83,9 +83,9 @@ void vocab_chunk_forward(float* out, const float* in, const float* z, const int3
 // ds e^(m_in - m_out) and dt, by `mode`.
 void vocab_chunk_backward(float* dz, float* din, const float* dout, const float* z, const float* in, const float* out,
                           const int32_t* targets, int64_t N, int64_t V, int64_t v0, GradMode mode);
-// The loss from the last chunk's statistics: lse (N) = m + log s, overwritten; returns
-// the sum over rows of lse - t in a fixed order. Targets are checked < vocab.
-double vocab_loss_forward(float* lse, const float* stats, const int32_t* targets, int64_t N, int64_t vocab);
+// The loss from the last chunk's statistics: the sum over rows of m + log s - t, in a
+// fixed order. Targets are checked < vocab.
+double vocab_loss_forward(const float* stats, const int32_t* targets, int64_t N, int64_t vocab);
 // dstats (4 N): ds = scale / s, dt = -scale, dm = da = 0. Overwrites.
 void vocab_loss_backward(float* dstats, const float* stats, float scale, int64_t N);
 // Rows whose first largest logit (the statistics' a) is the target.
