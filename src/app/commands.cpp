@@ -203,8 +203,13 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   const int v = config.pipeline.virtual_stages;
   const Schedule compute = make_schedule(config.pipeline.schedule, K, M, v);
   const auto figures = stage_figures(model, part, micro);
-  if (v > 1)
-    std::printf("virtual stages: %d per rank, model stage m on pipeline stage m mod %d (\"p\" below)\n", v, K);
+  if (v > 1) {
+    const std::vector<int> placement = compute.placement_table();
+    const std::string where = placement == round_robin_placement(K, v) ? cat("model stage m on pipeline stage m mod ", K)
+                              : placement == vee_placement(K)          ? cat("model stages s and ", 2 * K - 1, "-s on pipeline stage s (a V)")
+                                                                       : std::string("placed by the schedule file");
+    std::printf("virtual stages: %d per rank, %s (\"p\" below)\n", v, where.c_str());
+  }
   std::printf("partition (%s): %s\n", config.pipeline.balance.empty() ? config.pipeline.partition.c_str() : "balance",
               part.to_text().c_str());
   if (!part.comm_cost.empty()) {
@@ -235,7 +240,7 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
     const int live = in_flight(compute, compute.list_of(s), v > 1 ? s : -1);
     const bool split = compute.splits(compute.list_of(s));
     const StageFigures& f = figures[s];
-    std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s\n", (v > 1 ? cat(s, " p", s % K) : cat(s)).c_str(),
+    std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s\n", (v > 1 ? cat(s, " p", compute.list_of(s)) : cat(s)).c_str(),
                 cat(part.begin(s), "-", part.end(s) - 1).c_str(),
                 kinds.c_str(), human_count(f.params).c_str(), (f.forward_flops + f.backward_flops) / 1e9,
                 human_bytes(4.0 * f.params * states).c_str(), human_bytes(f.held(live, false, split)).c_str(),
@@ -274,7 +279,7 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
   const bool remat = config.pipeline.remat == "always" || (config.pipeline.remat == "except-last" && stage + 1 < K);
   const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());  // values, gradients, state
   double weights = 0, activations = 0;  // over the rank's model stages
-  for (int m = stage; m < schedule.model_stages(); m += K) {
+  for (const int m : schedule.stages_of(stage)) {
     weights += 4.0 * figures[m].params * states;
     activations +=
         figures[m].held(in_flight(schedule, stage, schedule.virtual_stages > 1 ? m : -1), remat, schedule.splits(stage));
@@ -362,7 +367,7 @@ std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator&
     for (double& a : row.avg) a /= count;
     // Per action: a recomputation is part of its backward; model stages of one pipeline
     // stage share its times evenly.
-    for (int m = s; m < stages * v; m += stages) {
+    for (const int m : schedule.stages_of(s)) {
       measured.forward[m] = row.avg[0] / (micro_batches * v);
       measured.backward[m] = (row.avg[1] + row.avg[2]) / (micro_batches * v);
       measured.weight[m] = weight / count / (micro_batches * v);
@@ -561,11 +566,13 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks) or data")
       ->capture_default_str();
   cmd.add_option("--schedule", p.schedule,
-                 "gpipe, 1f1b, zb-h1 (zero bubble: backward split into input and weight gradients), or file:PATH (a "
-                 "line 'stage S: F0 F1 B0 ...' per stage; plan --write-schedule writes one)")
+                 "gpipe, 1f1b, zb-h1 (zero bubble: backward split into input and weight gradients), interleaved "
+                 "(with --virtual-stages), zbv (zero bubble on two model stages per rank placed in a V), or file:PATH "
+                 "(a line 'stage S: F0 F1 B0 ...' per stage; plan --write-schedule writes one)")
       ->capture_default_str();
   cmd.add_option("--virtual-stages", p.virtual_stages,
-                 "Model stages per rank, for --schedule interleaved (2 or more; stage m on pipeline stage m mod K)")
+                 "Model stages per rank, for --schedule interleaved (2 or more; stage m on pipeline stage m mod K); "
+                 "zbv sets 2 (stages s and 2K-1-s on pipeline stage s)")
       ->capture_default_str();
   cmd.add_option("--remat", p.remat, "Re-materialization: always, except-last or never")->capture_default_str();
   cmd.add_option("--batchnorm", p.batchnorm,
@@ -627,8 +634,11 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   const double link = parse_link_bandwidth(config.pipeline.link_bandwidth);
   const std::vector<double> links =
       link > 0 && grid.stages > 1 ? std::vector<double>(static_cast<std::size_t>(grid.stages), link) : std::vector<double>{};
-  const Partition part = choose_partition(config.pipeline.balance, config.pipeline.partition, model, grid.stages, micro,
-                                          measured, config.pipeline.virtual_stages, links);
+  const std::vector<int> placement =
+      make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages)
+          .placement_table();
+  const Partition part =
+      choose_partition(config.pipeline.balance, config.pipeline.partition, model, grid.stages, micro, measured, placement, links);
   std::printf("mpipe %s (git %s) plan for %d ranks\n", version(), git_hash(), ranks);
   std::printf("layers (%d):", model.size());
   for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
@@ -1042,6 +1052,8 @@ int run_main(int argc, char** argv) {
     // A model file has its own sizes: the presets' options would be ignored.
     for (const auto& [command, config] : {std::pair{train, &train_config}, std::pair{plan, &plan_config}}) {
       if (!command->parsed()) continue;
+      // zbv always runs two model stages per rank: it sets --virtual-stages unless given.
+      if (config->pipeline.schedule == "zbv" && config->pipeline.virtual_stages == 1) config->pipeline.virtual_stages = 2;
       // ResNet's depth is one of five: 18 unless given.
       if (config->model.kind == "resnet" && command->get_option("--layers")->count() == 0) config->model.layers = 18;
       if (is_preset(config->model.kind)) continue;

@@ -222,6 +222,10 @@ void Executor::connect() {
   grid_ = std::make_unique<Grid>(world_, config_.pipeline.grid);
   const auto& p = config_.pipeline;
   const int K = grid_->stages();
+  // The schedule places the model stages on the ranks (round robin, or the V of zbv):
+  // the partition, the chunks, the tied group and the transport's peers follow it.
+  schedule_ = lower(make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages));
+  if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
   std::vector<double> costs;
   if (p.balance.empty() && p.partition == "time") {
     // Measured once, on world rank 0, so every rank cuts at the same layers; on a model
@@ -244,11 +248,13 @@ void Executor::connect() {
   const int v = p.virtual_stages;
   const std::vector<double> links =
       p.balance.empty() && p.partition == "time" ? link_costs(p, *grid_, model_, micro_) : std::vector<double>{};
-  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, v, links);
+  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, schedule_.placement_table(), links);
   chunks_.clear();
-  for (int m = grid_->stage(); m < K * v; m += K) {
+  chunk_of_.assign(static_cast<std::size_t>(K * v), -1);
+  for (const int m : schedule_.stages_of(grid_->stage())) {
     bool targets = false;
     for (int i = partition_.begin(m); i < partition_.end(m); ++i) targets = targets || model_.layer(i).needs_targets();
+    chunk_of_[static_cast<std::size_t>(m)] = static_cast<int>(chunks_.size());
     chunks_.push_back({m, partition_.begin(m), partition_.end(m), m == 0, m == K * v - 1, targets});
   }
   // Tied weights: the stages holding an owner or a copy (GPT: the embedding and the
@@ -268,8 +274,6 @@ void Executor::connect() {
 void Executor::allocate() {
   const int M = config_.micro_batches, K = grid_->stages(), D = grid_->replicas();
   const int v = config_.pipeline.virtual_stages, C = static_cast<int>(chunks_.size());
-  schedule_ = lower(make_schedule(config_.pipeline.schedule, K, M, v));
-  if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
   split_ = schedule_.splits(grid_->stage());
   params_ = std::make_unique<ParamStore>(model_, layers(), config_.seed);
   std::vector<Layer*> parts;
@@ -384,7 +388,8 @@ void Executor::allocate() {
   }
   std::vector<Transport::Channel> channels;
   for (const Chunk& c : chunks_)
-    channels.push_back({c.stage, shapes_[static_cast<std::size_t>(c.begin)], shapes_[static_cast<std::size_t>(c.end)], c.first, c.last});
+    channels.push_back({c.stage, shapes_[static_cast<std::size_t>(c.begin)], shapes_[static_cast<std::size_t>(c.end)], c.first,
+                        c.last, c.first ? -1 : schedule_.list_of(c.stage - 1), c.last ? -1 : schedule_.list_of(c.stage + 1)});
   transport_ = std::make_unique<Transport>(*grid_, *progress_, device_, dtype_, cuda_aware_, M, std::move(channels), K * v,
                                            config_.pipeline.p2p_timeout);
   if (device_ == Device::cuda) {
@@ -438,8 +443,12 @@ std::size_t Executor::peak_activation_bytes() const {
 }
 
 bool Executor::needs_batch() const {
-  return grid_->first_stage() || std::any_of(chunks_.begin(), chunks_.end(), [](const Chunk& c) { return c.targets; });
+  return holds_first() || std::any_of(chunks_.begin(), chunks_.end(), [](const Chunk& c) { return c.targets; });
 }
+
+bool Executor::holds_first() const { return chunks_.front().first; }
+
+bool Executor::holds_last() const { return chunks_.back().last; }
 
 bool Executor::holds(int layer) const {
   return std::any_of(chunks_.begin(), chunks_.end(), [layer](const Chunk& c) { return c.begin <= layer && layer < c.end; });
@@ -718,7 +727,7 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
     const int share = config_.batch_size / grid_->replicas();
     try {
       data->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
-                 share, grid_->first_stage() || !data->targets_alone() ? inputs_ : Tensor{}, targets_);
+                 share, holds_first() || !data->targets_alone() ? inputs_ : Tensor{}, targets_);
     } catch (const std::exception& e) {
       rethrow_as(e, cat(grid_->name(), " at ", training ? "step " : "evaluation batch ", step, " reading the batch: ", e.what()));
     }
@@ -726,7 +735,7 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
       cuda::copy_to_device(batch_device_.data(), batch_host_.data(), batch_host_.bytes());
   }
   if (device_ == Device::cuda) {
-    if (grid_->last_stage()) cuda::zero(device_loss_.data(), sizeof(double));
+    if (holds_last()) cuda::zero(device_loss_.data(), sizeof(double));
     compute_marks_.clear();
     marks_[0].record(cuda::StreamKind::compute);
     gpu_origin_ = Clock::now();  // the stream was idle: its mark is now
@@ -738,7 +747,7 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   next_bucket_ = 0;
   for (const Action& action : schedule_.actions[stage]) {
     const int mb = action.micro_batch;
-    const int c = schedule_.stage_of(stage, action) / grid_->stages();  // this rank's chunk
+    const int c = chunk_of_[static_cast<std::size_t>(schedule_.stage_of(stage, action))];  // this rank's chunk
     if (schedule_.virtual_stages > 1) trace_stage_ = chunks_[static_cast<std::size_t>(c)].stage;
     if (!training && (action.kind == ActionKind::backward || action.kind == ActionKind::weight ||
                       action.kind == ActionKind::recv_grad || action.kind == ActionKind::send_grad))
@@ -779,7 +788,7 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   if (device_ == Device::cuda) {
     // The step's compute is queued; wait for it, read the loss and the action times.
     cuda::synchronize(cuda::StreamKind::compute);
-    if (grid_->last_stage()) {
+    if (holds_last()) {
       cuda::copy_to_host(host_loss_.data(), device_loss_.data(), sizeof(double));
       cuda::synchronize(cuda::StreamKind::compute);
       loss_sum_ = *host_loss_.as<double>();
@@ -841,7 +850,7 @@ double Executor::compute_gradients(std::int64_t step) {
   std::span<double> per_layer(reduce_buffer_.data(), static_cast<std::size_t>(L));
   std::fill(per_layer.begin(), per_layer.end(), 0.0);
   if (grid_->replica() == 0) params_->grad_sum_squares(per_layer);
-  reduce_buffer_[L] = grid_->last_stage() ? loss_sum_ : 0.0;
+  reduce_buffer_[L] = holds_last() ? loss_sum_ : 0.0;
   reduce_buffer_[L + 2] = stop_requested_ ? 1.0 : 0.0;
   // Non-blocking and waited on through Progress: a rank that finished early blocks
   // instead of spinning in MPI while its neighbour still computes.

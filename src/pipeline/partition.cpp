@@ -174,15 +174,28 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
 }
 
 Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
-                           int micro, const std::vector<double>& measured, int virtual_stages,
+                           int micro, const std::vector<double>& measured, const std::vector<int>& placement,
                            const std::vector<double>& link_seconds_per_byte) {
+  const int model_stages = placement.empty() ? stages : static_cast<int>(placement.size());
+  auto rank_of = [&](int m) { return placement.empty() ? m : placement[static_cast<std::size_t>(m)]; };
+  // Per cut: the link between the ranks of the model stages on its two sides.
+  std::vector<double> per_cut;
+  if (method == "time" && !link_seconds_per_byte.empty()) {
+    const auto links = link_seconds_per_byte.size();
+    for (int c = 0; c + 1 < model_stages; ++c) {
+      const int a = rank_of(c), b = rank_of(c + 1);
+      const int link = b == (a + 1) % stages ? a : a == (b + 1) % stages ? b : a;
+      per_cut.push_back(a == b ? 0.0 : link_seconds_per_byte[static_cast<std::size_t>(link) % links]);
+    }
+  }
   Partition p = !balance.empty() ? partition_from_balance(parse_balance(balance), model.size())
                                  : partition_min_max(method == "time" ? measured : layer_costs(model, method, micro),
-                                                     stages * virtual_stages, boundary_bytes(model, micro),
-                                                     method == "time" ? link_seconds_per_byte : std::vector<double>{});
-  MPIPE_REQUIRE(p.stages() == stages * virtual_stages, "give one count per model stage (stages x virtual stages)",
-                "--balance has ", p.stages(), " stages, the run ", stages * virtual_stages);
-  p.virtual_stages = virtual_stages;
+                                                     model_stages, boundary_bytes(model, micro), per_cut);
+  MPIPE_REQUIRE(p.stages() == model_stages, "give one count per model stage (stages x virtual stages)",
+                "--balance has ", p.stages(), " stages, the run ", model_stages);
+  p.virtual_stages = model_stages / stages;
+  p.placement = placement;
+  if (!per_cut.empty()) p.link_cost_per_byte = link_seconds_per_byte;
   return p;
 }
 

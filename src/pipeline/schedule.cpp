@@ -74,6 +74,35 @@ std::string Schedule::to_text() const {
   return out;
 }
 
+std::vector<int> Schedule::stages_of(int list) const {
+  std::vector<int> out;
+  for (int m = 0; m < model_stages(); ++m)
+    if (list_of(m) == list) out.push_back(m);
+  return out;
+}
+
+int Schedule::local_of(int model_stage) const {
+  int local = 0;
+  for (int m = 0; m < model_stage; ++m) local += list_of(m) == list_of(model_stage);
+  return local;
+}
+
+std::vector<int> Schedule::placement_table() const {
+  return placement.empty() ? round_robin_placement(stages, virtual_stages) : placement;
+}
+
+std::vector<int> round_robin_placement(int stages, int virtual_stages) {
+  std::vector<int> out(static_cast<std::size_t>(stages * virtual_stages));
+  for (std::size_t m = 0; m < out.size(); ++m) out[m] = static_cast<int>(m) % stages;
+  return out;
+}
+
+std::vector<int> vee_placement(int stages) {
+  std::vector<int> out(static_cast<std::size_t>(2 * stages));
+  for (int s = 0; s < stages; ++s) out[static_cast<std::size_t>(s)] = out[static_cast<std::size_t>(2 * stages - 1 - s)] = s;
+  return out;
+}
+
 bool Schedule::splits(int stage) const {
   const auto& list = actions[static_cast<std::size_t>(stage)];
   return std::any_of(list.begin(), list.end(), [](const Action& a) { return a.kind == ActionKind::weight; });
@@ -172,7 +201,62 @@ Schedule interleaved_schedule(int stages, int virtual_stages, int micro_batches)
   return s;
 }
 
-std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "zb-h1", "interleaved"}; }
+// List scheduling at unit costs, one tick per action of a model stage (half a rank's
+// layers): every rank runs, each tick, the first of these it can: a ready F while it
+// holds fewer than 2K micro-batch stages between F and W (the later model stage first, so
+// micro-batch 0 reaches the loss soonest), a ready B (its gradient has arrived; the
+// earlier model stage first), the oldest pending W. Of the orders tried (B or F first,
+// either stage first, limits 2K-1 to 3K) this one reaches the bound (K-1)/(6M+K-1) most
+// often at 1F1B's memory: for K <= 8 and K <= M <= 32 in all but 12 of 182 cases, at most
+// 4 ticks above it (a limit of 3K reaches it in all of them). The V's turn (stages K-1
+// and K on the last rank) needs no wait beyond stage order: its message goes from the
+// rank to itself.
+Schedule zbv_schedule(int stages, int micro_batches) {
+  const int K = stages, M = micro_batches, S = 2 * K;
+  Schedule s = empty_schedule("zbv", K, M);
+  s.virtual_stages = 2;
+  s.placement = vee_placement(K);
+  std::vector<int> forwards(S, 0), backwards(S, 0), weights(S, 0);
+  std::vector<std::vector<long>> forward_done(S, std::vector<long>(M, -1)), backward_done = forward_done;
+  auto ready = [](long done, long tick) { return done >= 0 && done <= tick; };
+  long left = 3L * S * M;
+  for (long tick = 0; left > 0; ++tick) {
+    MPIPE_CHECK(tick <= 6L * S * M + 2L * S, "zbv schedule for ", K, " stages and ", M, " micro-batches makes no progress");
+    for (int rank = 0; rank < K; ++rank) {
+      const int later = S - 1 - rank, earlier = rank;
+      const int held = forwards[later] - weights[later] + forwards[earlier] - weights[earlier];
+      auto& list = s.actions[static_cast<std::size_t>(rank)];
+      auto forward = [&](int m) {
+        const int f = forwards[m];
+        if (f >= M || held >= S || !(m == 0 || ready(forward_done[m - 1][f], tick))) return false;
+        list.push_back({ActionKind::forward, f, m});
+        forward_done[m][f] = tick + 1;
+        ++forwards[m];
+        return true;
+      };
+      auto backward = [&](int m) {
+        const int b = backwards[m];
+        if (b >= forwards[m] || !ready(m == S - 1 ? forward_done[m][b] : backward_done[m + 1][b], tick)) return false;
+        list.push_back({ActionKind::backward, b, m});
+        backward_done[m][b] = tick + 1;
+        ++backwards[m];
+        return true;
+      };
+      auto weight = [&] {
+        int m = -1;
+        for (const int own : {later, earlier})
+          if (weights[own] < backwards[own] && (m < 0 || weights[own] < weights[m])) m = own;
+        if (m < 0) return false;
+        list.push_back({ActionKind::weight, weights[m]++, m});
+        return true;
+      };
+      if (forward(later) || forward(earlier) || backward(earlier) || backward(later) || weight()) --left;
+    }
+  }
+  return s;
+}
+
+std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "zb-h1", "interleaved", "zbv"}; }
 
 Schedule parse_schedule(const std::string& text, const std::string& source) {
   const std::string hint = "write one line per stage, e.g. 'stage 0: F0 F1 B0 B1' (mpipe plan --write-schedule)";
@@ -219,6 +303,39 @@ Schedule parse_schedule(const std::string& text, const std::string& source) {
   return s;
 }
 
+namespace {
+
+// A schedule file with virtual stages places each model stage on the line whose actions
+// name it (a model stage no line names stays on its round-robin line, where validate()
+// finds it missing); every line must then hold --virtual-stages of them.
+void place_from_actions(Schedule& s, const std::string& source) {
+  const int stages = s.model_stages();
+  s.placement = round_robin_placement(s.stages, s.virtual_stages);
+  std::vector<int> named(static_cast<std::size_t>(stages), -1);
+  for (int list = 0; list < s.stages; ++list)
+    for (const Action& a : s.actions[static_cast<std::size_t>(list)]) {
+      const int m = s.stage_of(list, a);
+      if (m >= stages) continue;  // validate() names it
+      int& on = named[static_cast<std::size_t>(m)];
+      MPIPE_REQUIRE(on < 0 || on == list, "run each model stage's actions on one stage (rank)", source, ": model stage ", m,
+                    " is on stage ", on, " and on stage ", list, " (", to_string(a), ")");
+      on = list;
+    }
+  for (int m = 0; m < stages; ++m)
+    if (named[static_cast<std::size_t>(m)] >= 0) s.placement[static_cast<std::size_t>(m)] = named[static_cast<std::size_t>(m)];
+  for (int list = 0; list < s.stages; ++list) {
+    const std::vector<int> mine = s.stages_of(list);
+    std::string names;
+    for (const int m : mine) names += cat(names.empty() ? "" : ", ", m);
+    MPIPE_REQUIRE(static_cast<int>(mine.size()) == s.virtual_stages,
+                  cat("give each stage ", s.virtual_stages, " model stages (--virtual-stages)"), source, ": stage ", list,
+                  " runs model stage", mine.size() == 1 ? " " : "s ", names.empty() ? "none" : names, ", not ",
+                  s.virtual_stages);
+  }
+}
+
+}  // namespace
+
 Schedule make_schedule(const std::string& name, int stages, int micro_batches, int virtual_stages) {
   if (name == "interleaved") {
     MPIPE_REQUIRE(virtual_stages >= 2, "give --virtual-stages 2 (or more) with --schedule interleaved",
@@ -228,9 +345,14 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
                   " is not a multiple of ", stages);
     return interleaved_schedule(stages, virtual_stages, micro_batches);
   }
+  if (name == "zbv") {
+    MPIPE_REQUIRE(virtual_stages == 2, "leave --virtual-stages out (zbv sets 2), or give --virtual-stages 2",
+                  "--schedule zbv runs two model stages per rank, not --virtual-stages ", virtual_stages);
+    return zbv_schedule(stages, micro_batches);
+  }
   const std::vector<std::string> names = schedule_names();
   MPIPE_REQUIRE(virtual_stages == 1 || std::find(names.begin(), names.end(), name) == names.end(),
-                "use --schedule interleaved (or a schedule file) with --virtual-stages", "--schedule ", name,
+                "use --schedule interleaved or zbv (or a schedule file) with --virtual-stages", "--schedule ", name,
                 " runs one stage per rank, not --virtual-stages ", virtual_stages);
   if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
   if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
@@ -250,13 +372,14 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
                   s.stages, " stages, the run ", stages);
     s.micro_batches = micro_batches;  // validate() names an action beyond them, or one missing
     s.virtual_stages = virtual_stages;  // and an action on a stage beyond them
+    if (virtual_stages > 1) place_from_actions(s, source);
     if (auto problem = validate(lower(s))) {
       const std::string first_line = problem->substr(0, problem->find('\n'));
       throw UserError(cat(source, ": ", first_line), "each stage runs F0, F1, ..., B0, B1, ... (and W0, W1, ... or none) in ascending order, each B after its F and each W after its B, with no cycle of waits (docs/schedules.md)");
     }
     return s;
   }
-  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b, zb-h1, interleaved or file:PATH");
+  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b, zb-h1, interleaved, zbv or file:PATH");
 }
 
 int in_flight(const Schedule& schedule, int stage, int model_stage) {
@@ -397,11 +520,14 @@ std::optional<std::string> validate(const Schedule& s) {
       return {};
     };
     // The compute actions' places first (the sends and receives around them follow them).
+    const std::vector<int> mine = s.stages_of(st);
     for (const Action& a : s.actions[st]) {
       const int m = s.stage_of(st, a);
-      if (a.is_compute() && (m >= stages || s.list_of(m) != st))
-        return cat("stage ", st, ": ", to_string(a), " is not on one of its model stages (",
-                   v == 1 ? cat(st) : cat(st, ", ", st + s.stages, ", ..."), " of ", stages, ")");
+      if (a.is_compute() && (m >= stages || s.list_of(m) != st)) {
+        std::string names;
+        for (const int own : mine) names += cat(names.empty() ? "" : ", ", own);
+        return cat("stage ", st, ": ", to_string(a), " is not on one of its model stages (", names, " of ", stages, ")");
+      }
     }
     for (int i = 0; i < static_cast<int>(s.actions[st].size()); ++i) {
       const Action& a = s.actions[st][i];
@@ -409,7 +535,7 @@ std::optional<std::string> validate(const Schedule& s) {
         return cat("stage ", st, ": ", to_string(a), " is beyond the ", M, " micro-batches");
       const int m = s.stage_of(st, a);
       if (m >= stages || s.list_of(m) != st) return cat("stage ", st, ": ", to_string(a), " is on another stage");
-      const int local = m / s.stages;
+      const int local = s.local_of(m);
       if (a.kind == ActionKind::forward) {
         if (forward_at[local][a.micro_batch] >= 0) return cat("stage ", st, ": ", to_string(a), " twice");
         if (a.micro_batch > 0 && forward_at[local][a.micro_batch - 1] < 0)
@@ -429,7 +555,7 @@ std::optional<std::string> validate(const Schedule& s) {
     const bool split = s.splits(st);
     for (int local = 0; local < v; ++local)
       for (int mb = 0; mb < M; ++mb) {
-        const std::string where = v == 1 ? std::string() : cat(" on model stage ", local * s.stages + st);
+        const std::string where = v == 1 ? std::string() : cat(" on model stage ", mine[static_cast<std::size_t>(local)]);
         if (forward_at[local][mb] < 0 || backward_at[local][mb] < 0)
           return cat("stage ", st, ": micro-batch ", mb, where, " is missing F or B");
         if (split && weight_at[local][mb] < 0)

@@ -57,17 +57,14 @@ Transport::Transport(const Grid& grid, Progress& progress, Device device, DType 
     }
 }
 
-// Neighbouring model stages are on neighbouring pipeline stages, the last one's next
-// being the first (virtual stages only: with one model stage per rank the model's
-// ends send nothing past them).
-int Transport::peer(Direction direction) const {
-  const int K = grid_.stages();
-  return direction == Direction::forward ? (grid_.stage() + 1) % K : (grid_.stage() + K - 1) % K;
+int Transport::peer(Direction direction, int c) const {
+  const Channel& channel = channels_[static_cast<std::size_t>(c)];
+  return direction == Direction::forward ? channel.next : channel.previous;
 }
 
-int Transport::source(Direction direction) const {
-  // Activations come from the previous stage, gradients from the next.
-  return peer(direction == Direction::forward ? Direction::backward : Direction::forward);
+int Transport::source(Direction direction, int c) const {
+  // Activations come from the previous model stage, gradients from the next.
+  return peer(direction == Direction::forward ? Direction::backward : Direction::forward, c);
 }
 
 void Transport::post_receives(bool backward) {
@@ -77,13 +74,12 @@ void Transport::post_receives(bool backward) {
   pending_sends_.clear();
   for (const Direction d : {Direction::forward, Direction::backward}) {
     if (d == Direction::backward && !backward) continue;
-    const int from = source(d);
     for (int c = 0; c < static_cast<int>(channels_.size()); ++c)
       for (int mb = 0; mb < micro_batches_; ++mb) {
         Inbox& m = received_[index(d)][slot(c, mb)];
         if (m.wire.empty() && m.tensor.empty()) continue;  // the model's first (last) stage
         receive_tickets_[index(d)][slot(c, mb)] =
-            progress_.track(pipe.irecv(m.wire, from, tag(channels_[static_cast<std::size_t>(c)].stage, mb, d)), true);
+            progress_.track(pipe.irecv(m.wire, source(d, c), tag(channels_[static_cast<std::size_t>(c)].stage, mb, d)), true);
       }
   }
 }
@@ -101,7 +97,7 @@ double Transport::receive(Direction direction, int c, int mb) {
                  .waited;
   } catch (const Error& e) {
     // Name the rank that did not send: the first of a chain of waiting ranks is stuck.
-    const int from = source(direction);
+    const int from = source(direction, c);
     rethrow_as(e, cat(e.what(), "; it comes from rank ", grid_.shape().rank_of(from, grid_.replica()), " (stage ", from, ")"));
   }
   if (device_ == Device::cuda && !cuda_aware_) {
@@ -143,7 +139,7 @@ void Transport::send(Direction direction, int c, int mb, const Tensor& data) {
 
 void Transport::post_send(std::span<const std::byte> wire, Direction direction, int c, int mb) {
   const int to = channels_[static_cast<std::size_t>(c)].stage + (direction == Direction::forward ? 1 : -1);
-  send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, peer(direction), tag(to, mb, direction)), true));
+  send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, peer(direction, c), tag(to, mb, direction)), true));
   sent_.push_back({direction, c, mb, {}, {}});
 }
 

@@ -238,6 +238,54 @@ TEST_CASE("interleaved: v model stages per rank train bitwise as gpipe, every re
   }
 }
 
+TEST_CASE("zbv: two model stages per rank in a V train bitwise as gpipe, every remat mode, K = 1, 2, 4, D = 2") {
+  if (world().size() != 4) return;
+  // 9 layers (embedding, 5 blocks, layernorm, head, loss), or with the head in 3
+  // vocabulary chunks 11: up to 8 model stages. The embedding (model stage 0) and the
+  // loss (model stage 2K-1) are both on rank 0.
+  auto config = [](const char* schedule, const char* remat, int head_chunks) {
+    TrainConfig c = tiny_gpt(schedule, remat, 4);
+    c.model.layers = 5;
+    c.model.head_chunks = head_chunks;
+    c.pipeline.virtual_stages = std::string(schedule) == "zbv" ? 2 : 1;
+    return c;
+  };
+  struct Case {
+    int ranks, replicas, head_chunks;
+    const char* remat;
+  };
+  const RunResult reference = run(config("gpipe", "never", 1), 1);
+  const RunResult chunked = run(config("gpipe", "never", 3), 1);
+  for (const Case& k : {Case{1, 1, 1, "never"}, Case{2, 1, 1, "never"}, Case{2, 1, 1, "always"}, Case{2, 1, 3, "except-last"},
+                        Case{4, 1, 1, "never"}, Case{4, 1, 1, "except-last"}, Case{4, 1, 3, "always"}}) {
+    const RunResult r = run(config("zbv", k.remat, k.head_chunks), k.ranks);
+    if (world().rank() != 0) continue;
+    INFO("ranks " << k.ranks << ", head chunks " << k.head_chunks << ", remat " << k.remat);
+    const RunResult& want = k.head_chunks > 1 ? chunked : reference;
+    CHECK(r.losses == want.losses);
+    CHECK(r.norms == want.norms);
+    REQUIRE(r.params.size() == want.params.size());
+    CHECK(std::memcmp(r.params.data(), want.params.data(), r.params.size() * sizeof(float)) == 0);
+  }
+  // With replicas: zbv on 2 x 2 ranks is bitwise gpipe on the same grid, the replicas equal.
+  TrainConfig d2 = config("gpipe", "never", 1);
+  d2.pipeline.grid.replicas = 2;
+  d2.micro_batches = 2;
+  const RunResult gpipe = run(d2, 4);
+  for (const char* remat : {"never", "always"}) {
+    TrainConfig zbv = config("zbv", remat, 1);
+    zbv.pipeline.grid.replicas = 2;
+    zbv.micro_batches = 2;
+    const RunResult r = run(zbv, 4);
+    if (world().rank() != 0) continue;
+    INFO("D = 2, remat " << remat);
+    CHECK(r.losses == gpipe.losses);
+    CHECK(r.norms == gpipe.norms);
+    CHECK(std::memcmp(r.params.data(), gpipe.params.data(), r.params.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(r.params.data(), r.replica_params.data(), r.params.size() * sizeof(float)) == 0);
+  }
+}
+
 TEST_CASE("three replicas: K = 1 and K = 2 stay bitwise identical (mpiexec -n 6)") {
   if (world().size() != 6) return;
   TrainConfig config = tiny_gpt("1f1b", "always", 2);

@@ -16,10 +16,13 @@
 
 using namespace mpipe;
 
+// The model stages per rank a built-in schedule runs with (interleaved: any v >= 2).
+bool fits(const std::string& name, int v) { return name == "interleaved" ? v > 1 : name == "zbv" ? v == 2 : v == 1; }
+
 TEST_CASE("every generated schedule is valid for K <= 16 and M <= 64, M < K included, v <= 4") {
   for (const std::string& name : schedule_names())
     for (int v : {1, 2, 3, 4}) {
-      if ((name == "interleaved") != (v > 1)) continue;
+      if (!fits(name, v)) continue;
       for (int K : {1, 2, 3, 4, 5, 8, 13, 16})
         for (int M : {1, 2, 3, 4, 7, 8, 16, 31, 64}) {
           if (name == "interleaved" && M % K != 0) continue;
@@ -54,6 +57,42 @@ TEST_CASE("interleaved: 1F1B's bubble divided by about v, at most M·v micro-bat
   CHECK_THROWS_WITH_AS(make_schedule("interleaved", 4, 6, 2), doctest::Contains("6 is not a multiple of 4"), UserError);
   CHECK_THROWS_WITH_AS(make_schedule("interleaved", 4, 8, 1), doctest::Contains("nothing to interleave"), UserError);
   CHECK_THROWS_WITH_AS(make_schedule("1f1b", 4, 8, 2), doctest::Contains("runs one stage per rank"), UserError);
+}
+
+TEST_CASE("zbv: two model stages per rank in a V, the bound of a synchronized step at 1F1B's memory") {
+  for (int K : {1, 2, 3, 4, 5, 8})
+    for (int M : {1, 2, 3, 4, 8, 16, 33}) {
+      INFO("K=" << K << " M=" << M);
+      const Schedule s = zbv_schedule(K, M);
+      REQUIRE(!validate(lower(s)));
+      // Rank r holds model stages r and 2K-1-r: the first and the last on rank 0.
+      for (int rank = 0; rank < K; ++rank) CHECK(s.stages_of(rank) == std::vector<int>{rank, 2 * K - 1 - rank});
+      // Unit costs: each model stage is half a rank's layers, F = B = W = 1/2.
+      const Simulation sim = simulate(lower(s), StageCosts::unit(s));
+      const double zb_h1 = simulate(lower(zb_h1_schedule(K, M)), StageCosts::uniform(K, 1.0, 2.0, 1.0)).bubble_fraction;
+      const double bound = static_cast<double>(K - 1) / (6 * M + K - 1);  // the last rank waits K-1 half forwards
+      CHECK(sim.bubble_fraction >= bound - 1e-12);
+      if (M >= K) {
+        // Within 4 half-unit ticks of the bound, and below zb-h1 wherever there is a bubble.
+        CHECK(sim.makespan <= (6 * M + K - 1 + 4) / 2.0 + 1e-9);
+        if (K > 1) CHECK(sim.bubble_fraction < zb_h1);
+      }
+      // 1F1B's memory: at most 2K micro-batch model stages (K micro-batches of a whole
+      // rank) between F and W on any rank.
+      for (int rank = 0; rank < K; ++rank) {
+        CHECK(s.splits(rank));
+        CHECK(in_flight(s, rank) <= 2 * K);
+      }
+    }
+  // The issue's point: K = 4, M = 8 at the bound, 3/51 = 5.9% (zb-h1 11.1%, 1F1B 27.3%).
+  const Schedule s = zbv_schedule(4, 8);
+  CHECK(simulate(lower(s), StageCosts::unit(s)).bubble_fraction == doctest::Approx(3.0 / 51));
+  // Rank 0 runs the model's first stage's warm-up, then the last stage's 1F1B with its Ws;
+  // the last rank turns the V: the activation of 3F0 goes to 4F0 on the same rank.
+  CHECK(s.to_text().find("stage 0: 0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7B0 7W0") == 0);
+  CHECK(s.to_text().find("stage 3: 3F0 4F0 3F1 4F1") != std::string::npos);
+  CHECK(lower(s).to_text().find("stage 3: 3RF0 3F0 3SF0 4RF0 4F0 4SF0") != std::string::npos);
+  CHECK_THROWS_WITH_AS(make_schedule("zbv", 4, 8, 3), doctest::Contains("two model stages per rank"), UserError);
 }
 
 TEST_CASE("gpipe's simulated bubble is (K-1)/(M+K-1) with equal stages") {
@@ -120,7 +159,7 @@ TEST_CASE("zb-h1: a third of 1F1B's bubble at unit costs, K between F and W, K -
 TEST_CASE("backwards run in ascending micro-batch order on every model stage of every schedule") {
   for (const std::string& name : schedule_names()) {
     const bool interleaved = name == "interleaved";
-    const Schedule s = make_schedule(name, 4, interleaved ? 12 : 9, interleaved ? 3 : 1);
+    const Schedule s = make_schedule(name, 4, interleaved ? 12 : 9, interleaved ? 3 : name == "zbv" ? 2 : 1);
     for (int stage = 0; stage < s.stages; ++stage) {
       std::map<int, int> last;  // model stage -> its last backward
       for (const Action& a : s.actions[stage])
@@ -384,8 +423,8 @@ TEST_CASE("schedule files: every built-in schedule round-trips through its text,
   for (int K = 1; K <= 5; ++K)
     for (int M = 1; M <= 8; ++M)
       for (const std::string& name : schedule_names()) {
-        const int v = name == "interleaved" ? 2 : 1;
-        if (M % K != 0 && v > 1) continue;
+        const int v = name == "interleaved" || name == "zbv" ? 2 : 1;
+        if (M % K != 0 && name == "interleaved") continue;
         CAPTURE(K);
         CAPTURE(M);
         CAPTURE(name);
@@ -396,7 +435,9 @@ TEST_CASE("schedule files: every built-in schedule round-trips through its text,
         CHECK(back.actions == s.actions);
         const auto path = std::filesystem::temp_directory_path() / "mpipe_schedule.txt";
         std::ofstream(path) << s.to_text();
-        CHECK(make_schedule("file:" + path.string(), K, M, v).actions == s.actions);
+        const Schedule read = make_schedule("file:" + path.string(), K, M, v);
+        CHECK(read.actions == s.actions);
+        CHECK(read.placement_table() == s.placement_table());  // zbv's V comes back from the lines
         std::filesystem::remove(path);
       }
 }
@@ -449,6 +490,17 @@ TEST_CASE("schedule files: a broken one is one user error naming the file, the l
   std::ofstream(path) << "stage 0: 0F0 2F0 2B0 0B0\nstage 1: 1F0 3F0 3B0 1B0\n";
   CHECK_THROWS_WITH_AS(make_schedule(spec, 2, 1, 1), doctest::Contains("2F0 is not on one of its model stages (0 of 2)"),
                        UserError);
+  // A file places its model stages by the lines that name them: a V, or any other
+  // placement with v stages per line; one model stage on two lines is refused.
+  std::ofstream(path) << "stage 0: 0F0 3F0 3B0 0B0\nstage 1: 1F0 2F0 2B0 1B0\n";
+  CHECK(make_schedule(spec, 2, 1, 2).placement_table() == vee_placement(2));
+  std::ofstream(path) << "stage 0: 0F0 1F0 1B0 0B0\nstage 1: 2F0 3F0 3B0 2B0\n";
+  CHECK(make_schedule(spec, 2, 1, 2).placement_table() == std::vector<int>{0, 0, 1, 1});
+  std::ofstream(path) << "stage 0: 0F0 1F0 1B0 0B0\nstage 1: 1F0 2F0 3F0 3B0 2B0 1B0\n";
+  CHECK_THROWS_WITH_AS(make_schedule(spec, 2, 1, 2), doctest::Contains("model stage 1 is on stage 0 and on stage 1 (1F0)"),
+                       UserError);
+  std::ofstream(path) << "stage 0: 0F0 1F0 2F0 2B0 1B0 0B0\nstage 1: 3F0 3B0\n";
+  CHECK_THROWS_WITH_AS(make_schedule(spec, 2, 1, 2), doctest::Contains("stage 0 runs model stages 0, 1, 2, not 2"), UserError);
   std::filesystem::remove(path);
   says(refused("", 1, 1), "' has no stage lines");
   std::filesystem::remove(path);

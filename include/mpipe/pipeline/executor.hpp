@@ -2,8 +2,10 @@
 // touches both the communicators and the layers.
 //
 // Each rank runs one pipeline stage of one replica: a contiguous range of layers, or with
-// --virtual-stages v the model stages s, s + K, ... of a model cut into K·v (interleaved
-// schedules; messages between model stages then wrap from the last rank to the first). A step:
+// --virtual-stages v the v model stages the schedule places on it, of a model cut into
+// K·v: s, s + K, ... for interleaved (messages then wrap from the last rank to the first),
+// s and 2K-1-s for zbv (the model goes down the ranks and back up; the first rank holds
+// the loss, and the turn on the last rank is a message to itself). A step:
 // zero gradients, draw this replica's share of the mini-batch, post every receive,
 // walk the stage's action list (F, B, sends, receives), sum gradients over replicas
 // in buckets started while the last backward still runs, sum tied-weight gradients
@@ -41,8 +43,8 @@ namespace mpipe {
 
 struct PipelineConfig {
   GridShape grid;                  // --stages, --replicas (0: inferred), --rank-order
-  std::string schedule = "gpipe";  // gpipe | 1f1b | zb-h1 | interleaved | file:PATH
-  int virtual_stages = 1;          // model stages per rank (interleaved)
+  std::string schedule = "gpipe";  // gpipe | 1f1b | zb-h1 | interleaved | zbv | file:PATH
+  int virtual_stages = 1;          // model stages per rank (interleaved; 2 for zbv)
   std::string remat = "never";     // always | except-last | never
   std::string batchnorm = "micro"; // micro | deferred: when BatchNorm's running statistics move
   std::string partition = "flops"; // uniform | params | flops | time
@@ -242,7 +244,10 @@ class Executor {
     bool targets;      // a layer reads the targets (the loss, a vocabulary chunk of the head)
   };
   bool needs_batch() const;  // this rank reads batches: the first stage's inputs, or targets
+  bool holds_first() const;  // the model's first stage (the inputs) is one of this rank's
+  bool holds_last() const;   // the model's last stage (the loss) is one of this rank's
   std::vector<Chunk> chunks_;
+  std::vector<int> chunk_of_;  // [model stage]: its index in chunks_, or -1 on another rank
   // Per (chunk, micro-batch) state is at [c · M + mb].
   std::size_t at(int c, int mb) const { return static_cast<std::size_t>(c * config_.micro_batches + mb); }
   bool holds(int layer) const;

@@ -16,12 +16,13 @@ struct Partition {
   std::vector<double> layer_cost; // the costs it was made from (empty for --balance)
   // When communication was counted: each model stage's cost of moving its boundary
   // activations and gradients (in the costs' unit), and the links' cost per byte, link l
-  // joining model stage l to l + 1 (index l mod size). Both empty otherwise.
+  // joining pipeline stage l to l + 1 (mod K). Both empty otherwise.
   std::vector<double> comm_cost, link_cost_per_byte;
-  int virtual_stages = 1;         // v: model stages per pipeline stage, round robin
+  int virtual_stages = 1;         // v: model stages per pipeline stage
+  std::vector<int> placement;     // [model stage] -> its pipeline stage; empty: model stage = pipeline stage
   int stages() const { return static_cast<int>(bounds.size()) - 1; }  // model stages
   // The pipeline stage (the rank of a replica) holding model stage `s`.
-  int pipeline_stage(int s) const { return s % (stages() / virtual_stages); }
+  int pipeline_stage(int s) const { return placement.empty() ? s : placement[static_cast<std::size_t>(s)]; }
   int begin(int stage) const { return bounds[stage]; }
   int end(int stage) const { return bounds[stage + 1]; }
   int stage_of(int layer) const;  // the stage holding global layer `layer`
@@ -62,11 +63,13 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
 
 // The partition --balance (layers per model stage) or, without it, --partition `method`
 // asks for: the exact min-max of the layer costs with the cut sizes of boundary_bytes(),
-// into stages · virtual_stages model stages; `measured`: the layer times of --partition
-// time, and `link_seconds_per_byte` (--partition time only: the costs are then seconds)
-// the links between pipeline ranks, link r from rank r to r + 1 mod stages.
+// into the model stages of `placement` (each one's pipeline stage, from
+// Schedule::placement_table(); empty: one per pipeline stage); `measured`: the layer times
+// of --partition time, and `link_seconds_per_byte` (--partition time only: the costs are
+// then seconds) the links between pipeline ranks, link r from rank r to r + 1 mod stages.
+// A cut between two model stages of one rank crosses no link.
 Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
-                           int micro, const std::vector<double>& measured = {}, int virtual_stages = 1,
+                           int micro, const std::vector<double>& measured = {}, const std::vector<int>& placement = {},
                            const std::vector<double>& link_seconds_per_byte = {});
 
 // --link-bandwidth: "auto" (measured by train), "off", or GB/s (> 0). Seconds per byte

@@ -4,9 +4,12 @@
 // validate() and simulate() are pure functions, and render() draws the step-by-stage
 // grid. The executor interprets lowered lists.
 //
-// Virtual stages: with v > 1 the model is cut into K·v stages and pipeline stage s holds
-// stages s, s + K, s + 2K, ... (round robin, as Megatron-LM's interleaved schedule); each
-// action names the stage it runs. With v = 1 an action's stage is its list's (-1).
+// Virtual stages: with v > 1 the model is cut into K·v stages and a schedule's placement
+// says which pipeline stage (list) runs each: round robin (stage m on m mod K, as
+// Megatron-LM's interleaved schedule) unless it says otherwise, e.g. the V of ZB-V
+// (stages s and 2K-1-s on pipeline stage s); each action names the stage it runs. With
+// v = 1 an action's stage is its list's (-1). Everything downstream (lowering, validation,
+// simulation, the partition's owners, the transport's peers) asks the placement.
 //
 // Text form of an action: F3 / B3 (forward / backward of micro-batch 3), W3 (its weight
 // gradient, where the schedule splits the backward: B3 is then the input gradient alone),
@@ -40,6 +43,8 @@ struct Schedule {
   int virtual_stages = 1;  // v: model stages per pipeline stage
   int micro_batches = 1;
   std::vector<std::vector<Action>> actions;  // [pipeline stage] -> ordered actions
+  // [model stage] -> the pipeline stage running it; empty: round robin (m mod K).
+  std::vector<int> placement;
 
   std::string to_text() const;  // one line per stage: "stage 0: F0 F1 B0 B1"
   // Whether pipeline stage `stage` splits its backwards: it has W actions, one per
@@ -48,8 +53,20 @@ struct Schedule {
   int model_stages() const { return stages * virtual_stages; }
   // The model stage action `a` of list `list` runs on, and the list holding model stage `s`.
   int stage_of(int list, const Action& a) const { return a.stage >= 0 ? a.stage : list; }
-  int list_of(int model_stage) const { return model_stage % stages; }
+  int list_of(int model_stage) const {
+    return placement.empty() ? model_stage % stages : placement[static_cast<std::size_t>(model_stage)];
+  }
+  // The model stages of list `list`, ascending; `model_stage`'s index among its list's.
+  std::vector<int> stages_of(int list) const;
+  int local_of(int model_stage) const;
+  // Every model stage's pipeline stage (the placement, filled in for round robin).
+  std::vector<int> placement_table() const;
 };
+
+// Round robin (model stage m on pipeline stage m mod K) and the V of ZB-V (stages s and
+// 2K-1-s on pipeline stage s: the model goes down the ranks and back up).
+std::vector<int> round_robin_placement(int stages, int virtual_stages);
+std::vector<int> vee_placement(int stages);
 
 // Generators: compute-only lists, backward always in ascending micro-batch order.
 Schedule gpipe_schedule(int stages, int micro_batches);
@@ -65,7 +82,18 @@ Schedule zb_h1_schedule(int stages, int micro_batches);
 // Bubble at equal costs (K-1) / (v·M + K-1): 1F1B's divided by about v, for v times the
 // messages. M must be a multiple of K.
 Schedule interleaved_schedule(int stages, int virtual_stages, int micro_batches);
-// By name: gpipe, 1f1b, zb-h1, interleaved (virtual_stages >= 2; the others 1), or
+// ZB-V (Qi et al. 2023, section 6: zero bubble on the V placement): two model stages per rank, the
+// backward split into B and W as in ZB-H1. The first rank holds the model's first and
+// last stages, so the forward goes down the ranks and comes back up, and a rank's two
+// stages share its work in the warm-up and the drain. Built by list scheduling at unit
+// costs: a rank runs the B that is ready (the later model stage first), else a forward if
+// it holds fewer than 2K micro-batch stages between F and W (1F1B's stage 0 memory: K
+// micro-batches of a whole rank's layers), the later model stage first, else the oldest
+// pending W. Bubble at unit costs close to the bound of a synchronized step,
+// (K-1)/(6M+K-1): the last rank waits K-1 half-stage forwards for its first input.
+Schedule zbv_schedule(int stages, int micro_batches);
+// By name: gpipe, 1f1b, zb-h1, interleaved (virtual_stages >= 2; the others 1), zbv
+// (virtual_stages 2), or
 // file:PATH (a schedule file: parse_schedule, then checked for `stages`,
 // `virtual_stages` and `micro_batches` and by validate(), each problem a UserError naming
 // the file, the stage and the action); UserError for an unknown name.

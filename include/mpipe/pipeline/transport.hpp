@@ -5,8 +5,11 @@
 // micro-batch (and model stage: a rank with virtual stages holds several, each a channel);
 // a send is posted as soon as its data is final, so the transfer of micro-batch i
 // overlaps the compute of i + 1 on both sides. Tags come from (micro-batch, direction),
-// and the receiving model stage where a rank holds more than one. With virtual stages
-// the last pipeline stage sends activations on to the first (round robin). On a GPU the messages go straight from and into device memory
+// and the receiving model stage where a rank holds more than one. Each channel's peers are
+// the ranks of its neighbouring model stages, wherever the schedule placed them: with round
+// robin the last pipeline stage sends activations on to the first; with the V of zbv a
+// rank sends from one of its model stages to the other (MPI's message to itself, one
+// copy). On a GPU the messages go straight from and into device memory
 // when MPI is CUDA-aware; otherwise through pinned host buffers, with the copies on
 // their own streams, and a send is posted once its copy is done while the next
 // micro-batch computes.
@@ -51,6 +54,7 @@ class Transport {
     int stage;  // model stage
     Shape input, output;
     bool first, last;
+    int previous, next;  // the pipeline stages of model stages stage - 1 and stage + 1; -1: none
   };
 
   // `channels` in ascending model stage; `model_stages`: K·v.
@@ -89,8 +93,9 @@ class Transport {
   };
   void post_ready_sends(bool wait);
   void post_send(std::span<const std::byte> wire, Direction direction, int c, int mb);
-  int peer(Direction direction) const;    // the pipeline stage messages in `direction` go to
-  int source(Direction direction) const;  // the pipeline stage they come from
+  // The pipeline stage channel c's messages in `direction` go to, and the one they come from.
+  int peer(Direction direction, int c) const;
+  int source(Direction direction, int c) const;
   // The tag of micro-batch mb's message in `direction` into model stage `to`.
   int tag(int to, int mb, Direction direction) const {
     return message_tag(virtual_ ? to * micro_batches_ + mb : mb, direction);
