@@ -223,7 +223,7 @@ void Executor::connect() {
   const auto& p = config_.pipeline;
   const int K = grid_->stages();
   // The schedule places the model stages on the ranks (round robin, or the V of zbv):
-  // the partition, the chunks, the tied group and the transport's peers follow it.
+  // the partition, the stages, the tied group and the transport's peers follow it.
   schedule_ = lower(make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages));
   if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
   std::vector<double> costs;
@@ -245,17 +245,14 @@ void Executor::connect() {
     world_.broadcast(std::span<double>(costs), 0);
     if (std::isnan(costs[0])) throw Error(cat("measuring layer times on rank 0 failed", problem.empty() ? "" : ": " + problem));
   }
-  const int v = p.virtual_stages;
   const std::vector<double> links =
       p.balance.empty() && p.partition == "time" ? link_costs(p, *grid_, model_, micro_) : std::vector<double>{};
   partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, schedule_.placement_table(), links);
-  chunks_.clear();
-  chunk_of_.assign(static_cast<std::size_t>(K * v), -1);
+  stages_.clear();
+  chunk_of_.assign(static_cast<std::size_t>(partition_.stages()), -1);
   for (const int m : schedule_.stages_of(grid_->stage())) {
-    bool targets = false;
-    for (int i = partition_.begin(m); i < partition_.end(m); ++i) targets = targets || model_.layer(i).needs_targets();
-    chunk_of_[static_cast<std::size_t>(m)] = static_cast<int>(chunks_.size());
-    chunks_.push_back({m, partition_.begin(m), partition_.end(m), m == 0, m == K * v - 1, targets});
+    chunk_of_[static_cast<std::size_t>(m)] = static_cast<int>(stages_.size());
+    stages_.emplace_back(model_, m, partition_.begin(m), partition_.end(m), partition_.stages(), config_.micro_batches);
   }
   // Tied weights: the stages holding an owner or a copy (GPT: the embedding and the
   // head, or each of the head's vocabulary chunks) form one group per replica.
@@ -272,146 +269,48 @@ void Executor::connect() {
 }
 
 void Executor::allocate() {
-  const int M = config_.micro_batches, K = grid_->stages(), D = grid_->replicas();
-  const int v = config_.pipeline.virtual_stages, C = static_cast<int>(chunks_.size());
+  const int M = config_.micro_batches, D = grid_->replicas();
+  const int C = static_cast<int>(stages_.size());
   split_ = schedule_.splits(grid_->stage());
   params_ = std::make_unique<ParamStore>(model_, layers(), config_.seed);
-  std::vector<Layer*> parts;
-  for (const int i : layers()) model_.layer(i).parts(parts);
-  std::size_t sums = 0, buffers = 0;
-  for (Layer* part : parts)
-    if (!part->step_sums().empty()) {
-      deferred_.push_back(part);
-      sums += part->step_sums().size();
-    }
-  for (const ParamEntry& e : params_->entries())
-    if (e.buffer) buffers += static_cast<std::size_t>(e.numel());
-  settle_sums_.assign(sums, 0.0);  // sized once: nothing in the step allocates
-  settle_values_.assign(buffers, 0.0f);
   optimizer_ = std::make_unique<Optimizer>(*params_, config_.optimizer);
   if (device_ == Device::cuda) {
     params_->to_device(dtype_);
     optimizer_->to_device();
   }
-
+  // Forward, backward, weight gradient and recompute of every micro-batch on every stage.
+  device_ops_ = StepDevice::make(device_, cuda_aware_, 4 * M * C);
   if (needs_batch()) {
     const int share = config_.batch_size / D;
-    const Shape in = model_.input_shape(share), tg = model_.target_shape(share);
-    const std::size_t bytes = static_cast<std::size_t>(in.numel() + tg.numel()) * 4;
-    std::byte* host = nullptr;
-    if (device_ == Device::cpu) {
-      batch_memory_ = std::make_unique<std::byte[]>(bytes);
-      host = batch_memory_.get();
-    } else {
-      batch_host_ = cuda::PinnedBuffer(bytes);  // pinned: the copy to the GPU is one DMA
-      batch_device_ = cuda::DeviceBuffer(bytes);
-      host = batch_host_.as<std::byte>();
-      device_inputs_ = {batch_device_.data(), in, model_.input_dtype(), Device::cuda};
-      device_targets_ = {batch_device_.as<std::byte>() + in.numel() * 4, tg, DType::i32, Device::cuda};
-    }
-    inputs_ = {host, in, model_.input_dtype(), Device::cpu};
-    targets_ = {host + in.numel() * 4, tg, DType::i32, Device::cpu};
+    device_ops_->allocate_batch(model_.input_shape(share), model_.input_dtype(), model_.target_shape(share));
   }
-  outputs_.assign(static_cast<std::size_t>(C * M), Tensor{});
-  const int live = in_flight(schedule_, grid_->stage());
-  for (int s = 0; s < live; ++s) slots_.push_back(std::make_unique<Arena>(ops::device_memory(device_)));
-  free_slots_.reserve(slots_.size());
-  slot_of_.assign(static_cast<std::size_t>(C * M), -1);
-  input_grads_.assign(static_cast<std::size_t>(C * M), Tensor{});
-  contexts_.assign(static_cast<std::size_t>(C * M), nullptr);
-  reduce_buffer_.assign(model_.size() + 3, 0.0);  // per layer, loss, bubble, stop
+  slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_);
+  reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,
+                                       config_.pipeline.batchnorm == "deferred", config_.pipeline.p2p_timeout);
 
-  // One bucket per layer with parameters, from the last layer down: gradients become
-  // final in that order during the last micro-batch's backward. Whole layers, and never
-  // more than one, so every message is the same whatever K is: MPI's reduction order
-  // may depend on the message size, and promise 1 must hold for any D too.
-  buckets_.clear();
-  if (D > 1) {
-    const auto entries = params_->entries();
-    std::size_t hi = params_->grads().size();
-    const std::vector<int> mine = layers();
-    for (auto it = mine.rbegin(); it != mine.rend(); ++it) {
-      const int layer = *it;
-      std::size_t lo = hi;
-      for (const ParamEntry& e : entries)
-        if (e.layer == layer) lo = std::min(lo, e.offset);
-      if (lo < hi) {
-        buckets_.push_back({layer, lo, hi});
-        hi = lo;
-      }
-    }
-  }
-  bucket_tickets_.assign(buckets_.size(), Progress::none);
-
-  // Tied weights split over stages: each copy held apart from its owner sums its
-  // gradient with the owner's rows it is, one exchange per tie between the two stages.
-  // Every rank lists its spans in entry order and tags them with the tie's index, so
-  // the two ranks of a tie agree (an alias copy is summed locally).
-  tied_spans_.clear();
-  if (K > 1) {
-    const auto& ties = model_.ties();
-    auto stage_of = [&](int layer) { return partition_.pipeline_stage(partition_.stage_of(layer)); };
-    for (const ParamEntry& e : params_->entries()) {
-      for (std::size_t t = 0; t < ties.size(); ++t) {
-        const Model::Tie& tie = ties[t];
-        const bool copy_here = e.tied_copy && !e.alias && tie.copy_layer == e.layer;
-        const bool owner_here = !e.tied_copy && tie.owner_layer == e.layer && tie.name == e.name && !holds(tie.copy_layer);
-        if (!copy_here && !owner_here) continue;
-        MPIPE_CHECK(!grid_->tied().null(), "stage ", grid_->stage(), " holds a tied weight but no tied group");
-        const std::size_t row = static_cast<std::size_t>(e.numel() / e.shape[0]);
-        const std::size_t offset = copy_here ? e.offset : e.offset + static_cast<std::size_t>(tie.rows_begin) * row;
-        const std::size_t count = static_cast<std::size_t>(tie.rows_end - tie.rows_begin) * row;
-        tied_spans_.push_back({e.layer, offset, count, stage_of(copy_here ? tie.owner_layer : tie.copy_layer),
-                               static_cast<int>(t), nullptr});
-      }
-    }
-  }
-  // With one replica a tied sum starts as soon as its layer's gradient is final, and
-  // moves while the rest of the backward runs. With replicas it follows the replica sum
-  // of its bucket (one summation order for every K and D). On a GPU it starts after
-  // the backward, which need not wait for the GPU midway.
-  tied_early_ = D == 1 && device_ == Device::cpu;
-
-  // Every request in flight at once: each micro-batch's two receives and two sends, the
-  // buckets, the tied sums' two messages each and the step's closing allreduce.
-  const int requests = 4 * M * C + static_cast<int>(buckets_.size() + 2 * tied_spans_.size()) + 4;
+  // Every request in flight at once: each micro-batch's two receives and two sends on
+  // every stage, and the reducer's.
+  const int requests = 4 * M * C + reducer_->requests() + 2;
   // Waits sleep between tests once nothing moves, unless asked to spin (docs/communication.md).
   const bool spin_waits = config_.pipeline.comm_wait == "spin";
   progress_ = std::make_unique<Progress>(parse_progress_mode(config_.pipeline.comm_progress),
                                          config_.pipeline.comm_poll_us * 1e-6, requests, spin_waits, [] {
                                            if (cuda::active()) cuda::bind_thread();
                                          });
-  for (std::size_t i = 0; i < tied_spans_.size(); ++i) {
-    TiedSpan& t = tied_spans_[i];
-    t.sum = std::make_unique<PairSum>(grid_->tied(), grid_->tied_rank(t.partner_stage), *progress_, device_, cuda_aware_,
-                                      params_->grads().subspan(t.offset, t.count), t.tag);
-  }
+  reducer_->connect(*progress_);
   std::vector<Transport::Channel> channels;
-  for (const Chunk& c : chunks_)
-    channels.push_back({c.stage, shapes_[static_cast<std::size_t>(c.begin)], shapes_[static_cast<std::size_t>(c.end)], c.first,
-                        c.last, c.first ? -1 : schedule_.list_of(c.stage - 1), c.last ? -1 : schedule_.list_of(c.stage + 1)});
-  transport_ = std::make_unique<Transport>(*grid_, *progress_, device_, dtype_, cuda_aware_, M, std::move(channels), K * v,
-                                           config_.pipeline.p2p_timeout);
-  if (device_ == Device::cuda) {
-    device_loss_ = cuda::DeviceBuffer(sizeof(double));
-    host_loss_ = cuda::PinnedBuffer(sizeof(double));
-    // Forward, backward, weight gradient and recompute of every micro-batch, two marks
-    // each, and the origin.
-    marks_.clear();
-    for (int i = 0; i < 1 + 8 * M * C; ++i) marks_.emplace_back(true);
-    compute_marks_.clear();
-    compute_marks_.reserve(4 * static_cast<std::size_t>(M * C));
-  }
-
-  // Without CUDA-aware MPI, replica sums go through a pinned host copy.
-  if (device_ == Device::cuda && !cuda_aware_ && !buckets_.empty())
-    grad_staging_ = cuda::PinnedBuffer(params_->grads().size() * sizeof(float));
+  for (const Stage& c : stages_)
+    channels.push_back({c.index(), shapes_[static_cast<std::size_t>(c.begin())], shapes_[static_cast<std::size_t>(c.end())],
+                        c.first(), c.last(), c.first() ? -1 : schedule_.list_of(c.index() - 1),
+                        c.last() ? -1 : schedule_.list_of(c.index() + 1)});
+  transport_ = std::make_unique<Transport>(*grid_, *progress_, device_, dtype_, cuda_aware_, M, std::move(channels),
+                                           partition_.stages(), config_.pipeline.p2p_timeout);
 
   trace_.clear();
   if (!config_.trace.empty()) {
     // Every action and transfer of every traced step, plus the reductions: sized once, here.
     std::size_t per_step = schedule_.actions[grid_->stage()].size() + 3 * static_cast<std::size_t>(M * C) +
-                           buckets_.size() + tied_spans_.size() + 8;
+                           static_cast<std::size_t>(reducer_->requests()) + 8;
     trace_.reserve(per_step * static_cast<std::size_t>(std::max(0, config_.trace_steps)));
   }
   if (const char* fail = std::getenv("MPIPE_TEST_FAIL")) {
@@ -425,7 +324,7 @@ void Executor::allocate() {
 }
 
 void Executor::download_state() {
-  if (device_ == Device::cpu) return;
+  if (device_ == Device::cpu) return;  // the host's copy is the only one
   params_->download();
   optimizer_->download();
 }
@@ -437,49 +336,39 @@ void Executor::upload_state() {
 }
 
 std::size_t Executor::peak_activation_bytes() const {
-  std::size_t bytes = persistent_->high_water() + scratch_->high_water();
-  for (const auto& slot : slots_) bytes += slot->high_water();
-  return bytes;
+  return persistent_->high_water() + scratch_->high_water() + slots_->high_water();
 }
 
 bool Executor::needs_batch() const {
-  return holds_first() || std::any_of(chunks_.begin(), chunks_.end(), [](const Chunk& c) { return c.targets; });
+  return holds_first() || std::any_of(stages_.begin(), stages_.end(), [](const Stage& c) { return c.targets(); });
 }
 
-bool Executor::holds_first() const { return chunks_.front().first; }
+bool Executor::holds_first() const { return stages_.front().first(); }
 
-bool Executor::holds_last() const { return chunks_.back().last; }
-
-bool Executor::holds(int layer) const {
-  return std::any_of(chunks_.begin(), chunks_.end(), [layer](const Chunk& c) { return c.begin <= layer && layer < c.end; });
-}
+bool Executor::holds_last() const { return stages_.back().last(); }
 
 std::vector<int> Executor::layers() const {
   std::vector<int> out;
-  for (const Chunk& c : chunks_)
-    for (int i = c.begin; i < c.end; ++i) out.push_back(i);
+  for (const Stage& c : stages_)
+    for (int i = c.begin(); i < c.end(); ++i) out.push_back(i);
   return out;
 }
 
-Arena* Executor::take_slot(int c, int mb) {
-  MPIPE_CHECK(!free_slots_.empty(), "micro-batch ", mb, ": more in flight than the schedule's ", slots_.size());
-  const int slot = free_slots_.back();
-  free_slots_.pop_back();
-  slot_of_[at(c, mb)] = slot;
-  return slots_[static_cast<std::size_t>(slot)].get();
+Arena* Executor::take_slot(Stage& stage, int mb) {
+  const int slot = slots_->take();
+  stage.micro_batch(mb).slot = slot;
+  return &slots_->slot(slot);
 }
 
-// After micro-batch mb's backward: its activations are dead once the send of its output
-// (which lives in the slot) has completed; by now the next stage has used it.
+// After micro-batch mb's backward (its W): its activations are dead once the send of its
+// output (which lives in the slot) has completed; by now the next stage has used it.
 void Executor::release_slot(int c, int mb) {
-  const int slot = slot_of_[at(c, mb)];
-  if (slot < 0) return;
-  if (!chunks_[static_cast<std::size_t>(c)].last) times_.p2p_wait += transport_->wait_sent(Direction::forward, c, mb);
-  slots_[static_cast<std::size_t>(slot)]->reset();
-  free_slots_.push_back(slot);
-  slot_of_[at(c, mb)] = -1;
-  contexts_[at(c, mb)] = nullptr;
-  outputs_[at(c, mb)] = Tensor{};
+  Stage& stage = stages_[static_cast<std::size_t>(c)];
+  Stage::MicroBatch& m = stage.micro_batch(mb);
+  if (m.slot < 0) return;
+  if (!stage.last()) times_.p2p_wait += transport_->wait_sent(Direction::forward, c, mb);
+  slots_->release(m.slot);
+  m = Stage::MicroBatch{.input_grad = m.input_grad};  // the gradient B sent lives in the persistent arena
 }
 
 bool Executor::rematerialize(int micro_batch) const {
@@ -487,7 +376,7 @@ bool Executor::rematerialize(int micro_batch) const {
   return mode == "always" || (mode == "except-last" && micro_batch != config_.micro_batches - 1);
 }
 
-Pass Executor::make_pass(std::int64_t step, int c, int mb, Arena* arena) const {
+Pass Executor::make_pass(std::int64_t step, const Stage& stage, int mb, Arena* arena) const {
   Pass pass;
   pass.arena = arena;
   pass.seed = config_.seed;
@@ -497,43 +386,64 @@ Pass Executor::make_pass(std::int64_t step, int c, int mb, Arena* arena) const {
   pass.training = true;
   pass.deferred_statistics = config_.pipeline.batchnorm == "deferred";
   pass.dtype = dtype_;
-  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
-  if (chunk.targets) {
+  if (stage.targets()) {
     const Shape tg = model_.target_shape(micro_);
-    const Tensor& all = device_ == Device::cpu ? targets_ : device_targets_;
-    pass.targets = {static_cast<std::byte*>(all.data) + static_cast<std::size_t>(mb) * tg.numel() * 4, tg,
-                    DType::i32, device_};
-    if (device_ == Device::cuda && chunk.last) pass.device_loss_sum = device_loss_.as<double>();
+    pass.targets = {static_cast<std::byte*>(device_ops_->targets().data) + static_cast<std::size_t>(mb) * tg.numel() * 4,
+                    tg, DType::i32, device_};
+    if (stage.last()) pass.device_loss_sum = device_ops_->loss_sum();
   }
   pass.loss_scale = 1.0f / static_cast<float>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
   return pass;
 }
 
-Context* Executor::forward_layers(const Pass& pass, int c, int mb, Tensor* output) {
-  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
-  const int n = chunk.end - chunk.begin;
-  Tensor x;
-  if (chunk.first) {
-    const Shape in = shapes_[0];
-    const Tensor& all = device_ == Device::cpu ? inputs_ : device_inputs_;
-    // Tokens (int32) for GPT, fp32 features for the MLP.
-    x = {static_cast<std::byte*>(all.data) + static_cast<std::size_t>(mb) * in.numel() * 4, in,
-         model_.input_dtype(), device_};
-    if (x.dtype == DType::f32 && dtype_ != DType::f32) {  // the MLP's features, in bf16 training
-      const Tensor converted = pass.arena->tensor(in, dtype_);
-      ops::convert(converted, x);
-      x = converted;
-    }
-  } else {
-    x = transport_->received(Direction::forward, c, mb);
+// What stage c's forward of micro-batch mb reads: its share of the batch's inputs on the
+// model's first stage (tokens, or features converted for bf16 training), else what the
+// previous model stage sent.
+Tensor Executor::stage_input(const Pass& pass, int c, int mb) {
+  if (!stages_[static_cast<std::size_t>(c)].first()) return transport_->received(Direction::forward, c, mb);
+  const Shape in = shapes_[0];
+  Tensor x = {static_cast<std::byte*>(device_ops_->inputs().data) + static_cast<std::size_t>(mb) * in.numel() * 4, in,
+              model_.input_dtype(), device_};
+  if (x.dtype == DType::f32 && dtype_ != DType::f32) {  // the MLP's features, in bf16 training
+    const Tensor converted = pass.arena->tensor(in, dtype_);
+    ops::convert(converted, x);
+    x = converted;
   }
-  Context* contexts = pass.arena->objects<Context>(static_cast<std::size_t>(n));
-  for (int i = 0; i < n; ++i) {
-    x = model_.layer(chunk.begin + i).forward(x, contexts[i], pass);
-    progress_->poll();  // messages keep moving between layers
+  return x;
+}
+
+// A compute action's time: on the CPU measured now, into its phase and the trace; on a
+// GPU the device times it between events, read once the step's work is done.
+void Executor::begin_compute(int kind, int micro_batch) { device_ops_->begin_compute(kind, micro_batch, trace_stage_); }
+
+void Executor::end_compute(std::int64_t step, int kind, int micro_batch, Clock::time_point start) {
+  device_ops_->end_compute();
+  if (!device_ops_->host_timed()) return;
+  account(kind, since(start));
+  record(step, kind, micro_batch, start);
+}
+
+void Executor::account(int kind, double seconds) {
+  (kind == TraceEvent::forward     ? times_.forward
+   : kind == TraceEvent::recompute ? times_.recompute
+                                   : times_.backward) += seconds;
+  if (kind == TraceEvent::weight) times_.weight += seconds;
+}
+
+void Executor::read_device_times(std::int64_t step) {
+  const double origin = std::chrono::duration<double>(device_ops_->origin() - trace_origin_).count();
+  for (const StepDevice::Timed& t : device_ops_->timed()) {
+    account(t.kind, t.end - t.start);
+    if (evaluating_ || !tracing(step)) continue;
+    TraceEvent e;
+    e.start = origin + t.start;
+    e.end = origin + t.end;
+    e.step = static_cast<std::int32_t>(step);
+    e.kind = static_cast<std::int16_t>(t.kind);
+    e.micro_batch = static_cast<std::int16_t>(t.micro_batch);
+    e.stage = t.stage;
+    trace_.push_back(e);
   }
-  *output = x;
-  return contexts;
 }
 
 void Executor::run_forward(std::int64_t step, int c, int mb, bool training) {
@@ -542,122 +452,66 @@ void Executor::run_forward(std::int64_t step, int c, int mb, bool training) {
       for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
     throw Error("injected failure (MPIPE_TEST_FAIL)");
   }
-  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
+  Stage& stage = stages_[static_cast<std::size_t>(c)];
   const auto start = Clock::now();
   begin_compute(TraceEvent::forward, mb);
   const bool remat = training && rematerialize(mb);
-  Pass pass = make_pass(step, c, mb, remat ? scratch_.get() : training ? take_slot(c, mb) : persistent_.get());
+  Pass pass = make_pass(step, stage, mb, remat ? scratch_.get() : training ? take_slot(stage, mb) : persistent_.get());
   pass.training = training;
   Tensor out;
-  Context* contexts = forward_layers(pass, c, mb, &out);
-  if (chunk.last) {
-    loss_sum_ += contexts[chunk.end - chunk.begin - 1].value;
-    correct_sum_ += contexts[chunk.end - chunk.begin - 1].correct;
+  Context* contexts = stage.forward(pass, stage_input(pass, c, mb), &out, *progress_);
+  if (stage.last()) {
+    const Context& loss = contexts[stage.end() - stage.begin() - 1];
+    loss_sum_ += loss.value;
+    correct_sum_ += loss.correct;
   }
   if (remat) {
     // Keep only what leaves the stage; the contexts die with the scratch arena (whose
     // memory the GPU stream reuses only after this copy, in stream order).
-    if (!chunk.last) {
+    if (!stage.last()) {
       Tensor kept = persistent_->tensor(out.shape, out.dtype);
-      if (device_ == Device::cpu) std::memcpy(kept.data, out.data, out.bytes());
-      else cuda::copy_on_device(kept.data, out.data, out.bytes());
+      device_ops_->copy(kept.data, out.data, out.bytes());
       out = kept;
     }
     scratch_->reset();
     contexts = nullptr;
   }
-  outputs_[at(c, mb)] = out;
-  contexts_[at(c, mb)] = contexts;
-  end_compute();
-  if (device_ == Device::cpu) {
-    times_.forward += since(start);
-    record(step, TraceEvent::forward, mb, start);
-  }
-}
-
-// GPU timing: events around each compute action, read once the step's work is done.
-void Executor::begin_compute(int kind, int micro_batch) {
-  if (device_ == Device::cpu) return;
-  const std::size_t i = compute_marks_.size();
-  MPIPE_CHECK(2 * i + 2 < marks_.size(), "more compute actions than the step has marks for");
-  compute_marks_.push_back({kind, micro_batch, trace_stage_});
-  marks_[1 + 2 * i].record(cuda::StreamKind::compute);
-}
-
-void Executor::end_compute() {
-  if (device_ == Device::cpu) return;
-  marks_[2 * compute_marks_.size()].record(cuda::StreamKind::compute);
-}
-
-void Executor::resolve_gpu_times(std::int64_t step) {
-  const double origin = std::chrono::duration<double>(gpu_origin_ - trace_origin_).count();
-  for (std::size_t i = 0; i < compute_marks_.size(); ++i) {
-    const double a = cuda::seconds_between(marks_[0], marks_[1 + 2 * i]);
-    const double b = cuda::seconds_between(marks_[0], marks_[2 + 2 * i]);
-    const ComputeMark& m = compute_marks_[i];
-    (m.kind == TraceEvent::forward    ? times_.forward
-     : m.kind == TraceEvent::recompute ? times_.recompute
-                                       : times_.backward) += b - a;
-    if (m.kind == TraceEvent::weight) times_.weight += b - a;
-    if (tracing(step)) {
-      TraceEvent e;
-      e.start = origin + a;
-      e.end = origin + b;
-      e.step = static_cast<std::int32_t>(step);
-      e.kind = static_cast<std::int16_t>(m.kind);
-      e.micro_batch = static_cast<std::int16_t>(m.micro_batch);
-      e.stage = m.stage;
-      trace_.push_back(e);
-    }
-  }
+  Stage::MicroBatch& m = stage.micro_batch(mb);
+  m.output = out;
+  m.contexts = contexts;
+  end_compute(step, TraceEvent::forward, mb, start);
 }
 
 // Where the schedule splits the backward (split_), this is B: the input gradients, with
 // what W needs (each Linear's dy) kept in the micro-batch's slot, which lives on until
 // its W; a rematerialized forward is recomputed into a slot too, for W's sake.
 void Executor::run_backward(std::int64_t step, int c, int mb) {
-  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
-  const int n = chunk.end - chunk.begin;
-  Context* contexts = contexts_[at(c, mb)];
+  Stage& stage = stages_[static_cast<std::size_t>(c)];
+  Stage::MicroBatch& m = stage.micro_batch(mb);
+  Context* contexts = m.contexts;
   if (!contexts) {
     // Recompute the forward with the same pass, hence the same dropout masks.
     const auto start = Clock::now();
     begin_compute(TraceEvent::recompute, mb);
     Tensor unused;
-    Pass recompute = make_pass(step, c, mb, split_ ? take_slot(c, mb) : scratch_.get());
+    Pass recompute = make_pass(step, stage, mb, split_ ? take_slot(stage, mb) : scratch_.get());
     recompute.recompute = true;
     recompute.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
-    contexts = forward_layers(recompute, c, mb, &unused);
-    if (split_) contexts_[at(c, mb)] = contexts;
-    end_compute();
-    if (device_ == Device::cpu) {
-      times_.recompute += since(start);
-      record(step, TraceEvent::recompute, mb, start);
-    }
+    contexts = stage.forward(recompute, stage_input(recompute, c, mb), &unused, *progress_);
+    if (split_) m.contexts = contexts;
+    end_compute(step, TraceEvent::recompute, mb, start);
   }
   const auto start = Clock::now();
   begin_compute(TraceEvent::backward, mb);
-  Pass pass = make_pass(step, c, mb, scratch_.get());
-  if (split_) pass.stash = slots_[static_cast<std::size_t>(slot_of_[at(c, mb)])].get();
+  Pass pass = make_pass(step, stage, mb, scratch_.get());
+  if (split_) pass.stash = &slots_->slot(m.slot);
   static float loss_gradient = 1.0f;  // the loss layer ignores its incoming gradient
-  Tensor dy = chunk.last ? make_tensor(&loss_gradient, Shape{1}) : transport_->received(Direction::backward, c, mb);
-  const bool last_micro_batch = mb == config_.micro_batches - 1;
-  for (int i = n - 1; i >= 0; --i) {
-    const Shape& in = shapes_[static_cast<std::size_t>(chunk.begin + i)];
-    Tensor dx;
-    if (i > 0) dx = scratch_->tensor(in, dtype_);
-    else if (!chunk.first) dx = input_grads_[at(c, mb)] = persistent_->tensor(in, dtype_);
-    model_.layer(chunk.begin + i).backward(contexts[i], dy, dx, GradMode::overwrite, pass);
-    dy = dx;
-    if (last_micro_batch && !split_) gradients_final(chunk.begin + i);
-    progress_->poll();  // messages and sums keep moving between layers
-  }
+  const Tensor dy = stage.last() ? make_tensor(&loss_gradient, Shape{1}) : transport_->received(Direction::backward, c, mb);
+  if (!stage.first()) m.input_grad = persistent_->tensor(shapes_[static_cast<std::size_t>(stage.begin())], dtype_);
+  const bool final = mb == config_.micro_batches - 1 && !split_;
+  stage.backward(contexts, dy, m.input_grad, pass, *scratch_, shapes_, dtype_, final ? reducer_.get() : nullptr, *progress_);
   scratch_->reset();
-  end_compute();
-  if (device_ == Device::cpu) {
-    times_.backward += since(start);
-    record(step, TraceEvent::backward, mb, start);
-  }
+  end_compute(step, TraceEvent::backward, mb, start);
   if (!split_) release_slot(c, mb);
 }
 
@@ -665,90 +519,46 @@ void Executor::run_backward(std::int64_t step, int c, int mb) {
 // free after it. Ws run in ascending micro-batch order (validate()), so every gradient
 // sums its micro-batches in the same order as under the fused backward: bitwise equal.
 void Executor::run_weight(std::int64_t step, int c, int mb) {
-  const Chunk& chunk = chunks_[static_cast<std::size_t>(c)];
-  const int n = chunk.end - chunk.begin;
-  Context* contexts = contexts_[at(c, mb)];
+  Stage& stage = stages_[static_cast<std::size_t>(c)];
+  Context* contexts = stage.micro_batch(mb).contexts;
   MPIPE_CHECK(split_ && contexts, "W", mb, " without its split backward");
   const auto start = Clock::now();
   begin_compute(TraceEvent::weight, mb);
-  const Pass pass = make_pass(step, c, mb, scratch_.get());
-  const bool last_micro_batch = mb == config_.micro_batches - 1;
-  for (int i = n - 1; i >= 0; --i) {
-    model_.layer(chunk.begin + i).backward_weight(contexts[i], pass);
-    if (last_micro_batch) gradients_final(chunk.begin + i);
-    progress_->poll();
-  }
+  const Pass pass = make_pass(step, stage, mb, scratch_.get());
+  const bool final = mb == config_.micro_batches - 1;
+  stage.weight(contexts, pass, final ? reducer_.get() : nullptr, *progress_);
   scratch_->reset();
-  end_compute();
-  if (device_ == Device::cpu) {
-    times_.backward += since(start);
-    times_.weight += since(start);
-    record(step, TraceEvent::weight, mb, start);
-  }
+  end_compute(step, TraceEvent::weight, mb, start);
   release_slot(c, mb);
-}
-
-// This layer's gradients are final after the last micro-batch's backward: start the
-// replica sums (buckets) and tied sums it completes, so that they move while the rest of
-// the backward runs. On a GPU without CUDA-aware MPI they go together, from a host copy,
-// in reduce_gradients().
-void Executor::gradients_final(int layer) {
-  const bool staged = device_ == Device::cuda && !cuda_aware_;
-  bool synchronized = false;
-  auto reachable = [&] {  // MPI reads the gradients now
-    if (device_ == Device::cuda && !synchronized) cuda::synchronize(cuda::StreamKind::compute);
-    synchronized = true;
-  };
-  for (; next_bucket_ < buckets_.size() && buckets_[next_bucket_].lowest_layer == layer; ++next_bucket_) {
-    if (staged) continue;
-    const Bucket& b = buckets_[next_bucket_];
-    reachable();
-    bucket_tickets_[next_bucket_] =
-        progress_->track(grid_->data().iallreduce(params_->grads().subspan(b.begin, b.end - b.begin), Reduce::sum), false);
-  }
-  if (!tied_early_) return;
-  for (TiedSpan& t : tied_spans_)
-    if (t.layer == layer) t.sum->start();
 }
 
 void Executor::run_pipeline(std::int64_t step, bool training) {
   const auto start = Clock::now();
-  const int stage = grid_->stage();
+  const int list = grid_->stage();
   loss_sum_ = correct_sum_ = 0.0;
   persistent_->reset();  // also when compute_gradients() is called without step()
-  free_slots_.clear();
-  for (std::size_t s = slots_.size(); s-- > 0;) {
-    slots_[s]->reset();
-    free_slots_.push_back(static_cast<int>(s));
-  }
-  std::fill(slot_of_.begin(), slot_of_.end(), -1);
+  slots_->reset();
+  for (Stage& stage : stages_) stage.reset();
   if (training) params_->zero_grads();
   if (const Dataset* data = training ? dataset_.get() : eval_dataset_.get()) {
     const int share = config_.batch_size / grid_->replicas();
     try {
       data->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
-                 share, holds_first() || !data->targets_alone() ? inputs_ : Tensor{}, targets_);
+                 share, holds_first() || !data->targets_alone() ? device_ops_->host_inputs() : Tensor{},
+                 device_ops_->host_targets());
     } catch (const std::exception& e) {
       rethrow_as(e, cat(grid_->name(), " at ", training ? "step " : "evaluation batch ", step, " reading the batch: ", e.what()));
     }
-    if (device_ == Device::cuda)
-      cuda::copy_to_device(batch_device_.data(), batch_host_.data(), batch_host_.bytes());
+    device_ops_->upload_batch();
   }
-  if (device_ == Device::cuda) {
-    if (holds_last()) cuda::zero(device_loss_.data(), sizeof(double));
-    compute_marks_.clear();
-    marks_[0].record(cuda::StreamKind::compute);
-    gpu_origin_ = Clock::now();  // the stream was idle: its mark is now
-  }
+  device_ops_->begin_step(holds_last());
   // Every receive of the step is posted before any compute.
   transport_->post_receives(training);
-  if (training)
-    for (TiedSpan& t : tied_spans_) t.sum->post_receive();
-  next_bucket_ = 0;
-  for (const Action& action : schedule_.actions[stage]) {
+  if (training) reducer_->begin_step();
+  for (const Action& action : schedule_.actions[list]) {
     const int mb = action.micro_batch;
-    const int c = chunk_of_[static_cast<std::size_t>(schedule_.stage_of(stage, action))];  // this rank's chunk
-    if (schedule_.virtual_stages > 1) trace_stage_ = chunks_[static_cast<std::size_t>(c)].stage;
+    const int c = chunk_of_[static_cast<std::size_t>(schedule_.stage_of(list, action))];  // this rank's stage
+    if (schedule_.virtual_stages > 1) trace_stage_ = stages_[static_cast<std::size_t>(c)].index();
     if (!training && (action.kind == ActionKind::backward || action.kind == ActionKind::weight ||
                       action.kind == ActionKind::recv_grad || action.kind == ActionKind::send_grad))
       continue;
@@ -768,8 +578,12 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
           times_.p2p_wait += transport_->receive(Direction::backward, c, mb);
           record(step, TraceEvent::recv_grad, mb, action_start);
           break;
-        case ActionKind::send_act: transport_->send(Direction::forward, c, mb, outputs_[at(c, mb)]); break;
-        case ActionKind::send_grad: transport_->send(Direction::backward, c, mb, input_grads_[at(c, mb)]); break;
+        case ActionKind::send_act:
+          transport_->send(Direction::forward, c, mb, stages_[static_cast<std::size_t>(c)].micro_batch(mb).output);
+          break;
+        case ActionKind::send_grad:
+          transport_->send(Direction::backward, c, mb, stages_[static_cast<std::size_t>(c)].micro_batch(mb).input_grad);
+          break;
       }
     } catch (const std::exception& e) {
       rethrow_as(e, cat(grid_->name(), " at step ", step,
@@ -780,135 +594,36 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   times_.p2p_wait += transport_->finish_sends();
   record(step, TraceEvent::send_wait, -1, sends_start);
   for (const Transport::Transfer& t : transport_->sent()) {
-    if (schedule_.virtual_stages > 1) trace_stage_ = chunks_[static_cast<std::size_t>(t.channel)].stage;
+    if (schedule_.virtual_stages > 1) trace_stage_ = stages_[static_cast<std::size_t>(t.channel)].index();
     record(step, t.direction == Direction::forward ? TraceEvent::send_act : TraceEvent::send_grad, t.micro_batch,
            t.posted, t.completed);
   }
   trace_stage_ = -1;
-  if (device_ == Device::cuda) {
-    // The step's compute is queued; wait for it, read the loss and the action times.
-    cuda::synchronize(cuda::StreamKind::compute);
-    if (holds_last()) {
-      cuda::copy_to_host(host_loss_.data(), device_loss_.data(), sizeof(double));
-      cuda::synchronize(cuda::StreamKind::compute);
-      loss_sum_ = *host_loss_.as<double>();
-    }
-    resolve_gpu_times(step);
+  // The step's compute is queued on a GPU: wait for it, read the loss and the action times.
+  const double device_loss = device_ops_->finish_step(holds_last());
+  if (!device_ops_->host_timed()) {
+    if (holds_last()) loss_sum_ = device_loss;
+    read_device_times(step);
   }
   const double pipeline_time = since(start);
   const double busy = times_.forward + times_.backward + times_.recompute;
-  reduce_buffer_[model_.size() + 1] = pipeline_time > 0 ? std::max(0.0, 1.0 - busy / pipeline_time) : 0.0;
-}
-
-void Executor::reduce_gradients(std::int64_t step) {
-  const auto start = Clock::now();
-  const double timeout = config_.pipeline.p2p_timeout;
-  const bool staged = device_ == Device::cuda && !cuda_aware_;
-  const std::span<float> grads = params_->grads();
-  auto wait_buckets = [&] {
-    for (std::size_t i = 0; i < buckets_.size(); ++i) {
-      const Progress::Completion c = progress_->wait(bucket_tickets_[i], timeout, "the gradient sum over replicas of layer",
-                                                     buckets_[i].lowest_layer);
-      record(step, TraceEvent::gradient_sum, -1, c.posted, c.completed, buckets_[i].lowest_layer);
-    }
-  };
-  if (staged && !buckets_.empty()) {
-    // The same buckets as everywhere else (promise 1), reduced from a pinned copy.
-    const std::span<float> host(grad_staging_.as<float>(), grads.size());
-    cuda::copy_to_host(host.data(), grads.data(), grads.size_bytes());
-    cuda::synchronize(cuda::StreamKind::compute);
-    for (std::size_t i = 0; i < buckets_.size(); ++i)
-      bucket_tickets_[i] = progress_->track(
-          grid_->data().iallreduce(host.subspan(buckets_[i].begin, buckets_[i].end - buckets_[i].begin), Reduce::sum),
-          false);
-    wait_buckets();
-    cuda::copy_to_device(grads.data(), host.data(), grads.size_bytes());
-  } else {
-    wait_buckets();
-  }
-  // Tied weights: owner and copy end with the sum of both, after the replica sums. All spans go at once; then each is waited on and added.
-  params_->sum_local_tied_grads();
-  for (TiedSpan& t : tied_spans_)
-    if (!t.sum->started()) t.sum->start();
-  for (TiedSpan& t : tied_spans_) {
-    const Progress::Completion c = t.sum->finish(timeout, "the tied-weight gradient sum of layer", t.layer);
-    record(step, TraceEvent::tied_sum, -1, c.posted, c.completed, t.layer);
-  }
-  times_.allreduce += since(start);
+  bubble_ = pipeline_time > 0 ? std::max(0.0, 1.0 - busy / pipeline_time) : 0.0;
 }
 
 double Executor::compute_gradients(std::int64_t step) {
-  for (Layer* layer : deferred_) layer->clear_step_sums();  // a step's sums begin with its forward
+  reducer_->clear_step_sums();  // a step's sums begin with its forward
   run_pipeline(step);
   const auto reduce_start = Clock::now();
-  reduce_gradients(step);
-  // One allreduce over the world agrees on the loss, the per-layer gradient norms and
-  // the bubble. Each per-layer entry has exactly one non-zero contributor (replica 0 of
-  // the owning stage) and x + 0 = x, so the norm is bitwise the same for every K and D.
-  const auto start = Clock::now();
-  const int L = model_.size();
-  std::span<double> per_layer(reduce_buffer_.data(), static_cast<std::size_t>(L));
-  std::fill(per_layer.begin(), per_layer.end(), 0.0);
-  if (grid_->replica() == 0) params_->grad_sum_squares(per_layer);
-  reduce_buffer_[L] = holds_last() ? loss_sum_ : 0.0;
-  reduce_buffer_[L + 2] = stop_requested_ ? 1.0 : 0.0;
-  // Non-blocking and waited on through Progress: a rank that finished early blocks
-  // instead of spinning in MPI while its neighbour still computes.
-  Progress::Ticket ticket = progress_->track(world_.iallreduce(std::span<double>(reduce_buffer_), Reduce::sum), false);
-  progress_->wait(ticket, config_.pipeline.p2p_timeout, "the loss and gradient-norm allreduce, step", static_cast<int>(step));
-  times_.allreduce += since(start);
+  reducer_->reduce();
+  for (const Reducer::Done& d : reducer_->done())
+    record(step, d.sum == Reducer::Sum::replicas ? TraceEvent::gradient_sum : TraceEvent::tied_sum, -1, d.completion.posted,
+           d.completion.completed, d.layer);
+  const auto agree_start = Clock::now();
+  times_.allreduce += std::chrono::duration<double>(agree_start - reduce_start).count();
+  agreed_ = reducer_->agree(holds_last() ? loss_sum_ : 0.0, bubble_, stop_requested_, static_cast<int>(step));
+  times_.allreduce += since(agree_start);
   record(step, TraceEvent::allreduce, -1, reduce_start);
-  return reduce_buffer_[L] / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
-}
-
-// Buffers (BatchNorm's running statistics) saw only this replica's micro-batches: every
-// replica takes their mean, so all end the step identical (and K-invariant: the sum runs
-// over replicas in rank order).
-// One sum over the replicas for all of a stage's layers (packed, element by element the
-// same as one per layer), waited on like every other wait of a step: within --p2p-timeout.
-void Executor::settle_buffers(bool updated) {
-  const bool replicas = grid_->replicas() > 1;
-  auto sum_over_replicas = [&](auto values) {
-    Progress::Ticket ticket = progress_->track(grid_->data().iallreduce(values, Reduce::sum), false);
-    progress_->wait(ticket, config_.pipeline.p2p_timeout, "the running statistics' sum over replicas, update",
-                    static_cast<int>(updates_));
-  };
-  if (config_.pipeline.batchnorm == "deferred") {
-    if (!updated) {  // a skipped step (non-finite): its statistics are dropped with it
-      for (Layer* layer : deferred_) layer->clear_step_sums();
-      return;
-    }
-    if (replicas) {  // each layer's sums are the same size on every replica of this stage
-      auto packed = settle_sums_.begin();
-      for (Layer* layer : deferred_) packed = std::copy(layer->step_sums().begin(), layer->step_sums().end(), packed);
-      sum_over_replicas(std::span<double>(settle_sums_));
-      packed = settle_sums_.begin();
-      for (Layer* layer : deferred_) {
-        const std::span<double> sums = layer->step_sums();
-        std::copy_n(packed, sums.size(), sums.begin());
-        packed += static_cast<std::ptrdiff_t>(sums.size());
-      }
-    }
-    for (Layer* layer : deferred_) layer->apply_step_sums();
-    return;
-  }
-  // Micro-batch statistics moved during the forwards, skipped step or not: averaged either way.
-  if (!replicas || settle_values_.empty()) return;
-  auto each_buffer = [&](auto&& f) {
-    std::size_t at = 0;
-    for (const ParamEntry& e : params_->entries()) {
-      if (!e.buffer) continue;
-      const std::span<float> values = params_->params().subspan(e.param_offset, static_cast<std::size_t>(e.numel()));
-      f(values, std::span<float>(settle_values_).subspan(at, values.size()));
-      at += values.size();
-    }
-  };
-  each_buffer([](std::span<float> values, std::span<float> packed) { std::copy(values.begin(), values.end(), packed.begin()); });
-  sum_over_replicas(std::span<float>(settle_values_));
-  const auto n = static_cast<float>(grid_->replicas());
-  each_buffer([n](std::span<float> values, std::span<float> packed) {
-    for (std::size_t i = 0; i < values.size(); ++i) values[i] = packed[i] / n;
-  });
+  return agreed_.loss_sum / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
 }
 
 EvalResult Executor::evaluate() {
@@ -957,17 +672,14 @@ StepResult Executor::step_unchecked(std::int64_t step) {
   StepResult r;
   r.step = step;
   r.loss = compute_gradients(step);
-  const int L = model_.size();
-  double total = 0.0;
-  for (int i = 0; i < L; ++i) total += reduce_buffer_[i];  // global layer order
-  r.grad_norm = std::sqrt(total);
-  r.bubble_fraction = reduce_buffer_[L + 1] / world_.size();
-  r.stop = reduce_buffer_[L + 2] > 0.0;
+  r.grad_norm = std::sqrt(agreed_.norm_squared);
+  r.bubble_fraction = agreed_.bubble_sum / world_.size();
+  r.stop = agreed_.stop;
   r.lr = learning_rate(config_.optimizer, step, config_.steps);
   // Every rank sees the same loss and norm, so every rank skips or steps alike.
   if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss)) {
     r.skipped = true;
-    settle_buffers(false);
+    reducer_->settle_buffers(false, updates_);
   } else {
     const auto opt_start = Clock::now();
     const float clip = config_.optimizer.clip_grad;
@@ -976,8 +688,8 @@ StepResult Executor::step_unchecked(std::int64_t step) {
       params_->scale_grads(factor);
     }
     optimizer_->update(r.lr, ++updates_);
-    settle_buffers(true);
-    if (device_ == Device::cuda) cuda::synchronize(cuda::StreamKind::compute);  // honest step times
+    reducer_->settle_buffers(true, updates_);
+    device_ops_->synchronize();  // honest step times on a GPU
     times_.optimizer += since(opt_start);
     record(step, TraceEvent::optimizer, -1, opt_start);
   }

@@ -33,10 +33,12 @@
 #include "mpipe/nn/optimizer.hpp"
 #include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/grid.hpp"
-#include "mpipe/pipeline/pair_sum.hpp"
 #include "mpipe/pipeline/partition.hpp"
 #include "mpipe/pipeline/progress.hpp"
+#include "mpipe/pipeline/reducer.hpp"
 #include "mpipe/pipeline/schedule.hpp"
+#include "mpipe/pipeline/stage.hpp"
+#include "mpipe/pipeline/step_device.hpp"
 #include "mpipe/pipeline/transport.hpp"
 
 namespace mpipe {
@@ -196,38 +198,24 @@ class Executor {
   void start_trace_clock();
 
  private:
-  struct Bucket {
-    int lowest_layer;          // starts when this layer's last backward is done
-    std::size_t begin, end;    // span of the gradient buffer
-  };
-  struct TiedSpan {
-    int layer;                 // final when this layer's last backward is done
-    std::size_t offset, count; // of the gradient buffer
-    int partner_stage;         // the stage holding the other side of the tie
-    int tag;                   // the tie's index in the model
-    std::unique_ptr<PairSum> sum;
-  };
+  using Clock = std::chrono::steady_clock;
   StepResult step_unchecked(std::int64_t step);
-  // After an update: the replicas' running statistics made equal, by averaging (micro)
-  // or by applying the step's sums added up over the replicas (deferred).
-  void settle_buffers(bool updated);
-  // Actions of micro-batch `mb` on this rank's model stage chunks_[c].
-  Arena* take_slot(int c, int mb);
+  // Actions of micro-batch `mb` on this rank's stage stages_[c].
+  Arena* take_slot(Stage& stage, int mb);
   void release_slot(int c, int mb);
-  Pass make_pass(std::int64_t step, int c, int micro_batch, Arena* arena) const;
+  Pass make_pass(std::int64_t step, const Stage& stage, int micro_batch, Arena* arena) const;
+  Tensor stage_input(const Pass& pass, int c, int micro_batch);
   bool rematerialize(int micro_batch) const;
   void run_forward(std::int64_t step, int c, int micro_batch, bool training = true);
   void run_backward(std::int64_t step, int c, int micro_batch);
   void run_weight(std::int64_t step, int c, int micro_batch);
-  Context* forward_layers(const Pass& pass, int c, int micro_batch, Tensor* output);
-  void gradients_final(int layer);  // after the last micro-batch's backward of `layer`
-  void reduce_gradients(std::int64_t step);
   // training: forward and backward over the step's batch; otherwise forward only over
   // batch `step` of the held-out data.
   void run_pipeline(std::int64_t step, bool training = true);
   void begin_compute(int kind, int micro_batch);
-  void end_compute();
-  void resolve_gpu_times(std::int64_t step);
+  void end_compute(std::int64_t step, int kind, int micro_batch, Clock::time_point start);
+  void account(int kind, double seconds);  // a compute action's time into its phase
+  void read_device_times(std::int64_t step);
 
   TrainConfig config_;
   const Communicator& world_;
@@ -235,69 +223,32 @@ class Executor {
   std::unique_ptr<Grid> grid_;
   Partition partition_;
   Schedule schedule_;
-  // The model stages this rank runs, ascending: its pipeline stage's one, or v of them
-  // (stage s, s + K, ...) with virtual stages.
-  struct Chunk {
-    int stage;         // model stage
-    int begin, end;    // its layers
-    bool first, last;  // the model's first / last stage
-    bool targets;      // a layer reads the targets (the loss, a vocabulary chunk of the head)
-  };
+  // The model stages this rank runs, ascending: its pipeline stage's one, or the v the
+  // schedule places on it (interleaved: s, s + K, ...; zbv: s and 2K-1-s).
+  std::vector<Stage> stages_;
+  std::vector<int> chunk_of_;  // [model stage]: its index in stages_, or -1 on another rank
   bool needs_batch() const;  // this rank reads batches: the first stage's inputs, or targets
   bool holds_first() const;  // the model's first stage (the inputs) is one of this rank's
   bool holds_last() const;   // the model's last stage (the loss) is one of this rank's
-  std::vector<Chunk> chunks_;
-  std::vector<int> chunk_of_;  // [model stage]: its index in chunks_, or -1 on another rank
-  // Per (chunk, micro-batch) state is at [c · M + mb].
-  std::size_t at(int c, int mb) const { return static_cast<std::size_t>(c * config_.micro_batches + mb); }
-  bool holds(int layer) const;
   std::vector<int> layers() const;  // this rank's, ascending
   int micro_ = 0;            // samples per micro-batch
   std::vector<Shape> shapes_;
-  Device device_ = Device::cpu;
+  Device device_ = Device::cpu;  // where tensors live
   DType dtype_ = DType::f32;  // of activations, their gradients and the messages
   bool cuda_aware_ = false;
+  std::unique_ptr<StepDevice> device_ops_;  // the device's part of a step: batch, timing, loss, copies
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Dataset> dataset_, eval_dataset_;
   std::unique_ptr<Arena> persistent_, scratch_;
-  // A training forward's activations live in a slot from its F to its B (its W, with what
-  // W needs, where the stage splits backwards), when the slot is reset for the next
-  // micro-batch: as many slots as the schedule holds micro-batches at once on this stage
-  // (M for gpipe, K - stage for 1f1b, K for zb-h1), so 1F1B's saving is real.
-  std::vector<std::unique_ptr<Arena>> slots_;
-  std::vector<int> free_slots_;  // indices into slots_
-  std::vector<int> slot_of_;     // [chunk · M + micro-batch]: its slot, or -1
-  bool split_ = false;           // this stage's schedule splits backwards into B and W (zb-h1)
-  std::unique_ptr<Progress> progress_;    // before the transport, which uses it
+  std::unique_ptr<SlotPool> slots_;
+  bool split_ = false;           // this stage's schedule splits backwards into B and W (zb-h1, zbv)
+  std::unique_ptr<Progress> progress_;    // before the transport and the reducer, which use it
   std::unique_ptr<Transport> transport_;
-  cuda::PinnedBuffer batch_host_;                  // GPU: the batch on the host, pinned
-  cuda::DeviceBuffer batch_device_;
-  Tensor device_inputs_, device_targets_;
-  cuda::DeviceBuffer device_loss_;                 // one double: the step's summed loss
-  cuda::PinnedBuffer host_loss_;
-  cuda::PinnedBuffer grad_staging_;                // replica sums when MPI is not CUDA-aware
-  // GPU timing: marks_[0] at the step's start, then two per compute action.
-  struct ComputeMark {
-    int kind, micro_batch, stage;
-  };
-  std::vector<cuda::Event> marks_;
-  std::vector<ComputeMark> compute_marks_;
-  std::chrono::steady_clock::time_point gpu_origin_;
-  std::vector<Tensor> outputs_, input_grads_;      // [chunk · M + micro-batch], in persistent_
-  std::vector<Context*> contexts_;                 // [chunk · M + micro-batch], null when rematerialized
-  std::vector<Bucket> buckets_;
-  std::vector<Progress::Ticket> bucket_tickets_;   // [bucket]
-  std::size_t next_bucket_ = 0;                    // the next bucket to start
-  std::vector<TiedSpan> tied_spans_;              // summed with the other stage holding them
-  bool tied_early_ = false;  // tied sums start in the backward (one replica, on the CPU)
-  std::vector<double> reduce_buffer_;              // per-layer norms, loss, bubble
-  std::vector<Layer*> deferred_;                   // this stage's layers (parts too) with step sums
-  std::vector<double> settle_sums_;                // their sums, packed for the sum over replicas
-  std::vector<float> settle_values_;               // the buffers, packed for their mean over replicas
-  std::unique_ptr<std::byte[]> batch_memory_;
-  Tensor inputs_, targets_;                        // this replica's share of the batch
+  std::unique_ptr<Reducer> reducer_;
+  Reducer::Agreed agreed_;                         // the last step's
   double loss_sum_ = 0.0, correct_sum_ = 0.0;
+  double bubble_ = 0.0;      // this rank's in the last pipeline pass
   bool evaluating_ = false;  // record() is quiet
   std::int64_t updates_ = 0;
   PhaseTimes times_;

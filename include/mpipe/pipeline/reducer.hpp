@@ -1,0 +1,111 @@
+// The reducer: every sum a step needs beside the pipeline's own messages.
+//
+// - Gradients over replicas, in buckets of one layer each (the same messages for every K,
+//   so MPI's reduction order never depends on the partition), each started as soon as its
+//   layer's last backward (or W) is done, so the sums move while the backward runs.
+// - Tied weights (GPT's embedding and head, or each vocabulary chunk's rows of the table)
+//   between the two stages holding an owner and a copy: one PairSum each, started early
+//   with one replica on the CPU, after the replica sums otherwise (one summation order
+//   for every K and D).
+// - The loss, the per-layer gradient norms, the bubble and the stop flag agreed over the
+//   world in one allreduce: each per-layer entry has exactly one non-zero contributor
+//   (replica 0 of the stage holding it), and x + 0 = x, so the norm is bitwise the same
+//   for every K and D.
+// - BatchNorm's running statistics made equal over the replicas after an update.
+// Every wait is through Progress, within --p2p-timeout.
+#pragma once
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "mpipe/nn/model.hpp"
+#include "mpipe/nn/params.hpp"
+#include "mpipe/pipeline/grid.hpp"
+#include "mpipe/pipeline/pair_sum.hpp"
+#include "mpipe/pipeline/partition.hpp"
+#include "mpipe/pipeline/progress.hpp"
+#include "mpipe/pipeline/step_device.hpp"
+
+namespace mpipe {
+
+class Reducer {
+ public:
+  // A finished sum, for the trace.
+  enum class Sum { replicas, tied };
+  struct Done {
+    Sum sum;
+    int layer;
+    Progress::Completion completion;
+  };
+  // What the world agreed on for a step.
+  struct Agreed {
+    double loss_sum = 0, bubble_sum = 0, norm_squared = 0;  // the norm summed in global layer order
+    bool stop = false;
+  };
+
+  // Plans the sums of this rank's `layers` (ascending) in `params`; local work only.
+  // `deferred_batchnorm`: running statistics move once per step (--batchnorm deferred).
+  Reducer(const Grid& grid, Model& model, const Partition& partition, ParamStore& params, std::vector<int> layers,
+          const StepDevice& device, bool deferred_batchnorm, double timeout_s);
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+  // Requests it can have in flight at once (for Progress's capacity).
+  int requests() const;
+  // Makes the tied sums' exchanges, which keep moving through `progress`.
+  void connect(Progress& progress);
+
+  // A step begins: the partner stages' tied parts may arrive from now on.
+  void begin_step();
+  // `layer`'s gradient is final (after the last micro-batch's backward or W of it).
+  void gradients_final(int layer);
+  // After the step's last action: every replica and tied sum done (staged through pinned
+  // host memory on a GPU without CUDA-aware MPI).
+  void reduce();
+  // The sums reduce() waited for, with their times.
+  std::span<const Done> done() const { return done_; }
+  // Collective over the world: this rank's loss sum (its share, 0 where it holds no loss),
+  // bubble and stop request, with the gradient norms of the layers it holds.
+  Agreed agree(double loss_sum, double bubble, bool stop, int step);
+  // After an update (or a skipped step, `updated` false): the replicas' running
+  // statistics made equal, by their mean (micro) or by applying the step's sums added up
+  // over the replicas (deferred). `update`: the optimizer's count, for messages.
+  void settle_buffers(bool updated, std::int64_t update);
+  // Layers with step sums (deferred BatchNorm): cleared as a step begins.
+  void clear_step_sums();
+
+ private:
+  struct Bucket {
+    int lowest_layer;          // starts when this layer's last backward is done
+    std::size_t begin, end;    // span of the gradient buffer
+  };
+  struct TiedSpan {
+    int layer;                 // final when this layer's last backward is done
+    std::size_t offset, count; // of the gradient buffer
+    int partner_stage;         // the pipeline stage holding the other side of the tie
+    int tag;                   // the tie's index in the model
+    std::unique_ptr<PairSum> sum;
+  };
+  template <class T>
+  void sum_over_replicas(std::span<T> values, std::int64_t update);
+
+  const Grid& grid_;
+  Model& model_;
+  ParamStore& params_;
+  const StepDevice& device_;
+  bool deferred_batchnorm_;
+  double timeout_;
+  Progress* progress_ = nullptr;
+  std::vector<Bucket> buckets_;
+  std::vector<Progress::Ticket> bucket_tickets_;   // [bucket]
+  std::size_t next_bucket_ = 0;                    // the next bucket to start
+  std::vector<TiedSpan> tied_spans_;
+  bool tied_early_ = false;  // tied sums start in the backward (one replica, on the CPU)
+  cuda::PinnedBuffer grad_staging_;                // replica sums when MPI is not CUDA-aware
+  std::vector<Done> done_;                         // reserved once
+  std::vector<double> agree_buffer_;               // per layer, loss, bubble, stop
+  std::vector<Layer*> deferred_;                   // layers (parts too) with step sums
+  std::vector<double> settle_sums_;                // their sums, packed for the sum over replicas
+  std::vector<float> settle_values_;               // the buffers, packed for their mean over replicas
+};
+
+}  // namespace mpipe

@@ -1,0 +1,227 @@
+// Gradient sums over replicas and tied weights, the step's agreement, and the running
+// statistics over replicas.
+#include "mpipe/pipeline/reducer.hpp"
+
+#include <algorithm>
+
+namespace mpipe {
+
+Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, ParamStore& params,
+                 std::vector<int> layers, const StepDevice& device, bool deferred_batchnorm, double timeout_s)
+    : grid_(grid), model_(model), params_(params), device_(device), deferred_batchnorm_(deferred_batchnorm),
+      timeout_(timeout_s) {
+  const int K = grid.stages(), D = grid.replicas();
+  // One bucket per layer with parameters, from the last layer down: gradients become
+  // final in that order during the last micro-batch's backward. Whole layers, and never
+  // more than one, so every message is the same whatever K is: MPI's reduction order
+  // may depend on the message size, and promise 1 must hold for any D too.
+  if (D > 1) {
+    const auto entries = params_.entries();
+    std::size_t hi = params_.grads().size();
+    for (auto it = layers.rbegin(); it != layers.rend(); ++it) {
+      const int layer = *it;
+      std::size_t lo = hi;
+      for (const ParamEntry& e : entries)
+        if (e.layer == layer) lo = std::min(lo, e.offset);
+      if (lo < hi) {
+        buckets_.push_back({layer, lo, hi});
+        hi = lo;
+      }
+    }
+  }
+  bucket_tickets_.assign(buckets_.size(), Progress::none);
+
+  // Tied weights split over stages: each copy held apart from its owner sums its
+  // gradient with the owner's rows it is, one exchange per tie between the two stages.
+  // Every rank lists its spans in entry order and tags them with the tie's index, so
+  // the two ranks of a tie agree (an alias copy is summed locally).
+  if (K > 1) {
+    const auto& ties = model_.ties();
+    auto holds = [&](int layer) { return std::find(layers.begin(), layers.end(), layer) != layers.end(); };
+    auto stage_of = [&](int layer) { return partition.pipeline_stage(partition.stage_of(layer)); };
+    for (const ParamEntry& e : params_.entries()) {
+      for (std::size_t t = 0; t < ties.size(); ++t) {
+        const Model::Tie& tie = ties[t];
+        const bool copy_here = e.tied_copy && !e.alias && tie.copy_layer == e.layer;
+        const bool owner_here = !e.tied_copy && tie.owner_layer == e.layer && tie.name == e.name && !holds(tie.copy_layer);
+        if (!copy_here && !owner_here) continue;
+        MPIPE_CHECK(!grid_.tied().null(), "stage ", grid_.stage(), " holds a tied weight but no tied group");
+        const std::size_t row = static_cast<std::size_t>(e.numel() / e.shape[0]);
+        const std::size_t offset = copy_here ? e.offset : e.offset + static_cast<std::size_t>(tie.rows_begin) * row;
+        const std::size_t count = static_cast<std::size_t>(tie.rows_end - tie.rows_begin) * row;
+        tied_spans_.push_back({e.layer, offset, count, stage_of(copy_here ? tie.owner_layer : tie.copy_layer),
+                               static_cast<int>(t), nullptr});
+      }
+    }
+  }
+  // With one replica a tied sum starts as soon as its layer's gradient is final, and
+  // moves while the rest of the backward runs. With replicas it follows the replica sum
+  // of its bucket (one summation order for every K and D). On a GPU it starts after
+  // the backward, which need not wait for the GPU midway.
+  tied_early_ = D == 1 && device_.kind() == Device::cpu;
+  // Without CUDA-aware MPI, replica sums go through a pinned host copy.
+  if (device_.staged() && !buckets_.empty()) grad_staging_ = cuda::PinnedBuffer(params_.grads().size() * sizeof(float));
+  done_.reserve(buckets_.size() + tied_spans_.size());
+  agree_buffer_.assign(static_cast<std::size_t>(model_.size()) + 3, 0.0);
+
+  std::vector<Layer*> parts;
+  for (const int i : layers) model_.layer(i).parts(parts);
+  std::size_t sums = 0, buffers = 0;
+  for (Layer* part : parts)
+    if (!part->step_sums().empty()) {
+      deferred_.push_back(part);
+      sums += part->step_sums().size();
+    }
+  for (const ParamEntry& e : params_.entries())
+    if (e.buffer) buffers += static_cast<std::size_t>(e.numel());
+  settle_sums_.assign(sums, 0.0);  // sized once: nothing in the step allocates
+  settle_values_.assign(buffers, 0.0f);
+}
+
+int Reducer::requests() const {
+  // The buckets, the tied sums' two messages each, the closing allreduce and the
+  // running statistics' sum.
+  return static_cast<int>(buckets_.size() + 2 * tied_spans_.size()) + 2;
+}
+
+void Reducer::connect(Progress& progress) {
+  progress_ = &progress;
+  for (TiedSpan& t : tied_spans_)
+    t.sum = std::make_unique<PairSum>(grid_.tied(), grid_.tied_rank(t.partner_stage), progress, device_.kind(),
+                                      device_.cuda_aware(), params_.grads().subspan(t.offset, t.count), t.tag);
+}
+
+void Reducer::begin_step() {
+  next_bucket_ = 0;
+  for (TiedSpan& t : tied_spans_) t.sum->post_receive();
+}
+
+void Reducer::clear_step_sums() {
+  for (Layer* layer : deferred_) layer->clear_step_sums();  // a step's sums begin with its forward
+}
+
+// Start the replica sums (buckets) and tied sums this layer completes, so that they move
+// while the rest of the backward runs. On a GPU without CUDA-aware MPI they go together,
+// from a host copy, in reduce().
+void Reducer::gradients_final(int layer) {
+  bool synchronized = false;
+  auto reachable = [&] {  // MPI reads the gradients now
+    if (!synchronized) device_.synchronize();
+    synchronized = true;
+  };
+  for (; next_bucket_ < buckets_.size() && buckets_[next_bucket_].lowest_layer == layer; ++next_bucket_) {
+    if (device_.staged()) continue;
+    const Bucket& b = buckets_[next_bucket_];
+    reachable();
+    bucket_tickets_[next_bucket_] =
+        progress_->track(grid_.data().iallreduce(params_.grads().subspan(b.begin, b.end - b.begin), Reduce::sum), false);
+  }
+  if (!tied_early_) return;
+  for (TiedSpan& t : tied_spans_)
+    if (t.layer == layer) t.sum->start();
+}
+
+void Reducer::reduce() {
+  done_.clear();
+  const std::span<float> grads = params_.grads();
+  auto wait_buckets = [&] {
+    for (std::size_t i = 0; i < buckets_.size(); ++i)
+      done_.push_back({Sum::replicas, buckets_[i].lowest_layer,
+                       progress_->wait(bucket_tickets_[i], timeout_, "the gradient sum over replicas of layer",
+                                       buckets_[i].lowest_layer)});
+  };
+  if (device_.staged() && !buckets_.empty()) {
+    // The same buckets as everywhere else (promise 1), reduced from a pinned copy.
+    const std::span<float> host(grad_staging_.as<float>(), grads.size());
+    cuda::copy_to_host(host.data(), grads.data(), grads.size_bytes());
+    device_.synchronize();
+    for (std::size_t i = 0; i < buckets_.size(); ++i)
+      bucket_tickets_[i] = progress_->track(
+          grid_.data().iallreduce(host.subspan(buckets_[i].begin, buckets_[i].end - buckets_[i].begin), Reduce::sum),
+          false);
+    wait_buckets();
+    cuda::copy_to_device(grads.data(), host.data(), grads.size_bytes());
+  } else {
+    wait_buckets();
+  }
+  // Tied weights: owner and copy end with the sum of both, after the replica sums. All
+  // spans go at once; then each is waited on and added.
+  params_.sum_local_tied_grads();
+  for (TiedSpan& t : tied_spans_)
+    if (!t.sum->started()) t.sum->start();
+  for (TiedSpan& t : tied_spans_)
+    done_.push_back({Sum::tied, t.layer, t.sum->finish(timeout_, "the tied-weight gradient sum of layer", t.layer)});
+}
+
+Reducer::Agreed Reducer::agree(double loss_sum, double bubble, bool stop, int step) {
+  const int L = model_.size();
+  std::span<double> per_layer(agree_buffer_.data(), static_cast<std::size_t>(L));
+  std::fill(per_layer.begin(), per_layer.end(), 0.0);
+  if (grid_.replica() == 0) params_.grad_sum_squares(per_layer);
+  agree_buffer_[L] = loss_sum;
+  agree_buffer_[L + 1] = bubble;
+  agree_buffer_[L + 2] = stop ? 1.0 : 0.0;
+  // Non-blocking and waited on through Progress: a rank that finished early blocks
+  // instead of spinning in MPI while its neighbour still computes.
+  Progress::Ticket ticket = progress_->track(grid_.world().iallreduce(std::span<double>(agree_buffer_), Reduce::sum), false);
+  progress_->wait(ticket, timeout_, "the loss and gradient-norm allreduce, step", step);
+  Agreed a;
+  for (int i = 0; i < L; ++i) a.norm_squared += agree_buffer_[i];  // global layer order
+  a.loss_sum = agree_buffer_[L];
+  a.bubble_sum = agree_buffer_[L + 1];
+  a.stop = agree_buffer_[L + 2] > 0.0;
+  return a;
+}
+
+template <class T>
+void Reducer::sum_over_replicas(std::span<T> values, std::int64_t update) {
+  Progress::Ticket ticket = progress_->track(grid_.data().iallreduce(values, Reduce::sum), false);
+  progress_->wait(ticket, timeout_, "the running statistics' sum over replicas, update", static_cast<int>(update));
+}
+
+// Buffers (BatchNorm's running statistics) saw only this replica's micro-batches: every
+// replica takes their mean, so all end the step identical (and K-invariant: the sum runs
+// over replicas in rank order).
+// One sum over the replicas for all of a stage's layers (packed, element by element the
+// same as one per layer), waited on like every other wait of a step: within --p2p-timeout.
+void Reducer::settle_buffers(bool updated, std::int64_t update) {
+  const bool replicas = grid_.replicas() > 1;
+  if (deferred_batchnorm_) {
+    if (!updated) {  // a skipped step (non-finite): its statistics are dropped with it
+      clear_step_sums();
+      return;
+    }
+    if (replicas) {  // each layer's sums are the same size on every replica of this stage
+      auto packed = settle_sums_.begin();
+      for (Layer* layer : deferred_) packed = std::copy(layer->step_sums().begin(), layer->step_sums().end(), packed);
+      sum_over_replicas(std::span<double>(settle_sums_), update);
+      packed = settle_sums_.begin();
+      for (Layer* layer : deferred_) {
+        const std::span<double> sums = layer->step_sums();
+        std::copy_n(packed, sums.size(), sums.begin());
+        packed += static_cast<std::ptrdiff_t>(sums.size());
+      }
+    }
+    for (Layer* layer : deferred_) layer->apply_step_sums();
+    return;
+  }
+  // Micro-batch statistics moved during the forwards, skipped step or not: averaged either way.
+  if (!replicas || settle_values_.empty()) return;
+  auto each_buffer = [&](auto&& f) {
+    std::size_t at = 0;
+    for (const ParamEntry& e : params_.entries()) {
+      if (!e.buffer) continue;
+      const std::span<float> values = params_.params().subspan(e.param_offset, static_cast<std::size_t>(e.numel()));
+      f(values, std::span<float>(settle_values_).subspan(at, values.size()));
+      at += values.size();
+    }
+  };
+  each_buffer([](std::span<float> values, std::span<float> packed) { std::copy(values.begin(), values.end(), packed.begin()); });
+  sum_over_replicas(std::span<float>(settle_values_), update);
+  const auto n = static_cast<float>(grid_.replicas());
+  each_buffer([n](std::span<float> values, std::span<float> packed) {
+    for (std::size_t i = 0; i < values.size(); ++i) values[i] = packed[i] / n;
+  });
+}
+
+}  // namespace mpipe
