@@ -259,7 +259,7 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   const std::string& name = config.pipeline.schedule;
   const char* formula = M < K                               ? "simulated"
                         : name == "gpipe" || name == "1f1b" ? "(K-1)/(M+K-1)"
-                        : name == "zb-h1"                   ? "(K-1)/(3M+K-1)"
+                        : name == "zb-h1" || name == "zb-h2" ? "(K-1)/(3M+K-1)"
                         : name == "interleaved"             ? "(K-1)/(vM+K-1)"
                                                             : "simulated";
   std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n", 100 * theory,

@@ -124,8 +124,14 @@ void Linear::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, Gra
   // Split: dx now; dy kept (the caller may overwrite its own) for the weight gradient,
   // which is then the same two calls as above, only later.
   ops::matmul_backward(dx, Tensor{}, Tensor{}, dy, ctx.input, weight_, mode);
-  ctx.output_grad = pass.stash->tensor(dy.shape, dy.dtype);
-  ops::copy(ctx.output_grad, dy);
+  if (pass.stash_into.empty()) {
+    ctx.output_grad = pass.stash->tensor(dy.shape, dy.dtype);
+  } else {
+    MPIPE_CHECK(pass.stash_into.shape == dy.shape && pass.stash_into.dtype == dy.dtype, "linear layer ", global_index(),
+                ": a stash buffer of ", pass.stash_into.shape.str(), " for dy ", dy.shape.str());
+    ctx.output_grad = pass.stash_into;
+  }
+  if (ctx.output_grad.data != dy.data) ops::copy(ctx.output_grad, dy);
 }
 
 void Linear::backward_weight_impl(Context& ctx, const Pass& pass) {
@@ -303,7 +309,7 @@ Cost CausalSelfAttention::cost(const Shape& in) const {
           a.param_bytes + b.param_bytes,
           a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T * T + B * T * C),
           a.weight_flops + b.weight_flops,
-          a.weight_stash_bytes + b.weight_stash_bytes};
+          b.weight_stash_bytes};  // the qkv projection keeps its dy where q, k, v were
 }
 
 std::vector<ParamSpec> CausalSelfAttention::param_specs() const {
@@ -338,7 +344,10 @@ void CausalSelfAttention::backward_impl(Context& ctx, const Tensor& dy, const Te
   Tensor dqkv = pass.arena->tensor(Shape{B, T, 3 * C}, pass.dtype);  // (B, T, 3C)
   // The attention output is the projection's input, which its context keeps.
   ops::attention_backward(dqkv, datt, ctx.saved[0], ctx.children[1].input, ctx.saved[1], heads_, *pass.arena);
-  qkv_.backward(ctx.children[0], dqkv, dx, mode, pass);
+  // q, k, v are dead now: a split backward keeps dqkv for W in their place.
+  Pass qkv_pass = pass;
+  if (pass.stash) qkv_pass.stash_into = ctx.saved[0];
+  qkv_.backward(ctx.children[0], dqkv, dx, mode, qkv_pass);
 }
 
 void CausalSelfAttention::backward_weight_impl(Context& ctx, const Pass& pass) {
@@ -368,6 +377,7 @@ Cost TransformerBlock::cost(const Shape& in) const {
                         fc_proj_.cost(wide)})
     total += c;
   total.activation_bytes += f32_bytes(static_cast<double>(in.numel()));  // the residual sum
+  total.weight_stash_bytes -= fc_.cost(in).weight_stash_bytes;  // fc keeps its dy where GELU's input was
   return total;
 }
 
@@ -417,7 +427,10 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
   fc_proj_.backward(c[5], df, dg, GradMode::overwrite, pass);
   gelu_.backward(c[4], dg, dg, GradMode::overwrite, pass);            // elementwise, in place
   Tensor dh = pass.arena->tensor(dy.shape, pass.dtype);               // (B, T, C)
-  fc_.backward(c[3], dg, dh, GradMode::overwrite, pass);
+  // GELU's saved input is dead now: a split backward keeps fc's dy for W in its place.
+  Pass fc_pass = pass;
+  if (pass.stash) fc_pass.stash_into = c[4].input;
+  fc_.backward(c[3], dg, dh, GradMode::overwrite, fc_pass);
   Tensor dx2 = pass.arena->tensor(dy.shape, pass.dtype);              // (B, T, C)
   ops::copy(dx2, dy);
   ln2_.backward(c[2], dh, dx2, GradMode::accumulate, pass);

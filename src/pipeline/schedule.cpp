@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <sstream>
 
@@ -138,13 +139,15 @@ Schedule one_f_one_b_schedule(int stages, int micro_batches) {
   return s;
 }
 
+namespace {
+
 // List scheduling at unit costs (F = B = W = 1 tick): each tick, every stage runs the
-// first of these it can: a forward (its input has arrived, fewer than K - s micro-batches
-// wait for their B and fewer than K for their W), a backward (its gradient has arrived),
-// a pending W. A W runs only where the stage would otherwise wait, and the limit of K
-// keeps stage s from holding more micro-batches than stage 0 does under 1F1B.
-Schedule zb_h1_schedule(int stages, int micro_batches) {
-  Schedule s = empty_schedule("zb-h1", stages, micro_batches);
+// first of these it can: a forward (its input has arrived, fewer than `before_b(s)`
+// micro-batches wait for their B and fewer than `before_w` for their W), a backward (its
+// gradient has arrived), a pending W. A W runs only where the stage would otherwise wait.
+Schedule zero_bubble(const std::string& name, int stages, int micro_batches, const std::function<int(int)>& before_b,
+                     int before_w) {
+  Schedule s = empty_schedule(name, stages, micro_batches);
   const int K = stages, M = micro_batches;
   std::vector<int> forwards(K, 0), backwards(K, 0), weights(K, 0);
   // The tick at whose start each action's result is there; -1 not yet run.
@@ -152,11 +155,11 @@ Schedule zb_h1_schedule(int stages, int micro_batches) {
   auto ready = [](long done, long tick) { return done >= 0 && done <= tick; };
   long left = 3L * K * M;
   for (long tick = 0; left > 0; ++tick) {
-    MPIPE_CHECK(tick <= 6L * K * M + 2L * K, "zb-h1 schedule for ", K, " stages and ", M, " micro-batches makes no progress");
+    MPIPE_CHECK(tick <= 6L * K * M + 2L * K, name, " schedule for ", K, " stages and ", M, " micro-batches makes no progress");
     for (int st = 0; st < K; ++st) {
       const int f = forwards[st], b = backwards[st];
       auto& list = s.actions[st];
-      if (f < M && f - b < K - st && f - weights[st] < K && (st == 0 || ready(forward_done[st - 1][f], tick))) {
+      if (f < M && f - b < before_b(st) && f - weights[st] < before_w && (st == 0 || ready(forward_done[st - 1][f], tick))) {
         list.push_back({ActionKind::forward, f});
         forward_done[st][f] = tick + 1;
         ++forwards[st];
@@ -173,6 +176,21 @@ Schedule zb_h1_schedule(int stages, int micro_batches) {
     }
   }
   return s;
+}
+
+}  // namespace
+
+// ZB-H1: at most K - s micro-batches between F and B on stage s (1F1B's), K between F
+// and W, which keeps stage s from holding more micro-batches than stage 0 does under 1F1B.
+Schedule zb_h1_schedule(int stages, int micro_batches) {
+  return zero_bubble("zb-h1", stages, micro_batches, [stages](int s) { return stages - s; }, stages);
+}
+
+// ZB-H2: the paper's longer warm-up, 2(K - s) - 1 micro-batches between F and B and 2K - 1
+// between F and W: more forwards wait in the first stages' queues, so a stage whose
+// forward or B is slower than the next one's still finds work.
+Schedule zb_h2_schedule(int stages, int micro_batches) {
+  return zero_bubble("zb-h2", stages, micro_batches, [stages](int s) { return 2 * (stages - s) - 1; }, 2 * stages - 1);
 }
 
 // Megatron-LM's order (schedules.py, forward_backward_pipelining_with_interleaving): the
@@ -256,7 +274,7 @@ Schedule zbv_schedule(int stages, int micro_batches) {
   return s;
 }
 
-std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "zb-h1", "interleaved", "zbv"}; }
+std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved", "zbv"}; }
 
 Schedule parse_schedule(const std::string& text, const std::string& source) {
   const std::string hint = "write one line per stage, e.g. 'stage 0: F0 F1 B0 B1' (mpipe plan --write-schedule)";
@@ -357,6 +375,7 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
   if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
   if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
   if (name == "zb-h1") return zb_h1_schedule(stages, micro_batches);
+  if (name == "zb-h2") return zb_h2_schedule(stages, micro_batches);
   if (name.rfind("file:", 0) == 0 && name.size() > 5) {
     const std::string path = name.substr(5), source = cat("schedule file '", path, "'");
     std::error_code ec;
@@ -379,7 +398,7 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
     }
     return s;
   }
-  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b, zb-h1, interleaved, zbv or file:PATH");
+  throw UserError(cat("unknown schedule '", name, "'"), "use --schedule gpipe, 1f1b, zb-h1, zb-h2, interleaved, zbv or file:PATH");
 }
 
 int in_flight(const Schedule& schedule, int stage, int model_stage) {
