@@ -12,13 +12,13 @@
 #  3. bench_comm: blocking MPI_Allreduce and point-to-point against what the executor
 #     does with the same bytes (an activation of the ladder's model, and a GPT-2 tied
 #     embedding's 154 MB), with and without single-copy.
-#  4. Schedules at K = 2 (gpipe, 1f1b, zb-h1, interleaved with v = 2, zbv, a schedule file): tokens/s, measured against
+#  4. Schedules at K = 2 (gpipe, 1f1b, zb-h1, zb-h2, interleaved with v = 2, zbv, a schedule file): tokens/s, measured against
 #     simulated bubble, peak activation memory of each rank, and the last loss (bitwise the same).
 # Environment:
 #   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
 #   STEPS=5  steps per run (the first excluded: it sizes the arenas)   REPEAT=2  rounds of the ladder
 #   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm   LADDER=0: skip the K ladder
-#   SCHEDULES=0: skip table 4 (gpipe, 1f1b, zb-h1, interleaved, zbv and a schedule file at K = 2, MS4="4 8",
+#   SCHEDULES=0: skip table 4 (gpipe, 1f1b, zb-h1, zb-h2, interleaved, zbv and a schedule file at K = 2, MS4="4 8",
 #   ROUNDS4=1 rounds, each schedule once per round, interleaved)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -198,7 +198,7 @@ PY
   echo
   echo "4. schedules at K = 2: GPT 4 blocks x 192 channels, seq 128, micro-batch 4 samples, no remat;"
   echo "   tokens/s of the median step of $((${STEPS_S:-8} - 1)); bubble measured (mean over steps and ranks) against"
-  echo "   the schedule simulated at unit costs (F 1, B 2 = B 1 + W 1 for zb-h1 and zbv) and with the run's mean action times"
+  echo "   the schedule simulated at unit costs (F 1, B 2 = B 1 + W 1 where split) and with the run's mean action times"
   echo "   per stage; peak activation memory of rank 0 / rank 1; the last loss (the same in each M)"
   printf '%4s %-8s %10s %9s %10s %10s %21s %14s\n' M schedule tokens/s bubble "unit cost" "measured" "peak memory r0 / r1" \
     "last loss"
@@ -209,7 +209,7 @@ PY
       for ((m = 0; m < M4; ++m)); do printf ' B%d' "$m"; done; printf '\n'
       printf 'stage 1:'; for ((m = 0; m < M4; ++m)); do printf ' F%d B%d' "$m" "$m"; done; printf '\n'
     } > "$tmp/mixed.txt"
-    for schedule in gpipe 1f1b zb-h1 interleaved zbv "file:$tmp/mixed.txt"; do
+    for schedule in gpipe 1f1b zb-h1 zb-h2 interleaved zbv "file:$tmp/mixed.txt"; do
       extra=()
       [[ $schedule == interleaved ]] && extra=(--virtual-stages 2)
       read -r tps bubble unit simulated peak0 peak1 loss < <(sched_run "$M4" "$schedule" "${extra[@]}")

@@ -344,9 +344,10 @@ void CausalSelfAttention::backward_impl(Context& ctx, const Tensor& dy, const Te
   Tensor dqkv = pass.arena->tensor(Shape{B, T, 3 * C}, pass.dtype);  // (B, T, 3C)
   // The attention output is the projection's input, which its context keeps.
   ops::attention_backward(dqkv, datt, ctx.saved[0], ctx.children[1].input, ctx.saved[1], heads_, *pass.arena);
-  // q, k, v are dead now: a split backward keeps dqkv for W in their place.
+  // q, k, v are dead now: a split backward keeps dqkv for W in their place. (The output
+  // projection above kept its dy where the caller's stash_into said, if it did.)
   Pass qkv_pass = pass;
-  if (pass.stash) qkv_pass.stash_into = ctx.saved[0];
+  qkv_pass.stash_into = pass.stash ? ctx.saved[0] : Tensor{};
   qkv_.backward(ctx.children[0], dqkv, dx, mode, qkv_pass);
 }
 
@@ -377,7 +378,9 @@ Cost TransformerBlock::cost(const Shape& in) const {
                         fc_proj_.cost(wide)})
     total += c;
   total.activation_bytes += f32_bytes(static_cast<double>(in.numel()));  // the residual sum
-  total.weight_stash_bytes -= fc_.cost(in).weight_stash_bytes;  // fc keeps its dy where GELU's input was
+  // Only fc_proj's dy takes stash memory: fc keeps its dy where GELU's input was, the
+  // attention's qkv and output projection theirs where q, k, v and the residual sum were.
+  total.weight_stash_bytes = fc_proj_.cost(wide).weight_stash_bytes;
   return total;
 }
 
@@ -429,7 +432,7 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
   Tensor dh = pass.arena->tensor(dy.shape, pass.dtype);               // (B, T, C)
   // GELU's saved input is dead now: a split backward keeps fc's dy for W in its place.
   Pass fc_pass = pass;
-  if (pass.stash) fc_pass.stash_into = c[4].input;
+  fc_pass.stash_into = pass.stash ? c[4].input : Tensor{};
   fc_.backward(c[3], dg, dh, GradMode::overwrite, fc_pass);
   Tensor dx2 = pass.arena->tensor(dy.shape, pass.dtype);              // (B, T, C)
   ops::copy(dx2, dy);
@@ -440,7 +443,11 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
     ops::dropout_apply(scratch, dx2, dropout_, dropout_key(pass, global_index(), 1));
     da = scratch;
   }
-  attn_.backward(c[1], da, dh, GradMode::overwrite, pass);            // dh is now d(h1)
+  // The residual sum x2 (ln2's input) is dead now: the attention's output projection keeps
+  // its dy for W there in a split backward.
+  Pass attn_pass = pass;
+  if (pass.stash) attn_pass.stash_into = c[2].input;
+  attn_.backward(c[1], da, dh, GradMode::overwrite, attn_pass);       // dh is now d(h1)
   if (mode == GradMode::accumulate) ops::add(dx, dx2);
   else ops::copy(dx, dx2);
   ln1_.backward(c[0], dh, dx, GradMode::accumulate, pass);

@@ -82,10 +82,11 @@ struct Pass {
   // Split backward: where backward() keeps what backward_weight() needs (it must live
   // until then); null: the full backward, weight gradients included.
   Arena* stash = nullptr;
-  // Split backward, set by a composite for one Linear part: a buffer of that part's dy
-  // shape and type, in memory that lives until W (the forward's), whose contents the
-  // backward no longer needs (the GELU's saved input, attention's q, k, v): the Linear
-  // keeps its dy there instead of taking more stash memory.
+  // Split backward, set by a composite for the one part it calls next: a buffer of that
+  // part's dy shape and type, in memory that lives until W (the forward's), whose contents
+  // the backward no longer needs (GELU's saved input, attention's q, k, v, the block's
+  // residual sum): the Linear that receives that dy (the part, or an attention's output
+  // projection) keeps it there instead of taking more stash memory.
   Tensor stash_into;
 };
 
