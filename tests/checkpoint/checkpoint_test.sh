@@ -410,6 +410,9 @@ model-file)
   ! h5diff -q "$work/micro.h5" "$work/k4/ckpt-00000003.h5" /model /model >/dev/null 2>&1 || fail "--batchnorm deferred changed nothing"
   # Zero bubble: convolutions' weight gradients in W, BatchNorm's in B, the same training.
   SCHEDULE=zb-h1 transparent "$(dirname "$0")/../reference/resnet-bn.toml" 4
+  SCHEDULE=zb-h2 transparent "$(dirname "$0")/../reference/resnet-bn.toml" 3
+  # ZB-V: 2 ranks, 4 model stages in a V (rank 0 holds the stem and the classifier).
+  SCHEDULE=zbv transparent "$(dirname "$0")/../reference/resnet-bn.toml" 2
   # ... and they resume and reshard: the step-3 checkpoint of a 5-step run on 2 stages,
   # resumed on 4, ends as the unbroken run.
   bn=(train --model "$(dirname "$0")/../reference/resnet-bn.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3

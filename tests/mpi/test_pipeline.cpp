@@ -108,7 +108,7 @@ std::vector<float> train_and_save(const TrainConfig& config, int steps) {
 TEST_CASE("partition transparency: K = 1, 2, 4 give bitwise identical losses and parameters") {
   if (world().size() != 4) return;  // the 6-rank run has its own cases
   const RunResult reference = run(tiny_gpt("gpipe", "never"), 1);
-  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"})
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1", "zb-h2"})
     for (const char* remat : {"never", "always", "except-last"})
       for (int K : {1, 2, 4}) {
         const RunResult r = run(tiny_gpt(schedule, remat), K);
@@ -490,8 +490,9 @@ TEST_CASE("1F1B holds the activations of K - stage micro-batches, GPipe of all M
   if (stage == 0) CHECK(ratio < 0.65);
   CHECK(ratio <= 1.0);
   // zb-h1 holds up to K micro-batches on every stage until their W, and the output
-  // gradients W needs (measured: 0.75 of gpipe's on stage 0, 0.95 on the last).
-  if (stage == 0) CHECK(zb < 0.8);
+  // gradients W needs, most of them in forward buffers B is done with (measured on stage
+  // 0: 0.56 of gpipe's against 1f1b's 0.54; 0.75 while each Linear took stash memory).
+  if (stage == 0) CHECK(zb < 0.6);
   CHECK(zb < 1.0);
 }
 
