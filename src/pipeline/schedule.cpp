@@ -225,8 +225,8 @@ Schedule interleaved_schedule(int stages, int virtual_stages, int micro_batches)
 // micro-batch 0 reaches the loss soonest), a ready B (its gradient has arrived; the
 // earlier model stage first), the oldest pending W. Of the orders tried (B or F first,
 // either stage first, limits 2K-1 to 3K) this one reaches the bound (K-1)/(6M+K-1) most
-// often at 1F1B's memory: for K <= 8 and K <= M <= 32 in all but 12 of 182 cases, at most
-// 4 ticks above it (a limit of 3K reaches it in all of them). The V's turn (stages K-1
+// often at 1F1B's memory: for 2 <= K <= 8 and K <= M <= 32 in all but 12 of 196 cases,
+// at most 6 ticks above it (a limit of 3K reaches it in all of them). The V's turn (stages K-1
 // and K on the last rank) needs no wait beyond stage order: its message goes from the
 // rank to itself.
 Schedule zbv_schedule(int stages, int micro_batches) {
@@ -520,9 +520,13 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
 
 std::optional<std::string> validate(const Schedule& s) {
   if (static_cast<int>(s.actions.size()) != s.stages) return cat("schedule has ", s.actions.size(), " lists for ", s.stages, " stages");
+  if (!s.placement.empty() &&
+      (static_cast<int>(s.placement.size()) != s.model_stages() ||
+       std::any_of(s.placement.begin(), s.placement.end(), [&](int list) { return list < 0 || list >= s.stages; })))
+    return cat("schedule places ", s.placement.size(), " model stages on ", s.stages, " stages, not ", s.model_stages());
   const int stages = s.model_stages(), M = s.micro_batches;
   for (int st = 0; st < s.stages; ++st) {
-    // Per model stage this list holds (st, st + K, ...): where each F, B and W is.
+    // Per model stage this list holds (its placement's, ascending): where each F, B and W is.
     const int v = s.virtual_stages;
     std::vector<std::vector<int>> forward_at(v, std::vector<int>(M, -1)), backward_at = forward_at, weight_at = forward_at;
     std::vector<int> last_backward(v, -1), last_weight(v, -1);
@@ -540,6 +544,8 @@ std::optional<std::string> validate(const Schedule& s) {
     };
     // The compute actions' places first (the sends and receives around them follow them).
     const std::vector<int> mine = s.stages_of(st);
+    if (static_cast<int>(mine.size()) != v)
+      return cat("stage ", st, ": runs ", mine.size(), " model stages of the placement, not ", v);
     for (const Action& a : s.actions[st]) {
       const int m = s.stage_of(st, a);
       if (a.is_compute() && (m >= stages || s.list_of(m) != st)) {

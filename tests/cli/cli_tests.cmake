@@ -38,6 +38,12 @@ mpipe_cli_test(link_bandwidth_zero 2 "error: --link-bandwidth must be positive, 
 mpipe_cli_test(plan_balance 0 "partition \\(balance\\): 0-0 \\| 1-7" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2 --balance 1,7)
 mpipe_cli_test(plan_bad_world 2 "error: world size 3 is not divisible by --stages 2" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 3 --stages 2)
 mpipe_cli_test(plan_zb_h1 0 "bubble: 11.1% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h1)
+mpipe_cli_test(plan_zb_h2 0 "bubble: 11.1% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h2)
+# ZB-V at its bound (K-1)/(6M+K-1) = 3/51; zbv sets --virtual-stages 2 and names its V.
+mpipe_cli_test(plan_zbv 0 "bubble: 5.9% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zbv)
+mpipe_cli_test(plan_zbv_placement 0 "virtual stages: 2 per rank, model stages s and 7-s on pipeline stage s \\(a V\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zbv)
+mpipe_cli_test(plan_zbv_virtual 2 "error: --schedule zbv runs two model stages per rank, not --virtual-stages 3; hint" plan --ranks 2 --schedule zbv --virtual-stages 3)
+mpipe_cli_test(plan_zbv_too_many 2 "error: more stages \\(10\\) than layers \\(8\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 5 --schedule zbv --batch-size 20 --micro-batches 10)
 mpipe_cli_test(plan_interleaved 0 "bubble: 15.8% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule interleaved --virtual-stages 2)
 mpipe_cli_test(plan_interleaved_groups 2 "error: --schedule interleaved runs the micro-batches in groups of the 4 stages; 6 is not a multiple of 4; hint: use --micro-batches 8" plan --ranks 4 --batch-size 24 --micro-batches 6 --schedule interleaved --virtual-stages 2)
 mpipe_cli_test(plan_virtual_gpipe 2 "error: --schedule gpipe runs one stage per rank, not --virtual-stages 2; hint" plan --ranks 2 --virtual-stages 2)

@@ -62,6 +62,18 @@ std::string write_temp(const std::string& name, const std::string& text) {
   return path.string();
 }
 
+// A GPT of one block at d-model 16 (2 heads, 8 tokens, 32-token vocabulary).
+ModelConfig one_block_gpt() {
+  ModelConfig c;
+  c.kind = "gpt";
+  c.layers = 1;
+  c.d_model = 16;
+  c.heads = 2;
+  c.seq_len = 8;
+  c.vocab = 32;
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("every registered layer kind builds from its options and is the layer it names") {
@@ -184,14 +196,7 @@ TEST_CASE("layer options are checked by name, type and range") {
 TEST_CASE("weight-gradient cost: what W runs and keeps is every Linear's and Conv2d's dW and output gradient") {
   // A GPT block at (B, T, C): four Linears (qkv C->3C, proj C->C, fc C->4C, fc_proj 4C->C),
   // each dW a GEMM of 2 * rows * in * out FLOPs, each keeping its output gradient.
-  ModelConfig c;
-  c.kind = "gpt";
-  c.layers = 1;
-  c.d_model = 16;
-  c.heads = 2;
-  c.seq_len = 8;
-  c.vocab = 32;
-  const Model m(c);
+  const Model m(one_block_gpt());
   const std::vector<Shape> shapes = m.shapes(2);
   const double rows = 2 * 8, C = 16;
   const Cost block = m.layer(1).cost(shapes[1]);
@@ -207,13 +212,7 @@ TEST_CASE("weight-gradient cost: what W runs and keeps is every Linear's and Con
 }
 
 TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forward buffers, bitwise the fused one") {
-  ModelConfig c;
-  c.kind = "gpt";
-  c.layers = 1;
-  c.d_model = 16;
-  c.heads = 2;
-  c.seq_len = 8;
-  c.vocab = 32;
+  ModelConfig c = one_block_gpt();
   c.dropout = 0.1f;
   Model m(c);
   ParamStore store(m, std::vector<int>{1}, 7);

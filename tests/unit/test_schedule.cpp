@@ -104,8 +104,8 @@ TEST_CASE("zbv: two model stages per rank in a V, the bound of a synchronized st
       const double bound = static_cast<double>(K - 1) / (6 * M + K - 1);  // the last rank waits K-1 half forwards
       CHECK(sim.bubble_fraction >= bound - 1e-12);
       if (M >= K) {
-        // Within 4 half-unit ticks of the bound, and below zb-h1 wherever there is a bubble.
-        CHECK(sim.makespan <= (6 * M + K - 1 + 4) / 2.0 + 1e-9);
+        // Within 6 half-unit ticks of the bound, and below zb-h1 wherever there is a bubble.
+        CHECK(sim.makespan <= (6 * M + K - 1 + 6) / 2.0 + 1e-9);
         if (K > 1) CHECK(sim.bubble_fraction < zb_h1);
       }
       // 1F1B's memory: at most 2K micro-batch model stages (K micro-batches of a whole
