@@ -1,5 +1,5 @@
-// The executor: one switch over action kinds, the communication around it, and the
-// gradient reductions that make every stage count and replica agree.
+// The executor: one switch over action kinds, driving the rank's stages, the transport,
+// the reducer and the step device.
 #include "mpipe/pipeline/executor.hpp"
 
 #include <algorithm>

@@ -7,18 +7,24 @@
 // s and 2K-1-s for zbv (the model goes down the ranks and back up; the first rank holds
 // the loss, and the turn on the last rank is a message to itself). A step:
 // zero gradients, draw this replica's share of the mini-batch, post every receive,
-// walk the stage's action list (F, B, sends, receives), sum gradients over replicas
+// walk the rank's action list (F, B, W, sends, receives), sum gradients over replicas
 // in buckets started while the last backward still runs, sum tied-weight gradients
-// between first and last stage (started as soon as they are final), agree on the loss
-// and the global gradient norm, clip, update. With one rank it is the plain
-// single-process trainer. Messages between stages go through the Transport; every
-// posted request, reductions included, is kept moving by Progress while the rank
-// computes (pipeline/progress.hpp).
+// between the stages holding them (started as soon as they are final), agree on the
+// loss and the global gradient norm, clip, update. With one rank it is the plain
+// single-process trainer.
 //
-// On a GPU (TrainConfig::device "cuda") the whole step stays in device memory: the
-// batch is copied over once and the Transport moves messages from device memory or
-// through pinned host buffers. Compute actions are timed with CUDA events, so phase
-// times, the bubble and traces show GPU time without the host waiting on each action.
+// The executor is the action loop; the parts it drives are objects of their own:
+// - Stage (pipeline/stage.hpp): a model stage's layers, its micro-batches' state from F
+//   to B (W) and its F, B and W calls; the rank's activation slots are a SlotPool.
+// - Transport (pipeline/transport.hpp): messages between model stages, to the ranks the
+//   schedule's placement names.
+// - Reducer (pipeline/reducer.hpp): the sums over replicas and tied weights, the world's
+//   agreement on loss, norms and stop, running statistics over replicas.
+// - StepDevice (pipeline/step_device.hpp): the CPU or the GPU, chosen once: where the
+//   batch lives, how compute is timed (CUDA events on a GPU, so phase times, the bubble
+//   and traces show GPU time without the host waiting on each action), the loss sum.
+// Every posted request is kept moving by Progress while the rank computes
+// (pipeline/progress.hpp).
 #pragma once
 #include <chrono>
 #include <cstdint>
