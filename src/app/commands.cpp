@@ -201,7 +201,9 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   std::printf("batch %d = %d replica%s x %d micro-batches of %d; schedule %s, remat %s\n", config.batch_size, D,
               D > 1 ? "s" : "", M, micro, config.pipeline.schedule.c_str(), config.pipeline.remat.c_str());
   const int v = config.pipeline.virtual_stages;
-  const Schedule compute = make_schedule(config.pipeline.schedule, K, M, v);
+  const StageCosts flops = flop_costs(model, part, micro);
+  // The schedule train runs: the zero-bubble ones ordered for the partition's FLOPs.
+  const Schedule compute = make_schedule(config.pipeline.schedule, K, M, v, &flops);
   const auto figures = stage_figures(model, part, micro);
   if (v > 1) {
     const std::vector<int> placement = compute.placement_table();
@@ -246,15 +248,11 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
                 human_bytes(4.0 * f.params * states).c_str(), human_bytes(f.held(live, false, split)).c_str(),
                 human_bytes(f.held(live, true, split)).c_str());
   }
-  const Schedule lowered = lower(compute);
-  StageCosts costs = StageCosts::unit(lowered);
-  for (int s = 0; s < part.stages(); ++s) {
-    costs.forward[s] = figures[s].forward_flops;
-    costs.backward[s] = figures[s].backward_flops;
-    costs.weight[s] = figures[s].weight_flops;
-  }
-  const double theory = simulate(lowered, StageCosts::unit(lowered)).bubble_fraction;
-  const double predicted = simulate(lowered, costs).bubble_fraction;
+  // Equal stages: the schedule built for unit costs, at unit costs; predicted: the one
+  // that runs, at the partition's FLOPs.
+  const Schedule unit = lower(make_schedule(config.pipeline.schedule, K, M, v));
+  const double theory = simulate(unit, StageCosts::unit(unit)).bubble_fraction;
+  const double predicted = simulate(lower(compute), flops).bubble_fraction;
   // The closed form of the equal-stage bubble where there is one (M >= K).
   const std::string& name = config.pipeline.schedule;
   const char* formula = M < K                               ? "simulated"
@@ -274,7 +272,7 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
   const int K = exec.grid().stages(), M = config.micro_batches, D = exec.grid().replicas();
   const int stage = exec.grid().stage();
   const auto figures = stage_figures(exec.model(), exec.partition(), config.batch_size / (M * D));
-  const Schedule schedule = make_schedule(config.pipeline.schedule, K, M, config.pipeline.virtual_stages);
+  const Schedule& schedule = exec.schedule();
   const int live = in_flight(schedule, stage);
   const bool remat = config.pipeline.remat == "always" || (config.pipeline.remat == "except-last" && stage + 1 < K);
   const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());  // values, gradients, state
@@ -296,11 +294,9 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
                 " rank", node_ranks > 1 ? "s" : "");
 }
 
-void print_schedule_grid(const TrainConfig& config, const GridShape& grid) {
-  const Schedule lowered =
-      lower(make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages));
+void print_schedule_grid(const Schedule& lowered) {
   constexpr int widest = 16;  // a grid beyond this many stages or micro-batches is no longer read at a glance
-  if (grid.stages > widest || config.micro_batches > widest) {
+  if (lowered.stages > widest || lowered.micro_batches > widest) {
     const Simulation sim = simulate(lowered, StageCosts::unit(lowered));
     std::printf("schedule %s (forward 1 unit, backward 2 = B 1 + W 1 where split): makespan %g, bubble %.1f%% (drawn "
                 "for up to %d stages and micro-batches)\n", lowered.name.c_str(), sim.makespan, 100 * sim.bubble_fraction,
@@ -651,10 +647,11 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   std::printf("ranks:");
   for (int r = 0; r < ranks; ++r) std::printf(" %d=s%d/r%d", r, grid.stage_of(r), grid.replica_of(r));
   std::printf("\n");
-  print_schedule_grid(config, grid);
+  const StageCosts flops = flop_costs(model, part, micro);
+  const Schedule s =
+      make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages, &flops);
+  print_schedule_grid(lower(s));
   if (!write_schedule.empty()) {
-    const Schedule s =
-        make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages);
     std::ofstream out(write_schedule);
     out << cat("# mpipe schedule ", s.name, ": ", grid.stages, " stages, ", config.micro_batches,
                " micro-batches; train with --schedule file:", write_schedule,
@@ -791,7 +788,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     if (const Dataset* data = exec->dataset()) std::printf("data: %s\n", data->describe().c_str());
     if (const Dataset* data = exec->eval_dataset()) std::printf("eval data: %s\n", data->describe().c_str());
     print_plan(config, exec->model(), exec->partition(), grid.shape());
-    if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(config, grid.shape());
+    if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(exec->schedule());
     std::printf("%s, lr %g, %d steps\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps);
     if (!resumed_from.empty())
       std::printf("resumed from %s: %lld steps done (checked and loaded in %.2f s)\n", resumed_from.c_str(),

@@ -248,6 +248,11 @@ void Executor::connect() {
   const std::vector<double> links =
       p.balance.empty() && p.partition == "time" ? link_costs(p, *grid_, model_, micro_) : std::vector<double>{};
   partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, schedule_.placement_table(), links);
+  // The zero-bubble schedules again, ordered for this partition's costs (the placement
+  // stays: it depends on the schedule's name alone).
+  const StageCosts flops = flop_costs(model_, partition_, micro_);
+  schedule_ = lower(make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages, &flops));
+  if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
   stages_.clear();
   chunk_of_.assign(static_cast<std::size_t>(partition_.stages()), -1);
   for (const int m : schedule_.stages_of(grid_->stage())) {

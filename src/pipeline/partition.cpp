@@ -199,6 +199,19 @@ Partition choose_partition(const std::string& balance, const std::string& method
   return p;
 }
 
+StageCosts flop_costs(const Model& model, const Partition& partition, int micro) {
+  const std::vector<Shape> shapes = model.shapes(micro);
+  StageCosts costs = StageCosts::uniform(partition.stages(), 0.0, 0.0, 0.0);
+  for (int s = 0; s < partition.stages(); ++s)
+    for (int i = partition.begin(s); i < partition.end(s); ++i) {
+      const Cost c = model.layer(i).cost(shapes[static_cast<std::size_t>(i)]);
+      costs.forward[static_cast<std::size_t>(s)] += c.forward_flops;
+      costs.backward[static_cast<std::size_t>(s)] += c.backward_flops;
+      costs.weight[static_cast<std::size_t>(s)] += c.weight_flops;
+    }
+  return costs;
+}
+
 double parse_link_bandwidth(const std::string& text) {
   if (text == "auto") return -1;
   if (text == "off") return 0;

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <functional>
+#include <limits>
 #include <map>
 #include <sstream>
 
@@ -139,60 +139,6 @@ Schedule one_f_one_b_schedule(int stages, int micro_batches) {
   return s;
 }
 
-namespace {
-
-// List scheduling at unit costs (F = B = W = 1 tick): each tick, every stage runs the
-// first of these it can: a forward (its input has arrived, fewer than `before_b(s)`
-// micro-batches wait for their B and fewer than `before_w` for their W), a backward (its
-// gradient has arrived), a pending W. A W runs only where the stage would otherwise wait.
-Schedule zero_bubble(const std::string& name, int stages, int micro_batches, const std::function<int(int)>& before_b,
-                     int before_w) {
-  Schedule s = empty_schedule(name, stages, micro_batches);
-  const int K = stages, M = micro_batches;
-  std::vector<int> forwards(K, 0), backwards(K, 0), weights(K, 0);
-  // The tick at whose start each action's result is there; -1 not yet run.
-  std::vector<std::vector<long>> forward_done(K, std::vector<long>(M, -1)), backward_done = forward_done;
-  auto ready = [](long done, long tick) { return done >= 0 && done <= tick; };
-  long left = 3L * K * M;
-  for (long tick = 0; left > 0; ++tick) {
-    MPIPE_CHECK(tick <= 6L * K * M + 2L * K, name, " schedule for ", K, " stages and ", M, " micro-batches makes no progress");
-    for (int st = 0; st < K; ++st) {
-      const int f = forwards[st], b = backwards[st];
-      auto& list = s.actions[st];
-      if (f < M && f - b < before_b(st) && f - weights[st] < before_w && (st == 0 || ready(forward_done[st - 1][f], tick))) {
-        list.push_back({ActionKind::forward, f});
-        forward_done[st][f] = tick + 1;
-        ++forwards[st];
-      } else if (b < f && ready(st == K - 1 ? forward_done[st][b] : backward_done[st + 1][b], tick)) {
-        list.push_back({ActionKind::backward, b});
-        backward_done[st][b] = tick + 1;
-        ++backwards[st];
-      } else if (weights[st] < b) {
-        list.push_back({ActionKind::weight, weights[st]++});
-      } else {
-        continue;
-      }
-      --left;
-    }
-  }
-  return s;
-}
-
-}  // namespace
-
-// ZB-H1: at most K - s micro-batches between F and B on stage s (1F1B's), K between F
-// and W, which keeps stage s from holding more micro-batches than stage 0 does under 1F1B.
-Schedule zb_h1_schedule(int stages, int micro_batches) {
-  return zero_bubble("zb-h1", stages, micro_batches, [stages](int s) { return stages - s; }, stages);
-}
-
-// ZB-H2: the paper's longer warm-up, 2(K - s) - 1 micro-batches between F and B and 2K - 1
-// between F and W: more forwards wait in the first stages' queues, so a stage whose
-// forward or B is slower than the next one's still finds work.
-Schedule zb_h2_schedule(int stages, int micro_batches) {
-  return zero_bubble("zb-h2", stages, micro_batches, [stages](int s) { return 2 * (stages - s) - 1; }, 2 * stages - 1);
-}
-
 // Megatron-LM's order (schedules.py, forward_backward_pipelining_with_interleaving): the
 // k-th forward of a pipeline stage is micro-batch (k / Kv)·K + k % K on its model stage
 // (k % Kv) / K; backwards likewise with the model stages in reverse.
@@ -219,59 +165,145 @@ Schedule interleaved_schedule(int stages, int virtual_stages, int micro_batches)
   return s;
 }
 
-// List scheduling at unit costs, one tick per action of a model stage (half a rank's
-// layers): every rank runs, each tick, the first of these it can: a ready F while it
-// holds fewer than 2K micro-batch stages between F and W (the later model stage first, so
-// micro-batch 0 reaches the loss soonest), a ready B (its gradient has arrived; the
-// earlier model stage first), the oldest pending W. Of the orders tried (B or F first,
-// either stage first, limits 2K-1 to 3K) this one reaches the bound (K-1)/(6M+K-1) most
-// often at 1F1B's memory: for 2 <= K <= 8 and K <= M <= 32 in all but 12 of 196 cases,
-// at most 6 ticks above it (a limit of 3K reaches it in all of them). The V's turn (stages K-1
-// and K on the last rank) needs no wait beyond stage order: its message goes from the
-// rank to itself.
-Schedule zbv_schedule(int stages, int micro_batches) {
-  const int K = stages, M = micro_batches, S = 2 * K;
-  Schedule s = empty_schedule("zbv", K, M);
-  s.virtual_stages = 2;
-  s.placement = vee_placement(K);
+namespace {
+
+// The zero-bubble schedules' list scheduler, on the simulator's clock: each action takes
+// its model stage's cost, results are there when their action ends (messages take no
+// time), and the list whose next action can start earliest commits it (the lower list on
+// a tie). A list runs the first of these that it can start when it is free: a forward
+// (its input has arrived, fewer than `before_b` micro-batches of its model stages wait
+// for their B and fewer than `before_w` for their W), its later model stage first; a
+// backward (its gradient has arrived), its earlier model stage first; the pending W of the
+// oldest micro-batch. When none can start yet it waits for the first that can. At unit
+// costs this is list scheduling by ticks; with the stages' real costs (W cheaper than F
+// and B, stages unequal) it orders the actions for them.
+Schedule zero_bubble(Schedule s, const StageCosts& costs, const std::vector<int>& before_b, const std::vector<int>& before_w) {
+  const int K = s.stages, M = s.micro_batches, S = s.model_stages();
+  MPIPE_CHECK(static_cast<int>(costs.forward.size()) == S && costs.backward.size() == costs.forward.size() &&
+                  costs.weight.size() == costs.forward.size(),
+              "costs for ", costs.forward.size(), " model stages, the schedule has ", S);
   std::vector<int> forwards(S, 0), backwards(S, 0), weights(S, 0);
-  std::vector<std::vector<long>> forward_done(S, std::vector<long>(M, -1)), backward_done = forward_done;
-  auto ready = [](long done, long tick) { return done >= 0 && done <= tick; };
-  long left = 3L * S * M;
-  for (long tick = 0; left > 0; ++tick) {
-    MPIPE_CHECK(tick <= 6L * S * M + 2L * S, "zbv schedule for ", K, " stages and ", M, " micro-batches makes no progress");
-    for (int rank = 0; rank < K; ++rank) {
-      const int later = S - 1 - rank, earlier = rank;
-      const int held = forwards[later] - weights[later] + forwards[earlier] - weights[earlier];
-      auto& list = s.actions[static_cast<std::size_t>(rank)];
-      auto forward = [&](int m) {
-        const int f = forwards[m];
-        if (f >= M || held >= S || !(m == 0 || ready(forward_done[m - 1][f], tick))) return false;
-        list.push_back({ActionKind::forward, f, m});
-        forward_done[m][f] = tick + 1;
-        ++forwards[m];
-        return true;
-      };
-      auto backward = [&](int m) {
-        const int b = backwards[m];
-        if (b >= forwards[m] || !ready(m == S - 1 ? forward_done[m][b] : backward_done[m + 1][b], tick)) return false;
-        list.push_back({ActionKind::backward, b, m});
-        backward_done[m][b] = tick + 1;
-        ++backwards[m];
-        return true;
-      };
-      auto weight = [&] {
-        int m = -1;
-        for (const int own : {later, earlier})
-          if (weights[own] < backwards[own] && (m < 0 || weights[own] < weights[m])) m = own;
-        if (m < 0) return false;
-        list.push_back({ActionKind::weight, weights[m]++, m});
-        return true;
-      };
-      if (forward(later) || forward(earlier) || backward(earlier) || backward(later) || weight()) --left;
+  constexpr double never = std::numeric_limits<double>::infinity();
+  // When each action's result is there; infinity: not run yet.
+  std::vector<std::vector<double>> forward_done(S, std::vector<double>(M, never)), backward_done = forward_done;
+  std::vector<double> free_at(K, 0.0);
+  std::vector<std::vector<int>> later_first(K);
+  for (int list = 0; list < K; ++list) {
+    later_first[list] = s.stages_of(list);
+    std::reverse(later_first[list].begin(), later_first[list].end());
+  }
+  struct Choice {
+    double start = never;
+    ActionKind kind = ActionKind::forward;
+    int stage = -1;
+  };
+  auto choose = [&](int list) {
+    const double t = free_at[list];
+    int to_b = 0, to_w = 0;
+    for (const int m : later_first[list]) to_b += forwards[m] - backwards[m], to_w += forwards[m] - weights[m];
+    std::vector<Choice> options;  // in order of preference
+    for (const int m : later_first[list]) {
+      const int f = forwards[m];
+      // The last place is not taken while a later model stage of the list has still to
+      // forward this micro-batch and holds none whose W would free a place: that forward
+      // is on the way to every B of the earlier stage (the V's turn), so taking the place
+      // could leave the list with nothing to run, ever.
+      int keep = 0;
+      for (const int later : later_first[list])
+        if (later > m && forwards[later] <= f && forwards[later] < M && forwards[later] == weights[later]) keep = 1;
+      if (f < M && to_b < before_b[list] && to_w + keep < before_w[list])
+        options.push_back({m == 0 ? t : std::max(t, forward_done[m - 1][f]), ActionKind::forward, m});
     }
+    for (auto it = later_first[list].rbegin(); it != later_first[list].rend(); ++it) {
+      const int m = *it, b = backwards[m];
+      if (b < forwards[m])
+        options.push_back({std::max(t, m == S - 1 ? forward_done[m][b] : backward_done[m + 1][b]), ActionKind::backward, m});
+    }
+    int oldest = -1;
+    for (const int m : later_first[list])
+      if (weights[m] < backwards[m] && (oldest < 0 || weights[m] < weights[oldest])) oldest = m;
+    if (oldest >= 0) options.push_back({t, ActionKind::weight, oldest});
+    Choice best;
+    for (const Choice& c : options)
+      if (c.start <= t) return c;  // the first that can start now
+    for (const Choice& c : options)
+      if (c.start < best.start) best = c;  // else the first to become ready
+    return best;
+  };
+  for (long left = 3L * S * M; left > 0; --left) {
+    Choice next;
+    int list = -1;
+    for (int l = 0; l < K; ++l)
+      if (const Choice c = choose(l); c.start < next.start) next = c, list = l;
+    MPIPE_CHECK(list >= 0, s.name, " schedule for ", K, " stages and ", M, " micro-batches makes no progress");
+    const int m = next.stage;
+    Action a{next.kind, 0, S > K ? m : -1};
+    double cost = 0;
+    if (next.kind == ActionKind::forward) {
+      a.micro_batch = forwards[m]++;
+      cost = costs.forward[m];
+      forward_done[m][a.micro_batch] = next.start + cost;
+    } else if (next.kind == ActionKind::backward) {
+      a.micro_batch = backwards[m]++;
+      cost = costs.backward[m] - costs.weight[m];
+      backward_done[m][a.micro_batch] = next.start + cost;
+    } else {
+      a.micro_batch = weights[m]++;
+      cost = costs.weight[m];
+    }
+    s.actions[static_cast<std::size_t>(list)].push_back(a);
+    free_at[list] = next.start + cost;
   }
   return s;
+}
+
+// Unit costs: F = B = W = 1 per model stage.
+StageCosts unit_split(int model_stages) { return StageCosts::uniform(model_stages, 1.0, 2.0, 1.0); }
+
+// With costs, the order built for them or the one built for unit costs, whichever the
+// simulator finds shorter at those costs (a greedy order for the real costs is not always
+// the better one: stages that differ can mislead it).
+Schedule ordered_for(const Schedule& empty, const StageCosts* costs, const std::vector<int>& before_b,
+                     const std::vector<int>& before_w) {
+  Schedule unit = zero_bubble(empty, unit_split(empty.model_stages()), before_b, before_w);
+  if (!costs) return unit;
+  Schedule costed = zero_bubble(empty, *costs, before_b, before_w);
+  return simulate(lower(costed), *costs).makespan < simulate(lower(unit), *costs).makespan ? costed : unit;
+}
+
+}  // namespace
+
+// ZB-H1: at most K - s micro-batches between F and B on stage s (1F1B's), K between F
+// and W, which keeps stage s from holding more micro-batches than stage 0 does under 1F1B.
+Schedule zb_h1_schedule(int stages, int micro_batches, const StageCosts* costs) {
+  std::vector<int> before_b(static_cast<std::size_t>(stages)), before_w(before_b.size(), stages);
+  for (int s = 0; s < stages; ++s) before_b[static_cast<std::size_t>(s)] = stages - s;
+  return ordered_for(empty_schedule("zb-h1", stages, micro_batches), costs, before_b, before_w);
+}
+
+// ZB-H2: the paper's longer warm-up, 2(K - s) - 1 micro-batches between F and B and 2K - 1
+// between F and W: more forwards wait in the first stages' queues, so a stage whose
+// forward or B is slower than the next one's still finds work.
+Schedule zb_h2_schedule(int stages, int micro_batches, const StageCosts* costs) {
+  std::vector<int> before_b(static_cast<std::size_t>(stages)), before_w(before_b.size(), 2 * stages - 1);
+  for (int s = 0; s < stages; ++s) before_b[static_cast<std::size_t>(s)] = 2 * (stages - s) - 1;
+  return ordered_for(empty_schedule("zb-h2", stages, micro_batches), costs, before_b, before_w);
+}
+
+// ZB-V: the V placement, at most 2K micro-batch model stages between F and W on a rank
+// (1F1B's stage 0: K micro-batches of a whole rank's layers), no other limit. Of the
+// orders tried at unit costs (B or F first, either model stage first, limits 2K-1 to 3K)
+// the scheduler's reaches the bound (K-1)/(6M+K-1) most often at that memory: for
+// 2 <= K <= 8 and K <= M <= 32 in all but 12 of 196 cases, at most 6 ticks above it (a
+// limit of 3K reaches it in all). The V's turn (stages K-1 and K on the last rank) needs
+// no wait beyond stage order: its message goes from the rank to itself.
+Schedule zbv_schedule(int stages, int micro_batches, const StageCosts* costs) {
+  Schedule s = empty_schedule("zbv", stages, micro_batches);
+  s.virtual_stages = 2;
+  s.placement = vee_placement(stages);
+  const std::vector<int> before_b(static_cast<std::size_t>(stages), std::numeric_limits<int>::max()),
+      before_w(before_b.size(), 2 * stages);
+  return ordered_for(s, costs, before_b, before_w);
 }
 
 std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved", "zbv"}; }
@@ -354,7 +386,7 @@ void place_from_actions(Schedule& s, const std::string& source) {
 
 }  // namespace
 
-Schedule make_schedule(const std::string& name, int stages, int micro_batches, int virtual_stages) {
+Schedule make_schedule(const std::string& name, int stages, int micro_batches, int virtual_stages, const StageCosts* costs) {
   if (name == "interleaved") {
     MPIPE_REQUIRE(virtual_stages >= 2, "give --virtual-stages 2 (or more) with --schedule interleaved",
                   "--schedule interleaved with --virtual-stages ", virtual_stages, ": nothing to interleave");
@@ -366,7 +398,7 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
   if (name == "zbv") {
     MPIPE_REQUIRE(virtual_stages == 2, "leave --virtual-stages out (zbv sets 2), or give --virtual-stages 2",
                   "--schedule zbv runs two model stages per rank, not --virtual-stages ", virtual_stages);
-    return zbv_schedule(stages, micro_batches);
+    return zbv_schedule(stages, micro_batches, costs);
   }
   const std::vector<std::string> names = schedule_names();
   MPIPE_REQUIRE(virtual_stages == 1 || std::find(names.begin(), names.end(), name) == names.end(),
@@ -374,8 +406,8 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
                 " runs one stage per rank, not --virtual-stages ", virtual_stages);
   if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
   if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
-  if (name == "zb-h1") return zb_h1_schedule(stages, micro_batches);
-  if (name == "zb-h2") return zb_h2_schedule(stages, micro_batches);
+  if (name == "zb-h1") return zb_h1_schedule(stages, micro_batches, costs);
+  if (name == "zb-h2") return zb_h2_schedule(stages, micro_batches, costs);
   if (name.rfind("file:", 0) == 0 && name.size() > 5) {
     const std::string path = name.substr(5), source = cat("schedule file '", path, "'");
     std::error_code ec;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "mpipe/nn/model.hpp"
+#include "mpipe/pipeline/schedule.hpp"
 
 namespace mpipe {
 
@@ -71,6 +72,11 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
 Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
                            int micro, const std::vector<double>& measured = {}, const std::vector<int>& placement = {},
                            const std::vector<double>& link_seconds_per_byte = {});
+
+// Each model stage's forward, whole backward and weight-gradient FLOPs at one micro-batch
+// of `micro` samples: the costs the zero-bubble schedules are ordered for (the same on
+// every rank: the model and the partition are).
+StageCosts flop_costs(const Model& model, const Partition& partition, int micro);
 
 // --link-bandwidth: "auto" (measured by train), "off", or GB/s (> 0). Seconds per byte
 // for a number, 0 for off, -1 for auto; UserError otherwise.
