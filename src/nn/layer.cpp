@@ -378,9 +378,11 @@ Cost TransformerBlock::cost(const Shape& in) const {
                         fc_proj_.cost(wide)})
     total += c;
   total.activation_bytes += f32_bytes(static_cast<double>(in.numel()));  // the residual sum
-  // Only fc_proj's dy takes stash memory: fc keeps its dy where GELU's input was, the
-  // attention's qkv and output projection theirs where q, k, v and the residual sum were.
-  total.weight_stash_bytes = fc_proj_.cost(wide).weight_stash_bytes;
+  // W keeps every dy in buffers B is done with: fc's where GELU's input was, the
+  // attention's qkv and output projection theirs where q, k, v and the residual sum were,
+  // fc_proj's where the attention's probabilities were (the CPU's (B, H, T, T), when
+  // H·T >= C; otherwise it takes stash memory).
+  total.weight_stash_bytes = attn_.heads() * in[1] >= channels_ ? 0.0 : fc_proj_.cost(wide).weight_stash_bytes;
   return total;
 }
 
@@ -427,7 +429,11 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
     df = scratch;
   }
   Tensor dg = pass.arena->tensor(c[5].input.shape, pass.dtype);      // (B, T, 4C)
-  fc_proj_.backward(c[5], df, dg, GradMode::overwrite, pass);
+  // A split backward: fc_proj's dy stays where it is (df, the caller's or our scratch,
+  // untouched until this call returns) until the attention's state is dead, below.
+  Pass fc_proj_pass = pass;
+  fc_proj_pass.stash_into = pass.stash ? df : Tensor{};
+  fc_proj_.backward(c[5], df, dg, GradMode::overwrite, fc_proj_pass);
   gelu_.backward(c[4], dg, dg, GradMode::overwrite, pass);            // elementwise, in place
   Tensor dh = pass.arena->tensor(dy.shape, pass.dtype);               // (B, T, C)
   // GELU's saved input is dead now: a split backward keeps fc's dy for W in its place.
@@ -440,14 +446,27 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
   // Attention branch.
   Tensor da = dx2;
   if (drop) {
-    ops::dropout_apply(scratch, dx2, dropout_, dropout_key(pass, global_index(), 1));
-    da = scratch;
+    // Split: `scratch` may hold fc_proj's dy until the end; da takes a buffer of its own.
+    const Tensor into = pass.stash && df.data == scratch.data ? pass.arena->tensor(dy.shape, pass.dtype) : scratch;
+    ops::dropout_apply(into, dx2, dropout_, dropout_key(pass, global_index(), 1));
+    da = into;
   }
   // The residual sum x2 (ln2's input) is dead now: the attention's output projection keeps
   // its dy for W there in a split backward.
   Pass attn_pass = pass;
   if (pass.stash) attn_pass.stash_into = c[2].input;
   attn_.backward(c[1], da, dh, GradMode::overwrite, attn_pass);       // dh is now d(h1)
+  if (pass.stash) {
+    // The attention's state is dead now: fc_proj's dy moves there for W (before dx is
+    // written, which a caller may have given as dy), or, where the state is smaller (a
+    // GPU's log-sum-exp), into the stash.
+    Tensor& kept = c[5].output_grad;
+    const Tensor& state = CausalSelfAttention::state(c[1]);
+    const Tensor into = state.bytes() >= kept.bytes() ? Tensor{state.data, kept.shape, kept.dtype, kept.device}
+                                                      : pass.stash->tensor(kept.shape, kept.dtype);
+    ops::copy(into, kept);
+    kept = into;
+  }
   if (mode == GradMode::accumulate) ops::add(dx, dx2);
   else ops::copy(dx, dx2);
   ln1_.backward(c[0], dh, dx, GradMode::accumulate, pass);

@@ -281,6 +281,11 @@ class CausalSelfAttention final : public Layer {
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  int64_t heads() const { return heads_; }
+  // What a forward kept for the attention's backward, dead once backward() has run (its
+  // memory lives as long as the forward's): (B, H, T, T) probabilities on the CPU, fp32;
+  // (B, H, T) log-sum-exp on a GPU.
+  static const Tensor& state(const Context& ctx) { return ctx.saved[1]; }
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
