@@ -5,7 +5,8 @@
 // dy, dx) writes dx per GradMode and *accumulates* (+=) into the parameter gradients.
 // Split backward (zero-bubble schedules): with Pass::stash set, backward() computes dx
 // and the layers whose weight gradient is a GEMM of their own (Linear) keep their dy
-// in the stash and leave that gradient to backward_weight(ctx), called later with the
+// in the stash (or where a composite says, Pass::stash_into: a forward buffer B is done
+// with) and leave that gradient to backward_weight(ctx), called later with the
 // same context; every other gradient is still accumulated in backward().
 // The public forward/backward check shapes and call the virtual *_impl (as in
 // tiny-cuda-nn's object.h). Each layer reports its cost for the partitioner and `plan`.
