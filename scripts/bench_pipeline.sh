@@ -197,7 +197,7 @@ PY
   }
   echo
   echo "4. schedules at K = 2: GPT 4 blocks x 192 channels, seq 128, micro-batch 4 samples, no remat;"
-  echo "   tokens/s of the median step of $((${STEPS_S:-8} - 1)); bubble measured (mean over steps and ranks) against"
+  echo "   tokens/s of the median step of $((${STEPS_S:-8} - 1)); bubble measured (mean over steps, every rank up to the slowest's end) against"
   echo "   the schedule simulated at unit costs (F 1, B 2 = B 1 + W 1 where split) and with the run's mean action times"
   echo "   per stage; peak activation memory of rank 0 / rank 1; the last loss (the same in each M)"
   printf '%4s %-8s %10s %9s %10s %10s %21s %14s\n' M schedule tokens/s bubble "unit cost" "measured" "peak memory r0 / r1" \

@@ -375,7 +375,7 @@ std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator&
     std::printf("\n");
   }
   *simulated = simulate(schedule, measured).bubble_fraction;
-  std::printf("bubble: measured %.1f%% (mean over steps and ranks), schedule's theoretical %.1f%% (unit costs), "
+  std::printf("bubble: measured %.1f%% (mean over steps; every rank's idle up to the slowest one's end), schedule's theoretical %.1f%% (unit costs), "
               "%.1f%% simulated with the measured action times\n",
               100 * mine.bubble / mine.steps, 100 * theory, 100 * *simulated);
   return rows;

@@ -610,9 +610,7 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
     if (holds_last()) loss_sum_ = device_loss;
     read_device_times(step);
   }
-  const double pipeline_time = since(start);
-  const double busy = times_.forward + times_.backward + times_.recompute;
-  bubble_ = pipeline_time > 0 ? std::max(0.0, 1.0 - busy / pipeline_time) : 0.0;
+  pipeline_seconds_ = since(start);
 }
 
 double Executor::compute_gradients(std::int64_t step) {
@@ -625,7 +623,8 @@ double Executor::compute_gradients(std::int64_t step) {
            d.completion.completed, d.layer);
   const auto agree_start = Clock::now();
   times_.allreduce += std::chrono::duration<double>(agree_start - reduce_start).count();
-  agreed_ = reducer_->agree(holds_last() ? loss_sum_ : 0.0, bubble_, stop_requested_, static_cast<int>(step));
+  agreed_ = reducer_->agree(holds_last() ? loss_sum_ : 0.0, times_.forward + times_.backward + times_.recompute,
+                            pipeline_seconds_, stop_requested_, static_cast<int>(step));
   times_.allreduce += since(agree_start);
   record(step, TraceEvent::allreduce, -1, reduce_start);
   return agreed_.loss_sum / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
@@ -678,7 +677,7 @@ StepResult Executor::step_unchecked(std::int64_t step) {
   r.step = step;
   r.loss = compute_gradients(step);
   r.grad_norm = std::sqrt(agreed_.norm_squared);
-  r.bubble_fraction = agreed_.bubble_sum / world_.size();
+  r.bubble_fraction = agreed_.bubble;
   r.stop = agreed_.stop;
   r.lr = learning_rate(config_.optimizer, step, config_.steps);
   // Every rank sees the same loss and norm, so every rank skips or steps alike.

@@ -110,7 +110,7 @@ struct StepResult {
   float lr = 0.0f;
   bool skipped = false;         // non-finite loss or gradients: no update anywhere
   double seconds = 0.0;
-  double bubble_fraction = 0.0; // measured, averaged over ranks
+  double bubble_fraction = 0.0; // measured: every rank's idle share up to the slowest rank's end of the pipeline
   bool stop = false;            // some rank asked to stop after this step
 };
 
@@ -254,7 +254,7 @@ class Executor {
   std::unique_ptr<Reducer> reducer_;
   Reducer::Agreed agreed_;                         // the last step's
   double loss_sum_ = 0.0, correct_sum_ = 0.0;
-  double bubble_ = 0.0;      // this rank's in the last pipeline pass
+  double pipeline_seconds_ = 0.0;  // this rank's last pipeline pass, from its start to its last action
   bool evaluating_ = false;  // record() is quiet
   std::int64_t updates_ = 0;
   PhaseTimes times_;

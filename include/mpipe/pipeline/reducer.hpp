@@ -39,7 +39,11 @@ class Reducer {
   };
   // What the world agreed on for a step.
   struct Agreed {
-    double loss_sum = 0, bubble_sum = 0, norm_squared = 0;  // the norm summed in global layer order
+    double loss_sum = 0, norm_squared = 0;  // the norm summed in global layer order
+    // Idle share of every rank's time in the pipeline up to the slowest rank's end:
+    // 1 - Σ busy / (ranks × slowest), as simulate() counts it. A rank that is done early
+    // (the last stage under 1F1B) idles until the slowest one is, and that is bubble too.
+    double bubble = 0;
     bool stop = false;
   };
 
@@ -64,8 +68,9 @@ class Reducer {
   // The sums reduce() waited for, with their times.
   std::span<const Done> done() const { return done_; }
   // Collective over the world: this rank's loss sum (its share, 0 where it holds no loss),
-  // bubble and stop request, with the gradient norms of the layers it holds.
-  Agreed agree(double loss_sum, double bubble, bool stop, int step);
+  // its seconds of compute (`busy`) in its `pipeline` seconds, and its stop request, with
+  // the gradient norms of the layers it holds.
+  Agreed agree(double loss_sum, double busy, double pipeline, bool stop, int step);
   // After an update (or a skipped step, `updated` false): the replicas' running
   // statistics made equal, by their mean (micro) or by applying the step's sums added up
   // over the replicas (deferred). `update`: the optimizer's count, for messages.
@@ -102,7 +107,7 @@ class Reducer {
   bool tied_early_ = false;  // tied sums start in the backward (one replica, on the CPU)
   cuda::PinnedBuffer grad_staging_;                // replica sums when MPI is not CUDA-aware
   std::vector<Done> done_;                         // reserved once
-  std::vector<double> agree_buffer_;               // per layer, loss, bubble, stop
+  std::vector<double> agree_buffer_;               // per layer, loss, busy, stop, each rank's pipeline time
   std::vector<Layer*> deferred_;                   // layers (parts too) with step sums
   std::vector<double> settle_sums_;                // their sums, packed for the sum over replicas
   std::vector<float> settle_values_;               // the buffers, packed for their mean over replicas
