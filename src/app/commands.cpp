@@ -140,7 +140,7 @@ std::string human_count(double n) {
 
 // Per-stage figures of a partition for one micro-batch: what plan prints and train echoes.
 struct StageFigures {
-  double params = 0, forward_flops = 0, backward_flops = 0, weight_flops = 0, activation = 0, boundary = 0, stash = 0;
+  double params = 0, activation = 0, boundary = 0, stash = 0;  // FLOPs: flop_costs()
   // Activation bytes held with `live` micro-batches in flight: without remat each keeps
   // its activations; with remat only its input, plus one micro-batch's while recomputing.
   // A stage that splits its backwards (zero bubble) also keeps W's output gradients, and
@@ -158,9 +158,6 @@ std::vector<StageFigures> stage_figures(const Model& model, const Partition& par
     for (int i = part.begin(s); i < part.end(s); ++i) {
       const Cost c = model.layer(i).cost(shapes[i]);
       out[s].params += c.param_bytes / 4;
-      out[s].forward_flops += c.forward_flops;
-      out[s].backward_flops += c.backward_flops;
-      out[s].weight_flops += c.weight_flops;
       out[s].activation += c.activation_bytes;
       out[s].stash += c.weight_stash_bytes;
     }
@@ -193,7 +190,10 @@ double available_memory() {
   return available;
 }
 
-void print_plan(const TrainConfig& config, const Model& model, const Partition& part, const GridShape& grid) {
+// `compute`: the lowered schedule train runs (the zero-bubble ones ordered for the
+// partition's FLOPs).
+void print_plan(const TrainConfig& config, const Model& model, const Partition& part, const GridShape& grid,
+                const Schedule& compute) {
   const int K = grid.stages, D = grid.replicas, M = config.micro_batches;
   const int micro = config.batch_size / (M * D);
   std::printf("grid: %d replica%s x %d stage%s = %d rank%s, rank order %s\n", D, D > 1 ? "s" : "", K, K > 1 ? "s" : "",
@@ -202,8 +202,6 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
               D > 1 ? "s" : "", M, micro, config.pipeline.schedule.c_str(), config.pipeline.remat.c_str());
   const int v = config.pipeline.virtual_stages;
   const StageCosts flops = flop_costs(model, part, micro);
-  // The schedule train runs: the zero-bubble ones ordered for the partition's FLOPs.
-  const Schedule compute = make_schedule(config.pipeline.schedule, K, M, v, &flops);
   const auto figures = stage_figures(model, part, micro);
   if (v > 1) {
     const std::vector<int> placement = compute.placement_table();
@@ -244,7 +242,8 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
     const StageFigures& f = figures[s];
     std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s\n", (v > 1 ? cat(s, " p", compute.list_of(s)) : cat(s)).c_str(),
                 cat(part.begin(s), "-", part.end(s) - 1).c_str(),
-                kinds.c_str(), human_count(f.params).c_str(), (f.forward_flops + f.backward_flops) / 1e9,
+                kinds.c_str(), human_count(f.params).c_str(),
+                (flops.forward[static_cast<std::size_t>(s)] + flops.backward[static_cast<std::size_t>(s)]) / 1e9,
                 human_bytes(4.0 * f.params * states).c_str(), human_bytes(f.held(live, false, split)).c_str(),
                 human_bytes(f.held(live, true, split)).c_str());
   }
@@ -252,7 +251,7 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   // that runs, at the partition's FLOPs.
   const Schedule unit = lower(make_schedule(config.pipeline.schedule, K, M, v));
   const double theory = simulate(unit, StageCosts::unit(unit)).bubble_fraction;
-  const double predicted = simulate(lower(compute), flops).bubble_fraction;
+  const double predicted = simulate(compute, flops).bubble_fraction;
   // The closed form of the equal-stage bubble where there is one (M >= K).
   const std::string& name = config.pipeline.schedule;
   const char* formula = M < K                               ? "simulated"
@@ -639,7 +638,10 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   std::printf("layers (%d):", model.size());
   for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
   std::printf("\n");
-  print_plan(config, model, part, grid);
+  const StageCosts flops = flop_costs(model, part, micro);
+  const Schedule s =
+      make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages, &flops);
+  print_plan(config, model, part, grid, lower(s));
   if (config.pipeline.partition == "time" && config.pipeline.balance.empty() && grid.stages > 1 && links.empty())
     std::printf("links: not counted (%s)\n", config.pipeline.link_bandwidth == "off"
                                                   ? "--link-bandwidth off"
@@ -647,9 +649,6 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   std::printf("ranks:");
   for (int r = 0; r < ranks; ++r) std::printf(" %d=s%d/r%d", r, grid.stage_of(r), grid.replica_of(r));
   std::printf("\n");
-  const StageCosts flops = flop_costs(model, part, micro);
-  const Schedule s =
-      make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages, &flops);
   print_schedule_grid(lower(s));
   if (!write_schedule.empty()) {
     std::ofstream out(write_schedule);
@@ -787,7 +786,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     }
     if (const Dataset* data = exec->dataset()) std::printf("data: %s\n", data->describe().c_str());
     if (const Dataset* data = exec->eval_dataset()) std::printf("eval data: %s\n", data->describe().c_str());
-    print_plan(config, exec->model(), exec->partition(), grid.shape());
+    print_plan(config, exec->model(), exec->partition(), grid.shape(), exec->schedule());
     if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(exec->schedule());
     std::printf("%s, lr %g, %d steps\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps);
     if (!resumed_from.empty())

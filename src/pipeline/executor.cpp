@@ -223,9 +223,10 @@ void Executor::connect() {
   const auto& p = config_.pipeline;
   const int K = grid_->stages();
   // The schedule places the model stages on the ranks (round robin, or the V of zbv):
-  // the partition, the stages, the tied group and the transport's peers follow it.
-  schedule_ = lower(make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages));
-  if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
+  // the partition, the stages, the tied group and the transport's peers follow it. Its
+  // placement is all the partition needs; the schedule that runs is built below.
+  const std::vector<int> placement =
+      make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages).placement_table();
   std::vector<double> costs;
   if (p.balance.empty() && p.partition == "time") {
     // Measured once, on world rank 0, so every rank cuts at the same layers; on a model
@@ -247,7 +248,7 @@ void Executor::connect() {
   }
   const std::vector<double> links =
       p.balance.empty() && p.partition == "time" ? link_costs(p, *grid_, model_, micro_) : std::vector<double>{};
-  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, schedule_.placement_table(), links);
+  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, placement, links);
   // The zero-bubble schedules again, ordered for this partition's costs (the placement
   // stays: it depends on the schedule's name alone).
   const StageCosts flops = flop_costs(model_, partition_, micro_);

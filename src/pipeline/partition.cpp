@@ -193,7 +193,6 @@ Partition choose_partition(const std::string& balance, const std::string& method
                                                      model_stages, boundary_bytes(model, micro), per_cut);
   MPIPE_REQUIRE(p.stages() == model_stages, "give one count per model stage (stages x virtual stages)",
                 "--balance has ", p.stages(), " stages, the run ", model_stages);
-  p.virtual_stages = model_stages / stages;
   p.placement = placement;
   if (!per_cut.empty()) p.link_cost_per_byte = link_seconds_per_byte;
   return p;

@@ -19,7 +19,6 @@ struct Partition {
   // activations and gradients (in the costs' unit), and the links' cost per byte, link l
   // joining pipeline stage l to l + 1 (mod K). Both empty otherwise.
   std::vector<double> comm_cost, link_cost_per_byte;
-  int virtual_stages = 1;         // v: model stages per pipeline stage
   std::vector<int> placement;     // [model stage] -> its pipeline stage; empty: model stage = pipeline stage
   int stages() const { return static_cast<int>(bounds.size()) - 1; }  // model stages
   // The pipeline stage (the rank of a replica) holding model stage `s`.
