@@ -226,8 +226,9 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
                 config.pipeline.link_bandwidth == "auto" ? "measured" : "configured", links.c_str(), work.c_str(),
                 comm.c_str());
   }
-  // Values, gradients and the optimizer's state, fp32.
-  const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());
+  // Values, gradients and optimizer state, fp32; --overlap-steps keeps a second copy of each to go back to.
+  const double states = (2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size())) *
+                        (config.pipeline.overlap_steps ? 2.0 : 1.0);
   std::printf("%-6s %-9s %-28s %10s %12s %14s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb", "weights+state",
               "act. no remat", "act. remat");
   for (int s = 0; s < part.stages(); ++s) {
@@ -261,6 +262,10 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
                                                             : "simulated";
   std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n", 100 * theory,
               formula, 100 * predicted);
+  // Post-validation: a stage starts the next step once its own part of this one is done.
+  std::printf("bubble with --overlap-steps (steps back to back, no clipping or skip): %.1f%% for equal stages, %.1f%% "
+              "predicted from this partition's FLOPs\n",
+              100 * steady_state(unit, StageCosts::unit(unit)).bubble_fraction, 100 * steady_state(compute, flops).bubble_fraction);
 }
 
 // Before any rank allocates (CPU): this rank's parameters, gradients, optimizer state
@@ -274,7 +279,9 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
   const Schedule& schedule = exec.schedule();
   const int live = in_flight(schedule, stage);
   const bool remat = config.pipeline.remat == "always" || (config.pipeline.remat == "except-last" && stage + 1 < K);
-  const double states = 2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size());  // values, gradients, state
+  // Values, gradients and optimizer state; --overlap-steps keeps a second copy of each to go back to.
+  const double states = (2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size())) *
+                        (config.pipeline.overlap_steps ? 2.0 : 1.0);
   double weights = 0, activations = 0;  // over the rank's model stages
   for (const int m : schedule.stages_of(stage)) {
     weights += 4.0 * figures[m].params * states;
@@ -332,7 +339,7 @@ struct PhaseStats {
 // schedule simulated with each stage's mean forward, backward and W times of this run
 // (into *simulated). Returns the rows (other ranks: nothing).
 std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator& world, const Schedule& schedule,
-                                     int micro_batches, double theory, double* simulated) {
+                                     int micro_batches, double theory, bool overlapped, double* simulated) {
   const int stages = schedule.stages, v = schedule.virtual_stages;
   constexpr int n = sizeof(PhaseStats) / sizeof(double);
   std::vector<PhaseStats> all(world.rank() == 0 ? world.size() : 0);
@@ -373,10 +380,10 @@ std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator&
                                std::round(row.max[i] * 1e4) / 10).c_str());
     std::printf("\n");
   }
-  *simulated = simulate(schedule, measured).bubble_fraction;
-  std::printf("bubble: measured %.1f%% (mean over steps; every rank's idle up to the slowest one's end), schedule's theoretical %.1f%% (unit costs), "
-              "%.1f%% simulated with the measured action times\n",
-              100 * mine.bubble / mine.steps, 100 * theory, 100 * *simulated);
+  *simulated = overlapped ? steady_state(schedule, measured).bubble_fraction : simulate(schedule, measured).bubble_fraction;
+  std::printf("bubble: measured %.1f%% (mean over steps; every rank's idle up to the slowest one's end%s), schedule's "
+              "theoretical %.1f%% (unit costs), %.1f%% simulated with the measured action times\n",
+              100 * mine.bubble / mine.steps, overlapped ? ", steps back to back" : "", 100 * theory, 100 * *simulated);
   return rows;
 }
 
@@ -593,6 +600,12 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "spin (tests without pause: a few % faster on small models, but takes the core from every "
                  "other process on the node)")
       ->capture_default_str();
+  cmd.add_flag("--overlap-steps,!--no-overlap-steps", p.overlap_steps,
+               "Post-validation: each rank updates as soon as its part of a step is done and starts the next "
+               "step while the world agrees on the loss and norm; a step that needs clipping or a skip is undone "
+               "and redone (bitwise the same training). Lets zb-h2 fill its warm-up with the last step's "
+               "cool-down. CPU only so far")
+      ->capture_default_str();
   cmd.add_option("--device", c.device, "cpu, cuda (one GPU per rank: node-local rank modulo GPUs) or auto")
       ->capture_default_str();
   cmd.add_option("--precision", c.precision, "fp32, or bf16 on a GPU (fp32 master weights and optimizer state)")
@@ -795,7 +808,9 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     std::fflush(stdout);
   }
 
-  const double theory = simulate(exec->schedule(), StageCosts::unit(exec->schedule())).bubble_fraction;
+  const bool overlapped = config.pipeline.overlap_steps;
+  const double theory = overlapped ? steady_state(exec->schedule(), StageCosts::unit(exec->schedule())).bubble_fraction
+                                   : simulate(exec->schedule(), StageCosts::unit(exec->schedule())).bubble_fraction;
   const int64_t tokens_per_sample = exec->model().tokens();
   PhaseStats stats;
   stats.stage = grid.stage();
@@ -843,14 +858,58 @@ int run_train(const TrainConfig& options, const Communicator& world) {
       exec->request_stop();
     }
   };
+  // One validated step's result: statistics, the log line, metrics, the progress line.
+  auto report = [&](const StepResult& r) {
+    const int64_t step = r.step;
+    longest_step = std::max(longest_step, r.seconds);
+    if (step > first_step) stats.add(exec->last_times(), r.bubble_fraction);  // the first step sizes the arenas
+    if (!root) return;
+    if (step > first_step) step_seconds.push_back(r.seconds);
+    const double samples_per_s = config.batch_size / r.seconds;
+    const double tokens_per_s = samples_per_s * static_cast<double>(tokens_per_sample);
+    to_metrics([&](MetricsWriter& out) { out.write(r, samples_per_s, tokens_per_s); });
+    if (r.skipped)
+      std::printf("step %lld: non-finite loss or gradients (norm %g); update skipped on every rank\n",
+                  static_cast<long long>(step + 1), r.grad_norm);
+    if (progress) std::printf("\r\033[K");  // the progress line gives way to a log line
+    if ((step + 1) % config.log_every == 0 || step == first_step || step + 1 == config.steps) {
+      std::printf("step %6lld/%d | loss %.6f | lr %.3e | grad norm %8.4f | %8.2f ms | bubble %4.1f%% | ",
+                  static_cast<long long>(step + 1), config.steps, r.loss, r.lr, r.grad_norm, r.seconds * 1e3,
+                  100 * r.bubble_fraction);
+      if (tokens_per_sample > 0) std::printf("%.0f tok/s\n", tokens_per_s);
+      else std::printf("%.0f samples/s\n", samples_per_s);
+      std::fflush(stdout);
+    }
+    if (progress && step + 1 < config.steps) {
+      // On a terminal: one line that updates in place. Batch logs get plain lines only.
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+      const double eta = elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(config.steps - step - 1);
+      std::printf("step %lld/%d | loss %.4f | %.0f %s | ETA %d:%02d", static_cast<long long>(step + 1), config.steps,
+                  r.loss, tokens_per_sample > 0 ? tokens_per_s : samples_per_s, tokens_per_sample > 0 ? "tok/s" : "samples/s",
+                  static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
+      std::fflush(stdout);
+    }
+  };
   try {
     for (int64_t step = first_step; step < config.steps; ++step) {
       if (g_stop_signal) exec->request_stop();
       if (time_is_up()) exec->request_stop();  // no signal: the message names the time limit
-      const StepResult r = exec->step(step);
-      longest_step = std::max(longest_step, r.seconds);
-      if (step > first_step) stats.add(exec->last_times(), r.bubble_fraction);  // the first step sizes the arenas
-      if (r.stop) {
+      // With --overlap-steps the results are of earlier steps (this one's once settled).
+      bool stop = false;
+      for (const StepResult& r : exec->advance(step)) {
+        report(r);
+        stop = stop || r.stop;
+      }
+      const bool save = config.checkpoint_every > 0 && (step + 1) % config.checkpoint_every == 0 && step + 1 < config.steps;
+      const bool eval = !config.eval_data.empty() &&
+                        ((config.eval_every > 0 && (step + 1) % config.eval_every == 0) || step + 1 == config.steps);
+      // A checkpoint, an evaluation, a stop and the end need this step's agreed update.
+      if (stop || save || eval || step + 1 == config.steps)
+        if (const std::optional<StepResult> r = exec->settle()) {
+          report(*r);
+          stop = stop || r->stop;
+        }
+      if (stop) {
         // Every rank saw the same flag in the step's allreduce: stop here, together.
         preempted = true;
         if (root)
@@ -862,40 +921,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
         if (!checkpoint(step + 1)) return exit_internal_error;
         break;
       }
-      if (config.checkpoint_every > 0 && (step + 1) % config.checkpoint_every == 0 && step + 1 < config.steps)
-        if (!checkpoint(step + 1)) return exit_internal_error;
-      std::optional<EvalResult> evaluated;  // printed after the step's own line
-      if (!config.eval_data.empty() &&
-          ((config.eval_every > 0 && (step + 1) % config.eval_every == 0) || step + 1 == config.steps))
-        evaluated = exec->evaluate();  // every rank
-      if (!root) continue;
-      if (step > first_step) step_seconds.push_back(r.seconds);
-      const double samples_per_s = config.batch_size / r.seconds;
-      const double tokens_per_s = samples_per_s * static_cast<double>(tokens_per_sample);
-      to_metrics([&](MetricsWriter& out) { out.write(r, samples_per_s, tokens_per_s); });
-      if (r.skipped)
-        std::printf("step %lld: non-finite loss or gradients (norm %g); update skipped on every rank\n",
-                    static_cast<long long>(step + 1), r.grad_norm);
-      if (progress) std::printf("\r\033[K");  // the progress line gives way to a log line
-      if ((step + 1) % config.log_every == 0 || step == first_step || step + 1 == config.steps) {
-        std::printf("step %6lld/%d | loss %.6f | lr %.3e | grad norm %8.4f | %8.2f ms | bubble %4.1f%% | ",
-                    static_cast<long long>(step + 1), config.steps, r.loss, r.lr, r.grad_norm, r.seconds * 1e3,
-                    100 * r.bubble_fraction);
-        if (tokens_per_sample > 0) std::printf("%.0f tok/s\n", tokens_per_s);
-        else std::printf("%.0f samples/s\n", samples_per_s);
-        std::fflush(stdout);
-      }
-      if (progress && step + 1 < config.steps) {
-        // On a terminal: one line that updates in place. Batch logs get plain lines only.
-        const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
-        const double eta = elapsed / static_cast<double>(step + 1 - first_step) * static_cast<double>(config.steps - step - 1);
-        std::printf("step %lld/%d | loss %.4f | %.0f %s | ETA %d:%02d", static_cast<long long>(step + 1), config.steps,
-                    r.loss, tokens_per_sample > 0 ? tokens_per_s : samples_per_s, tokens_per_sample > 0 ? "tok/s" : "samples/s",
-                    static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
-        std::fflush(stdout);
-      }
-      if (evaluated) {
-        const EvalResult& e = *evaluated;
+      if (save && !checkpoint(step + 1)) return exit_internal_error;
+      if (eval) {
+        const EvalResult e = exec->evaluate();  // every rank
+        if (!root) continue;
         if (progress) std::printf("\r\033[K");
         std::printf("eval step %lld | loss %.6f | %s %.2f%% | %lld samples", static_cast<long long>(step + 1), e.loss,
                     tokens_per_sample > 0 ? "token accuracy" : "accuracy", 100 * e.accuracy,
@@ -931,7 +960,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   // The closing gathers are collectives: a rank stopped by now is named, not waited for.
   rendezvous(world, "the end of training", config.pipeline.p2p_timeout, &watchdog);
   double simulated = 0;
-  std::vector<StagePhases> phases = phase_table(stats, world, exec->schedule(), config.micro_batches, theory, &simulated);
+  std::vector<StagePhases> phases = phase_table(stats, world, exec->schedule(), config.micro_batches, theory, overlapped, &simulated);
   double peak = static_cast<double>(exec->peak_activation_bytes());
   std::vector<double> peaks(root ? world.size() : 0);
   MPI_CHECK(MPI_Gather(&peak, 1, MPI_DOUBLE, peaks.data(), 1, MPI_DOUBLE, 0, world.get()));
@@ -944,6 +973,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     std::printf("peak activation memory per rank:");
     for (double p : peaks) std::printf(" %s", human_bytes(p).c_str());
     std::printf("\n");
+    if (config.pipeline.overlap_steps)
+      std::printf("overlap-steps: %lld updates made ahead of their agreement, %lld undone and redone (clipping or "
+                  "non-finite)\n",
+                  static_cast<long long>(exec->speculated()), static_cast<long long>(exec->rolled_back()));
     RunSummary summary;
     summary.steps = static_cast<long long>(step_seconds.size());
     if (!step_seconds.empty()) {

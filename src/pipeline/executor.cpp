@@ -170,6 +170,8 @@ Executor::Executor(const TrainConfig& config, const Communicator& world)
     dtype_ = config_.precision == "bf16" ? DType::bf16 : DType::f32;
     cuda_aware_ = mpi_cuda_aware();
   }
+  MPIPE_REQUIRE(!config_.pipeline.overlap_steps || device_ == Device::cpu, "drop --overlap-steps with --device cuda",
+                "--overlap-steps runs on the CPU only so far");
   persistent_ = std::make_unique<Arena>(ops::device_memory(device_));
   scratch_ = std::make_unique<Arena>(ops::device_memory(device_));
 }
@@ -293,6 +295,22 @@ void Executor::allocate() {
   slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_);
   reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,
                                        config_.pipeline.batchnorm == "deferred", config_.pipeline.p2p_timeout);
+  if (config_.pipeline.overlap_steps) {
+    // What an update made ahead of the agreement replaces, kept to go back to: values,
+    // gradients, optimizer state, and the running statistics as the update left them.
+    saved_params_.resize(params_->params().size());
+    saved_grads_.resize(params_->grads().size());
+    saved_first_.resize(optimizer_->state(0).size());
+    saved_second_.resize(optimizer_->state(1).size());
+    buffer_spans_.clear();
+    std::size_t buffers = 0;
+    for (const ParamEntry& e : params_->entries())
+      if (e.buffer && !e.alias) {
+        buffer_spans_.emplace_back(e.param_offset, static_cast<std::size_t>(e.numel()));
+        buffers += static_cast<std::size_t>(e.numel());
+      }
+    saved_buffers_.resize(buffers);
+  }
 
   // Every request in flight at once: each micro-batch's two receives and two sends on
   // every stage, and the reducer's.
@@ -612,27 +630,85 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
     read_device_times(step);
   }
   pipeline_seconds_ = since(start);
+  if (training) pipeline_end_ = Clock::now();
 }
 
-double Executor::compute_gradients(std::int64_t step) {
-  reducer_->clear_step_sums();  // a step's sums begin with its forward
-  run_pipeline(step);
+void Executor::reduce_and_agree(std::int64_t step, double pipeline_seconds) {
   const auto reduce_start = Clock::now();
   reducer_->reduce();
   for (const Reducer::Done& d : reducer_->done())
     record(step, d.sum == Reducer::Sum::replicas ? TraceEvent::gradient_sum : TraceEvent::tied_sum, -1, d.completion.posted,
            d.completion.completed, d.layer);
+  reducer_->start_agree(holds_last() ? loss_sum_ : 0.0, times_.forward + times_.backward + times_.recompute,
+                        pipeline_seconds, stop_requested_);
+  times_.allreduce += since(reduce_start);
+}
+
+void Executor::finish_agree(std::int64_t step) {
   const auto agree_start = Clock::now();
-  times_.allreduce += std::chrono::duration<double>(agree_start - reduce_start).count();
-  agreed_ = reducer_->agree(holds_last() ? loss_sum_ : 0.0, times_.forward + times_.backward + times_.recompute,
-                            pipeline_seconds_, stop_requested_, static_cast<int>(step));
+  agreed_ = reducer_->finish_agree(step);
   times_.allreduce += since(agree_start);
-  record(step, TraceEvent::allreduce, -1, reduce_start);
+  record(step, TraceEvent::allreduce, -1, agree_start);
+}
+
+double Executor::compute_gradients(std::int64_t step) {
+  MPIPE_CHECK(!pending_, "compute_gradients() with a step in flight (settle() it first)");
+  reducer_->clear_step_sums();  // a step's sums begin with its forward
+  run_pipeline(step);
+  reduce_and_agree(step, pipeline_seconds_);
+  finish_agree(step);
+  return agreed_loss();
+}
+
+double Executor::agreed_loss() const {
   return agreed_.loss_sum / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
+}
+
+StepResult Executor::agreed_result(std::int64_t step) const {
+  StepResult r;
+  r.step = step;
+  r.loss = agreed_loss();
+  r.grad_norm = std::sqrt(agreed_.norm_squared);
+  r.bubble_fraction = agreed_.bubble;
+  r.stop = agreed_.stop;
+  r.lr = learning_rate(config_.optimizer, step, config_.steps);
+  return r;
+}
+
+bool Executor::plain_update(const StepResult& r) const {
+  const float clip = config_.optimizer.clip_grad;
+  return std::isfinite(r.grad_norm) && std::isfinite(r.loss) && !(clip > 0.0f && r.grad_norm > clip);
+}
+
+void Executor::update(StepResult& r) {
+  // Every rank sees the same loss and norm, so every rank skips or steps alike.
+  if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss)) {
+    r.skipped = true;
+    reducer_->settle_buffers(false, updates_);
+    return;
+  }
+  const auto opt_start = Clock::now();
+  const float clip = config_.optimizer.clip_grad;
+  if (clip > 0.0f && r.grad_norm > clip) {
+    const auto factor = static_cast<float>(clip / r.grad_norm);
+    params_->scale_grads(factor);
+  }
+  optimizer_->update(r.lr, ++updates_);
+  reducer_->settle_buffers(true, updates_);
+  device_ops_->synchronize();  // honest step times on a GPU
+  times_.optimizer += since(opt_start);
+  record(r.step, TraceEvent::optimizer, -1, opt_start);
+}
+
+void Executor::close_times(double seconds) {
+  times_.step = seconds;
+  times_.idle = std::max(0.0, seconds - (times_.forward + times_.backward + times_.recompute + times_.p2p_wait +
+                                         times_.allreduce + times_.optimizer));
 }
 
 EvalResult Executor::evaluate() {
   MPIPE_CHECK(!config_.eval_data.empty(), "evaluate() without --eval-data");
+  MPIPE_CHECK(!pending_, "evaluate() with a step in flight (settle() it first)");
   int batches = config_.eval_batches;
   if (batches == 0) {  // a file's whole batches (the same on every rank: rank 0 knows the size)
     double size = eval_dataset_ ? static_cast<double>(eval_dataset_->size()) : 0.0;
@@ -660,49 +736,164 @@ EvalResult Executor::evaluate() {
   return r;
 }
 
-StepResult Executor::step(std::int64_t step) {
+namespace {
+
+// Runs `f`, naming this rank and stage on an error that does not name them yet (the
+// action loop names its action already).
+template <class F>
+auto named(const Grid& grid, std::int64_t step, F&& f) {
   try {
-    return step_unchecked(step);
+    return f();
   } catch (const std::exception& e) {
-    // The action loop names its action already; everything else gets rank and stage.
     const std::string what = e.what();
     if (what.rfind("rank ", 0) == 0) throw;
-    rethrow_as(e, cat(grid_->name(), " at step ", step, " during the gradient reduction or update: ", what));
+    rethrow_as(e, cat(grid.name(), " at step ", step, " during the gradient reduction or update: ", what));
   }
 }
 
+void copy_into(std::span<const float> from, std::vector<float>& to) { std::copy(from.begin(), from.end(), to.begin()); }
+void copy_back(const std::vector<float>& from, std::span<float> to) { std::copy(from.begin(), from.end(), to.begin()); }
+
+// The running statistics (`spans`, offset and count, of `params`) into `packed`, or back.
+void packed_buffers(std::span<float> params, const std::vector<std::pair<std::size_t, std::size_t>>& spans,
+                    std::vector<float>& packed, bool back) {
+  auto at = packed.begin();
+  for (const auto& [offset, count] : spans) {
+    const auto values = params.begin() + static_cast<std::ptrdiff_t>(offset);
+    if (back) std::copy_n(at, count, values);
+    else std::copy_n(values, count, at);
+    at += static_cast<std::ptrdiff_t>(count);
+  }
+}
+
+}  // namespace
+
+StepResult Executor::step(std::int64_t step) {
+  return named(*grid_, step, [&] { return step_unchecked(step); });
+}
+
 StepResult Executor::step_unchecked(std::int64_t step) {
+  MPIPE_CHECK(!pending_, "step() with a step in flight (settle() it first)");
   const auto start = Clock::now();
   times_ = PhaseTimes{};
-  StepResult r;
-  r.step = step;
-  r.loss = compute_gradients(step);
-  r.grad_norm = std::sqrt(agreed_.norm_squared);
-  r.bubble_fraction = agreed_.bubble;
-  r.stop = agreed_.stop;
-  r.lr = learning_rate(config_.optimizer, step, config_.steps);
-  // Every rank sees the same loss and norm, so every rank skips or steps alike.
-  if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss)) {
-    r.skipped = true;
-    reducer_->settle_buffers(false, updates_);
-  } else {
-    const auto opt_start = Clock::now();
-    const float clip = config_.optimizer.clip_grad;
-    if (clip > 0.0f && r.grad_norm > clip) {
-      const auto factor = static_cast<float>(clip / r.grad_norm);
-      params_->scale_grads(factor);
-    }
-    optimizer_->update(r.lr, ++updates_);
-    reducer_->settle_buffers(true, updates_);
-    device_ops_->synchronize();  // honest step times on a GPU
-    times_.optimizer += since(opt_start);
-    record(step, TraceEvent::optimizer, -1, opt_start);
-  }
+  compute_gradients(step);
+  StepResult r = agreed_result(step);
+  update(r);
   persistent_->reset();
   r.seconds = since(start);
-  times_.step = r.seconds;
-  times_.idle = std::max(0.0, r.seconds - (times_.forward + times_.backward + times_.recompute + times_.p2p_wait +
-                                           times_.allreduce + times_.optimizer));
+  close_times(r.seconds);
+  return r;
+}
+
+// --overlap-steps (post-validation, Qi et al. 2023, section 4): a rank updates its
+// parameters as soon as its own part of a step is done, on the bet that the world's
+// agreement will find the loss and norm finite and the norm within --clip-grad, and goes
+// on with the next step's pipeline while the agreement moves. The first stages start the
+// next step while the last ones finish this one, so the warm-up of one step fills the
+// cool-down of the one before (ZB-H2's parallelogram). The bet is checked once this
+// rank's next pipeline pass is done: won, the update stands, and it is the very update
+// the agreement would have made; lost (every rank sees the same sum, so every rank
+// alike), the pass is dropped, the state goes back to before the update, the agreed
+// update (clipped, or none) is made, and the pass runs again. After a lost bet the next
+// step waits for its agreement; the one after a step within the limits bets again.
+std::span<const StepResult> Executor::advance(std::int64_t step) {
+  if (!config_.pipeline.overlap_steps) {
+    results_[0] = this->step(step);
+    return {results_.data(), 1};
+  }
+  return named(*grid_, step, [&] { return advance_unchecked(step); });
+}
+
+std::span<const StepResult> Executor::advance_unchecked(std::int64_t step) {
+  const auto start = Clock::now();
+  times_ = PhaseTimes{};
+  std::size_t n = 0;
+  // This rank's cycle: from its last pass's end to this one's (the pipeline alone after a
+  // settle(), or for the first step).
+  const bool cycled = pending_;
+  const Clock::time_point previous_end = pipeline_end_;
+  reducer_->clear_step_sums();
+  run_pipeline(step);
+  if (pending_) {
+    results_[n++] = validate_pending(/*pass_done=*/true);
+    if (results_[n - 1].rolled_back) {  // again, with the parameters the world agreed on
+      reducer_->clear_step_sums();
+      run_pipeline(step);
+    }
+  }
+  // Less the update made in it: the pipeline's time, as without --overlap-steps.
+  const double cycle =
+      cycled ? std::chrono::duration<double>(pipeline_end_ - previous_end).count() - update_seconds_ : pipeline_seconds_;
+  reduce_and_agree(step, cycle);
+  if (speculate_) {
+    const auto opt_start = Clock::now();
+    copy_into(params_->params(), saved_params_);
+    copy_into(params_->grads(), saved_grads_);
+    copy_into(optimizer_->state(0), saved_first_);
+    copy_into(optimizer_->state(1), saved_second_);
+    optimizer_->update(learning_rate(config_.optimizer, step, config_.steps), ++updates_);
+    reducer_->settle_buffers(true, updates_);
+    packed_buffers(params_->params(), buffer_spans_, saved_buffers_, /*back=*/false);
+    update_seconds_ = since(opt_start);
+    times_.optimizer += update_seconds_;
+    record(step, TraceEvent::optimizer, -1, opt_start);
+    pending_ = true;
+    pending_step_ = step;
+    ++speculated_;
+  } else {
+    finish_agree(step);
+    StepResult r = agreed_result(step);
+    r.seconds = agreed_.slowest;
+    update(r);
+    speculate_ = plain_update(r);
+    results_[n++] = r;
+  }
+  persistent_->reset();
+  close_times(since(start));
+  return {results_.data(), n};
+}
+
+std::optional<StepResult> Executor::settle() {
+  if (!pending_) return std::nullopt;
+  return named(*grid_, pending_step_, [&] {
+    const StepResult r = validate_pending(/*pass_done=*/false);
+    pipeline_end_ = Clock::time_point{};  // the next cycle starts afresh (a checkpoint or evaluation comes between)
+    return r;
+  });
+}
+
+StepResult Executor::validate_pending(bool pass_done) {
+  pending_ = false;
+  finish_agree(pending_step_);
+  StepResult r = agreed_result(pending_step_);
+  r.seconds = agreed_.slowest;
+  if (plain_update(r)) {
+    speculate_ = true;
+    return r;  // the update made ahead is the one the agreement makes
+  }
+  // The bet is lost: the next pass (if it ran) saw parameters the world does not agree
+  // on. Its sums finish as on every other rank, then it is dropped.
+  if (pass_done) reducer_->reduce();
+  const auto opt_start = Clock::now();
+  copy_back(saved_params_, params_->params());
+  copy_back(saved_grads_, params_->grads());
+  copy_back(saved_first_, optimizer_->state(0));
+  copy_back(saved_second_, optimizer_->state(1));
+  --updates_;
+  r.rolled_back = true;
+  ++rolled_back_;
+  speculate_ = false;
+  if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss)) {
+    r.skipped = true;
+    reducer_->settle_buffers(false, updates_);  // the running statistics as before the update
+  } else {
+    params_->scale_grads(static_cast<float>(config_.optimizer.clip_grad / r.grad_norm));
+    optimizer_->update(r.lr, ++updates_);
+    // The running statistics as the update left them (the dropped pass moved them).
+    packed_buffers(params_->params(), buffer_spans_, saved_buffers_, /*back=*/true);
+  }
+  times_.optimizer += since(opt_start);
+  record(pending_step_, TraceEvent::optimizer, -1, opt_start);
   return r;
 }
 

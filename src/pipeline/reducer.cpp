@@ -154,7 +154,13 @@ void Reducer::reduce() {
 }
 
 Reducer::Agreed Reducer::agree(double loss_sum, double busy, double pipeline, bool stop, int step) {
-  const int L = model_.size(), N = grid_.world().size();
+  start_agree(loss_sum, busy, pipeline, stop);
+  return finish_agree(step);
+}
+
+void Reducer::start_agree(double loss_sum, double busy, double pipeline, bool stop) {
+  MPIPE_CHECK(!agreeing(), "an agreement is already in flight");
+  const int L = model_.size();
   std::fill(agree_buffer_.begin(), agree_buffer_.end(), 0.0);
   std::span<double> per_layer(agree_buffer_.data(), static_cast<std::size_t>(L));
   if (grid_.replica() == 0) params_.grad_sum_squares(per_layer);
@@ -164,13 +170,20 @@ Reducer::Agreed Reducer::agree(double loss_sum, double busy, double pipeline, bo
   agree_buffer_[static_cast<std::size_t>(L + 3 + grid_.world().rank())] = pipeline;  // one entry per rank
   // Non-blocking and waited on through Progress: a rank that finished early blocks
   // instead of spinning in MPI while its neighbour still computes.
-  Progress::Ticket ticket = progress_->track(grid_.world().iallreduce(std::span<double>(agree_buffer_), Reduce::sum), false);
-  progress_->wait(ticket, timeout_, "the loss and gradient-norm allreduce, step", step);
+  agree_ticket_ = progress_->track(grid_.world().iallreduce(std::span<double>(agree_buffer_), Reduce::sum), false);
+}
+
+Reducer::Agreed Reducer::finish_agree(std::int64_t step) {
+  MPIPE_CHECK(agreeing(), "no agreement in flight");
+  Progress::Ticket ticket = agree_ticket_;
+  agree_ticket_ = Progress::none;
+  progress_->wait(ticket, timeout_, "the loss and gradient-norm allreduce, step", static_cast<int>(step));
+  const int L = model_.size(), N = grid_.world().size();
   Agreed a;
   for (int i = 0; i < L; ++i) a.norm_squared += agree_buffer_[i];  // global layer order
   a.loss_sum = agree_buffer_[L];
-  const double slowest = *std::max_element(agree_buffer_.begin() + L + 3, agree_buffer_.end());
-  if (slowest > 0) a.bubble = std::max(0.0, 1.0 - agree_buffer_[L + 1] / (N * slowest));
+  a.slowest = *std::max_element(agree_buffer_.begin() + L + 3, agree_buffer_.end());
+  if (a.slowest > 0) a.bubble = std::max(0.0, 1.0 - agree_buffer_[L + 1] / (N * a.slowest));
   a.stop = agree_buffer_[L + 2] > 0.0;
   return a;
 }

@@ -482,11 +482,12 @@ StageCosts StageCosts::unit(const Schedule& s) {
   return uniform(s.model_stages(), 1.0 / v, 2.0 / v);
 }
 
-Simulation simulate(const Schedule& s, const StageCosts& costs) {
+Simulation simulate(const Schedule& s, const StageCosts& costs, int steps) {
   const int stages = s.model_stages();
   MPIPE_CHECK(static_cast<int>(costs.forward.size()) == stages && static_cast<int>(costs.backward.size()) == stages,
               "costs for ", costs.forward.size(), " stages, schedule has ", stages);
   MPIPE_CHECK(costs.weight.size() == costs.backward.size(), "weight costs for ", costs.weight.size(), " stages");
+  MPIPE_CHECK(steps >= 1, "simulate ", steps, " steps");
   Simulation sim;
   sim.start.resize(s.stages);
   sim.end.resize(s.stages);
@@ -494,9 +495,9 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
     sim.start[st].assign(s.actions[st].size(), 0.0);
     sim.end[st].assign(s.actions[st].size(), 0.0);
   }
-  // Arrival time of each message: key (receiving model stage, kind of the receive, micro-batch).
-  std::map<std::tuple<int, ActionKind, int>, double> arrivals;
-  std::vector<std::size_t> next(s.stages, 0);
+  // Arrival time of each message: key (step, receiving model stage, kind of the receive, micro-batch).
+  std::map<std::tuple<int, int, ActionKind, int>, double> arrivals;
+  std::vector<std::size_t> next(s.stages, 0);  // over all steps: step next / size, action next % size
   std::vector<double> clock(s.stages, 0.0), backward_cost(stages);
   for (int m = 0; m < stages; ++m)
     backward_cost[m] = s.splits(s.list_of(m)) ? costs.backward[m] - costs.weight[m] : costs.backward[m];
@@ -505,8 +506,11 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
   while (progress) {
     progress = false;
     for (int st = 0; st < s.stages; ++st) {
-      while (next[st] < s.actions[st].size()) {
-        const Action& a = s.actions[st][next[st]];
+      const std::size_t size = s.actions[st].size();
+      while (next[st] < size * static_cast<std::size_t>(steps)) {
+        const int step = static_cast<int>(next[st] / size);
+        const std::size_t index = next[st] % size;
+        const Action& a = s.actions[st][index];
         const int m = s.stage_of(st, a);
         double start = clock[st], end = start;
         switch (a.kind) {
@@ -514,21 +518,24 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
           case ActionKind::backward: end = start + backward_cost[m]; busy += backward_cost[m]; break;
           case ActionKind::weight: end = start + costs.weight[m]; busy += costs.weight[m]; break;
           case ActionKind::send_act:
-            arrivals[{m + 1, ActionKind::recv_act, a.micro_batch}] = start + costs.message;
+            arrivals[{step, m + 1, ActionKind::recv_act, a.micro_batch}] = start + costs.message;
             break;
           case ActionKind::send_grad:
-            arrivals[{m - 1, ActionKind::recv_grad, a.micro_batch}] = start + costs.message;
+            arrivals[{step, m - 1, ActionKind::recv_grad, a.micro_batch}] = start + costs.message;
             break;
           case ActionKind::recv_act:
           case ActionKind::recv_grad: {
-            const auto it = arrivals.find({m, a.kind, a.micro_batch});
+            const auto it = arrivals.find({step, m, a.kind, a.micro_batch});
             if (it == arrivals.end()) goto blocked;  // its send has not run yet
             end = std::max(start, it->second);
+            arrivals.erase(it);
             break;
           }
         }
-        sim.start[st][next[st]] = start;
-        sim.end[st][next[st]] = end;
+        if (step == 0) {
+          sim.start[st][index] = start;
+          sim.end[st][index] = end;
+        }
         clock[st] = end;
         ++next[st];
         progress = true;
@@ -537,9 +544,9 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
     }
   }
   for (int st = 0; st < s.stages; ++st) {
-    if (next[st] < s.actions[st].size()) {
+    if (next[st] < s.actions[st].size() * static_cast<std::size_t>(steps)) {
       sim.deadlock = true;
-      const Action& a = s.actions[st][next[st]];
+      const Action& a = s.actions[st][next[st] % s.actions[st].size()];
       sim.blocked += cat(sim.blocked.empty() ? "" : "; ", "stage ", st, " waits at ", to_string(a), " (",
                          a.kind == ActionKind::recv_act ? "the activation" : "the gradient", " of micro-batch ", a.micro_batch,
                          ")");
@@ -548,6 +555,18 @@ Simulation simulate(const Schedule& s, const StageCosts& costs) {
   }
   if (sim.makespan > 0) sim.bubble_fraction = 1.0 - busy / (s.stages * sim.makespan);
   return sim;
+}
+
+SteadyState steady_state(const Schedule& lowered, const StageCosts& costs) {
+  // Steps back to back settle into a period within a few steps (each stage's lag behind
+  // the one before is bounded by one step): the makespan's growth from 4 to 8 steps.
+  const Simulation one = simulate(lowered, costs, 1), four = simulate(lowered, costs, 4), eight = simulate(lowered, costs, 8);
+  SteadyState r;
+  if (one.deadlock || four.deadlock || eight.deadlock) return r;
+  r.period = (eight.makespan - four.makespan) / 4.0;
+  const double busy = (1.0 - one.bubble_fraction) * lowered.stages * one.makespan;  // one step's compute
+  if (r.period > 0) r.bubble_fraction = std::max(0.0, 1.0 - busy / (lowered.stages * r.period));
+  return r;
 }
 
 std::optional<std::string> validate(const Schedule& s) {

@@ -39,6 +39,8 @@ mpipe_cli_test(plan_balance 0 "partition \\(balance\\): 0-0 \\| 1-7" plan --conf
 mpipe_cli_test(plan_bad_world 2 "error: world size 3 is not divisible by --stages 2" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 3 --stages 2)
 mpipe_cli_test(plan_zb_h1 0 "bubble: 11.1% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h1)
 mpipe_cli_test(plan_zb_h2 0 "bubble: 11.1% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h2)
+# With --overlap-steps ZB-H2's warm-up fills the previous step's cool-down: no bubble left.
+mpipe_cli_test(plan_zb_h2_overlap 0 "bubble with --overlap-steps \\(steps back to back, no clipping or skip\\): 0.0% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h2)
 # ZB-V at its bound (K-1)/(6M+K-1) = 3/51; zbv sets --virtual-stages 2 and names its V.
 mpipe_cli_test(plan_zbv 0 "bubble: 5.9% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zbv)
 mpipe_cli_test(plan_zbv_placement 0 "virtual stages: 2 per rank, model stages s and 7-s on pipeline stage s \\(a V\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zbv)

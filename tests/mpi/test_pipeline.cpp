@@ -3,10 +3,12 @@
 // Runs of different shapes share the 4 ranks through sub-communicators.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <span>
 #include <fstream>
 #include <cstdio>
 #include <cstring>
@@ -53,6 +55,8 @@ TrainConfig tiny_gpt(const std::string& schedule, const std::string& remat, int 
 
 struct RunResult {
   std::vector<double> losses, norms;
+  std::vector<int> skipped;
+  std::int64_t speculated = 0, rolled_back = 0;  // --overlap-steps
   std::vector<float> params;  // every parameter in global layer order (rank 0 of the run)
   std::vector<float> replica_params;  // the same gathered from the last replica
   std::vector<std::vector<float>> tied;  // on the last stage: (owner values, copy values)
@@ -67,11 +71,25 @@ RunResult run(const TrainConfig& config, int ranks) {
     Executor e(config, sub);
     e.connect();
     e.allocate();
-    for (int step = 0; step < config.steps; ++step) {
-      const StepResult r = e.step(step);
+    auto take = [&](const StepResult& r) {
+      // Results come in step order, each once, with or without --overlap-steps.
+      if (r.step != static_cast<std::int64_t>(result.losses.size())) throw Error(cat("result of step ", r.step, " out of order"));
       result.losses.push_back(r.loss);
       result.norms.push_back(r.grad_norm);
+      result.skipped.push_back(r.skipped ? 1 : 0);
+    };
+    for (int step = 0; step < config.steps; ++step) {
+      if (!config.pipeline.overlap_steps) {
+        take(e.step(step));
+        continue;
+      }
+      for (const StepResult& r : e.advance(step)) take(r);
+      if (step % 3 == 1)  // a settle in the middle, as before a checkpoint
+        if (const auto r = e.settle()) take(*r);
     }
+    if (const auto r = e.settle()) take(*r);
+    result.speculated = e.speculated();
+    result.rolled_back = e.rolled_back();
     result.params = gather_params(e, sub, 0);
     result.replica_params = gather_params(e, sub, e.grid().replicas() - 1);
   } catch (const std::exception& e) {
@@ -101,6 +119,22 @@ std::vector<float> train_and_save(const TrainConfig& config, int steps) {
   owner.begin(world());
   save_checkpoint(writer, owner, steps);
   return gather_params(writer, world(), 0);
+}
+
+// A small CNN with BatchNorm (model file `path`) on K = 2 x D = 2 ranks, running
+// statistics moved by `mode` (micro or deferred).
+TrainConfig batchnorm_cnn(const std::string& path, const std::string& mode, int steps, float lr) {
+  TrainConfig c;
+  c.model.kind = path;
+  c.batch_size = 16;
+  c.micro_batches = 2;
+  c.steps = steps;
+  c.seed = 5;
+  c.threads = 1;
+  c.optimizer.lr = lr;
+  c.pipeline.grid.replicas = 2;
+  c.pipeline.batchnorm = mode;
+  return c;
 }
 
 }  // namespace
@@ -439,17 +473,7 @@ TEST_CASE("BatchNorm with replicas: every replica ends each step with the same r
   std::vector<float> micro;
   for (const std::string mode : {"micro", "deferred"}) {
     CAPTURE(mode);
-    TrainConfig c;
-    c.model.kind = path.string();
-    c.batch_size = 16;
-    c.micro_batches = 2;
-    c.steps = 3;
-    c.seed = 5;
-    c.threads = 1;
-    c.optimizer.lr = 1e-2f;
-    c.pipeline.grid.replicas = 2;
-    c.pipeline.batchnorm = mode;
-    const RunResult r = run(c, 4);
+    const RunResult r = run(batchnorm_cnn(path.string(), mode, 3, 1e-2f), 4);
     if (world().rank() == 0) {
       REQUIRE(r.params.size() == r.replica_params.size());
       CHECK(std::memcmp(r.params.data(), r.replica_params.data(), r.params.size() * sizeof(float)) == 0);
@@ -599,4 +623,100 @@ TEST_CASE("a head split over the vocabulary: chunks on stages apart train bitwis
     CHECK(std::memcmp(saved.data(), replica.data(), saved.size() * sizeof(float)) == 0);
     std::filesystem::remove_all(dir);
   }
+}
+
+TEST_CASE("--overlap-steps: updates made ahead of the agreement train bitwise as without, bets won and lost") {
+  if (world().size() != 4) return;
+  // Each rank updates as soon as its part of a step is done and checks the bet (finite,
+  // within --clip-grad) after its next pass. Clip 0: every bet won; 0.5: every bet lost
+  // (this model's norm is above it); the median norm: some of each; lr 1e30: non-finite
+  // steps, skipped. Bitwise against the same run without overlap, for gpipe, zb-h2 and
+  // zbv on 2 and 4 ranks, with two replicas, and BatchNorm (micro and deferred).
+  auto same_bits = [](const std::vector<double>& a, const std::vector<double>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(double)) == 0;
+  };
+  auto check = [&](TrainConfig c, int ranks, const char* what) {
+    c.pipeline.overlap_steps = false;
+    const RunResult want = run(c, ranks);
+    c.pipeline.overlap_steps = true;
+    const RunResult got = run(c, ranks);
+    if (world().rank() != 0) return got;
+    INFO(what << ", " << c.pipeline.schedule << " on " << ranks << " ranks, clip " << c.optimizer.clip_grad << ", lr "
+              << c.optimizer.lr);
+    CHECK(same_bits(got.losses, want.losses));
+    CHECK(same_bits(got.norms, want.norms));
+    CHECK(got.skipped == want.skipped);
+    REQUIRE(got.params.size() == want.params.size());
+    CHECK(std::memcmp(got.params.data(), want.params.data(), got.params.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(got.replica_params.data(), want.replica_params.data(), got.params.size() * sizeof(float)) == 0);
+    CHECK(got.speculated >= 1);
+    return got;
+  };
+  auto gpt = [](const char* schedule) {
+    TrainConfig c = tiny_gpt(schedule, "never", 4);
+    c.model.layers = 5;  // 9 layers: zbv on 4 ranks needs 8 model stages
+    c.steps = 7;
+    c.pipeline.virtual_stages = std::string(schedule) == "zbv" ? 2 : 1;
+    return c;
+  };
+  // The median of a run's gradient norms (known on rank 0), on every rank.
+  auto median_norm = [](const RunResult& r, int steps) {
+    std::vector<double> norms = r.norms;
+    norms.resize(static_cast<std::size_t>(steps));
+    world().broadcast(std::span<double>(norms), 0);
+    std::sort(norms.begin(), norms.end());
+    return static_cast<float>(norms[norms.size() / 2]);
+  };
+  struct Case {
+    const char* schedule;
+    int ranks, replicas;
+  };
+  for (const Case& k : {Case{"gpipe", 2, 1}, Case{"zb-h2", 2, 1}, Case{"zb-h2", 4, 1}, Case{"zbv", 2, 1}, Case{"zbv", 4, 1},
+                        Case{"zb-h2", 4, 2}}) {
+    TrainConfig c = gpt(k.schedule);
+    c.pipeline.grid.replicas = k.replicas;
+    if (k.replicas > 1) c.micro_batches = 2;
+    c.optimizer.clip_grad = 0.0f;
+    const RunResult won = check(c, k.ranks, "every bet won");
+    if (world().rank() == 0) CHECK(won.rolled_back == 0);
+    const float median = median_norm(won, c.steps);
+    c.optimizer.clip_grad = 0.5f;
+    const RunResult lost = check(c, k.ranks, "every bet lost");
+    if (world().rank() == 0) CHECK(lost.rolled_back >= 1);
+    c.optimizer.clip_grad = median;
+    const RunResult mixed = check(c, k.ranks, "some bets lost");
+    if (world().rank() == 0) CHECK((mixed.rolled_back >= 1 && mixed.rolled_back < mixed.speculated));
+  }
+  {
+    TrainConfig c = gpt("zb-h2");
+    c.optimizer.clip_grad = 0.0f;
+    c.optimizer.lr = 1e30f;  // the first update overflows: the steps after it are non-finite
+    const RunResult r = check(c, 4, "non-finite steps");
+    if (world().rank() == 0) {
+      CHECK(r.rolled_back >= 1);
+      CHECK(std::count(r.skipped.begin(), r.skipped.end(), 1) >= 1);
+    }
+  }
+  // BatchNorm: running statistics as the agreed update leaves them, after a lost bet too.
+  const auto path = std::filesystem::temp_directory_path() / cat("mpipe_bn_overlap_", world().rank(), ".toml");
+  std::ofstream(path) << "input = [2, 6, 6]\n"
+                         "[[layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
+                         "[[layer]]\nkind = \"batchnorm2d\"\n"
+                         "[[layer]]\nkind = \"global-avgpool\"\n"
+                         "[[layer]]\nkind = \"linear\"\nout = 3\n"
+                         "[[layer]]\nkind = \"cross_entropy\"\n";
+  for (const std::string mode : {"micro", "deferred"}) {
+    TrainConfig c = batchnorm_cnn(path.string(), mode, 6, 5e-2f);
+    c.pipeline.schedule = "zb-h2";
+    c.optimizer.clip_grad = 0.0f;
+    const RunResult won = check(c, 4, mode == "micro" ? "BatchNorm micro" : "BatchNorm deferred");
+    c.optimizer.clip_grad = median_norm(won, c.steps);
+    const RunResult mixed = check(c, 4, mode == "micro" ? "BatchNorm micro, some bets lost" : "BatchNorm deferred, some bets lost");
+    if (world().rank() == 0) CHECK(mixed.rolled_back >= 1);
+    c.optimizer.clip_grad = 0.0f;
+    c.optimizer.lr = 1e30f;  // non-finite steps: the running statistics as a skip leaves them
+    const RunResult skipped = check(c, 4, mode == "micro" ? "BatchNorm micro, non-finite" : "BatchNorm deferred, non-finite");
+    if (world().rank() == 0) CHECK(std::count(skipped.skipped.begin(), skipped.skipped.end(), 1) >= 1);
+  }
+  std::filesystem::remove(path);
 }

@@ -25,9 +25,10 @@ using namespace mpipe;
 using mpipe::test::Trainer;
 
 TEST_CASE("a training step after the first allocates nothing on the heap") {
-  for (const char* kind : {"gpt", "mlp", "gpt zb-h1"}) {
+  for (const char* kind : {"gpt", "mlp", "gpt zb-h1", "gpt overlap"}) {
     TrainConfig c;
     if (std::string(kind) == "gpt zb-h1") c.pipeline.schedule = "zb-h1";  // W's stash in the slots
+    if (std::string(kind) == "gpt overlap") c.pipeline.overlap_steps = true;  // updates ahead, bets won and lost
     c.model.kind = std::string(kind).substr(0, 3);
     c.model.layers = 2;
     c.model.d_model = 32;
@@ -43,8 +44,16 @@ TEST_CASE("a training step after the first allocates nothing on the heap") {
     trainer.step(0);  // sizes the arena
     const long before = g_allocations.load();
     const std::size_t growths = trainer.arena().growths();
-    for (int step = 1; step < 4; ++step) trainer.step(step);
+    for (int step = 1; step < 4; ++step) {
+      if (!c.pipeline.overlap_steps) {
+        trainer.step(step);
+        continue;
+      }
+      for (const StepResult& r : trainer.advance(step)) (void)r;
+      if (step == 3) (void)trainer.settle();
+    }
     CHECK(g_allocations.load() == before);
     CHECK(trainer.arena().growths() == growths);
+    if (c.pipeline.overlap_steps) CHECK(trainer.rolled_back() >= 1);  // --clip-grad 1.0: the path that goes back ran
   }
 }

@@ -26,9 +26,12 @@
 // Every posted request is kept moving by Progress while the rank computes
 // (pipeline/progress.hpp).
 #pragma once
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -62,6 +65,7 @@ struct PipelineConfig {
   std::string comm_progress = "thread";  // thread | layers | waits (pipeline/progress.hpp)
   double comm_poll_us = 5000;      // the progress thread's poll interval while nothing moves, microseconds
   std::string comm_wait = "sleep";  // sleep | spin: how a wait passes the time once nothing moves
+  bool overlap_steps = false;      // update ahead of the step's agreement, checked after the next pass (Executor::advance)
 };
 
 struct TrainConfig {
@@ -112,6 +116,7 @@ struct StepResult {
   double seconds = 0.0;
   double bubble_fraction = 0.0; // measured: every rank's idle share up to the slowest rank's end of the pipeline
   bool stop = false;            // some rank asked to stop after this step
+  bool rolled_back = false;     // --overlap-steps: the update made ahead was undone, the agreed one made
 };
 
 // One timed action of one rank, for --trace. Plain data: gathered with MPI as bytes.
@@ -162,7 +167,18 @@ class Executor {
   void allocate();
   ~Executor();
 
+  // One training step, its agreement waited for: the validated result of `step`.
   StepResult step(std::int64_t step);
+  // The training loop's step. Without --overlap-steps it is step(). With it, the step's
+  // update is made ahead of its agreement and the call returns without waiting for it:
+  // the results it returns are of earlier steps, now validated (none for the first, then
+  // the previous step's; after a lost bet also this one's). settle() validates the step
+  // still in flight, if any: before a checkpoint, an evaluation or the end.
+  std::span<const StepResult> advance(std::int64_t step);
+  std::optional<StepResult> settle();
+  // --overlap-steps: updates made ahead of their agreement, and how many were undone.
+  std::int64_t speculated() const { return speculated_; }
+  std::int64_t rolled_back() const { return rolled_back_; }
   // Forward and backward over the mini-batch of `step` with every gradient reduction
   // (replicas, tied weights) but no update; returns the mean loss.
   double compute_gradients(std::int64_t step);
@@ -206,6 +222,21 @@ class Executor {
  private:
   using Clock = std::chrono::steady_clock;
   StepResult step_unchecked(std::int64_t step);
+  std::span<const StepResult> advance_unchecked(std::int64_t step);
+  // After the pipeline pass: the sums over replicas and tied weights, then the
+  // agreement posted with this rank's `pipeline_seconds`; finish_agree() waits for it.
+  void reduce_and_agree(std::int64_t step, double pipeline_seconds);
+  void finish_agree(std::int64_t step);
+  double agreed_loss() const;
+  StepResult agreed_result(std::int64_t step) const;  // from agreed_
+  // The agreed update needs no clipping and no skip: the one an update ahead makes.
+  bool plain_update(const StepResult& r) const;
+  void update(StepResult& r);  // the agreed update: clipped, or skipped where non-finite
+  // --overlap-steps: waits for the agreement of the step updated ahead and checks the
+  // bet; lost, goes back and makes the agreed update. `pass_done`: a pipeline pass ran
+  // on the updated parameters since (its sums are finished, then it is dropped).
+  StepResult validate_pending(bool pass_done);
+  void close_times(double seconds);
   // Actions of micro-batch `mb` on this rank's stage stages_[c].
   Arena* take_slot(Stage& stage, int mb);
   void release_slot(int c, int mb);
@@ -255,6 +286,16 @@ class Executor {
   Reducer::Agreed agreed_;                         // the last step's
   double loss_sum_ = 0.0, correct_sum_ = 0.0;
   double pipeline_seconds_ = 0.0;  // this rank's last pipeline pass, from its start to its last action
+  std::chrono::steady_clock::time_point pipeline_end_{};  // of the last training pass
+  // --overlap-steps
+  std::array<StepResult, 2> results_{};  // what advance() returns
+  bool pending_ = false;                 // a step updated ahead of its agreement
+  std::int64_t pending_step_ = -1;
+  double update_seconds_ = 0;            // of the update made ahead
+  bool speculate_ = true;                // the next step updates ahead
+  std::int64_t speculated_ = 0, rolled_back_ = 0;
+  std::vector<float> saved_params_, saved_grads_, saved_first_, saved_second_, saved_buffers_;
+  std::vector<std::pair<std::size_t, std::size_t>> buffer_spans_;  // (offset, count) of running statistics
   bool evaluating_ = false;  // record() is quiet
   std::int64_t updates_ = 0;
   PhaseTimes times_;

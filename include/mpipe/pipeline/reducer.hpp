@@ -44,6 +44,7 @@ class Reducer {
     // 1 - Σ busy / (ranks × slowest), as simulate() counts it. A rank that is done early
     // (the last stage under 1F1B) idles until the slowest one is, and that is bubble too.
     double bubble = 0;
+    double slowest = 0;  // the slowest rank's pipeline seconds
     bool stop = false;
   };
 
@@ -71,6 +72,12 @@ class Reducer {
   // its seconds of compute (`busy`) in its `pipeline` seconds, and its stop request, with
   // the gradient norms of the layers it holds.
   Agreed agree(double loss_sum, double busy, double pipeline, bool stop, int step);
+  // agree() in two halves, so that a rank can go on with the next step's pipeline while
+  // the sum moves (--overlap-steps): start_agree() reads the gradient norms and posts the
+  // allreduce, finish_agree() waits for it. One agreement in flight at a time.
+  void start_agree(double loss_sum, double busy, double pipeline, bool stop);
+  Agreed finish_agree(std::int64_t step);
+  bool agreeing() const { return agree_ticket_ != Progress::none; }
   // After an update (or a skipped step, `updated` false): the replicas' running
   // statistics made equal, by their mean (micro) or by applying the step's sums added up
   // over the replicas (deferred). `update`: the optimizer's count, for messages.
@@ -108,6 +115,7 @@ class Reducer {
   cuda::PinnedBuffer grad_staging_;                // replica sums when MPI is not CUDA-aware
   std::vector<Done> done_;                         // reserved once
   std::vector<double> agree_buffer_;               // per layer, loss, busy, stop, each rank's pipeline time
+  Progress::Ticket agree_ticket_ = Progress::none; // the agreement in flight
   std::vector<Layer*> deferred_;                   // layers (parts too) with step sums
   std::vector<double> settle_sums_;                // their sums, packed for the sum over replicas
   std::vector<float> settle_values_;               // the buffers, packed for their mean over replicas

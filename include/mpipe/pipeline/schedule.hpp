@@ -155,7 +155,17 @@ struct Simulation {
 
 // Runs a lowered schedule on one process: sends never block, a receive waits for its
 // send plus the message latency, compute actions take their stage's cost.
-Simulation simulate(const Schedule& lowered, const StageCosts& costs);
+// With `steps` > 1 it runs that many steps back to back with nothing between them but
+// each stage's own order (--overlap-steps: a stage starts the next step once its own part
+// of this one is done); start and end then hold the first step's times.
+Simulation simulate(const Schedule& lowered, const StageCosts& costs, int steps = 1);
+
+// The steady state of steps run back to back (--overlap-steps): the time a step takes
+// once they repeat, and the idle share of the stages in it, 1 - busy / (stages * period).
+struct SteadyState {
+  double period = 0.0, bubble_fraction = 0.0;
+};
+SteadyState steady_state(const Schedule& lowered, const StageCosts& costs);
 
 // Checks a lowered schedule: every micro-batch's forward and backward exactly once per
 // stage, backward after forward, on a stage with W actions one W per micro-batch after
