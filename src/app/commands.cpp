@@ -604,7 +604,7 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                "Post-validation: each rank updates as soon as its part of a step is done and starts the next "
                "step while the world agrees on the loss and norm; a step that needs clipping or a skip is undone "
                "and redone (bitwise the same training). Lets zb-h2 fill its warm-up with the last step's "
-               "cool-down. CPU only so far")
+               "cool-down")
       ->capture_default_str();
   cmd.add_option("--device", c.device, "cpu, cuda (one GPU per rank: node-local rank modulo GPUs) or auto")
       ->capture_default_str();

@@ -102,6 +102,12 @@ void Optimizer::upload() {
   cuda::synchronize(cuda::StreamKind::compute);
 }
 
+std::span<float> Optimizer::live_state(int which) const {
+  if (!on_device_) return state(which);
+  const cuda::DeviceBuffer& b = which == 0 ? device_first_ : device_second_;
+  return {b.as<float>(), b.bytes() / sizeof(float)};
+}
+
 void Optimizer::update(float lr, std::int64_t t) {
   if (on_device_) {
 #if MPIPE_HAVE_CUDA

@@ -170,8 +170,6 @@ Executor::Executor(const TrainConfig& config, const Communicator& world)
     dtype_ = config_.precision == "bf16" ? DType::bf16 : DType::f32;
     cuda_aware_ = mpi_cuda_aware();
   }
-  MPIPE_REQUIRE(!config_.pipeline.overlap_steps || device_ == Device::cpu, "drop --overlap-steps with --device cuda",
-                "--overlap-steps runs on the CPU only so far");
   persistent_ = std::make_unique<Arena>(ops::device_memory(device_));
   scratch_ = std::make_unique<Arena>(ops::device_memory(device_));
 }
@@ -296,12 +294,6 @@ void Executor::allocate() {
   reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,
                                        config_.pipeline.batchnorm == "deferred", config_.pipeline.p2p_timeout);
   if (config_.pipeline.overlap_steps) {
-    // What an update made ahead of the agreement replaces, kept to go back to: values,
-    // gradients, optimizer state, and the running statistics as the update left them.
-    saved_params_.resize(params_->params().size());
-    saved_grads_.resize(params_->grads().size());
-    saved_first_.resize(optimizer_->state(0).size());
-    saved_second_.resize(optimizer_->state(1).size());
     buffer_spans_.clear();
     std::size_t buffers = 0;
     for (const ParamEntry& e : params_->entries())
@@ -309,9 +301,17 @@ void Executor::allocate() {
         buffer_spans_.emplace_back(e.param_offset, static_cast<std::size_t>(e.numel()));
         buffers += static_cast<std::size_t>(e.numel());
       }
-    saved_buffers_.resize(buffers);
+    const std::size_t sizes[saved_parts] = {params_->master().size(), params_->grads().size(),
+                                            optimizer_->live_state(0).size(), optimizer_->live_state(1).size(), buffers};
+    for (int part = 0; part < saved_parts; ++part) saved_at_[part + 1] = saved_at_[part] + sizes[part];
+    if (device_ == Device::cuda) {
+      saved_device_ = cuda::DeviceBuffer(std::max<std::size_t>(1, saved_at_[saved_parts]) * sizeof(float));
+      saved_ = saved_device_.as<float>();
+    } else {
+      saved_host_.resize(saved_at_[saved_parts]);
+      saved_ = saved_host_.data();
+    }
   }
-
   // Every request in flight at once: each micro-batch's two receives and two sends on
   // every stage, and the reducer's.
   const int requests = 4 * M * C + reducer_->requests() + 2;
@@ -751,22 +751,46 @@ auto named(const Grid& grid, std::int64_t step, F&& f) {
   }
 }
 
-void copy_into(std::span<const float> from, std::vector<float>& to) { std::copy(from.begin(), from.end(), to.begin()); }
-void copy_back(const std::vector<float>& from, std::span<float> to) { std::copy(from.begin(), from.end(), to.begin()); }
+}  // namespace
 
-// The running statistics (`spans`, offset and count, of `params`) into `packed`, or back.
-void packed_buffers(std::span<float> params, const std::vector<std::pair<std::size_t, std::size_t>>& spans,
-                    std::vector<float>& packed, bool back) {
-  auto at = packed.begin();
-  for (const auto& [offset, count] : spans) {
-    const auto values = params.begin() + static_cast<std::ptrdiff_t>(offset);
-    if (back) std::copy_n(at, count, values);
-    else std::copy_n(values, count, at);
-    at += static_cast<std::ptrdiff_t>(count);
+std::span<float> Executor::live(Saved part) const {
+  switch (part) {
+    case values:
+    case statistics: return params_->master();
+    case gradients: return params_->grads();
+    case first: return optimizer_->live_state(0);
+    case second: return optimizer_->live_state(1);
+    default: break;
+  }
+  MPIPE_CHECK(false, "no saved part ", static_cast<int>(part));
+  return {};
+}
+
+void Executor::keep(Saved part) {
+  const std::span<float> from = live(part);
+  float* to = saved_ + saved_at_[part];
+  if (part != statistics) {
+    if (!from.empty()) device_ops_->copy(to, from.data(), from.size_bytes());  // SGD has no second state
+    return;
+  }
+  for (const auto& [offset, count] : buffer_spans_) {
+    device_ops_->copy(to, from.data() + offset, count * sizeof(float));
+    to += count;
   }
 }
 
-}  // namespace
+void Executor::bring_back(Saved part) {
+  const std::span<float> to = live(part);
+  const float* from = saved_ + saved_at_[part];
+  if (part != statistics) {
+    if (!to.empty()) device_ops_->copy(to.data(), from, to.size_bytes());
+    return;
+  }
+  for (const auto& [offset, count] : buffer_spans_) {
+    device_ops_->copy(to.data() + offset, from, count * sizeof(float));
+    from += count;
+  }
+}
 
 StepResult Executor::step(std::int64_t step) {
   return named(*grid_, step, [&] { return step_unchecked(step); });
@@ -827,13 +851,10 @@ std::span<const StepResult> Executor::advance_unchecked(std::int64_t step) {
   reduce_and_agree(step, cycle);
   if (speculate_) {
     const auto opt_start = Clock::now();
-    copy_into(params_->params(), saved_params_);
-    copy_into(params_->grads(), saved_grads_);
-    copy_into(optimizer_->state(0), saved_first_);
-    copy_into(optimizer_->state(1), saved_second_);
+    for (const Saved part : {values, gradients, first, second}) keep(part);
     optimizer_->update(learning_rate(config_.optimizer, step, config_.steps), ++updates_);
     reducer_->settle_buffers(true, updates_);
-    packed_buffers(params_->params(), buffer_spans_, saved_buffers_, /*back=*/false);
+    keep(statistics);
     update_seconds_ = since(opt_start);
     times_.optimizer += update_seconds_;
     record(step, TraceEvent::optimizer, -1, opt_start);
@@ -875,10 +896,8 @@ StepResult Executor::validate_pending(bool pass_done) {
   // on. Its sums finish as on every other rank, then it is dropped.
   if (pass_done) reducer_->reduce();
   const auto opt_start = Clock::now();
-  copy_back(saved_params_, params_->params());
-  copy_back(saved_grads_, params_->grads());
-  copy_back(saved_first_, optimizer_->state(0));
-  copy_back(saved_second_, optimizer_->state(1));
+  for (const Saved part : {values, gradients, first, second}) bring_back(part);
+  params_->refresh_compute_copy();  // a GPU's bf16 copy of the values
   --updates_;
   r.rolled_back = true;
   ++rolled_back_;
@@ -889,8 +908,7 @@ StepResult Executor::validate_pending(bool pass_done) {
   } else {
     params_->scale_grads(static_cast<float>(config_.optimizer.clip_grad / r.grad_norm));
     optimizer_->update(r.lr, ++updates_);
-    // The running statistics as the update left them (the dropped pass moved them).
-    packed_buffers(params_->params(), buffer_spans_, saved_buffers_, /*back=*/true);
+    bring_back(statistics);  // as the update left them (the dropped pass moved them)
   }
   times_.optimizer += since(opt_start);
   record(pending_step_, TraceEvent::optimizer, -1, opt_start);

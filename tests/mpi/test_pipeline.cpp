@@ -671,6 +671,7 @@ TEST_CASE("--overlap-steps: updates made ahead of the agreement train bitwise as
     const char* schedule;
     int ranks, replicas;
   };
+  float median = 0;
   for (const Case& k : {Case{"gpipe", 2, 1}, Case{"zb-h2", 2, 1}, Case{"zb-h2", 4, 1}, Case{"zbv", 2, 1}, Case{"zbv", 4, 1},
                         Case{"zb-h2", 4, 2}}) {
     TrainConfig c = gpt(k.schedule);
@@ -679,13 +680,21 @@ TEST_CASE("--overlap-steps: updates made ahead of the agreement train bitwise as
     c.optimizer.clip_grad = 0.0f;
     const RunResult won = check(c, k.ranks, "every bet won");
     if (world().rank() == 0) CHECK(won.rolled_back == 0);
-    const float median = median_norm(won, c.steps);
+    median = median_norm(won, c.steps);
     c.optimizer.clip_grad = 0.5f;
     const RunResult lost = check(c, k.ranks, "every bet lost");
     if (world().rank() == 0) CHECK(lost.rolled_back >= 1);
     c.optimizer.clip_grad = median;
     const RunResult mixed = check(c, k.ranks, "some bets lost");
     if (world().rank() == 0) CHECK((mixed.rolled_back >= 1 && mixed.rolled_back < mixed.speculated));
+  }
+  {
+    TrainConfig c = gpt("zb-h2");  // SGD: one optimizer state, not two
+    c.optimizer.kind = "sgd";
+    c.optimizer.momentum = 0.9f;
+    c.optimizer.clip_grad = median;
+    const RunResult r = check(c, 4, "SGD, some bets lost");
+    if (world().rank() == 0) CHECK(r.rolled_back >= 1);
   }
   {
     TrainConfig c = gpt("zb-h2");

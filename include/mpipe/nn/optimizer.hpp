@@ -38,6 +38,8 @@ class Optimizer {
   // velocity; state_names() names them (as checkpoints do).
   // In host memory: the truth on the CPU, a mirror on a GPU (see download()).
   std::span<float> state(int which) const { return (which == 0 ? first_ : second_).span(); }
+  // The state where updates read and write it: device memory on a GPU, else state().
+  std::span<float> live_state(int which) const;
   std::vector<std::string> state_names() const { return state_names(config_); }
   static std::vector<std::string> state_names(const OptimizerConfig& config);
 

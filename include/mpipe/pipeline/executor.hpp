@@ -294,8 +294,17 @@ class Executor {
   double update_seconds_ = 0;            // of the update made ahead
   bool speculate_ = true;                // the next step updates ahead
   std::int64_t speculated_ = 0, rolled_back_ = 0;
-  std::vector<float> saved_params_, saved_grads_, saved_first_, saved_second_, saved_buffers_;
+  // What an update made ahead replaces, in one block where the state lives (host or
+  // device memory): values, gradients, optimizer state, running statistics after it.
+  enum Saved { values, gradients, first, second, statistics, saved_parts };
+  std::vector<float> saved_host_;
+  cuda::DeviceBuffer saved_device_;
+  float* saved_ = nullptr;
+  std::array<std::size_t, saved_parts + 1> saved_at_{};  // where each part begins, in floats
   std::vector<std::pair<std::size_t, std::size_t>> buffer_spans_;  // (offset, count) of running statistics
+  std::span<float> live(Saved part) const;  // the state a part keeps (statistics: all values)
+  void keep(Saved part);                    // into the block
+  void bring_back(Saved part);              // out of it
   bool evaluating_ = false;  // record() is quiet
   std::int64_t updates_ = 0;
   PhaseTimes times_;
