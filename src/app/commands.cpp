@@ -653,7 +653,8 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   std::printf("\n");
   const StageCosts flops = flop_costs(model, part, micro);
   const Schedule s =
-      make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages, &flops);
+      make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages, &flops,
+                    config.pipeline.overlap_steps);
   print_plan(config, model, part, grid, lower(s));
   if (config.pipeline.partition == "time" && config.pipeline.balance.empty() && grid.stages > 1 && links.empty())
     std::printf("links: not counted (%s)\n", config.pipeline.link_bandwidth == "off"

@@ -252,7 +252,7 @@ void Executor::connect() {
   // The zero-bubble schedules again, ordered for this partition's costs (the placement
   // stays: it depends on the schedule's name alone).
   const StageCosts flops = flop_costs(model_, partition_, micro_);
-  schedule_ = lower(make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages, &flops));
+  schedule_ = lower(make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages, &flops, p.overlap_steps));
   if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
   stages_.clear();
   chunk_of_.assign(static_cast<std::size_t>(partition_.stages()), -1);
