@@ -11,6 +11,7 @@
 # The global batch is M x D x micro-size, so every run has micro-batches of one size.
 # interleaved:V runs --schedule interleaved --virtual-stages V (an M that is not a multiple
 # of the stages is skipped for it, with a line on stderr); its CSV rows say interleaved:V.
+# Runs with --overlap-steps (after --) say +ov after the schedule, e.g. zb-h2+ov.
 # Then: /usr/bin/python3 scripts/plot_sweep.py sweep.csv sweep.png
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -69,7 +70,7 @@ for M in $ms; do
 import json, sys
 s, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 v = s.get("virtual_stages", 1)
-print(f"{s['micro_batches']},{s['schedule']}{f':{v}' if v > 1 else ''},{s['stages']},{s['replicas']},{s['samples_per_s']:.6g},"
+print(f"{s['micro_batches']},{s['schedule']}{f':{v}' if v > 1 else ''}{'+ov' if s.get('overlap_steps') else ''},{s['stages']},{s['replicas']},{s['samples_per_s']:.6g},"
       f"{s['step_time_s']:.6g},{s['bubble_fraction']:.6g},{s['theoretical_bubble']:.6g},{b['samples_per_s']:.6g},"
       + ";".join(str(p) for p in s["peak_activation_bytes_per_rank"]))
 PY

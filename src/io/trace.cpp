@@ -148,7 +148,8 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
   return cat("{\"summary\": true, \"model\": \"", c.model.kind, "\", \"stages\": ", g.stages(), ", \"replicas\": ",
              g.replicas(), ", \"micro_batches\": ", c.micro_batches, ", \"batch_size\": ", c.batch_size,
              ", \"schedule\": \"", c.pipeline.schedule, "\", \"virtual_stages\": ", c.pipeline.virtual_stages,
-             ", \"remat\": \"", c.pipeline.remat, "\", ", numbers,
+             ", \"remat\": \"", c.pipeline.remat, "\", \"overlap_steps\": ", c.pipeline.overlap_steps ? "true" : "false",
+             ", \"updates_ahead\": ", exec.speculated(), ", \"updates_undone\": ", exec.rolled_back(), ", ", numbers,
              ", \"peak_activation_bytes_per_stage\": [", per_stage, "], \"peak_activation_bytes_per_rank\": [", per_rank,
              "], \"phase_s\": [", phases, "]}");
 }
