@@ -250,7 +250,7 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   }
   // Equal stages: the schedule built for unit costs, at unit costs; predicted: the one
   // that runs, at the partition's FLOPs.
-  const Schedule unit = lower(make_schedule(config.pipeline.schedule, K, M, v));
+  const Schedule unit = lower(make_schedule(config.pipeline.schedule, K, M, v, {nullptr, false, config.pipeline.in_flight}));
   const double theory = simulate(unit, StageCosts::unit(unit)).bubble_fraction;
   const double predicted = simulate(compute, flops).bubble_fraction;
   // The closed form of the equal-stage bubble where there is one (M >= K).
@@ -600,6 +600,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "spin (tests without pause: a few % faster on small models, but takes the core from every "
                  "other process on the node)")
       ->capture_default_str();
+  cmd.add_option("--in-flight", p.in_flight,
+                 "zb-h1, zb-h2, zbv: the most micro-batches (zbv: model stages of micro-batches) a rank holds "
+                 "between their F and their W, memory traded for bubble (0: the schedule's own, K, 2K-1 and 2K)")
+      ->capture_default_str();
   cmd.add_flag("--overlap-steps,!--no-overlap-steps", p.overlap_steps,
                "Post-validation: each rank updates as soon as its part of a step is done and starts the next "
                "step while the world agrees on the loss and norm; a step that needs clipping or a skip is undone "
@@ -653,8 +657,8 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   std::printf("\n");
   const StageCosts flops = flop_costs(model, part, micro);
   const Schedule s =
-      make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages, &flops,
-                    config.pipeline.overlap_steps);
+      make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages,
+                    {&flops, config.pipeline.overlap_steps, config.pipeline.in_flight});
   print_plan(config, model, part, grid, lower(s));
   if (config.pipeline.partition == "time" && config.pipeline.balance.empty() && grid.stages > 1 && links.empty())
     std::printf("links: not counted (%s)\n", config.pipeline.link_bandwidth == "off"

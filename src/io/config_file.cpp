@@ -124,6 +124,7 @@ std::string to_toml(const TrainConfig& c) {
   line("comm-progress", toml_quoted(q.comm_progress));
   line("comm-poll-us", toml_float(q.comm_poll_us));
   line("comm-wait", toml_quoted(q.comm_wait));
+  line("in-flight", cat(q.in_flight));
   line("overlap-steps", q.overlap_steps ? "true" : "false");
   line("log-every", cat(c.log_every));
   if (!c.checkpoint_dir.empty()) line("checkpoint-dir", toml_quoted(c.checkpoint_dir));

@@ -137,7 +137,8 @@ void validate(const TrainConfig& c, int world) {
                   "--batch-size ", c.batch_size, " does not split into --micro-batches ", c.micro_batches, " x ",
                   replicas, " replicas");
   // UserError for an unknown name, or a schedule file that does not fit or breaks a rule.
-  if (grid.stages > 0 || p.schedule.rfind("file:", 0) != 0) make_schedule(p.schedule, stages, c.micro_batches, v);
+  if (grid.stages > 0 || p.schedule.rfind("file:", 0) != 0)
+    make_schedule(p.schedule, stages, c.micro_batches, v, {nullptr, false, p.in_flight});
   const int layers = Model(c.model).size();
   if (!p.balance.empty()) {
     const Partition part = partition_from_balance(parse_balance(p.balance), layers);
@@ -252,7 +253,7 @@ void Executor::connect() {
   // The zero-bubble schedules again, ordered for this partition's costs (the placement
   // stays: it depends on the schedule's name alone).
   const StageCosts flops = flop_costs(model_, partition_, micro_);
-  schedule_ = lower(make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages, &flops, p.overlap_steps));
+  schedule_ = lower(make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages, {&flops, p.overlap_steps, p.in_flight}));
   if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
   stages_.clear();
   chunk_of_.assign(static_cast<std::size_t>(partition_.stages()), -1);
@@ -630,16 +631,15 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
     read_device_times(step);
   }
   pipeline_seconds_ = since(start);
-  if (training) pipeline_end_ = Clock::now();
 }
 
-void Executor::reduce_and_agree(std::int64_t step, double pipeline_seconds) {
+void Executor::reduce_and_agree(std::int64_t step, double pipeline_seconds, double dropped) {
   const auto reduce_start = Clock::now();
   reducer_->reduce();
   for (const Reducer::Done& d : reducer_->done())
     record(step, d.sum == Reducer::Sum::replicas ? TraceEvent::gradient_sum : TraceEvent::tied_sum, -1, d.completion.posted,
            d.completion.completed, d.layer);
-  reducer_->start_agree(holds_last() ? loss_sum_ : 0.0, times_.forward + times_.backward + times_.recompute,
+  reducer_->start_agree(holds_last() ? loss_sum_ : 0.0, times_.forward + times_.backward + times_.recompute - dropped,
                         pipeline_seconds, stop_requested_);
   times_.allreduce += since(reduce_start);
 }
@@ -655,7 +655,7 @@ double Executor::compute_gradients(std::int64_t step) {
   MPIPE_CHECK(!pending_, "compute_gradients() with a step in flight (settle() it first)");
   reducer_->clear_step_sums();  // a step's sums begin with its forward
   run_pipeline(step);
-  reduce_and_agree(step, pipeline_seconds_);
+  reduce_and_agree(step, pipeline_seconds_, 0.0);
   finish_agree(step);
   return agreed_loss();
 }
@@ -832,62 +832,58 @@ std::span<const StepResult> Executor::advance_unchecked(std::int64_t step) {
   const auto start = Clock::now();
   times_ = PhaseTimes{};
   std::size_t n = 0;
-  // This rank's cycle: from its last pass's end to this one's (the pipeline alone after a
-  // settle(), or for the first step).
-  const bool cycled = pending_;
-  const Clock::time_point previous_end = pipeline_end_;
   reducer_->clear_step_sums();
   run_pipeline(step);
+  double dropped = 0;  // compute of a pass that was dropped: not busy, but bubble
   if (pending_) {
     results_[n++] = validate_pending(/*pass_done=*/true);
     if (results_[n - 1].rolled_back) {  // again, with the parameters the world agreed on
+      dropped = times_.forward + times_.backward + times_.recompute;
       reducer_->clear_step_sums();
       run_pipeline(step);
     }
   }
-  // Less the update made in it: the pipeline's time, as without --overlap-steps.
-  const double cycle =
-      cycled ? std::chrono::duration<double>(pipeline_end_ - previous_end).count() - update_seconds_ : pipeline_seconds_;
-  reduce_and_agree(step, cycle);
+  // The bubble as without --overlap-steps: each rank's pipeline pass, which starts as soon
+  // as the rank is done with the step before and includes its wait for the first input.
+  reduce_and_agree(step, pipeline_seconds_, dropped);
   if (speculate_) {
     const auto opt_start = Clock::now();
     for (const Saved part : {values, gradients, first, second}) keep(part);
     optimizer_->update(learning_rate(config_.optimizer, step, config_.steps), ++updates_);
     reducer_->settle_buffers(true, updates_);
     keep(statistics);
-    update_seconds_ = since(opt_start);
-    times_.optimizer += update_seconds_;
+    times_.optimizer += since(opt_start);
     record(step, TraceEvent::optimizer, -1, opt_start);
     pending_ = true;
     pending_step_ = step;
     ++speculated_;
-  } else {
+  }
+  if (!pending_) {
     finish_agree(step);
     StepResult r = agreed_result(step);
-    r.seconds = agreed_.slowest;
     update(r);
     speculate_ = plain_update(r);
+    r.seconds = since(start);
     results_[n++] = r;
   }
   persistent_->reset();
-  close_times(since(start));
+  // A step's time is this rank's cycle, from its pass's start to its update's end: steps
+  // back to back follow each other at that pace.
+  pending_seconds_ = since(start);
+  close_times(pending_seconds_);
   return {results_.data(), n};
 }
 
 std::optional<StepResult> Executor::settle() {
   if (!pending_) return std::nullopt;
-  return named(*grid_, pending_step_, [&] {
-    const StepResult r = validate_pending(/*pass_done=*/false);
-    pipeline_end_ = Clock::time_point{};  // the next cycle starts afresh (a checkpoint or evaluation comes between)
-    return r;
-  });
+  return named(*grid_, pending_step_, [&] { return validate_pending(/*pass_done=*/false); });
 }
 
 StepResult Executor::validate_pending(bool pass_done) {
   pending_ = false;
   finish_agree(pending_step_);
   StepResult r = agreed_result(pending_step_);
-  r.seconds = agreed_.slowest;
+  r.seconds = pending_seconds_;
   if (plain_update(r)) {
     speculate_ = true;
     return r;  // the update made ahead is the one the agreement makes

@@ -182,8 +182,8 @@ Reducer::Agreed Reducer::finish_agree(std::int64_t step) {
   Agreed a;
   for (int i = 0; i < L; ++i) a.norm_squared += agree_buffer_[i];  // global layer order
   a.loss_sum = agree_buffer_[L];
-  a.slowest = *std::max_element(agree_buffer_.begin() + L + 3, agree_buffer_.end());
-  if (a.slowest > 0) a.bubble = std::max(0.0, 1.0 - agree_buffer_[L + 1] / (N * a.slowest));
+  const double slowest = *std::max_element(agree_buffer_.begin() + L + 3, agree_buffer_.end());
+  if (slowest > 0) a.bubble = std::max(0.0, 1.0 - agree_buffer_[L + 1] / (N * slowest));
   a.stop = agree_buffer_[L + 2] > 0.0;
   return a;
 }

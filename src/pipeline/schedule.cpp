@@ -263,14 +263,17 @@ StageCosts unit_split(int model_stages) { return StageCosts::uniform(model_stage
 // With costs, the order built for them or the one built for unit costs, whichever the
 // simulator finds shorter at those costs (a greedy order for the real costs is not always
 // the better one: stages that differ can mislead it).
-// `back_to_back` (--overlap-steps): shorter is the steady state's period, not one step's makespan.
-Schedule ordered_for(const Schedule& empty, const StageCosts* costs, const std::vector<int>& before_b,
-                     const std::vector<int>& before_w, bool back_to_back) {
+// options.back_to_back (--overlap-steps): shorter is the steady state's period, not one
+// step's makespan. options.in_flight replaces every list's `before_w`.
+Schedule ordered_for(const Schedule& empty, const ScheduleOptions& options, const std::vector<int>& before_b,
+                     std::vector<int> before_w) {
+  if (options.in_flight > 0) std::fill(before_w.begin(), before_w.end(), options.in_flight);
   Schedule unit = zero_bubble(empty, unit_split(empty.model_stages()), before_b, before_w);
-  if (!costs) return unit;
-  Schedule costed = zero_bubble(empty, *costs, before_b, before_w);
+  if (!options.costs) return unit;
+  const StageCosts& costs = *options.costs;
+  Schedule costed = zero_bubble(empty, costs, before_b, before_w);
   const auto length = [&](const Schedule& s) {
-    return back_to_back ? steady_state(lower(s), *costs).period : simulate(lower(s), *costs).makespan;
+    return options.back_to_back ? steady_state(lower(s), costs).period : simulate(lower(s), costs).makespan;
   };
   return length(costed) < length(unit) ? costed : unit;
 }
@@ -279,19 +282,19 @@ Schedule ordered_for(const Schedule& empty, const StageCosts* costs, const std::
 
 // ZB-H1: at most K - s micro-batches between F and B on stage s (1F1B's), K between F
 // and W, which keeps stage s from holding more micro-batches than stage 0 does under 1F1B.
-Schedule zb_h1_schedule(int stages, int micro_batches, const StageCosts* costs, bool back_to_back) {
+Schedule zb_h1_schedule(int stages, int micro_batches, const ScheduleOptions& options) {
   std::vector<int> before_b(static_cast<std::size_t>(stages)), before_w(before_b.size(), stages);
   for (int s = 0; s < stages; ++s) before_b[static_cast<std::size_t>(s)] = stages - s;
-  return ordered_for(empty_schedule("zb-h1", stages, micro_batches), costs, before_b, before_w, back_to_back);
+  return ordered_for(empty_schedule("zb-h1", stages, micro_batches), options, before_b, before_w);
 }
 
 // ZB-H2: the paper's longer warm-up, 2(K - s) - 1 micro-batches between F and B and 2K - 1
 // between F and W: more forwards wait in the first stages' queues, so a stage whose
 // forward or B is slower than the next one's still finds work.
-Schedule zb_h2_schedule(int stages, int micro_batches, const StageCosts* costs, bool back_to_back) {
+Schedule zb_h2_schedule(int stages, int micro_batches, const ScheduleOptions& options) {
   std::vector<int> before_b(static_cast<std::size_t>(stages)), before_w(before_b.size(), 2 * stages - 1);
   for (int s = 0; s < stages; ++s) before_b[static_cast<std::size_t>(s)] = 2 * (stages - s) - 1;
-  return ordered_for(empty_schedule("zb-h2", stages, micro_batches), costs, before_b, before_w, back_to_back);
+  return ordered_for(empty_schedule("zb-h2", stages, micro_batches), options, before_b, before_w);
 }
 
 // ZB-V: the V placement, at most 2K micro-batch model stages between F and W on a rank
@@ -299,15 +302,16 @@ Schedule zb_h2_schedule(int stages, int micro_batches, const StageCosts* costs, 
 // orders tried at unit costs (B or F first, either model stage first, limits 2K-1 to 3K)
 // the scheduler's reaches the bound (K-1)/(6M+K-1) most often at that memory: for
 // 2 <= K <= 8 and K <= M <= 32 in all but 12 of 196 cases, at most 6 ticks above it (a
-// limit of 3K reaches it in all). The V's turn (stages K-1 and K on the last rank) needs
-// no wait beyond stage order: its message goes from the rank to itself.
-Schedule zbv_schedule(int stages, int micro_batches, const StageCosts* costs, bool back_to_back) {
+// limit of 3K reaches it in all, and with steps back to back no bubble at all: --in-flight).
+// The V's turn (stages K-1 and K on the last rank) needs no wait beyond stage order: its
+// message goes from the rank to itself.
+Schedule zbv_schedule(int stages, int micro_batches, const ScheduleOptions& options) {
   Schedule s = empty_schedule("zbv", stages, micro_batches);
   s.virtual_stages = 2;
   s.placement = vee_placement(stages);
   const std::vector<int> before_b(static_cast<std::size_t>(stages), std::numeric_limits<int>::max()),
       before_w(before_b.size(), 2 * stages);
-  return ordered_for(s, costs, before_b, before_w, back_to_back);
+  return ordered_for(s, options, before_b, before_w);
 }
 
 std::vector<std::string> schedule_names() { return {"gpipe", "1f1b", "zb-h1", "zb-h2", "interleaved", "zbv"}; }
@@ -390,8 +394,44 @@ void place_from_actions(Schedule& s, const std::string& source) {
 
 }  // namespace
 
-Schedule make_schedule(const std::string& name, int stages, int micro_batches, int virtual_stages, const StageCosts* costs,
-                       bool back_to_back) {
+namespace {
+
+// A zero-bubble generator by name; an --in-flight too small for any order is a UserError
+// naming the smallest that works.
+Schedule zero_bubble_checked(const std::string& name, int stages, int micro_batches, const ScheduleOptions& options) {
+  const auto build = [&](const ScheduleOptions& o) {
+    return name == "zb-h1" ? zb_h1_schedule(stages, micro_batches, o)
+           : name == "zb-h2" ? zb_h2_schedule(stages, micro_batches, o)
+                             : zbv_schedule(stages, micro_batches, o);
+  };
+  MPIPE_REQUIRE(options.in_flight >= 0, "e.g. --in-flight 8, or 0 for the schedule's own", "--in-flight must be >= 0, got ",
+                options.in_flight);
+  if (options.in_flight == 0) return build(options);
+  try {
+    return build(options);
+  } catch (const Error&) {  // no order fits: the list scheduler made no progress
+    ScheduleOptions more = options;
+    const int most = 2 * micro_batches * (name == "zbv" ? 2 : 1);  // every micro-batch's every stage: no limit at all
+    for (more.in_flight = options.in_flight + 1; more.in_flight < most; ++more.in_flight) {
+      try {
+        build(more);
+        break;
+      } catch (const Error&) {
+      }
+    }
+    throw UserError(cat("--in-flight ", options.in_flight, " leaves ", name, " on ", stages,
+                        " stages no order that finishes: too few micro-batches between F and W"),
+                    cat("use --in-flight ", more.in_flight, " or more"));
+  }
+}
+
+}  // namespace
+
+Schedule make_schedule(const std::string& name, int stages, int micro_batches, int virtual_stages,
+                       const ScheduleOptions& options) {
+  MPIPE_REQUIRE(options.in_flight == 0 || name == "zb-h1" || name == "zb-h2" || name == "zbv",
+                "leave --in-flight out, or use --schedule zb-h1, zb-h2 or zbv",
+                "--in-flight sets the zero-bubble schedules' memory; --schedule ", name, " has its own");
   if (name == "interleaved") {
     MPIPE_REQUIRE(virtual_stages >= 2, "give --virtual-stages 2 (or more) with --schedule interleaved",
                   "--schedule interleaved with --virtual-stages ", virtual_stages, ": nothing to interleave");
@@ -403,7 +443,7 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
   if (name == "zbv") {
     MPIPE_REQUIRE(virtual_stages == 2, "leave --virtual-stages out (zbv sets 2), or give --virtual-stages 2",
                   "--schedule zbv runs two model stages per rank, not --virtual-stages ", virtual_stages);
-    return zbv_schedule(stages, micro_batches, costs, back_to_back);
+    return zero_bubble_checked(name, stages, micro_batches, options);
   }
   const std::vector<std::string> names = schedule_names();
   MPIPE_REQUIRE(virtual_stages == 1 || std::find(names.begin(), names.end(), name) == names.end(),
@@ -411,8 +451,7 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
                 " runs one stage per rank, not --virtual-stages ", virtual_stages);
   if (name == "gpipe") return gpipe_schedule(stages, micro_batches);
   if (name == "1f1b") return one_f_one_b_schedule(stages, micro_batches);
-  if (name == "zb-h1") return zb_h1_schedule(stages, micro_batches, costs, back_to_back);
-  if (name == "zb-h2") return zb_h2_schedule(stages, micro_batches, costs, back_to_back);
+  if (name == "zb-h1" || name == "zb-h2") return zero_bubble_checked(name, stages, micro_batches, options);
   if (name.rfind("file:", 0) == 0 && name.size() > 5) {
     const std::string path = name.substr(5), source = cat("schedule file '", path, "'");
     std::error_code ec;

@@ -41,6 +41,10 @@ mpipe_cli_test(plan_zb_h1 0 "bubble: 11.1% for equal stages" plan --config ${CMA
 mpipe_cli_test(plan_zb_h2 0 "bubble: 11.1% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h2)
 # With --overlap-steps ZB-H2's warm-up fills the previous step's cool-down: no bubble left.
 mpipe_cli_test(plan_zb_h2_overlap 0 "bubble with --overlap-steps \\(steps back to back, no clipping or skip\\): 0.0% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h2)
+# ZB-V with 3K model stages between F and W (--in-flight 12, 1.5 times 1F1B's memory): no bubble back to back.
+mpipe_cli_test(plan_zbv_in_flight 0 "bubble with --overlap-steps \\(steps back to back, no clipping or skip\\): 0.0% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zbv --in-flight 12)
+mpipe_cli_test(in_flight_too_few 2 "error: --in-flight 1 leaves zbv on 4 stages no order that finishes: too few micro-batches between F and W; hint: use --in-flight 2 or more" plan --ranks 4 --micro-batches 8 --schedule zbv --in-flight 1)
+mpipe_cli_test(in_flight_not_zb 2 "error: --in-flight sets the zero-bubble schedules' memory; --schedule 1f1b has its own; hint" plan --ranks 4 --schedule 1f1b --in-flight 3)
 # ZB-V at its bound (K-1)/(6M+K-1) = 3/51; zbv sets --virtual-stages 2 and names its V.
 mpipe_cli_test(plan_zbv 0 "bubble: 5.9% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zbv)
 mpipe_cli_test(plan_zbv_placement 0 "virtual stages: 2 per rank, model stages s and 7-s on pipeline stage s \\(a V\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zbv)

@@ -126,6 +126,44 @@ TEST_CASE("zbv: two model stages per rank in a V, the bound of a synchronized st
   CHECK_THROWS_WITH_AS(make_schedule("zbv", 4, 8, 3), doctest::Contains("two model stages per rank"), UserError);
 }
 
+TEST_CASE("steps back to back (--overlap-steps) and --in-flight: zb-h2 and zbv reach no bubble, memory for bubble") {
+  // A synchronized step keeps its warm-up: zb-h2 11.1% at K = 4, M = 8. Back to back the
+  // next step's warm-up fills this one's cool-down: none left. 1F1B gains nothing (its
+  // last stage is done first).
+  const auto steady = [](const Schedule& s) { return steady_state(lower(s), StageCosts::unit(s)).bubble_fraction; };
+  CHECK(simulate(lower(zb_h2_schedule(4, 8)), StageCosts::unit(zb_h2_schedule(4, 8))).bubble_fraction ==
+        doctest::Approx(3.0 / 27));
+  CHECK(steady(zb_h2_schedule(4, 8)) == doctest::Approx(0.0));
+  CHECK(steady(one_f_one_b_schedule(4, 8)) == doctest::Approx(3.0 / 11));
+  // zbv at 1F1B's memory keeps 3/51 back to back; with 3K model stages between F and W
+  // (1.5 times the memory) none, and no rank holds more than that.
+  CHECK(steady(zbv_schedule(4, 8)) == doctest::Approx(3.0 / 51));
+  for (int K : {2, 3, 4}) {
+    INFO("K=" << K);
+    ScheduleOptions more;
+    more.in_flight = 3 * K;
+    const Schedule wide = zbv_schedule(K, 2 * K, more);
+    REQUIRE(!validate(lower(wide)));
+    CHECK(steady(wide) < 1e-9);
+    for (int rank = 0; rank < K; ++rank) CHECK(in_flight(wide, rank) <= 3 * K);
+  }
+  // Less memory than the schedule's own: valid, slower; too little for any order of the V
+  // is a UserError naming the least that works; other schedules have no such limit.
+  ScheduleOptions one;
+  one.in_flight = 1;
+  const Schedule tight = zb_h1_schedule(4, 8, one);
+  REQUIRE(!validate(lower(tight)));
+  for (int rank = 0; rank < 4; ++rank) CHECK(in_flight(tight, rank) == 1);
+  CHECK_THROWS_WITH_AS(make_schedule("zbv", 4, 8, 2, one), doctest::Contains("--in-flight 1 leaves zbv on 4 stages no order"),
+                       UserError);
+  try {
+    make_schedule("zbv", 4, 8, 2, one);
+  } catch (const UserError& e) {
+    CHECK(e.hint() == "use --in-flight 2 or more");
+  }
+  CHECK_THROWS_WITH_AS(make_schedule("1f1b", 4, 8, 1, one), doctest::Contains("--schedule 1f1b has its own"), UserError);
+}
+
 TEST_CASE("zero-bubble schedules ordered for real costs: valid for any costs, never slower than the unit-cost order") {
   std::mt19937 random(7);
   std::uniform_real_distribution<double> cost(0.0, 3.0);
@@ -143,7 +181,7 @@ TEST_CASE("zero-bubble schedules ordered for real costs: valid for any costs, ne
             costs.backward[m] = costs.weight[m] + (empty ? 0.0 : cost(random));
           }
           INFO(name << " K=" << K << " M=" << M << " trial " << trial);
-          const Schedule ordered = lower(make_schedule(name, K, M, v, &costs));
+          const Schedule ordered = lower(make_schedule(name, K, M, v, {&costs}));
           REQUIRE(!validate(ordered));
           const Schedule unit = lower(make_schedule(name, K, M, v));
           CHECK(simulate(ordered, costs).makespan <= simulate(unit, costs).makespan + 1e-9);
@@ -152,7 +190,7 @@ TEST_CASE("zero-bubble schedules ordered for real costs: valid for any costs, ne
   // ZB-V where W is cheaper than F and B (this project's CPU GPT: W about 0.75 F): the
   // order for those costs against the unit-cost one, K = 2, M = 8.
   const StageCosts cheap_w = StageCosts::uniform(4, 1.0, 1.75, 0.75);
-  const double ordered = simulate(lower(zbv_schedule(2, 8, &cheap_w)), cheap_w).bubble_fraction;
+  const double ordered = simulate(lower(zbv_schedule(2, 8, {&cheap_w})), cheap_w).bubble_fraction;
   const double unit = simulate(lower(zbv_schedule(2, 8)), cheap_w).bubble_fraction;
   CHECK(ordered < 0.03);
   CHECK(unit > 0.06);

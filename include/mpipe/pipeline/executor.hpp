@@ -65,6 +65,7 @@ struct PipelineConfig {
   std::string comm_progress = "thread";  // thread | layers | waits (pipeline/progress.hpp)
   double comm_poll_us = 5000;      // the progress thread's poll interval while nothing moves, microseconds
   std::string comm_wait = "sleep";  // sleep | spin: how a wait passes the time once nothing moves
+  int in_flight = 0;               // zero-bubble schedules: micro-batches (zbv: model stages) held from F to W; 0: the schedule's own
   bool overlap_steps = false;      // update ahead of the step's agreement, checked after the next pass (Executor::advance)
 };
 
@@ -224,8 +225,9 @@ class Executor {
   StepResult step_unchecked(std::int64_t step);
   std::span<const StepResult> advance_unchecked(std::int64_t step);
   // After the pipeline pass: the sums over replicas and tied weights, then the
-  // agreement posted with this rank's `pipeline_seconds`; finish_agree() waits for it.
-  void reduce_and_agree(std::int64_t step, double pipeline_seconds);
+  // agreement posted with this rank's `pipeline_seconds` and its compute less `dropped`
+  // (of a dropped pass); finish_agree() waits for it.
+  void reduce_and_agree(std::int64_t step, double pipeline_seconds, double dropped);
   void finish_agree(std::int64_t step);
   double agreed_loss() const;
   StepResult agreed_result(std::int64_t step) const;  // from agreed_
@@ -286,12 +288,11 @@ class Executor {
   Reducer::Agreed agreed_;                         // the last step's
   double loss_sum_ = 0.0, correct_sum_ = 0.0;
   double pipeline_seconds_ = 0.0;  // this rank's last pipeline pass, from its start to its last action
-  std::chrono::steady_clock::time_point pipeline_end_{};  // of the last training pass
   // --overlap-steps
   std::array<StepResult, 2> results_{};  // what advance() returns
   bool pending_ = false;                 // a step updated ahead of its agreement
   std::int64_t pending_step_ = -1;
-  double update_seconds_ = 0;            // of the update made ahead
+  double pending_seconds_ = 0;           // this rank's cycle of the step updated ahead
   bool speculate_ = true;                // the next step updates ahead
   std::int64_t speculated_ = 0, rolled_back_ = 0;
   // What an update made ahead replaces, in one block where the state lives (host or

@@ -44,7 +44,6 @@ class Reducer {
     // 1 - Σ busy / (ranks × slowest), as simulate() counts it. A rank that is done early
     // (the last stage under 1F1B) idles until the slowest one is, and that is bubble too.
     double bubble = 0;
-    double slowest = 0;  // the slowest rank's pipeline seconds
     bool stop = false;
   };
 

@@ -76,19 +76,31 @@ struct StageCosts;
 // null: with the stages' real costs, where W is cheaper than F and B and stages differ,
 // they order the actions for those (zbv at K = 2, M = 8 with W = 0.75 F: 2.2% simulated
 // against 6.9% for the unit-cost order).
+// How the zero-bubble generators build: `costs` per model stage (null: unit costs);
+// `back_to_back` (--overlap-steps): of the orders they build for the costs and for unit
+// costs, they keep the one whose steps run back to back faster (steady_state()), not the
+// one whose single step does; `in_flight` (--in-flight): the most micro-batches (model
+// stages of micro-batches for zbv) a rank holds between their F and their W, 0: the
+// schedule's own (K for zb-h1, 2K - 1 for zb-h2, 2K for zbv).
+struct ScheduleOptions {
+  const StageCosts* costs = nullptr;
+  bool back_to_back = false;
+  int in_flight = 0;
+};
+
 Schedule gpipe_schedule(int stages, int micro_batches);
 Schedule one_f_one_b_schedule(int stages, int micro_batches);
 // ZB-H1 (Qi et al. 2023, zero bubble): B is the input gradient alone, W the weight
 // gradient, which nothing waits for and which fills what would be bubbles. At most
 // K - s micro-batches between F and B on stage s (1F1B's), at most K between F and W.
 // Bubble at unit costs F = B = W: (K-1) / (3M + K-1), a third of 1F1B's.
-Schedule zb_h1_schedule(int stages, int micro_batches, const StageCosts* costs = nullptr, bool back_to_back = false);
+Schedule zb_h1_schedule(int stages, int micro_batches, const ScheduleOptions& options = {});
 // ZB-H2: ZB-H1 with the paper's longer warm-up, at most 2(K - s) - 1 micro-batches between
 // F and B and 2K - 1 between F and W (about twice 1F1B's memory). At equal costs it has
 // ZB-H1's bubble, the bound of a step that ends in a synchronized optimizer step; it
 // gains where W is cheaper than F and B (K = 4, M = 8 at F 3.4, B 3.6, W 2.5: 11.8%
 // against zb-h1's 15.1%) or a middle stage is slower: the queued forwards fill the gaps.
-Schedule zb_h2_schedule(int stages, int micro_batches, const StageCosts* costs = nullptr, bool back_to_back = false);
+Schedule zb_h2_schedule(int stages, int micro_batches, const ScheduleOptions& options = {});
 // Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v model stages per pipeline
 // stage, run in groups of K micro-batches (all of a group's forwards on one model stage,
 // then on the next); K - 1 - s pipeline stages' worth of warm-up, twice, plus (v-1)·K.
@@ -104,18 +116,16 @@ Schedule interleaved_schedule(int stages, int virtual_stages, int micro_batches)
 // the earlier model stage first, else the oldest pending W. Bubble at unit costs at or
 // near the bound of a synchronized step, (K-1)/(6M+K-1): the last rank waits K-1
 // half-stage forwards for its first input.
-Schedule zbv_schedule(int stages, int micro_batches, const StageCosts* costs = nullptr, bool back_to_back = false);
+Schedule zbv_schedule(int stages, int micro_batches, const ScheduleOptions& options = {});
 // By name: gpipe, 1f1b, zb-h1, interleaved (virtual_stages >= 2; the others 1), zbv
 // (virtual_stages 2), or
 // file:PATH (a schedule file: parse_schedule, then checked for `stages`,
 // `virtual_stages` and `micro_batches` and by validate(), each problem a UserError naming
 // the file, the stage and the action); UserError for an unknown name.
-// `costs`: per model stage, for the zero-bubble generators (null: unit costs).
-// `back_to_back` (--overlap-steps): of the orders they build for the costs and for unit
-// costs, they keep the one whose steps run back to back faster (steady_state()), not the
-// one whose single step does.
+// `options`: for the zero-bubble generators (UserError for an in_flight set with another
+// schedule, or one too small for any order).
 Schedule make_schedule(const std::string& name, int stages, int micro_batches, int virtual_stages = 1,
-                       const StageCosts* costs = nullptr, bool back_to_back = false);
+                       const ScheduleOptions& options = {});
 // The built-in generators (file:PATH is not one).
 std::vector<std::string> schedule_names();
 
