@@ -190,6 +190,13 @@ double available_memory() {
   return available;
 }
 
+// fp32 floats per parameter a rank keeps: values, gradients and optimizer state, and with
+// --overlap-steps a second copy of each to go back to.
+double state_copies(const TrainConfig& config) {
+  return (2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size())) *
+         (config.pipeline.overlap_steps ? 2.0 : 1.0);
+}
+
 // `compute`: the lowered schedule train runs (the zero-bubble ones ordered for the
 // partition's FLOPs).
 void print_plan(const TrainConfig& config, const Model& model, const Partition& part, const GridShape& grid,
@@ -226,9 +233,7 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
                 config.pipeline.link_bandwidth == "auto" ? "measured" : "configured", links.c_str(), work.c_str(),
                 comm.c_str());
   }
-  // Values, gradients and optimizer state, fp32; --overlap-steps keeps a second copy of each to go back to.
-  const double states = (2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size())) *
-                        (config.pipeline.overlap_steps ? 2.0 : 1.0);
+  const double states = state_copies(config);
   std::printf("%-6s %-9s %-28s %10s %12s %14s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb", "weights+state",
               "act. no remat", "act. remat");
   for (int s = 0; s < part.stages(); ++s) {
@@ -279,9 +284,7 @@ void check_memory(const TrainConfig& config, Executor& exec, int node_ranks) {
   const Schedule& schedule = exec.schedule();
   const int live = in_flight(schedule, stage);
   const bool remat = config.pipeline.remat == "always" || (config.pipeline.remat == "except-last" && stage + 1 < K);
-  // Values, gradients and optimizer state; --overlap-steps keeps a second copy of each to go back to.
-  const double states = (2.0 + static_cast<double>(Optimizer::state_names(config.optimizer).size())) *
-                        (config.pipeline.overlap_steps ? 2.0 : 1.0);
+  const double states = state_copies(config);
   double weights = 0, activations = 0;  // over the rank's model stages
   for (const int m : schedule.stages_of(stage)) {
     weights += 4.0 * figures[m].params * states;
@@ -380,7 +383,7 @@ std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator&
                                std::round(row.max[i] * 1e4) / 10).c_str());
     std::printf("\n");
   }
-  *simulated = overlapped ? steady_state(schedule, measured).bubble_fraction : simulate(schedule, measured).bubble_fraction;
+  *simulated = bubble_fraction(schedule, measured, overlapped);
   std::printf("bubble: measured %.1f%% (mean over steps; every rank's idle up to the slowest one's end%s), schedule's "
               "theoretical %.1f%% (unit costs), %.1f%% simulated with the measured action times\n",
               100 * mine.bubble / mine.steps, overlapped ? ", steps back to back" : "", 100 * theory, 100 * *simulated);
@@ -659,7 +662,8 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   const Schedule s =
       make_schedule(config.pipeline.schedule, grid.stages, config.micro_batches, config.pipeline.virtual_stages,
                     {&flops, config.pipeline.overlap_steps, config.pipeline.in_flight});
-  print_plan(config, model, part, grid, lower(s));
+  const Schedule lowered = lower(s);
+  print_plan(config, model, part, grid, lowered);
   if (config.pipeline.partition == "time" && config.pipeline.balance.empty() && grid.stages > 1 && links.empty())
     std::printf("links: not counted (%s)\n", config.pipeline.link_bandwidth == "off"
                                                   ? "--link-bandwidth off"
@@ -667,7 +671,7 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   std::printf("ranks:");
   for (int r = 0; r < ranks; ++r) std::printf(" %d=s%d/r%d", r, grid.stage_of(r), grid.replica_of(r));
   std::printf("\n");
-  print_schedule_grid(lower(s));
+  print_schedule_grid(lowered);
   if (!write_schedule.empty()) {
     std::ofstream out(write_schedule);
     out << cat("# mpipe schedule ", s.name, ": ", grid.stages, " stages, ", config.micro_batches,
@@ -814,8 +818,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   }
 
   const bool overlapped = config.pipeline.overlap_steps;
-  const double theory = overlapped ? steady_state(exec->schedule(), StageCosts::unit(exec->schedule())).bubble_fraction
-                                   : simulate(exec->schedule(), StageCosts::unit(exec->schedule())).bubble_fraction;
+  const double theory = bubble_fraction(exec->schedule(), StageCosts::unit(exec->schedule()), overlapped);
   const int64_t tokens_per_sample = exec->model().tokens();
   PhaseStats stats;
   stats.stage = grid.stage();

@@ -766,30 +766,19 @@ std::span<float> Executor::live(Saved part) const {
   return {};
 }
 
-void Executor::keep(Saved part) {
-  const std::span<float> from = live(part);
-  float* to = saved_ + saved_at_[part];
+void Executor::copy_saved(Saved part, bool back) {
+  const std::span<float> state = live(part);
+  float* saved = saved_ + saved_at_[part];
+  const auto copy = [&](float* at, std::size_t count) {
+    if (count == 0) return;  // SGD has no second state
+    device_ops_->copy(back ? at : saved, back ? saved : at, count * sizeof(float));
+    saved += count;
+  };
   if (part != statistics) {
-    if (!from.empty()) device_ops_->copy(to, from.data(), from.size_bytes());  // SGD has no second state
+    copy(state.data(), state.size());
     return;
   }
-  for (const auto& [offset, count] : buffer_spans_) {
-    device_ops_->copy(to, from.data() + offset, count * sizeof(float));
-    to += count;
-  }
-}
-
-void Executor::bring_back(Saved part) {
-  const std::span<float> to = live(part);
-  const float* from = saved_ + saved_at_[part];
-  if (part != statistics) {
-    if (!to.empty()) device_ops_->copy(to.data(), from, to.size_bytes());
-    return;
-  }
-  for (const auto& [offset, count] : buffer_spans_) {
-    device_ops_->copy(to.data() + offset, from, count * sizeof(float));
-    from += count;
-  }
+  for (const auto& [offset, count] : buffer_spans_) copy(state.data() + offset, count);
 }
 
 StepResult Executor::step(std::int64_t step) {
@@ -848,10 +837,10 @@ std::span<const StepResult> Executor::advance_unchecked(std::int64_t step) {
   reduce_and_agree(step, pipeline_seconds_, dropped);
   if (speculate_) {
     const auto opt_start = Clock::now();
-    for (const Saved part : {values, gradients, first, second}) keep(part);
+    for (const Saved part : {values, gradients, first, second}) copy_saved(part, /*back=*/false);
     optimizer_->update(learning_rate(config_.optimizer, step, config_.steps), ++updates_);
     reducer_->settle_buffers(true, updates_);
-    keep(statistics);
+    copy_saved(statistics, /*back=*/false);
     times_.optimizer += since(opt_start);
     record(step, TraceEvent::optimizer, -1, opt_start);
     pending_ = true;
@@ -891,23 +880,16 @@ StepResult Executor::validate_pending(bool pass_done) {
   // The bet is lost: the next pass (if it ran) saw parameters the world does not agree
   // on. Its sums finish as on every other rank, then it is dropped.
   if (pass_done) reducer_->reduce();
-  const auto opt_start = Clock::now();
-  for (const Saved part : {values, gradients, first, second}) bring_back(part);
+  for (const Saved part : {values, gradients, first, second}) copy_saved(part, /*back=*/true);
   params_->refresh_compute_copy();  // a GPU's bf16 copy of the values
   --updates_;
   r.rolled_back = true;
   ++rolled_back_;
   speculate_ = false;
-  if (!std::isfinite(r.grad_norm) || !std::isfinite(r.loss)) {
-    r.skipped = true;
-    reducer_->settle_buffers(false, updates_);  // the running statistics as before the update
-  } else {
-    params_->scale_grads(static_cast<float>(config_.optimizer.clip_grad / r.grad_norm));
-    optimizer_->update(r.lr, ++updates_);
-    bring_back(statistics);  // as the update left them (the dropped pass moved them)
-  }
-  times_.optimizer += since(opt_start);
-  record(pending_step_, TraceEvent::optimizer, -1, opt_start);
+  update(r);  // the agreed one, as without --overlap-steps
+  // Running statistics as the update made ahead left them (the dropped pass moved them,
+  // and with --batchnorm deferred its sums replaced the step's); a skip settles them itself.
+  if (!r.skipped) copy_saved(statistics, /*back=*/true);
   return r;
 }
 

@@ -153,11 +153,6 @@ void Reducer::reduce() {
     done_.push_back({Sum::tied, t.layer, t.sum->finish(timeout_, "the tied-weight gradient sum of layer", t.layer)});
 }
 
-Reducer::Agreed Reducer::agree(double loss_sum, double busy, double pipeline, bool stop, int step) {
-  start_agree(loss_sum, busy, pipeline, stop);
-  return finish_agree(step);
-}
-
 void Reducer::start_agree(double loss_sum, double busy, double pipeline, bool stop) {
   MPIPE_CHECK(!agreeing(), "an agreement is already in flight");
   const int L = model_.size();

@@ -15,6 +15,13 @@ namespace mpipe {
 
 namespace {
 
+// "0, 7": model stages for a message.
+std::string listed(const std::vector<int>& model_stages) {
+  std::string out;
+  for (const int m : model_stages) out += cat(out.empty() ? "" : ", ", m);
+  return out;
+}
+
 const char* prefix(ActionKind kind) {
   switch (kind) {
     case ActionKind::forward: return "F";
@@ -383,18 +390,13 @@ void place_from_actions(Schedule& s, const std::string& source) {
     if (named[static_cast<std::size_t>(m)] >= 0) s.placement[static_cast<std::size_t>(m)] = named[static_cast<std::size_t>(m)];
   for (int list = 0; list < s.stages; ++list) {
     const std::vector<int> mine = s.stages_of(list);
-    std::string names;
-    for (const int m : mine) names += cat(names.empty() ? "" : ", ", m);
+    const std::string names = listed(mine);
     MPIPE_REQUIRE(static_cast<int>(mine.size()) == s.virtual_stages,
                   cat("give each stage ", s.virtual_stages, " model stages (--virtual-stages)"), source, ": stage ", list,
                   " runs model stage", mine.size() == 1 ? " " : "s ", names.empty() ? "none" : names, ", not ",
                   s.virtual_stages);
   }
 }
-
-}  // namespace
-
-namespace {
 
 // A zero-bubble generator by name; an --in-flight too small for any order is a UserError
 // naming the smallest that works.
@@ -601,6 +603,10 @@ Simulation simulate(const Schedule& s, const StageCosts& costs, int steps) {
   return sim;
 }
 
+double bubble_fraction(const Schedule& lowered, const StageCosts& costs, bool back_to_back) {
+  return back_to_back ? steady_state(lowered, costs).bubble_fraction : simulate(lowered, costs).bubble_fraction;
+}
+
 SteadyState steady_state(const Schedule& lowered, const StageCosts& costs) {
   // Steps back to back settle into a period within a few steps (each stage's lag behind
   // the one before is bounded by one step): the makespan's growth from 4 to 8 steps.
@@ -643,11 +649,8 @@ std::optional<std::string> validate(const Schedule& s) {
       return cat("stage ", st, ": runs ", mine.size(), " model stages of the placement, not ", v);
     for (const Action& a : s.actions[st]) {
       const int m = s.stage_of(st, a);
-      if (a.is_compute() && (m >= stages || s.list_of(m) != st)) {
-        std::string names;
-        for (const int own : mine) names += cat(names.empty() ? "" : ", ", own);
-        return cat("stage ", st, ": ", to_string(a), " is not on one of its model stages (", names, " of ", stages, ")");
-      }
+      if (a.is_compute() && (m >= stages || s.list_of(m) != st))
+        return cat("stage ", st, ": ", to_string(a), " is not on one of its model stages (", listed(mine), " of ", stages, ")");
     }
     for (int i = 0; i < static_cast<int>(s.actions[st].size()); ++i) {
       const Action& a = s.actions[st][i];

@@ -304,8 +304,7 @@ class Executor {
   std::array<std::size_t, saved_parts + 1> saved_at_{};  // where each part begins, in floats
   std::vector<std::pair<std::size_t, std::size_t>> buffer_spans_;  // (offset, count) of running statistics
   std::span<float> live(Saved part) const;  // the state a part keeps (statistics: all values)
-  void keep(Saved part);                    // into the block
-  void bring_back(Saved part);              // out of it
+  void copy_saved(Saved part, bool back);  // into the block, or `back` out of it
   bool evaluating_ = false;  // record() is quiet
   std::int64_t updates_ = 0;
   PhaseTimes times_;

@@ -69,11 +69,10 @@ class Reducer {
   std::span<const Done> done() const { return done_; }
   // Collective over the world: this rank's loss sum (its share, 0 where it holds no loss),
   // its seconds of compute (`busy`) in its `pipeline` seconds, and its stop request, with
-  // the gradient norms of the layers it holds.
-  Agreed agree(double loss_sum, double busy, double pipeline, bool stop, int step);
-  // agree() in two halves, so that a rank can go on with the next step's pipeline while
-  // the sum moves (--overlap-steps): start_agree() reads the gradient norms and posts the
-  // allreduce, finish_agree() waits for it. One agreement in flight at a time.
+  // the gradient norms of the layers it holds. In two halves, so that a rank can go on
+  // with the next step's pipeline while the sum moves (--overlap-steps): start_agree()
+  // reads the gradient norms and posts the allreduce, finish_agree() waits for it. One
+  // agreement in flight at a time.
   void start_agree(double loss_sum, double busy, double pipeline, bool stop);
   Agreed finish_agree(std::int64_t step);
   bool agreeing() const { return agree_ticket_ != Progress::none; }

@@ -70,12 +70,6 @@ std::vector<int> vee_placement(int stages);
 
 struct StageCosts;
 
-// Generators: compute-only lists, backward always in ascending micro-batch order. The
-// zero-bubble ones (zb-h1, zb-h2, zbv) are built by list scheduling on the simulator's
-// clock with `costs` (per model stage; StageCosts below), unit costs (F = B = W) when
-// null: with the stages' real costs, where W is cheaper than F and B and stages differ,
-// they order the actions for those (zbv at K = 2, M = 8 with W = 0.75 F: 2.2% simulated
-// against 6.9% for the unit-cost order).
 // How the zero-bubble generators build: `costs` per model stage (null: unit costs);
 // `back_to_back` (--overlap-steps): of the orders they build for the costs and for unit
 // costs, they keep the one whose steps run back to back faster (steady_state()), not the
@@ -88,6 +82,12 @@ struct ScheduleOptions {
   int in_flight = 0;
 };
 
+// Generators: compute-only lists, backward always in ascending micro-batch order. The
+// zero-bubble ones (zb-h1, zb-h2, zbv) are built by list scheduling on the simulator's
+// clock with the options' costs (StageCosts below), unit costs (F = B = W) when null:
+// with the stages' real costs, where W is cheaper than F and B and stages differ, they
+// order the actions for those (zbv at K = 2, M = 8 with W = 0.75 F: 2.2% simulated
+// against 6.9% for the unit-cost order).
 Schedule gpipe_schedule(int stages, int micro_batches);
 Schedule one_f_one_b_schedule(int stages, int micro_batches);
 // ZB-H1 (Qi et al. 2023, zero bubble): B is the input gradient alone, W the weight
@@ -179,6 +179,8 @@ struct SteadyState {
   double period = 0.0, bubble_fraction = 0.0;
 };
 SteadyState steady_state(const Schedule& lowered, const StageCosts& costs);
+// The bubble of one step (simulate()), or of steps back to back (steady_state()).
+double bubble_fraction(const Schedule& lowered, const StageCosts& costs, bool back_to_back);
 
 // Checks a lowered schedule: every micro-batch's forward and backward exactly once per
 // stage, backward after forward, on a stage with W actions one W per micro-batch after
