@@ -71,6 +71,18 @@ resume)
   grep "resumed from .*ckpt-00000003.h5" <<<"$out" >/dev/null || fail "did not resume: $out"
   [[ "$(losses "$work/full.jsonl" | cut -d' ' -f4-)" == "$(losses "$work/b.jsonl")" ]] || fail "losses differ"
   same_tensors "$work/full/ckpt-00000006.h5" "$work/part/ckpt-00000006.h5"
+  # --overlap-steps with clipping that fires on some steps (bets won and lost; a lost one
+  # is in flight at a checkpoint, which must wait for it): each checkpoint holds the agreed
+  # state, the same as without it, and a resumed run goes on the same.
+  mkdir "$work/sync" "$work/ahead" "$work/ahead-part"
+  run 2 "${model[@]}" --steps 6 --clip-grad 1.1 --checkpoint-dir "$work/sync" --checkpoint-every 2 >/dev/null
+  out=$(run 2 "${model[@]}" --steps 6 --clip-grad 1.1 --overlap-steps --checkpoint-dir "$work/ahead" --checkpoint-every 2)
+  grep -E "overlap-steps: [1-9][0-9]* updates made ahead of their agreement, [1-9][0-9]* undone" <<<"$out" >/dev/null ||
+    fail "no update made ahead and undone: $out"
+  for step in 2 4 6; do same_tensors "$work/sync/ckpt-0000000$step.h5" "$work/ahead/ckpt-0000000$step.h5"; done
+  cp "$work/ahead/ckpt-00000002.h5" "$work/ahead-part/"
+  run 2 "${model[@]}" --steps 6 --clip-grad 1.1 --overlap-steps --checkpoint-dir "$work/ahead-part" >/dev/null
+  same_tensors "$work/sync/ckpt-00000006.h5" "$work/ahead-part/ckpt-00000006.h5"
   ;;
 reshard)
   # K = 4, D = 1 -> K = 2, D = 1: training continues bitwise as the unbroken run.

@@ -14,6 +14,9 @@ mpipe_mpi_test(balance_stages 2 2 "error: --balance has 3 stages, the grid has 2
 mpipe_mpi_test(links_measured 4 0 "links \\(measured\\): 0->1 [0-9.]+ GB/s; per micro-batch, ms by stage: compute [0-9.]+ / [0-9.]+, links [0-9.]+ / [0-9.]+" ${SMALL} --micro-batches 2 --stages 2 --partition time)
 mpipe_mpi_test(rank_fails 4 1 "error: rank 2 \\(stage 2, replica 0\\) at step 1 during F0: injected failure" ${SMALL} --micro-batches 4)
 set_tests_properties(mpi.rank_fails PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};MPIPE_TEST_FAIL=2:1")
+# The same with --overlap-steps: step 1's agreement is in flight when rank 2 fails in step 2.
+mpipe_mpi_test(rank_fails_overlap 4 1 "error: rank 2 \\(stage 2, replica 0\\) at step 2 during F0: injected failure" ${SMALL} --micro-batches 4 --overlap-steps --clip-grad 0)
+set_tests_properties(mpi.rank_fails_overlap PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};MPIPE_TEST_FAIL=2:2")
 mpipe_mpi_test(rank_stalls 2 1 "rank 1 \\(stage 1, replica 0\\) at step 1 during RF0: timed out after 2 s waiting for the activation of micro-batch 0 .*; it comes from rank 0 \\(stage 0\\)" ${SMALL} --micro-batches 2 --p2p-timeout 2)
 set_tests_properties(mpi.rank_stalls PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};MPIPE_TEST_FAIL=0:1:stall")
 mpipe_mpi_test(config_broken 2 2 "error: config file '.*broken_array.toml' line 1, column 12" train --config ${CMAKE_CURRENT_SOURCE_DIR}/cli/configs/broken_array.toml)
