@@ -256,6 +256,7 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   // Equal stages: the schedule built for unit costs, at unit costs; predicted: the one
   // that runs, at the partition's FLOPs.
   const Schedule unit = lower(make_schedule(config.pipeline.schedule, K, M, v, {nullptr, false, config.pipeline.in_flight}));
+  const Schedule unit_overlapped = lower(make_schedule(config.pipeline.schedule, K, M, v, {nullptr, true, config.pipeline.in_flight}));
   const double theory = simulate(unit, StageCosts::unit(unit)).bubble_fraction;
   const double predicted = simulate(compute, flops).bubble_fraction;
   // The closed form of the equal-stage bubble where there is one (M >= K).
@@ -270,7 +271,8 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   // Post-validation: a stage starts the next step once its own part of this one is done.
   std::printf("bubble with --overlap-steps (steps back to back, no clipping or skip): %.1f%% for equal stages, %.1f%% "
               "predicted from this partition's FLOPs\n",
-              100 * steady_state(unit, StageCosts::unit(unit)).bubble_fraction, 100 * steady_state(compute, flops).bubble_fraction);
+              100 * steady_state(unit_overlapped, StageCosts::unit(unit_overlapped)).bubble_fraction,
+              100 * steady_state(compute, flops).bubble_fraction);
 }
 
 // Before any rank allocates (CPU): this rank's parameters, gradients, optimizer state

@@ -8,6 +8,7 @@
 #include <limits>
 #include <map>
 #include <sstream>
+#include <unordered_set>
 
 #include "mpipe/core/error.hpp"
 
@@ -267,6 +268,190 @@ Schedule zero_bubble(Schedule s, const StageCosts& costs, const std::vector<int>
 // Unit costs: F = B = W = 1 per model stage.
 StageCosts unit_split(int model_stages) { return StageCosts::uniform(model_stages, 1.0, 2.0, 1.0); }
 
+// Steps back to back (--overlap-steps) a list's part of a step runs from its first action
+// to its last (its window), then its next step's begins: nothing waits for the other lists
+// to finish. An order in which every list's window is at most L ticks at unit costs
+// repeats every L ticks or sooner (the simulator runs each list's order as early as it
+// can), and L = a list's own work is no bubble at all. The list scheduler above fills one
+// step from its start, which leaves gaps in the window of a list that both begins and ends
+// the step (the V's first rank). This search looks for windows of L directly: depth first,
+// tick by tick at unit costs, every list runs one action per tick or waits; a list waits
+// before its first action as long as it likes, after it only while its window has room;
+// the memory limits are the list scheduler's; a B comes first (the later model stage's),
+// then a forward (likewise), then the oldest W, then waiting; and a state already tried
+// (what each model stage has run, how long each list has been at it) is not tried again.
+// At most `budget` states: nullopt when it finds none within them.
+class WindowSearch {
+ public:
+  WindowSearch(const Schedule& empty, const std::vector<int>& before_b, const std::vector<int>& before_w)
+      : s_(empty), before_b_(before_b), before_w_(before_w) {
+    const int K = s_.stages, S = s_.model_stages();
+    for (int list = 0; list < K; ++list) {
+      lists_.push_back(s_.stages_of(list));
+      work_.push_back(3 * s_.micro_batches * static_cast<int>(lists_.back().size()));
+    }
+    f_.assign(S, 0), b_.assign(S, 0), w_.assign(S, 0);
+  }
+  // A list's longest work: no window is shorter.
+  int least() const { return *std::max_element(work_.begin(), work_.end()); }
+
+  std::optional<Schedule> run(int window, long budget, std::uint64_t seed = 0) {
+    const int K = s_.stages;
+    random_ = seed;
+    window_ = window, budget_ = budget, nodes_ = 0, aborted_ = false, left_ = 0;
+    std::fill(f_.begin(), f_.end(), 0), std::fill(b_.begin(), b_.end(), 0), std::fill(w_.begin(), w_.end(), 0);
+    start_.assign(K, -1), done_.assign(K, 0);
+    for (const int w : work_) left_ += w;
+    seen_.clear();
+    Schedule out = s_;
+    for (auto& list : out.actions) list.clear();
+    out_ = &out;
+    if (!visit(0)) return std::nullopt;
+    return out;
+  }
+
+ private:
+  struct Choice {
+    int stage = -1;  // -1: wait
+    ActionKind kind = ActionKind::forward;
+  };
+
+  bool visit(int t) {
+    const int K = s_.stages, S = s_.model_stages(), M = s_.micro_batches;
+    if (left_ == 0) return true;
+    if (++nodes_ > budget_) {
+      aborted_ = true;
+      return false;
+    }
+    std::uint64_t key = 0x9e3779b97f4a7c15ULL;
+    const auto mix = [&key](std::uint64_t v) {
+      key ^= v + 0x9e3779b97f4a7c15ULL + (key << 6) + (key >> 2);
+      key *= 0xbf58476d1ce4e5b9ULL;
+    };
+    for (int m = 0; m < S; ++m)
+      mix(static_cast<std::uint64_t>(f_[m]) | static_cast<std::uint64_t>(b_[m]) << 21 | static_cast<std::uint64_t>(w_[m]) << 42);
+    for (int list = 0; list < K; ++list) mix(static_cast<std::uint64_t>(start_[list] < 0 ? -1 : t - start_[list]));
+    if (!seen_.insert(key).second) return false;
+    // The last micro-batch's chain: its remaining forwards, then its backwards from the
+    // last model stage down, one tick each; a started list whose W of it cannot end within
+    // the window has lost.
+    int chain = 0;
+    for (int m = 0; m < S; ++m) chain += f_[m] < M;
+    for (int m = S; m-- > 0;) {
+      chain += b_[m] < M;
+      const int list = s_.list_of(m);
+      if (w_[m] < M && start_[list] >= 0 && t + chain + 1 > start_[list] + window_) return false;
+    }
+    // Every list's choices, in order of preference, from what has run before this tick.
+    const int per = 3 * static_cast<int>(lists_.front().size()) + 1;
+    std::vector<Choice> options(static_cast<std::size_t>(K * per));
+    std::vector<int> count(K, 0);
+    for (int list = 0; list < K; ++list) {
+      Choice* o = &options[static_cast<std::size_t>(list * per)];
+      int& n = count[list];
+      const std::vector<int>& mine = lists_[list];
+      if (done_[list] == work_[list]) {
+        o[n++] = {};
+        continue;
+      }
+      int to_b = 0, to_w = 0;
+      for (const int m : mine) to_b += f_[m] - b_[m], to_w += f_[m] - w_[m];
+      for (auto it = mine.rbegin(); it != mine.rend(); ++it)
+        if (b_[*it] < f_[*it] && (*it == S - 1 || b_[*it + 1] > b_[*it])) o[n++] = {*it, ActionKind::backward};
+      for (auto it = mine.rbegin(); it != mine.rend(); ++it)
+        if (f_[*it] < M && to_b < before_b_[list] && to_w < before_w_[list] && (*it == 0 || f_[*it - 1] > f_[*it]))
+          o[n++] = {*it, ActionKind::forward};
+      for (const int m : mine)
+        if (w_[m] < b_[m]) o[n++] = {m, ActionKind::weight};
+      if (start_[list] < 0) {
+        o[n++] = {};
+      } else {
+        const int used = t - start_[list] + (work_[list] - done_[list]);
+        if (used > window_) return false;  // cannot end within its window any more
+        if (used < window_) o[n++] = {};
+      }
+      if (n == 0) return false;
+      // A restart other than the first takes, now and then, its second choice first.
+      if (random_ && n > 1 && o[1].stage >= 0 && next_random() % 8 == 0) std::swap(o[0], o[1]);
+    }
+    std::vector<int> pick(K, 0);
+    for (;;) {
+      bool acts = false;
+      for (int list = 0; list < K; ++list) acts |= options[static_cast<std::size_t>(list * per + pick[list])].stage >= 0;
+      if (acts) {  // everyone waiting changes nothing
+        std::vector<int> started;
+        for (int list = 0; list < K; ++list) {
+          const Choice c = options[static_cast<std::size_t>(list * per + pick[list])];
+          if (c.stage < 0) continue;
+          int& n = c.kind == ActionKind::forward ? f_[c.stage] : c.kind == ActionKind::backward ? b_[c.stage] : w_[c.stage];
+          out_->actions[list].push_back({c.kind, n, S > K ? c.stage : -1});
+          ++n, ++done_[list], --left_;
+          if (start_[list] < 0) start_[list] = t, started.push_back(list);
+        }
+        if (visit(t + 1)) return true;
+        for (int list = 0; list < K; ++list) {
+          const Choice c = options[static_cast<std::size_t>(list * per + pick[list])];
+          if (c.stage < 0) continue;
+          int& n = c.kind == ActionKind::forward ? f_[c.stage] : c.kind == ActionKind::backward ? b_[c.stage] : w_[c.stage];
+          out_->actions[list].pop_back();
+          --n, --done_[list], ++left_;
+        }
+        for (const int list : started) start_[list] = -1;
+        if (aborted_) return false;
+      }
+      int list = 0;
+      while (list < K && ++pick[list] == count[list]) pick[list++] = 0;
+      if (list == K) return false;
+    }
+  }
+
+  std::uint64_t next_random() {  // splitmix64: the same on every rank
+    std::uint64_t z = (random_ += 0x9e3779b97f4a7c15ULL);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+  }
+
+  Schedule s_;
+  std::uint64_t random_ = 0;
+  std::vector<int> before_b_, before_w_, work_;
+  std::vector<std::vector<int>> lists_;
+  std::vector<int> f_, b_, w_, start_, done_;
+  std::unordered_set<std::uint64_t> seen_;
+  Schedule* out_ = nullptr;
+  int window_ = 0, left_ = 0;
+  long budget_ = 0, nodes_ = 0;
+  bool aborted_ = false;
+};
+
+// The shortest windows the search finds within its budget, when they are shorter than
+// `greedy`'s steady state at unit costs: the least possible first, then down from the
+// greedy order's period one tick at a time.
+std::optional<Schedule> windowed(const Schedule& empty, const std::vector<int>& before_b, const std::vector<int>& before_w,
+                                 const Schedule& greedy) {
+  const StageCosts unit = unit_split(empty.model_stages());
+  const double period = steady_state(lower(greedy), unit).period;
+  WindowSearch search(empty, before_b, before_w);
+  const int least = search.least();
+  if (period <= least + 1e-9) return std::nullopt;  // no bubble already
+  constexpr long per_try = 20000;  // states; a try that needs more has taken a wrong turn early
+  constexpr int tries = 8;
+  const auto attempt = [&](int window) -> std::optional<Schedule> {
+    for (int i = 0; i < tries; ++i)
+      if (auto found = search.run(window, per_try, static_cast<std::uint64_t>(i))) return found;
+    return std::nullopt;
+  };
+  if (auto found = attempt(least)) return found;
+  std::optional<Schedule> best;
+  for (int window = static_cast<int>(std::ceil(period - 1e-9)) - 1; window > least; --window) {
+    auto found = attempt(window);
+    if (!found) break;
+    best = std::move(found);
+  }
+  if (best && steady_state(lower(*best), unit).period < period - 1e-9) return best;
+  return std::nullopt;
+}
+
 // With costs, the order built for them or the one built for unit costs, whichever the
 // simulator finds shorter at those costs (a greedy order for the real costs is not always
 // the better one: stages that differ can mislead it).
@@ -276,13 +461,17 @@ Schedule ordered_for(const Schedule& empty, const ScheduleOptions& options, cons
                      std::vector<int> before_w) {
   if (options.in_flight > 0) std::fill(before_w.begin(), before_w.end(), options.in_flight);
   Schedule unit = zero_bubble(empty, unit_split(empty.model_stages()), before_b, before_w);
-  if (!options.costs) return unit;
+  std::optional<Schedule> windows;
+  if (options.back_to_back) windows = windowed(empty, before_b, before_w, unit);
+  if (!options.costs) return windows ? *windows : unit;
   const StageCosts& costs = *options.costs;
-  Schedule costed = zero_bubble(empty, costs, before_b, before_w);
   const auto length = [&](const Schedule& s) {
     return options.back_to_back ? steady_state(lower(s), costs).period : simulate(lower(s), costs).makespan;
   };
-  return length(costed) < length(unit) ? costed : unit;
+  Schedule best = zero_bubble(empty, costs, before_b, before_w);
+  for (Schedule* other : {&unit, windows ? &*windows : nullptr})
+    if (other && length(*other) <= length(best)) best = *other;
+  return best;
 }
 
 }  // namespace

@@ -135,9 +135,19 @@ TEST_CASE("steps back to back (--overlap-steps) and --in-flight: zb-h2 and zbv r
         doctest::Approx(3.0 / 27));
   CHECK(steady(zb_h2_schedule(4, 8)) == doctest::Approx(0.0));
   CHECK(steady(one_f_one_b_schedule(4, 8)) == doctest::Approx(3.0 / 11));
-  // zbv at 1F1B's memory keeps 3/51 back to back; with 3K model stages between F and W
-  // (1.5 times the memory) none, and no rank holds more than that.
+  // zbv's order for one step keeps 3/51 back to back: its first rank both starts and ends
+  // the step, with gaps. Ordered for steps back to back (the window search) none, at 1F1B's
+  // memory; with 3K model stages between F and W (1.5 times the memory) the list
+  // scheduler's order has none either, and no rank holds more than that.
   CHECK(steady(zbv_schedule(4, 8)) == doctest::Approx(3.0 / 51));
+  const ScheduleOptions back_to_back{nullptr, true};
+  for (const auto& [K, M] : std::vector<std::pair<int, int>>{{2, 4}, {2, 8}, {3, 6}, {3, 12}, {4, 8}, {4, 16}, {4, 32}}) {
+    INFO("K=" << K << " M=" << M);
+    const Schedule s = zbv_schedule(K, M, back_to_back);
+    REQUIRE(!validate(lower(s)));
+    CHECK(steady(s) < 1e-9);
+    for (int rank = 0; rank < K; ++rank) CHECK(in_flight(s, rank) <= 2 * K);
+  }
   for (int K : {2, 3, 4}) {
     INFO("K=" << K);
     ScheduleOptions more;
@@ -164,10 +174,40 @@ TEST_CASE("steps back to back (--overlap-steps) and --in-flight: zb-h2 and zbv r
   CHECK_THROWS_WITH_AS(make_schedule("1f1b", 4, 8, 1, one), doctest::Contains("--schedule 1f1b has its own"), UserError);
 }
 
+TEST_CASE("ordered for steps back to back: valid, within the schedule's memory, never slower back to back than its one-step order") {
+  const auto period = [](const Schedule& s, const StageCosts& costs) { return steady_state(lower(s), costs).period; };
+  std::mt19937 random(11);
+  std::uniform_real_distribution<double> cost(0.1, 3.0);
+  for (const std::string name : {"zb-h1", "zb-h2", "zbv"})
+    for (int K : {1, 2, 3, 4, 5, 6})
+      for (int M : {1, 2, 3, 5, 8, 12, 16}) {
+        INFO(name << " K=" << K << " M=" << M);
+        const int v = name == "zbv" ? 2 : 1;
+        const Schedule one = make_schedule(name, K, M, v);
+        const Schedule steps = make_schedule(name, K, M, v, {nullptr, true});
+        REQUIRE(!validate(lower(steps)));
+        const StageCosts unit = StageCosts::unit(one);
+        CHECK(period(steps, unit) <= period(one, unit) + 1e-9);
+        for (int rank = 0; rank < K; ++rank)
+          CHECK(in_flight(steps, rank) <= (name == "zb-h1" ? K : name == "zb-h2" ? 2 * K - 1 : 2 * K));
+        // With costs: never slower back to back than the orders built for one step.
+        StageCosts costs = StageCosts::uniform(K * v, 0.0, 0.0, 0.0);
+        for (int m = 0; m < K * v; ++m) {
+          costs.forward[m] = cost(random);
+          costs.weight[m] = cost(random) / 2;
+          costs.backward[m] = costs.weight[m] + cost(random);
+        }
+        const Schedule costed = make_schedule(name, K, M, v, {&costs, true});
+        REQUIRE(!validate(lower(costed)));
+        CHECK(period(costed, costs) <= period(make_schedule(name, K, M, v, {&costs}), costs) + 1e-9);
+        CHECK(period(costed, costs) <= period(one, costs) + 1e-9);
+      }
+}
+
 TEST_CASE("zero-bubble schedules ordered for real costs: valid for any costs, never slower than the unit-cost order") {
   std::mt19937 random(7);
   std::uniform_real_distribution<double> cost(0.0, 3.0);
-  for (const std::string& name : {"zb-h1", "zb-h2", "zbv"})
+  for (const std::string name : {"zb-h1", "zb-h2", "zbv"})
     for (int K : {1, 2, 3, 4, 6, 8})
       for (int M : {1, 2, 3, 5, 8, 16})
         for (int trial = 0; trial < 4; ++trial) {

@@ -71,9 +71,11 @@ std::vector<int> vee_placement(int stages);
 struct StageCosts;
 
 // How the zero-bubble generators build: `costs` per model stage (null: unit costs);
-// `back_to_back` (--overlap-steps): of the orders they build for the costs and for unit
-// costs, they keep the one whose steps run back to back faster (steady_state()), not the
-// one whose single step does; `in_flight` (--in-flight): the most micro-batches (model
+// `back_to_back` (--overlap-steps): they also search, at unit costs, for an order whose
+// every list runs its part of a step without a gap (then steps back to back have no
+// bubble), and of that and the orders they build for the costs and for unit costs keep
+// the one whose steps run back to back faster (steady_state()), not the one whose single
+// step does; `in_flight` (--in-flight): the most micro-batches (model
 // stages of micro-batches for zbv) a rank holds between their F and their W, 0: the
 // schedule's own (K for zb-h1, 2K - 1 for zb-h2, 2K for zbv).
 struct ScheduleOptions {
