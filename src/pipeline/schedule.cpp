@@ -279,8 +279,9 @@ StageCosts unit_split(int model_stages) { return StageCosts::uniform(model_stage
 // before its first action as long as it likes, after it only while its window has room;
 // the memory limits are the list scheduler's; a B comes first (the later model stage's),
 // then a forward (likewise), then the oldest W, then waiting; and a state already tried
-// (what each model stage has run, how long each list has been at it) is not tried again.
-// At most `budget` states: nullopt when it finds none within them.
+// (what each model stage has run, how long each list has been at it) is not tried again,
+// nor one from which a started list cannot end its remaining actions within its window
+// (tail_fits()). At most `budget` states: nullopt when it finds none within them.
 class WindowSearch {
  public:
   WindowSearch(const Schedule& empty, const std::vector<int>& before_b, const std::vector<int>& before_w)
@@ -332,16 +333,12 @@ class WindowSearch {
       mix(static_cast<std::uint64_t>(f_[m]) | static_cast<std::uint64_t>(b_[m]) << 21 | static_cast<std::uint64_t>(w_[m]) << 42);
     for (int list = 0; list < K; ++list) mix(static_cast<std::uint64_t>(start_[list] < 0 ? -1 : t - start_[list]));
     if (!seen_.insert(key).second) return false;
-    // The last micro-batch's chain: its remaining forwards, then its backwards from the
-    // last model stage down, one tick each; a started list whose W of it cannot end within
-    // the window has lost.
-    int chain = 0;
-    for (int m = 0; m < S; ++m) chain += f_[m] < M;
-    for (int m = S; m-- > 0;) {
-      chain += b_[m] < M;
-      const int list = s_.list_of(m);
-      if (w_[m] < M && start_[list] >= 0 && t + chain + 1 > start_[list] + window_) return false;
-    }
+    // Each started list's remaining actions cannot start before their inputs can be there
+    // (each F after its micro-batch's remaining earlier forwards, each B after all its
+    // remaining forwards and the later stages' remaining backwards, each W after its B,
+    // a model stage's actions of a kind one after another), and the list runs one per
+    // tick: a list that cannot end them within its window has lost.
+    if (!tail_fits(t)) return false;
     // Every list's choices, in order of preference, from what has run before this tick.
     const int per = 3 * static_cast<int>(lists_.front().size()) + 1;
     std::vector<Choice> options(static_cast<std::size_t>(K * per));
@@ -405,6 +402,57 @@ class WindowSearch {
     }
   }
 
+  bool tail_fits(int t) {
+    const int K = s_.stages, S = s_.model_stages(), M = s_.micro_batches;
+    // Forwards run down the model stages and backwards up them, so f_ never grows with the
+    // model stage and b_ never shrinks: the stages that have still to forward micro-batch i
+    // are those from first_forward_[i] on, the ones still to run its B those up to
+    // last_backward_[i].
+    first_forward_.assign(M, 0), last_backward_.assign(M, -1);
+    for (int m = 0; m < S; ++m) {
+      for (int i = 0; i < f_[m]; ++i) ++first_forward_[i];     // the stages that have forwarded i
+      for (int i = b_[m]; i < M; ++i) ++last_backward_[i];     // the stages that have still to run its B
+    }
+    for (int list = 0; list < K; ++list) {
+      if (start_[list] < 0 || done_[list] == work_[list]) continue;
+      const int end = start_[list] + window_;  // every action of the list ends by then
+      release_.assign(static_cast<std::size_t>(std::max(0, end - t)) + 1, 0);
+      bool late = false;
+      const auto add = [&](int at) {
+        if (at >= end) late = true;
+        else ++release_[static_cast<std::size_t>(at - t)];
+      };
+      for (const int m : lists_[list]) {
+        int previous = t - 1;
+        for (int i = f_[m]; i < M; ++i) {
+          previous = std::max(previous + 1, t + std::max(0, m - first_forward_[i]));  // after the earlier stages' forwards
+          add(previous);
+        }
+        int b_previous = t - 1;
+        b_at_.assign(M, t);
+        for (int i = b_[m]; i < M; ++i) {
+          // after every remaining forward of micro-batch i and the later stages' backwards
+          b_previous = std::max(b_previous + 1, t + (S - first_forward_[i]) + std::max(0, last_backward_[i] - m));
+          b_at_[i] = b_previous;
+          add(b_previous);
+        }
+        int w_previous = t - 1;
+        for (int i = w_[m]; i < M; ++i) {
+          w_previous = std::max(w_previous + 1, i >= b_[m] ? b_at_[i] + 1 : t);
+          add(w_previous);
+        }
+      }
+      if (late) return false;
+      // One action per tick: from each release time on, what is released then or later.
+      int after = 0;
+      for (int at = end - 1; at >= t; --at) {
+        after += release_[static_cast<std::size_t>(at - t)];
+        if (at + after > end) return false;
+      }
+    }
+    return true;
+  }
+
   std::uint64_t next_random() {  // splitmix64: the same on every rank
     std::uint64_t z = (random_ += 0x9e3779b97f4a7c15ULL);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
@@ -417,6 +465,7 @@ class WindowSearch {
   std::vector<int> before_b_, before_w_, work_;
   std::vector<std::vector<int>> lists_;
   std::vector<int> f_, b_, w_, start_, done_;
+  std::vector<int> first_forward_, last_backward_, release_, b_at_;  // tail_fits()'s
   std::unordered_set<std::uint64_t> seen_;
   Schedule* out_ = nullptr;
   int window_ = 0, left_ = 0;
@@ -434,7 +483,9 @@ std::optional<Schedule> windowed(const Schedule& empty, const std::vector<int>& 
   WindowSearch search(empty, before_b, before_w);
   const int least = search.least();
   if (period <= least + 1e-9) return std::nullopt;  // no bubble already
-  constexpr long per_try = 20000;  // states; a try that needs more has taken a wrong turn early
+  // States per try: each costs about one pass over the model stages' micro-batches.
+  const long work = static_cast<long>(empty.model_stages()) * empty.micro_batches;
+  const long per_try = std::clamp(20'000'000L / work, 2000L, 20000L);
   constexpr int tries = 8;
   const auto attempt = [&](int window) -> std::optional<Schedule> {
     for (int i = 0; i < tries; ++i)

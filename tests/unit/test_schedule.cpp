@@ -141,7 +141,7 @@ TEST_CASE("steps back to back (--overlap-steps) and --in-flight: zb-h2 and zbv r
   // scheduler's order has none either, and no rank holds more than that.
   CHECK(steady(zbv_schedule(4, 8)) == doctest::Approx(3.0 / 51));
   const ScheduleOptions back_to_back{nullptr, true};
-  for (const auto& [K, M] : std::vector<std::pair<int, int>>{{2, 4}, {2, 8}, {3, 6}, {3, 12}, {4, 8}, {4, 16}, {4, 32}}) {
+  for (const auto& [K, M] : std::vector<std::pair<int, int>>{{2, 4}, {2, 8}, {3, 6}, {3, 12}, {4, 8}, {4, 16}, {4, 32}, {5, 10}, {5, 20}, {6, 12}}) {
     INFO("K=" << K << " M=" << M);
     const Schedule s = zbv_schedule(K, M, back_to_back);
     REQUIRE(!validate(lower(s)));
