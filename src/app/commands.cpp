@@ -159,7 +159,11 @@ std::vector<StageFigures> stage_figures(const Model& model, const Partition& par
       const Cost c = model.layer(i).cost(shapes[i]);
       out[s].params += c.param_bytes / 4;
       out[s].activation += c.activation_bytes;
-      out[s].stash += c.weight_stash_bytes;
+      // A Linear whose next layer on the stage has no W keeps its dy in its own output's
+      // buffer (Stage::backward): no stash of its own.
+      const bool in_output = dynamic_cast<const Linear*>(&model.layer(i)) && i + 1 < part.end(s) &&
+                             !model.layer(i + 1).defers_weight();
+      if (!in_output) out[s].stash += c.weight_stash_bytes;
     }
     out[s].boundary = static_cast<double>(shapes[part.begin(s)].numel()) * 4;
   }

@@ -60,11 +60,31 @@ Context* Stage::forward(const Pass& pass, Tensor x, Tensor* output, Progress& pr
 
 void Stage::backward(Context* contexts, Tensor dy, const Tensor& dx_first, const Pass& pass, Arena& scratch,
                      const std::vector<Shape>& shapes, DType dtype, Reducer* reducer, Progress& progress) const {
-  for (int i = end_ - begin_ - 1; i >= 0; --i) {
+  const int n = end_ - begin_;
+  for (int i = n - 1; i >= 0; --i) {
     Tensor dx;
     if (i > 0) dx = scratch.tensor(shapes[static_cast<std::size_t>(begin_ + i)], dtype);
     else dx = dx_first;
-    model_.layer(begin_ + i).backward(contexts[i], dy, dx, GradMode::overwrite, pass);
+    Layer& layer = model_.layer(begin_ + i);
+    if (pass.stash && i + 1 < n && dynamic_cast<const Linear*>(&layer)) {
+      // Split: a Linear keeps its dy for W in its own output's buffer where nothing reads
+      // that any more (the next layer's backward has run, and no later W reads it, through
+      // a view or not): the LM head's in the logits, an MLP's in what its ReLU read. The
+      // same bits, and no more stash memory than the fused backward's.
+      Pass kept = pass;
+      const Tensor& out = contexts[i + 1].input;
+      bool free = out.shape == dy.shape && out.dtype == dy.dtype && out.device == dy.device;
+      const auto* begin = static_cast<const std::byte*>(out.data);
+      for (int j = i + 1; j < n && free; ++j) {
+        const Tensor& in = contexts[j].input;
+        const auto* at = static_cast<const std::byte*>(in.data);
+        if (model_.layer(begin_ + j).defers_weight() && at < begin + out.bytes() && begin < at + in.bytes()) free = false;
+      }
+      if (free) kept.stash_into = out;
+      layer.backward(contexts[i], dy, dx, GradMode::overwrite, kept);
+    } else {
+      layer.backward(contexts[i], dy, dx, GradMode::overwrite, pass);
+    }
     dy = dx;
     if (reducer) reducer->gradients_final(begin_ + i);
     progress.poll();  // messages and sums keep moving between layers

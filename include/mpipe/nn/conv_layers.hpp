@@ -14,6 +14,7 @@ class Conv2d final : public Layer {
   Conv2d(int64_t channels, int64_t out, int64_t kernel, int64_t stride, int64_t padding, int64_t groups, bool bias,
          float init_std);
   std::string kind() const override { return "conv2d"; }
+  bool defers_weight() const override { return true; }
   Shape output_shape(const Shape& in) const override;
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;

@@ -124,6 +124,10 @@ class Layer {
                 const Pass& pass);
   // After a split backward(ctx, ...): the weight gradients it left, accumulated (+=).
   void backward_weight(Context& ctx, const Pass& pass) { backward_weight_impl(ctx, pass); }
+  // Whether backward_weight() has work: it then reads what the forward kept (its input,
+  // a composite's parts' inputs) until it runs. The others' forward memory is free once
+  // their backward has run.
+  virtual bool defers_weight() const { return false; }
 
   int global_index() const { return global_index_; }
   // Composite layers pass the index on to their parts (it keys dropout masks).
@@ -160,6 +164,7 @@ class Linear final : public Layer {
  public:
   Linear(int64_t in, int64_t out, bool bias, float init_std);
   std::string kind() const override { return "linear"; }
+  bool defers_weight() const override { return true; }
   Shape output_shape(const Shape& in) const override;
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -277,6 +282,7 @@ class CausalSelfAttention final : public Layer {
  public:
   CausalSelfAttention(int64_t channels, int64_t heads, float init_std, float proj_std);
   std::string kind() const override { return "attention"; }
+  bool defers_weight() const override { return true; }
   void set_global_index(int index) override;
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
@@ -305,6 +311,7 @@ class TransformerBlock final : public Layer {
  public:
   TransformerBlock(int64_t channels, int64_t heads, float dropout, float init_std, float proj_std);
   std::string kind() const override { return "block"; }
+  bool defers_weight() const override { return true; }
   void set_global_index(int index) override;
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
@@ -337,6 +344,7 @@ class Residual final : public Layer {
   // `skip`: empty (the identity), {projection} or {projection, norm}.
   Residual(std::vector<std::unique_ptr<Layer>> inner, std::vector<std::unique_ptr<Layer>> skip);
   std::string kind() const override { return "residual"; }
+  bool defers_weight() const override { return true; }
   void set_global_index(int index) override;
   Shape output_shape(const Shape& in) const override;
   Cost cost(const Shape& in) const override;

@@ -23,6 +23,7 @@ class VocabChunk final : public Layer {
   // `tie`: the embedding layer whose token table this is a slice of, or -1.
   VocabChunk(int64_t vocab, int64_t chunk, int64_t chunks, int64_t channels, float init_std, int tie);
   std::string kind() const override { return "vocab-chunk"; }
+  bool defers_weight() const override { return true; }
   bool needs_targets() const override { return true; }
   Shape output_shape(const Shape& in) const override;
   Cost cost(const Shape& in) const override;
