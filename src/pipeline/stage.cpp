@@ -66,6 +66,9 @@ void Stage::backward(Context* contexts, Tensor dy, const Tensor& dx_first, const
     if (i > 0) dx = scratch.tensor(shapes[static_cast<std::size_t>(begin_ + i)], dtype);
     else dx = dx_first;
     Layer& layer = model_.layer(begin_ + i);
+    // What the layer's backward allocates beyond dx is dead when it returns (its dy, below
+    // the mark, stays): the next layer's backward reuses that memory.
+    const Arena::Mark temporaries = scratch.mark();
     if (pass.stash && i + 1 < n && dynamic_cast<const Linear*>(&layer)) {
       // Split: a Linear keeps its dy for W in its own output's buffer where nothing reads
       // that any more (the next layer's backward has run, and no later W reads it, through
@@ -85,6 +88,7 @@ void Stage::backward(Context* contexts, Tensor dy, const Tensor& dx_first, const
     } else {
       layer.backward(contexts[i], dy, dx, GradMode::overwrite, pass);
     }
+    scratch.rewind(temporaries);
     dy = dx;
     if (reducer) reducer->gradients_final(begin_ + i);
     progress.poll();  // messages and sums keep moving between layers

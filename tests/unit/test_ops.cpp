@@ -149,6 +149,26 @@ TEST_CASE("arena: the first step grows it, reset folds the blocks, later steps r
   CHECK(arena.capacity() >= 40u * 1024u * 64u * 4u);
 }
 
+TEST_CASE("arena: rewind(mark()) gives what was allocated since to the next allocations, across chained blocks too") {
+  Arena arena;
+  Tensor kept = arena.tensor(Shape{1024});
+  const Arena::Mark mark = arena.mark();
+  Tensor a = arena.tensor(Shape{1024, 64});
+  arena.tensor(Shape{1024, 1024});  // beyond the first block: a second one is chained
+  const std::size_t high = arena.high_water();
+  arena.rewind(mark);
+  CHECK(arena.used() == mark.used);
+  Tensor b = arena.tensor(Shape{1024, 64});
+  CHECK(b.data == a.data);  // the same memory again
+  CHECK(b.data != kept.data);
+  arena.tensor(Shape{1024, 1024});
+  CHECK(arena.high_water() == high);  // no more than before the rewind
+  const std::size_t growths = arena.growths();
+  arena.reset();
+  CHECK(arena.growths() == growths + 1);  // the fold, as after any first step
+  CHECK(arena.capacity() >= high);
+}
+
 TEST_CASE("vectorisable exp and GELU: within a few ulp of double precision") {
   // exp over its whole range, every 2^-12 in [-87, 87] (about 713k points).
   double worst_ulp = 0;

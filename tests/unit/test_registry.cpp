@@ -322,3 +322,33 @@ kind = "cross_entropy"
     else CHECK(stash_bytes > 0);  // the second Linear's input was not overwritten: the sums above agree
   }
 }
+
+TEST_CASE("a stage's backward reuses each layer's temporaries for the next: more blocks add only their input gradients") {
+  Progress progress(ProgressMode::layers, 1e-3, 1, false);
+  const auto scratch_bytes = [&](int blocks) {
+    ModelConfig c = one_block_gpt();
+    c.layers = blocks;
+    Model m(c);
+    const int n = m.size();
+    std::vector<int> all(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) all[static_cast<std::size_t>(i)] = i;
+    ParamStore store(m, all, 5);
+    const int64_t batch = 2;
+    std::vector<std::int32_t> tokens(static_cast<std::size_t>(m.input_shape(batch).numel()), 3), targets = tokens;
+    Arena slot, scratch;
+    Pass pass;
+    pass.arena = &slot;
+    pass.targets = {targets.data(), m.target_shape(batch), DType::i32, Device::cpu};
+    const Stage stage(m, 0, 0, n, 1, 1);
+    Tensor out;
+    Context* contexts = stage.forward(pass, {tokens.data(), m.input_shape(batch), DType::i32, Device::cpu}, &out, progress);
+    pass.arena = &scratch;
+    static float one = 1.0f;
+    stage.backward(contexts, make_tensor(&one, Shape{1}), Tensor{}, pass, scratch, m.shapes(batch), DType::f32, nullptr,
+                   progress);
+    return scratch.high_water();
+  };
+  // Each further block's input gradient, (2, 8, 16) floats: 1 KiB, a multiple of 64 bytes.
+  const std::size_t gradient = 2 * 8 * 16 * sizeof(float);
+  CHECK(scratch_bytes(3) == scratch_bytes(1) + 2 * gradient);
+}

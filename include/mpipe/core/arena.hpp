@@ -53,6 +53,14 @@ class Arena {
   }
 
   void reset();
+  // A point to come back to: rewind(mark()) makes what was allocated since free for the
+  // next allocations (the memory stays the arena's; on a GPU later kernels of the same
+  // stream reuse it in stream order). Contexts are not rewound.
+  struct Mark {
+    std::size_t block = 0, offset = 0, used = 0;
+  };
+  Mark mark() const { return {current_, offset_, used_total_}; }
+  void rewind(const Mark& m) { current_ = m.block, offset_ = m.offset, used_total_ = m.used; }
   std::size_t used() const { return used_total_; }
   // Peak bytes of tensors (and, in a host arena, contexts) between resets.
   std::size_t high_water() const { return high_water_; }
