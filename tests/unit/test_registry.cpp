@@ -64,6 +64,13 @@ std::string write_temp(const std::string& name, const std::string& text) {
   return path.string();
 }
 
+// 0, 1, ..., the model's last layer: a stage of all of it.
+std::vector<int> every_layer(const Model& m) {
+  std::vector<int> all(static_cast<std::size_t>(m.size()));
+  for (int i = 0; i < m.size(); ++i) all[static_cast<std::size_t>(i)] = i;
+  return all;
+}
+
 // A GPT of one block at d-model 16 (2 heads, 8 tokens, 32-token vocabulary).
 ModelConfig one_block_gpt() {
   ModelConfig c;
@@ -278,9 +285,7 @@ kind = "cross_entropy"
     INFO(name);
     Model m(config);
     const int n = m.size();
-    std::vector<int> all(static_cast<std::size_t>(n));
-    for (int i = 0; i < n; ++i) all[static_cast<std::size_t>(i)] = i;
-    ParamStore store(m, all, 5);
+    ParamStore store(m, every_layer(m), 5);
     const int64_t batch = 3;
     const std::vector<Shape> shapes = m.shapes(batch);
     const Shape in = m.input_shape(batch);
@@ -330,9 +335,7 @@ TEST_CASE("a stage's backward reuses each layer's temporaries for the next: more
     c.layers = blocks;
     Model m(c);
     const int n = m.size();
-    std::vector<int> all(static_cast<std::size_t>(n));
-    for (int i = 0; i < n; ++i) all[static_cast<std::size_t>(i)] = i;
-    ParamStore store(m, all, 5);
+    ParamStore store(m, every_layer(m), 5);
     const int64_t batch = 2;
     std::vector<std::int32_t> tokens(static_cast<std::size_t>(m.input_shape(batch).numel()), 3), targets = tokens;
     Arena slot, scratch;
