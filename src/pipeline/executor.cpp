@@ -292,6 +292,21 @@ void Executor::allocate() {
     device_ops_->allocate_batch(model_.input_shape(share), model_.input_dtype(), model_.target_shape(share));
   }
   slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_);
+  // Two more buffers than micro-batches in flight: a send posted two of the stage's Bs
+  // (forwards) ago has found its posted receive and completed by the time its buffer
+  // comes round again, so taking it rarely waits.
+  const int ring = std::min(M, in_flight(schedule_, grid_->stage()) + 2);
+  const bool remat = config_.pipeline.remat != "never";
+  gradient_rings_.assign(static_cast<std::size_t>(C), SendRing{});
+  output_rings_.assign(static_cast<std::size_t>(C), SendRing{});
+  for (int c = 0; c < C; ++c) {
+    const Stage& stage = stages_[static_cast<std::size_t>(c)];
+    for (auto [rings, used] : {std::pair{&gradient_rings_, !stage.first()}, std::pair{&output_rings_, remat && !stage.last()}})
+      if (used) {
+        (*rings)[static_cast<std::size_t>(c)].buffers.resize(static_cast<std::size_t>(ring));
+        (*rings)[static_cast<std::size_t>(c)].owner.assign(static_cast<std::size_t>(ring), -1);
+      }
+  }
   reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,
                                        config_.pipeline.batchnorm == "deferred", config_.pipeline.p2p_timeout);
   if (config_.pipeline.overlap_steps) {
@@ -377,6 +392,26 @@ std::vector<int> Executor::layers() const {
   for (const Stage& c : stages_)
     for (int i = c.begin(); i < c.end(); ++i) out.push_back(i);
   return out;
+}
+
+void Executor::fill_send_rings() {
+  for (std::size_t c = 0; c < stages_.size(); ++c) {
+    const Stage& stage = stages_[c];
+    for (auto [ring, shape] : {std::pair{&gradient_rings_[c], shapes_[static_cast<std::size_t>(stage.begin())]},
+                               std::pair{&output_rings_[c], shapes_[static_cast<std::size_t>(stage.end())]}}) {
+      for (Tensor& t : ring->buffers) t = persistent_->tensor(shape, dtype_);
+      std::fill(ring->owner.begin(), ring->owner.end(), -1);
+      ring->next = 0;
+    }
+  }
+}
+
+Tensor Executor::take_send_buffer(SendRing& ring, Direction direction, int c, int mb) {
+  const std::size_t r = static_cast<std::size_t>(ring.next);
+  ring.next = (ring.next + 1) % static_cast<int>(ring.buffers.size());
+  if (ring.owner[r] >= 0) times_.p2p_wait += transport_->wait_sent(direction, c, ring.owner[r]);
+  ring.owner[r] = mb;
+  return ring.buffers[r];
 }
 
 Arena* Executor::take_slot(Stage& stage, int mb) {
@@ -494,7 +529,7 @@ void Executor::run_forward(std::int64_t step, int c, int mb, bool training) {
     // Keep only what leaves the stage; the contexts die with the scratch arena (whose
     // memory the GPU stream reuses only after this copy, in stream order).
     if (!stage.last()) {
-      Tensor kept = persistent_->tensor(out.shape, out.dtype);
+      const Tensor kept = take_send_buffer(output_rings_[static_cast<std::size_t>(c)], Direction::forward, c, mb);
       device_ops_->copy(kept.data, out.data, out.bytes());
       out = kept;
     }
@@ -532,7 +567,7 @@ void Executor::run_backward(std::int64_t step, int c, int mb) {
   if (split_) pass.stash = &slots_->slot(m.slot);
   static float loss_gradient = 1.0f;  // the loss layer ignores its incoming gradient
   const Tensor dy = stage.last() ? make_tensor(&loss_gradient, Shape{1}) : transport_->received(Direction::backward, c, mb);
-  if (!stage.first()) m.input_grad = persistent_->tensor(shapes_[static_cast<std::size_t>(stage.begin())], dtype_);
+  if (!stage.first()) m.input_grad = take_send_buffer(gradient_rings_[static_cast<std::size_t>(c)], Direction::backward, c, mb);
   const bool final = mb == config_.micro_batches - 1 && !split_;
   stage.backward(contexts, dy, m.input_grad, pass, *scratch_, shapes_, dtype_, final ? reducer_.get() : nullptr, *progress_);
   scratch_->reset();
@@ -562,6 +597,7 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   const int list = grid_->stage();
   loss_sum_ = correct_sum_ = 0.0;
   persistent_->reset();  // also when compute_gradients() is called without step()
+  if (training) fill_send_rings();
   slots_->reset();
   for (Stage& stage : stages_) stage.reset();
   if (training) params_->zero_grads();

@@ -520,6 +520,29 @@ TEST_CASE("1F1B holds the activations of K - stage micro-batches, GPipe of all M
   CHECK(zb < 1.0);
 }
 
+TEST_CASE("1F1B's memory does not grow with M: what a stage sends comes from a ring of buffers, not one per micro-batch") {
+  if (world().size() != 4) return;
+  // K = 4, micro-batches of 2 samples, M = 8 and 32: every stage past the first keeps each
+  // B's input gradient until its send completes, and under remat every stage but the last
+  // each forward's output; both now take a few buffers in turn.
+  for (const std::string remat : {"never", "always"}) {
+    std::size_t peak[2] = {0, 0};
+    for (int i = 0; i < 2; ++i) {
+      const int M = i == 0 ? 8 : 32;
+      TrainConfig c = tiny_gpt("1f1b", remat, M);
+      c.batch_size = 2 * M;
+      Executor exec(c, world());
+      exec.connect();
+      exec.allocate();
+      for (int step = 0; step < 2; ++step) exec.step(step);
+      peak[i] = exec.peak_activation_bytes();
+    }
+    CAPTURE(remat);
+    CAPTURE(world().rank());
+    CHECK(peak[1] == peak[0]);  // it was about 4 times as much at M = 32 on the later stages
+  }
+}
+
 TEST_CASE("a head split over the vocabulary: chunks on stages apart train bitwise as on one rank; K = 4 reloads as K = 2 x D = 2") {
   if (world().size() != 4) return;
   // 9 layers: embedding, 3 blocks, layernorm, 3 chunks of the 32-token head (rows 0-9,

@@ -242,6 +242,17 @@ class Executor {
   // Actions of micro-batch `mb` on this rank's stage stages_[c].
   Arena* take_slot(Stage& stage, int mb);
   void release_slot(int c, int mb);
+  // What a stage sends and must keep until the send completes: each B's input gradient,
+  // and under remat each forward's output. A step takes them in turn from a ring of
+  // buffers in the persistent arena; one is taken again once the send of the micro-batch
+  // that had it has completed: a few buffers per stage, not one per micro-batch.
+  struct SendRing {
+    std::vector<Tensor> buffers;
+    std::vector<int> owner;  // the micro-batch whose send a buffer holds, or -1
+    int next = 0;
+  };
+  void fill_send_rings();  // a training pass begins: every buffer free, in the reset arena
+  Tensor take_send_buffer(SendRing& ring, Direction direction, int c, int mb);
   Pass make_pass(std::int64_t step, const Stage& stage, int micro_batch, Arena* arena) const;
   Tensor stage_input(const Pass& pass, int c, int micro_batch);
   bool rematerialize(int micro_batch) const;
@@ -281,6 +292,7 @@ class Executor {
   std::unique_ptr<Dataset> dataset_, eval_dataset_;
   std::unique_ptr<Arena> persistent_, scratch_;
   std::unique_ptr<SlotPool> slots_;
+  std::vector<SendRing> gradient_rings_, output_rings_;  // per stage in stages_
   bool split_ = false;           // this stage's schedule splits backwards into B and W (zb-h1, zbv)
   std::unique_ptr<Progress> progress_;    // before the transport and the reducer, which use it
   std::unique_ptr<Transport> transport_;
