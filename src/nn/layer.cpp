@@ -446,8 +446,10 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
   // Attention branch.
   Tensor da = dx2;
   if (drop) {
-    // Split: `scratch` may hold fc_proj's dy until the end; da takes a buffer of its own.
-    const Tensor into = pass.stash && df.data == scratch.data ? pass.arena->tensor(dy.shape, pass.dtype) : scratch;
+    // Split: `scratch` may hold fc_proj's dy until the end; da goes to dh, dead since ln2's
+    // backward and written again by the attention's only once it has read da (no more
+    // scratch than the fused backward takes).
+    const Tensor into = pass.stash && df.data == scratch.data ? dh : scratch;
     ops::dropout_apply(into, dx2, dropout_, dropout_key(pass, global_index(), 1));
     da = into;
   }

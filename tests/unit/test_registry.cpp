@@ -220,7 +220,7 @@ TEST_CASE("weight-gradient cost: what W runs and keeps is every Linear's and Con
   CHECK(norm.weight_stash_bytes == 0);
 }
 
-TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forward buffers, bitwise the fused one") {
+TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forward buffers, bitwise the fused one, in the fused one's scratch") {
   ModelConfig c = one_block_gpt();
   c.dropout = 0.1f;
   Model m(c);
@@ -231,7 +231,7 @@ TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forwa
     x[i] = std::sin(0.37f * static_cast<float>(i));
     dy[i] = std::cos(0.11f * static_cast<float>(i)) * 0.1f;
   }
-  auto gradients = [&](bool split, std::size_t* stash_bytes) {
+  auto gradients = [&](bool split, std::size_t* stash_bytes, std::size_t* scratch_bytes) {
     Arena slot, scratch, stash;
     Pass pass;
     pass.seed = 3;
@@ -246,17 +246,22 @@ TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forwa
     m.layer(1).backward(ctx, make_tensor(dy.data(), in), dx, GradMode::overwrite, pass);
     if (split) m.layer(1).backward_weight(ctx, pass);
     if (stash_bytes) *stash_bytes = stash.high_water();
+    *scratch_bytes = scratch.high_water();
     std::vector<float> out(store.grads().begin(), store.grads().end());
     const float* d = static_cast<const float*>(dx.data);
     out.insert(out.end(), d, d + in.numel());
     return out;
   };
-  std::size_t stash_bytes = 0;
-  const std::vector<float> fused = gradients(false, nullptr), split = gradients(true, &stash_bytes);
+  std::size_t stash_bytes = 0, fused_scratch = 0, split_scratch = 0;
+  const std::vector<float> fused = gradients(false, nullptr, &fused_scratch),
+                           split = gradients(true, &stash_bytes, &split_scratch);
   REQUIRE(fused.size() == split.size());
   CHECK(std::memcmp(fused.data(), split.data(), fused.size() * sizeof(float)) == 0);
   // Nothing: every W's output gradient is in a buffer of the forward's that B is done with.
   CHECK(stash_bytes == 0);
+  // With dropout the MLP's dy waits in the dropout scratch for W; the attention's dy then
+  // takes a buffer that is dead by then, not a new one (--in-flight 1f1b: 1F1B's memory).
+  CHECK(split_scratch == fused_scratch);
 }
 
 TEST_CASE("a stage's split backward keeps a Linear's dy in its output's buffer where no later W reads it, bitwise the fused one") {
