@@ -12,7 +12,8 @@
 #  3. bench_comm: blocking MPI_Allreduce and point-to-point against what the executor
 #     does with the same bytes (an activation of the ladder's model, and a GPT-2 tied
 #     embedding's 154 MB), with and without single-copy.
-#  4. Schedules at K = 2 (gpipe, 1f1b, zb-h1, zb-h2, interleaved with v = 2, zbv, a schedule file; zb-h2 and zbv
+#  4. Schedules at K = 2 (gpipe, 1f1b, zb-h1, zb-h2, interleaved with v = 2, zbv, a schedule file; zb-h1 again with
+#     --in-flight 1f1b, row @1f1b; zb-h2 and zbv
 #     again with --overlap-steps, rows +ov): tokens/s, measured against simulated bubble (+ov: of steps back to back),
 #     peak activation memory of each rank, and the last loss (bitwise the same).
 # Environment:
@@ -21,6 +22,8 @@
 #   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm   LADDER=0: skip the K ladder
 #   SCHEDULES=0: skip table 4 (gpipe, 1f1b, zb-h1, zb-h2, interleaved, zbv and a schedule file at K = 2, MS4="4 8",
 #   ROUNDS4=1 rounds, each schedule once per round, interleaved)
+#   ZB=0: skip table 5 (the quickstart GPT at K = 2, M = 4: 1f1b, zb-h1 and zb-h1 --in-flight 1f1b, ROUNDS5=3 rounds
+#   of STEPS5=40 steps, each schedule once per round, interleaved)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -202,7 +205,7 @@ PY
   echo "   tokens/s of the median step of $((${STEPS_S:-8} - 1)); bubble measured (mean over steps, every rank up to the slowest's end) against"
   echo "   the schedule simulated at unit costs (F 1, B 2 = B 1 + W 1 where split) and with the run's mean action times"
   echo "   per stage; peak activation memory of rank 0 / rank 1; the last loss (the same in each M)"
-  printf '%4s %-8s %10s %9s %10s %10s %21s %14s\n' M schedule tokens/s bubble "unit cost" "measured" "peak memory r0 / r1" \
+  printf '%4s %-10s %10s %9s %10s %10s %21s %14s\n' M schedule tokens/s bubble "unit cost" "measured" "peak memory r0 / r1" \
     "last loss"
   for ((round = 0; round < ${ROUNDS4:-1}; ++round)); do
   for M4 in ${MS4:-4 8}; do
@@ -211,18 +214,69 @@ PY
       for ((m = 0; m < M4; ++m)); do printf ' B%d' "$m"; done; printf '\n'
       printf 'stage 1:'; for ((m = 0; m < M4; ++m)); do printf ' F%d B%d' "$m" "$m"; done; printf '\n'
     } > "$tmp/mixed.txt"
-    for row in gpipe 1f1b zb-h1 zb-h2 zb-h2+ov interleaved zbv zbv+ov "file:$tmp/mixed.txt"; do
+    for row in gpipe 1f1b zb-h1 zb-h1@1f1b zb-h2 zb-h2+ov interleaved zbv zbv+ov "file:$tmp/mixed.txt"; do
       extra=()
       schedule=${row%+ov}
+      schedule=${schedule%@1f1b}
       [[ $row == *+ov ]] && extra=(--overlap-steps)
+      [[ $row == *@1f1b ]] && extra=(--in-flight 1f1b)
       [[ $schedule == interleaved ]] && extra=(--virtual-stages 2)
       read -r tps bubble unit simulated peak0 peak1 loss < <(sched_run "$M4" "$schedule" "${extra[@]}")
       name=$row
       [[ $name == file:* ]] && name=file
       [[ $name == interleaved ]] && name=interl.2
-      /usr/bin/python3 -c "import sys; M, n, t, b, u, s, p0, p1, l = sys.argv[1:]; print(f'{int(M):4d} {n:<8} {float(t):10.0f} {100 * float(b):8.1f}% {100 * float(u):9.1f}% {100 * float(s):9.1f}% {float(p0) / 2**20:8.1f} / {float(p1) / 2**20:5.1f} MiB {l:>14}')" \
+      /usr/bin/python3 -c "import sys; M, n, t, b, u, s, p0, p1, l = sys.argv[1:]; print(f'{int(M):4d} {n:<10} {float(t):10.0f} {100 * float(b):8.1f}% {100 * float(u):9.1f}% {100 * float(s):9.1f}% {float(p0) / 2**20:8.1f} / {float(p1) / 2**20:5.1f} MiB {l:>14}')" \
         "$M4" "$name" "$tps" "$bubble" "$unit" "$simulated" "$peak0" "$peak1" "$loss"
     done
   done
   done
+fi
+
+# ---- 5. zero bubble against 1F1B on the quickstart GPT --------------------------------------
+if [[ "${ZB:-1}" != 0 ]]; then
+  rounds5=${ROUNDS5:-3}
+  echo
+  echo "5. zero bubble against 1F1B: inputs/quickstart.toml (GPT 4 blocks x 128 channels, seq 64, vocab 256), K = 2,"
+  echo "   M = 4, ${STEPS5:-40} steps; $rounds5 rounds, each schedule once per round; bubble measured (mean over steps and"
+  echo "   rounds, [min-max] of the rounds' means) and simulated with the run's action times; peak activation memory"
+  echo "   of rank 0 / rank 1; zb-h1@1f1b is --in-flight 1f1b (what 1F1B holds on each rank)"
+  rows5=()
+  for ((round = 0; round < rounds5; ++round)); do
+    for row in 1f1b zb-h1 zb-h1@1f1b; do
+      extra=()
+      [[ $row == *@1f1b ]] && extra=(--in-flight 1f1b)
+      mpirun -n 2 --bind-to core build/release/mpipe train --config inputs/quickstart.toml --steps "${STEPS5:-40}" \
+        --threads 1 --log-every 1000000 --resume never --schedule "${row%@1f1b}" "${extra[@]}" \
+        --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
+      rows5+=("$row $(/usr/bin/python3 - "$tmp/s.json" "$tmp/m.jsonl" "$tmp/log" <<'PY'
+import json, re, sys
+s = json.load(open(sys.argv[1]))
+losses = [r["loss"] for r in map(json.loads, open(sys.argv[2])) if "loss" in r]
+peaks = re.search(r"peak activation memory per rank:(.*)", open(sys.argv[3]).read()).group(1).split()
+units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+peak = [float(v) * units[u] for v, u in zip(peaks[::2], peaks[1::2])]
+print(s["tokens_per_s"], s["bubble_fraction"], s["simulated_bubble"], peak[0], peak[-1], repr(losses[-1]))
+PY
+)")
+    done
+  done
+  /usr/bin/python3 - "${rows5[@]}" <<'PY'
+import statistics, sys
+runs = {}
+for row in sys.argv[1:]:
+    name, *values = row.split()
+    runs.setdefault(name, []).append(values)
+base = statistics.mean(float(v[1]) for v in runs["1f1b"])
+base_peak = max(max(float(v[3]), float(v[4])) for v in runs["1f1b"])
+print(f"{'schedule':<11} {'tokens/s':>9} {'bubble':>18} {'of 1f1b':>8} {'simulated':>10} {'peak r0 / r1':>18} "
+      f"{'peak of 1f1b':>13} {'last loss':>12}")
+for name, vs in runs.items():
+    bubbles = [float(v[1]) for v in vs]
+    peak0, peak1 = max(float(v[3]) for v in vs), max(float(v[4]) for v in vs)
+    losses = {v[5] for v in vs}
+    print(f"{name:<11} {statistics.mean(float(v[0]) for v in vs):9.0f} {100 * statistics.mean(bubbles):6.1f}% "
+          f"[{100 * min(bubbles):4.1f}-{100 * max(bubbles):4.1f}] {statistics.mean(bubbles) / base:7.2f}x "
+          f"{100 * statistics.mean(float(v[2]) for v in vs):9.1f}% {peak0 / 2**20:7.1f} / {peak1 / 2**20:4.1f} MiB "
+          f"{max(peak0, peak1) / base_peak:12.2f}x {'/'.join(sorted(losses)):>12}")
+PY
 fi

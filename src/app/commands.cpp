@@ -265,11 +265,14 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   const double predicted = simulate(compute, flops).bubble_fraction;
   // The closed form of the equal-stage bubble where there is one (M >= K).
   const std::string& name = config.pipeline.schedule;
-  const char* formula = M < K                               ? "simulated"
-                        : name == "gpipe" || name == "1f1b" ? "(K-1)/(M+K-1)"
-                        : name == "zb-h1" || name == "zb-h2" ? "(K-1)/(3M+K-1)"
-                        : name == "interleaved"             ? "(K-1)/(vM+K-1)"
-                                                            : "simulated";
+  const int held = config.pipeline.in_flight;
+  const bool zero_bubble = name == "zb-h1" || name == "zb-h2";
+  const char* formula = M < K                                            ? "simulated"
+                        : name == "gpipe" || name == "1f1b"              ? "(K-1)/(M+K-1)"
+                        : zero_bubble && held == 0                       ? "(K-1)/(3M+K-1)"
+                        : zero_bubble && held == in_flight_of_1f1b       ? "(K-1)/(1.5M+K-1)"
+                        : name == "interleaved"                          ? "(K-1)/(vM+K-1)"
+                                                                         : "simulated";
   std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n", 100 * theory,
               formula, 100 * predicted);
   // Post-validation: a stage starts the next step once its own part of this one is done.
@@ -611,7 +614,18 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
       ->capture_default_str();
   cmd.add_option("--in-flight", p.in_flight,
                  "zb-h1, zb-h2, zbv: the most micro-batches (zbv: model stages of micro-batches) a rank holds "
-                 "between their F and their W, memory traded for bubble (0: the schedule's own, K, 2K-1 and 2K)")
+                 "between their F and their W, memory traded for bubble (0: the schedule's own, K, 2K-1 and 2K; "
+                 "1f1b: on each rank what 1F1B holds there, K - rank, so that no rank needs more activation memory "
+                 "than under 1F1B)")
+      ->transform(CLI::Validator(
+          [](std::string& text) {
+            static_assert(in_flight_of_1f1b == -1);
+            if (text == "1f1b") text = "-1";
+            else if (text.empty() || text.size() > 9 || text.find_first_not_of("0123456789") != std::string::npos)
+              return "must be a number of micro-batches (0: the schedule's own) or 1f1b, got " + text;
+            return std::string();
+          },
+          "N|1f1b"))
       ->capture_default_str();
   cmd.add_flag("--overlap-steps,!--no-overlap-steps", p.overlap_steps,
                "Post-validation: each rank updates as soon as its part of a step is done and starts the next "

@@ -10,6 +10,7 @@
 #include <toml++/toml.h>
 
 #include "mpipe/core/error.hpp"
+#include "mpipe/pipeline/schedule.hpp"
 
 namespace mpipe {
 
@@ -124,7 +125,7 @@ std::string to_toml(const TrainConfig& c) {
   line("comm-progress", toml_quoted(q.comm_progress));
   line("comm-poll-us", toml_float(q.comm_poll_us));
   line("comm-wait", toml_quoted(q.comm_wait));
-  line("in-flight", cat(q.in_flight));
+  line("in-flight", q.in_flight == in_flight_of_1f1b ? toml_quoted("1f1b") : cat(q.in_flight));
   line("overlap-steps", q.overlap_steps ? "true" : "false");
   line("log-every", cat(c.log_every));
   if (!c.checkpoint_dir.empty()) line("checkpoint-dir", toml_quoted(c.checkpoint_dir));

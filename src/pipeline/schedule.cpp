@@ -507,10 +507,16 @@ std::optional<Schedule> windowed(const Schedule& empty, const std::vector<int>& 
 // simulator finds shorter at those costs (a greedy order for the real costs is not always
 // the better one: stages that differ can mislead it).
 // options.back_to_back (--overlap-steps): shorter is the steady state's period, not one
-// step's makespan. options.in_flight replaces every list's `before_w`.
+// step's makespan. options.in_flight replaces every list's `before_w`: with a number, by
+// it; with in_flight_of_1f1b (one model stage per list), by what 1F1B holds on that list
+// from F to B, K - s.
 Schedule ordered_for(const Schedule& empty, const ScheduleOptions& options, const std::vector<int>& before_b,
                      std::vector<int> before_w) {
   if (options.in_flight > 0) std::fill(before_w.begin(), before_w.end(), options.in_flight);
+  if (options.in_flight == in_flight_of_1f1b) {
+    MPIPE_CHECK(empty.virtual_stages == 1, "--in-flight 1f1b with ", empty.virtual_stages, " model stages per rank");
+    for (int list = 0; list < empty.stages; ++list) before_w[static_cast<std::size_t>(list)] = empty.stages - list;
+  }
   Schedule unit = zero_bubble(empty, unit_split(empty.model_stages()), before_b, before_w);
   std::optional<Schedule> windows;
   if (options.back_to_back) windows = windowed(empty, before_b, before_w, unit);
@@ -646,9 +652,11 @@ Schedule zero_bubble_checked(const std::string& name, int stages, int micro_batc
            : name == "zb-h2" ? zb_h2_schedule(stages, micro_batches, o)
                              : zbv_schedule(stages, micro_batches, o);
   };
-  MPIPE_REQUIRE(options.in_flight >= 0, "e.g. --in-flight 8, or 0 for the schedule's own", "--in-flight must be >= 0, got ",
-                options.in_flight);
-  if (options.in_flight == 0) return build(options);
+  MPIPE_REQUIRE(options.in_flight >= 0 || options.in_flight == in_flight_of_1f1b,
+                "e.g. --in-flight 8, 1f1b, or 0 for the schedule's own", "--in-flight must be >= 0, got ", options.in_flight);
+  // 1F1B's own memory always leaves an order: every rank can run F, B and W of one
+  // micro-batch before the next (each holds at least one whole micro-batch).
+  if (options.in_flight <= 0) return build(options);
   try {
     return build(options);
   } catch (const Error&) {  // no order fits: the list scheduler made no progress
@@ -683,6 +691,11 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
     return interleaved_schedule(stages, virtual_stages, micro_batches);
   }
   if (name == "zbv") {
+    // The V holds K micro-batches' worth on every rank (1F1B's first rank); what 1F1B holds
+    // on the later ranks leaves its last rank one micro-batch across the turn: starved.
+    MPIPE_REQUIRE(options.in_flight != in_flight_of_1f1b,
+                  "use --schedule zb-h1 --in-flight 1f1b, or zbv with a number of model stages (its own: 2K)",
+                  "--in-flight 1f1b with --schedule zbv: the V already holds 1F1B's first rank's memory on every rank");
     MPIPE_REQUIRE(virtual_stages == 2, "leave --virtual-stages out (zbv sets 2), or give --virtual-stages 2",
                   "--schedule zbv runs two model stages per rank, not --virtual-stages ", virtual_stages);
     return zero_bubble_checked(name, stages, micro_batches, options);

@@ -44,6 +44,11 @@ mpipe_cli_test(plan_zb_h2_overlap 0 "bubble with --overlap-steps \\(steps back t
 # ZB-V with 3K model stages between F and W (--in-flight 12, 1.5 times 1F1B's memory): no bubble back to back.
 mpipe_cli_test(plan_zbv_in_flight 0 "bubble with --overlap-steps \\(steps back to back, no clipping or skip\\): 0.0% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zbv --in-flight 12)
 mpipe_cli_test(in_flight_too_few 2 "error: --in-flight 1 leaves zbv on 4 stages no order that finishes: too few micro-batches between F and W; hint: use --in-flight 2 or more" plan --ranks 4 --micro-batches 8 --schedule zbv --in-flight 1)
+# zb-h1 at 1F1B's memory: each stage holds from F to W what 1F1B holds from F to B (stage 3 one micro-batch).
+mpipe_cli_test(plan_zb_h1_in_flight_1f1b 0 "bubble: 20.0% for equal stages \\(\\(K-1\\)/\\(1.5M\\+K-1\\)\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zb-h1 --in-flight 1f1b)
+mpipe_cli_test(in_flight_word 2 "error: --in-flight: must be a number of micro-batches \\(0: the schedule's own\\) or 1f1b, got lots; hint" plan --ranks 4 --schedule zb-h1 --in-flight lots)
+mpipe_cli_test(in_flight_negative 2 "error: --in-flight: must be a number of micro-batches .* got -1; hint" plan --ranks 4 --schedule zb-h1 --in-flight -1)
+mpipe_cli_test(in_flight_1f1b_zbv 2 "error: --in-flight 1f1b with --schedule zbv: the V already holds 1F1B's first rank's memory on every rank; hint" plan --ranks 4 --micro-batches 8 --schedule zbv --in-flight 1f1b)
 mpipe_cli_test(in_flight_not_zb 2 "error: --in-flight sets the zero-bubble schedules' memory; --schedule 1f1b has its own; hint" plan --ranks 4 --schedule 1f1b --in-flight 3)
 # ZB-V at its bound (K-1)/(6M+K-1) = 3/51; zbv sets --virtual-stages 2 and names its V.
 mpipe_cli_test(plan_zbv 0 "bubble: 5.9% for equal stages" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule zbv)

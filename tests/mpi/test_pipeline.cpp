@@ -142,10 +142,13 @@ TrainConfig batchnorm_cnn(const std::string& path, const std::string& mode, int 
 TEST_CASE("partition transparency: K = 1, 2, 4 give bitwise identical losses and parameters") {
   if (world().size() != 4) return;  // the 6-rank run has its own cases
   const RunResult reference = run(tiny_gpt("gpipe", "never"), 1);
-  for (const char* schedule : {"gpipe", "1f1b", "zb-h1", "zb-h2"})
+  // zb-h1@1f1b: zb-h1 with --in-flight 1f1b (what 1F1B holds on each stage).
+  for (const std::string schedule : {"gpipe", "1f1b", "zb-h1", "zb-h2", "zb-h1@1f1b"})
     for (const char* remat : {"never", "always", "except-last"})
       for (int K : {1, 2, 4}) {
-        const RunResult r = run(tiny_gpt(schedule, remat), K);
+        TrainConfig config = tiny_gpt(schedule.substr(0, schedule.find('@')), remat);
+        if (schedule.find('@') != std::string::npos) config.pipeline.in_flight = in_flight_of_1f1b;
+        const RunResult r = run(config, K);
         if (world().rank() != 0) continue;
         INFO("schedule " << schedule << ", remat " << remat << ", K " << K);
         CHECK(r.losses == reference.losses);
@@ -488,14 +491,15 @@ TEST_CASE("BatchNorm with replicas: every replica ends each step with the same r
   std::filesystem::remove(path);
 }
 
-TEST_CASE("1F1B holds the activations of K - stage micro-batches, GPipe of all M, zb-h1 of K") {
+TEST_CASE("1F1B holds the activations of K - stage micro-batches, GPipe of all M, zb-h1 of K, or K - stage at 1F1B's memory") {
   if (world().size() != 4) return;
   // K = 4, M = 8, no remat: a micro-batch's activations are freed after its backward, so
   // stage 0 holds 4 under 1f1b where gpipe holds 8 (the same sizes each: about half).
-  std::size_t peak[3] = {0, 0, 0};
-  std::vector<double> losses[3];
-  for (int i = 0; i < 3; ++i) {
+  std::size_t peak[4] = {0, 0, 0, 0};
+  std::vector<double> losses[4];
+  for (int i = 0; i < 4; ++i) {
     TrainConfig c = tiny_gpt(i == 0 ? "gpipe" : i == 1 ? "1f1b" : "zb-h1", "never", 8);
+    if (i == 3) c.pipeline.in_flight = in_flight_of_1f1b;
     c.batch_size = 64;
     Executor exec(c, world());
     exec.connect();
@@ -505,6 +509,7 @@ TEST_CASE("1F1B holds the activations of K - stage micro-batches, GPipe of all M
   }
   CHECK(losses[0] == losses[1]);
   CHECK(losses[0] == losses[2]);
+  CHECK(losses[0] == losses[3]);
   const int stage = world().rank();  // one replica: rank = stage
   const double ratio = static_cast<double>(peak[1]) / static_cast<double>(peak[0]);
   const double zb = static_cast<double>(peak[2]) / static_cast<double>(peak[0]);
@@ -518,6 +523,12 @@ TEST_CASE("1F1B holds the activations of K - stage micro-batches, GPipe of all M
   // 0: 0.56 of gpipe's against 1f1b's 0.54; 0.75 while each Linear took stash memory).
   if (stage == 0) CHECK(zb < 0.6);
   CHECK(zb < 1.0);
+  // --in-flight 1f1b: each stage holds from F to W what 1F1B holds from F to B, and its
+  // split B takes the scratch of 1F1B's fused backward: no stage needs more memory.
+  CAPTURE(peak[3]);
+  CAPTURE(peak[1]);
+  CHECK(peak[3] <= peak[1]);
+  if (stage == world().size() - 1) CHECK(peak[3] < peak[2]);  // zb-h1's own holds K there, 1F1B one
 }
 
 TEST_CASE("1F1B's memory does not grow with M: what a stage sends comes from a ring of buffers, not one per micro-batch") {

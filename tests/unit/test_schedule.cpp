@@ -297,6 +297,49 @@ TEST_CASE("zb-h1: a third of 1F1B's bubble at unit costs, K between F and W, K -
   CHECK(text.find("stage 3: F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1") != std::string::npos);
 }
 
+TEST_CASE("zb-h1 and zb-h2 at 1F1B's memory (--in-flight 1f1b): K - s between F and W, (K-1)/(1.5M+K-1) at unit costs") {
+  ScheduleOptions as_1f1b;
+  as_1f1b.in_flight = in_flight_of_1f1b;
+  std::mt19937 random(5);
+  std::uniform_real_distribution<double> cost(0.1, 3.0);
+  for (const std::string name : {"zb-h1", "zb-h2"})
+    for (int K : {1, 2, 3, 4, 5, 8})
+      for (int M : {1, 2, 3, 4, 7, 8, 16, 33}) {
+        INFO(name << " K=" << K << " M=" << M);
+        const Schedule s = make_schedule(name, K, M, 1, as_1f1b);
+        REQUIRE(!validate(lower(s)));
+        const Schedule one_f_one_b = one_f_one_b_schedule(K, M);
+        // Every rank holds what 1F1B holds on it, F to W against F to B: its memory.
+        for (int stage = 0; stage < K; ++stage) {
+          CHECK(s.splits(stage));
+          CHECK(in_flight(s, stage) == in_flight(one_f_one_b, stage));
+        }
+        const double bubble = simulate(lower(s), StageCosts::uniform(K, 1.0, 2.0, 1.0)).bubble_fraction;
+        CHECK(bubble <= simulate(lower(one_f_one_b), StageCosts::uniform(K)).bubble_fraction + 1e-12);
+        // Each W fills half of what 1F1B's backward leaves: 1F1B's bubble with M 1.5 times larger.
+        if (M >= K) CHECK(bubble == doctest::Approx((K - 1.0) / (1.5 * M + K - 1)));
+        // For any costs and steps back to back the limit holds as well.
+        StageCosts costs = StageCosts::uniform(K, 0.0, 0.0, 0.0);
+        for (int m = 0; m < K; ++m) {
+          costs.forward[m] = cost(random);
+          costs.weight[m] = cost(random) / 2;
+          costs.backward[m] = costs.weight[m] + cost(random);
+        }
+        for (const bool back_to_back : {false, true}) {
+          const Schedule costed = make_schedule(name, K, M, 1, {&costs, back_to_back, in_flight_of_1f1b});
+          REQUIRE(!validate(lower(costed)));
+          for (int stage = 0; stage < K; ++stage) CHECK(in_flight(costed, stage) <= in_flight(one_f_one_b, stage));
+        }
+      }
+  // The issue's K = 4, M = 8: 20.0% against 1F1B's 27.3% and zb-h1's own 11.1% at K micro-batches.
+  CHECK(simulate(lower(zb_h1_schedule(4, 8, as_1f1b)), StageCosts::uniform(4, 1.0, 2.0, 1.0)).bubble_fraction ==
+        doctest::Approx(3.0 / 15));
+  // The V holds 1F1B's first rank's memory on every rank already; 1F1B's later ranks' would starve its turn.
+  CHECK_THROWS_WITH_AS(make_schedule("zbv", 4, 8, 2, as_1f1b), doctest::Contains("--in-flight 1f1b with --schedule zbv"),
+                       UserError);
+  CHECK_THROWS_WITH_AS(make_schedule("gpipe", 4, 8, 1, as_1f1b), doctest::Contains("--schedule gpipe has its own"), UserError);
+}
+
 TEST_CASE("backwards run in ascending micro-batch order on every model stage of every schedule") {
   for (const std::string& name : schedule_names()) {
     const bool interleaved = name == "interleaved";

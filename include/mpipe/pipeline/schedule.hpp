@@ -77,7 +77,11 @@ struct StageCosts;
 // the one whose steps run back to back faster (steady_state()), not the one whose single
 // step does; `in_flight` (--in-flight): the most micro-batches (model
 // stages of micro-batches for zbv) a rank holds between their F and their W, 0: the
-// schedule's own (K for zb-h1, 2K - 1 for zb-h2, 2K for zbv).
+// schedule's own (K for zb-h1, 2K - 1 for zb-h2, 2K for zbv), in_flight_of_1f1b (zb-h1
+// and zb-h2): on each rank what 1F1B holds there from F to B, K - s micro-batches on rank
+// s, so that every rank's activation memory is 1F1B's on it (zbv refuses it: the V holds
+// 1F1B's first rank's memory on every rank, and less would starve its turn).
+inline constexpr int in_flight_of_1f1b = -1;
 struct ScheduleOptions {
   const StageCosts* costs = nullptr;
   bool back_to_back = false;
