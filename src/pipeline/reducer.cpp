@@ -30,6 +30,8 @@ Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, Par
     }
   }
   bucket_tickets_.assign(buckets_.size(), Progress::none);
+  bucket_of_.assign(static_cast<std::size_t>(model_.size()), -1);
+  for (std::size_t b = 0; b < buckets_.size(); ++b) bucket_of_[static_cast<std::size_t>(buckets_[b].lowest_layer)] = static_cast<int>(b);
 
   // Tied weights split over stages: each copy held apart from its owner sums its
   // gradient with the owner's rows it is, one exchange per tie between the two stages.
@@ -92,7 +94,6 @@ void Reducer::connect(Progress& progress) {
 }
 
 void Reducer::begin_step() {
-  next_bucket_ = 0;
   for (TiedSpan& t : tied_spans_) t.sum->post_receive();
 }
 
@@ -100,25 +101,26 @@ void Reducer::clear_step_sums() {
   for (Layer* layer : deferred_) layer->clear_step_sums();  // a step's sums begin with its forward
 }
 
-// Start the replica sums (buckets) and tied sums this layer completes, so that they move
-// while the rest of the backward runs. On a GPU without CUDA-aware MPI they go together,
-// from a host copy, in reduce().
+// Start the replica sum (the layer's bucket) and tied sums this layer completes, so that
+// they move while the rest of the backward runs. Layers complete in the order the
+// schedule finishes them, which across a rank's model stages is any order (zbv's lower
+// stage may run its last W first): every replica of the stage runs the same schedule, so
+// the sums are posted in the same order on each. On a GPU without CUDA-aware MPI they go
+// together, from a host copy, in reduce().
 void Reducer::gradients_final(int layer) {
-  bool synchronized = false;
-  auto reachable = [&] {  // MPI reads the gradients now
-    if (!synchronized) device_.synchronize();
-    synchronized = true;
-  };
-  for (; next_bucket_ < buckets_.size() && buckets_[next_bucket_].lowest_layer == layer; ++next_bucket_) {
-    if (device_.staged()) continue;
-    const Bucket& b = buckets_[next_bucket_];
-    reachable();
-    bucket_tickets_[next_bucket_] =
-        progress_->track(grid_.data().iallreduce(params_.grads().subspan(b.begin, b.end - b.begin), Reduce::sum), false);
+  const int b = bucket_of_[static_cast<std::size_t>(layer)];
+  if (b >= 0 && !device_.staged() && bucket_tickets_[static_cast<std::size_t>(b)] == Progress::none) {
+    device_.synchronize();  // MPI reads the gradients now
+    start_bucket(static_cast<std::size_t>(b), params_.grads());
   }
   if (!tied_early_) return;
   for (TiedSpan& t : tied_spans_)
     if (t.layer == layer) t.sum->start();
+}
+
+void Reducer::start_bucket(std::size_t bucket, std::span<float> grads) {
+  const Bucket& b = buckets_[bucket];
+  bucket_tickets_[bucket] = progress_->track(grid_.data().iallreduce(grads.subspan(b.begin, b.end - b.begin), Reduce::sum), false);
 }
 
 void Reducer::reduce() {
@@ -135,13 +137,18 @@ void Reducer::reduce() {
     const std::span<float> host(grad_staging_.as<float>(), grads.size());
     cuda::copy_to_host(host.data(), grads.data(), grads.size_bytes());
     device_.synchronize();
-    for (std::size_t i = 0; i < buckets_.size(); ++i)
-      bucket_tickets_[i] = progress_->track(
-          grid_.data().iallreduce(host.subspan(buckets_[i].begin, buckets_[i].end - buckets_[i].begin), Reduce::sum),
-          false);
+    for (std::size_t i = 0; i < buckets_.size(); ++i) start_bucket(i, host);
     wait_buckets();
     cuda::copy_to_device(grads.data(), host.data(), grads.size_bytes());
   } else {
+    // A layer that no gradients_final() named (none today) is summed now, never skipped.
+    bool synchronized = false;
+    for (std::size_t i = 0; i < buckets_.size(); ++i)
+      if (bucket_tickets_[i] == Progress::none) {
+        if (!synchronized) device_.synchronize();
+        synchronized = true;
+        start_bucket(i, grads);
+      }
     wait_buckets();
   }
   // Tied weights: owner and copy end with the sum of both, after the replica sums. All

@@ -321,6 +321,28 @@ TEST_CASE("zbv: two model stages per rank in a V train bitwise as gpipe, every r
     CHECK(std::memcmp(r.params.data(), gpipe.params.data(), r.params.size() * sizeof(float)) == 0);
     CHECK(std::memcmp(r.params.data(), r.replica_params.data(), r.params.size() * sizeof(float)) == 0);
   }
+  // The sums over replicas start as each layer's gradient is final, in whatever order the
+  // schedule finishes the rank's model stages: here the lower one's last W runs first on
+  // both ranks (as the window search of --overlap-steps may order them). The replica sums
+  // of that stage once never started, and the replicas drifted apart without a word.
+  const std::string path = temp_dir("mpipe-zbv-order") + "/lower-first.txt";
+  if (world().rank() == 0) {
+    std::ofstream file(path);
+    file << "stage 0: 0F0 0F1 3F0 3B0 3F1 3B1 0B0 3W0 0B1 0W0 0W1 3W1\n"
+            "stage 1: 1F0 2F0 1F1 2F1 2B0 1B0 2B1 1B1 2W0 1W0 1W1 2W1\n";
+  }
+  world().barrier();
+  TrainConfig lower_first = config("zbv", "never", 1);
+  lower_first.pipeline.schedule = "file:" + path;
+  lower_first.pipeline.grid.replicas = 2;
+  lower_first.micro_batches = 2;
+  const RunResult r = run(lower_first, 4);
+  if (world().rank() == 0) {
+    CHECK(r.losses == gpipe.losses);
+    CHECK(std::memcmp(r.params.data(), gpipe.params.data(), r.params.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(r.params.data(), r.replica_params.data(), r.params.size() * sizeof(float)) == 0);
+    std::filesystem::remove_all(std::filesystem::path(path).parent_path());
+  }
 }
 
 TEST_CASE("three replicas: K = 1 and K = 2 stay bitwise identical (mpiexec -n 6)") {

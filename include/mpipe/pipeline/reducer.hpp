@@ -97,6 +97,7 @@ class Reducer {
   };
   template <class T>
   void sum_over_replicas(std::span<T> values, std::int64_t update);
+  void start_bucket(std::size_t bucket, std::span<float> grads);  // its iallreduce over `grads`
 
   const Grid& grid_;
   Model& model_;
@@ -106,8 +107,8 @@ class Reducer {
   double timeout_;
   Progress* progress_ = nullptr;
   std::vector<Bucket> buckets_;
-  std::vector<Progress::Ticket> bucket_tickets_;   // [bucket]
-  std::size_t next_bucket_ = 0;                    // the next bucket to start
+  std::vector<Progress::Ticket> bucket_tickets_;   // [bucket]; none: not started this step
+  std::vector<int> bucket_of_;                     // [layer] -> its bucket, or -1
   std::vector<TiedSpan> tied_spans_;
   bool tied_early_ = false;  // tied sums start in the backward (one replica, on the CPU)
   cuda::PinnedBuffer grad_staging_;                // replica sums when MPI is not CUDA-aware
