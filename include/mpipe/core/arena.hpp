@@ -55,7 +55,8 @@ class Arena {
   void reset();
   // A point to come back to: rewind(mark()) makes what was allocated since free for the
   // next allocations (the memory stays the arena's; on a GPU later kernels of the same
-  // stream reuse it in stream order). Contexts are not rewound.
+  // stream reuse it in stream order). A host arena's contexts are rewound with its
+  // tensors; a device arena's (in their own host pool) are not.
   struct Mark {
     std::size_t block = 0, offset = 0, used = 0;
   };
