@@ -5,25 +5,10 @@
 #include <cstdlib>
 #include <cstring>
 
-#include <sys/mman.h>
-
 namespace mpipe {
 
 namespace {
-std::size_t round_up(std::size_t n, std::size_t to = Arena::alignment) { return (n + to - 1) / to * to; }
-
-// Host blocks of 2 MiB or more are 2 MiB aligned and asked for transparent huge pages:
-// touching fresh memory then takes a fault per 2 MiB, not per 4 KiB (THP in "madvise" mode
-// needs the ask). A one-rank GPipe step of the bench's GPT (4 x 35 MiB of
-// slots) on this project's 2-core VM: steps 1 and 2 took 1.40 s, now 0.90 s (steady: 0.29 s).
-constexpr std::size_t huge_page = std::size_t{2} << 20;
-
-std::byte* host_block(std::size_t bytes) {
-  if (bytes < huge_page) return static_cast<std::byte*>(std::aligned_alloc(Arena::alignment, bytes));
-  void* p = std::aligned_alloc(huge_page, round_up(bytes, huge_page));
-  if (p) madvise(p, round_up(bytes, huge_page), MADV_HUGEPAGE);  // advice: refused where THP is off
-  return static_cast<std::byte*>(p);
-}
+std::size_t round_up(std::size_t n) { return (n + Arena::alignment - 1) / Arena::alignment * Arena::alignment; }
 }  // namespace
 
 Arena::Arena(std::size_t initial_bytes) {
@@ -51,7 +36,7 @@ void Arena::add_block(std::size_t bytes) {
   bytes = round_up(std::max<std::size_t>(bytes, 1 << 20));
   Block block;
   if (memory_.device == Device::cpu) {
-    block.memory = host_block(bytes);
+    block.memory = static_cast<std::byte*>(std::aligned_alloc(alignment, bytes));
     MPIPE_CHECK(block.memory, "out of memory allocating ", bytes, " bytes of activations");
   } else {
     block.memory = static_cast<std::byte*>(memory_.allocate(bytes));  // throws with a hint
@@ -108,7 +93,10 @@ void Arena::reset() {
     add_block(need);
     // Touch the new block now: its pages are faulted in here, not in the next step's
     // forward, whose timings (the phase table, the bubble simulated from them) would
-    // otherwise carry them (that GPipe run on two ranks: a step's forward 54 ms, 256 ms in step 2).
+    // otherwise carry them (GPipe, the bench's GPT on two ranks: a step's forward 54 ms,
+    // 256 ms in step 2). Transparent huge pages (MADV_HUGEPAGE) would make the faults
+    // cheaper, but slowed every later step on this project's VM (zbv, measured bubble 3-7%
+    // -> 7-13%).
     if (memory_.device == Device::cpu) std::memset(blocks_.front().memory, 0, blocks_.front().size);
   }
   if (host_objects_) host_objects_->reset();
