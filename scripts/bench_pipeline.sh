@@ -41,6 +41,21 @@ fi
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 nocma=(--mca btl_vader_single_copy_mechanism none)
+# The last run's $tmp/s.json (--summary), m.jsonl (--metrics) and log -> "tokens/s measured_bubble
+# unit_cost_bubble simulated_bubble peak_bytes_rank0 peak_bytes_last_rank last_loss"
+summarize() {
+  /usr/bin/python3 - "$tmp/s.json" "$tmp/m.jsonl" "$tmp/log" <<'PY'
+import json, re, sys
+s = json.load(open(sys.argv[1]))
+losses = [r["loss"] for r in map(json.loads, open(sys.argv[2])) if "loss" in r]
+log = open(sys.argv[3]).read()
+theory = float(re.search(r"schedule's theoretical ([0-9.]+)%", log).group(1)) / 100
+peaks = re.search(r"peak activation memory per rank:(.*)", log).group(1).split()
+units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+peak = [float(v) * units[u] for v, u in zip(peaks[::2], peaks[1::2])]
+print(s["tokens_per_s"], s["bubble_fraction"], theory, s["simulated_bubble"], peak[0], peak[-1], repr(losses[-1]))
+PY
+}
 
 # ---- 1. K ladder --------------------------------------------------------------------
 if [[ "${LADDER:-1}" != 0 ]]; then
@@ -184,21 +199,11 @@ if [[ "${SCHEDULES:-1}" != 0 ]]; then
                --steps "${STEPS_S:-8}" --log-every 1000000 --lr 1e-3 --resume never --remat never --clip-grad 0)
   # No clipping: with it, --overlap-steps (the +ov rows) loses its bet on every step whose norm is above the limit.
   # A schedule file between the two: stage 0 as GPipe, stage 1 as 1F1B (docs/schedules.md).
-  # sched_run M SCHEDULE -> "tokens/s measured_bubble unit_cost_bubble simulated_bubble peak_bytes_rank0 peak_bytes_rank1 loss"
+  # sched_run M SCHEDULE [OPTION...] -> summarize's line
   sched_run() {
     mpirun -n 2 --bind-to core build/release/mpipe train "${sched_model[@]}" --micro-batches "$1" \
       --batch-size $(($1 * 4)) --schedule "$2" "${@:3}" --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
-    /usr/bin/python3 - "$tmp/s.json" "$tmp/m.jsonl" "$tmp/log" <<'PY'
-import json, re, sys
-s = json.load(open(sys.argv[1]))
-losses = [r["loss"] for r in map(json.loads, open(sys.argv[2])) if "loss" in r]
-log = open(sys.argv[3]).read()
-theory = float(re.search(r"schedule's theoretical ([0-9.]+)%", log).group(1)) / 100
-peaks = re.search(r"peak activation memory per rank:(.*)", log).group(1).split()
-units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-peak = [float(v) * units[u] for v, u in zip(peaks[::2], peaks[1::2])]
-print(s["tokens_per_s"], s["bubble_fraction"], theory, s["simulated_bubble"], peak[0], peak[-1], repr(losses[-1]))
-PY
+    summarize
   }
   echo
   echo "4. schedules at K = 2: GPT 4 blocks x 192 channels, seq 128, micro-batch 4 samples, no remat;"
@@ -248,16 +253,7 @@ if [[ "${ZB:-1}" != 0 ]]; then
       mpirun -n 2 --bind-to core build/release/mpipe train --config inputs/quickstart.toml --steps "${STEPS5:-40}" \
         --threads 1 --log-every 1000000 --resume never --schedule "${row%@1f1b}" "${extra[@]}" \
         --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
-      rows5+=("$row $(/usr/bin/python3 - "$tmp/s.json" "$tmp/m.jsonl" "$tmp/log" <<'PY'
-import json, re, sys
-s = json.load(open(sys.argv[1]))
-losses = [r["loss"] for r in map(json.loads, open(sys.argv[2])) if "loss" in r]
-peaks = re.search(r"peak activation memory per rank:(.*)", open(sys.argv[3]).read()).group(1).split()
-units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-peak = [float(v) * units[u] for v, u in zip(peaks[::2], peaks[1::2])]
-print(s["tokens_per_s"], s["bubble_fraction"], s["simulated_bubble"], peak[0], peak[-1], repr(losses[-1]))
-PY
-)")
+      rows5+=("$row $(summarize)")
     done
   done
   /usr/bin/python3 - "${rows5[@]}" <<'PY'
@@ -267,16 +263,16 @@ for row in sys.argv[1:]:
     name, *values = row.split()
     runs.setdefault(name, []).append(values)
 base = statistics.mean(float(v[1]) for v in runs["1f1b"])
-base_peak = max(max(float(v[3]), float(v[4])) for v in runs["1f1b"])
+base_peak = max(max(float(v[4]), float(v[5])) for v in runs["1f1b"])
 print(f"{'schedule':<11} {'tokens/s':>9} {'bubble':>18} {'of 1f1b':>8} {'simulated':>10} {'peak r0 / r1':>18} "
       f"{'peak of 1f1b':>13} {'last loss':>12}")
-for name, vs in runs.items():
+for name, vs in runs.items():  # each: tokens/s, bubble, unit-cost bubble, simulated, peak r0, peak r1, last loss
     bubbles = [float(v[1]) for v in vs]
-    peak0, peak1 = max(float(v[3]) for v in vs), max(float(v[4]) for v in vs)
-    losses = {v[5] for v in vs}
+    peak0, peak1 = max(float(v[4]) for v in vs), max(float(v[5]) for v in vs)
+    losses = {v[6] for v in vs}
     print(f"{name:<11} {statistics.mean(float(v[0]) for v in vs):9.0f} {100 * statistics.mean(bubbles):6.1f}% "
           f"[{100 * min(bubbles):4.1f}-{100 * max(bubbles):4.1f}] {statistics.mean(bubbles) / base:7.2f}x "
-          f"{100 * statistics.mean(float(v[2]) for v in vs):9.1f}% {peak0 / 2**20:7.1f} / {peak1 / 2**20:4.1f} MiB "
+          f"{100 * statistics.mean(float(v[3]) for v in vs):9.1f}% {peak0 / 2**20:7.1f} / {peak1 / 2**20:4.1f} MiB "
           f"{max(peak0, peak1) / base_peak:12.2f}x {'/'.join(sorted(losses)):>12}")
 PY
 fi
