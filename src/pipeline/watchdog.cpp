@@ -74,9 +74,9 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
       std::vector<int> missing;
       for (int r = 1; r < size; ++r)
         if (!arrived[static_cast<std::size_t>(r - 1)]) missing.push_back(r);
-      // Every word is in (the progress thread completed the last ones after the test):
-      // the late one was this rank, stopped past the deadline and resumed, and a rank that
-      // waited for it has named it already. Nobody is missing: go on, say nothing.
+      // Every word is in (the last ones completed after the test): nobody is missing, the
+      // late one was this rank (stopped, say, and resumed past its deadline), which the
+      // others' own waits name if they gave up on it. Go on, and say nothing.
       if (!missing.empty())
         end_job(world.get(), cat(rank_list(missing), " did not reach ", what, " within ", timeout_s,
                                  " s (--p2p-timeout): stopped or hung; ending the job"));
