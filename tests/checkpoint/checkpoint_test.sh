@@ -402,12 +402,13 @@ model-file)
   [[ "$(losses "$work/preset.jsonl")" == "$(losses "$work/file.jsonl")" ]] || fail "preset and model file losses differ"
   same_tensors "$work/preset/ckpt-00000003.h5" "$work/file/ckpt-00000003.h5"
   # transparent FILE K [OPTION...]: the model file on 1 and on K stages ($SCHEDULE, 1f1b
-  # by default, remat), bitwise; the runs' checkpoint directories are $work/k1 and $work/kK.
+  # by default, remat, and the words of $KARGS), bitwise; the runs' checkpoint directories
+  # are $work/k1 and $work/kK.
   transparent() {
     local args=(train --model "$1" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1 --steps 3 "${@:3}")
     rm -rf "$work/k1" "$work/k$2"
     run 1 "${args[@]}" --checkpoint-dir "$work/k1" --metrics "$work/k1.jsonl" >/dev/null
-    run "$2" "${args[@]}" --checkpoint-dir "$work/k$2" --metrics "$work/k$2.jsonl" --schedule "${SCHEDULE:-1f1b}" --remat always >/dev/null
+    run "$2" "${args[@]}" --checkpoint-dir "$work/k$2" --metrics "$work/k$2.jsonl" --schedule "${SCHEDULE:-1f1b}" ${KARGS:-} --remat always >/dev/null
     [[ "$(losses "$work/k1.jsonl")" == "$(losses "$work/k$2.jsonl")" ]] || fail "$1: losses differ between K = 1 and $2"
     same_tensors "$work/k1/ckpt-00000003.h5" "$work/k$2/ckpt-00000003.h5"
   }
@@ -425,6 +426,10 @@ model-file)
   SCHEDULE=zb-h2 transparent "$(dirname "$0")/../reference/resnet-bn.toml" 3
   # ZB-V: 2 ranks, 4 model stages in a V (rank 0 holds the stem and the classifier).
   SCHEDULE=zbv transparent "$(dirname "$0")/../reference/resnet-bn.toml" 2
+  # Interleaved: model stages s and s + K on a rank, BatchNorm's statistics moved in the
+  # micro-batches' order on each; zb-h1 at 1F1B's memory (--in-flight 1f1b) too.
+  SCHEDULE=interleaved KARGS="--virtual-stages 2" transparent "$(dirname "$0")/../reference/resnet-bn.toml" 2
+  SCHEDULE=zb-h1 KARGS="--in-flight 1f1b" transparent "$(dirname "$0")/../reference/resnet-bn.toml" 4
   # ... and they resume and reshard: the step-3 checkpoint of a 5-step run on 2 stages,
   # resumed on 4, ends as the unbroken run.
   bn=(train --model "$(dirname "$0")/../reference/resnet-bn.toml" --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3
