@@ -153,6 +153,9 @@ Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
 
 double Watchdog::silent_s(int peer) {
   std::lock_guard<std::mutex> lock(mutex_);
+  // The words that came since the thread last looked count first: a caller woken late
+  // (this rank was the stopped one) sees its peers as they are, not as they were.
+  if (heartbeats_) beat(Clock::now(), false);
   for (const Peer& p : peers_)
     if (p.rank == peer) return std::chrono::duration<double>(Clock::now() - p.heard).count();
   return -1;
@@ -268,7 +271,38 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
     MPI_Irecv(&heard[static_cast<std::size_t>(r)], 1, MPI_LONG_LONG, r, roll_call_tag, world, &receives.back());
     MPI_Isend(token.data(), 1, MPI_LONG_LONG, r, roll_call_tag, world, &sends.back());
   }
-  wait_until(receives, after(grace_s));
+  // The grace waits for ranks whose own waits have not timed out yet. With heartbeats it
+  // ends sooner once it has all it needs: a rank silent for the whole liveness time (the
+  // same proof that has rank 0 name one while armed), and no rank below this one that may
+  // still speak (a rank below is heard, or silent as long). Ranks above stay quiet when
+  // they hear this one; they are not named, whatever they are doing.
+  const bool early = liveness && liveness->heartbeats();
+  std::vector<int> stopped;  // proven silent, for the early end
+  const auto settled = [&] {
+    stopped.clear();
+    for (int r = 0, i = 0; r < size; ++r) {
+      if (r == me) continue;
+      int done = 0;  // the word, if in, is read only from a completed receive
+      MPI_Test(&receives[static_cast<std::size_t>(i++)], &done, MPI_STATUS_IGNORE);
+      if (done) continue;
+      const double quiet = liveness->silent_s(r);
+      if (quiet >= liveness->liveness_s())
+        stopped.push_back(r);
+      else if (r < me)
+        return false;  // may still speak, before this rank
+    }
+    return !stopped.empty();
+  };
+  const Clock::time_point grace_end = after(grace_s);
+  bool ended_early = false;
+  for (Clock::time_point next_look = Clock::now();;) {
+    if (wait_until(receives, std::min(grace_end, after(0.02)))) break;
+    if (Clock::now() > grace_end) break;
+    if (early && Clock::now() >= next_look) {
+      if ((ended_early = settled())) break;
+      next_look = after(0.05);
+    }
+  }
   heard[static_cast<std::size_t>(me)] = token[0];
   std::vector<int> silent, running;  // not in the roll call: stopped, or their heartbeats go on
   int lowest_alive = size;             // of the ranks in the roll call: the one that speaks
@@ -283,9 +317,11 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
       if (token[0] - word > static_cast<long long>(grace_s * 1000)) named = true;
       continue;
     }
+    if (ended_early) continue;  // named: the proven ones alone
     const double quiet = alive_within > 0 ? liveness->silent_s(r) : -1;
     (quiet >= 0 && quiet < alive_within ? running : silent).push_back(r);
   }
+  if (ended_early) silent = stopped;
   // Another rank speaks and ends the job; or it has (mpirun's SIGTERM of the teardown).
   if (lowest_alive != me || named || stop_signals_received.load() != signals_at_entry) stay_quiet(world, grace_s);
   // Stopped ranks first; a rank whose heartbeats go on is named only when no rank stopped
@@ -294,8 +330,10 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
     end_job(world, cat(rank_list(running), " stopped answering (its heartbeats go on: stuck in its own work). Seen by ",
                        context, "; ending the job"));
   if (silent.empty()) end_job(world, cat(context, "; every rank answers (a hung file system, or a deadlock); ending the job"));
-  end_job(world, cat(rank_list(silent), " stopped answering (silent for ", grace_s, " s after the deadline). Seen by ",
-                     context, "; ending the job"));
+  end_job(world, cat(rank_list(silent), " stopped answering (",
+                     ended_early ? cat("no heartbeat for ", liveness->liveness_s(), " s, --p2p-timeout")
+                                 : cat("silent for ", grace_s, " s after the deadline"),
+                     "). Seen by ", context, "; ending the job"));
 }
 
 }  // namespace mpipe

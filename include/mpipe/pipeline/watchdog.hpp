@@ -34,7 +34,11 @@ extern std::atomic<int> stop_signals_received;
 // stopped ones) in one line and ends the job (MPI_Abort, exit 1); the others stay quiet.
 // With `liveness` (the run's watchdog, on rank 0: heartbeats from every rank), a rank not
 // in the roll call but heard from within half the liveness time is alive (its own wait
-// has not timed out yet) and is not named.
+// has not timed out yet) and is not named; and the grace ends as soon as a rank not in the
+// roll call has been silent for the whole liveness time while every rank below this one
+// is heard or as silent: it names the silent ones, and a rank above that is still in its
+// own wait hears this one and stays quiet (a stop is named within --p2p-timeout plus the
+// time the heartbeats take to prove it, not plus the grace).
 [[noreturn]] void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watchdog* liveness = nullptr);
 
 // A thread that ends the job (one line, then MPI_Abort) when a guarded stretch of work
@@ -74,7 +78,8 @@ class Watchdog {
 
   // Whether heartbeats run (MPI_THREAD_MULTIPLE, more than one rank, liveness_s > 0).
   bool heartbeats() const { return heartbeats_; }
-  // Seconds since `peer` was last heard (from the construction on); -1 for a rank this
+  // Seconds since `peer` was last heard (from the construction on), counting the words
+  // that arrived since the thread last looked; -1 for a rank this
   // one does not exchange heartbeats with (rank 0's peers are all ranks, the others' rank 0).
   double silent_s(int peer);
   double liveness_s() const { return liveness_s_; }
