@@ -35,6 +35,10 @@ constexpr int heartbeat_tag = 32003;
 
 using Clock = std::chrono::steady_clock;
 
+long long nanoseconds(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
 Clock::time_point after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
@@ -77,6 +81,7 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
       // Every word is in (the last ones completed after the test): nobody is missing, the
       // late one was this rank (stopped, say, and resumed past its deadline), which the
       // others' own waits name if they gave up on it. Go on, and say nothing.
+      if (!missing.empty() && liveness && liveness->was_stopped()) stay_quiet(world.get(), std::min(timeout_s, 3.0));
       if (!missing.empty())
         end_job(world.get(), cat(rank_list(missing), " did not reach ", what, " within ", timeout_s,
                                  " s (--p2p-timeout): stopped or hung; ending the job"));
@@ -98,6 +103,8 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
     const Clock::time_point deadline = after(2 * timeout_s + 5);
     for (;;) {
       if (wait_until(requests, std::min(deadline, after(0.05)))) return;
+      // Resumed after being stopped past the deadlines: named already, by rank 0.
+      if (liveness && liveness->was_stopped()) stay_quiet(world.get(), std::min(timeout_s, 3.0));
       if (heartbeats && liveness->silent_s(0) >= timeout_s)
         roll_call(world.get(), cat("rank ", world.rank(), ": waiting for rank 0 at ", what, " (no heartbeat for ", timeout_s,
                                    " s, --p2p-timeout)"),
@@ -161,6 +168,15 @@ double Watchdog::silent_s(int peer) {
   return -1;
 }
 
+bool Watchdog::was_stopped() const {
+  if (!heartbeats_) return false;  // the thread sleeps until armed: its wakes say nothing
+  const long long now = nanoseconds(Clock::now()), second = 1'000'000'000LL;
+  const long long late = woke_late_ns_.load(), woke = woke_ns_.load();
+  if (late != 0 && now - late < static_cast<long long>((liveness_s_ + 5) * 1e9)) return true;
+  // From another thread, before the heartbeat thread has run since the SIGCONT.
+  return std::this_thread::get_id() != thread_.get_id() && woke != 0 && now - woke > second;
+}
+
 void Watchdog::disarm() {
   std::lock_guard<std::mutex> lock(mutex_);
   armed_ = false;
@@ -206,20 +222,28 @@ void Watchdog::run() {
   const auto poll = std::chrono::duration_cast<Clock::duration>(period / 4);
   std::unique_lock<std::mutex> lock(mutex_);
   next_send_ = Clock::now();
+  Clock::time_point last_wake = next_send_;
   while (!stop_) {
     if (!armed_ && !heartbeats_) {
       wake_.wait(lock);
       continue;
     }
-    const bool was_armed = armed_;
     const Clock::time_point until =
         !heartbeats_ ? deadline_ : armed_ ? std::min(deadline_, Clock::now() + poll) : Clock::now() + poll;
     wake_.wait_until(lock, until);
     if (stop_) break;
     const Clock::time_point now = Clock::now();
-    // Woken far too late while armed: this rank was the stopped one (SIGSTOP, and mpirun's
-    // SIGCONT before it kills). The others have named it; it stays quiet until the job ends.
-    if (was_armed && armed_ && now - until > std::chrono::seconds(1)) {
+    // Late: with heartbeats this thread runs every `poll`, so over 1 s more between two
+    // wakes means the rank was stopped, wherever in this loop the stop came (a stop after
+    // `now` was read shows only in the next wake's gap); without, it sleeps to the deadline.
+    const bool late = heartbeats_ ? now - last_wake > poll + std::chrono::seconds(1) : now - until > std::chrono::seconds(1);
+    last_wake = now;
+    if (late) woke_late_ns_ = nanoseconds(now);
+    woke_ns_ = nanoseconds(now);
+    // Woken far too late while armed (armed before the stop or just as it came): this rank
+    // was the stopped one (SIGSTOP, and mpirun's SIGCONT before it kills). The others have
+    // named it; it stays quiet until the job ends.
+    if (armed_ && late) {
       lock.unlock();
       stay_quiet(world_, std::min(liveness_s_, 3.0));
     }
@@ -233,7 +257,9 @@ void Watchdog::run() {
       const double silent = std::chrono::duration<double>(now - p.heard).count();
       if (silent < liveness_s_) continue;
       const std::string context = cat(rank_name_, ": ", what_);
-      if (stop_signals_received.load() != signals_at_arm_) {  // the job is being torn down: another rank spoke
+      // The job is being torn down (another rank spoke), or this rank was stopped a moment
+      // ago, unarmed, and the ones it no longer hears have gone quiet to name it.
+      if (stop_signals_received.load() != signals_at_arm_ || was_stopped()) {
         lock.unlock();
         stay_quiet(world_, std::min(liveness_s_, 3.0));
       }
@@ -245,12 +271,16 @@ void Watchdog::run() {
     }
     if (now >= deadline_) {
       lock.unlock();
+      if (was_stopped()) stay_quiet(world_, std::min(liveness_s_, 3.0));
       roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"), std::min(seconds_, 3.0), this);
     }
   }
 }
 
 void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watchdog* liveness) {
+  // The stopped rank, resumed: the others have named it (at once, when the heartbeats
+  // proved it silent, so their words need not be older than the grace).
+  if (liveness && liveness->was_stopped()) stay_quiet(world, grace_s);
   const int signals_at_entry = stop_signals_received.load();
   int size = 1, me = 0;
   MPI_Comm_size(world, &size);
@@ -323,7 +353,9 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
   }
   if (ended_early) silent = stopped;
   // Another rank speaks and ends the job; or it has (mpirun's SIGTERM of the teardown).
-  if (lowest_alive != me || named || stop_signals_received.load() != signals_at_entry) stay_quiet(world, grace_s);
+  if (lowest_alive != me || named || stop_signals_received.load() != signals_at_entry ||
+      (liveness && liveness->was_stopped()))
+    stay_quiet(world, grace_s);
   // Stopped ranks first; a rank whose heartbeats go on is named only when no rank stopped
   // (its work is stuck: a hang inside it), as a rank still in a wait of its own is not.
   if (silent.empty() && !running.empty())

@@ -83,6 +83,12 @@ class Watchdog {
   // one does not exchange heartbeats with (rank 0's peers are all ranks, the others' rank 0).
   double silent_s(int peer);
   double liveness_s() const { return liveness_s_; }
+  // Whether this rank was the stopped one (SIGSTOP, then mpirun's SIGCONT as it tears the
+  // job down): the heartbeat thread, which wakes at least every quarter second, was woken
+  // over 1 s late within the last liveness_s + 5 seconds, or (asked from another thread)
+  // has not woken for over 1 s. The others have named it; it is to stay quiet, however
+  // fresh their words look (a rank proven silent is named at once, not after a grace).
+  bool was_stopped() const;
   // Heartbeats received so far, from every peer.
   long words_heard() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -110,6 +116,9 @@ class Watchdog {
   long words_heard_ = 0;
   std::vector<Peer> peers_;
   std::chrono::steady_clock::time_point deadline_, next_send_;
+  // The heartbeat thread's last wake, and its last wake over 1 s late (ns of the steady
+  // clock; 0: never).
+  std::atomic<long long> woke_ns_{0}, woke_late_ns_{0};
   std::mutex mutex_;
   std::condition_variable wake_;
   std::thread thread_;
