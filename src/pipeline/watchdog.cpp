@@ -78,10 +78,11 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
       std::vector<int> missing;
       for (int r = 1; r < size; ++r)
         if (!arrived[static_cast<std::size_t>(r - 1)]) missing.push_back(r);
+      // This rank was the stopped one, resumed past its deadline: the others have named it.
+      if (!missing.empty() && liveness && liveness->was_stopped()) stay_quiet(world.get(), std::min(timeout_s, 3.0));
       // Every word is in (the last ones completed after the test): nobody is missing, the
       // late one was this rank (stopped, say, and resumed past its deadline), which the
       // others' own waits name if they gave up on it. Go on, and say nothing.
-      if (!missing.empty() && liveness && liveness->was_stopped()) stay_quiet(world.get(), std::min(timeout_s, 3.0));
       if (!missing.empty())
         end_job(world.get(), cat(rank_list(missing), " did not reach ", what, " within ", timeout_s,
                                  " s (--p2p-timeout): stopped or hung; ending the job"));
