@@ -264,17 +264,11 @@ void print_plan(const TrainConfig& config, const Model& model, const Partition& 
   const double theory = simulate(unit, StageCosts::unit(unit)).bubble_fraction;
   const double predicted = simulate(compute, flops).bubble_fraction;
   // The closed form of the equal-stage bubble where there is one (M >= K).
-  const std::string& name = config.pipeline.schedule;
-  const int held = config.pipeline.in_flight;
-  const bool zero_bubble = name == "zb-h1" || name == "zb-h2";
-  const char* formula = M < K                                            ? "simulated"
-                        : name == "gpipe" || name == "1f1b"              ? "(K-1)/(M+K-1)"
-                        : zero_bubble && held == 0                       ? "(K-1)/(3M+K-1)"
-                        : zero_bubble && held == in_flight_of_1f1b       ? "(K-1)/(1.5M+K-1)"
-                        : name == "interleaved"                          ? "(K-1)/(vM+K-1)"
-                                                                         : "simulated";
+  const ScheduleKind* kind = find_schedule_kind(config.pipeline.schedule);
+  std::string formula = M < K || !kind ? "" : kind->bubble_formula(config.pipeline.in_flight);
+  if (formula.empty()) formula = "simulated";
   std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n", 100 * theory,
-              formula, 100 * predicted);
+              formula.c_str(), 100 * predicted);
   // Post-validation: a stage starts the next step once its own part of this one is done.
   std::printf("bubble with --overlap-steps (steps back to back, no clipping or skip): %.1f%% for equal stages, %.1f%% "
               "predicted from this partition's FLOPs\n",
@@ -579,10 +573,11 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--replicas", p.grid.replicas, "Data-parallel replicas D (0: world size / stages)")->capture_default_str();
   cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks) or data")
       ->capture_default_str();
+  std::string schedules;  // the table's, each with its note
+  for (const ScheduleKind& kind : schedule_kinds())
+    schedules += cat(kind.name, kind.help.empty() ? "" : cat(" (", kind.help, ")"), ", ");
   cmd.add_option("--schedule", p.schedule,
-                 "gpipe, 1f1b, zb-h1 (zero bubble: backward split into input and weight gradients), interleaved "
-                 "(with --virtual-stages), zbv (zero bubble on two model stages per rank placed in a V), or file:PATH "
-                 "(a line 'stage S: F0 F1 B0 ...' per stage; plan --write-schedule writes one)")
+                 schedules + "or file:PATH (a line 'stage S: F0 F1 B0 ...' per stage; plan --write-schedule writes one)")
       ->capture_default_str();
   cmd.add_option("--virtual-stages", p.virtual_stages,
                  "Model stages per rank, for --schedule interleaved (2 or more; stage m on pipeline stage m mod K); "
@@ -1109,8 +1104,11 @@ int run_main(int argc, char** argv) {
     // A model file has its own sizes: the presets' options would be ignored.
     for (const auto& [command, config] : {std::pair{train, &train_config}, std::pair{plan, &plan_config}}) {
       if (!command->parsed()) continue;
-      // zbv always runs two model stages per rank: it sets --virtual-stages unless given.
-      if (config->pipeline.schedule == "zbv" && config->pipeline.virtual_stages == 1) config->pipeline.virtual_stages = 2;
+      // A schedule that always runs a fixed number of model stages per rank (zbv: two)
+      // sets --virtual-stages unless given.
+      if (const ScheduleKind* kind = find_schedule_kind(config->pipeline.schedule);
+          kind && kind->virtual_stages > 1 && config->pipeline.virtual_stages == 1)
+        config->pipeline.virtual_stages = kind->virtual_stages;
       // ResNet's depth is one of five: 18 unless given.
       if (config->model.kind == "resnet" && command->get_option("--layers")->count() == 0) config->model.layers = 18;
       if (is_preset(config->model.kind)) continue;

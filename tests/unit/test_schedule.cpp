@@ -16,8 +16,49 @@
 
 using namespace mpipe;
 
-// The model stages per rank a built-in schedule runs with (interleaved: any v >= 2).
-bool fits(const std::string& name, int v) { return name == "interleaved" ? v > 1 : name == "zbv" ? v == 2 : v == 1; }
+// The model stages per rank a built-in schedule runs with (the table's: interleaved any v >= 2).
+bool fits(const std::string& name, int v) {
+  const int wants = find_schedule_kind(name)->virtual_stages;
+  return wants == 0 ? v > 1 : v == wants;
+}
+
+TEST_CASE("the schedule table: each entry's placement, formula and --in-flight rule are its generator's") {
+  // Every closed form the table may give, as a function of (K, M, v).
+  const std::map<std::string, std::function<double(int, int, int)>> formulas = {
+      {"(K-1)/(M+K-1)", [](int K, int M, int) { return (K - 1.0) / (M + K - 1.0); }},
+      {"(K-1)/(3M+K-1)", [](int K, int M, int) { return (K - 1.0) / (3.0 * M + K - 1.0); }},
+      {"(K-1)/(1.5M+K-1)", [](int K, int M, int) { return (K - 1.0) / (1.5 * M + K - 1.0); }},
+      {"(K-1)/(vM+K-1)", [](int K, int M, int v) { return (K - 1.0) / (static_cast<double>(v) * M + K - 1.0); }},
+  };
+  CHECK(schedule_names().size() == schedule_kinds().size());
+  CHECK(find_schedule_kind("file:x") == nullptr);
+  CHECK(schedule_choices().find("zb-h2") != std::string::npos);  // the help once lost it
+  for (const ScheduleKind& kind : schedule_kinds()) {
+    CAPTURE(kind.name);
+    CHECK(find_schedule_kind(kind.name) == &kind);
+    for (const int in_flight : {0, in_flight_of_1f1b}) {
+      const bool refused_1f1b = kind.name == "zbv" && in_flight == in_flight_of_1f1b;
+      for (int K : {1, 2, 3, 4, 6})
+        for (int M = K; M <= 3 * K; ++M) {
+          const int v = kind.virtual_stages == 0 ? 2 : kind.virtual_stages;
+          if (kind.name == "interleaved" && M % K != 0) continue;
+          CAPTURE(K);
+          CAPTURE(M);
+          CAPTURE(in_flight);
+          if (in_flight != 0 && (!kind.takes_in_flight || refused_1f1b)) {
+            CHECK_THROWS_AS(make_schedule(kind.name, K, M, v, {nullptr, false, in_flight}), UserError);
+            continue;
+          }
+          const Schedule s = make_schedule(kind.name, K, M, v, {nullptr, false, in_flight});
+          CHECK(s.placement_table() == kind.placement(K, v));
+          const std::string formula = kind.bubble_formula(in_flight);
+          if (formula.empty()) continue;
+          REQUIRE(formulas.count(formula) == 1);
+          CHECK(simulate(lower(s), StageCosts::unit(s)).bubble_fraction == doctest::Approx(formulas.at(formula)(K, M, v)));
+        }
+    }
+  }
+}
 
 TEST_CASE("every generated schedule is valid for K <= 16 and M <= 64, M < K included, v <= 4") {
   for (const std::string& name : schedule_names())

@@ -35,7 +35,10 @@ template <> inline MPI_Datatype mpi_datatype<char>() { return MPI_CHAR; }
 MPI_Op mpi_op(Reduce op);
 int mpi_count(std::size_t n);  // checked against MPI's int counts
 
-// Activations travel forward, gradients backward; each micro-batch has its own tag.
+// Activations travel forward, gradients backward; each micro-batch (with virtual
+// stages, each (model stage, micro-batch)) has its own tag, 2 · index + direction. MPI
+// promises tags up to 32767, so at most this many messages per direction tell apart:
+inline constexpr int max_tagged_messages = 16383;
 inline int message_tag(int micro_batch, Direction direction) {
   return 2 * micro_batch + static_cast<int>(direction);
 }

@@ -1,8 +1,10 @@
 // Schedules as data. A schedule is, for each pipeline stage (one rank of a replica), the
-// ordered list of actions it runs in one training step: generators (gpipe, 1f1b, zb-h1,
-// interleaved) produce compute-only lists, lower() adds the sends and receives,
-// validate() and simulate() are pure functions, and render() draws the step-by-stage
-// grid. The executor interprets lowered lists.
+// ordered list of actions it runs in one training step: generators (the schedule table
+// below) produce compute-only lists, lower() adds the sends and receives, validate() and
+// simulate() are pure functions, and render() draws the step-by-stage grid. The executor
+// interprets lowered lists. Where each part lives: schedule.cpp (actions, placement,
+// lowering, validate), generators.cpp (the table, gpipe, 1f1b, interleaved, dispatch),
+// zero_bubble.cpp (zb-h1, zb-h2, zbv), schedule_file.cpp (file:PATH), simulate.cpp.
 //
 // Virtual stages: with v > 1 the model is cut into K·v stages and a schedule's placement
 // says which pipeline stage (list) runs each: round robin (stage m on m mod K, as
@@ -67,6 +69,10 @@ struct Schedule {
 // 2K-1-s on pipeline stage s: the model goes down the ranks and back up).
 std::vector<int> round_robin_placement(int stages, int virtual_stages);
 std::vector<int> vee_placement(int stages);
+// "0, 7": model stages, for a message.
+std::string listed(const std::vector<int>& model_stages);
+// K empty lists of `name` over `micro_batches`, for a generator or a file to fill.
+Schedule empty_schedule(const std::string& name, int stages, int micro_batches);
 
 struct StageCosts;
 
@@ -123,17 +129,47 @@ Schedule interleaved_schedule(int stages, int virtual_stages, int micro_batches)
 // near the bound of a synchronized step, (K-1)/(6M+K-1): the last rank waits K-1
 // half-stage forwards for its first input.
 Schedule zbv_schedule(int stages, int micro_batches, const ScheduleOptions& options = {});
-// By name: gpipe, 1f1b, zb-h1, interleaved (virtual_stages >= 2; the others 1), zbv
-// (virtual_stages 2), or
-// file:PATH (a schedule file: parse_schedule, then checked for `stages`,
-// `virtual_stages` and `micro_batches` and by validate(), each problem a UserError naming
-// the file, the stage and the action); UserError for an unknown name.
+// One of the three above for `options`; an --in-flight too small for any order is a
+// UserError naming the smallest that works.
+Schedule zero_bubble_checked(const std::string& name, Schedule (*generate)(int, int, const ScheduleOptions&), int stages,
+                             int micro_batches, const ScheduleOptions& options);
+// The built-in schedules, one entry each (as PyTorch's pipelining keys its schedule
+// classes by name): dispatch (make_schedule), the --schedule help, plan's bubble formula
+// and the tests read this table; nothing else lists schedule names.
+struct ScheduleKind {
+  std::string name;  // --schedule NAME
+  std::string help;  // a phrase for --schedule's help; may be empty
+  // Model stages per rank: a fixed count (1; 2 for zbv), or 0: --virtual-stages, 2 or more.
+  int virtual_stages = 1;
+  // [model stage] -> the pipeline stage running it, for `stages` ranks of `virtual_stages`.
+  std::vector<int> (*placement)(int stages, int virtual_stages) = nullptr;
+  // Compute-only lists for K stages, M micro-batches and v model stages per rank (checked
+  // against virtual_stages by make_schedule); UserError for a (K, M) the schedule cannot run.
+  Schedule (*generate)(int stages, int micro_batches, int virtual_stages, const ScheduleOptions& options) = nullptr;
+  bool takes_in_flight = false;    // --in-flight sets its memory (the zero-bubble schedules)
+  bool ordered_for_costs = false;  // its order depends on ScheduleOptions::costs and back_to_back
+  // The closed form of its bubble at equal stages for M >= K under `in_flight`, e.g.
+  // "(K-1)/(M+K-1)", or "" where there is none (plan then says "simulated").
+  std::string (*bubble_formula)(int in_flight) = nullptr;
+};
+const std::vector<ScheduleKind>& schedule_kinds();
+const ScheduleKind* find_schedule_kind(const std::string& name);  // null: no built-in of that name
+// The built-in names, in the table's order (file:PATH is not one).
+std::vector<std::string> schedule_names();
+// "gpipe, 1f1b, ..., zbv or file:PATH": what --schedule takes, for help and hints.
+std::string schedule_choices();
+
+// By name: a built-in schedule of the table (its virtual_stages checked against
+// `virtual_stages`), or file:PATH (a schedule file: parse_schedule, then checked for
+// `stages`, `virtual_stages` and `micro_batches` and by validate(), each problem a
+// UserError naming the file, the stage and the action); UserError for an unknown name.
 // `options`: for the zero-bubble generators (UserError for an in_flight set with another
 // schedule, or one too small for any order).
 Schedule make_schedule(const std::string& name, int stages, int micro_batches, int virtual_stages = 1,
                        const ScheduleOptions& options = {});
-// The built-in generators (file:PATH is not one).
-std::vector<std::string> schedule_names();
+// file:PATH's schedule (make_schedule's checks included).
+Schedule load_schedule_file(const std::string& path, const std::string& name, int stages, int micro_batches,
+                            int virtual_stages);
 
 // A schedule file's text: one line per stage, "stage S: F0 F1 B0 B1 ..." (forwards F,
 // backwards B and, on a stage that splits them, weight gradients W of micro-batches, in
