@@ -1,7 +1,8 @@
 // mpipe's entry point.
 #include <cstring>
 
-#include "mpipe/app/commands.hpp"
+#include "mpipe/app/cli.hpp"
+#include "mpipe/app/process.hpp"
 #include "mpipe/core/sanitizer.hpp"
 
 namespace {

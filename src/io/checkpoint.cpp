@@ -1,4 +1,5 @@
-// HDF5 checkpoints: parallel write, verification, atomic replacement, resume, inspect.
+// HDF5 checkpoints, collectively: the parallel write (MPI-IO or direct I/O), its
+// verification and atomic replacement, resume and load.
 #include "mpipe/io/checkpoint.hpp"
 
 #include <fcntl.h>
@@ -18,9 +19,7 @@
 #include <filesystem>
 #include <sstream>
 
-#include "mpipe/core/version.hpp"
 #include "mpipe/data/hdf5.hpp"
-#include "mpipe/io/config_file.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
 namespace mpipe {
@@ -28,131 +27,6 @@ namespace mpipe {
 namespace fs = std::filesystem;
 
 namespace {
-
-// ---- small HDF5 helpers (Handle and quiet_hdf5 in data/hdf5.hpp) ----------------
-
-// The model's layer list as a model file, without the name line (the same list read
-// from another path is the same model).
-std::string model_text(const Model& model) {
-  ModelSpec spec = model.spec();
-  spec.name.clear();
-  const std::string text = spec.to_toml();
-  return text.substr(text.find('\n') + 1);
-}
-
-// Where two layer lists (model files) first differ: "layer 4 (linear): out = 64 there,
-// out = 48 here", or "" when they do not.
-std::string first_difference(const std::string& there, const std::string& here) {
-  std::istringstream a(there), b(here);
-  std::string x, y, kind, inner_kind;
-  int layer = -1, inner = -1;  // inner: a residual block's layer ([[layer.layer]])
-  for (;;) {
-    const bool more_a = static_cast<bool>(std::getline(a, x)), more_b = static_cast<bool>(std::getline(b, y));
-    if (!more_a && !more_b) return "";
-    if (!more_a || !more_b) return more_a ? cat("it has more layers, from layer ", layer + 1) : cat("it has fewer layers: ", layer + 1);
-    if (x == "[[layer]]") ++layer, inner = -1;
-    if (x == "[[layer.layer]]") ++inner;
-    if (x.rfind("kind = ", 0) == 0) (inner < 0 ? kind : inner_kind) = x.substr(8, x.size() - 9);
-    if (x != y) {
-      if (layer < 0) return cat(x, " there, ", y, " here");
-      return cat("layer ", layer, " (", kind, ")", inner >= 0 ? cat(", inner layer ", inner, " (", inner_kind, ")") : "", ": ",
-                 x.empty() ? "(nothing)" : x, " there, ", y.empty() ? "(nothing)" : y, " here");
-    }
-  }
-}
-
-#define H5_CHECK(expr, ...)                                                    \
-  do {                                                                         \
-    if ((expr) < 0) throw Error(cat("HDF5: ", __VA_ARGS__));                   \
-  } while (0)
-
-uint32_t crc32_of(const void* data, std::size_t bytes) {
-  return static_cast<uint32_t>(crc32_z(0L, static_cast<const Bytef*>(data), bytes));
-}
-
-std::string layer_key(int layer) {
-  char text[16];
-  std::snprintf(text, sizeof text, "%04d", layer);
-  return text;
-}
-
-// One dataset of parameters or optimizer state, as every rank names it.
-struct DatasetSpec {
-  std::string path;
-  Shape shape;
-  int layer;
-  std::string name;
-};
-
-std::vector<DatasetSpec> parameter_datasets(const Model& model, const std::string& root) {
-  std::vector<DatasetSpec> out;
-  for (int layer = 0; layer < model.size(); ++layer)
-    for (const ParamSpec& spec : model.layer(layer).param_specs())
-      if (spec.tied_layer < 0) out.push_back({root + "/" + layer_key(layer) + "/" + spec.name, spec.shape, layer, spec.name});
-  return out;
-}
-
-std::vector<hsize_t> dims(const Shape& s) {
-  std::vector<hsize_t> d;
-  for (int i = 0; i < s.rank; ++i) d.push_back(static_cast<hsize_t>(s[i]));
-  return d;
-}
-
-void write_string_attribute(hid_t object, const char* name, const std::string& value) {
-  Handle type(H5Tcopy(H5T_C_S1), H5Tclose);
-  H5Tset_size(type.get(), std::max<std::size_t>(1, value.size()));
-  H5Tset_strpad(type.get(), H5T_STR_NULLTERM);
-  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
-  Handle attr(H5Acreate2(object, name, type.get(), space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  H5_CHECK(attr.get(), "cannot create attribute ", name);
-  H5_CHECK(H5Awrite(attr.get(), type.get(), value.c_str()), "cannot write attribute ", name);
-}
-
-template <class T>
-void write_scalar_attribute(hid_t object, const char* name, hid_t type, T value) {
-  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
-  Handle attr(H5Acreate2(object, name, type, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  H5_CHECK(attr.get(), "cannot create attribute ", name);
-  H5_CHECK(H5Awrite(attr.get(), type, &value), "cannot write attribute ", name);
-}
-
-std::optional<std::string> read_string_attribute(hid_t object, const char* name) {
-  if (H5Aexists(object, name) <= 0) return std::nullopt;
-  Handle attr(H5Aopen(object, name, H5P_DEFAULT), H5Aclose);
-  Handle type(H5Aget_type(attr.get()), H5Tclose);
-  if (H5Tget_class(type.get()) != H5T_STRING || H5Tis_variable_str(type.get()) > 0) return std::nullopt;
-  std::string value(H5Tget_size(type.get()), '\0');
-  Handle mem(H5Tcopy(H5T_C_S1), H5Tclose);
-  H5Tset_size(mem.get(), value.size());
-  if (H5Aread(attr.get(), mem.get(), value.data()) < 0) return std::nullopt;
-  value.resize(std::strlen(value.c_str()));
-  return value;
-}
-
-template <class T>
-std::optional<T> read_scalar_attribute(hid_t object, const char* name, hid_t type) {
-  if (H5Aexists(object, name) <= 0) return std::nullopt;
-  Handle attr(H5Aopen(object, name, H5P_DEFAULT), H5Aclose);
-  T value{};
-  if (H5Aread(attr.get(), type, &value) < 0) return std::nullopt;
-  return value;
-}
-
-// Reads a float dataset of `count` elements into `out` and checks its CRC-32.
-std::optional<std::string> read_checked(hid_t file, const std::string& path, float* out, std::size_t count) {
-  if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) return cat("dataset ", path, " is missing");
-  Handle set(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose);
-  if (!set.ok()) return cat("dataset ", path, " cannot be opened");
-  Handle space(H5Dget_space(set.get()), H5Sclose);
-  if (static_cast<std::size_t>(H5Sget_simple_extent_npoints(space.get())) != count)
-    return cat("dataset ", path, " has ", H5Sget_simple_extent_npoints(space.get()), " elements, expected ", count);
-  if (H5Dread(set.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out) < 0)
-    return cat("dataset ", path, " cannot be read (truncated file?)");
-  const auto stored = read_scalar_attribute<uint32_t>(set.get(), "crc32", H5T_NATIVE_UINT32);
-  if (!stored) return cat("dataset ", path, " has no checksum");
-  if (*stored != crc32_of(out, count * sizeof(float))) return cat("dataset ", path, " fails its checksum (altered or damaged)");
-  return std::nullopt;
-}
 
 void fsync_path(const std::string& path, bool directory) {
   const int fd = ::open(path.c_str(), directory ? O_RDONLY | O_DIRECTORY : O_RDONLY);
@@ -183,61 +57,6 @@ std::vector<int> writer_stages(const Model& model, const Partition& part, const 
       bytes[writer[i]] += static_cast<double>(params[i].shape.numel());
     }
   return writer;
-}
-
-// What steers a resume: /train's attributes and the root attributes that say which
-// model, optimizer and options the state belongs to. Version 2 covers them all by one
-// CRC-32 (/train's `crc32`) of state_text, so an altered step cannot pass for a real one.
-struct TrainState {
-  int version = checkpoint_format_version;
-  int64_t step = 0, updates = 0, samples = 0, position = 0;
-  uint64_t seed = 0;
-  std::string data, run_id, signature, optimizer, config;
-};
-
-std::string state_text(const TrainState& s) {
-  return cat("step=", s.step, "\nupdates=", s.updates, "\nsamples=", s.samples, "\nposition=", s.position,
-             "\nseed=", s.seed, "\ndata=", s.data, "\nrun=", s.run_id, "\nsignature=", s.signature,
-             "\noptimizer=", s.optimizer, "\nconfig=", s.config);
-}
-
-// Reads and checks the training state of an open checkpoint: present, within the
-// checksum (version 2), and consistent (updates <= step, samples = data position, the
-// step the file's name gives). Returns the problem, or nothing.
-std::optional<std::string> read_train_state(hid_t file, const std::string& path, TrainState& s) {
-  s.version = read_scalar_attribute<int>(file, "format_version", H5T_NATIVE_INT).value_or(-1);
-  if (s.version < checkpoint_oldest_readable_version || s.version > checkpoint_format_version)
-    return cat("'", path, "' has checkpoint format version ", s.version, "; this mpipe reads versions ",
-               checkpoint_oldest_readable_version, " to ", checkpoint_format_version);
-  if (H5Lexists(file, "/train", H5P_DEFAULT) <= 0) return cat("'", path, "' has no /train group");
-  Handle train(H5Gopen2(file, "/train", H5P_DEFAULT), H5Gclose);
-  if (!train.ok()) return cat("'", path, "' has no /train group");
-  s.step = read_scalar_attribute<int64_t>(train.get(), "step", H5T_NATIVE_INT64).value_or(-1);
-  s.updates = read_scalar_attribute<int64_t>(train.get(), "optimizer_updates", H5T_NATIVE_INT64).value_or(-1);
-  s.samples = read_scalar_attribute<int64_t>(train.get(), "samples_consumed", H5T_NATIVE_INT64).value_or(-1);
-  s.position = read_scalar_attribute<int64_t>(train.get(), "data_position", H5T_NATIVE_INT64).value_or(-1);
-  s.seed = read_scalar_attribute<uint64_t>(train.get(), "seed", H5T_NATIVE_UINT64).value_or(0);
-  s.data = read_string_attribute(train.get(), "data").value_or("");
-  s.run_id = read_string_attribute(train.get(), "run_id").value_or("");
-  s.signature = read_string_attribute(file, "model_signature").value_or("");
-  s.optimizer = read_string_attribute(file, "optimizer").value_or("");
-  s.config = read_string_attribute(file, "config").value_or("");
-  if (s.step < 0 || s.updates < 0 || s.samples < 0 || s.position < 0)
-    return cat("'", path, "' lacks its training state (/train step, optimizer_updates, samples_consumed, data_position)");
-  if (s.version >= 2) {
-    const auto stored = read_scalar_attribute<uint32_t>(train.get(), "crc32", H5T_NATIVE_UINT32);
-    if (!stored) return cat("'", path, "': /train has no checksum");
-    const std::string text = state_text(s);
-    if (*stored != crc32_of(text.data(), text.size()))
-      return cat("'", path, "': the training state (/train and the root attributes) fails its checksum (altered or damaged)");
-    if (s.run_id.empty()) return cat("'", path, "': /train has no run id");
-  }
-  if (s.updates > s.step) return cat("'", path, "': /train says ", s.updates, " optimizer updates in ", s.step, " steps");
-  if (s.samples != s.position)
-    return cat("'", path, "': /train's samples_consumed ", s.samples, " and data_position ", s.position, " differ");
-  if (const int64_t named = checkpoint_step_of_name(path); named >= 0 && named != s.step)
-    return cat("'", path, "' is named for step ", named, " but holds step ", s.step);
-  return std::nullopt;
 }
 
 // Direct I/O needs buffers, offsets and sizes aligned to the device's blocks.
@@ -276,11 +95,11 @@ struct WriteTimes {
   bool data_checked = false;  // this writer read its data back against the checksums
 };
 
-WriteTimes write_file(Executor& exec, const std::string& temp_path, const std::string& run_id, std::int64_t step) {
+WriteTimes write_file(Executor& exec, const std::string& temp_path, const CheckpointDir& dir, std::int64_t step) {
   const auto start = std::chrono::steady_clock::now();
   auto since = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
   WriteTimes times;
-  const TrainConfig& config = exec.config();
+  const RunOptions& options = exec.options();
   const Grid& grid = exec.grid();
   const Model& model = exec.model();
   const Communicator& comm = grid.pipeline();
@@ -357,30 +176,14 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const std::s
     TrainState state;
     state.step = step;
     state.updates = exec.updates();
-    state.samples = state.position = step * config.batch_size;
-    state.seed = config.seed;
-    state.data = config.data;
-    state.run_id = run_id;
+    state.samples = state.position = step * options.batch_size;
+    state.seed = options.seed;
+    state.data = options.data;
+    state.run_id = dir.run_id();
     state.signature = model_signature(model);
-    state.optimizer = config.optimizer.kind;
-    state.config = to_toml(config);
-    const std::string text = state_text(state);
-    Handle train(H5Gcreate2(file.get(), "/train", H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), H5Gclose);
-    write_scalar_attribute<int64_t>(train.get(), "step", H5T_STD_I64LE, state.step);
-    write_scalar_attribute<int64_t>(train.get(), "optimizer_updates", H5T_STD_I64LE, state.updates);
-    write_scalar_attribute<int64_t>(train.get(), "samples_consumed", H5T_STD_I64LE, state.samples);
-    write_scalar_attribute<int64_t>(train.get(), "data_position", H5T_STD_I64LE, state.position);
-    write_scalar_attribute<uint64_t>(train.get(), "seed", H5T_STD_U64LE, state.seed);
-    write_string_attribute(train.get(), "data", state.data);
-    write_string_attribute(train.get(), "run_id", state.run_id);
-    write_scalar_attribute<uint32_t>(train.get(), "crc32", H5T_STD_U32LE, crc32_of(text.data(), text.size()));
-    write_string_attribute(file.get(), "format", checkpoint_format);
-    write_scalar_attribute<int>(file.get(), "format_version", H5T_STD_I32LE, checkpoint_format_version);
-    write_string_attribute(file.get(), "mpipe_version", cat(version(), " (git ", git_hash(), ")"));
-    write_string_attribute(file.get(), "model_signature", state.signature);
-    write_string_attribute(file.get(), "optimizer", state.optimizer);
-    write_string_attribute(file.get(), "config", state.config);
-    write_string_attribute(file.get(), "model", model_text(model));  // its layer list, as a model file
+    state.optimizer = options.optimizer.kind;
+    state.config = dir.options().config_text;
+    write_train_state(file.get(), state, model);
     H5_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), "cannot flush '", temp_path, "'");
   }  // the file is closed (collectively) here; HDF5 writes nothing more
   // A collective close may return on one writer while another still writes metadata:
@@ -450,170 +253,24 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const std::s
 
 }  // namespace
 
-// ---- names, signature, config ------------------------------------------------------
-
-std::string checkpoint_path(const std::string& dir, std::int64_t step) {
-  char name[32];
-  std::snprintf(name, sizeof name, "ckpt-%08lld.h5", static_cast<long long>(step));
-  return (fs::path(dir) / name).string();
-}
-
-std::int64_t checkpoint_step_of_name(const std::string& path) {
-  const std::string name = fs::path(path).filename().string();
-  if (name.size() != 16 || name.rfind("ckpt-", 0) != 0 || name.substr(13) != ".h5") return -1;
-  std::int64_t step = 0;
-  for (char c : name.substr(5, 8)) {
-    if (c < '0' || c > '9') return -1;
-    step = step * 10 + (c - '0');
-  }
-  return step;
-}
-
-std::optional<std::string> checkpoint_run_id(const std::string& path) {
-  quiet_hdf5();
-  std::error_code ec;
-  if (!fs::is_regular_file(path, ec) || H5Fis_hdf5(path.c_str()) <= 0) return std::nullopt;
-  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  if (!file.ok() || read_string_attribute(file.get(), "format") != checkpoint_format) return std::nullopt;
-  TrainState state;
-  if (read_train_state(file.get(), path, state)) return std::nullopt;
-  return state.run_id;
-}
-
-std::string model_signature(const Model& model) {
-  const ModelConfig& c = model.config();
-  std::string s;
-  if (c.kind == "gpt") {
-    s = cat("gpt layers=", c.layers, " d_model=", c.d_model, " heads=", c.heads, " seq_len=", c.seq_len, " vocab=", c.vocab);
-  } else if (c.kind == "mlp") {
-    s = cat("mlp layers=", c.layers, " hidden=", c.hidden, " inputs=", c.inputs, " classes=", c.classes);
-  } else if (c.kind == "resnet") {
-    s = cat("resnet layers=", c.layers, " image=", c.image, " channels=", c.channels, " width=", c.width, " classes=", c.classes);
-  } else {  // a model file: its layer list, wherever the file lies
-    const std::string text = model_text(model);
-    char list[16];
-    std::snprintf(list, sizeof list, "%08x", static_cast<unsigned>(crc32_of(text.data(), text.size())));
-    s = cat("file layers=", model.size(), " list=", list);
-  }
-  std::string layout;
-  for (const DatasetSpec& d : parameter_datasets(model, "")) layout += d.path + d.shape.str() + ";";
-  char hash[16];
-  std::snprintf(hash, sizeof hash, "%08x", static_cast<unsigned>(crc32_of(layout.data(), layout.size())));
-  return s + " layout=" + hash;
-}
-
-// ---- verification --------------------------------------------------------------------
-
-std::optional<std::string> verify_checkpoint(const std::string& path, const Model* model, bool read_data) {
-  quiet_hdf5();
-  if (!fs::is_regular_file(path)) return cat("no file '", path, "'");
-  if (H5Fis_hdf5(path.c_str()) <= 0) return cat("'", path, "' is not an HDF5 file");
-  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  if (!file.ok()) return cat("'", path, "' cannot be opened as HDF5 (truncated or damaged)");
-  const auto format = read_string_attribute(file.get(), "format");
-  if (!format || *format != checkpoint_format) return cat("'", path, "' is not an mpipe checkpoint");
-  TrainState state;
-  if (auto bad = read_train_state(file.get(), path, state)) return bad;
-  const std::string signature = model ? model_signature(*model) : std::string();
-  if (model && state.signature != signature) {
-    const auto list = read_string_attribute(file.get(), "model");
-    const std::string difference = list ? first_difference(*list, model_text(*model)) : std::string();
-    return cat("'", path, "' holds another model (", difference.empty() ? state.signature : difference, ")");
-  }
-  // Every float dataset against its checksum.
-  struct Visit {
-    hid_t file;
-    std::optional<std::string> problem;
-    std::size_t datasets = 0;
-    std::vector<float> buffer;
-    bool read_data;
-  } visit{file.get(), std::nullopt, 0, {}, read_data};
-  const herr_t rc = H5Ovisit2(
-      file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
-      [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
-        auto* v = static_cast<Visit*>(data);
-        if (info->type != H5O_TYPE_DATASET) return 0;
-        Handle set(H5Dopen2(v->file, name, H5P_DEFAULT), H5Dclose);
-        Handle space(H5Dget_space(set.get()), H5Sclose);
-        const auto n = static_cast<std::size_t>(std::max<hssize_t>(0, H5Sget_simple_extent_npoints(space.get())));
-        Handle type(H5Dget_type(set.get()), H5Tclose);
-        if (H5Tget_class(type.get()) != H5T_FLOAT) return 0;  // /train scalars are checked when read
-        if (!v->read_data) {  // structure only: the data was checked as it was written
-          if (H5Aexists(set.get(), "crc32") <= 0) {
-            v->problem = cat("dataset /", name, " has no checksum");
-            return 1;
-          }
-          ++v->datasets;
-          return 0;
-        }
-        v->buffer.resize(n);
-        if (auto p = read_checked(v->file, std::string("/") + name, v->buffer.data(), n)) {
-          v->problem = *p;
-          return 1;
-        }
-        ++v->datasets;
-        return 0;
-      },
-      &visit, H5O_INFO_BASIC);
-  if (visit.problem) return cat("'", path, "': ", *visit.problem);
-  if (rc < 0) return cat("'", path, "' cannot be walked (damaged)");
-  if (visit.datasets == 0) return cat("'", path, "' holds no parameters");
-  return std::nullopt;
-}
-
-void check_checkpoint_options(const TrainConfig& c, bool create) {
-  MPIPE_REQUIRE(c.checkpoint_every >= 0, "e.g. --checkpoint-every 100", "--checkpoint-every must be >= 0, got ",
-                c.checkpoint_every);
-  MPIPE_REQUIRE(c.keep >= 0, "e.g. --keep 3 (0 keeps all)", "--keep must be >= 0, got ", c.keep);
-  if (c.checkpoint_dir.empty()) {
-    MPIPE_REQUIRE(c.checkpoint_every == 0, "give --checkpoint-dir DIR", "--checkpoint-every needs --checkpoint-dir");
-  } else {
-    std::error_code ec;
-    if (create && !fs::is_directory(c.checkpoint_dir, ec)) {
-      fs::create_directories(c.checkpoint_dir, ec);
-      if (ec) {
-        // Name the part of the path that is in the way: a regular file, or a directory
-        // this user may not write to.
-        fs::path blocker = fs::path(c.checkpoint_dir);
-        std::error_code e2;
-        while (blocker.has_parent_path() && blocker != blocker.parent_path() && !fs::exists(blocker, e2))
-          blocker = blocker.parent_path();
-        const std::string hint =
-            fs::exists(blocker, e2) && !fs::is_directory(blocker, e2)
-                ? cat("'", blocker.string(), "' is a file, not a directory: choose another --checkpoint-dir")
-                : "choose a --checkpoint-dir under a directory you can write to";
-        throw UserError(cat("cannot create checkpoint directory '", c.checkpoint_dir, "': ", ec.message()), hint);
-      }
-    }
-    MPIPE_REQUIRE(fs::is_directory(c.checkpoint_dir, ec), "give a directory (it is created if missing)",
-                  "checkpoint directory '", c.checkpoint_dir, "' is not a directory");
-    MPIPE_REQUIRE(::access(c.checkpoint_dir.c_str(), W_OK | X_OK) == 0, "choose a directory you can write to",
-                  "checkpoint directory '", c.checkpoint_dir, "' is not writable");
-  }
-  if (c.resume != "auto" && c.resume != "never") {
-    MPIPE_REQUIRE(fs::is_regular_file(c.resume), "give --resume auto, never or an existing checkpoint file",
-                  "--resume: no checkpoint file '", c.resume, "'");
-  }
-}
-
 // ---- saving --------------------------------------------------------------------------
 
 SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step, Watchdog* liveness) {
   quiet_hdf5();
   auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
   SaveResult result;
-  const TrainConfig& config = exec.config();
+  const std::string& directory = dir.options().dir;
   const Grid& grid = exec.grid();
   const Communicator& world = grid.world();
-  const std::string final_path = checkpoint_path(config.checkpoint_dir, step);
-  const std::string temp_path = (fs::path(config.checkpoint_dir) / ("." + fs::path(final_path).filename().string() + ".tmp")).string();
+  const std::string final_path = checkpoint_path(directory, step);
+  const std::string temp_path = (fs::path(directory) / ("." + fs::path(final_path).filename().string() + ".tmp")).string();
   const Model& model = exec.model();
   // Every wait below is collective (MPI, HDF5's file create and close): a rank that
   // stopped answering must end the job, not leave the others waiting. Those stopped
   // before the checkpoint are named here; one that stops within it, by the watchdog's
   // heartbeats within --p2p-timeout, however large the file. Its deadline, which allows
   // a healthy write at 10 MB/s, bounds a write that every rank is still doing.
-  const double timeout = config.pipeline.p2p_timeout;
+  const double timeout = exec.options().p2p_timeout;
   rendezvous(world, cat("checkpoint step ", step), timeout, liveness);
   std::optional<Watchdog> own;
   Watchdog& watchdog = liveness ? *liveness : own.emplace(world, grid.name(), timeout);
@@ -627,7 +284,7 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
   WriteTimes times;
   if (grid.replica() == 0) {
     try {
-      times = write_file(exec, temp_path, dir.run_id(), step);
+      times = write_file(exec, temp_path, dir, step);
     } catch (const std::exception& e) {
       failed = 1;
       problem = e.what();
@@ -655,7 +312,7 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
       std::error_code ec;
       fs::rename(temp_path, final_path, ec);
       if (ec) throw Error(cat("cannot rename '", temp_path, "' to '", final_path, "': ", ec.message()));
-      fsync_path(config.checkpoint_dir, true);
+      fsync_path(directory, true);
       result.verify_seconds = agreed[2] + seconds(verify_start);
       // Only now that the new one is in place: older files of this run beyond --keep,
       // and (--overwrite) the other run's.
@@ -678,7 +335,7 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
 
 // ---- resuming ----------------------------------------------------------------------
 
-std::vector<std::string> resume_candidates(const TrainConfig& config, const Model& model, const Communicator& world) {
+std::vector<std::string> resume_candidates(const CheckpointOptions& config, const Model& model, const Communicator& world) {
   // Rank 0 looks; the files' structure is checked here, their data as it is loaded.
   std::vector<std::string> chosen;
   std::string error;
@@ -686,9 +343,9 @@ std::vector<std::string> resume_candidates(const TrainConfig& config, const Mode
     if (config.resume != "auto") {
       if (auto bad = verify_checkpoint(config.resume, &model, false)) error = *bad;
       else chosen.push_back(config.resume);
-    } else if (!config.checkpoint_dir.empty()) {
+    } else if (!config.dir.empty()) {
       std::vector<std::string> found;
-      for (const auto& entry : fs::directory_iterator(config.checkpoint_dir)) {
+      for (const auto& entry : fs::directory_iterator(config.dir)) {
         const std::string name = entry.path().filename().string();
         if (name.rfind(".ckpt-", 0) == 0 && name.size() > 4 && name.substr(name.size() - 4) == ".tmp") {
           std::error_code ec;
@@ -727,7 +384,7 @@ struct Refused : UserError {
 }  // namespace
 
 std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step) {
-  const TrainConfig& config = exec.config();
+  const CheckpointOptions& config = dir.options();
   const Communicator& world = exec.grid().world();
   const std::vector<std::string> candidates = resume_candidates(config, exec.model(), world);
   std::string failures;
@@ -736,8 +393,8 @@ std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step) {
       std::string run_id;
       *step = load_checkpoint(exec, path, &run_id);
       if (!failures.empty() && world.rank() == 0) std::fflush(stdout);
-      if (*step > config.steps)
-        throw Refused(cat("checkpoint '", path, "' is at step ", *step, ", beyond --steps ", config.steps,
+      if (*step > exec.options().steps)
+        throw Refused(cat("checkpoint '", path, "' is at step ", *step, ", beyond --steps ", exec.options().steps,
                           "; nothing to do"),
                       cat("give --steps more than ", *step, " to train on, or --resume never to start again"));
       dir.adopt(run_id);
@@ -752,7 +409,7 @@ std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step) {
   }
   // Parameters partly overwritten by a failed load must not be trained on.
   MPIPE_REQUIRE(failures.empty(), cat("move the damaged files away, or use --resume never"),
-                "no checkpoint in '", config.checkpoint_dir, "' loads (", failures, ")");
+                "no checkpoint in '", config.dir, "' loads (", failures, ")");
   return "";
 }
 
@@ -766,7 +423,7 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
     H5_CHECK(file.get(), "cannot open '", path, "'");
     if (auto bad = read_train_state(file.get(), path, state)) throw Error(*bad);
     // Another optimizer's state cannot continue this one's: say so rather than drop it.
-    if (!state.optimizer.empty() && state.optimizer != exec.config().optimizer.kind) {
+    if (!state.optimizer.empty() && state.optimizer != exec.options().optimizer.kind) {
       other_optimizer = state.optimizer;
       throw Error("optimizer mismatch");
     }
@@ -803,7 +460,7 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
   world.allreduce(std::span<int>(&failed, 1), Reduce::max);
   if (!other_optimizer.empty())  // every rank reads the same attribute
     throw Refused(cat("checkpoint '", path, "' holds ", other_optimizer, " optimizer state; this run uses --optimizer ",
-                      exec.config().optimizer.kind),
+                      exec.options().optimizer.kind),
                   cat("use --optimizer ", other_optimizer, " to continue it, or --resume never to start again"));
   if (failed) throw UserError(problem.empty() ? cat("'", path, "': failed on another rank") : problem,
                               "check the file with 'mpipe inspect --verify'");
@@ -811,104 +468,6 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
   exec.upload_state();  // on a GPU: the loaded values and state into device memory
   if (run_id) *run_id = state.run_id;
   return state.step;
-}
-
-// ---- inspect -------------------------------------------------------------------------
-
-int run_inspect(const std::string& path, bool stats, bool verify, const std::string& print) {
-  quiet_hdf5();
-  MPIPE_REQUIRE(fs::is_regular_file(path), "give the path of a checkpoint file", "no file '", path, "'");
-  MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)",
-                "'", path, "' is not an HDF5 file");
-  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  MPIPE_REQUIRE(file.ok(), "the file is damaged; use an older checkpoint", "'", path, "' cannot be opened");
-  const auto format = read_string_attribute(file.get(), "format");
-  MPIPE_REQUIRE(format && *format == checkpoint_format, "this is some other HDF5 file", "'", path,
-                "' is not an mpipe checkpoint");
-  if (!print.empty()) {  // the run's options or its layer list alone, as train reads them
-    const auto text = read_string_attribute(file.get(), print.c_str());
-    MPIPE_REQUIRE(text.has_value(), print == "model" ? "checkpoints of mpipe before model files have none" : "the file is damaged; use an older checkpoint",
-                  "'", path, "' has no ", print, " attribute");
-    std::printf("# the %s of the run that wrote %s\n%s", print == "model" ? "model" : "options", path.c_str(), text->c_str());
-    return 0;
-  }
-  std::printf("%s\n", path.c_str());
-  for (const char* a : {"format", "mpipe_version", "model_signature", "optimizer"})
-    std::printf("  %-16s %s\n", a, read_string_attribute(file.get(), a).value_or("?").c_str());
-  std::printf("  %-16s %d\n", "format_version", read_scalar_attribute<int>(file.get(), "format_version", H5T_NATIVE_INT).value_or(-1));
-  {
-    Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
-    if (train.ok()) {
-      for (const char* a : {"step", "optimizer_updates", "samples_consumed"})
-        std::printf("  %-16s %lld\n", a,
-                    static_cast<long long>(read_scalar_attribute<int64_t>(train.get(), a, H5T_NATIVE_INT64).value_or(-1)));
-      std::printf("  %-16s %s\n", "run_id", read_string_attribute(train.get(), "run_id").value_or("(none)").c_str());
-    }
-  }
-  // The tree, with per-layer parameter counts.
-  struct Walk {
-    hid_t file;
-    bool stats;
-    std::vector<std::pair<std::string, long long>> per_layer;
-    long long total = 0;
-  } walk{file.get(), stats, {}, 0};
-  std::printf("tree:\n");
-  H5Ovisit2(
-      file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
-      [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
-        auto* w = static_cast<Walk*>(data);
-        const std::string n = name;
-        if (info->type == H5O_TYPE_GROUP) {
-          if (n != ".") std::printf("  /%s/\n", name);
-          return 0;
-        }
-        if (info->type != H5O_TYPE_DATASET) return 0;
-        Handle set(H5Dopen2(w->file, name, H5P_DEFAULT), H5Dclose);
-        Handle space(H5Dget_space(set.get()), H5Sclose);
-        hsize_t d[8] = {};
-        const int rank = H5Sget_simple_extent_dims(space.get(), d, nullptr);
-        std::string shape = "(";
-        for (int i = 0; i < rank; ++i) shape += (i ? ", " : "") + std::to_string(d[i]);
-        shape += ")";
-        const long long count = H5Sget_simple_extent_npoints(space.get());
-        std::printf("  /%-40s float32 %-16s", name, shape.c_str());
-        if (n.rfind("model/", 0) == 0) {
-          w->total += count;
-          const std::string layer = n.substr(6, n.find('/', 6) - 6);
-          if (w->per_layer.empty() || w->per_layer.back().first != layer) w->per_layer.emplace_back(layer, 0);
-          w->per_layer.back().second += count;
-        }
-        if (w->stats) {
-          std::vector<float> v(static_cast<std::size_t>(count));
-          if (H5Dread(set.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0 && count > 0) {
-            double lo = v[0], hi = v[0], sum = 0, sq = 0;
-            for (float x : v) {
-              lo = std::min<double>(lo, x);
-              hi = std::max<double>(hi, x);
-              sum += x;
-              sq += static_cast<double>(x) * x;
-            }
-            const double mean = sum / count;
-            std::printf(" min %+.4e max %+.4e mean %+.4e std %.4e norm %.4e", lo, hi, mean,
-                        std::sqrt(std::max(0.0, sq / count - mean * mean)), std::sqrt(sq));
-          }
-        }
-        std::printf("\n");
-        return 0;
-      },
-      &walk, H5O_INFO_BASIC);
-  std::printf("parameters per layer:");
-  for (const auto& [layer, count] : walk.per_layer) std::printf(" %s:%lld", layer.c_str(), count);
-  std::printf("\nparameters: %lld\n", walk.total);
-  std::printf("config:\n%s", read_string_attribute(file.get(), "config").value_or("?\n").c_str());
-  if (verify) {
-    if (auto bad = verify_checkpoint(path)) {
-      std::printf("verify: FAILED\n");
-      throw UserError(cat("checkpoint damaged: ", *bad), "use an older checkpoint");
-    }
-    std::printf("verify: every checksum matches\n");
-  }
-  return 0;
 }
 
 }  // namespace mpipe

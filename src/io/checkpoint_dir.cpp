@@ -98,12 +98,8 @@ std::string list_names(const std::vector<std::string>& paths) {
 
 }  // namespace
 
-CheckpointDir::CheckpointDir(const TrainConfig& config)
-    : dir_(config.checkpoint_dir),
-      lock_path_(config.checkpoint_dir.empty() ? "" : (fs::path(config.checkpoint_dir) / ".mpipe.lock").string()),
-      resume_(config.resume),
-      keep_(config.keep),
-      overwrite_(config.overwrite) {}
+CheckpointDir::CheckpointDir(const CheckpointOptions& options)
+    : options_(options), lock_path_(options.dir.empty() ? "" : (fs::path(options.dir) / ".mpipe.lock").string()) {}
 
 CheckpointDir::~CheckpointDir() { release(); }
 
@@ -202,17 +198,17 @@ void CheckpointDir::claim() {
   }
   std::sort(others.begin(), others.end());
   std::sort(unreadable.begin(), unreadable.end());
-  if (!unreadable.empty() && resume_ != "auto")  // (--resume auto has named each already)
+  if (!unreadable.empty() && options_.resume != "auto")  // (--resume auto has named each already)
     std::fprintf(stderr, "mpipe: warning: %zu checkpoint file%s in '%s' cannot be read (%s); left as they are\n",
                  unreadable.size(), unreadable.size() > 1 ? "s" : "", dir_.c_str(), list_names(unreadable).c_str());
   if (others.empty()) return;
   const std::string what = cat(others.size(), " checkpoint", others.size() > 1 ? "s" : "", " of another run (",
                                list_names(others), ")");
-  MPIPE_REQUIRE(overwrite_,
+  MPIPE_REQUIRE(options_.overwrite,
                 "give --overwrite to replace them once this run's first checkpoint is written, or choose another "
                 "--checkpoint-dir",
                 "checkpoint directory '", dir_, "' holds ", what,
-                resume_ == "never" ? "" : " that this run does not continue");
+                options_.resume == "never" ? "" : " that this run does not continue");
   replace_ = others;
   std::printf("--overwrite: %s in %s will be deleted once this run's first checkpoint is in place\n", what.c_str(),
               dir_.c_str());
@@ -242,7 +238,7 @@ void CheckpointDir::after_save(const std::string& final_path) {
     else if (ec) std::fprintf(stderr, "mpipe: warning: cannot delete '%s': %s\n", path.c_str(), ec.message().c_str());
   }
   replace_.clear();
-  if (keep_ <= 0) return;
+  if (options_.keep <= 0) return;
   // This run's own complete checkpoints, oldest first; only files older than the new one
   // go, and only beyond --keep.
   std::vector<std::string> own;
@@ -251,7 +247,7 @@ void CheckpointDir::after_save(const std::string& final_path) {
     if (checkpoint_step_of_name(path) >= 0 && checkpoint_run_id(path) == run_id_) own.push_back(path);
   }
   std::sort(own.begin(), own.end());
-  for (std::size_t i = 0; i + static_cast<std::size_t>(keep_) < own.size(); ++i)
+  for (std::size_t i = 0; i + static_cast<std::size_t>(options_.keep) < own.size(); ++i)
     if (own[i] < final_path) fs::remove(own[i], ec);
 }
 

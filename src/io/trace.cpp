@@ -73,7 +73,7 @@ void write_trace(const Executor& exec, const std::string& path) {
                 std::strerror(errno));
   std::fprintf(out, "{\"displayTimeUnit\": \"ms\", \"traceEvents\": [\n");
   std::fprintf(out, "{\"name\": \"process_name\", \"ph\": \"M\", \"pid\": 0, \"args\": {\"name\": \"mpipe %s, %d ranks\"}}",
-               exec.config().pipeline.schedule.c_str(), world.size());
+               exec.options().schedule.c_str(), world.size());
   // Per rank: its compute track (tid = rank), then its communication tracks (tid =
   // rank + world size * (1 + lane)), ordered by replica then stage so that a replica's
   // pipeline reads top to bottom.
@@ -115,7 +115,7 @@ void write_summary(const std::string& path, const std::string& json) {
 }
 
 std::string summary_json(const Executor& exec, const RunSummary& s) {
-  const TrainConfig& c = exec.config();
+  const RunOptions& c = exec.options();
   const Grid& g = exec.grid();
   std::string per_rank, per_stage;
   std::vector<double> stage_peak(g.stages(), 0.0);
@@ -147,8 +147,8 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
                 s.simulated_bubble);
   return cat("{\"summary\": true, \"model\": \"", c.model.kind, "\", \"stages\": ", g.stages(), ", \"replicas\": ",
              g.replicas(), ", \"micro_batches\": ", c.micro_batches, ", \"batch_size\": ", c.batch_size,
-             ", \"schedule\": \"", c.pipeline.schedule, "\", \"virtual_stages\": ", c.pipeline.virtual_stages,
-             ", \"remat\": \"", c.pipeline.remat, "\", \"overlap_steps\": ", c.pipeline.overlap_steps ? "true" : "false",
+             ", \"schedule\": \"", c.schedule, "\", \"virtual_stages\": ", c.virtual_stages,
+             ", \"remat\": \"", to_string(c.remat), "\", \"overlap_steps\": ", c.overlap_steps ? "true" : "false",
              ", \"updates_ahead\": ", exec.speculated(), ", \"updates_undone\": ", exec.rolled_back(), ", ", numbers,
              ", \"peak_activation_bytes_per_stage\": [", per_stage, "], \"peak_activation_bytes_per_rank\": [", per_rank,
              "], \"phase_s\": [", phases, "]}");

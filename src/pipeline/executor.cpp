@@ -18,33 +18,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// --link-bandwidth for --partition time: seconds per byte of each link between the
-// pipeline ranks of a replica, link r from stage r to r + 1 mod K (the last one, back to
-// stage 0, only carries messages under virtual stages), the configured bandwidth for
-// every link, or measured: a ping-pong of one typical boundary activation over each link
-// in turn, every replica at once, the slowest replica's figure kept. Empty: not counted.
-std::vector<double> link_costs(const PipelineConfig& p, const Grid& grid, const Model& model, int micro) {
-  const int K = grid.stages();
-  const double configured = parse_link_bandwidth(p.link_bandwidth);
-  if (K == 1 || configured == 0) return {};
-  if (configured > 0) return std::vector<double>(static_cast<std::size_t>(K), configured);
-  const std::vector<double> bytes = boundary_bytes(model, micro);  // activation + gradient per cut
-  double sum = 0;
-  for (std::size_t b = 1; b + 1 < bytes.size(); ++b) sum += bytes[b] / 2;
-  const double mean = bytes.size() > 2 ? sum / static_cast<double>(bytes.size() - 2) : 0.0;
-  const auto message = static_cast<std::size_t>(std::clamp(mean, 4096.0, 64.0 * 1024 * 1024));
-  std::vector<double> cost(static_cast<std::size_t>(K), 0.0);
-  const int links = p.virtual_stages > 1 ? K : K - 1;
-  for (int l = 0; l < links; ++l) {
-    const int from = l, to = (l + 1) % K;
-    if (grid.stage() == from) cost[static_cast<std::size_t>(l)] = grid.pipeline().ping_pong(to, message, true);
-    if (grid.stage() == to) grid.pipeline().ping_pong(from, message, false);
-  }
-  for (double& c : cost) c /= static_cast<double>(message);
-  grid.world().allreduce(std::span<double>(cost), Reduce::max);
-  return cost;
-}
-
 }  // namespace
 
 const char* TraceEvent::name(int kind) {
@@ -79,88 +52,11 @@ const char* PhaseTimes::name(int i) {
   return names[i];
 }
 
-void validate(const TrainConfig& c, int world) {
-  validate(c.model);
-  validate(c.optimizer);
-  const auto& p = c.pipeline;
-  MPIPE_REQUIRE(c.batch_size > 0, "e.g. --batch-size 32", "--batch-size must be positive, got ", c.batch_size);
-  MPIPE_REQUIRE(c.micro_batches > 0, "e.g. --micro-batches 4", "--micro-batches must be positive, got ", c.micro_batches);
-  MPIPE_REQUIRE(c.steps > 0, "e.g. --steps 100", "--steps must be positive, got ", c.steps);
-  MPIPE_REQUIRE(c.threads >= 0, "e.g. --threads 2, or 0 for every core", "--threads must be >= 0, got ", c.threads);
-  MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
-  MPIPE_REQUIRE(c.trace_steps >= 0, "e.g. --trace-steps 5", "--trace-steps must be >= 0, got ", c.trace_steps);
-  MPIPE_REQUIRE(c.eval_every >= 0, "e.g. --eval-every 100", "--eval-every must be >= 0, got ", c.eval_every);
-  MPIPE_REQUIRE(c.eval_batches >= 0, "e.g. --eval-batches 8, or 0 for a file's every batch", "--eval-batches must be >= 0, got ",
-                c.eval_batches);
-  MPIPE_REQUIRE(!c.eval_data.empty() || (c.eval_every == 0 && c.eval_batches == 0), "give --eval-data, e.g. hdf5:test.h5",
-                "--eval-every and --eval-batches need --eval-data");
-  MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
-                "unknown --progress '", c.progress, "'");
-  MPIPE_REQUIRE(p.remat == "always" || p.remat == "except-last" || p.remat == "never",
-                "use --remat always, except-last or never", "unknown --remat '", p.remat, "'");
-  MPIPE_REQUIRE(p.batchnorm == "micro" || p.batchnorm == "deferred", "use --batchnorm micro or deferred",
-                "unknown --batchnorm '", p.batchnorm, "'");
-  MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
-  parse_progress_mode(p.comm_progress);  // throws UserError for an unknown name
-  parse_link_bandwidth(p.link_bandwidth);  // likewise
-  MPIPE_REQUIRE(p.comm_poll_us >= 0 && p.comm_poll_us <= 1e6, "e.g. --comm-poll-us 5000 (0: no pause)",
-                "--comm-poll-us must be between 0 and 1000000, got ", p.comm_poll_us);
-  MPIPE_REQUIRE(p.comm_wait == "sleep" || p.comm_wait == "spin", "use --comm-wait sleep or spin",
-                "unknown --comm-wait '", p.comm_wait, "'");
-  MPIPE_REQUIRE(c.device == "cpu" || c.device == "cuda" || c.device == "auto", "use --device cpu, cuda or auto",
-                "unknown --device '", c.device, "'");
-  MPIPE_REQUIRE(c.precision == "fp32" || c.precision == "bf16", "use --precision fp32 or bf16",
-                "unknown --precision '", c.precision, "'");
-  MPIPE_REQUIRE(c.precision == "fp32" || c.device != "cpu", "use --device cuda (or auto on GPU nodes) with bf16",
-                "--precision bf16 needs a GPU; the CPU backend computes in fp32");
-  GridShape grid = p.grid;
-  if (world > 0) grid = resolve_grid(grid, world);
-  const int replicas = std::max(1, grid.replicas);
-  // Tags are 2 * micro-batch + direction (with virtual stages, of model stage · M +
-  // micro-batch); MPI promises tags up to 32767.
-  MPIPE_REQUIRE(p.virtual_stages >= 1 && p.virtual_stages <= 64, "e.g. --virtual-stages 2 with --schedule interleaved",
-                "--virtual-stages must be between 1 and 64, got ", p.virtual_stages);
-  MPIPE_REQUIRE(c.micro_batches <= 16383, "use at most 16383 micro-batches", "--micro-batches ", c.micro_batches,
-                " is too many");
-  const int v = p.virtual_stages, stages = std::max(1, grid.stages);
-  MPIPE_REQUIRE(v == 1 || static_cast<std::int64_t>(c.micro_batches) * stages * v <= 16383,
-                "use fewer micro-batches or virtual stages", "--micro-batches ", c.micro_batches, " x ", stages,
-                " stages x --virtual-stages ", v, " is more than 16383 messages tags can tell apart");
-  MPIPE_REQUIRE(c.micro_batches <= c.batch_size, "use at most one micro-batch per sample",
-                "--micro-batches ", c.micro_batches, " exceeds --batch-size ", c.batch_size);
-  if (replicas == 1)
-    MPIPE_REQUIRE(c.batch_size % c.micro_batches == 0, "pick --micro-batches dividing --batch-size",
-                  "--batch-size ", c.batch_size, " is not divisible by --micro-batches ", c.micro_batches);
-  else
-    MPIPE_REQUIRE(c.batch_size % (static_cast<std::int64_t>(c.micro_batches) * replicas) == 0,
-                  cat("pick a --batch-size that is a multiple of ", c.micro_batches * replicas),
-                  "--batch-size ", c.batch_size, " does not split into --micro-batches ", c.micro_batches, " x ",
-                  replicas, " replicas");
-  // UserError for an unknown name, or a schedule file that does not fit or breaks a rule.
-  if (grid.stages > 0 || p.schedule.rfind("file:", 0) != 0)
-    make_schedule(p.schedule, stages, c.micro_batches, v, {nullptr, false, p.in_flight});
-  const int layers = Model(c.model).size();
-  if (!p.balance.empty()) {
-    const Partition part = partition_from_balance(parse_balance(p.balance), layers);
-    MPIPE_REQUIRE(grid.stages == 0 || part.stages() == grid.stages * v,
-                  v > 1 ? "give one count per model stage (stages x --virtual-stages)" : "give one count per stage",
-                  "--balance has ", part.stages(), " stages, the grid has ", grid.stages * v);
-  } else {
-    MPIPE_REQUIRE(p.partition == "uniform" || p.partition == "params" || p.partition == "flops" || p.partition == "time",
-                  "use --partition uniform, params, flops or time", "unknown --partition '", p.partition, "'");
-  }
-  MPIPE_REQUIRE(grid.stages * v <= layers, v > 1 ? "use fewer stages or virtual stages, or a deeper model" : "use fewer stages or a deeper model",
-                "more stages (", grid.stages * v, ") than layers (", layers, "); see 'mpipe plan' for the layer list");
-}
-
-Executor::Executor(const TrainConfig& config, const Communicator& world)
-    : config_(config), world_(world), model_(config.model) {
-  validate(config, world.size());
-  config_.pipeline.grid = resolve_grid(config.pipeline.grid, world.size());
-  micro_ = config.batch_size / (config.micro_batches * config_.pipeline.grid.replicas);
+Executor::Executor(const Plan& plan, const Communicator& world)
+    : plan_(plan), world_(world), model_(plan.options.model), micro_(plan.micro_batch_size) {
+  MPIPE_CHECK(plan.ranks == world.size(), "a plan for ", plan.ranks, " ranks on ", world.size());
   shapes_ = model_.shapes(micro_);
-  MPIPE_CHECK(config_.device != "auto", "resolve_device() must run before the executor is built");
-  if (config_.device == "cuda") {
+  if (plan.options.device == Device::cuda) {
     for (int i = 0; i < model_.size(); ++i) {
       const LayerKind* kind = find_layer_kind(model_.layer(i).kind());
       MPIPE_REQUIRE(!kind || kind->gpu, "run this model with --device cpu", "layer ", i, " (", model_.layer(i).kind(),
@@ -168,98 +64,23 @@ Executor::Executor(const TrainConfig& config, const Communicator& world)
     }
     MPIPE_CHECK(cuda::active(), "--device cuda without cuda::init()");
     device_ = Device::cuda;
-    dtype_ = config_.precision == "bf16" ? DType::bf16 : DType::f32;
+    dtype_ = plan.options.precision;
     cuda_aware_ = mpi_cuda_aware();
   }
   persistent_ = std::make_unique<Arena>(ops::device_memory(device_));
   scratch_ = std::make_unique<Arena>(ops::device_memory(device_));
 }
 
-std::string resolve_device(TrainConfig& config, const Communicator& world) {
-  // Every rank counts its GPUs; a rank without one makes "auto" the CPU everywhere and
-  // "cuda" a user error everywhere, so no rank is left alone on a device.
-  std::string why;
-  int gpus = config.device == "cpu" ? 0 : cuda::device_count(&why);
-  int fewest = gpus;
-  world.allreduce(std::span<int>(&fewest, 1), Reduce::min);
-  if (config.device == "auto") config.device = fewest > 0 ? "cuda" : "cpu";
-  if (config.device == "cuda" && fewest == 0) {
-    // Name the first rank without a GPU, and its reason, on every rank.
-    int first = gpus == 0 ? world.rank() : world.size();
-    world.allreduce(std::span<int>(&first, 1), Reduce::min);
-    std::string reason = why;
-    world.broadcast(reason, first);
-    throw UserError(cat("--device cuda but rank ", first, " has no usable GPU (", reason, ")"),
-                    "run on GPU nodes, check CUDA_VISIBLE_DEVICES and the driver, or use --device cpu");
-  }
-  MPIPE_REQUIRE(config.device == "cuda" || config.precision == "fp32",
-                "use --precision fp32 on the CPU, or run on GPU nodes",
-                "--precision bf16 needs a GPU, and --device ", config.device == "cpu" ? "cpu" : "auto",
-                " chose the CPU");
-  if (config.device == "cpu") return "device: cpu";
-  // The head's vocabulary chunks have no GPU kernels yet: one linear head instead, the
-  // same parameters (tied to the token table either way) and the same checkpoints.
-  std::string head;
-  if (config.model.kind == "gpt" && config.model.head_chunks > 1) {
-    head = cat("; the LM head as one layer, not ", config.model.head_chunks, " vocabulary chunks (no GPU kernels for them yet)");
-    config.model.head_chunks = 1;
-  }
-  // Node-local rank modulo the GPUs this rank sees: one GPU per rank with one rank per
-  // GPU, or ranks sharing GPUs round-robin when there are more ranks than GPUs.
-  const Communicator node = Communicator::node(world);
-  const int ordinal = node.rank() % gpus;
-  cuda::init(ordinal);
-  const cuda::DeviceProperties p = cuda::properties(ordinal);
-  return cat("device: cuda, ", p.name, " (sm_", p.major, p.minor, ", ", p.memory_bytes >> 30, " GiB); ", gpus,
-             " GPU(s) and ", node.size(), " rank(s) per node; precision ", config.precision, "; MPI ",
-             mpi_cuda_aware() ? "CUDA-aware (messages from device memory)" : "not CUDA-aware (messages staged in pinned host memory)",
-             head);
-}
-
 // Requests a failed step left behind are cancelled by Progress.
 Executor::~Executor() = default;
 
 void Executor::connect() {
-  grid_ = std::make_unique<Grid>(world_, config_.pipeline.grid);
-  const auto& p = config_.pipeline;
-  const int K = grid_->stages();
-  // The schedule places the model stages on the ranks (round robin, or the V of zbv):
-  // the partition, the stages, the tied group and the transport's peers follow it. Its
-  // placement is all the partition needs; the schedule that runs is built below.
-  const std::vector<int> placement =
-      make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages).placement_table();
-  std::vector<double> costs;
-  if (p.balance.empty() && p.partition == "time") {
-    // Measured once, on world rank 0, so every rank cuts at the same layers; on a model
-    // of its own (its layers' views die with the probe), and a failure is broadcast as
-    // NaN so that no rank is left in the broadcast.
-    costs.assign(static_cast<std::size_t>(model_.size()), 0.0);
-    std::string problem;
-    if (world_.rank() == 0) {
-      try {
-        Model probe(config_.model);
-        costs = measure_layer_times(probe, micro_, config_.seed);
-      } catch (const std::exception& e) {
-        problem = e.what();
-        costs.assign(costs.size(), std::nan(""));
-      }
-    }
-    world_.broadcast(std::span<double>(costs), 0);
-    if (std::isnan(costs[0])) throw Error(cat("measuring layer times on rank 0 failed", problem.empty() ? "" : ": " + problem));
-  }
-  const std::vector<double> links =
-      p.balance.empty() && p.partition == "time" ? link_costs(p, *grid_, model_, micro_) : std::vector<double>{};
-  partition_ = choose_partition(p.balance, p.partition, model_, K, micro_, costs, placement, links);
-  // The zero-bubble schedules again, ordered for this partition's costs (the placement
-  // stays: it depends on the schedule's name alone).
-  const StageCosts flops = flop_costs(model_, partition_, micro_);
-  schedule_ = lower(make_schedule(p.schedule, K, config_.micro_batches, p.virtual_stages, {&flops, p.overlap_steps, p.in_flight}));
-  if (auto problem = validate(schedule_)) throw Error(cat("schedule ", schedule_.name, " is invalid: ", *problem));
+  grid_ = std::make_unique<Grid>(world_, plan_.grid);
   stages_.clear();
   chunk_of_.assign(static_cast<std::size_t>(partition_.stages()), -1);
   for (const int m : schedule_.stages_of(grid_->stage())) {
     chunk_of_[static_cast<std::size_t>(m)] = static_cast<int>(stages_.size());
-    stages_.emplace_back(model_, m, partition_.begin(m), partition_.end(m), partition_.stages(), config_.micro_batches);
+    stages_.emplace_back(model_, m, partition_.begin(m), partition_.end(m), partition_.stages(), plan_.options.micro_batches);
   }
   // Tied weights: the stages holding an owner or a copy (GPT: the embedding and the
   // head, or each of the head's vocabulary chunks) form one group per replica.
@@ -270,17 +91,18 @@ void Executor::connect() {
   grid_->connect_tied(tied_stages);
   // The data is an input: its problems are said before anything large is allocated.
   if (needs_batch()) {
-    dataset_ = make_dataset(config_.data, model_, config_.seed);
-    if (!config_.eval_data.empty()) eval_dataset_ = make_dataset(config_.eval_data, model_, config_.seed, true);
+    dataset_ = make_dataset(plan_.options.data, model_, plan_.options.seed);
+    if (!plan_.options.eval_data.empty())
+      eval_dataset_ = make_dataset(plan_.options.eval_data, model_, plan_.options.seed, true);
   }
 }
 
 void Executor::allocate() {
-  const int M = config_.micro_batches, D = grid_->replicas();
+  const int M = plan_.options.micro_batches, D = grid_->replicas();
   const int C = static_cast<int>(stages_.size());
   split_ = schedule_.splits(grid_->stage());
-  params_ = std::make_unique<ParamStore>(model_, layers(), config_.seed);
-  optimizer_ = std::make_unique<Optimizer>(*params_, config_.optimizer);
+  params_ = std::make_unique<ParamStore>(model_, layers(), plan_.options.seed);
+  optimizer_ = std::make_unique<Optimizer>(*params_, plan_.options.optimizer);
   if (device_ == Device::cuda) {
     params_->to_device(dtype_);
     optimizer_->to_device();
@@ -288,7 +110,7 @@ void Executor::allocate() {
   // Forward, backward, weight gradient and recompute of every micro-batch on every stage.
   device_ops_ = StepDevice::make(device_, cuda_aware_, 4 * M * C);
   if (needs_batch()) {
-    const int share = config_.batch_size / D;
+    const int share = plan_.replica_batch;
     device_ops_->allocate_batch(model_.input_shape(share), model_.input_dtype(), model_.target_shape(share));
   }
   slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_);
@@ -296,7 +118,7 @@ void Executor::allocate() {
   // (forwards) ago has found its posted receive and completed by the time its buffer
   // comes round again, so taking it rarely waits.
   const int ring = std::min(M, in_flight(schedule_, grid_->stage()) + 2);
-  const bool remat = config_.pipeline.remat != "never";
+  const bool remat = plan_.options.remat != Remat::never;
   gradient_rings_.assign(static_cast<std::size_t>(C), SendRing{});
   output_rings_.assign(static_cast<std::size_t>(C), SendRing{});
   for (int c = 0; c < C; ++c) {
@@ -308,8 +130,8 @@ void Executor::allocate() {
       }
   }
   reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,
-                                       config_.pipeline.batchnorm == "deferred", config_.pipeline.p2p_timeout);
-  if (config_.pipeline.overlap_steps) {
+                                       plan_.options.batchnorm == BatchNormRule::deferred, plan_.options.p2p_timeout);
+  if (plan_.options.overlap_steps) {
     buffer_spans_.clear();
     std::size_t buffers = 0;
     for (const ParamEntry& e : params_->entries())
@@ -332,9 +154,8 @@ void Executor::allocate() {
   // every stage, and the reducer's.
   const int requests = 4 * M * C + reducer_->requests() + 2;
   // Waits sleep between tests once nothing moves, unless asked to spin (docs/communication.md).
-  const bool spin_waits = config_.pipeline.comm_wait == "spin";
-  progress_ = std::make_unique<Progress>(parse_progress_mode(config_.pipeline.comm_progress),
-                                         config_.pipeline.comm_poll_us * 1e-6, requests, spin_waits, [] {
+  const bool spin_waits = plan_.options.comm_wait == CommWait::spin;
+  progress_ = std::make_unique<Progress>(plan_.options.comm_progress, plan_.options.comm_poll_s, requests, spin_waits, [] {
                                            if (cuda::active()) cuda::bind_thread();
                                          });
   reducer_->connect(*progress_);
@@ -344,14 +165,14 @@ void Executor::allocate() {
                         c.first(), c.last(), c.first() ? -1 : schedule_.list_of(c.index() - 1),
                         c.last() ? -1 : schedule_.list_of(c.index() + 1)});
   transport_ = std::make_unique<Transport>(*grid_, *progress_, device_, dtype_, cuda_aware_, M, std::move(channels),
-                                           partition_.stages(), config_.pipeline.p2p_timeout);
+                                           partition_.stages(), plan_.options.p2p_timeout);
 
   trace_.clear();
-  if (!config_.trace.empty()) {
+  if (plan_.options.trace_steps > 0) {
     // Every action and transfer of every traced step, plus the reductions: sized once, here.
     std::size_t per_step = schedule_.actions[grid_->stage()].size() + 3 * static_cast<std::size_t>(M * C) +
                            static_cast<std::size_t>(reducer_->requests()) + 8;
-    trace_.reserve(per_step * static_cast<std::size_t>(std::max(0, config_.trace_steps)));
+    trace_.reserve(per_step * static_cast<std::size_t>(plan_.options.trace_steps));
   }
   if (const char* fail = std::getenv("MPIPE_TEST_FAIL")) {
     // Test hook: MPIPE_TEST_FAIL=RANK:STEP[:stall] makes that world rank throw (or hang)
@@ -431,20 +252,15 @@ void Executor::release_slot(int c, int mb) {
   m = Stage::MicroBatch{.input_grad = m.input_grad};  // the gradient B sent lives in the persistent arena
 }
 
-bool Executor::rematerialize(int micro_batch) const {
-  const std::string& mode = config_.pipeline.remat;
-  return mode == "always" || (mode == "except-last" && micro_batch != config_.micro_batches - 1);
-}
-
 Pass Executor::make_pass(std::int64_t step, const Stage& stage, int mb, Arena* arena) const {
   Pass pass;
   pass.arena = arena;
-  pass.seed = config_.seed;
+  pass.seed = plan_.options.seed;
   pass.step = static_cast<std::uint64_t>(step);
-  const int share = config_.batch_size / grid_->replicas();
+  const int share = plan_.replica_batch;
   pass.sample_begin = static_cast<std::uint64_t>(grid_->replica() * share + mb * micro_);
   pass.training = true;
-  pass.deferred_statistics = config_.pipeline.batchnorm == "deferred";
+  pass.deferred_statistics = plan_.options.batchnorm == BatchNormRule::deferred;
   pass.dtype = dtype_;
   if (stage.targets()) {
     const Shape tg = model_.target_shape(micro_);
@@ -452,7 +268,7 @@ Pass Executor::make_pass(std::int64_t step, const Stage& stage, int mb, Arena* a
                     tg, DType::i32, device_};
     if (stage.last()) pass.device_loss_sum = device_ops_->loss_sum();
   }
-  pass.loss_scale = 1.0f / static_cast<float>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
+  pass.loss_scale = 1.0f / static_cast<float>(static_cast<std::int64_t>(plan_.options.batch_size) * model_.rows_per_sample());
   return pass;
 }
 
@@ -515,7 +331,7 @@ void Executor::run_forward(std::int64_t step, int c, int mb, bool training) {
   Stage& stage = stages_[static_cast<std::size_t>(c)];
   const auto start = Clock::now();
   begin_compute(TraceEvent::forward, mb);
-  const bool remat = training && rematerialize(mb);
+  const bool remat = training && plan_.rematerialize(mb);
   Pass pass = make_pass(step, stage, mb, remat ? scratch_.get() : training ? take_slot(stage, mb) : persistent_.get());
   pass.training = training;
   Tensor out;
@@ -568,7 +384,7 @@ void Executor::run_backward(std::int64_t step, int c, int mb) {
   static float loss_gradient = 1.0f;  // the loss layer ignores its incoming gradient
   const Tensor dy = stage.last() ? make_tensor(&loss_gradient, Shape{1}) : transport_->received(Direction::backward, c, mb);
   if (!stage.first()) m.input_grad = take_send_buffer(gradient_rings_[static_cast<std::size_t>(c)], Direction::backward, c, mb);
-  const bool final = mb == config_.micro_batches - 1 && !split_;
+  const bool final = mb == plan_.options.micro_batches - 1 && !split_;
   stage.backward(contexts, dy, m.input_grad, pass, *scratch_, shapes_, dtype_, final ? reducer_.get() : nullptr, *progress_);
   scratch_->reset();
   end_compute(step, TraceEvent::backward, mb, start);
@@ -585,7 +401,7 @@ void Executor::run_weight(std::int64_t step, int c, int mb) {
   const auto start = Clock::now();
   begin_compute(TraceEvent::weight, mb);
   const Pass pass = make_pass(step, stage, mb, scratch_.get());
-  const bool final = mb == config_.micro_batches - 1;
+  const bool final = mb == plan_.options.micro_batches - 1;
   stage.weight(contexts, pass, final ? reducer_.get() : nullptr, *progress_);
   scratch_->reset();
   end_compute(step, TraceEvent::weight, mb, start);
@@ -602,9 +418,9 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   for (Stage& stage : stages_) stage.reset();
   if (training) params_->zero_grads();
   if (const Dataset* data = training ? dataset_.get() : eval_dataset_.get()) {
-    const int share = config_.batch_size / grid_->replicas();
+    const int share = plan_.replica_batch;
     try {
-      data->fill(static_cast<std::uint64_t>(step) * config_.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
+      data->fill(static_cast<std::uint64_t>(step) * plan_.options.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
                  share, holds_first() || !data->targets_alone() ? device_ops_->host_inputs() : Tensor{},
                  device_ops_->host_targets());
     } catch (const std::exception& e) {
@@ -697,7 +513,7 @@ double Executor::compute_gradients(std::int64_t step) {
 }
 
 double Executor::agreed_loss() const {
-  return agreed_.loss_sum / static_cast<double>(static_cast<std::int64_t>(config_.batch_size) * model_.rows_per_sample());
+  return agreed_.loss_sum / static_cast<double>(static_cast<std::int64_t>(plan_.options.batch_size) * model_.rows_per_sample());
 }
 
 StepResult Executor::agreed_result(std::int64_t step) const {
@@ -707,12 +523,12 @@ StepResult Executor::agreed_result(std::int64_t step) const {
   r.grad_norm = std::sqrt(agreed_.norm_squared);
   r.bubble_fraction = agreed_.bubble;
   r.stop = agreed_.stop;
-  r.lr = learning_rate(config_.optimizer, step, config_.steps);
+  r.lr = learning_rate(plan_.options.optimizer, step, plan_.options.steps);
   return r;
 }
 
 bool Executor::plain_update(const StepResult& r) const {
-  const float clip = config_.optimizer.clip_grad;
+  const float clip = plan_.options.optimizer.clip_grad;
   return std::isfinite(r.grad_norm) && std::isfinite(r.loss) && !(clip > 0.0f && r.grad_norm > clip);
 }
 
@@ -724,7 +540,7 @@ void Executor::update(StepResult& r) {
     return;
   }
   const auto opt_start = Clock::now();
-  const float clip = config_.optimizer.clip_grad;
+  const float clip = plan_.options.optimizer.clip_grad;
   if (clip > 0.0f && r.grad_norm > clip) {
     const auto factor = static_cast<float>(clip / r.grad_norm);
     params_->scale_grads(factor);
@@ -743,13 +559,13 @@ void Executor::close_times(double seconds) {
 }
 
 EvalResult Executor::evaluate() {
-  MPIPE_CHECK(!config_.eval_data.empty(), "evaluate() without --eval-data");
+  MPIPE_CHECK(!plan_.options.eval_data.empty(), "evaluate() without --eval-data");
   MPIPE_CHECK(!pending_, "evaluate() with a step in flight (settle() it first)");
-  int batches = config_.eval_batches;
+  int batches = plan_.options.eval_batches;
   if (batches == 0) {  // a file's whole batches (the same on every rank: rank 0 knows the size)
     double size = eval_dataset_ ? static_cast<double>(eval_dataset_->size()) : 0.0;
     world_.broadcast(std::span<double>(&size, 1), 0);
-    batches = size > 0 ? std::max(1, static_cast<int>(size) / config_.batch_size) : 8;
+    batches = size > 0 ? std::max(1, static_cast<int>(size) / plan_.options.batch_size) : 8;
   }
   const PhaseTimes saved = times_;
   evaluating_ = true;
@@ -761,11 +577,11 @@ EvalResult Executor::evaluate() {
   }
   persistent_->reset();
   Progress::Ticket ticket = progress_->track(world_.iallreduce(std::span<double>(sums), Reduce::sum), false);
-  progress_->wait(ticket, config_.pipeline.p2p_timeout, "the evaluation's allreduce, batch", batches);
+  progress_->wait(ticket, plan_.options.p2p_timeout, "the evaluation's allreduce, batch", batches);
   evaluating_ = false;
   times_ = saved;
   EvalResult r;
-  r.samples = static_cast<std::int64_t>(batches) * config_.batch_size;
+  r.samples = static_cast<std::int64_t>(batches) * plan_.options.batch_size;
   const double rows = static_cast<double>(r.samples * model_.rows_per_sample());
   r.loss = sums[0] / rows;
   r.accuracy = sums[1] / rows;
@@ -846,7 +662,7 @@ StepResult Executor::step_unchecked(std::int64_t step) {
 // update (clipped, or none) is made, and the pass runs again. After a lost bet the next
 // step waits for its agreement; the one after a step within the limits bets again.
 std::span<const StepResult> Executor::advance(std::int64_t step) {
-  if (!config_.pipeline.overlap_steps) {
+  if (!plan_.options.overlap_steps) {
     results_[0] = this->step(step);
     return {results_.data(), 1};
   }
@@ -874,7 +690,7 @@ std::span<const StepResult> Executor::advance_unchecked(std::int64_t step) {
   if (speculate_) {
     const auto opt_start = Clock::now();
     for (const Saved part : {values, gradients, first, second}) copy_saved(part, /*back=*/false);
-    optimizer_->update(learning_rate(config_.optimizer, step, config_.steps), ++updates_);
+    optimizer_->update(learning_rate(plan_.options.optimizer, step, plan_.options.steps), ++updates_);
     reducer_->settle_buffers(true, updates_);
     copy_saved(statistics, /*back=*/false);
     times_.optimizer += since(opt_start);

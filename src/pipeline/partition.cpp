@@ -173,7 +173,7 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
   return seconds;
 }
 
-Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
+Partition choose_partition(const std::vector<int>& balance, const std::string& method, const Model& model, int stages,
                            int micro, const std::vector<double>& measured, const std::vector<int>& placement,
                            const std::vector<double>& link_seconds_per_byte) {
   const int model_stages = placement.empty() ? stages : static_cast<int>(placement.size());
@@ -188,7 +188,7 @@ Partition choose_partition(const std::string& balance, const std::string& method
       per_cut.push_back(a == b ? 0.0 : link_seconds_per_byte[static_cast<std::size_t>(link) % links]);
     }
   }
-  Partition p = !balance.empty() ? partition_from_balance(parse_balance(balance), model.size())
+  Partition p = !balance.empty() ? partition_from_balance(balance, model.size())
                                  : partition_min_max(method == "time" ? measured : layer_costs(model, method, micro),
                                                      model_stages, boundary_bytes(model, micro), per_cut);
   MPIPE_REQUIRE(p.stages() == model_stages, "give one count per model stage (stages x virtual stages)",

@@ -148,6 +148,12 @@ Schedule lower(const Schedule& in) {
   return out;
 }
 
+Schedule compute_only(const Schedule& lowered) {
+  Schedule out = lowered;
+  for (auto& list : out.actions) std::erase_if(list, [](const Action& a) { return !a.is_compute(); });
+  return out;
+}
+
 std::optional<std::string> validate(const Schedule& s) {
   if (static_cast<int>(s.actions.size()) != s.stages) return cat("schedule has ", s.actions.size(), " lists for ", s.stages, " stages");
   if (!s.placement.empty() &&

@@ -69,11 +69,10 @@ void Stage::backward(Context* contexts, Tensor dy, const Tensor& dx_first, const
     // What the layer's backward allocates beyond dx is dead when it returns (its dy, below
     // the mark, stays): the next layer's backward reuses that memory.
     const Arena::Mark temporaries = scratch.mark();
-    if (pass.stash && i + 1 < n && dynamic_cast<const Linear*>(&layer)) {
-      // Split: a Linear keeps its dy for W in its own output's buffer where nothing reads
-      // that any more (the next layer's backward has run, and no later W reads it, through
-      // a view or not): the LM head's in the logits, an MLP's in what its ReLU read. The
-      // same bits, and no more stash memory than the fused backward's.
+    if (pass.stash && keeps_dy_in_output(model_, begin_ + i, end_)) {
+      // Split: the Linear keeps its dy for W in its own output's buffer, where no later W
+      // reads it through a view either: the same bits, and no more stash memory than the
+      // fused backward's.
       Pass kept = pass;
       const Tensor& out = contexts[i + 1].input;
       bool free = out.shape == dy.shape && out.dtype == dy.dtype && out.device == dy.device;

@@ -14,6 +14,7 @@
 
 #include "mpipe/backend/cuda/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;
@@ -152,7 +153,7 @@ int main(int argc, char** argv) {
   config.precision = "bf16";
   config.pipeline.remat = "never";
   const Communicator self = Communicator::borrow(MPI_COMM_SELF);
-  Executor exec(config, self);
+  Executor exec(plan_run(config, self), self);
   exec.connect();
   exec.allocate();
   // Model FLOPs: forward plus backward of every layer, no recomputation counted.

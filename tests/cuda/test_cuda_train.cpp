@@ -11,6 +11,7 @@
 #include "compare.hpp"
 #include "gather.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;
@@ -66,7 +67,7 @@ Run run(const TrainConfig& config, int ranks, int steps) {
   Run result;
   const Communicator sub = Communicator::split(world(), world().rank() < ranks ? 0 : MPI_UNDEFINED, world().rank());
   if (sub.null()) return result;
-  Executor exec(config, sub);
+  Executor exec(plan_run(config, sub), sub);
   exec.connect();
   exec.allocate();
   if (ranks == 1) {

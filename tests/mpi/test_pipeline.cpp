@@ -19,6 +19,7 @@
 #include "compare.hpp"
 #include "gather.hpp"
 #include "mpipe/io/checkpoint.hpp"
+#include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/executor.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
@@ -68,7 +69,7 @@ RunResult run(const TrainConfig& config, int ranks) {
   RunResult result;
   if (sub.null()) return result;
   try {
-    Executor e(config, sub);
+    Executor e(plan_run(config, sub), sub);
     e.connect();
     e.allocate();
     auto take = [&](const StepResult& r) {
@@ -111,11 +112,11 @@ std::string temp_dir(const char* prefix) {
 // Trains `config` on every rank for `steps` steps and checkpoints it; the parameters
 // (on rank 0).
 std::vector<float> train_and_save(const TrainConfig& config, int steps) {
-  Executor writer(config, world());
+  Executor writer(plan_run(config, world()), world());
   writer.connect();
   writer.allocate();
   for (int step = 0; step < steps; ++step) writer.step(step);
-  CheckpointDir owner(config);
+  CheckpointDir owner(checkpoint_options(config));
   owner.begin(world());
   save_checkpoint(writer, owner, steps);
   return gather_params(writer, world(), 0);
@@ -370,7 +371,7 @@ TEST_CASE("a checkpoint written with K = 4 loads bitwise into K = 2 x D = 2") {
   other.pipeline.grid.stages = 2;
   other.pipeline.grid.replicas = 2;
   other.micro_batches = 2;
-  Executor reader(other, world());
+  Executor reader(plan_run(other, world()), world());
   reader.connect();
   reader.allocate();
   CHECK(load_checkpoint(reader, checkpoint_path(dir, 2)) == 2);
@@ -390,7 +391,7 @@ TEST_CASE("the tied head keeps the embedding's values on another stage") {
   const Communicator sub = Communicator::split(world(), world().rank() < 2 ? 0 : MPI_UNDEFINED, world().rank());
   if (sub.null()) return;
   TrainConfig c = tiny_gpt("gpipe", "never");
-  Executor e(c, sub);
+  Executor e(plan_run(c, sub), sub);
   e.connect();
   e.allocate();
   for (int step = 0; step < 3; ++step) e.step(step);
@@ -523,7 +524,7 @@ TEST_CASE("1F1B holds the activations of K - stage micro-batches, GPipe of all M
     TrainConfig c = tiny_gpt(i == 0 ? "gpipe" : i == 1 ? "1f1b" : "zb-h1", "never", 8);
     if (i == 3) c.pipeline.in_flight = in_flight_of_1f1b;
     c.batch_size = 64;
-    Executor exec(c, world());
+    Executor exec(plan_run(c, world()), world());
     exec.connect();
     exec.allocate();
     for (int step = 0; step < 2; ++step) losses[i].push_back(exec.step(step).loss);
@@ -564,7 +565,7 @@ TEST_CASE("1F1B's memory does not grow with M: what a stage sends comes from a r
       const int M = i == 0 ? 8 : 32;
       TrainConfig c = tiny_gpt("1f1b", remat, M);
       c.batch_size = 2 * M;
-      Executor exec(c, world());
+      Executor exec(plan_run(c, world()), world());
       exec.connect();
       exec.allocate();
       for (int step = 0; step < 2; ++step) exec.step(step);
@@ -624,7 +625,7 @@ TEST_CASE("a head split over the vocabulary: chunks on stages apart train bitwis
   // Every copy on another stage holds exactly its rows of the embedding after training.
   {
     TrainConfig c = config("1f1b", "never", "2,2,3,2");
-    Executor e(c, world());
+    Executor e(plan_run(c, world()), world());
     e.connect();
     e.allocate();
     for (int step = 0; step < 3; ++step) e.step(step);
@@ -654,7 +655,7 @@ TEST_CASE("a head split over the vocabulary: chunks on stages apart train bitwis
   other.pipeline.grid.stages = 2;
   other.pipeline.grid.replicas = 2;
   other.micro_batches = 2;
-  Executor reader(other, world());
+  Executor reader(plan_run(other, world()), world());
   reader.connect();
   reader.allocate();
   CHECK(load_checkpoint(reader, checkpoint_path(dir, 2)) == 2);

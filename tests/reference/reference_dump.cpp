@@ -10,6 +10,7 @@
 
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/sanitizer.hpp"
+#include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;
@@ -65,7 +66,7 @@ int main(int argc, char** argv) {
   cpu::set_threads(2);
   MPI_Init(&argc, &argv);
   const Communicator self = Communicator::borrow(MPI_COMM_SELF);
-  Executor trainer(c, self);
+  Executor trainer(plan_run(c, self), self);
   trainer.connect();
   trainer.allocate();
 

@@ -1,5 +1,6 @@
 // The executor on one process (MPI_COMM_SELF): the single-process trainer of the tests.
 #pragma once
+#include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 namespace mpipe::test {
@@ -10,7 +11,7 @@ inline const Communicator& self_communicator() {
 }
 
 struct Trainer : Executor {
-  explicit Trainer(const TrainConfig& config) : Executor(config, self_communicator()) {
+  explicit Trainer(const TrainConfig& config) : Executor(plan_run(config, self_communicator()), self_communicator()) {
     connect();
     allocate();
   }

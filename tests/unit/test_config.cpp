@@ -9,8 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "mpipe/app/commands.hpp"
-#include "mpipe/io/config_file.hpp"
+#include "mpipe/app/config.hpp"
+#include "mpipe//app/cli.hpp"
+#include "mpipe/app/process.hpp"
+#include "mpipe/app/config_file.hpp"
 
 using namespace mpipe;
 namespace fs = std::filesystem;

@@ -5,7 +5,8 @@
 #include <limits>
 #include <vector>
 
-#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/app/config.hpp"
+#include "mpipe//backend/cpu/ops.hpp"
 #include "mpipe/backend/cpu/vmath.hpp"
 #include "mpipe/core/arena.hpp"
 #include "mpipe/core/rng.hpp"

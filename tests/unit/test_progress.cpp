@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/executor.hpp"
 #include "mpipe/pipeline/progress.hpp"
 

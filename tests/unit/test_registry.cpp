@@ -10,7 +10,8 @@
 #include <fstream>
 #include <string>
 
-#include "mpipe/core/error.hpp"
+#include "mpipe/app/config.hpp"
+#include "mpipe//core/error.hpp"
 #include "mpipe/nn/model.hpp"
 #include "mpipe/nn/params.hpp"
 #include "mpipe/nn/registry.hpp"

@@ -1,8 +1,7 @@
-// HDF5 checkpoints: one file per checkpoint, written in parallel by the ranks of
-// replica 0 (each its own layers, MPI-IO), keyed by global layer index and parameter
-// name so it loads onto any stage count K and replica count D. Written under a
-// temporary name, verified, then renamed; every dataset carries a CRC-32 checked on
-// load. Format: docs/checkpoint-format.md.
+// HDF5 checkpoints, collectively: one file per checkpoint, written in parallel by the
+// ranks of replica 0 (each its own layers, MPI-IO), under a temporary name, verified,
+// then renamed; resumed and loaded by every rank onto any stage count K and replica
+// count D. The file's format, which needs no MPI: checkpoint_format.hpp.
 #pragma once
 #include <condition_variable>
 #include <cstdint>
@@ -12,39 +11,25 @@
 #include <thread>
 #include <vector>
 
+#include "mpipe/io/checkpoint_format.hpp"
 #include "mpipe/pipeline/executor.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
 namespace mpipe {
 
-inline constexpr const char* checkpoint_format = "mpipe-checkpoint";
-inline constexpr int checkpoint_format_version = 2;  // 2: run id and a checksum of /train
-inline constexpr int checkpoint_oldest_readable_version = 1;
 // Exit code of a run stopped by SIGTERM/SIGUSR1 after writing its checkpoint: a batch
 // script requeues on it (75 is EX_TEMPFAIL, "try again later").
 inline constexpr int exit_preempted = 75;
 
-// DIR/ckpt-<step as 8 digits>.h5
-std::string checkpoint_path(const std::string& dir, std::int64_t step);
-// The step a checkpoint's file name gives, or -1 when the name is not ckpt-<8 digits>.h5.
-std::int64_t checkpoint_step_of_name(const std::string& path);
-// The run id a checkpoint file holds ("" for a version-1 file), or nothing when the
-// file cannot be read as a checkpoint or its training state fails its checksum.
-std::optional<std::string> checkpoint_run_id(const std::string& path);
-// A string that changes whenever the parameter layout would: model kind, sizes,
-// every parameter's layer, name and shape.
-std::string model_signature(const Model& model);
-
-// Checks a checkpoint file without MPI: HDF5, format and version, (when given) that
-// it holds `model` (its signature; where they differ, the first layer that does),
-// every dataset present with a checksum, and (read_data) the CRC-32 of every dataset's
-// data. Returns the problem, or nothing.
-std::optional<std::string> verify_checkpoint(const std::string& path, const Model* model = nullptr,
-                                             bool read_data = true);
-
-// Checks --checkpoint-dir and --resume before training; UserError on a problem. With
-// `create` (one rank), a missing --checkpoint-dir is created first, parents included.
-void check_checkpoint_options(const TrainConfig& config, bool create = false);
+// What a run asks of its checkpoints: where they go, which to resume, how many to keep,
+// and the run's options as text (each checkpoint's `config` attribute).
+struct CheckpointOptions {
+  std::string dir;             // --checkpoint-dir; empty: none
+  int keep = 0;                // complete checkpoints kept; 0: all
+  std::string resume = "auto"; // auto | never | PATH
+  bool overwrite = false;      // the directory may hold another run's checkpoints: replace them
+  std::string config_text;     // TOML that `train --config` reads (app/config_file.hpp)
+};
 
 // A training run's hold on --checkpoint-dir (docs/checkpoint-format.md, "Ownership").
 // Every run has a run id, written into each checkpoint it makes; a resumed run keeps
@@ -54,7 +39,7 @@ void check_checkpoint_options(const TrainConfig& config, bool create = false);
 class CheckpointDir {
  public:
   // Nothing is taken yet. Without --checkpoint-dir every call but run_id() is a no-op.
-  explicit CheckpointDir(const TrainConfig& config);
+  explicit CheckpointDir(const CheckpointOptions& options);
   ~CheckpointDir();  // releases the lock if this rank holds it
   CheckpointDir(const CheckpointDir&) = delete;
   CheckpointDir& operator=(const CheckpointDir&) = delete;
@@ -69,6 +54,9 @@ class CheckpointDir {
   // A resumed run continues the run of its checkpoint (an empty id keeps the fresh one).
   void adopt(const std::string& run_id);
   const std::string& run_id() const { return run_id_; }
+  const CheckpointOptions& options() const { return options_; }
+  // The run's options as text, once they are final (the device resolved).
+  void set_config_text(const std::string& text) { options_.config_text = text; }
   // Rank 0, once resuming is decided: lists the checkpoints in DIR of another run.
   // UserError unless --overwrite; with it, they are deleted (each named) once this
   // run's first checkpoint is in place.
@@ -86,9 +74,10 @@ class CheckpointDir {
  private:
   void release();
 
-  std::string dir_, lock_path_, run_id_, lock_text_, resume_;
-  int keep_ = 0;
-  bool overwrite_ = false, held_ = false;
+  CheckpointOptions options_;
+  const std::string& dir_ = options_.dir;
+  std::string lock_path_, run_id_, lock_text_;
+  bool held_ = false;
   std::vector<std::string> replace_;  // other runs' files, deleted after the first save
   std::thread refresher_;
   std::mutex mutex_;
@@ -122,10 +111,5 @@ std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step);
 // Returns the number of completed steps the checkpoint holds; *run_id (when given) is
 // the id of the run that wrote it ("" for a version-1 file).
 std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::string* run_id = nullptr);
-
-// `mpipe inspect FILE [--stats] [--verify]`: returns the exit code.
-// `print`: "config" prints only the run's options (a file for train --config), "model"
-// only its layer list (a model file for --model); "" the whole summary.
-int run_inspect(const std::string& path, bool stats, bool verify, const std::string& print = "");
 
 }  // namespace mpipe

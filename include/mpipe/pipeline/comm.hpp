@@ -4,9 +4,11 @@
 #pragma once
 #include <mpi.h>
 
-#include <span>
 #include <cstddef>
+#include <span>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "mpipe/core/error.hpp"
 
@@ -74,6 +76,14 @@ class Communicator {
   template <class T>
   void broadcast(std::span<T> data, int root) const;
   void broadcast(std::string& text, int root) const;  // any length
+  // Every rank's `mine` (plain data, sent as bytes) at `root`, in rank order; empty on the
+  // other ranks.
+  template <class T>
+  std::vector<T> gather(const T& mine, int root) const;
+  // Every rank's `mine` (any length each) at `root`, one after another in rank order, and
+  // how many each sent (*counts, on root); empty on the other ranks.
+  template <class T>
+  std::vector<T> gather(std::span<const T> mine, int root, std::vector<int>* counts) const;
   void barrier() const;
   // Seconds one message of `bytes` takes from this rank to `peer`, which calls this too
   // (one of the two with `initiator`): the best of `rounds` round trips, halved, after an
@@ -105,6 +115,34 @@ MPI_Request Communicator::iallreduce(std::span<T> data, Reduce op) const {
 template <class T>
 void Communicator::broadcast(std::span<T> data, int root) const {
   MPI_CHECK(MPI_Bcast(data.data(), mpi_count(data.size()), mpi_datatype<T>(), root, comm_));
+}
+
+template <class T>
+std::vector<T> Communicator::gather(const T& mine, int root) const {
+  static_assert(std::is_trivially_copyable_v<T>, "gathered as bytes");
+  std::vector<T> all(rank_ == root ? static_cast<std::size_t>(size_) : 0);
+  MPI_CHECK(MPI_Gather(&mine, mpi_count(sizeof(T)), MPI_BYTE, all.data(), mpi_count(sizeof(T)), MPI_BYTE, root, comm_));
+  return all;
+}
+
+template <class T>
+std::vector<T> Communicator::gather(std::span<const T> mine, int root, std::vector<int>* counts) const {
+  static_assert(std::is_trivially_copyable_v<T>, "gathered as bytes");
+  const int bytes = mpi_count(mine.size_bytes());
+  const std::vector<int> sizes = gather(bytes, root);
+  std::vector<int> offsets(sizes.size());
+  std::size_t total = 0;
+  for (std::size_t r = 0; r < sizes.size(); ++r) {
+    offsets[r] = mpi_count(total);
+    total += static_cast<std::size_t>(sizes[r]);
+  }
+  std::vector<T> all(total / sizeof(T));
+  MPI_CHECK(MPI_Gatherv(mine.data(), bytes, MPI_BYTE, all.data(), sizes.data(), offsets.data(), MPI_BYTE, root, comm_));
+  if (counts) {
+    counts->clear();
+    for (const int b : sizes) counts->push_back(b / static_cast<int>(sizeof(T)));
+  }
+  return all;
 }
 
 }  // namespace mpipe

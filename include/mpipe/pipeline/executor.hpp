@@ -43,6 +43,7 @@
 #include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/grid.hpp"
 #include "mpipe/pipeline/partition.hpp"
+#include "mpipe/pipeline/plan.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/reducer.hpp"
 #include "mpipe/pipeline/schedule.hpp"
@@ -51,62 +52,6 @@
 #include "mpipe/pipeline/transport.hpp"
 
 namespace mpipe {
-
-struct PipelineConfig {
-  GridShape grid;                  // --stages, --replicas (0: inferred), --rank-order
-  std::string schedule = "gpipe";  // gpipe | 1f1b | zb-h1 | interleaved | zbv | file:PATH
-  int virtual_stages = 1;          // model stages per rank (interleaved; 2 for zbv)
-  std::string remat = "never";     // always | except-last | never
-  std::string batchnorm = "micro"; // micro | deferred: when BatchNorm's running statistics move
-  std::string partition = "flops"; // uniform | params | flops | time
-  std::string balance;             // "a,b,..." layers per stage; overrides partition
-  std::string link_bandwidth = "auto";  // auto | off | GB/s: links counted by --partition time
-  double p2p_timeout = 600.0;      // seconds a point-to-point wait may block
-  std::string comm_progress = "thread";  // thread | layers | waits (pipeline/progress.hpp)
-  double comm_poll_us = 5000;      // the progress thread's poll interval while nothing moves, microseconds
-  std::string comm_wait = "sleep";  // sleep | spin: how a wait passes the time once nothing moves
-  int in_flight = 0;               // zero-bubble schedules: micro-batches (zbv: model stages) held from F to W; 0: the schedule's own
-  bool overlap_steps = false;      // update ahead of the step's agreement, checked after the next pass (Executor::advance)
-};
-
-struct TrainConfig {
-  ModelConfig model;
-  OptimizerConfig optimizer;
-  PipelineConfig pipeline;
-  std::string data = "synthetic";
-  std::string eval_data;    // held-out data (same specs as data); empty: no evaluation
-  int eval_every = 0;       // steps between evaluations (and one at the end); 0: only at the end
-  int eval_batches = 0;     // batches per evaluation; 0: a file's every whole batch, 8 of synthetic data
-  int batch_size = 32;      // global mini-batch, in samples
-  int micro_batches = 1;    // per replica
-  int steps = 100;          // the step training runs up to
-  std::uint64_t seed = 1;
-  int threads = 0;          // 0: every core the process may use
-  int log_every = 10;
-  std::string progress = "auto";  // auto | on | off: the live progress line on rank 0
-  std::string metrics;      // JSON-lines file, or empty
-  std::string summary;      // JSON summary written at the end, or empty
-  std::string trace;        // Chrome/Perfetto trace of every rank's actions, or empty
-  int trace_steps = 5;      // steps traced, after the first
-  std::string checkpoint_dir;    // where checkpoints go; empty: none
-  int checkpoint_every = 0;      // steps between checkpoints; 0: only the final one
-  int keep = 0;                  // complete checkpoints kept; 0: all
-  std::string resume = "auto";   // auto | never | PATH
-  bool overwrite = false;        // checkpoint_dir may hold another run's checkpoints: replace them
-  std::string time_limit;        // stop, checkpoint and exit 75 before this much time: MINUTES or [D-]H:MM:SS
-  std::string device = "cpu";    // cpu | cuda | auto; resolve_device() turns auto into one
-  std::string precision = "fp32";  // fp32 | bf16 (GPU): compute and message precision
-};
-
-// Collective over `world`: resolves config.device ("auto": CUDA when every rank has a
-// GPU), binds each rank to GPU (node-local rank modulo visible GPUs) and initialises it.
-// UserError, agreed on every rank, when "cuda" is asked for and some rank has no usable
-// GPU, or bf16 is asked for on the CPU. Returns a line describing the choice.
-std::string resolve_device(TrainConfig& config, const Communicator& world);
-
-// Checks everything that needs no communication; UserError on a problem. `world` is
-// the number of ranks, or 0 when not known yet.
-void validate(const TrainConfig& config, int world = 0);
 
 struct StepResult {
   std::int64_t step = 0;
@@ -160,10 +105,11 @@ struct EvalResult {
 
 class Executor {
  public:
-  // Three phases so that a failure on one rank never leaves another in a collective:
-  // the constructor does only local work (validation, the model); connect() is
-  // collective (grid, partition); allocate() is local again (parameters, data, buffers).
-  Executor(const TrainConfig& config, const Communicator& world);
+  // Runs `plan` (made for world.size() ranks) on `world`. Three phases so that a failure
+  // on one rank never leaves another in a collective: the constructor does only local
+  // work (the model); connect() is collective (the grid's communicators, the tied
+  // group) and opens the data; allocate() is local again (parameters, buffers).
+  Executor(const Plan& plan, const Communicator& world);
   void connect();
   void allocate();
   ~Executor();
@@ -188,11 +134,13 @@ class Executor {
   // --eval-batches; collective. The trace and the step times do not see it.
   EvalResult evaluate();
 
-  const TrainConfig& config() const { return config_; }
+  const Plan& plan() const { return plan_; }
+  const RunOptions& options() const { return plan_.options; }
   const Grid& grid() const { return *grid_; }
-  const Partition& partition() const { return partition_; }
-  const Schedule& schedule() const { return schedule_; }
+  const Partition& partition() const { return plan_.partition; }
+  const Schedule& schedule() const { return plan_.schedule; }
   Model& model() { return model_; }
+  const Model& model() const { return model_; }
   ParamStore& params() { return *params_; }
   Optimizer& optimizer() { return *optimizer_; }
   // Optimizer updates made so far (Adam's t); a checkpoint carries it.
@@ -255,7 +203,6 @@ class Executor {
   Tensor take_send_buffer(SendRing& ring, Direction direction, int c, int mb);
   Pass make_pass(std::int64_t step, const Stage& stage, int micro_batch, Arena* arena) const;
   Tensor stage_input(const Pass& pass, int c, int micro_batch);
-  bool rematerialize(int micro_batch) const;
   void run_forward(std::int64_t step, int c, int micro_batch, bool training = true);
   void run_backward(std::int64_t step, int c, int micro_batch);
   void run_weight(std::int64_t step, int c, int micro_batch);
@@ -267,12 +214,12 @@ class Executor {
   void account(int kind, double seconds);  // a compute action's time into its phase
   void read_device_times(std::int64_t step);
 
-  TrainConfig config_;
+  const Plan plan_;
+  const Schedule& schedule_ = plan_.schedule;
+  const Partition& partition_ = plan_.partition;
   const Communicator& world_;
   Model model_;
   std::unique_ptr<Grid> grid_;
-  Partition partition_;
-  Schedule schedule_;
   // The model stages this rank runs, ascending: its pipeline stage's one, or the v the
   // schedule places on it (interleaved: s, s + K, ...; zbv: s and 2K-1-s).
   std::vector<Stage> stages_;
@@ -281,7 +228,7 @@ class Executor {
   bool holds_first() const;  // the model's first stage (the inputs) is one of this rank's
   bool holds_last() const;   // the model's last stage (the loss) is one of this rank's
   std::vector<int> layers() const;  // this rank's, ascending
-  int micro_ = 0;            // samples per micro-batch
+  const int micro_;           // samples per micro-batch
   std::vector<Shape> shapes_;
   Device device_ = Device::cpu;  // where tensors live
   DType dtype_ = DType::f32;  // of activations, their gradients and the messages
@@ -327,7 +274,7 @@ class Executor {
   std::chrono::steady_clock::time_point trace_origin_;
   int trace_stage_ = -1;  // the model stage recorded with micro-batch events (virtual stages only)
   bool tracing(std::int64_t step) const {
-    return !config_.trace.empty() && step >= 1 && step <= config_.trace_steps && trace_.size() < trace_.capacity();
+    return step >= 1 && step <= plan_.options.trace_steps && trace_.size() < trace_.capacity();
   }
   void record(std::int64_t step, int kind, int micro_batch, std::chrono::steady_clock::time_point start,
               std::chrono::steady_clock::time_point end = std::chrono::steady_clock::now(), int layer = -1);

@@ -61,14 +61,14 @@ std::vector<double> layer_costs(const Model& model, const std::string& method, i
 // process (each layer's parameters exist only while it is measured).
 std::vector<double> measure_layer_times(Model& model, int micro, unsigned long long seed);
 
-// The partition --balance (layers per model stage) or, without it, --partition `method`
+// The partition `balance` (--balance: layers per model stage) or, without it, --partition `method`
 // asks for: the exact min-max of the layer costs with the cut sizes of boundary_bytes(),
 // into the model stages of `placement` (each one's pipeline stage, from
 // Schedule::placement_table(); empty: one per pipeline stage); `measured`: the layer times
 // of --partition time, and `link_seconds_per_byte` (--partition time only: the costs are
 // then seconds) the links between pipeline ranks, link r from rank r to r + 1 mod stages.
 // A cut between two model stages of one rank crosses no link.
-Partition choose_partition(const std::string& balance, const std::string& method, const Model& model, int stages,
+Partition choose_partition(const std::vector<int>& balance, const std::string& method, const Model& model, int stages,
                            int micro, const std::vector<double>& measured = {}, const std::vector<int>& placement = {},
                            const std::vector<double>& link_seconds_per_byte = {});
 

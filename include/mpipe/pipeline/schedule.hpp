@@ -186,6 +186,8 @@ int in_flight(const Schedule& schedule, int stage, int model_stage = -1);
 
 // Adds the receive before and the send after each compute action that needs one.
 Schedule lower(const Schedule& compute_only);
+// The compute actions of a lowered schedule alone (what lower() was given).
+Schedule compute_only(const Schedule& lowered);
 
 // Per model stage costs for simulate(): seconds (or any unit) per forward / whole backward
 // of one micro-batch, the part of that backward a W takes where a stage splits it (B then

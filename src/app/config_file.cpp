@@ -1,6 +1,6 @@
 // Options files: read with a real TOML parser (toml++, header-only here) so that a
 // broken file is one clear line naming where it breaks; written from a TrainConfig.
-#include "mpipe/io/config_file.hpp"
+#include "mpipe/app/config_file.hpp"
 
 #include <filesystem>
 #include <string>

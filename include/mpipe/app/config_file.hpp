@@ -6,7 +6,7 @@
 #include <CLI/CLI.hpp>
 
 #include "mpipe/core/toml_text.hpp"
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/app/config.hpp"
 
 namespace mpipe {
 

@@ -1,0 +1,42 @@
+// What this process runs on: the stop signals, its threads and memory, whether a person
+// watches its output, and the device (CPU or GPU) a run trains on.
+#pragma once
+#include <string>
+
+#include "mpipe/app/config.hpp"
+#include "mpipe/pipeline/comm.hpp"
+
+namespace mpipe {
+
+// Exit codes: 0 ok, 2 bad input (a user error), 1 an internal error; 75 a run stopped in
+// time with its checkpoint (exit_preempted, io/checkpoint.hpp).
+inline constexpr int exit_user_error = 2;
+inline constexpr int exit_internal_error = 1;
+
+// SIGTERM and SIGUSR1 (what Slurm and mpirun send) ask training to stop after the
+// current step with a checkpoint, exit 75. `environment`: main's envp. main.cpp calls
+// this for `train` before any shared library's constructor runs (cuBLASLt's take ~0.3 s,
+// in which a signal would otherwise kill the rank), and run_main again.
+void install_stop_handlers(char** environment);
+// Whether a stop signal has come.
+bool stop_signalled();
+
+// Threads per rank when --threads is 0: the cores the launcher bound this rank to, or,
+// when it did not bind (all cores visible), the node's cores shared by its ranks.
+// Collective over `world`.
+int default_threads(const Communicator& world);
+
+// Bytes of memory this process may still take: MemAvailable, or less where a cgroup
+// (a Slurm job, a container) limits it. 0 when neither can be read.
+double available_memory();
+
+// Whether a person watches rank 0's standard output (--progress auto), or on / off.
+bool show_progress(const std::string& mode);
+
+// Collective over `world`: resolves config.device ("auto": CUDA when every rank has a
+// GPU), binds each rank to GPU (node-local rank modulo visible GPUs) and initialises it.
+// UserError, agreed on every rank, when "cuda" is asked for and some rank has no usable
+// GPU, or bf16 is asked for on the CPU. Returns a line describing the choice.
+std::string resolve_device(TrainConfig& config, const Communicator& world);
+
+}  // namespace mpipe

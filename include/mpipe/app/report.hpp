@@ -1,0 +1,46 @@
+// What rank 0 prints about a run besides the plan: sizes and counts as people read them,
+// and the table of phase times per stage gathered from every rank.
+#pragma once
+#include <algorithm>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "mpipe/io/trace.hpp"
+#include "mpipe/pipeline/executor.hpp"
+
+namespace mpipe {
+
+std::string human_bytes(double bytes);  // "1.5 MiB"
+std::string fixed(double x, int digits);  // "%.*f"
+std::string human_count(double n);  // "1.2k", "3.40M"
+
+// Phase statistics over steps, one set per rank, gathered to rank 0 for the table.
+struct PhaseStats {
+  double min[PhaseTimes::count], sum[PhaseTimes::count], max[PhaseTimes::count];
+  double steps = 0, stage = 0, bubble = 0, weight = 0;
+  PhaseStats() {
+    std::fill(std::begin(min), std::end(min), std::numeric_limits<double>::infinity());
+    std::fill(std::begin(sum), std::end(sum), 0.0);
+    std::fill(std::begin(max), std::end(max), 0.0);
+  }
+  void add(const PhaseTimes& t, double bubble_fraction) {
+    for (int i = 0; i < PhaseTimes::count; ++i) {
+      min[i] = std::min(min[i], t[i]);
+      sum[i] += t[i];
+      max[i] = std::max(max[i], t[i]);
+    }
+    bubble += bubble_fraction;
+    weight += t.weight;
+    ++steps;
+  }
+};
+
+// Collective: gathers every rank's phase statistics to world rank 0, which prints the
+// per-stage table and the bubble: measured, the schedule's at unit costs (`theory`), and
+// the schedule simulated with each stage's mean forward, backward and W times of this run
+// (into *simulated). Returns the rows (other ranks: nothing).
+std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator& world, const Schedule& schedule,
+                                     int micro_batches, double theory, bool overlapped, double* simulated);
+
+}  // namespace mpipe

@@ -1,0 +1,103 @@
+// The checkpoint file's format, which needs no MPI (docs/checkpoint-format.md): one
+// HDF5 file per checkpoint, keyed by global layer index and parameter name so it loads
+// onto any stage count K and replica count D; every dataset carries a CRC-32, and the
+// training state (/train and the root attributes) one of its own. Names, the model's
+// signature, verification, and the pieces the collective writer, the loader and
+// `mpipe inspect` share.
+#pragma once
+#include <hdf5.h>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mpipe/core/error.hpp"
+#include "mpipe/data/hdf5.hpp"
+#include "mpipe/nn/model.hpp"
+
+namespace mpipe {
+
+inline constexpr const char* checkpoint_format = "mpipe-checkpoint";
+inline constexpr int checkpoint_format_version = 2;  // 2: run id and a checksum of /train
+inline constexpr int checkpoint_oldest_readable_version = 1;
+// DIR/ckpt-<step as 8 digits>.h5
+std::string checkpoint_path(const std::string& dir, std::int64_t step);
+// The step a checkpoint's file name gives, or -1 when the name is not ckpt-<8 digits>.h5.
+std::int64_t checkpoint_step_of_name(const std::string& path);
+// The run id a checkpoint file holds ("" for a version-1 file), or nothing when the
+// file cannot be read as a checkpoint or its training state fails its checksum.
+std::optional<std::string> checkpoint_run_id(const std::string& path);
+// A string that changes whenever the parameter layout would: model kind, sizes,
+// every parameter's layer, name and shape.
+std::string model_signature(const Model& model);
+
+// Checks a checkpoint file without MPI: HDF5, format and version, (when given) that
+// it holds `model` (its signature; where they differ, the first layer that does),
+// every dataset present with a checksum, and (read_data) the CRC-32 of every dataset's
+// data. Returns the problem, or nothing.
+std::optional<std::string> verify_checkpoint(const std::string& path, const Model* model = nullptr,
+                                             bool read_data = true);
+
+// ---- the format's pieces ------------------------------------------------------------
+
+#define H5_CHECK(expr, ...)                                  \
+  do {                                                       \
+    if ((expr) < 0) throw Error(cat("HDF5: ", __VA_ARGS__)); \
+  } while (0)
+
+std::uint32_t crc32_of(const void* data, std::size_t bytes);
+std::string layer_key(int layer);  // "0004": a layer's group under /model and /optimizer/<state>
+// The model's layer list as a model file, without the name line (the same list read
+// from another path is the same model): the root attribute `model`.
+std::string model_text(const Model& model);
+
+// One dataset of parameters or optimizer state, as every rank names it.
+struct DatasetSpec {
+  std::string path;
+  Shape shape;
+  int layer;
+  std::string name;
+};
+// Every parameter's dataset under `root` ("/model"), a tied copy's left to its owner.
+std::vector<DatasetSpec> parameter_datasets(const Model& model, const std::string& root);
+std::vector<hsize_t> dims(const Shape& s);
+
+void write_string_attribute(hid_t object, const char* name, const std::string& value);
+std::optional<std::string> read_string_attribute(hid_t object, const char* name);
+template <class T>
+void write_scalar_attribute(hid_t object, const char* name, hid_t type, T value) {
+  Handle space(H5Screate(H5S_SCALAR), H5Sclose);
+  Handle attr(H5Acreate2(object, name, type, space.get(), H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  H5_CHECK(attr.get(), "cannot create attribute ", name);
+  H5_CHECK(H5Awrite(attr.get(), type, &value), "cannot write attribute ", name);
+}
+template <class T>
+std::optional<T> read_scalar_attribute(hid_t object, const char* name, hid_t type) {
+  if (H5Aexists(object, name) <= 0) return std::nullopt;
+  Handle attr(H5Aopen(object, name, H5P_DEFAULT), H5Aclose);
+  T value{};
+  if (H5Aread(attr.get(), type, &value) < 0) return std::nullopt;
+  return value;
+}
+// Reads a float dataset of `count` elements into `out` and checks its CRC-32.
+std::optional<std::string> read_checked(hid_t file, const std::string& path, float* out, std::size_t count);
+
+// What steers a resume: /train's attributes and the root attributes that say which
+// model, optimizer and options the state belongs to. Version 2 covers them all by one
+// CRC-32 (/train's `crc32`) of their text, so an altered step cannot pass for a real one.
+struct TrainState {
+  int version = checkpoint_format_version;
+  std::int64_t step = 0, updates = 0, samples = 0, position = 0;
+  std::uint64_t seed = 0;
+  std::string data, run_id, signature, optimizer, config;
+};
+// Writes the training state and provenance into an open checkpoint (the same on every
+// writer), with the model's layer list.
+void write_train_state(hid_t file, const TrainState& state, const Model& model);
+// Reads and checks the training state of an open checkpoint: present, within the
+// checksum (version 2), and consistent (updates <= step, samples = data position, the
+// step the file's name gives). Returns the problem, or nothing.
+std::optional<std::string> read_train_state(hid_t file, const std::string& path, TrainState& state);
+
+}  // namespace mpipe

@@ -1,0 +1,160 @@
+// The plan of a run: every fact about how it trains that follows from its options, the
+// rank count and measured costs, made once by make_plan(), a pure function (no MPI).
+// `mpipe plan` prints it, `train` prints the same object and runs it (Executor), and
+// checkpoints, the summary and the memory check read it: nothing computes a plan fact
+// twice.
+//
+// RunOptions are the options as typed values (enums, not words): the app parses and
+// checks the command line into them (app/config.hpp); below the app nothing compares an
+// option's text.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mpipe/core/tensor.hpp"
+#include "mpipe/nn/model.hpp"
+#include "mpipe/nn/optimizer.hpp"
+#include "mpipe/pipeline/grid.hpp"
+#include "mpipe/pipeline/partition.hpp"
+#include "mpipe/pipeline/progress.hpp"
+#include "mpipe/pipeline/schedule.hpp"
+
+namespace mpipe {
+
+// Each option's words in enum order: the one list that parsing and printing read.
+enum class Remat { never, except_last, always };
+inline constexpr std::array<const char*, 3> remat_names{"never", "except-last", "always"};
+// When BatchNorm's running statistics move: each micro-batch (GPipe) or once per step
+// toward the mini-batch's (torchgpipe).
+enum class BatchNormRule { micro, deferred };
+inline constexpr std::array<const char*, 2> batchnorm_names{"micro", "deferred"};
+enum class PartitionBy { uniform, params, flops, time };
+inline constexpr std::array<const char*, 4> partition_names{"uniform", "params", "flops", "time"};
+// How a wait passes the time once nothing moves (docs/communication.md).
+enum class CommWait { sleep, spin };
+inline constexpr std::array<const char*, 2> comm_wait_names{"sleep", "spin"};
+
+template <class Enum, std::size_t N>
+const char* name_of(Enum value, const std::array<const char*, N>& names) {
+  return names[static_cast<std::size_t>(value)];
+}
+inline const char* to_string(Remat r) { return name_of(r, remat_names); }
+inline const char* to_string(BatchNormRule b) { return name_of(b, batchnorm_names); }
+inline const char* to_string(PartitionBy p) { return name_of(p, partition_names); }
+inline const char* to_string(CommWait w) { return name_of(w, comm_wait_names); }
+
+struct RunOptions {
+  ModelConfig model;
+  OptimizerConfig optimizer;
+  std::string data = "synthetic";  // data spec (data/dataset.hpp)
+  std::string eval_data;           // held-out data; empty: no evaluation
+  int eval_batches = 0;            // batches per evaluation; 0: a file's every whole batch, 8 of endless data
+  int batch_size = 32;             // global mini-batch, in samples
+  int micro_batches = 1;           // per replica
+  int steps = 100;                 // the step training runs up to (the learning-rate schedule's end)
+  std::uint64_t seed = 1;
+  GridShape grid;                  // as asked: 0 is inferred from the rank count
+  std::string schedule = "gpipe";  // a name of schedule_kinds(), or file:PATH
+  int virtual_stages = 1;          // model stages per rank
+  int in_flight = 0;               // zero-bubble schedules' memory (ScheduleOptions::in_flight)
+  bool overlap_steps = false;      // update ahead of the step's agreement (Executor::advance)
+  Remat remat = Remat::never;
+  BatchNormRule batchnorm = BatchNormRule::micro;
+  PartitionBy partition = PartitionBy::flops;
+  std::vector<int> balance;            // layers per model stage (--balance); empty: by `partition`
+  double link_seconds_per_byte = -1;   // --link-bandwidth: -1 measured by train, 0 not counted, else configured
+  double p2p_timeout = 600;            // seconds a point-to-point wait may block
+  ProgressMode comm_progress = ProgressMode::thread;
+  double comm_poll_s = 5e-3;           // the progress thread's pause while nothing moves
+  CommWait comm_wait = CommWait::sleep;
+  Device device = Device::cpu;         // resolved: never "auto" here
+  DType precision = DType::f32;        // of activations, their gradients and the messages
+  int trace_steps = 0;                 // steps traced after the first (--trace); 0: no trace
+};
+
+// What --partition time counts, measured by the ranks of a run (measure_costs) or by
+// `plan` on its own process: each layer's forward + backward seconds on one micro-batch,
+// and the seconds per byte of each link between pipeline ranks (link r from rank r to
+// r + 1 mod K). Empty: not measured.
+struct MeasuredCosts {
+  std::vector<double> layer_seconds;
+  std::vector<double> link_seconds_per_byte;
+};
+
+// A model stage's memory for one micro-batch: what plan prints and the memory check uses.
+struct StageMemory {
+  double params = 0;      // parameters (floats)
+  double activation = 0;  // bytes a forward keeps for its backward
+  double boundary = 0;    // bytes of the stage's input: all a rematerialized micro-batch keeps
+  double stash = 0;       // bytes a split backward keeps from B to W (the dy of each weight layer)
+  // Activation bytes held with `live` micro-batches in flight: without remat each keeps
+  // its activations; with remat only its input, plus one micro-batch's while recomputing.
+  // A stage that splits its backwards (zero bubble) also keeps W's output gradients, and
+  // under remat its recomputation lives until W.
+  double held(int live, bool remat, bool split = false) const {
+    const double each = activation + (split ? stash : 0);
+    return remat && !split ? live * boundary + activation : live * each;
+  }
+};
+
+struct Plan {
+  RunOptions options;
+  int ranks = 1;
+  GridShape grid;            // resolved: stages K and replicas D
+  int micro_batch_size = 1;  // samples per micro-batch: batch / (M · D)
+  int replica_batch = 1;     // samples per replica and step: batch / D
+  // K · v model stages, each on the pipeline stage the schedule's placement gives;
+  // with --partition time and links counted, their costs.
+  Partition partition;
+  bool links_measured = false;  // the partition counts links measured by train (not configured)
+  // Lowered and validated; the zero-bubble ones ordered for the partition's FLOPs.
+  Schedule schedule;
+  StageCosts flops;                 // per model stage, one micro-batch
+  std::vector<StageMemory> memory;  // per model stage, one micro-batch
+  // Bubbles: at equal stages (the schedule built for unit costs, at unit costs) and
+  // predicted (`schedule` at `flops`), for one step and for steps back to back
+  // (--overlap-steps); and `schedule` at unit costs the way this run steps (the phase
+  // table's "theoretical").
+  double equal_bubble = 0, predicted_bubble = 0, equal_overlap_bubble = 0, predicted_overlap_bubble = 0;
+  double unit_cost_bubble = 0;
+  std::string bubble_formula;  // the equal-stage closed form, or "simulated"
+
+  // Whether micro-batch `mb`'s forward keeps only its input (re-materialization).
+  bool rematerialize(int micro_batch) const {
+    return options.remat == Remat::always ||
+           (options.remat == Remat::except_last && micro_batch != options.micro_batches - 1);
+  }
+  // Whether pipeline stage `stage` keeps only its micro-batches' inputs (the memory rule
+  // of --remat: except-last keeps the last stage's whole).
+  bool remat_stage(int stage) const {
+    return options.remat == Remat::always || (options.remat == Remat::except_last && stage + 1 < grid.stages);
+  }
+  // fp32 floats per parameter a rank keeps: values, gradients and optimizer state, and
+  // with --overlap-steps a second copy of each to go back to.
+  double state_copies() const;
+  // Bytes pipeline stage `stage` needs: its parameters with their gradients and state,
+  // and the activations its model stages hold at the schedule's peak.
+  double weight_bytes(int stage) const;
+  double activation_bytes(int stage) const;
+};
+
+// Samples per micro-batch for `options` on a grid of `replicas`: batch / (M · D).
+int micro_batch_size(const RunOptions& options, int replicas);
+
+// The plan of `options` on `ranks` ranks for `model` (built from options.model), with
+// the costs --partition time measured (none: the layers' FLOPs stand in, and links are
+// counted only where configured). UserError when the grid, the schedule, --balance or
+// --in-flight do not fit the model and the ranks.
+Plan make_plan(const RunOptions& options, int ranks, const Model& model, const MeasuredCosts& measured = {});
+
+// Whether make_plan wants measured costs for `options`: --partition time without --balance.
+bool needs_measurement(const RunOptions& options);
+// Collective over `world` (every rank with the same options): the layer times on world
+// rank 0 (on a model of its own, broadcast so that every rank cuts at the same layers)
+// and, unless configured or off, the links: a ping-pong of one typical boundary
+// activation over each link in turn, every replica at once, the slowest replica's figure.
+MeasuredCosts measure_costs(const RunOptions& options, const Communicator& world);
+
+}  // namespace mpipe

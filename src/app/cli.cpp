@@ -1,0 +1,297 @@
+// The command line: the options of train and plan, the subcommands, and the error
+// policy of parsing (one line on rank 0, exit 2).
+#include "mpipe/app/cli.hpp"
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "mpipe/app/config_file.hpp"
+#include "mpipe/app/inspect.hpp"
+#include "mpipe/app/plan.hpp"
+#include "mpipe/app/process.hpp"
+#include "mpipe/app/train.hpp"
+#include "mpipe/core/version.hpp"
+#include "mpipe/nn/registry.hpp"
+
+namespace mpipe {
+
+void add_train_options(CLI::App& cmd, TrainConfig& c) {
+  c.device = "auto";  // the library default is the CPU; users get the GPU when there is one
+  // An option given twice takes the last value, so scripts can append overrides.
+  cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  cmd.add_option("--config", "TOML file with any of these options (command-line values win)")
+      ->check(CLI::ExistingFile);
+  auto& m = c.model;
+  auto& o = c.optimizer;
+  auto& p = c.pipeline;
+  cmd.add_option("--model", m.kind, "Model: a preset (gpt, mlp or resnet, sized by the options below) or a model file (TOML: see plan --print-model and --layer-kinds)")->capture_default_str();
+  cmd.add_option("--layers", m.layers, "Transformer blocks (gpt), hidden blocks (mlp) or depth (resnet: 18, 34, 50, 101 or 152; default 18)")->capture_default_str();
+  cmd.add_option("--d-model", m.d_model, "Channels of the residual stream (gpt)")->capture_default_str();
+  cmd.add_option("--heads", m.heads, "Attention heads (gpt)")->capture_default_str();
+  cmd.add_option("--seq-len", m.seq_len, "Tokens per sample (gpt)")->capture_default_str();
+  cmd.add_option("--vocab", m.vocab, "Vocabulary size (gpt)")->capture_default_str();
+  cmd.add_option("--head-chunks", m.head_chunks,
+                 "The LM head as this many vocabulary chunks, layers a pipeline can put on different stages "
+                 "(gpt; 1: one linear layer)")->capture_default_str();
+  cmd.add_option("--hidden", m.hidden, "Width of the hidden layers (mlp)")->capture_default_str();
+  cmd.add_option("--inputs", m.inputs, "Input features (mlp)")->capture_default_str();
+  cmd.add_option("--classes", m.classes, "Output classes (mlp, resnet)")->capture_default_str();
+  cmd.add_option("--image", m.image, "Input side in pixels (resnet; from 128 on ImageNet's 7x7/2 stem and max pool)")->capture_default_str();
+  cmd.add_option("--channels", m.channels, "Input channels (resnet)")->capture_default_str();
+  cmd.add_option("--width", m.width, "Channels of the first of the four stages (resnet)")->capture_default_str();
+  cmd.add_option("--dropout", m.dropout, "Dropout probability")->capture_default_str();
+  cmd.add_option("--data", c.data, "synthetic, text:PATH (bytes) or tokens:PATH (uint16)")->capture_default_str();
+  cmd.add_option("--batch-size", c.batch_size, "Global mini-batch, in samples")->capture_default_str();
+  cmd.add_option("--micro-batches", c.micro_batches, "Micro-batches per mini-batch and replica")->capture_default_str();
+  cmd.add_option("--optimizer", o.kind, "adamw or sgd")->capture_default_str();
+  cmd.add_option("--lr", o.lr, "Peak learning rate")->capture_default_str();
+  cmd.add_option("--min-lr-ratio", o.min_lr_ratio, "The decay ends at lr times this")->capture_default_str();
+  cmd.add_option("--lr-schedule", o.lr_schedule,
+                 "After the warm-up: cosine, linear or wsd decay to lr x --min-lr-ratio, or constant")
+      ->capture_default_str();
+  cmd.add_option("--lr-decay-steps", o.lr_decay_steps,
+                 "The step the decay ends at, whatever --steps says (0: --steps); lets a run train in "
+                 "several jobs, or be extended, without its schedule changing")
+      ->capture_default_str();
+  cmd.add_option("--wsd-decay", o.wsd_decay,
+                 "wsd (warm-up, stable, decay): the last fraction of the decay steps that decays, linearly")
+      ->capture_default_str();
+  cmd.add_option("--weight-decay", o.weight_decay, "Decoupled weight decay (matrices only)")->capture_default_str();
+  cmd.add_option("--momentum", o.momentum, "SGD momentum")->capture_default_str();
+  cmd.add_option("--warmup", o.warmup, "Steps of linear learning-rate warm-up")->capture_default_str();
+  cmd.add_option("--clip-grad", o.clip_grad, "Clip the global gradient norm to this (0: off)")->capture_default_str();
+  cmd.add_option("--steps", c.steps, "Train up to this step")->capture_default_str();
+  cmd.add_option("--seed", c.seed, "Seed of initialisation, data and dropout")
+      ->check(CLI::Validator(
+          [](std::string& text) {
+            const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+            return digits ? std::string() : "must be an integer from 0 to 2^64-1, got " + text;
+          },
+          "SEED"))
+      ->capture_default_str();
+  cmd.add_option("--threads", c.threads, "Threads per rank (BLAS and loops); 0: the cores given to the rank")
+      ->capture_default_str();
+  cmd.add_option("--log-every", c.log_every, "Print a line every N steps")->capture_default_str();
+  cmd.add_option("--eval-data", c.eval_data,
+                 "Held-out data to evaluate on (synthetic, text:PATH, tokens:PATH or hdf5:PATH; empty: none): forward "
+                 "only, dropout off; loss and accuracy")
+      ->capture_default_str();
+  cmd.add_option("--eval-every", c.eval_every, "Evaluate every N steps, and at the end (0: only at the end)")
+      ->capture_default_str();
+  cmd.add_option("--eval-batches", c.eval_batches,
+                 "Batches of --batch-size per evaluation (0: a file's every whole batch; 8 of endless data)")
+      ->capture_default_str();
+  cmd.add_option("--progress", c.progress,
+                 "A live progress line on rank 0 between the logged steps: auto (when a person watches: "
+                 "standard output, and under mpirun the launcher's, is a terminal), on or off")
+      ->capture_default_str();
+  cmd.add_option("--metrics", c.metrics, "Write one JSON object per step to FILE (the last line: the run's summary)");
+  cmd.add_option("--summary", c.summary, "Write the run's summary (throughput, bubble, peak memory) as JSON to FILE");
+  cmd.add_option("--trace", c.trace, "Write every rank's actions as a Chrome/Perfetto trace to FILE.json");
+  cmd.add_option("--trace-steps", c.trace_steps, "Steps traced, after the first")->capture_default_str();
+  cmd.add_option("--stages", p.grid.stages, "Pipeline stages K (0: world size / replicas)")->capture_default_str();
+  cmd.add_option("--replicas", p.grid.replicas, "Data-parallel replicas D (0: world size / stages)")->capture_default_str();
+  cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks) or data")
+      ->capture_default_str();
+  std::string schedules;  // the table's, each with its note
+  for (const ScheduleKind& kind : schedule_kinds())
+    schedules += cat(kind.name, kind.help.empty() ? "" : cat(" (", kind.help, ")"), ", ");
+  cmd.add_option("--schedule", p.schedule,
+                 schedules + "or file:PATH (a line 'stage S: F0 F1 B0 ...' per stage; plan --write-schedule writes one)")
+      ->capture_default_str();
+  cmd.add_option("--virtual-stages", p.virtual_stages,
+                 "Model stages per rank, for --schedule interleaved (2 or more; stage m on pipeline stage m mod K); "
+                 "zbv sets 2 (stages s and 2K-1-s on pipeline stage s)")
+      ->capture_default_str();
+  cmd.add_option("--remat", p.remat, "Re-materialization: always, except-last or never")->capture_default_str();
+  cmd.add_option("--batchnorm", p.batchnorm,
+                 "BatchNorm's running statistics: micro (moved by each micro-batch, GPipe) or deferred (by the "
+                 "mini-batch once per step, torchgpipe)")
+      ->capture_default_str();
+  cmd.add_option("--partition", p.partition, "Balance stages by uniform, params, flops or time")->capture_default_str();
+  cmd.add_option("--balance", p.balance, "Layers per stage, e.g. 3,5 (overrides --partition)");
+  cmd.add_option("--link-bandwidth", p.link_bandwidth,
+                 "Links between stages, counted by --partition time (a stage's time includes moving its boundary "
+                 "activations and gradients): auto (measured by train; plan does not count them), off, or GB/s")
+      ->capture_default_str();
+  cmd.add_option("--p2p-timeout", p.p2p_timeout, "Seconds a point-to-point wait may block")->capture_default_str();
+  cmd.add_option("--comm-progress", p.comm_progress,
+                 "How posted messages move while a rank computes: thread (a progress thread), layers (tests "
+                 "between layers) or waits (only in waits: MPI's own progress)")
+      ->capture_default_str();
+  cmd.add_option("--comm-poll-us", p.comm_poll_us,
+                 "Microseconds between the progress thread's tests while nothing moves (0: no pause)")
+      ->capture_default_str();
+  cmd.add_option("--comm-wait", p.comm_wait,
+                 "How a wait passes the time once nothing moves: sleep (from 20 us to 1 ms between tests) or "
+                 "spin (tests without pause: a few % faster on small models, but takes the core from every "
+                 "other process on the node)")
+      ->capture_default_str();
+  cmd.add_option("--in-flight", p.in_flight,
+                 "zb-h1, zb-h2, zbv: the most micro-batches (zbv: model stages of micro-batches) a rank holds "
+                 "between their F and their W, memory traded for bubble (0: the schedule's own, K, 2K-1 and 2K; "
+                 "1f1b: on each rank what 1F1B holds there, K - rank, so that no rank needs more activation memory "
+                 "than under 1F1B)")
+      ->transform(CLI::Validator(
+          [](std::string& text) {
+            static_assert(in_flight_of_1f1b == -1);
+            if (text == "1f1b") text = "-1";
+            else if (text.empty() || text.size() > 9 || text.find_first_not_of("0123456789") != std::string::npos)
+              return "must be a number of micro-batches (0: the schedule's own) or 1f1b, got " + text;
+            return std::string();
+          },
+          "N|1f1b"))
+      ->capture_default_str();
+  cmd.add_flag("--overlap-steps,!--no-overlap-steps", p.overlap_steps,
+               "Post-validation: each rank updates as soon as its part of a step is done and starts the next "
+               "step while the world agrees on the loss and norm; a step that needs clipping or a skip is undone "
+               "and redone (bitwise the same training). Lets zb-h2 fill its warm-up with the last step's "
+               "cool-down")
+      ->capture_default_str();
+  cmd.add_option("--device", c.device, "cpu, cuda (one GPU per rank: node-local rank modulo GPUs) or auto")
+      ->capture_default_str();
+  cmd.add_option("--precision", c.precision, "fp32, or bf16 on a GPU (fp32 master weights and optimizer state)")
+      ->capture_default_str();
+  cmd.add_option("--checkpoint-dir", c.checkpoint_dir, "Write HDF5 checkpoints DIR/ckpt-<step>.h5 (created if missing)");
+  cmd.add_option("--checkpoint-every", c.checkpoint_every, "Steps between checkpoints (0: only the final one)")
+      ->capture_default_str();
+  cmd.add_option("--time-limit", c.time_limit,
+                 "Stop in time: once the next step and a checkpoint would not fit in this much time from the "
+                 "start (MINUTES, or Slurm's [D-]H:MM:SS / MM:SS), write a checkpoint and exit 75, as on SIGTERM");
+  cmd.add_option("--keep", c.keep, "Complete checkpoints to keep (0: all)")->capture_default_str();
+  cmd.add_option("--resume", c.resume, "auto (newest good checkpoint in --checkpoint-dir), never, or a file")
+      ->capture_default_str();
+  cmd.add_flag("--overwrite", c.overwrite,
+               "Let this run replace the checkpoints of another run in --checkpoint-dir (deleted once its first "
+               "checkpoint is in place); without it such a directory is refused");
+}
+
+int run_main(int argc, char** argv) {
+  // MPI comes up first for train, so that under mpirun only rank 0 reports.
+  const bool training = argc > 1 && std::strcmp(argv[1], "train") == 0;
+  int rank = 0, already = 0;
+  MPI_Initialized(&already);  // tests call run_main with MPI up
+  const bool own_mpi = training && !already;
+  if (training) install_stop_handlers(environ);  // again: a test may call run_main
+  if (own_mpi) {
+    // MULTIPLE for the communication progress thread (Progress falls back without it).
+    int provided = 0;
+    MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  }
+  if (training) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  auto finish = [&](int code) {
+    if (own_mpi) MPI_Finalize();
+    return code;
+  };
+
+  CLI::App app{"mpipe: GPipe micro-batch pipeline-parallel training on MPI", "mpipe"};
+  app.set_version_flag("--version", cat("mpipe ", version(), " (git ", git_hash(), ")"));
+  app.require_subcommand(1);
+  TrainConfig train_config, plan_config;
+  CLI::App* train = app.add_subcommand("train", "Train a model (under mpirun/srun: one stage per rank)");
+  add_train_options(*train, train_config);
+  CLI::App* plan = app.add_subcommand("plan", "Print the grid, partition, schedule and bubble for --ranks, without MPI");
+  add_train_options(*plan, plan_config);
+  int plan_ranks = 1;
+  plan->add_option("--ranks", plan_ranks, "Number of ranks to plan for")->capture_default_str();
+  std::string write_schedule;
+  plan->add_option("--write-schedule", write_schedule,
+                   "Also write the schedule's actions per stage to this file, for editing and --schedule file:PATH");
+  bool print_model = false, layer_kinds_help = false;
+  plan->add_flag("--print-model", print_model,
+                 "Print only the model's layer list as a model file (mpipe plan --model gpt --print-model > m.toml; "
+                 "mpipe train --model m.toml)");
+  plan->add_flag("--layer-kinds", layer_kinds_help, "List the layer kinds a model file may use, with their options");
+  CLI::App* inspect = app.add_subcommand("inspect", "Show a checkpoint: tree, shapes, parameter counts, step, config");
+  std::string inspect_path;
+  bool inspect_stats = false, inspect_verify = false, inspect_config = false, inspect_model = false;
+  inspect->add_option("file", inspect_path, "Checkpoint file (ckpt-*.h5)")->required();
+  inspect->add_flag("--stats", inspect_stats, "Per-tensor min, max, mean, std and norm");
+  inspect->add_flag("--verify", inspect_verify, "Check every checksum; exit code 2 on damage");
+  inspect->add_flag("--config", inspect_config,
+                    "Print only the run's options, as a file for 'train --config' (mpipe inspect CKPT --config > "
+                    "run.toml)");
+  inspect->add_flag("--model", inspect_model,
+                    "Print only the model's layer list, as a model file for 'train --model' (mpipe inspect CKPT --model > "
+                    "m.toml)");
+
+  try {
+    app.parse(argc, argv);
+    if (train->parsed()) apply_config_file(*train);
+    if (plan->parsed()) apply_config_file(*plan);
+    // A model file has its own sizes: the presets' options would be ignored.
+    for (const auto& [command, config] : {std::pair{train, &train_config}, std::pair{plan, &plan_config}}) {
+      if (!command->parsed()) continue;
+      // A schedule that always runs a fixed number of model stages per rank (zbv: two)
+      // sets --virtual-stages unless given.
+      if (const ScheduleKind* kind = find_schedule_kind(config->pipeline.schedule);
+          kind && kind->virtual_stages > 1 && config->pipeline.virtual_stages == 1)
+        config->pipeline.virtual_stages = kind->virtual_stages;
+      // ResNet's depth is one of five: 18 unless given.
+      if (config->model.kind == "resnet" && command->get_option("--layers")->count() == 0) config->model.layers = 18;
+      if (is_preset(config->model.kind)) continue;
+      for (const char* name : {"--layers", "--d-model", "--heads", "--seq-len", "--vocab", "--hidden", "--inputs", "--classes",
+                               "--image", "--channels", "--width", "--dropout"})
+        MPIPE_REQUIRE(command->get_option(name)->count() == 0, "set it in the model file (mpipe plan --layer-kinds lists the keys)",
+                      name, " sizes the presets (gpt, mlp, resnet); model file '", config->model.kind, "' has its own");
+    }
+  } catch (const CLI::CallForHelp& e) {
+    return finish(rank == 0 ? app.exit(e) : 0);
+  } catch (const CLI::CallForAllHelp& e) {
+    return finish(rank == 0 ? app.exit(e) : 0);
+  } catch (const CLI::CallForVersion& e) {
+    return finish(rank == 0 ? app.exit(e) : 0);
+  } catch (const CLI::ParseError& e) {
+    // No subcommand parsed: name what was typed (a mistyped "trian" is not a subcommand).
+    const bool none = !train->parsed() && !plan->parsed() && !inspect->parsed();
+    if (none && argc > 1 && argv[1][0] != '-') {
+      if (rank == 0)
+        std::fprintf(stderr, "mpipe: error: unknown command '%s'; hint: use mpipe train, plan or inspect (mpipe --help)\n",
+                     argv[1]);
+      return finish(exit_user_error);
+    }
+    if (rank == 0)
+      std::fprintf(stderr, "mpipe: error: %s; hint: see 'mpipe %s--help'\n", e.what(),
+                   train->parsed() ? "train " : plan->parsed() ? "plan " : inspect->parsed() ? "inspect " : "");
+    return finish(exit_user_error);
+  } catch (const UserError& e) {
+    if (rank == 0) std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
+    return finish(exit_user_error);
+  }
+
+  if (train->parsed()) {
+    int code = exit_internal_error;
+    try {
+      const Communicator world = Communicator::borrow(MPI_COMM_WORLD);
+      code = run_train(train_config, world);
+    } catch (const std::exception& e) {
+      // Outside the guarded phases: one line, then end every rank.
+      std::fflush(stdout);
+      std::fprintf(stderr, "mpipe: error on rank %d: %s\n", rank, e.what());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, exit_internal_error);
+    }
+    return finish(code);
+  }
+  try {
+    if (inspect->parsed())
+      return run_inspect(inspect_path, inspect_stats, inspect_verify, inspect_config ? "config" : inspect_model ? "model" : "");
+    if (layer_kinds_help) return print_layer_kinds();
+    if (print_model) {
+      std::fputs(model_spec(plan_config.model).to_toml().c_str(), stdout);
+      return 0;
+    }
+    return run_plan(plan_config, plan_ranks, write_schedule);
+  } catch (const UserError& e) {
+    std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
+    return exit_user_error;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mpipe: internal error: %s\n", e.what());
+    return exit_internal_error;
+  }
+}
+
+}  // namespace mpipe

@@ -1,0 +1,270 @@
+// The options of train and plan: their checks, their typed form and the plan made from them.
+#include "mpipe/app/config.hpp"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+
+#include "mpipe/app/config_file.hpp"
+#include "mpipe/core/error.hpp"
+#include "mpipe/data/dataset.hpp"
+
+namespace mpipe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// The index of `word` in an option's words, or -1.
+template <std::size_t N>
+int word_index(const std::string& word, const std::array<const char*, N>& names) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (word == names[i]) return static_cast<int>(i);
+  return -1;
+}
+
+template <class Enum, std::size_t N>
+Enum parsed(const std::string& word, const std::array<const char*, N>& names) {
+  const int i = word_index(word, names);
+  MPIPE_CHECK(i >= 0, "'", word, "' is not checked by validate()");
+  return static_cast<Enum>(i);
+}
+
+}  // namespace
+
+void validate(const TrainConfig& c, int world) {
+  validate(c.model);
+  validate(c.optimizer);
+  const auto& p = c.pipeline;
+  MPIPE_REQUIRE(c.batch_size > 0, "e.g. --batch-size 32", "--batch-size must be positive, got ", c.batch_size);
+  MPIPE_REQUIRE(c.micro_batches > 0, "e.g. --micro-batches 4", "--micro-batches must be positive, got ", c.micro_batches);
+  MPIPE_REQUIRE(c.steps > 0, "e.g. --steps 100", "--steps must be positive, got ", c.steps);
+  MPIPE_REQUIRE(c.threads >= 0, "e.g. --threads 2, or 0 for every core", "--threads must be >= 0, got ", c.threads);
+  MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
+  MPIPE_REQUIRE(c.trace_steps >= 0, "e.g. --trace-steps 5", "--trace-steps must be >= 0, got ", c.trace_steps);
+  MPIPE_REQUIRE(c.eval_every >= 0, "e.g. --eval-every 100", "--eval-every must be >= 0, got ", c.eval_every);
+  MPIPE_REQUIRE(c.eval_batches >= 0, "e.g. --eval-batches 8, or 0 for a file's every batch", "--eval-batches must be >= 0, got ",
+                c.eval_batches);
+  MPIPE_REQUIRE(!c.eval_data.empty() || (c.eval_every == 0 && c.eval_batches == 0), "give --eval-data, e.g. hdf5:test.h5",
+                "--eval-every and --eval-batches need --eval-data");
+  MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
+                "unknown --progress '", c.progress, "'");
+  MPIPE_REQUIRE(word_index(p.remat, remat_names) >= 0,
+                "use --remat always, except-last or never", "unknown --remat '", p.remat, "'");
+  MPIPE_REQUIRE(word_index(p.batchnorm, batchnorm_names) >= 0, "use --batchnorm micro or deferred",
+                "unknown --batchnorm '", p.batchnorm, "'");
+  MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
+  parse_progress_mode(p.comm_progress);  // throws UserError for an unknown name
+  parse_link_bandwidth(p.link_bandwidth);  // likewise
+  MPIPE_REQUIRE(p.comm_poll_us >= 0 && p.comm_poll_us <= 1e6, "e.g. --comm-poll-us 5000 (0: no pause)",
+                "--comm-poll-us must be between 0 and 1000000, got ", p.comm_poll_us);
+  MPIPE_REQUIRE(word_index(p.comm_wait, comm_wait_names) >= 0, "use --comm-wait sleep or spin",
+                "unknown --comm-wait '", p.comm_wait, "'");
+  MPIPE_REQUIRE(c.device == "cpu" || c.device == "cuda" || c.device == "auto", "use --device cpu, cuda or auto",
+                "unknown --device '", c.device, "'");
+  MPIPE_REQUIRE(c.precision == "fp32" || c.precision == "bf16", "use --precision fp32 or bf16",
+                "unknown --precision '", c.precision, "'");
+  MPIPE_REQUIRE(c.precision == "fp32" || c.device != "cpu", "use --device cuda (or auto on GPU nodes) with bf16",
+                "--precision bf16 needs a GPU; the CPU backend computes in fp32");
+  GridShape grid = p.grid;
+  if (world > 0) grid = resolve_grid(grid, world);
+  const int replicas = std::max(1, grid.replicas);
+  // Each message's tag tells its (model stage,) micro-batch apart (message_tag).
+  MPIPE_REQUIRE(p.virtual_stages >= 1 && p.virtual_stages <= 64, "e.g. --virtual-stages 2 with --schedule interleaved",
+                "--virtual-stages must be between 1 and 64, got ", p.virtual_stages);
+  MPIPE_REQUIRE(c.micro_batches <= max_tagged_messages, cat("use at most ", max_tagged_messages, " micro-batches"),
+                "--micro-batches ", c.micro_batches, " is too many");
+  const int v = p.virtual_stages, stages = std::max(1, grid.stages);
+  MPIPE_REQUIRE(v == 1 || static_cast<std::int64_t>(c.micro_batches) * stages * v <= max_tagged_messages,
+                "use fewer micro-batches or virtual stages", "--micro-batches ", c.micro_batches, " x ", stages,
+                " stages x --virtual-stages ", v, " is more than ", max_tagged_messages, " messages tags can tell apart");
+  MPIPE_REQUIRE(c.micro_batches <= c.batch_size, "use at most one micro-batch per sample",
+                "--micro-batches ", c.micro_batches, " exceeds --batch-size ", c.batch_size);
+  if (replicas == 1)
+    MPIPE_REQUIRE(c.batch_size % c.micro_batches == 0, "pick --micro-batches dividing --batch-size",
+                  "--batch-size ", c.batch_size, " is not divisible by --micro-batches ", c.micro_batches);
+  else
+    MPIPE_REQUIRE(c.batch_size % (static_cast<std::int64_t>(c.micro_batches) * replicas) == 0,
+                  cat("pick a --batch-size that is a multiple of ", c.micro_batches * replicas),
+                  "--batch-size ", c.batch_size, " does not split into --micro-batches ", c.micro_batches, " x ",
+                  replicas, " replicas");
+  if (!p.balance.empty())
+    parse_balance(p.balance);
+  else
+    MPIPE_REQUIRE(word_index(p.partition, partition_names) >= 0, "use --partition uniform, params, flops or time",
+                  "unknown --partition '", p.partition, "'");
+}
+
+RunOptions run_options(const TrainConfig& c) {
+  const PipelineConfig& p = c.pipeline;
+  RunOptions o;
+  o.model = c.model;
+  o.optimizer = c.optimizer;
+  o.data = c.data;
+  o.eval_data = c.eval_data;
+  o.eval_batches = c.eval_batches;
+  o.batch_size = c.batch_size;
+  o.micro_batches = c.micro_batches;
+  o.steps = c.steps;
+  o.seed = c.seed;
+  o.grid = p.grid;
+  o.schedule = p.schedule;
+  o.virtual_stages = p.virtual_stages;
+  o.in_flight = p.in_flight;
+  o.overlap_steps = p.overlap_steps;
+  o.remat = parsed<Remat>(p.remat, remat_names);
+  o.batchnorm = parsed<BatchNormRule>(p.batchnorm, batchnorm_names);
+  if (p.balance.empty()) o.partition = parsed<PartitionBy>(p.partition, partition_names);
+  else o.balance = parse_balance(p.balance);
+  o.link_seconds_per_byte = parse_link_bandwidth(p.link_bandwidth);
+  o.p2p_timeout = p.p2p_timeout;
+  o.comm_progress = parse_progress_mode(p.comm_progress);
+  o.comm_poll_s = p.comm_poll_us * 1e-6;
+  o.comm_wait = parsed<CommWait>(p.comm_wait, comm_wait_names);
+  o.device = c.device == "cuda" ? Device::cuda : Device::cpu;
+  o.precision = c.precision == "bf16" ? DType::bf16 : DType::f32;
+  o.trace_steps = c.trace.empty() ? 0 : c.trace_steps;
+  return o;
+}
+
+Plan plan_run(const TrainConfig& config, const Communicator& world) {
+  validate(config, world.size());
+  const RunOptions options = run_options(config);
+  return make_plan(options, world.size(), Model(options.model), measure_costs(options, world));
+}
+
+CheckpointOptions checkpoint_options(const TrainConfig& c) {
+  return {.dir = c.checkpoint_dir, .keep = c.keep, .resume = c.resume, .overwrite = c.overwrite, .config_text = to_toml(c)};
+}
+
+void check_checkpoint_options(const TrainConfig& c, bool create) {
+  MPIPE_REQUIRE(c.checkpoint_every >= 0, "e.g. --checkpoint-every 100", "--checkpoint-every must be >= 0, got ",
+                c.checkpoint_every);
+  MPIPE_REQUIRE(c.keep >= 0, "e.g. --keep 3 (0 keeps all)", "--keep must be >= 0, got ", c.keep);
+  if (c.checkpoint_dir.empty()) {
+    MPIPE_REQUIRE(c.checkpoint_every == 0, "give --checkpoint-dir DIR", "--checkpoint-every needs --checkpoint-dir");
+  } else {
+    std::error_code ec;
+    if (create && !fs::is_directory(c.checkpoint_dir, ec)) {
+      fs::create_directories(c.checkpoint_dir, ec);
+      if (ec) {
+        // Name the part of the path that is in the way: a regular file, or a directory
+        // this user may not write to.
+        fs::path blocker = fs::path(c.checkpoint_dir);
+        std::error_code e2;
+        while (blocker.has_parent_path() && blocker != blocker.parent_path() && !fs::exists(blocker, e2))
+          blocker = blocker.parent_path();
+        const std::string hint =
+            fs::exists(blocker, e2) && !fs::is_directory(blocker, e2)
+                ? cat("'", blocker.string(), "' is a file, not a directory: choose another --checkpoint-dir")
+                : "choose a --checkpoint-dir under a directory you can write to";
+        throw UserError(cat("cannot create checkpoint directory '", c.checkpoint_dir, "': ", ec.message()), hint);
+      }
+    }
+    MPIPE_REQUIRE(fs::is_directory(c.checkpoint_dir, ec), "give a directory (it is created if missing)",
+                  "checkpoint directory '", c.checkpoint_dir, "' is not a directory");
+    MPIPE_REQUIRE(::access(c.checkpoint_dir.c_str(), W_OK | X_OK) == 0, "choose a directory you can write to",
+                  "checkpoint directory '", c.checkpoint_dir, "' is not writable");
+  }
+  if (c.resume != "auto" && c.resume != "never") {
+    MPIPE_REQUIRE(fs::is_regular_file(c.resume), "give --resume auto, never or an existing checkpoint file",
+                  "--resume: no checkpoint file '", c.resume, "'");
+  }
+}
+
+
+double parse_time_limit(const std::string& text) {
+  if (text.empty()) return 0;
+  const UserError bad(cat("--time-limit '", text, "' is not a duration"),
+                      "give minutes (90) or [D-]H:MM:SS as Slurm writes it (1-12:00:00, 2:30:00, 45:00)");
+  auto whole = [&](const std::string& part) {
+    if (part.empty() || part.size() > 9 || !std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; }))
+      throw bad;
+    return std::stod(part);
+  };
+  std::string rest = text;
+  double days = 0;
+  const auto dash = rest.find('-');
+  if (dash != std::string::npos) {
+    days = whole(rest.substr(0, dash));
+    rest = rest.substr(dash + 1);
+  }
+  std::vector<std::string> parts;
+  for (std::size_t at = 0;;) {
+    const auto colon = rest.find(':', at);
+    parts.push_back(rest.substr(at, colon == std::string::npos ? std::string::npos : colon - at));
+    if (colon == std::string::npos) break;
+    at = colon + 1;
+  }
+  double seconds = 0;
+  if (dash != std::string::npos) {  // D-H, D-H:MM, D-H:MM:SS
+    if (parts.size() > 3) throw bad;
+    const double unit[] = {3600, 60, 1};
+    for (std::size_t i = 0; i < parts.size(); ++i) seconds += whole(parts[i]) * unit[i];
+  } else if (parts.size() == 1) {  // minutes, fractions allowed
+    char* end = nullptr;
+    const double minutes = std::strtod(parts[0].c_str(), &end);
+    if (parts[0].empty() || *end != '\0' || !std::isfinite(minutes)) throw bad;
+    seconds = minutes * 60;
+  } else if (parts.size() == 2) {
+    seconds = whole(parts[0]) * 60 + whole(parts[1]);
+  } else if (parts.size() == 3) {
+    seconds = whole(parts[0]) * 3600 + whole(parts[1]) * 60 + whole(parts[2]);
+  } else {
+    throw bad;
+  }
+  seconds += days * 86400;
+  if (!(seconds > 0)) throw UserError(cat("--time-limit '", text, "' must be positive"), "e.g. --time-limit 90");
+  return seconds;
+}
+
+
+void check_output_files(const TrainConfig& c) {
+  namespace fs = std::filesystem;
+  struct Output {
+    const char* option;
+    std::string path;
+    const char* example;
+  };
+  std::vector<Output> outputs;
+  if (!c.metrics.empty()) outputs.push_back({"--metrics", c.metrics, "metrics.jsonl"});
+  if (!c.trace.empty()) outputs.push_back({"--trace", c.trace, "trace.json"});
+  if (!c.summary.empty()) outputs.push_back({"--summary", c.summary, "summary.json"});
+  for (const Output& o : outputs) {
+    std::error_code ec;
+    const fs::file_status st = fs::status(o.path, ec);
+    if (fs::exists(st)) {
+      MPIPE_REQUIRE(!fs::is_directory(st), cat("give a file, e.g. ", (fs::path(o.path) / o.example).string()), o.option,
+                    " '", o.path, "' is a directory");
+      MPIPE_REQUIRE(fs::is_regular_file(st) || fs::is_character_file(st), "give a regular file", o.option, " '",
+                    o.path, "' is not a regular file (a FIFO would block)");
+      MPIPE_REQUIRE(::access(o.path.c_str(), W_OK) == 0, "choose a file you can write", o.option, " '", o.path,
+                    "' is not writable");
+    } else {
+      const fs::path parent = fs::path(o.path).has_parent_path() ? fs::path(o.path).parent_path() : fs::path(".");
+      MPIPE_REQUIRE(fs::is_directory(parent, ec), cat("create '", parent.string(), "' first, or choose another path"),
+                    o.option, " '", o.path, "': no directory '", parent.string(), "'");
+      MPIPE_REQUIRE(::access(parent.c_str(), W_OK | X_OK) == 0, "choose a directory you can write to", o.option, " '",
+                    o.path, "': directory '", parent.string(), "' is not writable");
+    }
+  }
+  auto same = [](const std::string& a, const std::string& b) {
+    std::error_code ec1, ec2;
+    const fs::path pa = fs::weakly_canonical(a, ec1), pb = fs::weakly_canonical(b, ec2);
+    if (ec1 || ec2 || pa != pb) return false;
+    return !fs::is_character_file(pa, ec1);  // /dev/null may take them all
+  };
+  // The inputs are files no output may overwrite (the two inputs may be one file).
+  const std::string data = data_file(c.data), eval_data = data_file(c.eval_data);
+  if (!data.empty()) outputs.push_back({"--data", data, ""});
+  if (!eval_data.empty() && !(!data.empty() && same(data, eval_data))) outputs.push_back({"--eval-data", eval_data, ""});
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    for (std::size_t j = i + 1; j < outputs.size(); ++j)
+      MPIPE_REQUIRE(!same(outputs[i].path, outputs[j].path), "give each output its own file", outputs[i].option, " and ",
+                    outputs[j].option, " name the same file '", outputs[j].path, "'");
+}
+
+
+}  // namespace mpipe

@@ -1,0 +1,113 @@
+// `mpipe inspect`: a checkpoint's tree, shapes, parameter counts, training state and
+// options, per-tensor statistics, and its checksums verified.
+#include "mpipe/app/inspect.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <vector>
+
+#include "mpipe/io/checkpoint_format.hpp"
+
+namespace mpipe {
+
+namespace fs = std::filesystem;
+
+int run_inspect(const std::string& path, bool stats, bool verify, const std::string& print) {
+  quiet_hdf5();
+  MPIPE_REQUIRE(fs::is_regular_file(path), "give the path of a checkpoint file", "no file '", path, "'");
+  MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)",
+                "'", path, "' is not an HDF5 file");
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  MPIPE_REQUIRE(file.ok(), "the file is damaged; use an older checkpoint", "'", path, "' cannot be opened");
+  const auto format = read_string_attribute(file.get(), "format");
+  MPIPE_REQUIRE(format && *format == checkpoint_format, "this is some other HDF5 file", "'", path,
+                "' is not an mpipe checkpoint");
+  if (!print.empty()) {  // the run's options or its layer list alone, as train reads them
+    const auto text = read_string_attribute(file.get(), print.c_str());
+    MPIPE_REQUIRE(text.has_value(), print == "model" ? "checkpoints of mpipe before model files have none" : "the file is damaged; use an older checkpoint",
+                  "'", path, "' has no ", print, " attribute");
+    std::printf("# the %s of the run that wrote %s\n%s", print == "model" ? "model" : "options", path.c_str(), text->c_str());
+    return 0;
+  }
+  std::printf("%s\n", path.c_str());
+  for (const char* a : {"format", "mpipe_version", "model_signature", "optimizer"})
+    std::printf("  %-16s %s\n", a, read_string_attribute(file.get(), a).value_or("?").c_str());
+  std::printf("  %-16s %d\n", "format_version", read_scalar_attribute<int>(file.get(), "format_version", H5T_NATIVE_INT).value_or(-1));
+  {
+    Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
+    if (train.ok()) {
+      for (const char* a : {"step", "optimizer_updates", "samples_consumed"})
+        std::printf("  %-16s %lld\n", a,
+                    static_cast<long long>(read_scalar_attribute<int64_t>(train.get(), a, H5T_NATIVE_INT64).value_or(-1)));
+      std::printf("  %-16s %s\n", "run_id", read_string_attribute(train.get(), "run_id").value_or("(none)").c_str());
+    }
+  }
+  // The tree, with per-layer parameter counts.
+  struct Walk {
+    hid_t file;
+    bool stats;
+    std::vector<std::pair<std::string, long long>> per_layer;
+    long long total = 0;
+  } walk{file.get(), stats, {}, 0};
+  std::printf("tree:\n");
+  H5Ovisit2(
+      file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
+      [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
+        auto* w = static_cast<Walk*>(data);
+        const std::string n = name;
+        if (info->type == H5O_TYPE_GROUP) {
+          if (n != ".") std::printf("  /%s/\n", name);
+          return 0;
+        }
+        if (info->type != H5O_TYPE_DATASET) return 0;
+        Handle set(H5Dopen2(w->file, name, H5P_DEFAULT), H5Dclose);
+        Handle space(H5Dget_space(set.get()), H5Sclose);
+        hsize_t d[8] = {};
+        const int rank = H5Sget_simple_extent_dims(space.get(), d, nullptr);
+        std::string shape = "(";
+        for (int i = 0; i < rank; ++i) shape += (i ? ", " : "") + std::to_string(d[i]);
+        shape += ")";
+        const long long count = H5Sget_simple_extent_npoints(space.get());
+        std::printf("  /%-40s float32 %-16s", name, shape.c_str());
+        if (n.rfind("model/", 0) == 0) {
+          w->total += count;
+          const std::string layer = n.substr(6, n.find('/', 6) - 6);
+          if (w->per_layer.empty() || w->per_layer.back().first != layer) w->per_layer.emplace_back(layer, 0);
+          w->per_layer.back().second += count;
+        }
+        if (w->stats) {
+          std::vector<float> v(static_cast<std::size_t>(count));
+          if (H5Dread(set.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0 && count > 0) {
+            double lo = v[0], hi = v[0], sum = 0, sq = 0;
+            for (float x : v) {
+              lo = std::min<double>(lo, x);
+              hi = std::max<double>(hi, x);
+              sum += x;
+              sq += static_cast<double>(x) * x;
+            }
+            const double mean = sum / count;
+            std::printf(" min %+.4e max %+.4e mean %+.4e std %.4e norm %.4e", lo, hi, mean,
+                        std::sqrt(std::max(0.0, sq / count - mean * mean)), std::sqrt(sq));
+          }
+        }
+        std::printf("\n");
+        return 0;
+      },
+      &walk, H5O_INFO_BASIC);
+  std::printf("parameters per layer:");
+  for (const auto& [layer, count] : walk.per_layer) std::printf(" %s:%lld", layer.c_str(), count);
+  std::printf("\nparameters: %lld\n", walk.total);
+  std::printf("config:\n%s", read_string_attribute(file.get(), "config").value_or("?\n").c_str());
+  if (verify) {
+    if (auto bad = verify_checkpoint(path)) {
+      std::printf("verify: FAILED\n");
+      throw UserError(cat("checkpoint damaged: ", *bad), "use an older checkpoint");
+    }
+    std::printf("verify: every checksum matches\n");
+  }
+  return 0;
+}
+
+}  // namespace mpipe

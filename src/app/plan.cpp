@@ -1,0 +1,148 @@
+// The plan command, and the plan as train prints it: grid, batch split, partition, memory
+// per stage, bubbles and the schedule's grid; `plan --layer-kinds`.
+#include "mpipe/app/plan.hpp"
+
+#include <cstdio>
+#include <fstream>
+
+#include "mpipe/app/report.hpp"
+#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/core/toml_text.hpp"
+#include "mpipe/core/version.hpp"
+#include "mpipe/nn/registry.hpp"
+
+namespace mpipe {
+
+void print_plan(const Plan& plan, const Model& model) {
+  const RunOptions& o = plan.options;
+  const Partition& part = plan.partition;
+  const Schedule& schedule = plan.schedule;
+  const int K = plan.grid.stages, D = plan.grid.replicas, M = o.micro_batches, v = o.virtual_stages;
+  std::printf("grid: %d replica%s x %d stage%s = %d rank%s, rank order %s\n", D, D > 1 ? "s" : "", K, K > 1 ? "s" : "",
+              D * K, D * K > 1 ? "s" : "", plan.grid.rank_order.c_str());
+  std::printf("batch %d = %d replica%s x %d micro-batches of %d; schedule %s, remat %s\n", o.batch_size, D,
+              D > 1 ? "s" : "", M, plan.micro_batch_size, o.schedule.c_str(), to_string(o.remat));
+  if (v > 1) {
+    const std::vector<int> placement = schedule.placement_table();
+    const std::string where = placement == round_robin_placement(K, v) ? cat("model stage m on pipeline stage m mod ", K)
+                              : placement == vee_placement(K)          ? cat("model stages s and ", 2 * K - 1, "-s on pipeline stage s (a V)")
+                                                                       : std::string("placed by the schedule file");
+    std::printf("virtual stages: %d per rank, %s (\"p\" below)\n", v, where.c_str());
+  }
+  std::printf("partition (%s): %s\n", o.balance.empty() ? to_string(o.partition) : "balance", part.to_text().c_str());
+  if (!part.comm_cost.empty()) {
+    // Link l joins model stage l to l + 1; with virtual stages the last one returns to rank 0.
+    std::string links, work, comm;
+    for (int l = 0; l < (v > 1 ? K : K - 1); ++l)
+      links += cat(l ? ", " : "", l, "->", (l + 1) % K, " ",
+                   fixed(1e-9 / part.link_cost_per_byte[static_cast<std::size_t>(l)], 2), " GB/s");
+    for (int s = 0; s < part.stages(); ++s) {
+      work += cat(s ? " / " : "", fixed(1e3 * part.stage_cost(s), 3));
+      comm += cat(s ? " / " : "", fixed(1e3 * part.comm_cost[static_cast<std::size_t>(s)], 3));
+    }
+    std::printf("links (%s): %s; per micro-batch, ms by stage: compute %s, links %s\n",
+                plan.links_measured ? "measured" : "configured", links.c_str(), work.c_str(), comm.c_str());
+  }
+  const double states = plan.state_copies();
+  std::printf("%-6s %-9s %-28s %10s %12s %14s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb", "weights+state",
+              "act. no remat", "act. remat");
+  for (int s = 0; s < part.stages(); ++s) {
+    std::string kinds;
+    for (int i = part.begin(s); i < part.end(s); ++i) {
+      const std::string k = model.layer(i).kind();
+      if (kinds.find(k) == std::string::npos) kinds += (kinds.empty() ? "" : ",") + k;
+    }
+    if (kinds.size() > 28) kinds = kinds.substr(0, 25) + "...";
+    const int live = in_flight(schedule, schedule.list_of(s), v > 1 ? s : -1);
+    const bool split = schedule.splits(schedule.list_of(s));
+    const StageMemory& f = plan.memory[static_cast<std::size_t>(s)];
+    const auto at = static_cast<std::size_t>(s);
+    std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s\n", (v > 1 ? cat(s, " p", schedule.list_of(s)) : cat(s)).c_str(),
+                cat(part.begin(s), "-", part.end(s) - 1).c_str(), kinds.c_str(), human_count(f.params).c_str(),
+                (plan.flops.forward[at] + plan.flops.backward[at]) / 1e9, human_bytes(4.0 * f.params * states).c_str(),
+                human_bytes(f.held(live, false, split)).c_str(), human_bytes(f.held(live, true, split)).c_str());
+  }
+  std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n",
+              100 * plan.equal_bubble, plan.bubble_formula.c_str(), 100 * plan.predicted_bubble);
+  // Post-validation: a stage starts the next step once its own part of this one is done.
+  std::printf("bubble with --overlap-steps (steps back to back, no clipping or skip): %.1f%% for equal stages, %.1f%% "
+              "predicted from this partition's FLOPs\n",
+              100 * plan.equal_overlap_bubble, 100 * plan.predicted_overlap_bubble);
+}
+
+void print_schedule_grid(const Schedule& lowered) {
+  constexpr int widest = 16;  // a grid beyond this many stages or micro-batches is no longer read at a glance
+  if (lowered.stages > widest || lowered.micro_batches > widest) {
+    const Simulation sim = simulate(lowered, StageCosts::unit(lowered));
+    std::printf("schedule %s (forward 1 unit, backward 2 = B 1 + W 1 where split): makespan %g, bubble %.1f%% (drawn "
+                "for up to %d stages and micro-batches)\n", lowered.name.c_str(), sim.makespan, 100 * sim.bubble_fraction,
+                widest);
+    return;
+  }
+  std::printf("schedule %s (forward 1 unit, backward 2 = B 1 + W 1 where split):\n%s", lowered.name.c_str(),
+              render(lowered, StageCosts::unit(lowered)).c_str());
+}
+
+int run_plan(const TrainConfig& config, int ranks, const std::string& write_schedule) {
+  MPIPE_REQUIRE(ranks > 0, "e.g. --ranks 4", "--ranks must be positive, got ", ranks);
+  validate(config, ranks);
+  const RunOptions options = run_options(config);
+  Model model(options.model);
+  MeasuredCosts measured;  // plan measures the layers on its own process, and no links
+  if (needs_measurement(options)) {
+    cpu::set_threads(config.threads > 0 ? config.threads : 1);
+    measured.layer_seconds =
+        measure_layer_times(model, micro_batch_size(options, resolve_grid(options.grid, ranks).replicas), options.seed);
+  }
+  const Plan plan = make_plan(options, ranks, model, measured);
+  std::printf("mpipe %s (git %s) plan for %d ranks\n", version(), git_hash(), ranks);
+  std::printf("layers (%d):", model.size());
+  for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
+  std::printf("\n");
+  print_plan(plan, model);
+  if (needs_measurement(options) && plan.grid.stages > 1 && plan.partition.link_cost_per_byte.empty())
+    std::printf("links: not counted (%s)\n", options.link_seconds_per_byte == 0
+                                                  ? "--link-bandwidth off"
+                                                  : "plan cannot measure them; give --link-bandwidth GB/s");
+  std::printf("ranks:");
+  for (int r = 0; r < ranks; ++r) std::printf(" %d=s%d/r%d", r, plan.grid.stage_of(r), plan.grid.replica_of(r));
+  std::printf("\n");
+  print_schedule_grid(plan.schedule);
+  if (!write_schedule.empty()) {
+    const int K = plan.grid.stages, v = plan.schedule.virtual_stages;
+    std::ofstream out(write_schedule);
+    out << cat("# mpipe schedule ", plan.schedule.name, ": ", K, " stages, ", options.micro_batches,
+               " micro-batches; train with --schedule file:", write_schedule,
+               v > 1 ? cat(" --virtual-stages ", v) : std::string(), "\n")
+        << compute_only(plan.schedule).to_text();
+    out.close();
+    MPIPE_REQUIRE(out.good(), "give a path in a directory you can write", "--write-schedule: cannot write '",
+                  write_schedule, "'");
+    std::printf("schedule written to %s\n", write_schedule.c_str());
+  }
+  return 0;
+}
+
+// `plan --layer-kinds`: the registry, as a user reads it.
+int print_layer_kinds() {
+  const auto value_text = [](const OptionValue& v) {
+    return std::visit(
+        [](const auto& x) -> std::string {
+          using V = std::decay_t<decltype(x)>;
+          if constexpr (std::is_same_v<V, bool>) return x ? "true" : "false";
+          else if constexpr (std::is_same_v<V, std::string>) return x;
+          else return shortest_text(x);
+        },
+        v);
+  };
+  std::printf("Layer kinds of a model file ([[layer]] tables, kind = \"...\"), with their options:\n");
+  for (const LayerKind& kind : layer_kinds()) {
+    std::printf("\n%s: %s\n", kind.name.c_str(), kind.help.c_str());
+    for (const OptionSpec& o : kind.options)
+      std::printf("  %-10s %s%s\n", o.name.c_str(), o.help.c_str(),
+                  o.fallback ? cat(" (default ", value_text(*o.fallback), ")").c_str() : " (required)");
+  }
+  return 0;
+}
+
+}  // namespace mpipe

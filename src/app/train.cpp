@@ -1,0 +1,424 @@
+// The train command: start-up in phases every rank agrees on (no rank left waiting in a
+// collective), the step loop with its log, checkpoints, evaluations and stop, and the
+// closing report.
+#include "mpipe/app/train.hpp"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <optional>
+
+#include "mpipe/app/config_file.hpp"
+#include "mpipe/app/plan.hpp"
+#include "mpipe/app/process.hpp"
+#include "mpipe/app/report.hpp"
+#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/core/version.hpp"
+#include "mpipe/io/checkpoint.hpp"
+#include "mpipe/io/metrics.hpp"
+#include "mpipe/io/trace.hpp"
+#include "mpipe/pipeline/watchdog.hpp"
+
+namespace mpipe {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// Runs `phase` on every rank and agrees on the outcome, so that a rank that fails
+// during set-up never leaves the others waiting in a collective. On failure the first
+// failing rank prints its message and every rank returns the same exit code.
+int agree(const Communicator& world, const std::function<void()>& phase) {
+  int code = 0;
+  std::string message;
+  try {
+    phase();
+  } catch (const UserError& e) {
+    code = exit_user_error;
+    message = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
+  } catch (const std::exception& e) {
+    code = exit_internal_error;
+    message = cat("mpipe: internal error on rank ", world.rank(), ": ", e.what());
+  }
+  // The worst code wins (internal over user error); the lowest rank with it speaks.
+  int worst = code;
+  world.allreduce(std::span<int>(&worst, 1), Reduce::max);
+  if (worst == 0) return 0;
+  int speaker = code == worst ? world.rank() : world.size();
+  world.allreduce(std::span<int>(&speaker, 1), Reduce::min);
+  if (speaker == world.rank()) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "%s\n", message.c_str());
+  }
+  return worst;
+}
+
+// Before any rank allocates (CPU): this rank's parameters, gradients, optimizer state
+// and the activations of its in-flight micro-batches, against the memory the node has
+// for each of its `node_ranks` ranks. UserError when it cannot fit.
+void check_memory(const Plan& plan, const Grid& grid, int node_ranks) {
+  if (plan.options.device != Device::cpu) return;  // the GPU's memory is the device's own affair
+  const int stage = grid.stage();
+  const int live = in_flight(plan.schedule, stage);
+  const bool remat = plan.remat_stage(stage);
+  const double weights = plan.weight_bytes(stage), activations = plan.activation_bytes(stage);
+  const double need = weights + activations, have = available_memory() / std::max(1, node_ranks);
+  if (have <= 0) return;  // nothing to go by
+  MPIPE_REQUIRE(need <= have,
+                "use more stages (--stages), --remat always, a smaller --batch-size or more --micro-batches, or a "
+                "smaller model",
+                "rank ", grid.world_rank(), " (stage ", stage, ") needs about ", human_bytes(need),
+                " (parameters, gradients and ", plan.options.optimizer.kind, " state ", human_bytes(weights),
+                ", activations of ", remat ? 1 : live, " micro-batch", (remat ? 1 : live) > 1 ? "es " : " ",
+                human_bytes(activations), "), this node has ", human_bytes(have), " per rank for its ", node_ranks,
+                " rank", node_ranks > 1 ? "s" : "");
+}
+
+// One rank's training from its first step to its summary, once start-up is done.
+class Training {
+ public:
+  Training(const TrainConfig& config, const Communicator& world, Executor& exec, CheckpointDir& checkpoint_dir,
+           Watchdog& watchdog, MetricsWriter* metrics, Clock::time_point started, double time_limit_s,
+           std::int64_t first_step, bool resumed)
+      : config_(config), world_(world), root_(world.rank() == 0), exec_(exec), checkpoint_dir_(checkpoint_dir),
+        watchdog_(watchdog), metrics_(metrics), started_(started), time_limit_s_(time_limit_s), first_step_(first_step),
+        last_saved_(resumed ? first_step : -1), tokens_per_sample_(exec.model().tokens()),
+        progress_(root_ && show_progress(config.progress)) {
+    stats_.stage = exec.grid().stage();
+    step_seconds_.reserve(static_cast<std::size_t>(config.steps));
+  }
+
+  // The step loop; the exit code of a run that ends early (a failed checkpoint), or 0.
+  int run();
+  // After the loop: the final checkpoint, the phase table, the trace and the summary.
+  int finish();
+
+ private:
+  bool checkpoint(std::int64_t done);  // on every rank; false if it failed
+  bool time_is_up() const;
+  template <class Write>
+  void to_metrics(Write&& write);
+  void report(const StepResult& r);  // one validated step
+  void evaluate(std::int64_t step);
+
+  const TrainConfig& config_;
+  const Communicator& world_;
+  const bool root_;
+  Executor& exec_;
+  CheckpointDir& checkpoint_dir_;
+  Watchdog& watchdog_;
+  MetricsWriter* metrics_;  // rank 0 with --metrics; else null
+  const Clock::time_point started_;  // --time-limit counts from here
+  const double time_limit_s_;
+  const std::int64_t first_step_;
+  std::int64_t last_saved_;  // the step of the last checkpoint (or the one resumed from), or -1
+  const std::int64_t tokens_per_sample_;
+  const bool progress_;  // the live progress line
+  const Clock::time_point run_start_ = Clock::now();
+  PhaseStats stats_;
+  std::vector<double> step_seconds_;  // rank 0, for the summary's median
+  double longest_step_ = 0, checkpoint_seconds_ = 0;  // for --time-limit
+  bool preempted_ = false;
+  std::string output_error_;  // rank 0: an output file that could not be written
+};
+
+bool Training::checkpoint(std::int64_t done) {
+  if (config_.checkpoint_dir.empty() || done == last_saved_) return true;
+  try {
+    const SaveResult saved = save_checkpoint(exec_, checkpoint_dir_, done, &watchdog_);
+    last_saved_ = done;
+    checkpoint_seconds_ = saved.write_seconds + saved.verify_seconds;
+    if (root_)
+      std::printf("checkpoint %s written: %s in %.2f s (%.0f MB/s), verified in %.2f s\n", saved.path.c_str(),
+                  human_bytes(saved.bytes).c_str(), saved.write_seconds, saved.bytes / 1e6 / saved.write_seconds,
+                  saved.verify_seconds);
+    return true;
+  } catch (const std::exception& e) {
+    if (root_) std::fprintf(stderr, "mpipe: error: %s\n", e.what());
+    return false;
+  }
+}
+
+// --time-limit: stop once the next step plus a checkpoint would not fit. Each rank asks
+// on its own clock; the step's allreduce makes every rank stop after the same step.
+bool Training::time_is_up() const {
+  if (time_limit_s_ <= 0) return false;
+  const double save = checkpoint_seconds_ > 0 ? checkpoint_seconds_ : longest_step_;
+  return since(started_) + longest_step_ + save >= time_limit_s_;
+}
+
+// A metrics line that cannot be written (a full disk) stops the run with the others at
+// the next step boundary, with a checkpoint.
+template <class Write>
+void Training::to_metrics(Write&& write) {
+  if (!metrics_ || !output_error_.empty()) return;
+  try {
+    write(*metrics_);
+  } catch (const UserError& e) {
+    output_error_ = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
+    exec_.request_stop();
+  }
+}
+
+// One validated step's result: statistics, the log line, metrics, the progress line.
+void Training::report(const StepResult& r) {
+  const std::int64_t step = r.step;
+  longest_step_ = std::max(longest_step_, r.seconds);
+  if (step > first_step_) stats_.add(exec_.last_times(), r.bubble_fraction);  // the first step sizes the arenas
+  if (!root_) return;
+  if (step > first_step_) step_seconds_.push_back(r.seconds);
+  const double samples_per_s = config_.batch_size / r.seconds;
+  const double tokens_per_s = samples_per_s * static_cast<double>(tokens_per_sample_);
+  to_metrics([&](MetricsWriter& out) { out.write(r, samples_per_s, tokens_per_s); });
+  if (r.skipped)
+    std::printf("step %lld: non-finite loss or gradients (norm %g); update skipped on every rank\n",
+                static_cast<long long>(step + 1), r.grad_norm);
+  if (progress_) std::printf("\r\033[K");  // the progress line gives way to a log line
+  if ((step + 1) % config_.log_every == 0 || step == first_step_ || step + 1 == config_.steps) {
+    std::printf("step %6lld/%d | loss %.6f | lr %.3e | grad norm %8.4f | %8.2f ms | bubble %4.1f%% | ",
+                static_cast<long long>(step + 1), config_.steps, r.loss, r.lr, r.grad_norm, r.seconds * 1e3,
+                100 * r.bubble_fraction);
+    if (tokens_per_sample_ > 0) std::printf("%.0f tok/s\n", tokens_per_s);
+    else std::printf("%.0f samples/s\n", samples_per_s);
+    std::fflush(stdout);
+  }
+  if (progress_ && step + 1 < config_.steps) {
+    // On a terminal: one line that updates in place. Batch logs get plain lines only.
+    const double eta = since(run_start_) / static_cast<double>(step + 1 - first_step_) *
+                       static_cast<double>(config_.steps - step - 1);
+    std::printf("step %lld/%d | loss %.4f | %.0f %s | ETA %d:%02d", static_cast<long long>(step + 1), config_.steps,
+                r.loss, tokens_per_sample_ > 0 ? tokens_per_s : samples_per_s, tokens_per_sample_ > 0 ? "tok/s" : "samples/s",
+                static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
+    std::fflush(stdout);
+  }
+}
+
+void Training::evaluate(std::int64_t step) {
+  const EvalResult e = exec_.evaluate();  // every rank
+  if (!root_) return;
+  if (progress_) std::printf("\r\033[K");
+  std::printf("eval step %lld | loss %.6f | %s %.2f%% | %lld samples", static_cast<long long>(step + 1), e.loss,
+              tokens_per_sample_ > 0 ? "token accuracy" : "accuracy", 100 * e.accuracy, static_cast<long long>(e.samples));
+  if (tokens_per_sample_ > 0) std::printf(" | perplexity %.3f", std::exp(e.loss));
+  std::printf("\n");
+  std::fflush(stdout);
+  to_metrics([&](MetricsWriter& out) { out.write_eval(step, e); });
+}
+
+int Training::run() {
+  try {
+    for (std::int64_t step = first_step_; step < config_.steps; ++step) {
+      if (stop_signalled()) exec_.request_stop();
+      if (time_is_up()) exec_.request_stop();  // no signal: the message names the time limit
+      // With --overlap-steps the results are of earlier steps (this one's once settled).
+      bool stop = false;
+      for (const StepResult& r : exec_.advance(step)) {
+        report(r);
+        stop = stop || r.stop;
+      }
+      const bool save = config_.checkpoint_every > 0 && (step + 1) % config_.checkpoint_every == 0 && step + 1 < config_.steps;
+      const bool eval = !config_.eval_data.empty() &&
+                        ((config_.eval_every > 0 && (step + 1) % config_.eval_every == 0) || step + 1 == config_.steps);
+      // A checkpoint, an evaluation, a stop and the end need this step's agreed update.
+      if (stop || save || eval || step + 1 == config_.steps)
+        if (const std::optional<StepResult> r = exec_.settle()) {
+          report(*r);
+          stop = stop || r->stop;
+        }
+      if (stop) {
+        // Every rank saw the same flag in the step's allreduce: stop here, together.
+        preempted_ = true;
+        if (root_)
+          std::printf("step %lld: %s; checkpointing and exiting with code %d\n", static_cast<long long>(step + 1),
+                      !output_error_.empty() ? "an output file cannot be written"
+                      : stop_signalled()     ? "stop signal received"
+                                             : "--time-limit reached",
+                      output_error_.empty() ? exit_preempted : exit_user_error);
+        if (!checkpoint(step + 1)) return exit_internal_error;
+        break;
+      }
+      if (save && !checkpoint(step + 1)) return exit_internal_error;
+      if (eval) evaluate(step);
+    }
+  } catch (const TimeoutError& e) {
+    // A wait passed --p2p-timeout: name the ranks that stopped answering, once.
+    std::fflush(stdout);
+    roll_call(world_.get(), e.what(), std::min(config_.pipeline.p2p_timeout, 3.0), &watchdog_);
+  } catch (const std::exception& e) {
+    // One rank failed mid-run: the others may be waiting on it, so end the whole job.
+    std::fflush(stdout);
+    std::fprintf(stderr, "mpipe: error: %s\n", e.what());
+    std::fflush(stderr);
+    MPI_Abort(world_.get(), exit_internal_error);
+  }
+  return 0;
+}
+
+int Training::finish() {
+  if (!preempted_ && !checkpoint(config_.steps)) return exit_internal_error;
+  // An output that failed mid-run ends the run as an error on every rank, after its checkpoint.
+  int output_failed = root_ && !output_error_.empty() ? 1 : 0;
+  world_.broadcast(std::span<int>(&output_failed, 1), 0);
+  if (output_failed) {
+    if (root_) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "%s\n", output_error_.c_str());
+    }
+    return exit_user_error;
+  }
+  // The closing gathers are collectives: a rank stopped by now is named, not waited for.
+  rendezvous(world_, "the end of training", config_.pipeline.p2p_timeout, &watchdog_);
+  const Plan& plan = exec_.plan();
+  double simulated = 0;
+  std::vector<StagePhases> phases = phase_table(stats_, world_, plan.schedule, config_.micro_batches,
+                                                plan.unit_cost_bubble, plan.options.overlap_steps, &simulated);
+  const std::vector<double> peaks = world_.gather(static_cast<double>(exec_.peak_activation_bytes()), 0);
+  if (!config_.trace.empty()) {
+    if (const int code = agree(world_, [&] { write_trace(exec_, config_.trace); })) return code;
+    if (root_)
+      std::printf("trace of steps 2-%d written to %s\n", std::min(config_.trace_steps + 1, config_.steps), config_.trace.c_str());
+  }
+  if (root_) {
+    std::printf("peak activation memory per rank:");
+    for (double p : peaks) std::printf(" %s", human_bytes(p).c_str());
+    std::printf("\n");
+    if (plan.options.overlap_steps)
+      std::printf("overlap-steps: %lld updates made ahead of their agreement, %lld undone and redone (clipping or "
+                  "non-finite)\n",
+                  static_cast<long long>(exec_.speculated()), static_cast<long long>(exec_.rolled_back()));
+    RunSummary summary;
+    summary.steps = static_cast<long long>(step_seconds_.size());
+    if (!step_seconds_.empty()) {
+      std::sort(step_seconds_.begin(), step_seconds_.end());
+      summary.median_step_s = step_seconds_[step_seconds_.size() / 2];
+      summary.samples_per_s = config_.batch_size / summary.median_step_s;
+      summary.tokens_per_s = summary.samples_per_s * static_cast<double>(tokens_per_sample_);
+    }
+    summary.bubble = stats_.steps > 0 ? stats_.bubble / stats_.steps : 0.0;
+    summary.theoretical_bubble = plan.unit_cost_bubble;
+    summary.simulated_bubble = simulated;
+    summary.peak_bytes_per_rank = peaks;
+    summary.phases = std::move(phases);
+    const std::string json = summary_json(exec_, summary);
+    try {
+      if (metrics_) metrics_->write_line(json);
+      if (!config_.summary.empty()) write_summary(config_.summary, json);
+    } catch (const UserError& e) {
+      std::fflush(stdout);
+      std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
+      return exit_user_error;
+    }
+  }
+  return preempted_ ? exit_preempted : 0;
+}
+
+// Rank 0's opening lines: the program, the model, the device, the plan.
+void print_header(const TrainConfig& config, const Executor& exec, const std::string& device_line, double time_limit_s,
+                  const std::string& resumed_from, std::int64_t first_step, double load_seconds) {
+  const Grid& grid = exec.grid();
+  std::printf("mpipe %s (git %s): %s model, %d layers, %lld parameters, %d thread%s per rank\n", version(), git_hash(),
+              config.model.kind.c_str(), exec.model().size(), static_cast<long long>(exec.model().parameter_count()),
+              cpu::threads(), cpu::threads() > 1 ? "s" : "");
+  std::printf("%s\n", device_line.c_str());
+  if (grid.stages() > 1 || grid.replicas() > 1) std::printf("communication: %s\n", exec.progress().describe().c_str());
+  if (time_limit_s > 0) {
+    const long long t = std::llround(time_limit_s);
+    std::printf("time limit: %lld:%02lld:%02lld (--time-limit %s): a checkpoint and exit %d before it\n", t / 3600,
+                t % 3600 / 60, t % 60, config.time_limit.c_str(), exit_preempted);
+  }
+  if (const Dataset* data = exec.dataset()) std::printf("data: %s\n", data->describe().c_str());
+  if (const Dataset* data = exec.eval_dataset()) std::printf("eval data: %s\n", data->describe().c_str());
+  print_plan(exec.plan(), exec.model());
+  if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(exec.schedule());
+  std::printf("%s, lr %g, %d steps\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps);
+  if (!resumed_from.empty())
+    std::printf("resumed from %s: %lld steps done (checked and loaded in %.2f s)\n", resumed_from.c_str(),
+                static_cast<long long>(first_step), load_seconds);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int run_train(const TrainConfig& options, const Communicator& world) {
+  const auto started = Clock::now();  // --time-limit counts from here
+  const bool root = world.rank() == 0;
+  TrainConfig config = options;
+  double time_limit_s = 0;
+  int code = agree(world, [&] {
+    validate(config, world.size());
+    time_limit_s = parse_time_limit(config.time_limit);
+    if (root) check_checkpoint_options(config, /*create=*/true);
+    if (root) check_output_files(config);
+  });
+  if (code) return code;
+  // Every rank sees the directory rank 0 made (a shared file system), or says it does not.
+  if ((code = agree(world, [&] { check_checkpoint_options(config); }))) return code;
+  // One job per checkpoint directory, and a run id for the checkpoints this run writes.
+  CheckpointDir checkpoint_dir(checkpoint_options(config));
+  if ((code = agree(world, [&] {
+         if (root) checkpoint_dir.lock();
+       })))
+    return code;
+  checkpoint_dir.begin(world);
+  // Collective, and only once every rank's options are known good.
+  std::string device_line;
+  if ((code = agree(world, [&] { device_line = resolve_device(config, world); }))) return code;
+  checkpoint_dir.set_config_text(to_toml(config));  // as resolved: each checkpoint says how to continue it
+  // The plan: every check on each rank alone, then, where --partition time asks, again
+  // with the costs measured across the ranks (with the run's threads).
+  Plan plan;
+  std::unique_ptr<MetricsWriter> metrics;
+  if ((code = agree(world, [&] {
+         const RunOptions run = run_options(config);
+         plan = make_plan(run, world.size(), Model(run.model));
+         if (root && !config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
+       })))
+    return code;
+  cpu::set_threads(config.threads > 0 ? config.threads : default_threads(world));
+  if (needs_measurement(plan.options) && (code = agree(world, [&] {
+                                             plan = make_plan(plan.options, world.size(), Model(plan.options.model),
+                                                              measure_costs(plan.options, world));
+                                           })))
+    return code;
+  std::unique_ptr<Executor> exec;
+  if ((code = agree(world, [&] { exec = std::make_unique<Executor>(plan, world); }))) return code;
+  if ((code = agree(world, [&] { exec->connect(); }))) return code;
+  const int node_ranks = world.size() > 1 ? Communicator::node(world).size() : 1;
+  if ((code = agree(world, [&] {
+         check_memory(exec->plan(), exec->grid(), node_ranks);
+         exec->allocate();
+       })))
+    return code;
+  std::int64_t first_step = 0;
+  std::string resumed_from;
+  double load_seconds = 0;
+  if ((code = agree(world, [&] {
+         const auto start = Clock::now();
+         resumed_from = resume(*exec, checkpoint_dir, &first_step);
+         load_seconds = since(start);
+       })))
+    return code;
+  // Checkpoints of another run in the directory: refused, or replaced under --overwrite.
+  if ((code = agree(world, [&] {
+         if (root) checkpoint_dir.claim();
+       })))
+    return code;
+  if (!config.trace.empty()) exec->start_trace_clock();
+  // Heartbeats from here to the end (after a collective, so every rank starts them
+  // together): a rank stopped before or inside a checkpoint, or before the end of
+  // training, is named within --p2p-timeout.
+  Watchdog watchdog(world, exec->grid().name(), config.pipeline.p2p_timeout);
+  if (root) print_header(config, *exec, device_line, time_limit_s, resumed_from, first_step, load_seconds);
+  Training training(config, world, *exec, checkpoint_dir, watchdog, metrics.get(), started, time_limit_s, first_step,
+                    !resumed_from.empty());
+  if ((code = training.run())) return code;
+  return training.finish();
+}
+
+}  // namespace mpipe

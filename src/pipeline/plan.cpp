@@ -1,0 +1,118 @@
+// make_plan: the grid, batch split, partition, schedule, memory and bubbles of a run,
+// from its options, the rank count and measured costs.
+#include "mpipe/pipeline/plan.hpp"
+
+#include <algorithm>
+
+#include "mpipe/core/error.hpp"
+
+namespace mpipe {
+
+namespace {
+
+std::vector<StageMemory> stage_memory(const Model& model, const Partition& part, int micro) {
+  const auto shapes = model.shapes(micro);
+  std::vector<StageMemory> out(static_cast<std::size_t>(part.stages()));
+  for (int s = 0; s < part.stages(); ++s) {
+    StageMemory& m = out[static_cast<std::size_t>(s)];
+    for (int i = part.begin(s); i < part.end(s); ++i) {
+      const Cost c = model.layer(i).cost(shapes[static_cast<std::size_t>(i)]);
+      m.params += static_cast<double>(c.param_bytes) / 4;
+      m.activation += static_cast<double>(c.activation_bytes);
+      // A Linear whose next layer on the stage has no W keeps its dy in its own output's
+      // buffer (Stage::backward, keeps_dy_in_output): no stash of its own.
+      if (!keeps_dy_in_output(model, i, part.end(s))) m.stash += static_cast<double>(c.weight_stash_bytes);
+    }
+    m.boundary = static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()) * 4;
+  }
+  return out;
+}
+
+}  // namespace
+
+int micro_batch_size(const RunOptions& options, int replicas) {
+  return options.batch_size / (options.micro_batches * replicas);
+}
+
+bool needs_measurement(const RunOptions& options) {
+  return options.balance.empty() && options.partition == PartitionBy::time;
+}
+
+double Plan::state_copies() const {
+  return (2.0 + static_cast<double>(Optimizer::state_names(options.optimizer).size())) *
+         (options.overlap_steps ? 2.0 : 1.0);
+}
+
+double Plan::weight_bytes(int stage) const {
+  double bytes = 0;
+  for (const int m : schedule.stages_of(stage)) bytes += 4.0 * memory[static_cast<std::size_t>(m)].params * state_copies();
+  return bytes;
+}
+
+double Plan::activation_bytes(int stage) const {
+  double bytes = 0;
+  for (const int m : schedule.stages_of(stage))
+    bytes += memory[static_cast<std::size_t>(m)].held(in_flight(schedule, stage, schedule.virtual_stages > 1 ? m : -1),
+                                                       remat_stage(stage), schedule.splits(stage));
+  return bytes;
+}
+
+Plan make_plan(const RunOptions& o, int ranks, const Model& model, const MeasuredCosts& measured) {
+  MPIPE_REQUIRE(ranks > 0, "e.g. --ranks 4", "--ranks must be positive, got ", ranks);
+  Plan plan;
+  plan.options = o;
+  plan.ranks = ranks;
+  plan.grid = resolve_grid(o.grid, ranks);
+  const int K = plan.grid.stages, D = plan.grid.replicas, M = o.micro_batches, v = o.virtual_stages;
+  MPIPE_CHECK(M > 0 && o.batch_size % (M * D) == 0, "batch ", o.batch_size, " on ", M, " micro-batches x ", D,
+              " replicas (the options' checks let it through)");
+  plan.micro_batch_size = micro_batch_size(o, D);
+  plan.replica_batch = o.batch_size / D;
+  // The schedule at unit costs: its name, --in-flight and a schedule file are checked
+  // here, and its placement (which depends on the name alone) is the partition's.
+  const ScheduleKind* kind = find_schedule_kind(o.schedule);
+  const Schedule unit = make_schedule(o.schedule, K, M, v, {nullptr, false, o.in_flight});
+  const int layers = model.size();
+  if (!o.balance.empty()) {
+    const Partition given = partition_from_balance(o.balance, layers);
+    MPIPE_REQUIRE(given.stages() == K * v,
+                  v > 1 ? "give one count per model stage (stages x --virtual-stages)" : "give one count per stage",
+                  "--balance has ", given.stages(), " stages, the grid has ", K * v);
+  }
+  MPIPE_REQUIRE(K * v <= layers, v > 1 ? "use fewer stages or virtual stages, or a deeper model" : "use fewer stages or a deeper model",
+                "more stages (", K * v, ") than layers (", layers, "); see 'mpipe plan' for the layer list");
+
+  // --partition time counts links where measured, or configured; without layer times it
+  // falls back to the FLOPs.
+  const bool timed = needs_measurement(o) && !measured.layer_seconds.empty();
+  std::vector<double> links;
+  if (timed && K > 1) {
+    if (!measured.link_seconds_per_byte.empty()) links = measured.link_seconds_per_byte;
+    else if (o.link_seconds_per_byte > 0) links.assign(static_cast<std::size_t>(K), o.link_seconds_per_byte);
+  }
+  plan.links_measured = !links.empty() && !measured.link_seconds_per_byte.empty();
+  plan.partition = choose_partition(o.balance, timed ? "time" : needs_measurement(o) ? "flops" : to_string(o.partition),
+                                    model, K, plan.micro_batch_size, measured.layer_seconds, unit.placement_table(), links);
+  plan.flops = flop_costs(model, plan.partition, plan.micro_batch_size);
+  plan.memory = stage_memory(model, plan.partition, plan.micro_batch_size);
+
+  // The schedule that runs: the zero-bubble ones ordered for this partition's FLOPs (and
+  // for steps back to back), the others as built.
+  const bool ordered = kind && kind->ordered_for_costs;
+  plan.schedule = lower(ordered ? make_schedule(o.schedule, K, M, v, {&plan.flops, o.overlap_steps, o.in_flight}) : unit);
+  if (auto problem = validate(plan.schedule))
+    throw Error(cat("schedule ", plan.schedule.name, " is invalid: ", *problem));
+
+  const Schedule unit_lowered = lower(unit);
+  const Schedule unit_overlapped = ordered ? lower(make_schedule(o.schedule, K, M, v, {nullptr, true, o.in_flight})) : unit_lowered;
+  plan.equal_bubble = simulate(unit_lowered, StageCosts::unit(unit_lowered)).bubble_fraction;
+  plan.predicted_bubble = simulate(plan.schedule, plan.flops).bubble_fraction;
+  plan.equal_overlap_bubble = steady_state(unit_overlapped, StageCosts::unit(unit_overlapped)).bubble_fraction;
+  plan.predicted_overlap_bubble = steady_state(plan.schedule, plan.flops).bubble_fraction;
+  plan.unit_cost_bubble = bubble_fraction(plan.schedule, StageCosts::unit(plan.schedule), o.overlap_steps);
+  plan.bubble_formula = M < K || !kind ? "" : kind->bubble_formula(o.in_flight);
+  if (plan.bubble_formula.empty()) plan.bubble_formula = "simulated";
+  return plan;
+}
+
+}  // namespace mpipe
