@@ -1,12 +1,11 @@
-// JSON-lines metrics writer.
+// The run's numbers as JSON: metrics lines per step and evaluation, and the summary.
 #include "mpipe/io/metrics.hpp"
 
+#include <algorithm>
 #include <cerrno>
-#include <cmath>
 #include <cstring>
-#include <iomanip>
 
-#include "mpipe/core/toml_text.hpp"
+#include "mpipe/io/json.hpp"
 
 namespace mpipe {
 
@@ -30,21 +29,81 @@ void MetricsWriter::check(int printed) {
 void MetricsWriter::write_line(const std::string& json) { check(std::fprintf(file_, "%s\n", json.c_str())); }
 
 void MetricsWriter::write(const StepResult& r, double samples_per_s, double tokens_per_s) {
-  // JSON has no NaN or Infinity: a skipped step's non-finite numbers become null.
-  auto num = [](double v) { return std::isfinite(v) ? cat(std::setprecision(9), v) : std::string("null"); };
-  check(std::fprintf(file_,
-               "{\"step\": %lld, \"loss\": %s, \"lr\": %s, \"grad_norm\": %s, \"skipped\": %s, "
-               "\"step_time_s\": %s, \"samples_per_s\": %s, \"tokens_per_s\": %s, \"bubble_fraction\": %s}\n",
-               static_cast<long long>(r.step + 1), num(static_cast<float>(r.loss)).c_str(), num(r.lr).c_str(),
-               num(r.grad_norm).c_str(), r.skipped ? "true" : "false", num(r.seconds).c_str(),
-               num(samples_per_s).c_str(), num(tokens_per_s).c_str(), num(r.bubble_fraction).c_str()));
+  // A skipped step's non-finite numbers become null.
+  const Json line = {{"step", r.step + 1},
+                     {"loss", json_number(static_cast<float>(r.loss))},
+                     {"lr", json_number(r.lr)},
+                     {"grad_norm", json_number(r.grad_norm)},
+                     {"skipped", r.skipped},
+                     {"step_time_s", json_number(r.seconds)},
+                     {"samples_per_s", json_number(samples_per_s)},
+                     {"tokens_per_s", json_number(tokens_per_s)},
+                     {"bubble_fraction", json_number(r.bubble_fraction)}};
+  write_line(line.dump());
 }
 
 void MetricsWriter::write_eval(std::int64_t step, const EvalResult& e) {
-  // As in write(): JSON has no NaN or Infinity (a diverged model's loss), null instead.
-  auto num = [](double v) { return std::isfinite(v) ? shortest_text(v) : std::string("null"); };
-  write_line(cat("{\"step\": ", step + 1, ", \"eval_loss\": ", num(e.loss), ", \"eval_accuracy\": ", num(e.accuracy),
-                 ", \"eval_samples\": ", e.samples, "}"));
+  // A diverged model's loss is null, as in write().
+  const Json line = {{"step", step + 1},
+                     {"eval_loss", json_number(e.loss, 17)},
+                     {"eval_accuracy", json_number(e.accuracy, 17)},
+                     {"eval_samples", e.samples}};
+  write_line(line.dump());
+}
+
+std::string summary_json(const Executor& exec, const RunSummary& s) {
+  const RunOptions& c = exec.options();
+  const Grid& g = exec.grid();
+  Json per_rank = Json::array();
+  std::vector<double> stage_peak(static_cast<std::size_t>(g.stages()), 0.0);
+  for (std::size_t r = 0; r < s.peak_bytes_per_rank.size(); ++r) {
+    per_rank.push_back(static_cast<long long>(s.peak_bytes_per_rank[r]));
+    double& peak = stage_peak[static_cast<std::size_t>(g.shape().stage_of(static_cast<int>(r)))];
+    peak = std::max(peak, s.peak_bytes_per_rank[r]);
+  }
+  Json per_stage = Json::array();
+  for (const double peak : stage_peak) per_stage.push_back(static_cast<long long>(peak));
+  // "phase_s": per stage, each phase's [min, mean, max] seconds per step.
+  Json phases = Json::array();
+  for (std::size_t st = 0; st < s.phases.size(); ++st) {
+    Json stage = {{"stage", st}};
+    for (int i = 0; i < PhaseTimes::count; ++i) {
+      std::string key = PhaseTimes::name(i);
+      std::replace(key.begin(), key.end(), ' ', '_');
+      stage[key] = {json_number(s.phases[st].min[i], 6), json_number(s.phases[st].avg[i], 6),
+                    json_number(s.phases[st].max[i], 6)};
+    }
+    phases.push_back(stage);
+  }
+  const Json summary = {{"summary", true},
+                        {"model", c.model.kind},
+                        {"stages", g.stages()},
+                        {"replicas", g.replicas()},
+                        {"micro_batches", c.micro_batches},
+                        {"batch_size", c.batch_size},
+                        {"schedule", c.schedule},
+                        {"virtual_stages", c.virtual_stages},
+                        {"remat", to_string(c.remat)},
+                        {"overlap_steps", c.overlap_steps},
+                        {"updates_ahead", exec.speculated()},
+                        {"updates_undone", exec.rolled_back()},
+                        {"steps_timed", s.steps},
+                        {"step_time_s", json_number(s.median_step_s)},
+                        {"samples_per_s", json_number(s.samples_per_s)},
+                        {"tokens_per_s", json_number(s.tokens_per_s)},
+                        {"bubble_fraction", json_number(s.bubble)},
+                        {"theoretical_bubble", json_number(s.theoretical_bubble)},
+                        {"simulated_bubble", json_number(s.simulated_bubble)},
+                        {"peak_activation_bytes_per_stage", per_stage},
+                        {"peak_activation_bytes_per_rank", per_rank},
+                        {"phase_s", phases}};
+  return summary.dump();
+}
+
+void write_summary(const std::string& path, const std::string& json) {
+  std::FILE* out = std::fopen(path.c_str(), "w");
+  if (out) std::fprintf(out, "%s\n", json.c_str());
+  close_output(out, path, "summary", "--summary");
 }
 
 }  // namespace mpipe

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "mpipe/io/trace.hpp"
+#include "mpipe/io/metrics.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 namespace mpipe {
