@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tiny_gpt.hpp"
 #include "compare.hpp"
 #include "gather.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
@@ -22,21 +23,11 @@ using mpipe::test::world;
 namespace {
 
 TrainConfig small_gpt(const std::string& device, const std::string& precision) {
-  TrainConfig c;
-  c.model.kind = "gpt";
-  c.model.layers = 2;  // 6 layers: embedding, 2 blocks, layernorm, head, loss
-  c.model.d_model = 64;
-  c.model.heads = 4;
-  c.model.seq_len = 32;
-  c.model.vocab = 96;
-  c.model.dropout = 0.1f;
-  c.batch_size = 8;
-  c.micro_batches = 2;
-  c.steps = 4;
-  c.seed = 5;
+  // 6 layers: embedding, 2 blocks, layernorm, head, loss
+  TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 64, .heads = 4, .seq_len = 32, .vocab = 96, .dropout = 0.1f,
+                                  .batch_size = 8, .micro_batches = 2, .steps = 4, .seed = 5, .lr = 3e-3f,
+                                  .weight_decay = 0.1f});
   c.threads = 2;
-  c.optimizer.lr = 3e-3f;
-  c.optimizer.weight_decay = 0.1f;
   c.device = device;
   c.precision = precision;
   c.pipeline.partition = "uniform";

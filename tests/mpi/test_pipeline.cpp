@@ -16,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "tiny_gpt.hpp"
 #include "compare.hpp"
 #include "gather.hpp"
 #include "mpipe/io/checkpoint.hpp"
@@ -32,21 +33,11 @@ using mpipe::test::world;
 namespace {
 
 TrainConfig tiny_gpt(const std::string& schedule, const std::string& remat, int micro_batches = 4) {
-  TrainConfig c;
-  c.model.kind = "gpt";
-  c.model.layers = 3;  // 7 layers: embedding, 3 blocks, layernorm, head, loss
-  c.model.d_model = 16;
-  c.model.heads = 2;
-  c.model.seq_len = 8;
-  c.model.vocab = 32;
-  c.model.dropout = 0.1f;
-  c.batch_size = 8;
-  c.micro_batches = micro_batches;
-  c.steps = 4;
-  c.seed = 11;
+  // 7 layers: embedding, 3 blocks, layernorm, head, loss
+  TrainConfig c = test::tiny_gpt({.layers = 3, .d_model = 16, .heads = 2, .seq_len = 8, .vocab = 32, .dropout = 0.1f,
+                                  .batch_size = 8, .micro_batches = micro_batches, .steps = 4, .seed = 11, .lr = 1e-2f,
+                                  .weight_decay = 0.1f});
   c.threads = 1;
-  c.optimizer.lr = 1e-2f;
-  c.optimizer.weight_decay = 0.1f;
   c.optimizer.clip_grad = 0.5f;  // exercised: the norm of this model is above it
   c.pipeline.schedule = schedule;
   c.pipeline.remat = remat;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "tiny_gpt.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/sanitizer.hpp"
 #include "mpipe/app/config.hpp"
@@ -44,23 +45,16 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--out") == 0) out = argv[i + 1];
     if (std::strcmp(argv[i], "--batchnorm") == 0) batchnorm = argv[i + 1];
   }
-  TrainConfig c;
+  // The GPT's sizes, and the MLP's (a model file has its own).
+  TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 32, .heads = 4, .seq_len = 16, .vocab = 50, .dropout = 0.0f,
+                                  .batch_size = 8, .micro_batches = 2, .steps = 10, .seed = 3, .lr = 1e-2f,
+                                  .weight_decay = 0.1f});
   c.model.kind = model;
   c.pipeline.batchnorm = batchnorm;
-  c.model.layers = 2;
-  c.model.d_model = 32;
-  c.model.heads = 4;
-  c.model.seq_len = 16;
-  c.model.vocab = 50;
   c.model.hidden = 48;
   c.model.inputs = 20;
   c.model.classes = 7;
-  c.batch_size = 8;
-  c.micro_batches = 2;  // torch runs the whole batch: this checks accumulation too
-  c.steps = 10;
-  c.seed = 3;
-  c.optimizer.lr = 1e-2f;
-  c.optimizer.weight_decay = 0.1f;
+  // 2 micro-batches: torch runs the whole batch, so this checks accumulation too.
   c.optimizer.warmup = 2;
   c.optimizer.clip_grad = 0.0f;  // torch's clip_grad_norm_ adds 1e-6 to the norm; compared elsewhere
   cpu::set_threads(2);

@@ -7,6 +7,7 @@
 #include <new>
 #include <string>
 
+#include "tiny_gpt.hpp"
 #include "local_trainer.hpp"
 
 namespace {
@@ -26,19 +27,11 @@ using mpipe::test::Trainer;
 
 TEST_CASE("a training step after the first allocates nothing on the heap") {
   for (const char* kind : {"gpt", "mlp", "gpt zb-h1", "gpt overlap"}) {
-    TrainConfig c;
+    TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 32, .heads = 4, .seq_len = 16, .vocab = 64, .dropout = 0.1f,
+                                    .batch_size = 8, .micro_batches = 2, .steps = 10, .seed = 1, .lr = OptimizerConfig{}.lr});
     if (std::string(kind) == "gpt zb-h1") c.pipeline.schedule = "zb-h1";  // W's stash in the slots
     if (std::string(kind) == "gpt overlap") c.pipeline.overlap_steps = true;  // updates ahead, bets won and lost
-    c.model.kind = std::string(kind).substr(0, 3);
-    c.model.layers = 2;
-    c.model.d_model = 32;
-    c.model.heads = 4;
-    c.model.seq_len = 16;
-    c.model.vocab = 64;
-    c.model.dropout = 0.1f;
-    c.batch_size = 8;
-    c.micro_batches = 2;
-    c.steps = 10;
+    c.model.kind = std::string(kind).substr(0, 3);  // the MLP preset at its own sizes
     INFO(kind);  // doctest's INFO allocates: before the count starts
     Trainer trainer(c);
     trainer.step(0);  // sizes the arena

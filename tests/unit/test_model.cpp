@@ -8,6 +8,7 @@
 #include <fstream>
 #include <vector>
 
+#include "tiny_gpt.hpp"
 #include "compare.hpp"
 #include "gradcheck.hpp"
 #include "local_trainer.hpp"
@@ -19,20 +20,8 @@ using mpipe::test::Trainer;
 namespace {
 
 TrainConfig tiny_gpt(int micro_batches = 1, float dropout = 0.1f) {
-  TrainConfig c;
-  c.model.kind = "gpt";
-  c.model.layers = 2;
-  c.model.d_model = 16;
-  c.model.heads = 2;
-  c.model.seq_len = 8;
-  c.model.vocab = 13;
-  c.model.dropout = dropout;
-  c.batch_size = 4;
-  c.micro_batches = micro_batches;
-  c.steps = 10;
-  c.seed = 7;
-  c.optimizer.lr = 1e-2f;
-  return c;
+  return test::tiny_gpt({.layers = 2, .d_model = 16, .heads = 2, .seq_len = 8, .vocab = 13, .dropout = dropout,
+                         .batch_size = 4, .micro_batches = micro_batches, .steps = 10, .seed = 7, .lr = 1e-2f});
 }
 
 TrainConfig tiny_mlp(int micro_batches = 1) {

@@ -1,0 +1,155 @@
+// The Plan over a grid of (K, D, M, schedule) without MPI: its grid and batch split,
+// partition and placement, schedule, memory and bubbles agree with one another and with
+// the functions they come from; and the problems make_plan finds are user errors.
+#include <doctest/doctest.h>
+
+#include <numeric>
+
+#include "mpipe/app/config.hpp"
+#include "mpipe/pipeline/plan.hpp"
+#include "tiny_gpt.hpp"
+
+using namespace mpipe;
+
+namespace {
+
+RunOptions options_of(TrainConfig c) {
+  validate(c);
+  return run_options(c);
+}
+
+}  // namespace
+
+TEST_CASE("a plan over a grid of (K, D, M, schedule): its facts agree") {
+  TrainConfig c = test::tiny_gpt({.layers = 6, .batch_size = 32});  // 10 layers
+  const Model model(options_of(c).model);
+  for (const ScheduleKind& kind : schedule_kinds())
+    for (const int K : {1, 2, 4})
+      for (const int D : {1, 2})
+        for (const int M : {1, 2, 4, 8}) {
+          const int v = kind.virtual_stages == 0 ? 2 : kind.virtual_stages;
+          if (K * v > model.size() || (kind.name == "interleaved" && M % K != 0)) continue;
+          c.micro_batches = M;
+          c.pipeline.schedule = kind.name;
+          c.pipeline.virtual_stages = v;
+          c.pipeline.grid = GridShape{.stages = K, .replicas = D};
+          CAPTURE(kind.name);
+          CAPTURE(K);
+          CAPTURE(D);
+          CAPTURE(M);
+          const Plan plan = make_plan(options_of(c), K * D, model);
+          CHECK(plan.grid.stages == K);
+          CHECK(plan.grid.replicas == D);
+          CHECK(plan.micro_batch_size * M * D == c.batch_size);
+          CHECK(plan.replica_batch * D == c.batch_size);
+          // The partition: K·v contiguous model stages covering the layers, each on the
+          // pipeline stage the schedule places it on.
+          REQUIRE(plan.partition.stages() == K * v);
+          CHECK(plan.partition.begin(0) == 0);
+          CHECK(plan.partition.end(K * v - 1) == model.size());
+          CHECK(plan.schedule.placement_table() == kind.placement(K, v));
+          for (int m = 0; m < K * v; ++m) {
+            CHECK(plan.partition.pipeline_stage(m) == plan.schedule.list_of(m));
+            CHECK(plan.partition.begin(m) < plan.partition.end(m));
+          }
+          // The schedule: lowered (it has sends where there are neighbours) and valid.
+          CHECK(!validate(plan.schedule).has_value());
+          CHECK(plan.schedule.micro_batches == M);
+          // Memory: every parameter counted once per model stage that holds it; the
+          // weight bytes of the ranks add up to all of them with their state.
+          REQUIRE(plan.memory.size() == static_cast<std::size_t>(K * v));
+          double params = 0, weights = 0;
+          for (const StageMemory& m : plan.memory) params += m.params;
+          for (int s = 0; s < K; ++s) weights += plan.weight_bytes(s);
+          CHECK(weights == doctest::Approx(4.0 * params * plan.state_copies()));
+          CHECK(params >= static_cast<double>(model.parameter_count()));  // the tied table is on two stages
+          for (int s = 0; s < K; ++s) CHECK(plan.activation_bytes(s) > 0);
+          // Bubbles: fractions, none for one stage, and the formula's where the table has one.
+          for (const double b : {plan.equal_bubble, plan.predicted_bubble, plan.equal_overlap_bubble,
+                                 plan.predicted_overlap_bubble, plan.unit_cost_bubble}) {
+            CHECK(b >= 0.0);
+            CHECK(b < 1.0);
+          }
+          if (K == 1) CHECK(plan.equal_bubble == doctest::Approx(0.0));
+          const std::string formula = kind.bubble_formula(0);
+          CHECK(plan.bubble_formula == (M < K || formula.empty() ? "simulated" : formula));
+          CHECK(plan.unit_cost_bubble == doctest::Approx(simulate(plan.schedule, StageCosts::unit(plan.schedule)).bubble_fraction));
+        }
+}
+
+TEST_CASE("a plan follows its options: remat, --balance, the zero-bubble order for the costs") {
+  TrainConfig c = test::tiny_gpt({.layers = 4, .batch_size = 16, .micro_batches = 4});  // 8 layers
+  const Model model(options_of(c).model);
+  c.pipeline.grid.stages = 2;
+  c.pipeline.remat = "except-last";
+  Plan plan = make_plan(options_of(c), 2, model);
+  CHECK(plan.rematerialize(0));
+  CHECK(!plan.rematerialize(3));  // the last micro-batch's backward comes at once
+  CHECK(plan.remat_stage(0));
+  CHECK(!plan.remat_stage(1));
+  // Remat keeps only the inputs: a rank holds less than without it.
+  c.pipeline.remat = "never";
+  const Plan whole = make_plan(options_of(c), 2, model);
+  CHECK(plan.activation_bytes(0) < whole.activation_bytes(0));
+  CHECK(plan.activation_bytes(1) == whole.activation_bytes(1));
+  c.pipeline.balance = "3,5";
+  plan = make_plan(options_of(c), 2, model);
+  CHECK(plan.partition.to_text() == "0-2 | 3-7");
+  // zb-h1 ordered for the partition's FLOPs is as valid, and predicts no worse than the
+  // order built for unit costs.
+  c.pipeline.balance.clear();
+  c.pipeline.schedule = "zb-h1";
+  plan = make_plan(options_of(c), 2, model);
+  CHECK(plan.schedule.splits(0));
+  CHECK(plan.bubble_formula == "(K-1)/(3M+K-1)");
+  const Schedule unit = lower(make_schedule("zb-h1", 2, 4));
+  CHECK(plan.predicted_bubble <= simulate(unit, plan.flops).bubble_fraction + 1e-12);
+}
+
+TEST_CASE("make_plan's problems are user errors that name the option") {
+  TrainConfig c = test::tiny_gpt({.layers = 2, .batch_size = 8, .micro_batches = 2});  // 6 layers
+  const Model model(options_of(c).model);
+  CHECK_THROWS_WITH_AS(make_plan(options_of(c), 0, model), doctest::Contains("--ranks must be positive"), UserError);
+  CHECK_THROWS_WITH_AS(make_plan(options_of(c), 7, model), doctest::Contains("more stages (7) than layers (6)"), UserError);
+  TrainConfig balance = c;
+  balance.pipeline.balance = "2,4";
+  CHECK_THROWS_WITH_AS(make_plan(options_of(balance), 3, model), doctest::Contains("--balance has 2 stages, the grid has 3"),
+                       UserError);
+  TrainConfig in_flight = c;
+  in_flight.pipeline.in_flight = 3;
+  CHECK_THROWS_WITH_AS(make_plan(options_of(in_flight), 2, model), doctest::Contains("--in-flight sets the zero-bubble"),
+                       UserError);
+  TrainConfig unknown = c;
+  unknown.pipeline.schedule = "zb";
+  CHECK_THROWS_WITH_AS(make_plan(options_of(unknown), 2, model), doctest::Contains("unknown schedule 'zb'"), UserError);
+}
+
+TEST_CASE("options as enums: each word of an option parses to its value and prints back") {
+  TrainConfig c;
+  for (std::size_t i = 0; i < remat_names.size(); ++i) {
+    c.pipeline.remat = remat_names[i];
+    CHECK(to_string(options_of(c).remat) == std::string(remat_names[i]));
+  }
+  for (const char* word : batchnorm_names) {
+    c.pipeline.batchnorm = word;
+    CHECK(to_string(options_of(c).batchnorm) == std::string(word));
+  }
+  for (const char* word : partition_names) {
+    c.pipeline.partition = word;
+    CHECK(to_string(options_of(c).partition) == std::string(word));
+  }
+  for (const char* word : comm_wait_names) {
+    c.pipeline.comm_wait = word;
+    CHECK(to_string(options_of(c).comm_wait) == std::string(word));
+  }
+  c.pipeline.remat = "sometimes";
+  CHECK_THROWS_WITH_AS(validate(c), doctest::Contains("unknown --remat 'sometimes'"), UserError);
+  c.pipeline.remat = "never";
+  c.trace = "t.json";
+  c.trace_steps = 3;
+  CHECK(options_of(c).trace_steps == 3);
+  c.trace.clear();
+  CHECK(options_of(c).trace_steps == 0);
+  c.pipeline.comm_poll_us = 250;
+  CHECK(options_of(c).comm_poll_s == doctest::Approx(250e-6));
+}
