@@ -1,4 +1,5 @@
-// A model stage's layers and micro-batches, and the pool of activation slots.
+// A model stage's layers, its micro-batches' state and buffers, and its F, B and W
+// actions; the pool of activation slots.
 #include "mpipe/pipeline/stage.hpp"
 
 #include "mpipe/backend/ops.hpp"
@@ -37,17 +38,174 @@ std::size_t SlotPool::high_water() const {
   return bytes;
 }
 
-Stage::Stage(Model& model, int index, int begin, int end, int model_stages, int micro_batches)
-    : model_(model), index_(index), begin_(begin), end_(end), first_(index == 0), last_(index == model_stages - 1),
-      micro_batches_(static_cast<std::size_t>(micro_batches)) {
+Stage::Stage(Model& model, int index, int channel, int begin, int end, int model_stages, int micro_batches)
+    : model_(model), index_(index), channel_(channel), begin_(begin), end_(end), first_(index == 0),
+      last_(index == model_stages - 1), micro_batches_(static_cast<std::size_t>(micro_batches)) {
   for (int i = begin; i < end; ++i) targets_ = targets_ || model.layer(i).needs_targets();
 }
 
-void Stage::reset() {
-  for (MicroBatch& m : micro_batches_) m = MicroBatch{};
+void Stage::attach(const StageShared& shared) {
+  shared_ = shared;
+  const Plan& plan = *shared.plan;
+  const int M = plan.options.micro_batches;
+  const int ring = std::min(M, in_flight(plan.schedule, plan.schedule.list_of(index_)) + 2);
+  for (auto [r, used] : {std::pair{&gradients_, !first_}, std::pair{&outputs_, plan.options.remat != Remat::never && !last_}}) {
+    r->buffers.assign(used ? static_cast<std::size_t>(ring) : 0, Tensor{});
+    r->owner.assign(r->buffers.size(), -1);
+  }
 }
 
-Context* Stage::forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress) const {
+void Stage::begin_pass(bool training) {
+  for (MicroBatch& m : micro_batches_) m = MicroBatch{};
+  loss_sum_ = correct_sum_ = 0.0;
+  if (!training) return;
+  const std::vector<Shape>& shapes = *shared_.shapes;
+  for (auto [r, shape] : {std::pair{&gradients_, shapes[static_cast<std::size_t>(begin_)]},
+                          std::pair{&outputs_, shapes[static_cast<std::size_t>(end_)]}}) {
+    for (Tensor& t : r->buffers) t = shared_.persistent->tensor(shape, shared_.dtype);
+    std::fill(r->owner.begin(), r->owner.end(), -1);
+    r->next = 0;
+  }
+}
+
+Tensor Stage::take_send_buffer(SendRing& ring, Direction direction, int mb) {
+  const auto r = static_cast<std::size_t>(ring.next);
+  ring.next = (ring.next + 1) % static_cast<int>(ring.buffers.size());
+  if (ring.owner[r] >= 0) shared_.hooks->waited(shared_.transport->wait_sent(direction, channel_, ring.owner[r]));
+  ring.owner[r] = mb;
+  return ring.buffers[r];
+}
+
+Arena* Stage::take_slot(int mb) {
+  const int slot = shared_.slots->take();
+  micro_batch(mb).slot = slot;
+  return &shared_.slots->slot(slot);
+}
+
+// After micro-batch mb's backward (its W): its activations are dead once the send of its
+// output (which lives in the slot) has completed; by now the next stage has used it.
+void Stage::release_slot(int mb) {
+  MicroBatch& m = micro_batch(mb);
+  if (m.slot < 0) return;
+  if (!last_) shared_.hooks->waited(shared_.transport->wait_sent(Direction::forward, channel_, mb));
+  shared_.slots->release(m.slot);
+  m = MicroBatch{.input_grad = m.input_grad};  // the gradient B sent lives in the persistent arena
+}
+
+Pass Stage::make_pass(std::int64_t step, int mb, Arena* arena) const {
+  const Plan& plan = *shared_.plan;
+  Pass pass;
+  pass.arena = arena;
+  pass.seed = plan.options.seed;
+  pass.step = static_cast<std::uint64_t>(step);
+  pass.sample_begin = static_cast<std::uint64_t>(shared_.replica * plan.replica_batch + mb * plan.micro_batch_size);
+  pass.training = true;
+  pass.deferred_statistics = plan.options.batchnorm == BatchNormRule::deferred;
+  pass.dtype = shared_.dtype;
+  if (targets_) {
+    const Shape tg = model_.target_shape(plan.micro_batch_size);
+    pass.targets = {static_cast<std::byte*>(shared_.device_ops->targets().data) + static_cast<std::size_t>(mb) * tg.numel() * 4,
+                    tg, DType::i32, shared_.device};
+    if (last_) pass.device_loss_sum = shared_.device_ops->loss_sum();
+  }
+  pass.loss_scale =
+      1.0f / static_cast<float>(static_cast<std::int64_t>(plan.options.batch_size) * model_.rows_per_sample());
+  return pass;
+}
+
+// What F of micro-batch mb reads: its share of the batch's inputs on the model's first
+// stage (tokens, or features converted for bf16 training), else what the previous model
+// stage sent.
+Tensor Stage::input(const Pass& pass, int mb) {
+  if (!first_) return shared_.transport->received(Direction::forward, channel_, mb);
+  const Shape in = (*shared_.shapes)[0];
+  Tensor x = {static_cast<std::byte*>(shared_.device_ops->inputs().data) + static_cast<std::size_t>(mb) * in.numel() * 4,
+              in, model_.input_dtype(), shared_.device};
+  if (x.dtype == DType::f32 && shared_.dtype != DType::f32) {  // the MLP's features, in bf16 training
+    const Tensor converted = pass.arena->tensor(in, shared_.dtype);
+    ops::convert(converted, x);
+    x = converted;
+  }
+  return x;
+}
+
+void Stage::forward(std::int64_t step, int mb, bool training) {
+  const auto start = StageHooks::Clock::now();
+  shared_.hooks->begin_compute(ComputeKind::forward, mb, index_);
+  const bool remat = training && shared_.plan->rematerialize(mb);
+  Pass pass = make_pass(step, mb, remat ? shared_.scratch : training ? take_slot(mb) : shared_.persistent);
+  pass.training = training;
+  Tensor out;
+  Context* contexts = run_forward(pass, input(pass, mb), &out, *shared_.progress);
+  if (last_) {
+    const Context& loss = contexts[end_ - begin_ - 1];
+    loss_sum_ += loss.value;
+    correct_sum_ += loss.correct;
+  }
+  if (remat) {
+    // Keep only what leaves the stage; the contexts die with the scratch arena (whose
+    // memory the GPU stream reuses only after this copy, in stream order).
+    if (!last_) {
+      const Tensor kept = take_send_buffer(outputs_, Direction::forward, mb);
+      shared_.device_ops->copy(kept.data, out.data, out.bytes());
+      out = kept;
+    }
+    shared_.scratch->reset();
+    contexts = nullptr;
+  }
+  MicroBatch& m = micro_batch(mb);
+  m.output = out;
+  m.contexts = contexts;
+  shared_.hooks->end_compute(ComputeKind::forward, mb, index_, start);
+}
+
+void Stage::backward(std::int64_t step, int mb) {
+  const bool split = shared_.split;
+  MicroBatch& m = micro_batch(mb);
+  Context* contexts = m.contexts;
+  if (!contexts) {
+    // Recompute the forward with the same pass, hence the same dropout masks; under a
+    // split backward into a slot, which lives on until W.
+    const auto start = StageHooks::Clock::now();
+    shared_.hooks->begin_compute(ComputeKind::recompute, mb, index_);
+    Tensor unused;
+    Pass recompute = make_pass(step, mb, split ? take_slot(mb) : shared_.scratch);
+    recompute.recompute = true;
+    recompute.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
+    contexts = run_forward(recompute, input(recompute, mb), &unused, *shared_.progress);
+    if (split) m.contexts = contexts;
+    shared_.hooks->end_compute(ComputeKind::recompute, mb, index_, start);
+  }
+  const auto start = StageHooks::Clock::now();
+  shared_.hooks->begin_compute(ComputeKind::backward, mb, index_);
+  Pass pass = make_pass(step, mb, shared_.scratch);
+  if (split) pass.stash = &shared_.slots->slot(m.slot);
+  static float loss_gradient = 1.0f;  // the loss layer ignores its incoming gradient
+  const Tensor dy = last_ ? make_tensor(&loss_gradient, Shape{1})
+                          : shared_.transport->received(Direction::backward, channel_, mb);
+  if (!first_) m.input_grad = take_send_buffer(gradients_, Direction::backward, mb);
+  const bool final = mb == shared_.plan->options.micro_batches - 1 && !split;
+  run_backward(contexts, dy, m.input_grad, pass, *shared_.scratch, *shared_.shapes, shared_.dtype,
+               final ? shared_.hooks : nullptr, *shared_.progress);
+  shared_.scratch->reset();
+  shared_.hooks->end_compute(ComputeKind::backward, mb, index_, start);
+  if (!split) release_slot(mb);
+}
+
+void Stage::weight(std::int64_t step, int mb) {
+  Context* contexts = micro_batch(mb).contexts;
+  MPIPE_CHECK(shared_.split && contexts, "W", mb, " without its split backward");
+  const auto start = StageHooks::Clock::now();
+  shared_.hooks->begin_compute(ComputeKind::weight, mb, index_);
+  const Pass pass = make_pass(step, mb, shared_.scratch);
+  const bool final = mb == shared_.plan->options.micro_batches - 1;
+  run_weight(contexts, pass, final ? shared_.hooks : nullptr, *shared_.progress);
+  shared_.scratch->reset();
+  shared_.hooks->end_compute(ComputeKind::weight, mb, index_, start);
+  release_slot(mb);
+}
+
+Context* Stage::run_forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress) const {
   const int n = end_ - begin_;
   Context* contexts = pass.arena->objects<Context>(static_cast<std::size_t>(n));
   for (int i = 0; i < n; ++i) {
@@ -58,8 +216,8 @@ Context* Stage::forward(const Pass& pass, Tensor x, Tensor* output, Progress& pr
   return contexts;
 }
 
-void Stage::backward(Context* contexts, Tensor dy, const Tensor& dx_first, const Pass& pass, Arena& scratch,
-                     const std::vector<Shape>& shapes, DType dtype, Reducer* reducer, Progress& progress) const {
+void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, const Pass& pass, Arena& scratch,
+                         const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress) const {
   const int n = end_ - begin_;
   for (int i = n - 1; i >= 0; --i) {
     Tensor dx;
@@ -89,15 +247,15 @@ void Stage::backward(Context* contexts, Tensor dy, const Tensor& dx_first, const
     }
     scratch.rewind(temporaries);
     dy = dx;
-    if (reducer) reducer->gradients_final(begin_ + i);
+    if (hooks) hooks->gradients_final(begin_ + i);
     progress.poll();  // messages and sums keep moving between layers
   }
 }
 
-void Stage::weight(Context* contexts, const Pass& pass, Reducer* reducer, Progress& progress) const {
+void Stage::run_weight(Context* contexts, const Pass& pass, StageHooks* hooks, Progress& progress) const {
   for (int i = end_ - begin_ - 1; i >= 0; --i) {
     model_.layer(begin_ + i).backward_weight(contexts[i], pass);
-    if (reducer) reducer->gradients_final(begin_ + i);
+    if (hooks) hooks->gradients_final(begin_ + i);
     progress.poll();
   }
 }

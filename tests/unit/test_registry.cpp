@@ -305,7 +305,7 @@ kind = "cross_entropy"
     const Tensor x = m.input_dtype() == DType::i32 ? Tensor{tokens.data(), in, DType::i32, Device::cpu}
                                                     : make_tensor(features.data(), in);
     Progress progress(ProgressMode::layers, 1e-3, 1, false);
-    const Stage stage(m, 0, 0, n, 1, 1);
+    const Stage stage(m, 0, 0, 0, n, 1, 1);
     auto gradients = [&](bool split, std::size_t* stash_bytes) {
       Arena slot, scratch, stash;
       Pass pass;
@@ -316,12 +316,12 @@ kind = "cross_entropy"
       pass.loss_scale = 0.25f;
       store.zero_grads();
       Tensor out;
-      Context* contexts = stage.forward(pass, x, &out, progress);
+      Context* contexts = stage.run_forward(pass, x, &out, progress);
       pass.arena = &scratch;
       if (split) pass.stash = &stash;
       static float one = 1.0f;
-      stage.backward(contexts, make_tensor(&one, Shape{1}), Tensor{}, pass, scratch, shapes, DType::f32, nullptr, progress);
-      if (split) stage.weight(contexts, pass, nullptr, progress);
+      stage.run_backward(contexts, make_tensor(&one, Shape{1}), Tensor{}, pass, scratch, shapes, DType::f32, nullptr, progress);
+      if (split) stage.run_weight(contexts, pass, nullptr, progress);
       if (stash_bytes) *stash_bytes = stash.high_water();
       return std::vector<float>(store.grads().begin(), store.grads().end());
     };
@@ -348,12 +348,12 @@ TEST_CASE("a stage's backward reuses each layer's temporaries for the next: more
     Pass pass;
     pass.arena = &slot;
     pass.targets = {targets.data(), m.target_shape(batch), DType::i32, Device::cpu};
-    const Stage stage(m, 0, 0, n, 1, 1);
+    const Stage stage(m, 0, 0, 0, n, 1, 1);
     Tensor out;
-    Context* contexts = stage.forward(pass, {tokens.data(), m.input_shape(batch), DType::i32, Device::cpu}, &out, progress);
+    Context* contexts = stage.run_forward(pass, {tokens.data(), m.input_shape(batch), DType::i32, Device::cpu}, &out, progress);
     pass.arena = &scratch;
     static float one = 1.0f;
-    stage.backward(contexts, make_tensor(&one, Shape{1}), Tensor{}, pass, scratch, m.shapes(batch), DType::f32, nullptr,
+    stage.run_backward(contexts, make_tensor(&one, Shape{1}), Tensor{}, pass, scratch, m.shapes(batch), DType::f32, nullptr,
                    progress);
     return scratch.high_water();
   };

@@ -13,9 +13,12 @@
 // loss and the global gradient norm, clip, update. With one rank it is the plain
 // single-process trainer.
 //
-// The executor is the action loop; the parts it drives are objects of their own:
-// - Stage (pipeline/stage.hpp): a model stage's layers, its micro-batches' state from F
-//   to B (W) and its F, B and W calls; the rank's activation slots are a SlotPool.
+// The executor is the action loop and the step around it; the parts it drives are
+// objects of their own:
+// - Plan (pipeline/plan.hpp): everything decided before the run, made once.
+// - Stage (pipeline/stage.hpp): a model stage's layers, its micro-batches' state and
+//   buffers from F to B (W), and its F, B and W actions; they tell the rank their times
+//   and finished gradients through StageHooks, which the executor implements.
 // - Transport (pipeline/transport.hpp): messages between model stages, to the ranks the
 //   schedule's placement names.
 // - Reducer (pipeline/reducer.hpp): the sums over replicas and tied weights, the world's
@@ -23,6 +26,8 @@
 // - StepDevice (pipeline/step_device.hpp): the CPU or the GPU, chosen once: where the
 //   batch lives, how compute is timed (CUDA events on a GPU, so phase times, the bubble
 //   and traces show GPU time without the host waiting on each action), the loss sum.
+// - Timeline (pipeline/timeline.hpp): the phase times and the trace.
+// - --overlap-steps' updates ahead and their rollback: pipeline/overlap.{hpp,cpp}.
 // Every posted request is kept moving by Progress while the rank computes
 // (pipeline/progress.hpp).
 #pragma once
@@ -42,6 +47,7 @@
 #include "mpipe/nn/optimizer.hpp"
 #include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/grid.hpp"
+#include "mpipe/pipeline/overlap.hpp"
 #include "mpipe/pipeline/partition.hpp"
 #include "mpipe/pipeline/plan.hpp"
 #include "mpipe/pipeline/progress.hpp"
@@ -49,6 +55,7 @@
 #include "mpipe/pipeline/schedule.hpp"
 #include "mpipe/pipeline/stage.hpp"
 #include "mpipe/pipeline/step_device.hpp"
+#include "mpipe/pipeline/timeline.hpp"
 #include "mpipe/pipeline/transport.hpp"
 
 namespace mpipe {
@@ -65,37 +72,6 @@ struct StepResult {
   bool rolled_back = false;     // --overlap-steps: the update made ahead was undone, the agreed one made
 };
 
-// One timed action of one rank, for --trace. Plain data: gathered with MPI as bytes.
-// Compute and waits are the rank's own track; transfers (a send from posting to
-// completion, a gradient sum from its start to its end) go on its communication track,
-// where they overlap the compute.
-struct TraceEvent {
-  enum Kind : std::int16_t { forward, backward, recompute, send_act, recv_act, send_grad, recv_grad, send_wait,
-                             allreduce, optimizer, gradient_sum, tied_sum, weight, count };
-  static const char* name(int kind);
-  static bool communication(int kind) {
-    return kind == send_act || kind == send_grad || kind == gradient_sum || kind == tied_sum;
-  }
-  double start = 0, end = 0;  // seconds since the run's common start
-  std::int32_t step = 0;
-  std::int16_t kind = 0;
-  std::int16_t micro_batch = -1;
-  std::int32_t layer = -1;    // of a gradient sum
-  std::int32_t stage = -1;    // the model stage of a micro-batch's action, with virtual stages
-};
-
-// Seconds one rank spent in each phase of a step.
-struct PhaseTimes {
-  static constexpr int count = 8;
-  static const char* name(int i);
-  double forward = 0, backward = 0, recompute = 0, p2p_wait = 0, allreduce = 0, optimizer = 0, idle = 0, step = 0;
-  double weight = 0;  // the part of backward spent in W actions (split schedules); not a phase of its own
-  double operator[](int i) const {
-    const double all[count] = {forward, backward, recompute, p2p_wait, allreduce, optimizer, idle, step};
-    return all[i];
-  }
-};
-
 // One evaluation: the mean loss per row, the fraction of rows predicted right (tokens
 // for a model of tokens), over `samples` samples.
 struct EvalResult {
@@ -103,7 +79,20 @@ struct EvalResult {
   std::int64_t samples = 0;
 };
 
-class Executor {
+// Runs `f` for step `step`, naming this rank and stage on an error that does not name
+// them yet (the action loop names its action already).
+template <class F>
+auto named_errors(const Grid& grid, std::int64_t step, F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    if (what.rfind("rank ", 0) == 0) throw;
+    rethrow_as(e, cat(grid.name(), " at step ", step, " during the gradient reduction or update: ", what));
+  }
+}
+
+class Executor : StageHooks {
  public:
   // Runs `plan` (made for world.size() ranks) on `world`. Three phases so that a failure
   // on one rank never leaves another in a collective: the constructor does only local
@@ -112,7 +101,7 @@ class Executor {
   Executor(const Plan& plan, const Communicator& world);
   void connect();
   void allocate();
-  ~Executor();
+  ~Executor() override;
 
   // One training step, its agreement waited for: the validated result of `step`.
   StepResult step(std::int64_t step);
@@ -158,13 +147,13 @@ class Executor {
   // loading one). No-ops on the CPU.
   void download_state();
   void upload_state();
-  const PhaseTimes& last_times() const { return times_; }
+  const PhaseTimes& last_times() const { return timeline_.times(); }
   // How posted messages keep moving (the mode in effect, after any fallback).
   const Progress& progress() const { return *progress_; }
   // Peak bytes of activations and scratch held by this rank so far.
   std::size_t peak_activation_bytes() const;
-  // The events recorded for --trace (steps 1 .. trace_steps); times from trace_origin().
-  const std::vector<TraceEvent>& trace_events() const { return trace_; }
+  // The events recorded for --trace (steps 1 .. trace_steps); times from the trace clock.
+  const std::vector<TraceEvent>& trace_events() const { return timeline_.events(); }
   // Collective: sets a common time origin on every rank (after a barrier).
   void start_trace_clock();
 
@@ -186,33 +175,19 @@ class Executor {
   // bet; lost, goes back and makes the agreed update. `pass_done`: a pipeline pass ran
   // on the updated parameters since (its sums are finished, then it is dropped).
   StepResult validate_pending(bool pass_done);
-  void close_times(double seconds);
-  // Actions of micro-batch `mb` on this rank's stage stages_[c].
-  Arena* take_slot(Stage& stage, int mb);
-  void release_slot(int c, int mb);
-  // What a stage sends and must keep until the send completes: each B's input gradient,
-  // and under remat each forward's output. A step takes them in turn from a ring of
-  // buffers in the persistent arena; one is taken again once the send of the micro-batch
-  // that had it has completed: a few buffers per stage, not one per micro-batch.
-  struct SendRing {
-    std::vector<Tensor> buffers;
-    std::vector<int> owner;  // the micro-batch whose send a buffer holds, or -1
-    int next = 0;
-  };
-  void fill_send_rings();  // a training pass begins: every buffer free, in the reset arena
-  Tensor take_send_buffer(SendRing& ring, Direction direction, int c, int mb);
-  Pass make_pass(std::int64_t step, const Stage& stage, int micro_batch, Arena* arena) const;
-  Tensor stage_input(const Pass& pass, int c, int micro_batch);
-  void run_forward(std::int64_t step, int c, int micro_batch, bool training = true);
-  void run_backward(std::int64_t step, int c, int micro_batch);
-  void run_weight(std::int64_t step, int c, int micro_batch);
   // training: forward and backward over the step's batch; otherwise forward only over
   // batch `step` of the held-out data.
   void run_pipeline(std::int64_t step, bool training = true);
-  void begin_compute(int kind, int micro_batch);
-  void end_compute(std::int64_t step, int kind, int micro_batch, Clock::time_point start);
-  void account(int kind, double seconds);  // a compute action's time into its phase
-  void read_device_times(std::int64_t step);
+  // The action loop of one pass: this rank's list, one switch over the action kinds.
+  void run_actions(std::int64_t step, bool training);
+  void read_batch(std::int64_t step, bool training);
+
+  // StageHooks: what the rank's stages tell it.
+  void begin_compute(ComputeKind kind, int micro_batch, int stage) override;
+  void end_compute(ComputeKind kind, int micro_batch, int stage, Clock::time_point start) override;
+  void waited(double seconds) override { timeline_.times().p2p_wait += seconds; }
+  void gradients_final(int layer) override { reducer_->gradients_final(layer); }
+  int traced_stage(int stage) const { return plan_.schedule.virtual_stages > 1 ? stage : -1; }
 
   const Plan plan_;
   const Schedule& schedule_ = plan_.schedule;
@@ -228,7 +203,7 @@ class Executor {
   bool holds_first() const;  // the model's first stage (the inputs) is one of this rank's
   bool holds_last() const;   // the model's last stage (the loss) is one of this rank's
   std::vector<int> layers() const;  // this rank's, ascending
-  const int micro_;           // samples per micro-batch
+  const int micro_;          // samples per micro-batch
   std::vector<Shape> shapes_;
   Device device_ = Device::cpu;  // where tensors live
   DType dtype_ = DType::f32;  // of activations, their gradients and the messages
@@ -239,14 +214,13 @@ class Executor {
   std::unique_ptr<Dataset> dataset_, eval_dataset_;
   std::unique_ptr<Arena> persistent_, scratch_;
   std::unique_ptr<SlotPool> slots_;
-  std::vector<SendRing> gradient_rings_, output_rings_;  // per stage in stages_
-  bool split_ = false;           // this stage's schedule splits backwards into B and W (zb-h1, zbv)
   std::unique_ptr<Progress> progress_;    // before the transport and the reducer, which use it
   std::unique_ptr<Transport> transport_;
   std::unique_ptr<Reducer> reducer_;
   Reducer::Agreed agreed_;                         // the last step's
-  double loss_sum_ = 0.0, correct_sum_ = 0.0;
+  double loss_sum_ = 0.0, correct_sum_ = 0.0;      // the last pass's
   double pipeline_seconds_ = 0.0;  // this rank's last pipeline pass, from its start to its last action
+  std::int64_t step_ = 0;          // the pass running (what the stages' hooks record)
   // --overlap-steps
   std::array<StepResult, 2> results_{};  // what advance() returns
   bool pending_ = false;                 // a step updated ahead of its agreement
@@ -254,30 +228,12 @@ class Executor {
   double pending_seconds_ = 0;           // this rank's cycle of the step updated ahead
   bool speculate_ = true;                // the next step updates ahead
   std::int64_t speculated_ = 0, rolled_back_ = 0;
-  // What an update made ahead replaces, in one block where the state lives (host or
-  // device memory): values, gradients, optimizer state, running statistics after it.
-  enum Saved { values, gradients, first, second, statistics, saved_parts };
-  std::vector<float> saved_host_;
-  cuda::DeviceBuffer saved_device_;
-  float* saved_ = nullptr;
-  std::array<std::size_t, saved_parts + 1> saved_at_{};  // where each part begins, in floats
-  std::vector<std::pair<std::size_t, std::size_t>> buffer_spans_;  // (offset, count) of running statistics
-  std::span<float> live(Saved part) const;  // the state a part keeps (statistics: all values)
-  void copy_saved(Saved part, bool back);  // into the block, or `back` out of it
-  bool evaluating_ = false;  // record() is quiet
+  std::unique_ptr<UpdateBackup> backup_;  // what an update made ahead replaces
   std::int64_t updates_ = 0;
-  PhaseTimes times_;
+  Timeline timeline_;
   int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP[:stall]
   bool fail_stall_ = false;
   bool stop_requested_ = false;
-  std::vector<TraceEvent> trace_;                  // reserved once; never grows in a step
-  std::chrono::steady_clock::time_point trace_origin_;
-  int trace_stage_ = -1;  // the model stage recorded with micro-batch events (virtual stages only)
-  bool tracing(std::int64_t step) const {
-    return step >= 1 && step <= plan_.options.trace_steps && trace_.size() < trace_.capacity();
-  }
-  void record(std::int64_t step, int kind, int micro_batch, std::chrono::steady_clock::time_point start,
-              std::chrono::steady_clock::time_point end = std::chrono::steady_clock::now(), int layer = -1);
 };
 
 }  // namespace mpipe

@@ -1,16 +1,22 @@
-// A model stage on this rank: a contiguous run of the model's layers, the state of each of
-// its micro-batches from F to B (to W where the schedule splits backwards), and its F, B
-// and W calls. A rank holds one stage, or several with virtual stages (interleaved, zbv);
-// its stages share the rank's parameter store (one flat buffer: one pass zeroes, sums,
-// updates and checkpoints it) and its pool of activation slots.
+// A model stage on this rank: a contiguous run of the model's layers, the state and the
+// buffers of each of its micro-batches from F to B (to W where the schedule splits
+// backwards), and its F, B and W actions. A rank holds one stage, or several with virtual
+// stages (interleaved, zbv); its stages share the rank's parameter store (one flat
+// buffer: one pass zeroes, sums, updates and checkpoints it), its pool of activation
+// slots and the rest of StageShared. What a stage tells the rank (its compute times, its
+// waits, the gradients it has finished) goes through StageHooks, so a stage never reaches
+// back into the executor.
 #pragma once
+#include <chrono>
 #include <memory>
 #include <vector>
 
 #include "mpipe/core/arena.hpp"
 #include "mpipe/nn/model.hpp"
+#include "mpipe/pipeline/plan.hpp"
 #include "mpipe/pipeline/progress.hpp"
-#include "mpipe/pipeline/reducer.hpp"
+#include "mpipe/pipeline/step_device.hpp"
+#include "mpipe/pipeline/transport.hpp"
 
 namespace mpipe {
 
@@ -34,6 +40,43 @@ class SlotPool {
   std::vector<int> free_;
 };
 
+// Kinds of compute action, as the phase times and the trace count them (the first of
+// TraceEvent's kinds, executor.hpp).
+enum class ComputeKind : int { forward = 0, backward = 1, recompute = 2, weight = 12 };
+
+// What a stage tells the rank as it works.
+class StageHooks {
+ public:
+  using Clock = std::chrono::steady_clock;
+  virtual ~StageHooks() = default;
+  // Around each compute action of micro-batch `micro_batch` on model stage `stage`: its
+  // time goes into the phase times and the trace (on a GPU the device times it).
+  virtual void begin_compute(ComputeKind kind, int micro_batch, int stage) = 0;
+  virtual void end_compute(ComputeKind kind, int micro_batch, int stage, Clock::time_point start) = 0;
+  // Seconds blocked until a send completed, so that its buffer could be used again.
+  virtual void waited(double seconds) = 0;
+  // The step's gradient of layer `layer` is complete (the last micro-batch's backward, or
+  // W, has run): its sums over replicas and tied weights may start.
+  virtual void gradients_final(int layer) = 0;
+};
+
+// What a rank's stages share: set up once by the executor, after allocation.
+struct StageShared {
+  const Plan* plan = nullptr;
+  const std::vector<Shape>* shapes = nullptr;  // every layer's input, for one micro-batch
+  DType dtype = DType::f32;                    // of activations, their gradients and the messages
+  Device device = Device::cpu;
+  int replica = 0;                             // this rank's: which samples of the step it reads
+  bool split = false;                          // the rank's schedule splits backwards into B and W
+  Transport* transport = nullptr;
+  Progress* progress = nullptr;
+  StepDevice* device_ops = nullptr;            // the batch, the loss sum, copies
+  SlotPool* slots = nullptr;
+  Arena* persistent = nullptr;                 // lives for the step
+  Arena* scratch = nullptr;                    // lives for one action
+  StageHooks* hooks = nullptr;
+};
+
 class Stage {
  public:
   // One micro-batch's state on this stage.
@@ -44,8 +87,9 @@ class Stage {
     int slot = -1;               // the SlotPool slot holding its activations, or -1
   };
 
-  // Model stage `index`: layers [begin, end) of `model`.
-  Stage(Model& model, int index, int begin, int end, int model_stages, int micro_batches);
+  // Model stage `index`: layers [begin, end) of `model`; `channel` is its index among the
+  // rank's stages (the transport's channel).
+  Stage(Model& model, int index, int channel, int begin, int end, int model_stages, int micro_batches);
   int index() const { return index_; }
   int begin() const { return begin_; }
   int end() const { return end_; }
@@ -53,27 +97,66 @@ class Stage {
   bool last() const { return last_; }        // the model's last: its last layer is the loss
   bool targets() const { return targets_; }  // a layer reads the targets (the loss, a vocabulary chunk)
   MicroBatch& micro_batch(int mb) { return micro_batches_[static_cast<std::size_t>(mb)]; }
-  // The step's state is gone (a step or an evaluation begins).
-  void reset();
 
+  // Once, after the rank has allocated: what the stage shares with the rank's others,
+  // and its send buffers: for each B's input gradient, and under remat for each
+  // forward's output, min(M, in-flight + 2) of them taken in turn (a send posted two
+  // actions ago has found its receive by the time its buffer comes round again).
+  void attach(const StageShared& shared);
+  // A pass begins (a step, or an evaluation batch): every micro-batch's state gone, and
+  // for a training pass the send buffers taken anew in the (reset) persistent arena.
+  void begin_pass(bool training);
+  // The loss and right predictions the loss layer summed over the pass (the model's last
+  // stage, where the host adds them up).
+  double loss_sum() const { return loss_sum_; }
+  double correct_sum() const { return correct_sum_; }
+
+  // F of micro-batch `mb` in `step`: from its share of the batch's inputs (the model's
+  // first stage) or what the previous stage sent; training keeps its activations in a
+  // slot until B (under remat only its output), evaluation keeps nothing.
+  void forward(std::int64_t step, int mb, bool training);
+  // B (where the schedule splits backwards, the input gradients alone, with what W needs
+  // kept in the micro-batch's slot), its forward recomputed first where rematerialized.
+  void backward(std::int64_t step, int mb);
+  // W: the weight gradients B left, in the same layer order; the slot is free after it.
+  // Ws run in ascending micro-batch order (validate()), so every gradient sums its
+  // micro-batches in the same order as under the fused backward: bitwise equal.
+  void weight(std::int64_t step, int mb);
+
+  // The layers' calls, for tests and for the actions above.
   // F: the layers' forwards from `x`; returns their contexts (in pass.arena) and sets
   // *output to the last layer's output. Messages keep moving between layers.
-  Context* forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress) const;
+  Context* run_forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress) const;
   // B: from `dy`, the gradient of the stage's output (the loss layer ignores it), each
   // layer's input gradient, in `scratch` and for the first layer in `dx` (empty on the
   // model's first stage); with pass.stash (a split backward) each weight layer keeps what
-  // its W needs there. `reducer`: this is the step's last micro-batch and the backward
+  // its W needs there. `hooks`: this is the step's last micro-batch and the backward
   // fused, so each layer's gradient is final after it; null otherwise.
-  void backward(Context* contexts, Tensor dy, const Tensor& dx, const Pass& pass, Arena& scratch,
-                const std::vector<Shape>& shapes, DType dtype, Reducer* reducer, Progress& progress) const;
-  // W: the weight gradients B left, in the same layer order; `reducer` as for backward().
-  void weight(Context* contexts, const Pass& pass, Reducer* reducer, Progress& progress) const;
+  void run_backward(Context* contexts, Tensor dy, const Tensor& dx, const Pass& pass, Arena& scratch,
+                    const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress) const;
+  // W: the weight gradients B left, in the same layer order; `hooks` as for run_backward().
+  void run_weight(Context* contexts, const Pass& pass, StageHooks* hooks, Progress& progress) const;
 
  private:
+  // What a stage sends and keeps until the send completes, in turn from a ring.
+  struct SendRing {
+    std::vector<Tensor> buffers;
+    std::vector<int> owner;  // the micro-batch whose send a buffer holds, or -1
+    int next = 0;
+  };
+  Tensor take_send_buffer(SendRing& ring, Direction direction, int mb);
+  Arena* take_slot(int mb);
+  void release_slot(int mb);
+  Pass make_pass(std::int64_t step, int mb, Arena* arena) const;
+  Tensor input(const Pass& pass, int mb);
+
   Model& model_;
-  int index_, begin_, end_;
+  int index_, channel_, begin_, end_;
   bool first_, last_, targets_ = false;
   std::vector<MicroBatch> micro_batches_;
+  StageShared shared_;
+  SendRing gradients_, outputs_;
+  double loss_sum_ = 0, correct_sum_ = 0;
 };
 
 }  // namespace mpipe
