@@ -59,7 +59,7 @@ void print_plan(const Plan& plan, const Model& model) {
     const auto at = static_cast<std::size_t>(s);
     std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s\n", (v > 1 ? cat(s, " p", schedule.list_of(s)) : cat(s)).c_str(),
                 cat(part.begin(s), "-", part.end(s) - 1).c_str(), kinds.c_str(), human_count(f.params).c_str(),
-                (plan.flops.forward[at] + plan.flops.backward[at]) / 1e9, human_bytes(4.0 * f.params * states).c_str(),
+                (plan.flops.forward[at] + plan.flops.backward[at]) / 1e9, human_bytes(f32_bytes(f.params * states)).c_str(),
                 human_bytes(f.held(live, false, split)).c_str(), human_bytes(f.held(live, true, split)).c_str());
   }
   std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n",

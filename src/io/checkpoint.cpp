@@ -274,7 +274,7 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
   rendezvous(world, cat("checkpoint step ", step), timeout, liveness);
   std::optional<Watchdog> own;
   Watchdog& watchdog = liveness ? *liveness : own.emplace(world, grid.name(), timeout);
-  const double file_bytes = 4.0 * static_cast<double>(model.parameter_count()) *
+  const double file_bytes = f32_bytes(static_cast<double>(model.parameter_count())) *
                             static_cast<double>(1 + exec.optimizer().state_names().size());
   const auto guard = watchdog.arm(cat("writing checkpoint ", final_path), timeout + file_bytes / 10e6);
   exec.download_state();  // on a GPU: the values and optimizer state to the host mirrors

@@ -1,6 +1,8 @@
 // Convolutional layers: shapes, costs and parameters here, the math in backend/ops.
 #include "mpipe/nn/conv_layers.hpp"
 
+#include "mpipe/nn/registry.hpp"
+
 #include <cmath>
 
 namespace mpipe {
@@ -221,6 +223,77 @@ void Flatten::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, Gr
   d.shape = dx.shape;
   if (mode == GradMode::overwrite) ops::copy(dx, d);
   else ops::add(dx, d);
+}
+
+// ---- registry entries ----------------------------------------------------------------
+
+// NCHW; CPU kernels only so far (gpu = false).
+std::vector<LayerKind> conv_layer_kinds() {
+  using T = OptionType;
+  std::vector<LayerKind> k;
+  k.push_back({"conv2d", "2-D convolution: (N, C, H, W) -> (N, out, OH, OW), OH = (H + 2 padding - kernel) / stride + 1",
+               {{"out", T::integer, std::nullopt, "output channels"},
+                {"kernel", T::integer, std::nullopt, "kernel side"},
+                {"stride", T::integer, std::int64_t{1}, "stride"},
+                {"padding", T::integer, std::int64_t{0}, "zero padding on each side"},
+                {"groups", T::integer, std::int64_t{1}, "groups (dividing C and out)"},
+                {"bias", T::boolean, true, "add a learned bias"},
+                {"init-std", T::number, -1.0, "std of the normal initial weights; -1: sqrt(2 / fan-in) (He)"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const Window2d w = a.image_window(a.integer("kernel"), a.integer("stride"), a.integer("padding", 0));
+                 const std::int64_t out = a.integer("out"), groups = a.integer("groups");
+                 if (w.C % groups != 0 || out % groups != 0)
+                   a.refuse("groups", cat(groups, " does not divide the ", w.C, " channels in and ", out, " out"), "pick groups dividing both");
+                 const double fan_in = static_cast<double>(w.C / groups * w.KH * w.KW), given = a.number("init-std");
+                 return std::make_unique<Conv2d>(w.C, out, w.KH, w.stride, w.padding, groups, a.boolean("bias"),
+                                                 static_cast<float>(given < 0 ? std::sqrt(2.0 / fan_in) : given));
+               },
+               false, true});
+  for (const bool max : {true, false})
+    k.push_back({max ? "maxpool2d" : "avgpool2d",
+                 max ? "max over kernel x kernel windows of each plane (padding counts as -inf)"
+                     : "mean over kernel x kernel windows of each plane (padding counts as zeros)",
+                 {{"kernel", T::integer, std::nullopt, "window side"},
+                  {"stride", T::integer, std::int64_t{0}, "stride; 0: the kernel"},
+                  {"padding", T::integer, std::int64_t{0}, "padding on each side, at most kernel / 2"}},
+                 false,
+                 [max](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                   const std::int64_t kernel = a.integer("kernel"), stride = a.integer("stride", 0);
+                   const Window2d w = a.image_window(kernel, stride ? stride : kernel, a.integer("padding", 0));
+                   if (2 * w.padding > kernel) a.refuse("padding", cat(w.padding, " is more than half the kernel ", kernel), "pad at most kernel / 2");
+                   return std::make_unique<Pool2d>(max ? Pool2d::Op::max : Pool2d::Op::average, kernel, w.stride, w.padding);
+                 },
+                 false, true});
+  k.push_back({"global-avgpool", "mean of each plane: (N, C, H, W) -> (N, C)", {}, false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 a.image_window(1, 1, 0);
+                 return std::make_unique<Pool2d>(Pool2d::Op::global_average, 0, 1, 0);
+               },
+               false});
+  k.push_back({"batchnorm2d",
+               "BatchNorm over the channels of (N, C, H, W): each micro-batch normalised with its own statistics in "
+               "training (GPipe's rule), the running statistics in evaluation",
+               {{"eps", T::number, 1e-5, "added to the variance"},
+                {"momentum", T::number, 0.1, "how far the running statistics move toward each micro-batch's"},
+                {"zero-init", T::boolean, false,
+                 "start the scale (weight) at 0, not 1: as a residual block's last layer, the block starts as its skip path"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const Window2d w = a.image_window(1, 1, 0);
+                 const double eps = a.number("eps"), momentum = a.number("momentum");
+                 if (!(eps > 0)) a.refuse("eps", cat("must be positive, got ", eps), "e.g. eps = 1e-5");
+                 if (!(momentum >= 0 && momentum <= 1)) a.refuse("momentum", cat("must be in [0, 1], got ", momentum), "e.g. momentum = 0.1");
+                 return std::make_unique<BatchNorm2d>(w.C, static_cast<float>(eps), static_cast<float>(momentum), a.boolean("zero-init"));
+               },
+               false, true});
+  k.push_back({"flatten", "(N, d1, d2, ...) -> (N, d1 x d2 x ...)", {}, false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 if (a.input.rank < 2) a.refuse("kind", cat("needs (batch, ...), gets ", a.input.str()), "put it after a layer with features");
+                 return std::make_unique<Flatten>();
+               },
+               false});
+  return k;
 }
 
 }  // namespace mpipe

@@ -224,7 +224,7 @@ std::vector<Shape> Model::shapes(int64_t batch) const {
 }
 
 bool keeps_dy_in_output(const Model& model, int layer, int stage_end) {
-  return dynamic_cast<const Linear*>(&model.layer(layer)) && layer + 1 < stage_end &&
+  return model.layer(layer).keeps_dy() && layer + 1 < stage_end &&
          !model.layer(layer + 1).defers_weight();
 }
 

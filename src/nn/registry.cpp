@@ -1,4 +1,5 @@
-// The layer registry (every kind, its options and how it is built) and model files.
+// The layer registry (the families' kinds, their options checked, layers built) and
+// model files.
 #include "mpipe/nn/registry.hpp"
 
 #include <cmath>
@@ -12,6 +13,9 @@
 #include "mpipe/core/error.hpp"
 #include "mpipe/core/toml_text.hpp"
 #include "mpipe/nn/conv_layers.hpp"
+#include "mpipe/nn/dense_layers.hpp"
+#include "mpipe/nn/residual.hpp"
+#include "mpipe/nn/transformer_layers.hpp"
 #include "mpipe/nn/vocab_layers.hpp"
 
 namespace mpipe {
@@ -64,268 +68,18 @@ std::string kind_names() {
   return s;
 }
 
-// The channels of a (.., C) input.
-std::int64_t channels(const LayerArgs& a) {
-  if (a.input.rank < 2) a.refuse("kind", cat("needs an input of (batch, …, channels), gets ", a.input.str()), "put it after a layer that makes channels");
-  return a.input[-1];
-}
-
-// What the attention layers take: a (B, T, C) input, heads dividing C, the weights'
-// init-std and proj-std (-1: GPT-2's init-std / sqrt(2 N), N the model's blocks).
-struct Attention {
-  std::int64_t channels, heads;
-  float init_std, proj_std;
-};
-Attention attention_args(const LayerArgs& a) {
-  if (a.input.rank != 3)
-    a.refuse("kind", cat("needs a sequence (batch, tokens, channels), gets ", a.input.str()), "put it after an embedding");
-  const std::int64_t c = a.input[-1], heads = a.integer("heads");
-  if (c % heads != 0) a.refuse("heads", cat(heads, " does not divide the ", c, " channels coming in"), "pick heads dividing the channels");
-  int blocks = 0;
-  for (const LayerSpec& l : a.model.layers) blocks += l.kind == "block" ? 1 : 0;
-  const double init = a.number("init-std"), proj = a.number("proj-std");
-  return {c, heads, static_cast<float>(init), static_cast<float>(proj < 0 ? init / std::sqrt(2.0 * std::max(blocks, 1)) : proj)};
-}
-
-// The window of a layer over an (N, C, H, W) input; refuses other inputs and windows
-// larger than the padded plane.
-Window2d image_window(const LayerArgs& a, std::int64_t kernel, std::int64_t stride, std::int64_t padding) {
-  if (a.input.rank != 4)
-    a.refuse("kind", cat("needs images (batch, channels, height, width), gets ", a.input.str()), "give the model input = [C, H, W]");
-  Window2d w;
-  w.N = a.input[0];
-  w.C = a.input[1];
-  w.H = a.input[2];
-  w.W = a.input[3];
-  w.KH = w.KW = kernel;
-  w.stride = stride;
-  w.padding = padding;
-  if (w.H + 2 * padding < kernel || w.W + 2 * padding < kernel)
-    a.refuse("kernel", cat(kernel, " is larger than the ", w.H, " x ", w.W, " plane (padding ", padding, ")"), "use a smaller kernel or more padding");
-  w.OH = (w.H + 2 * padding - kernel) / stride + 1;
-  w.OW = (w.W + 2 * padding - kernel) / stride + 1;
-  return w;
-}
-
-// The layer's `tie` option: -1 (none), or the index of an earlier embedding whose token
-// table is `rows` x `width`, the shape of the weight (`what`: "weight", "head's") tied to it.
-int tied_table(const LayerArgs& a, std::int64_t rows, std::int64_t width, const char* what) {
-  const auto tie = std::get<std::int64_t>(a.spec.options.at("tie"));
-  if (tie == -1) return -1;
-  if (tie < 0) a.refuse("tie", cat("must be a layer index or -1 (none), got ", tie), "give the embedding's index");
-  if (a.nested) a.refuse("tie", "cannot tie a layer inside a residual block", "tie the model's head, not a block's layer");
-  if (tie >= a.index || a.model.layers[static_cast<std::size_t>(tie)].kind != "embedding")
-    a.refuse("tie", cat(tie, " is not an earlier embedding layer"), "give the index of the embedding");
-  const LayerSpec& e = a.model.layers[static_cast<std::size_t>(tie)];
-  const auto vocab = std::get<std::int64_t>(e.options.at("vocab")), out = std::get<std::int64_t>(e.options.at("out"));
-  if (vocab != rows || out != width)
-    a.refuse("tie", cat("the embedding's table is ", vocab, " x ", out, ", this ", what, " ", rows, " x ", width),
-             "tie a layer of out = vocab after channels = the embedding's out");
-  return static_cast<int>(tie);
-}
-
-std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int index, const Shape& input,
-                             const std::string& where, bool nested);
-std::vector<std::unique_ptr<Layer>> projection(const LayerArgs& a, const Shape& in, const Shape& out);
-
-std::vector<LayerKind> make_kinds() {
-  using T = OptionType;
-  const OptionSpec init_std{"init-std", T::number, 0.02, "std of the normal initial weights"};
-  std::vector<LayerKind> k;
-  k.push_back({"embedding", "token + learned position embedding, then dropout: tokens (B, T) -> (B, T, out)",
-               {{"vocab", T::integer, std::nullopt, "tokens in the vocabulary"},
-                {"out", T::integer, std::nullopt, "channels"},
-                {"dropout", T::number, 0.0, "dropout probability after the embedding"}},
-               true,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 if (a.input.rank != 2) a.refuse("kind", cat("takes token ids (batch, tokens), gets ", a.input.str()), "put it first, in a model of tokens");
-                 return std::make_unique<Embedding>(a.integer("vocab"), a.input[1], a.integer("out"),
-                                                    static_cast<float>(a.number("dropout")));
-               }});
-  k.push_back({"block", "transformer block (pre-LN attention and MLP, residual): (B, T, C) -> (B, T, C)",
-               {{"heads", T::integer, std::nullopt, "attention heads (dividing C)"},
-                {"dropout", T::number, 0.0, "dropout probability"},
-                init_std,
-                {"proj-std", T::number, -1.0, "std of the residual projections; -1: init-std / sqrt(2 x blocks), as GPT-2"}},
-               false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 const Attention t = attention_args(a);
-                 return std::make_unique<TransformerBlock>(t.channels, t.heads, static_cast<float>(a.number("dropout")),
-                                                           t.init_std, t.proj_std);
-               }});
-  k.push_back({"attention", "causal multi-head self-attention with its input and output projections: (B, T, C) -> (B, T, C)",
-               {{"heads", T::integer, std::nullopt, "attention heads (dividing C)"},
-                init_std,
-                {"proj-std", T::number, -1.0, "std of the output projection; -1: init-std / sqrt(2 x blocks), as GPT-2"}},
-               false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 const Attention t = attention_args(a);
-                 return std::make_unique<CausalSelfAttention>(t.channels, t.heads, t.init_std, t.proj_std);
-               }});
-  k.push_back({"layernorm", "layer normalisation over the channels", {}, false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> { return std::make_unique<LayerNorm>(channels(a)); }});
-  k.push_back({"linear", "y = x W^T + b over the last dimension: (.., in) -> (.., out)",
-               {{"out", T::integer, std::nullopt, "output features"},
-                {"bias", T::boolean, true, "add a learned bias"},
-                init_std,
-                {"tie", T::integer, std::int64_t{-1}, "index of an earlier embedding whose token table is this weight"}},
-               false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 const std::int64_t in = channels(a), out = a.integer("out");
-                 auto layer = std::make_unique<Linear>(in, out, a.boolean("bias"), static_cast<float>(a.number("init-std")));
-                 const int tie = tied_table(a, out, in, "weight");
-                 if (tie >= 0) layer->tie_weight(tie, "wte");
-                 return layer;
-               }});
-  k.push_back({"relu", "max(x, 0)", {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<ReLU>(); }});
-  k.push_back({"gelu", "GELU (tanh approximation)", {}, false,
-               [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<GELU>(); }});
-  k.push_back({"dropout", "inverted dropout (masks from a counter-based generator, recomputed in backward)",
-               {{"p", T::number, std::nullopt, "probability of dropping an element, in [0, 1)"}},
-               false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 const double p = a.number("p");
-                 if (!(p >= 0 && p < 1)) a.refuse("p", cat("must be in [0, 1), got ", p), "e.g. p = 0.1");
-                 return std::make_unique<Dropout>(static_cast<float>(p), 0);
-               }});
-  // Convolutional layers (NCHW): CPU kernels only so far.
-  k.push_back({"conv2d", "2-D convolution: (N, C, H, W) -> (N, out, OH, OW), OH = (H + 2 padding - kernel) / stride + 1",
-               {{"out", T::integer, std::nullopt, "output channels"},
-                {"kernel", T::integer, std::nullopt, "kernel side"},
-                {"stride", T::integer, std::int64_t{1}, "stride"},
-                {"padding", T::integer, std::int64_t{0}, "zero padding on each side"},
-                {"groups", T::integer, std::int64_t{1}, "groups (dividing C and out)"},
-                {"bias", T::boolean, true, "add a learned bias"},
-                {"init-std", T::number, -1.0, "std of the normal initial weights; -1: sqrt(2 / fan-in) (He)"}},
-               false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 const Window2d w = image_window(a, a.integer("kernel"), a.integer("stride"), a.integer("padding", 0));
-                 const std::int64_t out = a.integer("out"), groups = a.integer("groups");
-                 if (w.C % groups != 0 || out % groups != 0)
-                   a.refuse("groups", cat(groups, " does not divide the ", w.C, " channels in and ", out, " out"), "pick groups dividing both");
-                 const double fan_in = static_cast<double>(w.C / groups * w.KH * w.KW), given = a.number("init-std");
-                 return std::make_unique<Conv2d>(w.C, out, w.KH, w.stride, w.padding, groups, a.boolean("bias"),
-                                                 static_cast<float>(given < 0 ? std::sqrt(2.0 / fan_in) : given));
-               },
-               false});
-  for (const bool max : {true, false})
-    k.push_back({max ? "maxpool2d" : "avgpool2d",
-                 max ? "max over kernel x kernel windows of each plane (padding counts as -inf)"
-                     : "mean over kernel x kernel windows of each plane (padding counts as zeros)",
-                 {{"kernel", T::integer, std::nullopt, "window side"},
-                  {"stride", T::integer, std::int64_t{0}, "stride; 0: the kernel"},
-                  {"padding", T::integer, std::int64_t{0}, "padding on each side, at most kernel / 2"}},
-                 false,
-                 [max](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                   const std::int64_t kernel = a.integer("kernel"), stride = a.integer("stride", 0);
-                   const Window2d w = image_window(a, kernel, stride ? stride : kernel, a.integer("padding", 0));
-                   if (2 * w.padding > kernel) a.refuse("padding", cat(w.padding, " is more than half the kernel ", kernel), "pad at most kernel / 2");
-                   return std::make_unique<Pool2d>(max ? Pool2d::Op::max : Pool2d::Op::average, kernel, w.stride, w.padding);
-                 },
-                 false});
-  k.push_back({"global-avgpool", "mean of each plane: (N, C, H, W) -> (N, C)", {}, false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 image_window(a, 1, 1, 0);
-                 return std::make_unique<Pool2d>(Pool2d::Op::global_average, 0, 1, 0);
-               },
-               false});
-  k.push_back({"batchnorm2d",
-               "BatchNorm over the channels of (N, C, H, W): each micro-batch normalised with its own statistics in "
-               "training (GPipe's rule), the running statistics in evaluation",
-               {{"eps", T::number, 1e-5, "added to the variance"},
-                {"momentum", T::number, 0.1, "how far the running statistics move toward each micro-batch's"},
-                {"zero-init", T::boolean, false,
-                 "start the scale (weight) at 0, not 1: as a residual block's last layer, the block starts as its skip path"}},
-               false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 const Window2d w = image_window(a, 1, 1, 0);
-                 const double eps = a.number("eps"), momentum = a.number("momentum");
-                 if (!(eps > 0)) a.refuse("eps", cat("must be positive, got ", eps), "e.g. eps = 1e-5");
-                 if (!(momentum >= 0 && momentum <= 1)) a.refuse("momentum", cat("must be in [0, 1], got ", momentum), "e.g. momentum = 0.1");
-                 return std::make_unique<BatchNorm2d>(w.C, static_cast<float>(eps), static_cast<float>(momentum), a.boolean("zero-init"));
-               },
-               false});
-  k.push_back({"flatten", "(N, d1, d2, ...) -> (N, d1 x d2 x ...)", {}, false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 if (a.input.rank < 2) a.refuse("kind", cat("needs (batch, ...), gets ", a.input.str()), "put it after a layer with features");
-                 return std::make_unique<Flatten>();
-               },
-               false});
-  k.push_back({"residual",
-               "y = inner(x) + skip(x): the block's [[layer.layer]] tables, and the identity, or a bias-free 1x1 "
-               "convolution (images) or linear map where they change the shape",
-               {{"skip", T::text, std::string("auto"), "auto (identity unless the shape changes), identity or projection"},
-                {"skip-norm", T::boolean, false, "a batchnorm2d after the projection convolution (ResNet's downsample)"}},
-               false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 if (a.nested) a.refuse("kind", "cannot be inside another residual block", "put the blocks one after another");
-                 if (a.spec.children.empty()) a.refuse("kind", "has no inner layers", "give its layers as [[layer.layer]] tables");
-                 std::vector<std::unique_ptr<Layer>> inner;
-                 Shape s = a.input;
-                 for (std::size_t j = 0; j < a.spec.children.size(); ++j) {
-                   const LayerSpec& child = a.spec.children[j];
-                   inner.push_back(build(child, a.model, a.index, s, cat(a.where, ", inner layer ", j, " (", child.kind, ")"), true));
-                   s = inner.back()->output_shape(s);
-                 }
-                 auto skip = projection(a, a.input, s);
-                 return std::make_unique<Residual>(std::move(inner), std::move(skip));
-               },
-               false});
-  k.push_back({"vocab-chunk",
-               "chunk c of n of a language-model head split over the vocabulary (an online softmax carried from "
-               "chunk to chunk, so a pipeline can spread the head over stages): (.., C) or the previous chunk's "
-               "(.., C + 4) -> (.., C + 4); the loss follows the last chunk",
-               {{"vocab", T::integer, std::nullopt, "tokens in the whole vocabulary"},
-                {"chunk", T::integer, std::nullopt, "which chunk, from 0; chunk c covers [c vocab / n, (c + 1) vocab / n)"},
-                {"chunks", T::integer, std::nullopt, "chunks the vocabulary is split into"},
-                init_std,
-                {"tie", T::integer, std::int64_t{-1}, "index of an earlier embedding whose token table's rows this weight is"}},
-               false,
-               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 const std::int64_t vocab = a.integer("vocab"), chunks = a.integer("chunks"), chunk = a.integer("chunk", 0);
-                 if (chunks > vocab) a.refuse("chunks", cat(chunks, " is more than the ", vocab, " tokens"), "give at most vocab chunks");
-                 if (chunk >= chunks) a.refuse("chunk", cat(chunk, " is not below chunks = ", chunks), "number the chunks from 0");
-                 // The chunks come in order, one after another, then the loss.
-                 const LayerSpec* before = a.index > 0 ? &a.model.layers[static_cast<std::size_t>(a.index - 1)] : nullptr;
-                 const bool follows = before && before->kind == "vocab-chunk" &&
-                                      std::get<std::int64_t>(before->options.at("vocab")) == vocab &&
-                                      std::get<std::int64_t>(before->options.at("chunks")) == chunks &&
-                                      std::get<std::int64_t>(before->options.at("chunk")) == chunk - 1;
-                 if (chunk > 0 && !follows)
-                   a.refuse("chunk", cat(chunk, " does not follow chunk ", chunk - 1, " of the same vocab and chunks"), "put the chunks in order, one after another");
-                 if (chunk == 0 && before && before->kind == "vocab-chunk")
-                   a.refuse("chunk", "0 follows another chunk", "one head's chunks are 0 .. chunks - 1 in order");
-                 const std::size_t next = static_cast<std::size_t>(a.index + 1);
-                 const bool last = chunk == chunks - 1;
-                 if (next < a.model.layers.size() && a.model.layers[next].kind != (last ? "cross_entropy" : "vocab-chunk"))
-                   a.refuse("chunk", last ? "the last chunk must be followed by the loss (cross_entropy)" : cat("must be followed by chunk ", chunk + 1),
-                            "put the chunks in order, then the loss");
-                 if (a.input.rank < 2) a.refuse("kind", cat("needs (batch, …, channels), gets ", a.input.str()), "put it after a layer that makes channels");
-                 const std::int64_t C = chunk == 0 ? a.input[-1] : a.input[-1] - 4;
-                 const int tie = tied_table(a, vocab, C, "head's");
-                 return std::make_unique<VocabChunk>(vocab, chunk, chunks, C, static_cast<float>(a.number("init-std")), tie);
-               },
-               false});
-  k.push_back({"cross_entropy",
-               "the loss: softmax cross-entropy of logits (.., classes) against targets, or of the statistics of a "
-               "head split over the vocabulary (after its last vocab-chunk); the last layer",
-               {}, false, [](const LayerArgs& a) -> std::unique_ptr<Layer> {
-                 const LayerSpec* before = a.index > 0 ? &a.model.layers[static_cast<std::size_t>(a.index - 1)] : nullptr;
-                 if (before && before->kind == "vocab-chunk") {
-                   const auto chunk = std::get<std::int64_t>(before->options.at("chunk")),
-                              chunks = std::get<std::int64_t>(before->options.at("chunks"));
-                   if (chunk != chunks - 1) a.refuse("kind", cat("follows chunk ", chunk, " of ", chunks, ", not the last"), "give every chunk of the head");
-                   return std::make_unique<VocabLoss>(std::get<std::int64_t>(before->options.at("vocab")), a.input[-1] - 4);
-                 }
-                 return std::make_unique<CrossEntropyLoss>();
-               }});
-  return k;
-}
-
 }  // namespace
 
 const std::vector<LayerKind>& layer_kinds() {
-  static const std::vector<LayerKind> kinds = make_kinds();
+  // The families in the order `plan --layer-kinds` lists them; each keeps its kinds'
+  // entries beside their classes.
+  static const std::vector<LayerKind> kinds = [] {
+    std::vector<LayerKind> all;
+    for (auto family : {transformer_layer_kinds, dense_layer_kinds, conv_layer_kinds, residual_layer_kinds,
+                        vocab_layer_kinds})
+      for (LayerKind& kind : family()) all.push_back(std::move(kind));
+    return all;
+  }();
   return kinds;
 }
 
@@ -354,11 +108,47 @@ double LayerArgs::number(const std::string& name) const {
 
 bool LayerArgs::boolean(const std::string& name) const { return std::get<bool>(spec.options.at(name)); }
 
-namespace {
+const std::string& LayerArgs::text(const std::string& name) const { return std::get<std::string>(spec.options.at(name)); }
 
-// Builds `given` with `input` coming in: its options checked by name and type, defaults
-// filled, then its kind's builder. `nested`: inside a residual block.
-std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int index, const Shape& input,
+std::int64_t LayerArgs::channels() const {
+  if (input.rank < 2) refuse("kind", cat("needs an input of (batch, …, channels), gets ", input.str()), "put it after a layer that makes channels");
+  return input[-1];
+}
+
+Window2d LayerArgs::image_window(std::int64_t kernel, std::int64_t stride, std::int64_t padding) const {
+  if (input.rank != 4)
+    refuse("kind", cat("needs images (batch, channels, height, width), gets ", input.str()), "give the model input = [C, H, W]");
+  Window2d w;
+  w.N = input[0];
+  w.C = input[1];
+  w.H = input[2];
+  w.W = input[3];
+  w.KH = w.KW = kernel;
+  w.stride = stride;
+  w.padding = padding;
+  if (w.H + 2 * padding < kernel || w.W + 2 * padding < kernel)
+    refuse("kernel", cat(kernel, " is larger than the ", w.H, " x ", w.W, " plane (padding ", padding, ")"), "use a smaller kernel or more padding");
+  w.OH = (w.H + 2 * padding - kernel) / stride + 1;
+  w.OW = (w.W + 2 * padding - kernel) / stride + 1;
+  return w;
+}
+
+int LayerArgs::tied_table(std::int64_t rows, std::int64_t width, const char* what) const {
+  const auto tie = std::get<std::int64_t>(spec.options.at("tie"));
+  if (tie == -1) return -1;
+  if (tie < 0) refuse("tie", cat("must be a layer index or -1 (none), got ", tie), "give the embedding's index");
+  if (nested) refuse("tie", "cannot tie a layer inside a residual block", "tie the model's head, not a block's layer");
+  if (tie >= index || model.layers[static_cast<std::size_t>(tie)].kind != "embedding")
+    refuse("tie", cat(tie, " is not an earlier embedding layer"), "give the index of the embedding");
+  const LayerSpec& e = model.layers[static_cast<std::size_t>(tie)];
+  const auto vocab = std::get<std::int64_t>(e.options.at("vocab")), out = std::get<std::int64_t>(e.options.at("out"));
+  if (vocab != rows || out != width)
+    refuse("tie", cat("the embedding's table is ", vocab, " x ", out, ", this ", what, " ", rows, " x ", width),
+           "tie a layer of out = vocab after channels = the embedding's out");
+  return static_cast<int>(tie);
+}
+
+std::unique_ptr<Layer> build_layer(const LayerSpec& given, const ModelSpec& model, int index, const Shape& input,
                              const std::string& where, bool nested) {
   const LayerKind* kind = find_layer_kind(given.kind);
   MPIPE_REQUIRE(kind, cat("the kinds are ", kind_names()), where, ": unknown layer kind '", given.kind, "'");
@@ -381,11 +171,11 @@ std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int
   }
   if (nested) {
     // Each layer of a block shares the block's index, which keys dropout masks and ties.
-    static const char* const inside[] = {"conv2d", "batchnorm2d", "relu", "gelu", "maxpool2d", "avgpool2d", "linear",
-                                         "layernorm", "attention"};
-    MPIPE_REQUIRE(std::find(std::begin(inside), std::end(inside), given.kind) != std::end(inside),
-                  "inside a residual use conv2d, batchnorm2d, relu, gelu, maxpool2d, avgpool2d, linear, layernorm or attention", where,
-                  ": a ", given.kind, " cannot be inside a residual block");
+    std::string nestable;
+    for (const LayerKind& k : layer_kinds())
+      if (k.nestable) nestable += cat(nestable.empty() ? "" : ", ", k.name);
+    MPIPE_REQUIRE(kind->nestable, cat("inside a residual use ", nestable), where, ": a ", given.kind,
+                  " cannot be inside a residual block");
     return kind->make(LayerArgs{spec, model, index, input, where, true});
   }
   if (kind->takes_tokens != (input.rank == 2 && model.tokens > 0 && index == 0))
@@ -398,46 +188,8 @@ std::unique_ptr<Layer> build(const LayerSpec& given, const ModelSpec& model, int
   return kind->make(LayerArgs{spec, model, index, input, where, false});
 }
 
-// The skip path of a residual block from `in` to `out`: none (the identity), a 1x1
-// convolution with the stride that maps the plane (images), optionally followed by a
-// BatchNorm, or a linear map of the channels; bias-free.
-std::vector<std::unique_ptr<Layer>> projection(const LayerArgs& a, const Shape& in, const Shape& out) {
-  const std::string skip = std::get<std::string>(a.spec.options.at("skip"));
-  const bool norm = a.boolean("skip-norm");
-  if (skip != "auto" && skip != "identity" && skip != "projection")
-    a.refuse("skip", cat("must be auto, identity or projection, got '", skip, "'"), "e.g. skip = \"auto\"");
-  std::vector<std::unique_ptr<Layer>> path;
-  if (in == out && skip != "projection") {
-    if (norm) a.refuse("skip-norm", "is set, but the skip path is the identity", "drop it, or give skip = \"projection\"");
-    return path;
-  }
-  if (skip == "identity")
-    a.refuse("skip", cat("is the identity, but the block maps ", in.str(), " to ", out.str()), "use skip = \"auto\" for a projection");
-  if (in.rank == 4 && out.rank == 4) {
-    for (std::int64_t s = 1; s <= in[2]; ++s)
-      if ((in[2] - 1) / s + 1 == out[2] && (in[3] - 1) / s + 1 == out[3]) {
-        path.push_back(std::make_unique<Conv2d>(in[1], out[1], 1, s, 0, 1, false,
-                                                static_cast<float>(std::sqrt(2.0 / static_cast<double>(in[1])))));
-        if (norm) path.push_back(std::make_unique<BatchNorm2d>(out[1], 1e-5f, 0.1f));
-        return path;
-      }
-  } else if (in.rank == out.rank && in.rank >= 2) {
-    if (norm) a.refuse("skip-norm", cat("needs images (N, C, H, W); the block maps ", in.str()), "drop it");
-    bool same_rows = true;
-    for (int d = 0; d + 1 < in.rank; ++d) same_rows = same_rows && in[d] == out[d];
-    if (same_rows) {
-      path.push_back(std::make_unique<Linear>(in[-1], out[-1], false, 0.02f));
-      return path;
-    }
-  }
-  a.refuse("kind", cat("maps ", in.str(), " to ", out.str(), ", which no 1x1 convolution or linear skip path matches"),
-           "keep the plane a stride of the input's, and the rank");
-}
-
-}  // namespace
-
 std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape& input, const std::string& where) {
-  return build(model.layers[static_cast<std::size_t>(index)], model, index, input, where, false);
+  return build_layer(model.layers[static_cast<std::size_t>(index)], model, index, input, where, false);
 }
 
 // ---- model files -------------------------------------------------------------------------

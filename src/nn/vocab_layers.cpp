@@ -2,6 +2,9 @@
 // the logits' GEMMs through ops, the online softmax in backend/cpu.
 #include "mpipe/nn/vocab_layers.hpp"
 
+#include "mpipe/nn/dense_layers.hpp"
+#include "mpipe/nn/registry.hpp"
+
 namespace mpipe {
 
 namespace {
@@ -126,6 +129,65 @@ void VocabLoss::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, 
   MPIPE_CHECK(mode == GradMode::overwrite, "cross-entropy writes its gradient");
   ops::zero(hidden(dx, channels_));
   ops::vocab_loss_backward(statistics(dx, channels_), statistics(ctx.input, channels_), pass.loss_scale);
+}
+
+// ---- registry entries ----------------------------------------------------------------
+
+// The head split over the vocabulary, and the loss (after a head's last chunk, or after
+// logits).
+std::vector<LayerKind> vocab_layer_kinds() {
+  using T = OptionType;
+  const OptionSpec init_std{"init-std", T::number, 0.02, "std of the normal initial weights"};
+  std::vector<LayerKind> k;
+  k.push_back({"vocab-chunk",
+               "chunk c of n of a language-model head split over the vocabulary (an online softmax carried from "
+               "chunk to chunk, so a pipeline can spread the head over stages): (.., C) or the previous chunk's "
+               "(.., C + 4) -> (.., C + 4); the loss follows the last chunk",
+               {{"vocab", T::integer, std::nullopt, "tokens in the whole vocabulary"},
+                {"chunk", T::integer, std::nullopt, "which chunk, from 0; chunk c covers [c vocab / n, (c + 1) vocab / n)"},
+                {"chunks", T::integer, std::nullopt, "chunks the vocabulary is split into"},
+                init_std,
+                {"tie", T::integer, std::int64_t{-1}, "index of an earlier embedding whose token table's rows this weight is"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const std::int64_t vocab = a.integer("vocab"), chunks = a.integer("chunks"), chunk = a.integer("chunk", 0);
+                 if (chunks > vocab) a.refuse("chunks", cat(chunks, " is more than the ", vocab, " tokens"), "give at most vocab chunks");
+                 if (chunk >= chunks) a.refuse("chunk", cat(chunk, " is not below chunks = ", chunks), "number the chunks from 0");
+                 // The chunks come in order, one after another, then the loss.
+                 const LayerSpec* before = a.index > 0 ? &a.model.layers[static_cast<std::size_t>(a.index - 1)] : nullptr;
+                 const bool follows = before && before->kind == "vocab-chunk" &&
+                                      std::get<std::int64_t>(before->options.at("vocab")) == vocab &&
+                                      std::get<std::int64_t>(before->options.at("chunks")) == chunks &&
+                                      std::get<std::int64_t>(before->options.at("chunk")) == chunk - 1;
+                 if (chunk > 0 && !follows)
+                   a.refuse("chunk", cat(chunk, " does not follow chunk ", chunk - 1, " of the same vocab and chunks"), "put the chunks in order, one after another");
+                 if (chunk == 0 && before && before->kind == "vocab-chunk")
+                   a.refuse("chunk", "0 follows another chunk", "one head's chunks are 0 .. chunks - 1 in order");
+                 const std::size_t next = static_cast<std::size_t>(a.index + 1);
+                 const bool last = chunk == chunks - 1;
+                 if (next < a.model.layers.size() && a.model.layers[next].kind != (last ? "cross_entropy" : "vocab-chunk"))
+                   a.refuse("chunk", last ? "the last chunk must be followed by the loss (cross_entropy)" : cat("must be followed by chunk ", chunk + 1),
+                            "put the chunks in order, then the loss");
+                 if (a.input.rank < 2) a.refuse("kind", cat("needs (batch, …, channels), gets ", a.input.str()), "put it after a layer that makes channels");
+                 const std::int64_t C = chunk == 0 ? a.input[-1] : a.input[-1] - 4;
+                 const int tie = a.tied_table(vocab, C, "head's");
+                 return std::make_unique<VocabChunk>(vocab, chunk, chunks, C, static_cast<float>(a.number("init-std")), tie);
+               },
+               false});
+  k.push_back({"cross_entropy",
+               "the loss: softmax cross-entropy of logits (.., classes) against targets, or of the statistics of a "
+               "head split over the vocabulary (after its last vocab-chunk); the last layer",
+               {}, false, [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const LayerSpec* before = a.index > 0 ? &a.model.layers[static_cast<std::size_t>(a.index - 1)] : nullptr;
+                 if (before && before->kind == "vocab-chunk") {
+                   const auto chunk = std::get<std::int64_t>(before->options.at("chunk")),
+                              chunks = std::get<std::int64_t>(before->options.at("chunks"));
+                   if (chunk != chunks - 1) a.refuse("kind", cat("follows chunk ", chunk, " of ", chunks, ", not the last"), "give every chunk of the head");
+                   return std::make_unique<VocabLoss>(std::get<std::int64_t>(before->options.at("vocab")), a.input[-1] - 4);
+                 }
+                 return std::make_unique<CrossEntropyLoss>();
+               }});
+  return k;
 }
 
 }  // namespace mpipe

@@ -117,7 +117,7 @@ std::vector<double> boundary_bytes(const Model& model, int micro) {
   std::vector<double> bytes(static_cast<std::size_t>(model.size()) + 1, 0.0);
   for (int b = 1; b < model.size(); ++b) {
     const bool gradient_back = model.layer(b).input_dtype() == DType::f32;
-    bytes[static_cast<std::size_t>(b)] = static_cast<double>(shapes[static_cast<std::size_t>(b)].numel()) * 4 * (gradient_back ? 2 : 1);
+    bytes[static_cast<std::size_t>(b)] = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(b)].numel())) * (gradient_back ? 2 : 1);
   }
   return bytes;
 }

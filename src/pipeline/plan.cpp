@@ -17,13 +17,13 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
     StageMemory& m = out[static_cast<std::size_t>(s)];
     for (int i = part.begin(s); i < part.end(s); ++i) {
       const Cost c = model.layer(i).cost(shapes[static_cast<std::size_t>(i)]);
-      m.params += static_cast<double>(c.param_bytes) / 4;
+      m.params += static_cast<double>(c.param_bytes) / word_bytes;
       m.activation += static_cast<double>(c.activation_bytes);
       // A Linear whose next layer on the stage has no W keeps its dy in its own output's
       // buffer (Stage::backward, keeps_dy_in_output): no stash of its own.
       if (!keeps_dy_in_output(model, i, part.end(s))) m.stash += static_cast<double>(c.weight_stash_bytes);
     }
-    m.boundary = static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()) * 4;
+    m.boundary = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()));
   }
   return out;
 }
@@ -45,7 +45,7 @@ double Plan::state_copies() const {
 
 double Plan::weight_bytes(int stage) const {
   double bytes = 0;
-  for (const int m : schedule.stages_of(stage)) bytes += 4.0 * memory[static_cast<std::size_t>(m)].params * state_copies();
+  for (const int m : schedule.stages_of(stage)) bytes += f32_bytes(memory[static_cast<std::size_t>(m)].params * state_copies());
   return bytes;
 }
 

@@ -104,7 +104,7 @@ Pass Stage::make_pass(std::int64_t step, int mb, Arena* arena) const {
   pass.dtype = shared_.dtype;
   if (targets_) {
     const Shape tg = model_.target_shape(plan.micro_batch_size);
-    pass.targets = {static_cast<std::byte*>(shared_.device_ops->targets().data) + static_cast<std::size_t>(mb) * tg.numel() * 4,
+    pass.targets = {static_cast<std::byte*>(shared_.device_ops->targets().data) + static_cast<std::size_t>(mb) * tg.numel() * word_bytes,
                     tg, DType::i32, shared_.device};
     if (last_) pass.device_loss_sum = shared_.device_ops->loss_sum();
   }
@@ -119,7 +119,7 @@ Pass Stage::make_pass(std::int64_t step, int mb, Arena* arena) const {
 Tensor Stage::input(const Pass& pass, int mb) {
   if (!first_) return shared_.transport->received(Direction::forward, channel_, mb);
   const Shape in = (*shared_.shapes)[0];
-  Tensor x = {static_cast<std::byte*>(shared_.device_ops->inputs().data) + static_cast<std::size_t>(mb) * in.numel() * 4,
+  Tensor x = {static_cast<std::byte*>(shared_.device_ops->inputs().data) + static_cast<std::size_t>(mb) * in.numel() * word_bytes,
               in, model_.input_dtype(), shared_.device};
   if (x.dtype == DType::f32 && shared_.dtype != DType::f32) {  // the MLP's features, in bf16 training
     const Tensor converted = pass.arena->tensor(in, shared_.dtype);

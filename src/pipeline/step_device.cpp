@@ -18,9 +18,9 @@ class CpuStepDevice final : public StepDevice {
   CpuStepDevice() : StepDevice(Device::cpu, false) {}
 
   void allocate_batch(const Shape& inputs, DType input_dtype, const Shape& targets) override {
-    memory_ = std::make_unique<std::byte[]>(static_cast<std::size_t>(inputs.numel() + targets.numel()) * 4);
+    memory_ = std::make_unique<std::byte[]>(static_cast<std::size_t>(inputs.numel() + targets.numel()) * word_bytes);
     host_inputs_ = inputs_ = {memory_.get(), inputs, input_dtype, Device::cpu};
-    host_targets_ = targets_ = {memory_.get() + inputs.numel() * 4, targets, DType::i32, Device::cpu};
+    host_targets_ = targets_ = {memory_.get() + inputs.numel() * word_bytes, targets, DType::i32, Device::cpu};
   }
   void copy(void* dst, const void* src, std::size_t bytes) const override { std::memcpy(dst, src, bytes); }
 
@@ -42,13 +42,13 @@ class CudaStepDevice final : public StepDevice {
   }
 
   void allocate_batch(const Shape& inputs, DType input_dtype, const Shape& targets) override {
-    const std::size_t bytes = static_cast<std::size_t>(inputs.numel() + targets.numel()) * 4;
+    const std::size_t bytes = static_cast<std::size_t>(inputs.numel() + targets.numel()) * word_bytes;
     host_ = cuda::PinnedBuffer(bytes);  // pinned: the copy to the GPU is one DMA
     device_ = cuda::DeviceBuffer(bytes);
     host_inputs_ = {host_.data(), inputs, input_dtype, Device::cpu};
-    host_targets_ = {host_.as<std::byte>() + inputs.numel() * 4, targets, DType::i32, Device::cpu};
+    host_targets_ = {host_.as<std::byte>() + inputs.numel() * word_bytes, targets, DType::i32, Device::cpu};
     inputs_ = {device_.data(), inputs, input_dtype, Device::cuda};
-    targets_ = {device_.as<std::byte>() + inputs.numel() * 4, targets, DType::i32, Device::cuda};
+    targets_ = {device_.as<std::byte>() + inputs.numel() * word_bytes, targets, DType::i32, Device::cuda};
   }
   void upload_batch() override { cuda::copy_to_device(device_.data(), host_.data(), host_.bytes()); }
 

@@ -12,6 +12,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include "mpipe/nn/transformer_layers.hpp"
+#include "mpipe/nn/residual.hpp"
 #include "mpipe/backend/cuda/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/app/config.hpp"

@@ -19,6 +19,8 @@
 #include "tiny_gpt.hpp"
 #include "compare.hpp"
 #include "gather.hpp"
+#include "mpipe/nn/transformer_layers.hpp"
+#include "mpipe/nn/residual.hpp"
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/executor.hpp"

@@ -5,6 +5,8 @@
 #include <limits>
 #include <vector>
 
+#include "mpipe/nn/transformer_layers.hpp"
+#include "mpipe/nn/residual.hpp"
 #include "mpipe/app/config.hpp"
 #include "mpipe//backend/cpu/ops.hpp"
 #include "mpipe/backend/cpu/vmath.hpp"

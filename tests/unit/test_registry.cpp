@@ -10,6 +10,8 @@
 #include <fstream>
 #include <string>
 
+#include "mpipe/nn/transformer_layers.hpp"
+#include "mpipe/nn/residual.hpp"
 #include "mpipe/app/config.hpp"
 #include "mpipe//core/error.hpp"
 #include "mpipe/nn/model.hpp"
@@ -85,6 +87,35 @@ ModelConfig one_block_gpt() {
 }
 
 }  // namespace
+
+TEST_CASE("a residual block takes the kinds marked nestable inside, and refuses the others by name") {
+  int nestable = 0;
+  for (const LayerKind& kind : layer_kinds()) {
+    INFO(kind.name);
+    if (kind.name == "cross_entropy") continue;  // the loss ends a model; it is no layer to nest
+    const ModelSpec single = one_layer_model(kind);
+    const LayerSpec inner = single.layers[single.layers.size() == 3 ? 1 : 0];
+    ModelSpec m = single;
+    int at = single.layers.size() == 3 ? 1 : 0;
+    if (kind.takes_tokens) {  // the block after an embedding, so that the refusal is the nesting's
+      m.layers.insert(m.layers.begin(), {"embedding", {{"vocab", std::int64_t{16}}, {"out", std::int64_t{16}}}});
+      at = 1;
+    }
+    m.layers[static_cast<std::size_t>(at)] = LayerSpec{"residual", {}, {inner}};
+    const Shape input = takes_images(kind.name) ? Shape{1, 4, 6, 6} : Shape{1, 8, 16};
+    std::string refused;
+    try {
+      make_layer(m, at, input, "test layer");
+    } catch (const UserError& e) {
+      refused = e.what();
+    }
+    const bool said = refused.find("cannot be inside a residual block") != std::string::npos;
+    CHECK(said == !kind.nestable);
+    if (said) CHECK(refused.find(kind.name) != std::string::npos);  // the message names the kind
+    nestable += kind.nestable ? 1 : 0;
+  }
+  CHECK(nestable == 9);  // conv2d, batchnorm2d, relu, gelu, maxpool2d, avgpool2d, linear, layernorm, attention
+}
 
 TEST_CASE("every registered layer kind builds from its options and is the layer it names") {
   CHECK(layer_kinds().size() >= 16);

@@ -8,6 +8,8 @@
 #include <memory>
 
 #include "gradcheck.hpp"
+#include "mpipe/nn/transformer_layers.hpp"
+#include "mpipe/nn/residual.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/error.hpp"
 #include "mpipe/nn/model.hpp"

@@ -16,6 +16,10 @@ enum class DType : std::uint8_t { f32, i32, bf16 };
 enum class Device : std::uint8_t { cpu, cuda };
 
 inline std::size_t dtype_size(DType dtype) { return dtype == DType::bf16 ? 2 : 4; }
+// Bytes of one fp32 or int32 element: master parameters, optimizer state, a batch's
+// tokens, features and targets, and activations as costs count them.
+inline constexpr std::size_t word_bytes = 4;
+inline double f32_bytes(double elements) { return static_cast<double>(word_bytes) * elements; }
 const char* to_string(DType dtype);
 const char* to_string(Device device);
 

@@ -102,4 +102,8 @@ class Flatten final : public Layer {
                      const Pass& pass) override;
 };
 
+// This file's layer kinds, for the registry (nn/registry.hpp).
+struct LayerKind;
+std::vector<LayerKind> conv_layer_kinds();
+
 }  // namespace mpipe

@@ -10,6 +10,10 @@
 // same context; every other gradient is still accumulated in backward().
 // The public forward/backward check shapes and call the virtual *_impl (as in
 // tiny-cuda-nn's object.h). Each layer reports its cost for the partitioner and `plan`.
+//
+// The layer kinds live in files by family, each kind's class beside its registry entry
+// (nn/registry.hpp): dense_layers (linear, activations, layernorm, dropout, the loss),
+// transformer_layers (embedding, attention, block), conv_layers, residual, vocab_layers.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -128,6 +132,9 @@ class Layer {
   // a composite's parts' inputs) until it runs. The others' forward memory is free once
   // their backward has run.
   virtual bool defers_weight() const { return false; }
+  // Whether a split backward keeps this layer's own dy for its W (a Linear; composite
+  // layers keep their parts'): keeps_dy_in_output() may then lend it its output's buffer.
+  virtual bool keeps_dy() const { return false; }
 
   int global_index() const { return global_index_; }
   // Composite layers pass the index on to their parts (it keys dropout masks).
@@ -156,227 +163,10 @@ class Layer {
 // For layers of a weight and an optional bias (param_specs in that order).
 void bind_weight_bias(std::span<const Tensor> params, std::span<const Tensor> grads, Tensor& weight, Tensor& dweight,
                       Tensor& bias, Tensor& dbias);
-
-// ---- the layers ----------------------------------------------------------------------
-
-// y (.., OC) = x (.., C) · W^T + b, W stored (OC, C) as PyTorch does.
-class Linear final : public Layer {
- public:
-  Linear(int64_t in, int64_t out, bool bias, float init_std);
-  std::string kind() const override { return "linear"; }
-  bool defers_weight() const override { return true; }
-  Shape output_shape(const Shape& in) const override;
-  Cost cost(const Shape& in) const override;
-  std::vector<ParamSpec> param_specs() const override;
-  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
-  // GELU(forward(x)) in one call (a fused GEMM epilogue on a GPU). Fills this layer's
-  // context and `gelu_ctx` exactly as forward() and then GELU::forward() would.
-  Tensor forward_gelu(const Tensor& x, Context& ctx, Context& gelu_ctx, const Pass& pass);
-  // For composite layers: prefix parameter names and tie the weight to another layer.
-  void tie_weight(int layer, std::string name) { tied_layer_ = layer; tied_name_ = std::move(name); }
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_weight_impl(Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-
- private:
-  int64_t in_, out_;
-  bool has_bias_;
-  float init_std_;
-  int tied_layer_ = -1;
-  std::string tied_name_;
-  Tensor weight_, bias_, dweight_, dbias_;
-};
-
-class ReLU final : public Layer {
- public:
-  std::string kind() const override { return "relu"; }
-  Shape output_shape(const Shape& in) const override { return in; }
-  Cost cost(const Shape& in) const override;
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-};
-
-class GELU final : public Layer {
- public:
-  std::string kind() const override { return "gelu"; }
-  Shape output_shape(const Shape& in) const override { return in; }
-  Cost cost(const Shape& in) const override;
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-};
-
-class LayerNorm final : public Layer {
- public:
-  explicit LayerNorm(int64_t channels) : channels_(channels) {}
-  std::string kind() const override { return "layernorm"; }
-  Shape output_shape(const Shape& in) const override { return in; }
-  Cost cost(const Shape& in) const override;
-  std::vector<ParamSpec> param_specs() const override;
-  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-
- private:
-  int64_t channels_;
-  Tensor weight_, bias_, dweight_, dbias_;
-};
-
-// Inverted dropout with counter-based masks; `site` tells apart the dropouts of one
-// global layer. The mask is recomputed in backward, never stored.
-class Dropout final : public Layer {
- public:
-  Dropout(float p, int site) : p_(p), site_(site) {}
-  std::string kind() const override { return "dropout"; }
-  Shape output_shape(const Shape& in) const override { return in; }
-  Cost cost(const Shape& in) const override;
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-
- private:
-  float p_;
-  int site_;
-};
-
-// The mask key of dropout site `site` of global layer `layer` in this pass.
-DropoutKey dropout_key(const Pass& pass, int layer, int site);
-
-// Token + learned position embedding: tokens (B, T) int32 -> (B, T, C), then dropout.
-class Embedding final : public Layer {
- public:
-  Embedding(int64_t vocab, int64_t max_seq, int64_t channels, float dropout);
-  std::string kind() const override { return "embedding"; }
-  DType input_dtype() const override { return DType::i32; }
-  Shape output_shape(const Shape& in) const override;
-  Cost cost(const Shape& in) const override;
-  std::vector<ParamSpec> param_specs() const override;
-  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-
- private:
-  int64_t vocab_, max_seq_, channels_;
-  float dropout_;
-  Tensor wte_, wpe_, dwte_, dwpe_;
-};
-
-// Causal multi-head self-attention: qkv projection, attention core, output projection.
-class CausalSelfAttention final : public Layer {
- public:
-  CausalSelfAttention(int64_t channels, int64_t heads, float init_std, float proj_std);
-  std::string kind() const override { return "attention"; }
-  bool defers_weight() const override { return true; }
-  void set_global_index(int index) override;
-  Shape output_shape(const Shape& in) const override { return in; }
-  Cost cost(const Shape& in) const override;
-  std::vector<ParamSpec> param_specs() const override;
-  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
-  int64_t heads() const { return heads_; }
-  // What a forward kept for the attention's backward, dead once backward() has run (its
-  // memory lives as long as the forward's): (B, H, T, T) probabilities on the CPU, fp32;
-  // (B, H, T) log-sum-exp on a GPU.
-  static const Tensor& state(const Context& ctx) { return ctx.saved[1]; }
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_weight_impl(Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-
- private:
-  int64_t channels_, heads_;
-  Linear qkv_, proj_;
-};
-
-// Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))),
-// the MLP being Linear(C, 4C), GELU, Linear(4C, C).
-class TransformerBlock final : public Layer {
- public:
-  TransformerBlock(int64_t channels, int64_t heads, float dropout, float init_std, float proj_std);
-  std::string kind() const override { return "block"; }
-  bool defers_weight() const override { return true; }
-  void set_global_index(int index) override;
-  Shape output_shape(const Shape& in) const override { return in; }
-  Cost cost(const Shape& in) const override;
-  std::vector<ParamSpec> param_specs() const override;
-  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_weight_impl(Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-
- private:
-  int64_t channels_;
-  LayerNorm ln1_, ln2_;
-  CausalSelfAttention attn_;
-  Linear fc_, fc_proj_;
-  GELU gelu_;
-  float dropout_;
-};
-
-// A residual block: y = inner(x) + skip(x), inner a list of layers (a model file's
-// [[layer.layer]] tables), skip the identity or, where inner changes the shape, a
-// projection (a 1x1 convolution with stride for images, a linear map otherwise; no bias),
-// optionally followed by a BatchNorm (ResNet's downsample path).
-// Its parameters are the inner layers' under "<i>.", the projection's under "skip." and
-// the projection's BatchNorm's under "skip_norm.".
-class Residual final : public Layer {
- public:
-  // `skip`: empty (the identity), {projection} or {projection, norm}.
-  Residual(std::vector<std::unique_ptr<Layer>> inner, std::vector<std::unique_ptr<Layer>> skip);
-  std::string kind() const override { return "residual"; }
-  bool defers_weight() const override { return true; }
-  void set_global_index(int index) override;
-  Shape output_shape(const Shape& in) const override;
-  Cost cost(const Shape& in) const override;
-  std::vector<ParamSpec> param_specs() const override;
-  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
-  void parts(std::vector<Layer*>& out) override;
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_weight_impl(Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-
- private:
-  std::vector<std::unique_ptr<Layer>> inner_;
-  std::vector<std::unique_ptr<Layer>> skip_;  // empty: the identity
-};
-
-// Softmax cross-entropy over the last dimension against pass.targets. Its output is the
-// micro-batch's summed loss, shape (1); backward ignores dy and writes
-// dlogits = loss_scale * (softmax - onehot).
-class CrossEntropyLoss final : public Layer {
- public:
-  std::string kind() const override { return "cross_entropy"; }
-  bool needs_targets() const override { return true; }
-  Shape output_shape(const Shape& in) const override { return Shape{1}; }
-  Cost cost(const Shape& in) const override;
-
- protected:
-  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
-  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
-                     const Pass& pass) override;
-};
+// For composite layers: their parts' parameters under a prefix, and consecutive slices
+// of params/grads handed to the parts in param_specs() order.
+void append_specs(std::vector<ParamSpec>& out, const std::string& prefix, const Layer& part);
+void bind_parts(std::span<const Tensor> params, std::span<const Tensor> grads, std::span<Layer* const> parts);
+void bind_parts(std::span<const Tensor> params, std::span<const Tensor> grads, std::initializer_list<Layer*> parts);
 
 }  // namespace mpipe

@@ -91,7 +91,7 @@ class Model {
 };
 
 // Where a split backward (B then W) keeps a layer's output gradient for its W: layer
-// `layer`, a Linear that is not the last of its stage (which ends before `stage_end`)
+// `layer`, a Linear (Layer::keeps_dy) that is not the last of its stage (which ends before `stage_end`)
 // and whose next layer has no W of its own, keeps its dy in its own output's buffer,
 // which nothing reads any more once the next layer's backward has run (the LM head's in
 // the logits, an MLP's in what its ReLU read): no stash memory of its own. The stage

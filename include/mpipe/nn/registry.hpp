@@ -1,10 +1,14 @@
 // Models as data: a model is a list of layer specs (a kind and its options), and the
-// layer registry is the one place that knows each kind: its options, and how to build
-// it from them and the shape coming in. Presets (gpt, mlp) are such lists built from the
-// command line's sizes; a model file (TOML) is one a user writes.
+// layer registry knows each kind: its options, and how to build it from them and the
+// shape coming in. Presets (gpt, mlp, resnet) are such lists built from the command
+// line's sizes; a model file (TOML) is one a user writes.
 //
-// Adding a layer kind: its class (nn/layer.hpp), one entry in registry.cpp's table, and
-// its tests. The pipeline, checkpoints, `plan` and `inspect` see only layers.
+// Each kind's entry (a LayerKind) lives beside its class, in its family's file
+// (dense_layers, transformer_layers, conv_layers, residual, vocab_layers), which returns
+// them from one function; the registry lists the families. Adding a layer kind: its
+// class and entry in a family file, its ops (backend/) and its tests; a new family file
+// adds its function to registry.cpp's list. The pipeline, checkpoints, `plan` and
+// `inspect` see only layers.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -60,6 +64,15 @@ struct LayerArgs {
   std::int64_t integer(const std::string& name, std::int64_t least = 1) const;  // checked: least .. 2^31
   double number(const std::string& name) const;
   bool boolean(const std::string& name) const;
+  const std::string& text(const std::string& name) const;
+  // The channels of a (.., C) input; refuses other inputs.
+  std::int64_t channels() const;
+  // The window of a layer over an (N, C, H, W) input; refuses other inputs and windows
+  // larger than the padded plane.
+  Window2d image_window(std::int64_t kernel, std::int64_t stride, std::int64_t padding) const;
+  // The layer's `tie` option: -1 (none), or the index of an earlier embedding whose token
+  // table is `rows` x `width`, the shape of the weight (`what`: "weight", "head's") tied to it.
+  int tied_table(std::int64_t rows, std::int64_t width, const char* what) const;
   // A UserError about option `name` of this layer.
   [[noreturn]] void refuse(const std::string& name, const std::string& problem, const std::string& hint) const;
 };
@@ -70,12 +83,19 @@ struct LayerKind {
   std::vector<OptionSpec> options;
   bool takes_tokens = false;  // its input is token ids (B, T) int32
   std::function<std::unique_ptr<Layer>(const LayerArgs&)> make;
-  bool gpu = true;  // has CUDA kernels (--device cuda refuses a model with one that has not)
+  bool gpu = true;        // has CUDA kernels (--device cuda refuses a model with one that has not)
+  bool nestable = false;  // may be an inner layer of a residual block ([[layer.layer]])
 };
 
 // Every layer kind, in the order `plan --layers-help` lists them.
 const std::vector<LayerKind>& layer_kinds();
 const LayerKind* find_layer_kind(const std::string& name);
+
+// Builds `spec` with `input` coming in: its options checked by name and type, defaults
+// filled, then its kind's builder. `nested`: inside a residual block (which builds its
+// inner layers with this). UserError naming `where`, the key and the problem.
+std::unique_ptr<Layer> build_layer(const LayerSpec& spec, const ModelSpec& model, int index, const Shape& input,
+                                   const std::string& where, bool nested);
 
 // Builds layer `index` of `model` with `input` coming in; UserError naming `where`, the
 // key and the problem when the spec is not one the kind takes.

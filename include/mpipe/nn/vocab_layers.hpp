@@ -65,4 +65,8 @@ class VocabLoss final : public Layer {
   int64_t vocab_, channels_;
 };
 
+// This file's layer kinds, for the registry (nn/registry.hpp).
+struct LayerKind;
+std::vector<LayerKind> vocab_layer_kinds();
+
 }  // namespace mpipe

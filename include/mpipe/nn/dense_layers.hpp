@@ -1,0 +1,129 @@
+// Dense layers: linear maps, activations, layer normalisation, dropout, and the loss.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mpipe/nn/layer.hpp"
+
+namespace mpipe {
+
+// y (.., OC) = x (.., C) · W^T + b, W stored (OC, C) as PyTorch does.
+class Linear final : public Layer {
+ public:
+  Linear(int64_t in, int64_t out, bool bias, float init_std);
+  std::string kind() const override { return "linear"; }
+  bool defers_weight() const override { return true; }
+  bool keeps_dy() const override { return true; }
+  Shape output_shape(const Shape& in) const override;
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  // GELU(forward(x)) in one call (a fused GEMM epilogue on a GPU). Fills this layer's
+  // context and `gelu_ctx` exactly as forward() and then GELU::forward() would.
+  Tensor forward_gelu(const Tensor& x, Context& ctx, Context& gelu_ctx, const Pass& pass);
+  // For composite layers: prefix parameter names and tie the weight to another layer.
+  void tie_weight(int layer, std::string name) { tied_layer_ = layer; tied_name_ = std::move(name); }
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_weight_impl(Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  int64_t in_, out_;
+  bool has_bias_;
+  float init_std_;
+  int tied_layer_ = -1;
+  std::string tied_name_;
+  Tensor weight_, bias_, dweight_, dbias_;
+};
+
+class ReLU final : public Layer {
+ public:
+  std::string kind() const override { return "relu"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+};
+
+class GELU final : public Layer {
+ public:
+  std::string kind() const override { return "gelu"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+};
+
+class LayerNorm final : public Layer {
+ public:
+  explicit LayerNorm(int64_t channels) : channels_(channels) {}
+  std::string kind() const override { return "layernorm"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+  std::vector<ParamSpec> param_specs() const override;
+  void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  int64_t channels_;
+  Tensor weight_, bias_, dweight_, dbias_;
+};
+
+// Inverted dropout with counter-based masks; `site` tells apart the dropouts of one
+// global layer. The mask is recomputed in backward, never stored.
+class Dropout final : public Layer {
+ public:
+  Dropout(float p, int site) : p_(p), site_(site) {}
+  std::string kind() const override { return "dropout"; }
+  Shape output_shape(const Shape& in) const override { return in; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+
+ private:
+  float p_;
+  int site_;
+};
+
+// The mask key of dropout site `site` of global layer `layer` in this pass.
+DropoutKey dropout_key(const Pass& pass, int layer, int site);
+
+// Softmax cross-entropy over the last dimension against pass.targets. Its output is the
+// micro-batch's summed loss, shape (1); backward ignores dy and writes
+// dlogits = loss_scale * (softmax - onehot).
+class CrossEntropyLoss final : public Layer {
+ public:
+  std::string kind() const override { return "cross_entropy"; }
+  bool needs_targets() const override { return true; }
+  Shape output_shape(const Shape& in) const override { return Shape{1}; }
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+};
+
+// This file's layer kinds, for the registry (nn/registry.hpp).
+struct LayerKind;
+std::vector<LayerKind> dense_layer_kinds();
+
+}  // namespace mpipe

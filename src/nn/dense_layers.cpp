@@ -1,0 +1,253 @@
+// Dense layers (linear, activations, layernorm, dropout, the loss) and their kinds.
+#include "mpipe/nn/dense_layers.hpp"
+
+#include <cmath>
+
+#include "mpipe/nn/registry.hpp"
+
+namespace mpipe {
+
+// ---- Linear ------------------------------------------------------------------------
+
+Linear::Linear(int64_t in, int64_t out, bool bias, float init_std)
+    : in_(in), out_(out), has_bias_(bias), init_std_(init_std) {}
+
+Shape Linear::output_shape(const Shape& in) const {
+  Shape out = in;
+  out[-1] = out_;
+  return out;
+}
+
+Cost Linear::cost(const Shape& in) const {
+  const double rows = static_cast<double>(in.rows());
+  return {2.0 * rows * in_ * out_, 4.0 * rows * in_ * out_,
+          f32_bytes(static_cast<double>(in_) * out_ + (has_bias_ ? out_ : 0)), f32_bytes(rows * out_),
+          2.0 * rows * in_ * out_, f32_bytes(rows * out_)};
+}
+
+std::vector<ParamSpec> Linear::param_specs() const {
+  std::vector<ParamSpec> specs;
+  specs.push_back({"weight", Shape{out_, in_}, Init::normal, init_std_, true, tied_layer_, tied_name_});
+  if (has_bias_) specs.push_back({"bias", Shape{out_}, Init::zeros, 0.0f, false});
+  return specs;
+}
+
+void Linear::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  bind_weight_bias(params, grads, weight_, dweight_, bias_, dbias_);
+}
+
+Tensor Linear::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(x.shape[-1] == in_, "linear layer ", global_index(), ": input ", x.shape.str(),
+              " has not ", in_, " features");
+  Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);  // (N, OC)
+  ops::matmul_forward(y, x, weight_, bias_);
+  return y;
+}
+
+Tensor Linear::forward_gelu(const Tensor& x, Context& ctx, Context& gelu_ctx, const Pass& pass) {
+  MPIPE_CHECK(x.shape[-1] == in_, "linear layer ", global_index(), ": input ", x.shape.str(), " has not ", in_,
+              " features");
+  const Shape shape = output_shape(x.shape);
+  Tensor pre = pass.arena->tensor(shape, pass.dtype);  // (N, OC), what GELU's backward needs
+  Tensor y = pass.arena->tensor(shape, pass.dtype);    // (N, OC)
+  ops::matmul_gelu_forward(y, pre, x, weight_, bias_);
+  ctx.input = x;
+  gelu_ctx.input = pre;
+  return y;
+}
+
+void Linear::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                           const Pass& pass) {
+  if (!pass.stash) {
+    ops::matmul_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, mode);
+    return;
+  }
+  // Split: dx now; dy kept (the caller may overwrite its own) for the weight gradient,
+  // which is then the same two calls as above, only later.
+  ops::matmul_backward(dx, Tensor{}, Tensor{}, dy, ctx.input, weight_, mode);
+  if (pass.stash_into.empty()) {
+    ctx.output_grad = pass.stash->tensor(dy.shape, dy.dtype);
+  } else {
+    MPIPE_CHECK(pass.stash_into.shape == dy.shape && pass.stash_into.dtype == dy.dtype, "linear layer ", global_index(),
+                ": a stash buffer of ", pass.stash_into.shape.str(), " for dy ", dy.shape.str());
+    ctx.output_grad = pass.stash_into;
+  }
+  if (ctx.output_grad.data != dy.data) ops::copy(ctx.output_grad, dy);
+}
+
+void Linear::backward_weight_impl(Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(!ctx.output_grad.empty(), "linear layer ", global_index(), ": weight gradient without a split backward");
+  ops::matmul_backward(Tensor{}, dweight_, dbias_, ctx.output_grad, ctx.input, weight_, GradMode::accumulate);
+  ctx.output_grad = Tensor{};  // once per backward
+}
+
+// ---- ReLU, GELU --------------------------------------------------------------------
+
+Cost ReLU::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {n, n, 0, f32_bytes(n)};
+}
+
+Tensor ReLU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  ops::relu_forward(y, x);
+  ctx.saved[0] = y;  // backward needs only the sign of the output
+  return y;
+}
+
+void ReLU::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                         const Pass& pass) {
+  ops::relu_backward(dx, dy, ctx.saved[0], mode);
+}
+
+Cost GELU::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {8 * n, 16 * n, 0, f32_bytes(n)};
+}
+
+Tensor GELU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  ops::gelu_forward(y, x);
+  return y;
+}
+
+void GELU::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                         const Pass& pass) {
+  ops::gelu_backward(dx, dy, ctx.input, mode);
+}
+
+// ---- LayerNorm ---------------------------------------------------------------------
+
+Cost LayerNorm::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {8 * n, 12 * n, f32_bytes(2.0 * channels_), f32_bytes(n + 2.0 * in.rows())};
+}
+
+std::vector<ParamSpec> LayerNorm::param_specs() const {
+  return {{"weight", Shape{channels_}, Init::ones, 0.0f, false},
+          {"bias", Shape{channels_}, Init::zeros, 0.0f, false}};
+}
+
+void LayerNorm::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  weight_ = params[0];
+  bias_ = params[1];
+  dweight_ = grads[0];
+  dbias_ = grads[1];
+}
+
+Tensor LayerNorm::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(x.shape[-1] == channels_, "layernorm: input ", x.shape.str());
+  const int64_t rows = x.shape.rows();
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  ctx.saved[0] = pass.arena->tensor(Shape{rows});  // mean (N), fp32
+  ctx.saved[1] = pass.arena->tensor(Shape{rows});  // rstd (N), fp32
+  ops::layernorm_forward(y, ctx.saved[0], ctx.saved[1], x, weight_, bias_);
+  return y;
+}
+
+void LayerNorm::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
+                              GradMode mode, const Pass& pass) {
+  ops::layernorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode);
+}
+
+// ---- Dropout -----------------------------------------------------------------------
+
+DropoutKey dropout_key(const Pass& pass, int layer, int site) {
+  return {pass.seed, pass.step, pass.sample_begin, static_cast<uint32_t>(layer * 16 + site)};
+}
+
+Cost Dropout::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {n, n, 0, f32_bytes(n)};
+}
+
+Tensor Dropout::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  if (!pass.training || p_ == 0.0f) return x;
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  ops::dropout_apply(y, x, p_, dropout_key(pass, global_index(), site_));
+  return y;
+}
+
+void Dropout::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                            const Pass& pass) {
+  if (!pass.training || p_ == 0.0f) {
+    if (mode == GradMode::accumulate) ops::add(dx, dy);
+    else ops::copy(dx, dy);
+    return;
+  }
+  if (mode == GradMode::overwrite) {
+    ops::dropout_apply(dx, dy, p_, dropout_key(pass, global_index(), site_));
+  } else {
+    Tensor tmp = pass.arena->tensor(dy.shape, pass.dtype);
+    ops::dropout_apply(tmp, dy, p_, dropout_key(pass, global_index(), site_));
+    ops::add(dx, tmp);
+  }
+}
+
+// ---- CrossEntropyLoss --------------------------------------------------------------
+
+Cost CrossEntropyLoss::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel());
+  return {4 * n, 3 * n, 0, f32_bytes(static_cast<double>(in.rows()))};
+}
+
+Tensor CrossEntropyLoss::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const int64_t rows = x.shape.rows();
+  MPIPE_CHECK(pass.targets.numel() == rows, "cross-entropy: ", pass.targets.numel(),
+              " targets for ", rows, " rows");
+  ctx.saved[0] = pass.arena->tensor(Shape{rows});  // log-sum-exp (N), fp32
+  ctx.saved[1] = pass.targets;
+  ctx.value = ops::crossentropy_forward(ctx.saved[0], x, pass.targets, pass.device_loss_sum);
+  if (!pass.training) ctx.correct = static_cast<double>(ops::count_correct(x, pass.targets));
+  // The summed loss on the CPU. On a GPU the sum went to pass.device_loss_sum, which the
+  // executor reads once per step, and this output is zero.
+  Tensor loss = pass.arena->zeros(Shape{1});
+  if (loss.device == Device::cpu) loss.f32()[0] = static_cast<float>(ctx.value);
+  return loss;
+}
+
+void CrossEntropyLoss::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
+                                     GradMode mode, const Pass& pass) {
+  MPIPE_CHECK(mode == GradMode::overwrite, "cross-entropy writes its gradient");
+  ops::crossentropy_backward(dx, ctx.input, ctx.saved[0], ctx.saved[1], pass.loss_scale);
+}
+
+// ---- registry entries ----------------------------------------------------------------
+
+// linear, layernorm and the activations may be inner layers of a residual block; dropout
+// is not (a block's layers share its index, which keys dropout masks).
+std::vector<LayerKind> dense_layer_kinds() {
+  using T = OptionType;
+  const OptionSpec init_std{"init-std", T::number, 0.02, "std of the normal initial weights"};
+  std::vector<LayerKind> k;
+  k.push_back({"layernorm", "layer normalisation over the channels", {}, false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> { return std::make_unique<LayerNorm>(a.channels()); },
+               true, true});
+  k.push_back({"linear", "y = x W^T + b over the last dimension: (.., in) -> (.., out)",
+               {{"out", T::integer, std::nullopt, "output features"},
+                {"bias", T::boolean, true, "add a learned bias"},
+                init_std,
+                {"tie", T::integer, std::int64_t{-1}, "index of an earlier embedding whose token table is this weight"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const std::int64_t in = a.channels(), out = a.integer("out");
+                 auto layer = std::make_unique<Linear>(in, out, a.boolean("bias"), static_cast<float>(a.number("init-std")));
+                 const int tie = a.tied_table(out, in, "weight");
+                 if (tie >= 0) layer->tie_weight(tie, "wte");
+                 return layer;
+               },
+               true, true});
+  k.push_back({"relu", "max(x, 0)", {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<ReLU>(); }, true, true});
+  k.push_back({"gelu", "GELU (tanh approximation)", {}, false,
+               [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<GELU>(); }, true, true});
+  k.push_back({"dropout", "inverted dropout (masks from a counter-based generator, recomputed in backward)",
+               {{"p", T::number, std::nullopt, "probability of dropping an element, in [0, 1)"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const double p = a.number("p");
+                 if (!(p >= 0 && p < 1)) a.refuse("p", cat("must be in [0, 1), got ", p), "e.g. p = 0.1");
+                 return std::make_unique<Dropout>(static_cast<float>(p), 0);
+               }});
+  return k;
+}
+}  // namespace mpipe

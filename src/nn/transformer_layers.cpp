@@ -1,0 +1,308 @@
+// The transformer's layers (embedding, attention, block) and their kinds.
+#include "mpipe/nn/transformer_layers.hpp"
+
+#include <cmath>
+
+#include "mpipe/nn/registry.hpp"
+
+namespace mpipe {
+
+// ---- Embedding ---------------------------------------------------------------------
+
+Embedding::Embedding(int64_t vocab, int64_t max_seq, int64_t channels, float dropout)
+    : vocab_(vocab), max_seq_(max_seq), channels_(channels), dropout_(dropout) {}
+
+Shape Embedding::output_shape(const Shape& in) const { return Shape{in[0], in[1], channels_}; }
+
+Cost Embedding::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel()) * channels_;
+  return {n, 2 * n, f32_bytes(static_cast<double>(vocab_ + max_seq_) * channels_), f32_bytes(n)};
+}
+
+std::vector<ParamSpec> Embedding::param_specs() const {
+  return {{"wte", Shape{vocab_, channels_}, Init::normal, 0.02f, true},
+          {"wpe", Shape{max_seq_, channels_}, Init::normal, 0.02f, true}};
+}
+
+void Embedding::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  wte_ = params[0];
+  wpe_ = params[1];
+  dwte_ = grads[0];
+  dwpe_ = grads[1];
+}
+
+Tensor Embedding::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const int64_t B = x.shape[0], T = x.shape[1];
+  MPIPE_CHECK(x.shape.rank == 2 && T <= max_seq_, "embedding: tokens ", x.shape.str());
+  Tensor y = pass.arena->tensor(Shape{B, T, channels_}, pass.dtype);  // (B, T, C)
+  ops::embedding_forward(y, x, wte_, wpe_.view(Shape{max_seq_, channels_}));
+  if (pass.training && dropout_ > 0.0f) ops::dropout_apply(y, y, dropout_, dropout_key(pass, global_index(), 0));
+  return y;
+}
+
+void Embedding::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
+                              GradMode mode, const Pass& pass) {
+  Tensor grad = dy;
+  if (pass.training && dropout_ > 0.0f) {
+    grad = pass.arena->tensor(dy.shape, pass.dtype);
+    ops::dropout_apply(grad, dy, dropout_, dropout_key(pass, global_index(), 0));
+  }
+  ops::embedding_backward(dwte_, dwpe_, grad, ctx.input);
+}
+
+// ---- CausalSelfAttention -------------------------------------------------------------
+
+CausalSelfAttention::CausalSelfAttention(int64_t channels, int64_t heads, float init_std, float proj_std)
+    : channels_(channels), heads_(heads), qkv_(channels, 3 * channels, true, init_std),
+      proj_(channels, channels, true, proj_std) {
+  MPIPE_CHECK(channels % heads == 0, "channels ", channels, " heads ", heads);
+}
+
+void CausalSelfAttention::set_global_index(int index) {
+  Layer::set_global_index(index);
+  qkv_.set_global_index(index);
+  proj_.set_global_index(index);
+}
+
+Cost CausalSelfAttention::cost(const Shape& in) const {
+  const double B = static_cast<double>(in[0]), T = static_cast<double>(in[1]), C = static_cast<double>(channels_);
+  const Cost a = qkv_.cost(in), b = proj_.cost(in);
+  const double core = 4.0 * B * T * T * C;  // QK^T and PV
+  return {a.forward_flops + b.forward_flops + core,
+          a.backward_flops + b.backward_flops + 2 * core,
+          a.param_bytes + b.param_bytes,
+          a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T * T + B * T * C),
+          a.weight_flops + b.weight_flops,
+          b.weight_stash_bytes};  // the qkv projection keeps its dy where q, k, v were
+}
+
+std::vector<ParamSpec> CausalSelfAttention::param_specs() const {
+  std::vector<ParamSpec> specs;
+  append_specs(specs, "c_attn.", qkv_);
+  append_specs(specs, "c_proj.", proj_);
+  return specs;
+}
+
+void CausalSelfAttention::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  bind_parts(params, grads, {&qkv_, &proj_});
+}
+
+Tensor CausalSelfAttention::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const int64_t B = x.shape[0], T = x.shape[1], C = channels_;
+  ctx.children = pass.arena->objects<Context>(2);
+  Tensor qkv = qkv_.forward(x, ctx.children[0], pass);                // (B, T, 3C)
+  Tensor att = pass.arena->tensor(Shape{B, T, C}, pass.dtype);       // (B, T, C)
+  // (B, H, T, T) probabilities on the CPU, (B, H, T) log-sum-exp on the GPU; fp32.
+  Tensor state = pass.arena->tensor(ops::attention_state_shape(x.device, B, heads_, T));
+  ops::attention_forward(att, state, qkv, heads_);
+  ctx.saved[0] = qkv;
+  ctx.saved[1] = state;
+  return proj_.forward(att, ctx.children[1], pass);
+}
+
+void CausalSelfAttention::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
+                                        GradMode mode, const Pass& pass) {
+  const int64_t B = dy.shape[0], T = dy.shape[1], C = channels_;
+  Tensor datt = pass.arena->tensor(Shape{B, T, C}, pass.dtype);      // (B, T, C)
+  proj_.backward(ctx.children[1], dy, datt, GradMode::overwrite, pass);
+  Tensor dqkv = pass.arena->tensor(Shape{B, T, 3 * C}, pass.dtype);  // (B, T, 3C)
+  // The attention output is the projection's input, which its context keeps.
+  ops::attention_backward(dqkv, datt, ctx.saved[0], ctx.children[1].input, ctx.saved[1], heads_, *pass.arena);
+  // q, k, v are dead now: a split backward keeps dqkv for W in their place. (The output
+  // projection above kept its dy where the caller's stash_into said, if it did.)
+  Pass qkv_pass = pass;
+  qkv_pass.stash_into = pass.stash ? ctx.saved[0] : Tensor{};
+  qkv_.backward(ctx.children[0], dqkv, dx, mode, qkv_pass);
+}
+
+void CausalSelfAttention::backward_weight_impl(Context& ctx, const Pass& pass) {
+  proj_.backward_weight(ctx.children[1], pass);
+  qkv_.backward_weight(ctx.children[0], pass);
+}
+
+// ---- TransformerBlock ----------------------------------------------------------------
+
+TransformerBlock::TransformerBlock(int64_t channels, int64_t heads, float dropout, float init_std,
+                                   float proj_std)
+    : channels_(channels), ln1_(channels), ln2_(channels),
+      attn_(channels, heads, init_std, proj_std), fc_(channels, 4 * channels, true, init_std),
+      fc_proj_(4 * channels, channels, true, proj_std), dropout_(dropout) {}
+
+void TransformerBlock::set_global_index(int index) {
+  Layer::set_global_index(index);
+  for (Layer* part : std::initializer_list<Layer*>{&ln1_, &attn_, &ln2_, &fc_, &gelu_, &fc_proj_})
+    part->set_global_index(index);
+}
+
+Cost TransformerBlock::cost(const Shape& in) const {
+  Shape wide = in;
+  wide[-1] = 4 * channels_;
+  Cost total;
+  for (const Cost& c : {ln1_.cost(in), attn_.cost(in), ln2_.cost(in), fc_.cost(in), gelu_.cost(wide),
+                        fc_proj_.cost(wide)})
+    total += c;
+  total.activation_bytes += f32_bytes(static_cast<double>(in.numel()));  // the residual sum
+  // W keeps every dy in buffers B is done with: fc's where GELU's input was, the
+  // attention's qkv and output projection theirs where q, k, v and the residual sum were,
+  // fc_proj's where the attention's probabilities were (the CPU's (B, H, T, T), when
+  // H·T >= C; otherwise it takes stash memory).
+  total.weight_stash_bytes = attn_.heads() * in[1] >= channels_ ? 0.0 : fc_proj_.cost(wide).weight_stash_bytes;
+  return total;
+}
+
+std::vector<ParamSpec> TransformerBlock::param_specs() const {
+  std::vector<ParamSpec> specs;
+  append_specs(specs, "ln_1.", ln1_);
+  append_specs(specs, "attn.", attn_);
+  append_specs(specs, "ln_2.", ln2_);
+  append_specs(specs, "mlp.c_fc.", fc_);
+  append_specs(specs, "mlp.c_proj.", fc_proj_);
+  return specs;
+}
+
+void TransformerBlock::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
+  bind_parts(params, grads, {&ln1_, &attn_, &ln2_, &fc_, &fc_proj_});
+}
+
+// Children: 0 ln1, 1 attn, 2 ln2, 3 fc, 4 gelu, 5 fc_proj. Dropout sites 1 (attention
+// output) and 2 (MLP output) are applied in place on buffers no context keeps.
+Tensor TransformerBlock::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  const bool drop = pass.training && dropout_ > 0.0f;
+  Context* c = ctx.children = pass.arena->objects<Context>(6);
+  Tensor h1 = ln1_.forward(x, c[0], pass);
+  Tensor a = attn_.forward(h1, c[1], pass);  // (B, T, C), owned by this call
+  if (drop) ops::dropout_apply(a, a, dropout_, dropout_key(pass, global_index(), 1));
+  ops::add(a, x);                            // a is now x2 = x + drop(attn(ln1(x)))
+  Tensor h2 = ln2_.forward(a, c[2], pass);
+  Tensor g = fc_.forward_gelu(h2, c[3], c[4], pass);  // GELU(fc(h2)), one GEMM epilogue on a GPU
+  Tensor f = fc_proj_.forward(g, c[5], pass);
+  if (drop) ops::dropout_apply(f, f, dropout_, dropout_key(pass, global_index(), 2));
+  ops::add(f, a);                            // y = x2 + drop(mlp(ln2(x2)))
+  return f;
+}
+
+void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
+                                     GradMode mode, const Pass& pass) {
+  const bool drop = pass.training && dropout_ > 0.0f;
+  Context* c = ctx.children;
+  Tensor scratch = drop ? pass.arena->tensor(dy.shape, pass.dtype) : Tensor{};  // (B, T, C)
+  // MLP branch.
+  Tensor df = dy;
+  if (drop) {
+    ops::dropout_apply(scratch, dy, dropout_, dropout_key(pass, global_index(), 2));
+    df = scratch;
+  }
+  Tensor dg = pass.arena->tensor(c[5].input.shape, pass.dtype);      // (B, T, 4C)
+  // A split backward: fc_proj's dy stays where it is (df, the caller's or our scratch,
+  // untouched until this call returns) until the attention's state is dead, below.
+  Pass fc_proj_pass = pass;
+  fc_proj_pass.stash_into = pass.stash ? df : Tensor{};
+  fc_proj_.backward(c[5], df, dg, GradMode::overwrite, fc_proj_pass);
+  gelu_.backward(c[4], dg, dg, GradMode::overwrite, pass);            // elementwise, in place
+  Tensor dh = pass.arena->tensor(dy.shape, pass.dtype);               // (B, T, C)
+  // GELU's saved input is dead now: a split backward keeps fc's dy for W in its place.
+  Pass fc_pass = pass;
+  fc_pass.stash_into = pass.stash ? c[4].input : Tensor{};
+  fc_.backward(c[3], dg, dh, GradMode::overwrite, fc_pass);
+  Tensor dx2 = pass.arena->tensor(dy.shape, pass.dtype);              // (B, T, C)
+  ops::copy(dx2, dy);
+  ln2_.backward(c[2], dh, dx2, GradMode::accumulate, pass);
+  // Attention branch.
+  Tensor da = dx2;
+  if (drop) {
+    // Split: `scratch` may hold fc_proj's dy until the end; da goes to dh, dead since ln2's
+    // backward and written again by the attention's only once it has read da (no more
+    // scratch than the fused backward takes).
+    const Tensor into = pass.stash && df.data == scratch.data ? dh : scratch;
+    ops::dropout_apply(into, dx2, dropout_, dropout_key(pass, global_index(), 1));
+    da = into;
+  }
+  // The residual sum x2 (ln2's input) is dead now: the attention's output projection keeps
+  // its dy for W there in a split backward.
+  Pass attn_pass = pass;
+  if (pass.stash) attn_pass.stash_into = c[2].input;
+  attn_.backward(c[1], da, dh, GradMode::overwrite, attn_pass);       // dh is now d(h1)
+  if (pass.stash) {
+    // The attention's state is dead now: fc_proj's dy moves there for W (before dx is
+    // written, which a caller may have given as dy), or, where the state is smaller (a
+    // GPU's log-sum-exp), into the stash.
+    Tensor& kept = c[5].output_grad;
+    const Tensor& state = CausalSelfAttention::state(c[1]);
+    const Tensor into = state.bytes() >= kept.bytes() ? Tensor{state.data, kept.shape, kept.dtype, kept.device}
+                                                      : pass.stash->tensor(kept.shape, kept.dtype);
+    ops::copy(into, kept);
+    kept = into;
+  }
+  if (mode == GradMode::accumulate) ops::add(dx, dx2);
+  else ops::copy(dx, dx2);
+  ln1_.backward(c[0], dh, dx, GradMode::accumulate, pass);
+}
+
+void TransformerBlock::backward_weight_impl(Context& ctx, const Pass& pass) {
+  fc_proj_.backward_weight(ctx.children[5], pass);
+  fc_.backward_weight(ctx.children[3], pass);
+  attn_.backward_weight(ctx.children[1], pass);
+}
+
+// ---- registry entries ----------------------------------------------------------------
+
+namespace {
+
+// What the attention layers take: a (B, T, C) input, heads dividing C, the weights'
+// init-std and proj-std (-1: GPT-2's init-std / sqrt(2 N), N the model's blocks).
+struct Attention {
+  std::int64_t channels, heads;
+  float init_std, proj_std;
+};
+Attention attention_args(const LayerArgs& a) {
+  if (a.input.rank != 3)
+    a.refuse("kind", cat("needs a sequence (batch, tokens, channels), gets ", a.input.str()), "put it after an embedding");
+  const std::int64_t c = a.input[-1], heads = a.integer("heads");
+  if (c % heads != 0) a.refuse("heads", cat(heads, " does not divide the ", c, " channels coming in"), "pick heads dividing the channels");
+  int blocks = 0;
+  for (const LayerSpec& l : a.model.layers) blocks += l.kind == "block" ? 1 : 0;
+  const double init = a.number("init-std"), proj = a.number("proj-std");
+  return {c, heads, static_cast<float>(init), static_cast<float>(proj < 0 ? init / std::sqrt(2.0 * std::max(blocks, 1)) : proj)};
+}
+
+}  // namespace
+
+
+std::vector<LayerKind> transformer_layer_kinds() {
+  using T = OptionType;
+  const OptionSpec init_std{"init-std", T::number, 0.02, "std of the normal initial weights"};
+  std::vector<LayerKind> k;
+  k.push_back({"embedding", "token + learned position embedding, then dropout: tokens (B, T) -> (B, T, out)",
+               {{"vocab", T::integer, std::nullopt, "tokens in the vocabulary"},
+                {"out", T::integer, std::nullopt, "channels"},
+                {"dropout", T::number, 0.0, "dropout probability after the embedding"}},
+               true,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 if (a.input.rank != 2) a.refuse("kind", cat("takes token ids (batch, tokens), gets ", a.input.str()), "put it first, in a model of tokens");
+                 return std::make_unique<Embedding>(a.integer("vocab"), a.input[1], a.integer("out"),
+                                                    static_cast<float>(a.number("dropout")));
+               }});
+  k.push_back({"block", "transformer block (pre-LN attention and MLP, residual): (B, T, C) -> (B, T, C)",
+               {{"heads", T::integer, std::nullopt, "attention heads (dividing C)"},
+                {"dropout", T::number, 0.0, "dropout probability"},
+                init_std,
+                {"proj-std", T::number, -1.0, "std of the residual projections; -1: init-std / sqrt(2 x blocks), as GPT-2"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const Attention t = attention_args(a);
+                 return std::make_unique<TransformerBlock>(t.channels, t.heads, static_cast<float>(a.number("dropout")),
+                                                           t.init_std, t.proj_std);
+               }});
+  k.push_back({"attention", "causal multi-head self-attention with its input and output projections: (B, T, C) -> (B, T, C)",
+               {{"heads", T::integer, std::nullopt, "attention heads (dividing C)"},
+                init_std,
+                {"proj-std", T::number, -1.0, "std of the output projection; -1: init-std / sqrt(2 x blocks), as GPT-2"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 const Attention t = attention_args(a);
+                 return std::make_unique<CausalSelfAttention>(t.channels, t.heads, t.init_std, t.proj_std);
+               },
+               true, true});
+  return k;
+}
+}  // namespace mpipe
