@@ -1,7 +1,9 @@
 // Tensor ops: device and element-type checks, then the CPU or the CUDA op.
 #include "mpipe/backend/ops.hpp"
 
+#include <algorithm>
 #include <array>
+#include <cstring>
 #include <vector>
 
 #include "mpipe/backend/cpu/ops.hpp"
@@ -429,6 +431,69 @@ void convert(const Tensor& y, const Tensor& x) {
 void zero(const Tensor& y) {
   if (y.device == Device::cpu) std::fill_n(static_cast<std::byte*>(y.data), y.bytes(), std::byte{0});
   else cuda::zero(y.data, y.bytes());
+}
+
+void scale(const Tensor& y, float factor) {
+  is_f32("scale", y);
+  if (y.device == Device::cpu) cpu::scale(y.f32(), factor, y.numel());
+  else MPIPE_ON_GPU(y, cuda::scale(ptr<E>(y), factor, y.numel()));
+}
+
+void transfer(const Tensor& y, const Tensor& x) {
+  MPIPE_CHECK(y.bytes() == x.bytes(), "transfer: ", y.bytes(), " bytes from ", x.bytes());
+  if (y.data == x.data) return;
+  if (y.device == Device::cpu && x.device == Device::cpu) {
+    std::memcpy(y.data, x.data, x.bytes());
+    return;
+  }
+  if (y.device == Device::cuda && x.device == Device::cuda) cuda::copy_on_device(y.data, x.data, x.bytes());
+  else if (y.device == Device::cuda) cuda::copy_to_device(y.data, x.data, x.bytes());
+  else cuda::copy_to_host(y.data, x.data, x.bytes());
+  cuda::synchronize(cuda::StreamKind::compute);
+}
+
+// A GPU's spans as device arrays, and the per-span sums there and in pinned memory.
+struct SpanSums::OnDevice {
+  cuda::DeviceBuffer offsets, sizes, sums;
+  cuda::PinnedBuffer host_sums;
+};
+
+SpanSums::SpanSums(Device device, std::span<const std::int64_t> offsets, std::span<const std::int64_t> sizes)
+    : device_(device), offsets_(offsets.begin(), offsets.end()), sizes_(sizes.begin(), sizes.end()),
+      host_(offsets.size(), 0.0) {
+  MPIPE_CHECK(offsets.size() == sizes.size(), "span sums: ", offsets.size(), " offsets, ", sizes.size(), " sizes");
+  if (device == Device::cpu) return;
+  const std::size_t n = std::max<std::size_t>(1, offsets.size());
+  gpu_ = std::make_unique<OnDevice>(OnDevice{cuda::DeviceBuffer(n * sizeof(std::int64_t)),
+                                             cuda::DeviceBuffer(n * sizeof(std::int64_t)),
+                                             cuda::DeviceBuffer(n * sizeof(double)), cuda::PinnedBuffer(n * sizeof(double))});
+  cuda::copy_to_device(gpu_->offsets.data(), offsets_.data(), offsets_.size() * sizeof(std::int64_t));
+  cuda::copy_to_device(gpu_->sizes.data(), sizes_.data(), sizes_.size() * sizeof(std::int64_t));
+  cuda::synchronize(cuda::StreamKind::compute);
+}
+
+SpanSums::SpanSums() = default;
+SpanSums::~SpanSums() = default;
+SpanSums::SpanSums(SpanSums&&) noexcept = default;
+SpanSums& SpanSums::operator=(SpanSums&&) noexcept = default;
+
+std::span<const double> SpanSums::sums(const Tensor& x) {
+  is_f32("span sums", x);
+  MPIPE_CHECK(x.device == device_, "span sums: the buffer is on another device");
+  if (device_ == Device::cpu) {
+    for (std::size_t i = 0; i < offsets_.size(); ++i) host_[i] = cpu::sum_squares(x.f32() + offsets_[i], sizes_[i]);
+    return host_;
+  }
+#if MPIPE_HAVE_CUDA
+  const int count = static_cast<int>(offsets_.size());
+  cuda::sum_squares(gpu_->sums.as<double>(), x.f32(), gpu_->offsets.as<std::int64_t>(), gpu_->sizes.as<std::int64_t>(),
+                    count);
+  cuda::copy_to_host(gpu_->host_sums.data(), gpu_->sums.data(), static_cast<std::size_t>(count) * sizeof(double));
+  cuda::synchronize(cuda::StreamKind::compute);
+  return {gpu_->host_sums.as<double>(), offsets_.size()};
+#else
+  throw Error("span sums on the GPU in a build without CUDA");
+#endif
 }
 
 }  // namespace mpipe::ops

@@ -9,20 +9,9 @@
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/bf16.hpp"
 #include "mpipe/core/rng.hpp"
-#if MPIPE_HAVE_CUDA
-#include "mpipe/backend/cuda/ops.hpp"
-#endif
 
 namespace mpipe {
 
-FloatBuffer::FloatBuffer(std::size_t n) : size_(n) {
-  const std::size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
-  data_.reset(static_cast<float*>(std::aligned_alloc(64, bytes > 0 ? bytes : 64)));
-  MPIPE_CHECK(data_, "out of memory allocating ", bytes, " bytes");
-  std::memset(data_.get(), 0, bytes > 0 ? bytes : 64);
-}
-
-void FloatBuffer::Free::operator()(float* p) const { std::free(p); }
 
 namespace {
 
@@ -131,7 +120,9 @@ ParamStore::ParamStore(Model& model, std::vector<int> layers, std::uint64_t seed
     }
   }
   params_ = FloatBuffer(total);
-  grads_ = FloatBuffer(total);
+  host_grads_ = FloatBuffer(total);
+  master_ = compute_ = make_tensor(params_.data(), Shape{static_cast<std::int64_t>(total)});
+  grads_ = make_tensor(host_grads_.data(), Shape{static_cast<std::int64_t>(total)});
   for (const ParamEntry& e : entries_) {
     if (e.alias) continue;
     const auto owner_specs = e.owner_layer == e.layer ? specs[static_cast<std::size_t>(e.layer)]
@@ -139,6 +130,7 @@ ParamStore::ParamStore(Model& model, std::vector<int> layers, std::uint64_t seed
     initialise(params_.data() + e.offset, e.numel(), owner_specs[e.owner_index], seed, e.owner_layer,
                e.owner_index, static_cast<std::int64_t>(e.owner_element));
   }
+  make_norms();
   bind_layers();
 }
 
@@ -161,108 +153,67 @@ std::size_t ParamStore::count() const {
   return n;
 }
 
-std::span<float> ParamStore::grads() const {
-  if (device_ == Device::cpu) return grads_.span();
-  return {device_grads_.as<float>(), params_.size()};
-}
-
-std::span<float> ParamStore::master() const {
-  if (device_ == Device::cpu) return params_.span();
-  return {device_master_.as<float>(), params_.size()};
-}
-
 Tensor ParamStore::param(const ParamEntry& e) const {
-  if (device_ == Device::cpu) return make_tensor(params_.data() + e.param_offset, e.shape);
-  if (compute_dtype_ == DType::f32) return {device_master_.as<float>() + e.param_offset, e.shape, DType::f32, Device::cuda};
-  return {device_compute_.as<bf16>() + e.param_offset, e.shape, DType::bf16, Device::cuda};
+  return {static_cast<std::byte*>(compute_.data) + e.param_offset * dtype_size(compute_.dtype), e.shape, compute_.dtype,
+          compute_.device};
 }
 
 Tensor ParamStore::grad(const ParamEntry& e) const {
-  return {grads().data() + e.offset, e.shape, DType::f32, device_};
+  return {grads().data() + e.offset, e.shape, DType::f32, grads_.device};
 }
 
-void ParamStore::zero_grads() {
-  if (device_ == Device::cpu) std::memset(grads_.data(), 0, grads_.size() * sizeof(float));
-  else cuda::zero(device_grads_.data(), params_.size() * sizeof(float));
-}
+void ParamStore::zero_grads() { ops::zero(grads_); }
 
-void ParamStore::scale_grads(float factor) {
-  if (device_ == Device::cpu) {
-    cpu::scale(grads_.data(), factor, static_cast<int64_t>(params_.size()));
-    return;
-  }
-#if MPIPE_HAVE_CUDA
-  cuda::scale(device_grads_.as<float>(), factor, static_cast<int64_t>(params_.size()));
-#endif
-}
+void ParamStore::scale_grads(float factor) { ops::scale(grads_, factor); }
 
-void ParamStore::to_device(DType compute) {
-  MPIPE_CHECK(device_ == Device::cpu, "parameters are on the GPU already");
-  MPIPE_CHECK(compute == DType::f32 || compute == DType::bf16, "compute type ", to_string(compute));
-  const std::size_t bytes = params_.size() * sizeof(float);
-  device_master_ = cuda::DeviceBuffer(bytes);
-  device_grads_ = cuda::DeviceBuffer(bytes);
-  if (compute == DType::bf16) device_compute_ = cuda::DeviceBuffer(params_.size() * sizeof(bf16));
-  device_ = Device::cuda;
-  compute_dtype_ = compute;
-  grads_ = FloatBuffer();  // gradients live on the GPU from now on
-  // The norm's spans, once, so that a step never allocates.
+void ParamStore::make_norms() {
   std::vector<std::int64_t> offsets, sizes;
   for (const ParamEntry& e : entries_)
     if (!e.tied_copy) {
       offsets.push_back(static_cast<std::int64_t>(e.offset));
       sizes.push_back(e.numel());
     }
-  norm_count_ = static_cast<int>(offsets.size());
-  norm_offsets_ = cuda::DeviceBuffer(std::max<std::size_t>(1, offsets.size()) * sizeof(std::int64_t));
-  norm_sizes_ = cuda::DeviceBuffer(std::max<std::size_t>(1, sizes.size()) * sizeof(std::int64_t));
-  norm_sums_ = cuda::DeviceBuffer(std::max<std::size_t>(1, sizes.size()) * sizeof(double));
-  norm_sums_host_ = cuda::PinnedBuffer(std::max<std::size_t>(1, sizes.size()) * sizeof(double));
-  cuda::copy_to_device(norm_offsets_.data(), offsets.data(), offsets.size() * sizeof(std::int64_t));
-  cuda::copy_to_device(norm_sizes_.data(), sizes.data(), sizes.size() * sizeof(std::int64_t));
-  upload();  // synchronises, so the vectors above may go
+  norms_ = ops::SpanSums(grads_.device, offsets, sizes);
+}
+
+void ParamStore::to_device(DType compute) {
+  MPIPE_CHECK(device() == Device::cpu, "parameters are on the GPU already");
+  MPIPE_CHECK(compute == DType::f32 || compute == DType::bf16, "compute type ", to_string(compute));
+  const std::size_t bytes = params_.size() * sizeof(float);
+  const Shape all{static_cast<std::int64_t>(params_.size())};
+  device_master_ = cuda::DeviceBuffer(bytes);
+  device_grads_ = cuda::DeviceBuffer(bytes);
+  master_ = compute_ = {device_master_.data(), all, DType::f32, Device::cuda};
+  grads_ = {device_grads_.data(), all, DType::f32, Device::cuda};
+  if (compute == DType::bf16) {
+    device_compute_ = cuda::DeviceBuffer(params_.size() * sizeof(bf16));
+    compute_ = {device_compute_.data(), all, DType::bf16, Device::cuda};
+  }
+  host_grads_ = FloatBuffer();  // gradients live on the GPU from now on
+  make_norms();  // the norm's spans, once, so that a step never allocates
+  upload();
   bind_layers();
 }
 
-void ParamStore::download() {
-  if (device_ == Device::cpu) return;
-  cuda::copy_to_host(params_.data(), device_master_.data(), params_.size() * sizeof(float));
-  cuda::synchronize(cuda::StreamKind::compute);
-}
+void ParamStore::download() { ops::transfer(make_tensor(params_.data(), master_.shape), master_); }
 
 void ParamStore::upload() {
-  if (device_ == Device::cpu) return;
-  cuda::copy_to_device(device_master_.data(), params_.data(), params_.size() * sizeof(float));
+  ops::transfer(master_, make_tensor(params_.data(), master_.shape));
   refresh_compute_copy();
-  cuda::synchronize(cuda::StreamKind::compute);
 }
 
 void ParamStore::refresh_compute_copy() {
-  if (device_ == Device::cpu || compute_dtype_ == DType::f32) return;
-#if MPIPE_HAVE_CUDA
-  cuda::convert(device_compute_.as<bf16>(), device_master_.as<float>(), static_cast<int64_t>(params_.size()));
-#endif
+  if (compute_.data != master_.data) ops::convert(compute_, master_);
 }
 
 void ParamStore::grad_sum_squares(std::span<double> per_layer) const {
   MPIPE_CHECK(per_layer.size() == static_cast<std::size_t>(model_.size()), "per-layer span");
   std::fill(per_layer.begin(), per_layer.end(), 0.0);
-  if (device_ == Device::cpu) {
-    for (const ParamEntry& e : entries_)
-      if (!e.tied_copy) per_layer[static_cast<std::size_t>(e.layer)] += cpu::sum_squares(grads_.data() + e.offset, e.numel());
-    return;
-  }
-#if MPIPE_HAVE_CUDA
-  // One launch for every span, one copy back; then the same per-layer sums in entry order.
-  cuda::sum_squares(norm_sums_.as<double>(), device_grads_.as<float>(), norm_offsets_.as<std::int64_t>(),
-                    norm_sizes_.as<std::int64_t>(), norm_count_);
-  cuda::copy_to_host(norm_sums_host_.data(), norm_sums_.data(), static_cast<std::size_t>(norm_count_) * sizeof(double));
-  cuda::synchronize(cuda::StreamKind::compute);
-  const double* sums = norm_sums_host_.as<double>();
-  int i = 0;
+  // The per-span sums, then the per-layer sums in entry order.
+  const std::span<const double> sums = norms_.sums(grads_);
+  std::size_t i = 0;
   for (const ParamEntry& e : entries_)
     if (!e.tied_copy) per_layer[static_cast<std::size_t>(e.layer)] += sums[i++];
-#endif
 }
 
 void ParamStore::sum_local_tied_grads() {

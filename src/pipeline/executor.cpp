@@ -105,7 +105,7 @@ void Executor::allocate() {
     channels.push_back({c.index(), shapes_[static_cast<std::size_t>(c.begin())], shapes_[static_cast<std::size_t>(c.end())],
                         c.first(), c.last(), c.first() ? -1 : schedule_.list_of(c.index() - 1),
                         c.last() ? -1 : schedule_.list_of(c.index() + 1)});
-  transport_ = std::make_unique<Transport>(*grid_, *progress_, device_, dtype_, cuda_aware_, M, std::move(channels),
+  transport_ = std::make_unique<Transport>(*grid_, *progress_, device_ops_->path(), dtype_, M, std::move(channels),
                                            partition_.stages(), plan_.options.p2p_timeout);
   const StageShared shared{.plan = &plan_,
                            .shapes = &shapes_,
@@ -135,14 +135,13 @@ void Executor::allocate() {
   }
 }
 
+// On the CPU the host's copy is the only one: both are no-ops there.
 void Executor::download_state() {
-  if (device_ == Device::cpu) return;  // the host's copy is the only one
   params_->download();
   optimizer_->download();
 }
 
 void Executor::upload_state() {
-  if (device_ == Device::cpu) return;
   params_->upload();
   optimizer_->upload();
 }

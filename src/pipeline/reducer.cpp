@@ -89,8 +89,8 @@ int Reducer::requests() const {
 void Reducer::connect(Progress& progress) {
   progress_ = &progress;
   for (TiedSpan& t : tied_spans_)
-    t.sum = std::make_unique<PairSum>(grid_.tied(), grid_.tied_rank(t.partner_stage), progress, device_.kind(),
-                                      device_.cuda_aware(), params_.grads().subspan(t.offset, t.count), t.tag);
+    t.sum = std::make_unique<PairSum>(grid_.tied(), grid_.tied_rank(t.partner_stage), progress, device_.path(),
+                                      params_.grads().subspan(t.offset, t.count), t.tag);
 }
 
 void Reducer::begin_step() {

@@ -1,59 +1,32 @@
-// Point-to-point messages between neighbouring stages, on the CPU and on GPUs.
+// Point-to-point messages between neighbouring stages, through the device's message
+// buffers (backend/message.hpp).
 #include "mpipe/pipeline/transport.hpp"
 
 namespace mpipe {
 
-Inbox Inbox::make(const Shape& shape, DType dtype, Device device, bool cuda_aware) {
-  Inbox m;
-  const std::size_t bytes = static_cast<std::size_t>(shape.numel()) * dtype_size(dtype);
-  if (device == Device::cpu) {
-    m.host = FloatBuffer(static_cast<std::size_t>(shape.numel()));
-    m.tensor = make_tensor(m.host.data(), shape);
-    m.wire = m.tensor.byte_span();
-    return m;
-  }
-  m.device = cuda::DeviceBuffer(bytes);
-  m.tensor = {m.device.data(), shape, dtype, Device::cuda};
-  if (cuda_aware) {
-    m.wire = m.tensor.byte_span();
-  } else {
-    m.staging = cuda::PinnedBuffer(bytes);
-    m.wire = {m.staging.as<std::byte>(), bytes};
-  }
-  return m;
-}
-
-Transport::Transport(const Grid& grid, Progress& progress, Device device, DType dtype, bool cuda_aware,
-                     int micro_batches, std::vector<Channel> channels, int model_stages, double timeout_s)
+Transport::Transport(const Grid& grid, Progress& progress, MessagePath path, DType dtype, int micro_batches,
+                     std::vector<Channel> channels, int model_stages, double timeout_s)
     : grid_(grid), channels_(std::move(channels)), micro_batches_(micro_batches),
-      virtual_(model_stages > grid.stages()), progress_(progress), device_(device), dtype_(dtype),
-      cuda_aware_(cuda_aware), timeout_(timeout_s) {
+      virtual_(model_stages > grid.stages()), progress_(progress), path_(path), dtype_(dtype), timeout_(timeout_s) {
   const int M = micro_batches, C = static_cast<int>(channels_.size());
   // Every (channel, micro-batch) has an inbox per direction; the model's first stage
   // receives no activations and its last no gradients: theirs stay empty.
   for (const Channel& c : channels_)
     for (int mb = 0; mb < M; ++mb) {
-      received_[index(Direction::forward)].push_back(c.first ? Inbox{} : Inbox::make(c.input, dtype_, device_, cuda_aware_));
-      received_[index(Direction::backward)].push_back(c.last ? Inbox{} : Inbox::make(c.output, dtype_, device_, cuda_aware_));
+      received_[index(Direction::forward)].push_back(c.first ? Inbox{} : Inbox(c.input, dtype_, path_));
+      received_[index(Direction::backward)].push_back(c.last ? Inbox{} : Inbox(c.output, dtype_, path_));
     }
   for (auto& tickets : receive_tickets_) tickets.assign(static_cast<std::size_t>(C * M), Progress::none);
   send_tickets_.reserve(2 * static_cast<std::size_t>(C * M));
   sent_.reserve(2 * static_cast<std::size_t>(C * M));
   pending_sends_.reserve(2 * static_cast<std::size_t>(C * M));
-  if (device_ == Device::cpu) return;
+  // Activations leave by the end of the stage, gradients by its start.
   for (const Direction d : {Direction::forward, Direction::backward})
     for (const Channel& c : channels_) {
-      // Activations leave by the end of the stage, gradients by its start.
       const Shape& shape = d == Direction::forward ? c.output : c.input;
       const bool sends = d == Direction::forward ? !c.last : !c.first;
-      for (int mb = 0; mb < M; ++mb) {
-        if (sends && !cuda_aware_)
-          send_staging_[index(d)].emplace_back(static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_));
-        else
-          send_staging_[index(d)].emplace_back();  // keeps the (channel, micro-batch) indexing
-        send_ready_[index(d)].emplace_back();
-        receive_ready_[index(d)].emplace_back();
-      }
+      for (int mb = 0; mb < M; ++mb)
+        outboxes_[index(d)].emplace_back(sends ? static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_) : 0, path_);
     }
 }
 
@@ -77,9 +50,9 @@ void Transport::post_receives(bool backward) {
     for (int c = 0; c < static_cast<int>(channels_.size()); ++c)
       for (int mb = 0; mb < micro_batches_; ++mb) {
         Inbox& m = received_[index(d)][slot(c, mb)];
-        if (m.wire.empty() && m.tensor.empty()) continue;  // the model's first (last) stage
+        if (m.empty()) continue;  // the model's first (last) stage
         receive_tickets_[index(d)][slot(c, mb)] =
-            progress_.track(pipe.irecv(m.wire, source(d, c), tag(channels_[static_cast<std::size_t>(c)].stage, mb, d)), true);
+            progress_.track(pipe.irecv(m.wire(), source(d, c), tag(channels_[static_cast<std::size_t>(c)].stage, mb, d)), true);
       }
   }
 }
@@ -93,47 +66,28 @@ double Transport::receive(Direction direction, int c, int mb) {
     waited = progress_
                  .wait(receive_tickets_[index(direction)][slot(c, mb)], timeout_,
                        direction == Direction::forward ? "the activation of micro-batch" : "the gradient of micro-batch",
-                       mb, static_cast<long>(m.wire.size()))
+                       mb, static_cast<long>(m.wire().size()))
                  .waited;
   } catch (const Error& e) {
     // Name the rank that did not send: the first of a chain of waiting ranks is stuck.
     const int from = source(direction, c);
     rethrow_as(e, cat(e.what(), "; it comes from rank ", grid_.shape().rank_of(from, grid_.replica()), " (stage ", from, ")"));
   }
-  if (device_ == Device::cuda && !cuda_aware_) {
-    // Copied in on its own stream; the compute stream waits for that copy, the host does not.
-    cuda::copy_to_device(m.tensor.data, m.staging.data(), m.tensor.bytes(), cuda::StreamKind::to_device);
-    cuda::Event& ready = receive_ready_[index(direction)][slot(c, mb)];
-    ready.record(cuda::StreamKind::to_device);
-    ready.wait(cuda::StreamKind::compute);
-  }
+  m.arrived();
   return waited;
 }
 
 const Tensor& Transport::received(Direction direction, int c, int mb) const {
-  return received_[index(direction)][slot(c, mb)].tensor;
+  return received_[index(direction)][slot(c, mb)].tensor();
 }
 
-// On the CPU a send is posted at once. On a GPU an event marks where its data is final
-// in the compute stream; without CUDA-aware MPI the copy-out stream waits for that event
-// and copies to pinned memory. The MPI send is posted by post_ready_sends() once the
-// data is there, so the host goes on queueing work.
+// A send is queued with its outbox and posted by post_ready_sends() once its data is
+// there: on the CPU at once; on a GPU once the compute stream (and a staged copy-out)
+// has made it final, so the host goes on queueing work meanwhile.
 void Transport::send(Direction direction, int c, int mb, const Tensor& data) {
-  if (device_ == Device::cpu) {
-    post_send(data.byte_span(), direction, c, mb);
-    return;
-  }
-  cuda::Event& ready = send_ready_[index(direction)][slot(c, mb)];
-  ready.record(cuda::StreamKind::compute);
-  std::span<const std::byte> wire = data.byte_span();
-  if (!cuda_aware_) {
-    cuda::PinnedBuffer& staging = send_staging_[index(direction)][slot(c, mb)];
-    ready.wait(cuda::StreamKind::to_host);
-    cuda::copy_to_host(staging.data(), data.data, data.bytes(), cuda::StreamKind::to_host);
-    ready.record(cuda::StreamKind::to_host);
-    wire = {staging.as<std::byte>(), data.bytes()};
-  }
-  pending_sends_.push_back({&ready, wire, direction, c, mb});
+  const Outbox& outbox = outboxes_[index(direction)][slot(c, mb)];
+  const std::span<const std::byte> wire = outboxes_[index(direction)][slot(c, mb)].leave(data);
+  pending_sends_.push_back({&outbox, wire, direction, c, mb});
   post_ready_sends(false);
 }
 
@@ -149,8 +103,8 @@ void Transport::post_ready_sends(bool wait) {
   std::size_t posted = 0;
   for (; posted < pending_sends_.size(); ++posted) {
     PendingSend& p = pending_sends_[posted];
-    if (wait) p.ready->synchronize();
-    else if (!p.ready->done()) break;
+    if (wait) p.outbox->wait();
+    else if (!p.outbox->ready()) break;
     post_send(p.wire, p.direction, p.channel, p.micro_batch);
   }
   pending_sends_.erase(pending_sends_.begin(), pending_sends_.begin() + static_cast<std::ptrdiff_t>(posted));

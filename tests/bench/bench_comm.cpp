@@ -137,7 +137,7 @@ int main(int argc, char** argv) {
       // tied sum: the pair's second rank starts at once and waits; the first computes,
       // then starts; the time counts from the first rank's start
       t.clear();
-      PairSum sum(pair, 1 - pair.rank(), progress, Device::cpu, false, span, 0);
+      PairSum sum(pair, 1 - pair.rank(), progress, MessagePath{}, span, 0);
       for (int r = 0; r < o.reps; ++r) {
         sum.post_receive();
         world.barrier();

@@ -8,6 +8,9 @@
 // statistics are fp32.
 #pragma once
 #include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
 
 #include "mpipe/backend/op_types.hpp"
 #include "mpipe/core/arena.hpp"
@@ -106,5 +109,31 @@ void convert(const Tensor& y, const Tensor& x);
 void add(const Tensor& y, const Tensor& x);
 void copy(const Tensor& y, const Tensor& x);
 void zero(const Tensor& y);
+// y *= factor (fp32).
+void scale(const Tensor& y, float factor);
+// y = x between memories (host and device, either way, or within one); the host waits
+// until it is done. Nothing to do where they are one memory.
+void transfer(const Tensor& y, const Tensor& x);
+
+// Sums of squares (in double) of fixed spans of one fp32 buffer, each in a fixed order:
+// on the CPU one pass per span, on a GPU one launch for all of them and one copy back.
+// Made once for the spans, so that a step allocates nothing.
+class SpanSums {
+ public:
+  SpanSums();
+  SpanSums(Device device, std::span<const std::int64_t> offsets, std::span<const std::int64_t> sizes);
+  SpanSums(SpanSums&&) noexcept;
+  SpanSums& operator=(SpanSums&&) noexcept;
+  ~SpanSums();
+  // Of `x`'s spans, in the order given; valid until the next call.
+  std::span<const double> sums(const Tensor& x);
+
+ private:
+  Device device_ = Device::cpu;
+  std::vector<std::int64_t> offsets_, sizes_;
+  std::vector<double> host_;
+  struct OnDevice;
+  std::unique_ptr<OnDevice> gpu_;
+};
 
 }  // namespace mpipe::ops

@@ -14,26 +14,11 @@
 #include <vector>
 
 #include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/backend/ops.hpp"
+#include "mpipe/core/buffer.hpp"
 #include "mpipe/nn/model.hpp"
 
 namespace mpipe {
-
-// A 64-byte-aligned float buffer, zero-initialised, owned.
-class FloatBuffer {
- public:
-  FloatBuffer() = default;
-  explicit FloatBuffer(std::size_t n);
-  float* data() const { return data_.get(); }
-  std::size_t size() const { return size_; }
-  std::span<float> span() const { return {data_.get(), size_}; }
-
- private:
-  struct Free {
-    void operator()(float* p) const;
-  };
-  std::unique_ptr<float[], Free> data_;
-  std::size_t size_ = 0;
-};
 
 struct ParamEntry {
   int layer = 0;             // global layer index
@@ -70,9 +55,9 @@ class ParamStore {
   // The values in host memory: the truth on the CPU, a mirror on a GPU.
   std::span<float> params() const { return params_.span(); }
   // The gradients where training keeps them (device memory on a GPU).
-  std::span<float> grads() const;
+  std::span<float> grads() const { return {grads_.f32(), static_cast<std::size_t>(grads_.numel())}; }
   // The fp32 master values where training keeps them.
-  std::span<float> master() const;
+  std::span<float> master() const { return {master_.f32(), static_cast<std::size_t>(master_.numel())}; }
   std::size_t count() const;  // parameters of this range, tied copies not counted
   Tensor param(const ParamEntry& e) const;  // what the layers read: compute copy on a GPU
   Tensor grad(const ParamEntry& e) const;
@@ -83,8 +68,8 @@ class ParamStore {
   // gradients into device memory, a compute copy in `compute` (f32 or bf16), and the
   // layers rebound to the device views.
   void to_device(DType compute);
-  Device device() const { return device_; }
-  DType compute_dtype() const { return compute_dtype_; }
+  Device device() const { return master_.device; }
+  DType compute_dtype() const { return compute_.dtype; }
   // GPU only: master values to the host mirror (before a checkpoint), and back with the
   // compute copy refreshed (after loading one).
   void download();
@@ -102,18 +87,17 @@ class ParamStore {
 
  private:
   void bind_layers();
+  void make_norms();
 
   Model& model_;
   std::vector<int> layers_;
   std::vector<ParamEntry> entries_;
-  FloatBuffer params_, grads_;
-  Device device_ = Device::cpu;
-  DType compute_dtype_ = DType::f32;
-  cuda::DeviceBuffer device_master_, device_grads_, device_compute_;  // compute: bf16 only
-  // The norm's spans (entries not tied copies) as device arrays, and the per-span sums.
-  cuda::DeviceBuffer norm_offsets_, norm_sizes_, norm_sums_;
-  cuda::PinnedBuffer norm_sums_host_;
-  int norm_count_ = 0;
+  FloatBuffer params_, host_grads_;  // host memory: the values always, the gradients on the CPU
+  cuda::DeviceBuffer device_master_, device_grads_, device_compute_;  // GPU (compute: bf16 only)
+  // Where training keeps the whole flat store, wherever that is: the fp32 master values,
+  // their gradients, and the copy the layers compute with (the master values in fp32).
+  Tensor master_, grads_, compute_;
+  mutable ops::SpanSums norms_;  // of the gradient spans that count (entries not tied copies)
 };
 
 }  // namespace mpipe

@@ -10,12 +10,10 @@
 #pragma once
 #include <span>
 
-#include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/backend/message.hpp"
 #include "mpipe/core/tensor.hpp"
-#include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/comm.hpp"
 #include "mpipe/pipeline/progress.hpp"
-#include "mpipe/pipeline/transport.hpp"
 
 namespace mpipe {
 
@@ -25,8 +23,7 @@ class PairSum {
   // `span`: this rank's part, in device
   // memory on a GPU; messages go from and into it directly when MPI is CUDA-aware,
   // otherwise through pinned host buffers. `tag` tells this span's messages apart.
-  PairSum(const Communicator& group, int partner, Progress& progress, Device device, bool cuda_aware, std::span<float> span,
-          int tag);
+  PairSum(const Communicator& group, int partner, Progress& progress, MessagePath path, std::span<float> span, int tag);
   // At the step's start, before any compute: the partner's part may arrive early.
   void post_receive();
   // This rank's part is final (on a GPU: once the compute stream has run so far).
@@ -41,12 +38,10 @@ class PairSum {
   int partner_;
   Progress& progress_;
   Device device_;
-  bool cuda_aware_;
   std::span<float> span_;
   int tag_;
-  Inbox incoming_;                        // the partner's part
-  cuda::PinnedBuffer outgoing_host_;      // GPU without CUDA-aware MPI: this rank's part
-  std::span<const std::byte> send_wire_;
+  Inbox incoming_;       // the partner's part
+  SpanOutbox outgoing_;  // this rank's
   Progress::Ticket receive_ = Progress::none, send_ = Progress::none;
 };
 

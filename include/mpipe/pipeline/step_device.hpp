@@ -9,6 +9,7 @@
 #include <memory>
 #include <span>
 
+#include "mpipe/backend/message.hpp"
 #include "mpipe/core/tensor.hpp"
 
 namespace mpipe {
@@ -28,8 +29,10 @@ class StepDevice {
 
   Device kind() const { return kind_; }
   bool cuda_aware() const { return cuda_aware_; }
+  // How messages reach MPI (backend/message.hpp).
+  MessagePath path() const { return {.device = kind_, .cuda_aware = cuda_aware_}; }
   // MPI moves device memory through pinned host copies (a GPU without CUDA-aware MPI).
-  bool staged() const { return kind_ == Device::cuda && !cuda_aware_; }
+  bool staged() const { return path().staged(); }
   // Compute actions are timed by the host as they run (the CPU); otherwise on the device,
   // read by finish_step() into timed().
   bool host_timed() const { return kind_ == Device::cpu; }

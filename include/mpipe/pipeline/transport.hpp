@@ -18,25 +18,12 @@
 #include <span>
 #include <vector>
 
-#include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/backend/message.hpp"
 #include "mpipe/core/tensor.hpp"
-#include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/grid.hpp"
 #include "mpipe/pipeline/progress.hpp"
 
 namespace mpipe {
-
-// Where one incoming message lands: host memory on the CPU; device memory on a GPU,
-// which MPI receives into directly when it is CUDA-aware and otherwise through a pinned
-// host buffer (`staging`, copied in by the receiver).
-struct Inbox {
-  static Inbox make(const Shape& shape, DType dtype, Device device, bool cuda_aware);
-  FloatBuffer host;              // CPU
-  cuda::DeviceBuffer device;     // GPU
-  cuda::PinnedBuffer staging;    // GPU when MPI is not CUDA-aware
-  Tensor tensor;                 // what compute reads
-  std::span<std::byte> wire;     // what MPI receives into
-};
 
 class Transport {
  public:
@@ -58,7 +45,7 @@ class Transport {
   };
 
   // `channels` in ascending model stage; `model_stages`: K·v.
-  Transport(const Grid& grid, Progress& progress, Device device, DType dtype, bool cuda_aware, int micro_batches,
+  Transport(const Grid& grid, Progress& progress, MessagePath path, DType dtype, int micro_batches,
             std::vector<Channel> channels, int model_stages, double timeout_s);
 
   // The step's receives, all of them, before any compute; `backward` false: only the
@@ -72,7 +59,7 @@ class Transport {
   // Sends `data` from channel `c`, which stays untouched until finish_sends():
   // activations forward to the next model stage, gradients backward to the previous one.
   void send(Direction direction, int c, int mb, const Tensor& data);
-  // Between actions: posts the GPU sends whose data has become ready.
+  // Between actions: posts the queued sends whose data has become ready (a GPU's).
   void between_actions() {
     if (!pending_sends_.empty()) post_ready_sends(false);
   }
@@ -86,7 +73,7 @@ class Transport {
 
  private:
   struct PendingSend {
-    cuda::Event* ready;
+    const Outbox* outbox;
     std::span<const std::byte> wire;
     Direction direction;
     int channel, micro_batch;
@@ -108,19 +95,14 @@ class Transport {
   int micro_batches_;
   bool virtual_;  // more than one model stage per pipeline stage
   Progress& progress_;
-  Device device_;
+  MessagePath path_;
   DType dtype_;
-  bool cuda_aware_;
   double timeout_;
   std::vector<Inbox> received_[2];                   // [direction][channel · M + micro-batch]
   std::vector<Progress::Ticket> receive_tickets_[2];
   std::vector<Progress::Ticket> send_tickets_;      // this step's, in order of posting
   std::vector<Transfer> sent_;
-  // GPU: per direction, channel and micro-batch, the staging buffer of an outgoing message and
-  // the event marking its data ready; the events that order a received message's copy
-  // before its use.
-  std::vector<cuda::PinnedBuffer> send_staging_[2];
-  std::vector<cuda::Event> send_ready_[2], receive_ready_[2];
+  std::vector<Outbox> outboxes_[2];                 // [direction][channel · M + micro-batch]
   std::vector<PendingSend> pending_sends_;          // queued, not yet posted; in order
 };
 
