@@ -1,4 +1,5 @@
-// Arena implementation.
+// Arenas: bump allocation in a chain of blocks, rewound per step and folded into one block
+// that holds the high-water mark.
 #include "mpipe/core/arena.hpp"
 
 #include <algorithm>
@@ -93,10 +94,8 @@ void Arena::reset() {
     add_block(need);
     // Touch the new block now: its pages are faulted in here, not in the next step's
     // forward, whose timings (the phase table, the bubble simulated from them) would
-    // otherwise carry them (GPipe, the bench's GPT on two ranks: a step's forward 54 ms,
-    // 256 ms in step 2). Transparent huge pages (MADV_HUGEPAGE) would make the faults
-    // cheaper, but slowed every later step on this project's VM (zbv, measured bubble 3-7%
-    // -> 7-13%).
+    // otherwise carry them. No transparent huge pages: they made every later step slower
+    // where tried (docs/architecture.md, "Memory", has the figures of both).
     if (memory_.device == Device::cpu) std::memset(blocks_.front().memory, 0, blocks_.front().size);
   }
   if (host_objects_) host_objects_->reset();

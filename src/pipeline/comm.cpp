@@ -1,4 +1,4 @@
-// MPI wrappers.
+// Typed, checked MPI: communicators, point-to-point, reductions, gathers, ping-pong.
 #include "mpipe/pipeline/comm.hpp"
 
 #include <algorithm>

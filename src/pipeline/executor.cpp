@@ -51,9 +51,9 @@ Executor::~Executor() = default;
 void Executor::connect() {
   grid_ = std::make_unique<Grid>(world_, plan_.grid);
   stages_.clear();
-  chunk_of_.assign(static_cast<std::size_t>(partition_.stages()), -1);
+  local_of_.assign(static_cast<std::size_t>(partition_.stages()), -1);
   for (const int m : schedule_.stages_of(grid_->stage())) {
-    chunk_of_[static_cast<std::size_t>(m)] = static_cast<int>(stages_.size());
+    local_of_[static_cast<std::size_t>(m)] = static_cast<int>(stages_.size());
     stages_.emplace_back(model_, m, static_cast<int>(stages_.size()), partition_.begin(m), partition_.end(m),
                          partition_.stages(), plan_.options.micro_batches);
   }
@@ -228,7 +228,7 @@ void Executor::run_actions(std::int64_t step, bool training) {
   const int list = grid_->stage();
   for (const Action& action : schedule_.actions[static_cast<std::size_t>(list)]) {
     const int mb = action.micro_batch;
-    const int c = chunk_of_[static_cast<std::size_t>(schedule_.stage_of(list, action))];  // this rank's stage
+    const int c = local_of_[static_cast<std::size_t>(schedule_.stage_of(list, action))];  // this rank's stage
     Stage& stage = stages_[static_cast<std::size_t>(c)];
     if (!training && (action.kind == ActionKind::backward || action.kind == ActionKind::weight ||
                       action.kind == ActionKind::recv_grad || action.kind == ActionKind::send_grad))

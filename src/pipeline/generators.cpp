@@ -50,8 +50,8 @@ Schedule interleaved_schedule(int stages, int virtual_stages, int micro_batches)
   const int total = M * v;
   for (int list = 0; list < K; ++list) {
     auto action = [&](ActionKind kind, int k) {
-      const int within = k % (K * v), chunk = within / K;
-      return Action{kind, k / (K * v) * K + within % K, (kind == ActionKind::forward ? chunk : v - 1 - chunk) * K + list};
+      const int within = k % (K * v), local = within / K;  // which of the list's model stages
+      return Action{kind, k / (K * v) * K + within % K, (kind == ActionKind::forward ? local : v - 1 - local) * K + list};
     };
     const int warmup = std::min(total, (K - list - 1) * 2 + (v - 1) * K);
     auto& out = s.actions[list];

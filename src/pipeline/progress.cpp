@@ -152,8 +152,8 @@ bool Progress::sweep(bool try_only) {
   const Clock::time_point now = Clock::now();
   // A test that finds nothing to do takes under a microsecond; one that copies a
   // message, or a 32 KiB fragment of one, takes microseconds: MPI is moving data. (Now
-  // and then MPI also polls its event loop, up to 16 us measured: callers that act on
-  // "moved" tolerate such a single false alarm.)
+  // and then MPI also polls its event loop, for about as long (docs/communication.md):
+  // callers that act on "moved" tolerate such a single false alarm.)
   const bool moved = now - start >= busy_sweep;
   if (completed == MPI_UNDEFINED || completed == 0) return moved;
   {

@@ -131,7 +131,9 @@ std::string render(const Schedule& s, const StageCosts& costs) {
   }
   out << "\n";
   for (int st = 0; st < s.stages; ++st) {
-    std::vector<std::string> cells(columns, "." + std::string(width - 1, ' '));
+    std::string idle(width, ' ');  // a column where the stage computes nothing
+    idle[0] = '.';
+    std::vector<std::string> cells(columns, idle);
     for (std::size_t i = 0; i < s.actions[st].size(); ++i) {
       const Action& a = s.actions[st][i];
       if (!a.is_compute() || i >= sim.end[st].size() || sim.end[st][i] <= sim.start[st][i]) continue;

@@ -393,9 +393,9 @@ Schedule zb_h2_schedule(int stages, int micro_batches, const ScheduleOptions& op
 // ZB-V: the V placement, at most 2K micro-batch model stages between F and W on a rank
 // (1F1B's stage 0: K micro-batches of a whole rank's layers), no other limit. Of the
 // orders tried at unit costs (B or F first, either model stage first, limits 2K-1 to 3K)
-// the scheduler's reaches the bound (K-1)/(6M+K-1) most often at that memory: for
-// 2 <= K <= 8 and K <= M <= 32 in all but 12 of 196 cases, at most 6 ticks above it (a
-// limit of 3K reaches it in all, and with steps back to back no bubble at all: --in-flight).
+// the scheduler's reaches the bound (K-1)/(6M+K-1) most often at that memory, and never
+// far above it (docs/schedules.md); a limit of 3K reaches it, and with steps back to
+// back there is no bubble at all (--in-flight).
 // The V's turn (stages K-1 and K on the last rank) needs no wait beyond stage order: its
 // message goes from the rank to itself.
 Schedule zbv_schedule(int stages, int micro_batches, const ScheduleOptions& options) {

@@ -1,6 +1,6 @@
 // A language-model head split over the vocabulary, so that a pipeline can spread it
-// over stages: GPT-2 small's head is 27% of the model's FLOPs, more than an eighth, so
-// on 8 stages as one layer it alone sets the pace (`plan`: 60.5% bubble against 30.4%).
+// over stages: a head heavier than a stage's share of the model sets the pace as one
+// layer (GPT-2 small's on 8 stages: docs/schedules.md).
 //
 // Chunk c of n computes the logits of vocabulary entries [c V / n, (c + 1) V / n) and
 // folds them into per-token statistics of an online softmax (Milakov and Gimelshein

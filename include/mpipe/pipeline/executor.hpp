@@ -198,7 +198,7 @@ class Executor : StageHooks {
   // The model stages this rank runs, ascending: its pipeline stage's one, or the v the
   // schedule places on it (interleaved: s, s + K, ...; zbv: s and 2K-1-s).
   std::vector<Stage> stages_;
-  std::vector<int> chunk_of_;  // [model stage]: its index in stages_, or -1 on another rank
+  std::vector<int> local_of_;  // [model stage]: its index in stages_, or -1 on another rank
   bool needs_batch() const;  // this rank reads batches: the first stage's inputs, or targets
   bool holds_first() const;  // the model's first stage (the inputs) is one of this rank's
   bool holds_last() const;   // the model's last stage (the loss) is one of this rank's

@@ -3,9 +3,9 @@
 // by exchanging it: each rank posts its receive when the step starts, into a buffer of
 // its own, sends its span as soon as it is final, and adds what arrived. One transfer
 // each way, kept moving by Progress while the ranks still compute, with no collective
-// rounds and no temporary buffers inside MPI: on 2 ranks Open MPI's MPI_Iallreduce of
-// 154 MB takes 1.7x its blocking MPI_Allreduce, which takes several times this exchange
-// (docs/communication.md). a + b == b + a in IEEE arithmetic, so both ranks end with
+// rounds and no temporary buffers inside MPI, where Open MPI's MPI_Iallreduce of a large
+// span is slower than its blocking MPI_Allreduce, itself slower than this exchange
+// (docs/communication.md has the figures). a + b == b + a in IEEE arithmetic, so both ranks end with
 // the same bits, and they are those of the one-rank sum (owner += copy).
 #pragma once
 #include <span>

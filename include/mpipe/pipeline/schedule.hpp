@@ -98,8 +98,7 @@ struct ScheduleOptions {
 // zero-bubble ones (zb-h1, zb-h2, zbv) are built by list scheduling on the simulator's
 // clock with the options' costs (StageCosts below), unit costs (F = B = W) when null:
 // with the stages' real costs, where W is cheaper than F and B and stages differ, they
-// order the actions for those (zbv at K = 2, M = 8 with W = 0.75 F: 2.2% simulated
-// against 6.9% for the unit-cost order).
+// order the actions for those (docs/schedules.md, "Ordered for the model's costs").
 Schedule gpipe_schedule(int stages, int micro_batches);
 Schedule one_f_one_b_schedule(int stages, int micro_batches);
 // ZB-H1 (Qi et al. 2023, zero bubble): B is the input gradient alone, W the weight
@@ -110,8 +109,8 @@ Schedule zb_h1_schedule(int stages, int micro_batches, const ScheduleOptions& op
 // ZB-H2: ZB-H1 with the paper's longer warm-up, at most 2(K - s) - 1 micro-batches between
 // F and B and 2K - 1 between F and W (about twice 1F1B's memory). At equal costs it has
 // ZB-H1's bubble, the bound of a step that ends in a synchronized optimizer step; it
-// gains where W is cheaper than F and B (K = 4, M = 8 at F 3.4, B 3.6, W 2.5: 11.8%
-// against zb-h1's 15.1%) or a middle stage is slower: the queued forwards fill the gaps.
+// gains where W is cheaper than F and B or a middle stage is slower: the queued forwards
+// fill the gaps (docs/schedules.md, "Ordered for the model's costs").
 Schedule zb_h2_schedule(int stages, int micro_batches, const ScheduleOptions& options = {});
 // Interleaved 1F1B (Megatron-LM, Narayanan et al. 2021): v model stages per pipeline
 // stage, run in groups of K micro-batches (all of a group's forwards on one model stage,

@@ -97,6 +97,11 @@ constexpr int64_t kMaxBlocks = 1 << 16;  // grid-stride loops take the rest
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Blocks for `work` items at `per_block` each, capped for grid-stride loops.
+// Reductions across rows sum fixed chunks of rows first, then the chunks in order: the
+// chunking depends on the row count alone (determinism).
+constexpr int64_t kMaxRowChunks = 128;
+inline int64_t rows_per_chunk(int64_t N) { return std::max<int64_t>(16, ceil_div(N, kMaxRowChunks)); }
+
 inline unsigned blocks_for(int64_t work, int64_t per_block) {
   return static_cast<unsigned>(std::min(ceil_div(work, per_block), kMaxBlocks));
 }
