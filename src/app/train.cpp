@@ -350,8 +350,14 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   const bool root = world.rank() == 0;
   TrainConfig config = options;
   double time_limit_s = 0;
+  // The plan, made by each rank alone: a bad schedule, --balance or model is said before
+  // anything is created or locked. It stands unless the device changes the model (below)
+  // or --partition time measures.
+  Plan plan;
   int code = agree(world, [&] {
     validate(config, world.size());
+    const RunOptions run = run_options(config);
+    plan = make_plan(run, world.size(), Model(run.model));
     time_limit_s = parse_time_limit(config.time_limit);
     if (root) check_checkpoint_options(config, /*create=*/true);
     if (root) check_output_files(config);
@@ -369,17 +375,17 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   // Collective, and only once every rank's options are known good.
   std::string device_line;
   if ((code = agree(world, [&] { device_line = resolve_device(config, world); }))) return code;
-  checkpoint_dir.set_config_text(to_toml(config));  // as resolved: each checkpoint says how to continue it
-  // The plan: every check on each rank alone, then, where --partition time asks, again
-  // with the costs measured across the ranks (with the run's threads).
-  Plan plan;
-  std::unique_ptr<MetricsWriter> metrics;
+  // On a GPU the model may change (the LM head as one layer): the plan follows it.
   if ((code = agree(world, [&] {
-         const RunOptions run = run_options(config);
-         plan = make_plan(run, world.size(), Model(run.model));
-         if (root && !config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
+         const RunOptions resolved = run_options(config);
+         if (resolved.model == plan.options.model) plan.options = resolved;
+         else plan = make_plan(resolved, world.size(), Model(resolved.model));
        })))
     return code;
+  // Each checkpoint says how to continue it: the options as resolved (the device, the grid).
+  config.pipeline.grid = plan.grid;
+  checkpoint_dir.set_config_text(to_toml(config));
+  std::unique_ptr<MetricsWriter> metrics;
   cpu::set_threads(config.threads > 0 ? config.threads : default_threads(world));
   if (needs_measurement(plan.options) && (code = agree(world, [&] {
                                              plan = make_plan(plan.options, world.size(), Model(plan.options.model),
@@ -387,7 +393,11 @@ int run_train(const TrainConfig& options, const Communicator& world) {
                                            })))
     return code;
   std::unique_ptr<Executor> exec;
-  if ((code = agree(world, [&] { exec = std::make_unique<Executor>(plan, world); }))) return code;
+  if ((code = agree(world, [&] {
+         if (root && !config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
+         exec = std::make_unique<Executor>(plan, world);
+       })))
+    return code;
   if ((code = agree(world, [&] { exec->connect(); }))) return code;
   const int node_ranks = world.size() > 1 ? Communicator::node(world).size() : 1;
   if ((code = agree(world, [&] {

@@ -171,9 +171,12 @@ std::unique_ptr<Layer> build_layer(const LayerSpec& given, const ModelSpec& mode
   }
   if (nested) {
     // Each layer of a block shares the block's index, which keys dropout masks and ties.
-    std::string nestable;
+    std::vector<std::string> names;
     for (const LayerKind& k : layer_kinds())
-      if (k.nestable) nestable += cat(nestable.empty() ? "" : ", ", k.name);
+      if (k.nestable) names.push_back(k.name);
+    std::string nestable;
+    for (std::size_t i = 0; i < names.size(); ++i)
+      nestable += cat(i == 0 ? "" : i + 1 == names.size() ? " or " : ", ", names[i]);
     MPIPE_REQUIRE(kind->nestable, cat("inside a residual use ", nestable), where, ": a ", given.kind,
                   " cannot be inside a residual block");
     return kind->make(LayerArgs{spec, model, index, input, where, true});

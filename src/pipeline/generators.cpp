@@ -86,32 +86,27 @@ Schedule interleaved_checked(int stages, int micro_batches, int virtual_stages, 
   return interleaved_schedule(stages, virtual_stages, micro_batches);
 }
 
-Schedule zbv_checked(int stages, int micro_batches, int, const ScheduleOptions& options) {
-  // The V holds K micro-batches' worth on every rank (1F1B's first rank); what 1F1B holds
-  // on the later ranks leaves its last rank one micro-batch across the turn: starved.
-  MPIPE_REQUIRE(options.in_flight != in_flight_of_1f1b,
-                "use --schedule zb-h1 --in-flight 1f1b, or zbv with a number of model stages (its own: 2K)",
-                "--in-flight 1f1b with --schedule zbv: the V already holds 1F1B's first rank's memory on every rank");
-  return zero_bubble_checked("zbv", zbv_schedule, stages, micro_batches, options);
-}
-
 std::vector<ScheduleKind> make_kinds() {
   std::vector<ScheduleKind> k;
   k.push_back({"gpipe", "", 1, one_per_rank,
-               [](int K, int M, int, const ScheduleOptions&) { return gpipe_schedule(K, M); }, false, false, gpipe_bubble});
+               [](int K, int M, int, const ScheduleOptions&) { return gpipe_schedule(K, M); }, false, "", false,
+               gpipe_bubble});
   k.push_back({"1f1b", "", 1, one_per_rank,
-               [](int K, int M, int, const ScheduleOptions&) { return one_f_one_b_schedule(K, M); }, false, false,
+               [](int K, int M, int, const ScheduleOptions&) { return one_f_one_b_schedule(K, M); }, false, "", false,
                gpipe_bubble});
   k.push_back({"zb-h1", "zero bubble: backward split into input and weight gradients", 1, one_per_rank,
                [](int K, int M, int, const ScheduleOptions& o) { return zero_bubble_checked("zb-h1", zb_h1_schedule, K, M, o); },
-               true, true, zero_bubble_formula});
+               true, "", true, zero_bubble_formula});
   k.push_back({"zb-h2", "zb-h1 with a longer warm-up, about twice 1F1B's memory", 1, one_per_rank,
                [](int K, int M, int, const ScheduleOptions& o) { return zero_bubble_checked("zb-h2", zb_h2_schedule, K, M, o); },
-               true, true, zero_bubble_formula});
-  k.push_back({"interleaved", "with --virtual-stages", 0, round_robin_placement, interleaved_checked, false, false,
+               true, "", true, zero_bubble_formula});
+  k.push_back({"interleaved", "with --virtual-stages", 0, round_robin_placement, interleaved_checked, false, "", false,
                [](int) -> std::string { return "(K-1)/(vM+K-1)"; }});
-  k.push_back({"zbv", "zero bubble on two model stages per rank placed in a V", 2, vee, zbv_checked, true, true,
-               no_formula});
+  // The V holds K micro-batches' worth on every rank (1F1B's first rank); what 1F1B holds
+  // on the later ranks leaves its last rank one micro-batch across the turn: starved.
+  k.push_back({"zbv", "zero bubble on two model stages per rank placed in a V", 2, vee,
+               [](int K, int M, int, const ScheduleOptions& o) { return zero_bubble_checked("zbv", zbv_schedule, K, M, o); },
+               true, "the V already holds 1F1B's first rank's memory on every rank", true, no_formula});
   return k;
 }
 
@@ -157,6 +152,9 @@ Schedule make_schedule(const std::string& name, int stages, int micro_batches, i
     throw UserError(cat("--in-flight sets the zero-bubble schedules' memory; --schedule ", name, " has its own"),
                     cat("leave --in-flight out, or use --schedule ", either(taking)));
   }
+  MPIPE_REQUIRE(!(kind && options.in_flight == in_flight_of_1f1b && !kind->refuses_in_flight_1f1b.empty()),
+                cat("use --schedule zb-h1 --in-flight 1f1b, or ", name, " with a number of model stages (its own: 2K)"),
+                "--in-flight 1f1b with --schedule ", name, ": ", kind ? kind->refuses_in_flight_1f1b : "");
   if (kind) {
     const int v = virtual_stages;
     if (kind->virtual_stages == 0) {

@@ -37,7 +37,7 @@ TEST_CASE("the schedule table: each entry's placement, formula and --in-flight r
     CAPTURE(kind.name);
     CHECK(find_schedule_kind(kind.name) == &kind);
     for (const int in_flight : {0, in_flight_of_1f1b}) {
-      const bool refused_1f1b = kind.name == "zbv" && in_flight == in_flight_of_1f1b;
+      const bool refused_1f1b = !kind.refuses_in_flight_1f1b.empty() && in_flight == in_flight_of_1f1b;
       for (int K : {1, 2, 3, 4, 6})
         for (int M = K; M <= 3 * K; ++M) {
           const int v = kind.virtual_stages == 0 ? 2 : kind.virtual_stages;

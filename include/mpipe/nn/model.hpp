@@ -28,6 +28,7 @@ struct ModelConfig {
   // gpt: the LM head as this many vocabulary chunks (layers a pipeline can put on
   // different stages; nn/vocab_layers.hpp), 1: one linear layer.
   int head_chunks = 1;
+  bool operator==(const ModelConfig&) const = default;
 };
 
 // Checks sizes and combinations; throws UserError naming the option at fault.

@@ -146,6 +146,8 @@ struct ScheduleKind {
   // against virtual_stages by make_schedule); UserError for a (K, M) the schedule cannot run.
   Schedule (*generate)(int stages, int micro_batches, int virtual_stages, const ScheduleOptions& options) = nullptr;
   bool takes_in_flight = false;    // --in-flight sets its memory (the zero-bubble schedules)
+  // Why it refuses --in-flight 1f1b (1F1B's memory on each rank), or "" where it takes it.
+  std::string refuses_in_flight_1f1b;
   bool ordered_for_costs = false;  // its order depends on ScheduleOptions::costs and back_to_back
   // The closed form of its bubble at equal stages for M >= K under `in_flight`, e.g.
   // "(K-1)/(M+K-1)", or "" where there is none (plan then says "simulated").
