@@ -47,7 +47,7 @@ float learning_rate(const OptimizerConfig& c, std::int64_t step, std::int64_t to
 }
 
 Optimizer::Optimizer(ParamStore& store, const OptimizerConfig& config)
-    : store_(store), config_(config), first_(store.params().size()),
+    : store_(store), config_(config), adamw_(config.kind == "adamw"), first_(store.params().size()),
       second_(config.kind == "adamw" ? store.params().size() : 0) {
   validate(config);
 }
@@ -120,7 +120,7 @@ void Optimizer::update(float lr, std::int64_t t) {
     views.largest = largest_view_;
     float* params = store_.master().data();
     const float* grads = store_.grads().data();
-    if (config_.kind == "adamw")
+    if (adamw_)
       cuda::adamw_update(params, grads, device_first_.as<float>(), device_second_.as<float>(), views, lr,
                          config_.beta1, config_.beta2, config_.eps, t);
     else
@@ -136,7 +136,7 @@ void Optimizer::update(float lr, std::int64_t t) {
     const float wd = e.decay ? config_.weight_decay : 0.0f;
     const std::size_t o = e.offset;  // gradients and optimizer state
     float* p = params + e.param_offset;
-    if (config_.kind == "adamw")
+    if (adamw_)
       cpu::adamw_update(p, grads + o, first_.data() + o, second_.data() + o, e.numel(), lr, config_.beta1,
                         config_.beta2, config_.eps, wd, t);
     else

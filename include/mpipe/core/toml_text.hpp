@@ -1,4 +1,4 @@
-// Writing TOML values as text: options files (io/config_file) and model files
+// Writing TOML values as text: options files (app/config_file) and model files
 // (nn/registry) both write what a TOML parser reads back as the same value.
 #pragma once
 #include <charconv>

@@ -53,6 +53,7 @@ class Optimizer {
  private:
   ParamStore& store_;
   OptimizerConfig config_;
+  bool adamw_;  // else SGD: the kind, decided once
   FloatBuffer first_, second_;
   bool on_device_ = false;
   cuda::DeviceBuffer device_first_, device_second_;
