@@ -7,7 +7,6 @@
 #include <type_traits>
 #include <vector>
 
-#include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 namespace mpipe::test {

@@ -23,12 +23,8 @@ Inbox::Inbox(const Shape& shape, DType dtype, MessagePath path) : path_(path) {
   copied_.emplace();
 }
 
-void Inbox::arrived(bool on_compute_stream) {
+void Inbox::arrived() {
   if (!path_.staged()) return;
-  if (on_compute_stream) {
-    cuda::copy_to_device(tensor_.data, staging_.data(), tensor_.bytes());
-    return;
-  }
   // Copied in on its own stream; the compute stream waits for that copy, the host does not.
   cuda::copy_to_device(tensor_.data, staging_.data(), tensor_.bytes(), cuda::StreamKind::to_device);
   copied_->record(cuda::StreamKind::to_device);
@@ -51,18 +47,6 @@ std::span<const std::byte> Outbox::leave(const Tensor& data) {
   cuda::copy_to_host(staging_.data(), data.data, data.bytes(), cuda::StreamKind::to_host);
   ready_->record(cuda::StreamKind::to_host);
   return {staging_.as<std::byte>(), data.bytes()};
-}
-
-SpanOutbox::SpanOutbox(std::span<float> span, MessagePath path) : path_(path), span_(span) {
-  if (path.staged()) staging_ = cuda::PinnedBuffer(span.size_bytes());
-}
-
-std::span<const std::byte> SpanOutbox::leave() {
-  if (path_.device == Device::cpu) return std::as_bytes(span_);
-  if (path_.staged()) cuda::copy_to_host(staging_.data(), span_.data(), span_.size_bytes());
-  cuda::synchronize(cuda::StreamKind::compute);  // MPI reads the data now
-  if (!path_.staged()) return std::as_bytes(span_);
-  return {staging_.as<std::byte>(), span_.size_bytes()};
 }
 
 }  // namespace mpipe

@@ -174,10 +174,7 @@ std::unique_ptr<Layer> build_layer(const LayerSpec& given, const ModelSpec& mode
     std::vector<std::string> names;
     for (const LayerKind& k : layer_kinds())
       if (k.nestable) names.push_back(k.name);
-    std::string nestable;
-    for (std::size_t i = 0; i < names.size(); ++i)
-      nestable += cat(i == 0 ? "" : i + 1 == names.size() ? " or " : ", ", names[i]);
-    MPIPE_REQUIRE(kind->nestable, cat("inside a residual use ", nestable), where, ": a ", given.kind,
+    MPIPE_REQUIRE(kind->nestable, cat("inside a residual use ", either(names)), where, ": a ", given.kind,
                   " cannot be inside a residual block");
     return kind->make(LayerArgs{spec, model, index, input, where, true});
   }

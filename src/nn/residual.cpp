@@ -112,7 +112,7 @@ namespace {
 // convolution with the stride that maps the plane (images), optionally followed by a
 // BatchNorm, or a linear map of the channels; bias-free.
 std::vector<std::unique_ptr<Layer>> projection(const LayerArgs& a, const Shape& in, const Shape& out) {
-  const std::string skip = std::get<std::string>(a.spec.options.at("skip"));
+  const std::string& skip = a.text("skip");
   const bool norm = a.boolean("skip-norm");
   if (skip != "auto" && skip != "identity" && skip != "projection")
     a.refuse("skip", cat("must be auto, identity or projection, got '", skip, "'"), "e.g. skip = \"auto\"");

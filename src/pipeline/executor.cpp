@@ -28,7 +28,8 @@ void Executor::start_trace_clock() {
 
 Executor::Executor(const Plan& plan, const Communicator& world)
     : plan_(plan), world_(world), model_(plan.options.model), micro_(plan.micro_batch_size) {
-  MPIPE_CHECK(plan.ranks == world.size(), "a plan for ", plan.ranks, " ranks on ", world.size());
+  MPIPE_CHECK(plan.grid.stages * plan.grid.replicas == world.size(), "a plan for ", plan.grid.stages * plan.grid.replicas,
+              " ranks on ", world.size());
   shapes_ = model_.shapes(micro_);
   if (plan.options.device == Device::cuda) {
     for (int i = 0; i < model_.size(); ++i) {
@@ -84,7 +85,7 @@ void Executor::allocate() {
   // Forward, backward, weight gradient and recompute of every micro-batch on every stage.
   device_ops_ = StepDevice::make(device_, cuda_aware_, 4 * M * C);
   if (needs_batch()) {
-    const int share = plan_.replica_batch;
+    const int share = plan_.replica_batch();
     device_ops_->allocate_batch(model_.input_shape(share), model_.input_dtype(), model_.target_shape(share));
   }
   slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_);
@@ -110,7 +111,6 @@ void Executor::allocate() {
   const StageShared shared{.plan = &plan_,
                            .shapes = &shapes_,
                            .dtype = dtype_,
-                           .device = device_,
                            .replica = grid_->replica(),
                            .split = schedule_.splits(grid_->stage()),
                            .transport = transport_.get(),
@@ -183,7 +183,7 @@ void Executor::end_compute(ComputeKind kind, int micro_batch, int stage, Clock::
 void Executor::read_batch(std::int64_t step, bool training) {
   const Dataset* data = training ? dataset_.get() : eval_dataset_.get();
   if (!data) return;
-  const int share = plan_.replica_batch;
+  const int share = plan_.replica_batch();
   try {
     data->fill(static_cast<std::uint64_t>(step) * plan_.options.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
                share, holds_first() || !data->targets_alone() ? device_ops_->host_inputs() : Tensor{},

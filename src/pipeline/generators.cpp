@@ -110,13 +110,6 @@ std::vector<ScheduleKind> make_kinds() {
   return k;
 }
 
-// "a, b or c"
-std::string either(const std::vector<std::string>& names) {
-  std::string out;
-  for (std::size_t i = 0; i < names.size(); ++i) out += cat(i == 0 ? "" : i + 1 == names.size() ? " or " : ", ", names[i]);
-  return out;
-}
-
 }  // namespace
 
 const std::vector<ScheduleKind>& schedule_kinds() {

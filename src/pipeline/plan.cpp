@@ -61,13 +61,11 @@ Plan make_plan(const RunOptions& o, int ranks, const Model& model, const Measure
   MPIPE_REQUIRE(ranks > 0, "e.g. --ranks 4", "--ranks must be positive, got ", ranks);
   Plan plan;
   plan.options = o;
-  plan.ranks = ranks;
   plan.grid = resolve_grid(o.grid, ranks);
   const int K = plan.grid.stages, D = plan.grid.replicas, M = o.micro_batches, v = o.virtual_stages;
   MPIPE_CHECK(M > 0 && o.batch_size % (M * D) == 0, "batch ", o.batch_size, " on ", M, " micro-batches x ", D,
               " replicas (the options' checks let it through)");
   plan.micro_batch_size = micro_batch_size(o, D);
-  plan.replica_batch = o.batch_size / D;
   // The schedule at unit costs: its name, --in-flight and a schedule file are checked
   // here, and its placement (which depends on the name alone) is the partition's.
   const ScheduleKind* kind = find_schedule_kind(o.schedule);

@@ -98,14 +98,14 @@ Pass Stage::make_pass(std::int64_t step, int mb, Arena* arena) const {
   pass.arena = arena;
   pass.seed = plan.options.seed;
   pass.step = static_cast<std::uint64_t>(step);
-  pass.sample_begin = static_cast<std::uint64_t>(shared_.replica * plan.replica_batch + mb * plan.micro_batch_size);
+  pass.sample_begin = static_cast<std::uint64_t>(shared_.replica * plan.replica_batch() + mb * plan.micro_batch_size);
   pass.training = true;
   pass.deferred_statistics = plan.options.batchnorm == BatchNormRule::deferred;
   pass.dtype = shared_.dtype;
   if (targets_) {
     const Shape tg = model_.target_shape(plan.micro_batch_size);
     pass.targets = {static_cast<std::byte*>(shared_.device_ops->targets().data) + static_cast<std::size_t>(mb) * tg.numel() * word_bytes,
-                    tg, DType::i32, shared_.device};
+                    tg, DType::i32, shared_.device_ops->kind()};
     if (last_) pass.device_loss_sum = shared_.device_ops->loss_sum();
   }
   pass.loss_scale =
@@ -120,7 +120,7 @@ Tensor Stage::input(const Pass& pass, int mb) {
   if (!first_) return shared_.transport->received(Direction::forward, channel_, mb);
   const Shape in = (*shared_.shapes)[0];
   Tensor x = {static_cast<std::byte*>(shared_.device_ops->inputs().data) + static_cast<std::size_t>(mb) * in.numel() * word_bytes,
-              in, model_.input_dtype(), shared_.device};
+              in, model_.input_dtype(), shared_.device_ops->kind()};
   if (x.dtype == DType::f32 && shared_.dtype != DType::f32) {  // the MLP's features, in bf16 training
     const Tensor converted = pass.arena->tensor(in, shared_.dtype);
     ops::convert(converted, x);

@@ -85,8 +85,8 @@ const Tensor& Transport::received(Direction direction, int c, int mb) const {
 // there: on the CPU at once; on a GPU once the compute stream (and a staged copy-out)
 // has made it final, so the host goes on queueing work meanwhile.
 void Transport::send(Direction direction, int c, int mb, const Tensor& data) {
-  const Outbox& outbox = outboxes_[index(direction)][slot(c, mb)];
-  const std::span<const std::byte> wire = outboxes_[index(direction)][slot(c, mb)].leave(data);
+  Outbox& outbox = outboxes_[index(direction)][slot(c, mb)];
+  const std::span<const std::byte> wire = outbox.leave(data);
   pending_sends_.push_back({&outbox, wire, direction, c, mb});
   post_ready_sends(false);
 }

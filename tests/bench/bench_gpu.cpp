@@ -12,11 +12,10 @@
 
 #include <CLI/CLI.hpp>
 
-#include "mpipe/nn/transformer_layers.hpp"
-#include "mpipe/nn/residual.hpp"
+#include "mpipe/app/config.hpp"
 #include "mpipe/backend/cuda/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
-#include "mpipe/app/config.hpp"
+#include "mpipe/nn/transformer_layers.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;

@@ -16,6 +16,7 @@
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/backend/ops.hpp"
 #include "mpipe/core/bf16.hpp"
 #include "mpipe/core/rng.hpp"
 
@@ -541,6 +542,39 @@ TEST_CASE("cuda op: sum_squares of many spans in one launch") {
     const double expected = cpu::sum_squares(x.data() + offsets[i], sizes[i]);
     if (sizes[i] == 0) CHECK(out[i] == 0.0);
     else CHECK(out[i] == doctest::Approx(expected).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("cuda op: the flat-store Tensor ops (scale, transfer, SpanSums) are the CPU's") {
+  const std::vector<int64_t> sizes{0, 1, 1000, 4099, 7};
+  const std::vector<int64_t> offsets{5, 5, 6, 1200, 5400};
+  const auto x = normals(5410, 111);
+  const Shape all{static_cast<int64_t>(x.size())};
+  // transfer: host -> device -> device -> host, every bit.
+  const DeviceArray<float> d_a(x.size()), d_b(x.size());
+  std::vector<float> back(x.size());
+  ops::transfer(Tensor{d_a.get(), all, DType::f32, Device::cuda}, make_tensor(const_cast<float*>(x.data()), all));
+  ops::transfer(Tensor{d_b.get(), all, DType::f32, Device::cuda}, Tensor{d_a.get(), all, DType::f32, Device::cuda});
+  ops::transfer(make_tensor(back.data(), all), Tensor{d_b.get(), all, DType::f32, Device::cuda});
+  CHECK(std::memcmp(back.data(), x.data(), x.size() * sizeof(float)) == 0);
+  // scale: as cpu::scale.
+  auto scaled = x;
+  ops::scale(make_tensor(scaled.data(), all), 0.37f);
+  ops::scale(Tensor{d_b.get(), all, DType::f32, Device::cuda}, 0.37f);
+  CHECK(same_bits(d_b.read(), scaled));
+  // SpanSums: the per-span sums of a device buffer as of a host one (one launch against
+  // one pass per span, in its own fixed order each).
+  ops::SpanSums on_cpu(Device::cpu, offsets, sizes), on_gpu(Device::cuda, offsets, sizes);
+  const std::vector<double> expected = [&] {
+    const auto s = on_cpu.sums(make_tensor(const_cast<float*>(x.data()), all));
+    return std::vector<double>(s.begin(), s.end());
+  }();
+  const std::span<const double> got = on_gpu.sums(Tensor{d_a.get(), all, DType::f32, Device::cuda});
+  REQUIRE(got.size() == sizes.size());
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    CAPTURE(i);
+    CHECK(expected[i] == doctest::Approx(cpu::sum_squares(x.data() + offsets[i], sizes[i])).epsilon(0));
+    CHECK(got[i] == doctest::Approx(expected[i]).epsilon(1e-12));
   }
 }
 

@@ -11,8 +11,8 @@
 #include "tiny_gpt.hpp"
 #include "compare.hpp"
 #include "gather.hpp"
-#include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/app/config.hpp"
+#include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;

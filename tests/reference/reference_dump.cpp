@@ -9,9 +9,9 @@
 #include <vector>
 
 #include "tiny_gpt.hpp"
+#include "mpipe/app/config.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/sanitizer.hpp"
-#include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;

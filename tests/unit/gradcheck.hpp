@@ -13,8 +13,6 @@
 
 #include "mpipe/core/rng.hpp"
 #include "mpipe/nn/layer.hpp"
-#include "mpipe/nn/residual.hpp"
-#include "mpipe/nn/transformer_layers.hpp"
 
 namespace mpipe::test {
 

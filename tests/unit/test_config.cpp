@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "mpipe/app/cli.hpp"
 #include "mpipe/app/config.hpp"
-#include "mpipe//app/cli.hpp"
-#include "mpipe/app/process.hpp"
 #include "mpipe/app/config_file.hpp"
+#include "mpipe/app/process.hpp"
 
 using namespace mpipe;
 namespace fs = std::filesystem;

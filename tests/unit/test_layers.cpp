@@ -2,6 +2,8 @@
 #include <doctest/doctest.h>
 
 #include "gradcheck.hpp"
+#include "mpipe/nn/residual.hpp"
+#include "mpipe/nn/transformer_layers.hpp"
 
 using namespace mpipe;
 using namespace mpipe::test;

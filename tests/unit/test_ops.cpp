@@ -5,14 +5,14 @@
 #include <limits>
 #include <vector>
 
-#include "mpipe/nn/transformer_layers.hpp"
-#include "mpipe/nn/residual.hpp"
 #include "mpipe/app/config.hpp"
-#include "mpipe//backend/cpu/ops.hpp"
+#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/backend/ops.hpp"
 #include "mpipe/backend/cpu/vmath.hpp"
 #include "mpipe/core/arena.hpp"
 #include "mpipe/core/rng.hpp"
 #include "mpipe/nn/optimizer.hpp"
+#include "mpipe/nn/transformer_layers.hpp"
 
 using namespace mpipe;
 
@@ -221,4 +221,24 @@ TEST_CASE("vectorisable exp and GELU: within a few ulp of double precision") {
   CHECK(worst_rel < 5e-7);  // a few ulp, for outputs of magnitude 1e-30 to 12
   CHECK(worst_abs < 1e-6);  // the derivative crosses zero near x = -0.75
   MESSAGE("exp worst ", worst_ulp, " ulp; gelu worst relative ", worst_rel, ", derivative worst absolute ", worst_abs);
+}
+
+TEST_CASE("the flat-store Tensor ops: transfer copies, scale is cpu::scale, SpanSums each span's cpu::sum_squares") {
+  std::vector<float> x(301), y(301, 0.0f);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i)) * 3.0f;
+  const Shape all{static_cast<std::int64_t>(x.size())};
+  ops::transfer(make_tensor(y.data(), all), make_tensor(x.data(), all));
+  CHECK(y == x);
+  ops::transfer(make_tensor(y.data(), all), make_tensor(y.data(), all));  // one memory: nothing to do
+  CHECK(y == x);
+  auto expected = x;
+  cpu::scale(expected.data(), 0.37f, static_cast<std::int64_t>(expected.size()));
+  ops::scale(make_tensor(y.data(), all), 0.37f);
+  CHECK(y == expected);
+  const std::vector<std::int64_t> offsets{0, 0, 7, 100}, sizes{0, 5, 93, 201};
+  ops::SpanSums sums(Device::cpu, offsets, sizes);
+  const std::span<const double> got = sums.sums(make_tensor(x.data(), all));
+  REQUIRE(got.size() == offsets.size());
+  for (std::size_t i = 0; i < offsets.size(); ++i) CHECK(got[i] == cpu::sum_squares(x.data() + offsets[i], sizes[i]));
+  CHECK_THROWS_AS(ops::transfer(make_tensor(y.data(), Shape{3}), make_tensor(x.data(), all)), Error);
 }

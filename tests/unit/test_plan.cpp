@@ -41,7 +41,7 @@ TEST_CASE("a plan over a grid of (K, D, M, schedule): its facts agree") {
           CHECK(plan.grid.stages == K);
           CHECK(plan.grid.replicas == D);
           CHECK(plan.micro_batch_size * M * D == c.batch_size);
-          CHECK(plan.replica_batch * D == c.batch_size);
+          CHECK(plan.replica_batch() * D == c.batch_size);
           // The partition: K·v contiguous model stages covering the layers, each on the
           // pipeline stage the schedule places it on.
           REQUIRE(plan.partition.stages() == K * v);

@@ -10,13 +10,12 @@
 #include <fstream>
 #include <string>
 
-#include "mpipe/nn/transformer_layers.hpp"
-#include "mpipe/nn/residual.hpp"
 #include "mpipe/app/config.hpp"
-#include "mpipe//core/error.hpp"
+#include "mpipe/core/error.hpp"
 #include "mpipe/nn/model.hpp"
 #include "mpipe/nn/params.hpp"
 #include "mpipe/nn/registry.hpp"
+#include "mpipe/nn/transformer_layers.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/stage.hpp"
 

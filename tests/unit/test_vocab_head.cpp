@@ -8,13 +8,12 @@
 #include <memory>
 
 #include "gradcheck.hpp"
-#include "mpipe/nn/transformer_layers.hpp"
-#include "mpipe/nn/residual.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/error.hpp"
 #include "mpipe/nn/model.hpp"
 #include "mpipe/nn/params.hpp"
 #include "mpipe/nn/registry.hpp"
+#include "mpipe/nn/transformer_layers.hpp"
 #include "mpipe/nn/vocab_layers.hpp"
 
 using namespace mpipe;

@@ -1,5 +1,5 @@
-// Messages between MPI and the device a rank computes on, the device chosen once below
-// the pipeline: on the CPU a message is the tensor's own memory; on a GPU it is device
+// Messages between MPI and the device a rank computes on (the transport's and the pair
+// sums'), the device chosen once below the pipeline: on the CPU a message is the tensor's own memory; on a GPU it is device
 // memory that MPI reads and writes itself when it is CUDA-aware, or otherwise a pinned
 // host copy made on the copy streams, ordered against the compute stream by events. The
 // transport and the pair sums ask these objects and never branch on the device.
@@ -32,9 +32,8 @@ class Inbox {
   const Tensor& tensor() const { return tensor_; }
   std::span<std::byte> wire() const { return wire_; }
   // The message has arrived in wire(): where staged, it is copied into tensor() on the
-  // copy-in stream and the compute stream waits for that copy (the host does not), or,
-  // `on_compute_stream`, on the compute stream itself.
-  void arrived(bool on_compute_stream = false);
+  // copy-in stream and the compute stream waits for that copy (the host does not).
+  void arrived();
 
  private:
   MessagePath path_;
@@ -66,21 +65,6 @@ class Outbox {
   MessagePath path_;
   cuda::PinnedBuffer staging_;        // staged
   std::optional<cuda::Event> ready_;  // GPU: the data (its staged copy) is final
-};
-
-// A whole span of floats sent at once, synchronously ordered (the pair sums): its bytes
-// for MPI once the compute stream has produced them (staged: a pinned copy), the host
-// waiting for the device first.
-class SpanOutbox {
- public:
-  SpanOutbox() = default;
-  SpanOutbox(std::span<float> span, MessagePath path);
-  std::span<const std::byte> leave();
-
- private:
-  MessagePath path_;
-  std::span<float> span_;
-  cuda::PinnedBuffer staging_;
 };
 
 }  // namespace mpipe

@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace mpipe {
 
@@ -16,6 +17,13 @@ std::string cat(Args&&... args) {
   std::ostringstream out;
   (out << ... << std::forward<Args>(args));
   return out.str();
+}
+
+// "a, b or c": the choices an error's hint offers.
+inline std::string either(const std::vector<std::string>& names) {
+  std::string out;
+  for (std::size_t i = 0; i < names.size(); ++i) out += cat(i == 0 ? "" : i + 1 == names.size() ? " or " : ", ", names[i]);
+  return out;
 }
 
 // An internal error: a bug or a broken invariant.

@@ -41,7 +41,7 @@ class PairSum {
   std::span<float> span_;
   int tag_;
   Inbox incoming_;       // the partner's part
-  SpanOutbox outgoing_;  // this rank's
+  Outbox outgoing_;      // this rank's
   Progress::Ticket receive_ = Progress::none, send_ = Progress::none;
 };
 

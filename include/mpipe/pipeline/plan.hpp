@@ -101,10 +101,10 @@ struct StageMemory {
 
 struct Plan {
   RunOptions options;
-  int ranks = 1;
-  GridShape grid;            // resolved: stages K and replicas D
+  GridShape grid;            // resolved: stages K and replicas D (K · D ranks)
   int micro_batch_size = 1;  // samples per micro-batch: batch / (M · D)
-  int replica_batch = 1;     // samples per replica and step: batch / D
+  // Samples per replica and step: batch / D.
+  int replica_batch() const { return micro_batch_size * options.micro_batches; }
   // K · v model stages, each on the pipeline stage the schedule's placement gives;
   // with --partition time and links counted, their costs.
   Partition partition;

@@ -65,7 +65,6 @@ struct StageShared {
   const Plan* plan = nullptr;
   const std::vector<Shape>* shapes = nullptr;  // every layer's input, for one micro-batch
   DType dtype = DType::f32;                    // of activations, their gradients and the messages
-  Device device = Device::cpu;
   int replica = 0;                             // this rank's: which samples of the step it reads
   bool split = false;                          // the rank's schedule splits backwards into B and W
   Transport* transport = nullptr;

@@ -49,7 +49,6 @@ class Timeline {
   void reserve(std::size_t events, int trace_steps);
   // A common time origin: the caller has every rank leave a barrier just before.
   void start_clock() { origin_ = Clock::now(); }
-  Clock::time_point origin() const { return origin_; }
 
   PhaseTimes& times() { return times_; }
   const PhaseTimes& times() const { return times_; }
