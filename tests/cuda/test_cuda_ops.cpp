@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "compare.hpp"
+#include "device_data.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
@@ -22,143 +23,7 @@
 
 using namespace mpipe;
 
-TYPE_TO_STRING(mpipe::bf16);
-
-namespace {
-
-// ---- host data -------------------------------------------------------------------------
-
-// n normal samples times `scale`, a pure function of `tag`.
-std::vector<float> normals(std::size_t n, uint32_t tag, float scale = 1.0f) {
-  std::vector<float> x(n);
-  make_stream(20240917, Stream::init, tag, 0, 0).fill_normal(x.data(), n, scale);
-  return x;
-}
-
-std::vector<int32_t> random_tokens(std::size_t n, int64_t V, uint32_t tag) {
-  const RandomStream s = make_stream(20240917, Stream::data, tag, 0, 0);
-  std::vector<int32_t> t(n);
-  for (std::size_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(s.below(i, static_cast<uint64_t>(V)));
-  return t;
-}
-
-template <class E>
-std::vector<E> to_elems(const std::vector<float>& x) {
-  if constexpr (std::is_same_v<E, float>) {
-    return x;
-  } else {
-    std::vector<bf16> out(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) out[i] = to_bf16(x[i]);
-    return out;
-  }
-}
-
-template <class E>
-std::vector<float> to_floats(const std::vector<E>& x) {
-  if constexpr (std::is_same_v<E, float>) {
-    return x;
-  } else {
-    std::vector<float> out(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) out[i] = to_float(x[i]);
-    return out;
-  }
-}
-
-// x as an E tensor holds it, which is what the CPU twin is given.
-template <class E>
-std::vector<float> rounded(const std::vector<float>& x) {
-  return to_floats(to_elems<E>(x));
-}
-
-template <class E>
-bool same_bits(const std::vector<E>& a, const std::vector<E>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(E)) == 0;
-}
-
-// Where results are stored as E.
-template <class E>
-constexpr double tolerance = std::is_same_v<E, float> ? 1e-5 : 1e-2;
-// fp32 parameter gradients of a GEMM: with bf16 operands the tensor cores add inside
-// each MMA with truncation, a few fp32 ulps per step.
-template <class E>
-constexpr double gemm_grad_tolerance = std::is_same_v<E, float> ? 1e-5 : 1e-4;
-constexpr double fp32_tolerance = 1e-5;
-
-double error(const std::vector<float>& gpu, const std::vector<float>& cpu) {
-  REQUIRE(gpu.size() == cpu.size());
-  return test::relative_difference(gpu, cpu);
-}
-
-// ---- device data -----------------------------------------------------------------------
-
-// Device memory owned by a test, zeroed and filled on the compute stream (the ops'
-// stream), so no copy can race a fill queued elsewhere.
-template <class T>
-class DeviceArray {
- public:
-  explicit DeviceArray(std::size_t n) : n_(n), data_(static_cast<T*>(cuda::allocate(bytes()))) {
-    cuda::zero(data_, bytes());
-  }
-  explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) {
-    cuda::copy_to_device(data_, host.data(), bytes());
-  }
-  DeviceArray(const DeviceArray&) = delete;
-  DeviceArray& operator=(const DeviceArray&) = delete;
-  ~DeviceArray() { cuda::release(data_); }
-
-  T* get() const { return data_; }
-  std::size_t bytes() const { return n_ * sizeof(T); }
-  std::vector<T> read() const {
-    std::vector<T> host(n_);
-    cuda::copy_to_host(host.data(), data_, bytes());
-    cuda::synchronize(cuda::StreamKind::compute);
-    return host;
-  }
-  void write(const std::vector<T>& host) {
-    REQUIRE(host.size() == n_);
-    cuda::copy_to_device(data_, host.data(), bytes());
-  }
-
- private:
-  std::size_t n_;
-  T* data_;
-};
-
-template <class E>
-DeviceArray<E> upload(const std::vector<float>& x) {
-  return DeviceArray<E>(to_elems<E>(x));
-}
-template <class E>
-std::vector<float> download(const DeviceArray<E>& d) {
-  return to_floats(d.read());
-}
-
-// Reference log-sum-exp of each causal score row (B, H, T), in double.
-std::vector<float> attention_lse(const std::vector<float>& qkv, int64_t B, int64_t T, int64_t C, int64_t H) {
-  const int64_t hs = C / H;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
-  std::vector<float> lse(B * H * T);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t h = 0; h < H; ++h)
-      for (int64_t i = 0; i < T; ++i) {
-        const float* q = qkv.data() + (b * T + i) * 3 * C + h * hs;
-        std::vector<double> s(i + 1);
-        double mx = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j <= i; ++j) {
-          const float* k = qkv.data() + (b * T + j) * 3 * C + C + h * hs;
-          double dot = 0.0;
-          for (int64_t d = 0; d < hs; ++d) dot += static_cast<double>(q[d]) * k[d];
-          s[j] = dot * scale;
-          mx = std::max(mx, s[j]);
-        }
-        double sum = 0.0;
-        for (double v : s) sum += std::exp(v - mx);
-        lse[(b * H + h) * T + i] = static_cast<float>(mx + std::log(sum));
-      }
-  return lse;
-}
-
-}  // namespace
+using namespace mpipe::test;
 
 // ---- matmul ----------------------------------------------------------------------------
 

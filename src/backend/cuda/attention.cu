@@ -1,11 +1,18 @@
-// Causal self-attention on cuBLASLt batched GEMMs, one batch entry per (b, h), with the
-// softmax and its gradient as row kernels in between. q, k, v are first split into
-// contiguous heads (B, H, T, hs); the scores S (B, H, T, T) are fp32, the probabilities
-// P are E for the P·V GEMM. Forward keeps only each row's log-sum-exp; backward
-// recomputes S and P = exp(S - lse) from q and k. All temporaries live in one scratch()
-// region, and the full T x T products are computed (the masked half is set to zero).
+// Causal self-attention, the ops: attention_forward and attention_backward pick a path
+// per call, and the backward first computes D = rowsum(dO * O).
+//
+//   bf16, hs <= 128   FlashAttention-2 on tensor cores (flash_bf16.cu).
+//   fp32, hs <= 128   FlashAttention-2 on CUDA-core FMAs (flash_f32.cu): the
+//                     reference-precision path.
+//   hs > 128, or a    the unfused cuBLASLt path (gemm_attention_*, here): the full
+//   GPU whose shared  scores in scratch, correct but O(T^2) memory.
+//   memory is short
 #include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
 
+#include "flash.cuh"
 #include "gemm.cuh"
 #include "kernels.cuh"
 #include "mpipe/backend/cuda/ops.hpp"
@@ -13,6 +20,41 @@
 namespace mpipe::cuda {
 
 namespace {
+
+using flash::Flash;
+using flash::Fused;
+using flash::kBlockRows;
+using flash::kF32Rows;
+using flash::kLog2e;
+using flash::kMaxTiles;
+using flash::padded_head_dim;
+
+// ---- D = rowsum(dO * O) ------------------------------------------------------------------
+
+// D (B, H, T) = per head, the dot product of dout and out over the head's channels:
+// sum_j P_ij dP_ij, which the softmax gradient subtracts.
+template <class T>
+__global__ void attention_row_dots(float* D, const T* dout, const T* out, int64_t B, int64_t T_, int64_t H,
+                                   int64_t hs) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;  // (b, h, t)
+  const int lane = threadIdx.x % 32;
+  if (row >= B * H * T_) return;
+  const int64_t t = row % T_, h = (row / T_) % H, b = row / (T_ * H);
+  const int64_t at = (b * T_ + t) * H * hs + h * hs;
+  float dot = 0.0f;
+  for (int64_t d = lane; d < hs; d += 32) dot += to_f32(dout[at + d]) * to_f32(out[at + d]);
+  dot = warp_reduce(dot, Sum{});
+  if (lane == 0) D[row] = dot;
+}
+
+unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)); }
+
+// ---- unfused fallback (hs > 128) ---------------------------------------------------------
+// cuBLASLt batched GEMMs, one batch entry per (b, h), with the softmax and its gradient as
+// row kernels in between. q, k, v are first split into contiguous heads (B, H, T, hs);
+// the scores S (B, H, T, T) are fp32, the probabilities P are E for the P·V GEMM. All
+// temporaries live in one scratch() region, and the full T x T products are computed
+// (the masked half is set to zero).
 
 // src (B, T, mats, H, hs) -> dst (mats, B, H, T, hs); W elements at a time (hs % W == 0).
 template <int W, class T>
@@ -90,22 +132,6 @@ __global__ void causal_probs(T* P, const float* S, const float* lse, int64_t row
   for (int64_t j = lane; j < T_; j += 32) p[j] = from_f32<T>(j <= i ? expf(s[j] - l) : 0.0f);
 }
 
-// D (B, H, T) = per head, the dot product of dout and out over the head's channels:
-// sum_j P_ij dP_ij, which the softmax gradient subtracts.
-template <class T>
-__global__ void attention_row_dots(float* D, const T* dout, const T* out, int64_t B, int64_t T_, int64_t H,
-                                   int64_t hs) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;  // (b, h, t)
-  const int lane = threadIdx.x % 32;
-  if (row >= B * H * T_) return;
-  const int64_t t = row % T_, h = (row / T_) % H, b = row / (T_ * H);
-  const int64_t at = (b * T_ + t) * H * hs + h * hs;
-  float dot = 0.0f;
-  for (int64_t d = lane; d < hs; d += 32) dot += to_f32(dout[at + d]) * to_f32(out[at + d]);
-  dot = warp_reduce(dot, Sum{});
-  if (lane == 0) D[row] = dot;
-}
-
 // dS = P * (dP - D) on j <= i, 0 beyond; in place over P.
 template <class T>
 __global__ void causal_softmax_backward(T* P, const float* dP, const float* D, int64_t rows, int64_t T_) {
@@ -136,22 +162,16 @@ Gemm per_head(int64_t heads, int64_t M, int64_t N, int64_t K, const void* a, boo
   return g;
 }
 
-unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, kRowsPerBlock)); }
-
-}  // namespace
-
 template <class E>
-void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t C, int64_t H) {
-  if (B == 0 || T == 0) return;
-  MPIPE_CHECK(C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
-  const int64_t hs = C / H, BH = B * H, per = BH * T * hs, rows = BH * T;
+void gemm_attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t H, int64_t hs) {
+  const int64_t BH = B * H, per = BH * T * hs, rows = BH * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   constexpr cudaDataType_t e_type = data_type<E>();
   cudaStream_t stream = context().compute;
 
   ScratchPlan plan;
-  const std::size_t heads_at = plan.reserve<E>(3 * per);  // q, k, v (B, H, T, hs)
-  const std::size_t o_at = plan.reserve<E>(per);          // (B, H, T, hs)
+  const std::size_t heads_at = plan.reserve<E>(3 * per);   // q, k, v (B, H, T, hs)
+  const std::size_t o_at = plan.reserve<E>(per);           // (B, H, T, hs)
   const std::size_t s_at = plan.reserve<float>(rows * T);  // (B, H, T, T)
   const std::size_t p_at = plan.reserve<E>(rows * T);      // (B, H, T, T)
   void* base = scratch(plan.bytes());
@@ -171,11 +191,9 @@ void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, i
 }
 
 template <class E>
-void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B, int64_t T,
-                        int64_t C, int64_t H) {
-  if (B == 0 || T == 0) return;
-  MPIPE_CHECK(C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
-  const int64_t hs = C / H, BH = B * H, per = BH * T * hs, rows = BH * T;
+void gemm_attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B,
+                             int64_t T, int64_t H, int64_t hs) {
+  const int64_t BH = B * H, per = BH * T * hs, rows = BH * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   constexpr cudaDataType_t e_type = data_type<E>();
   cudaStream_t stream = context().compute;
@@ -206,13 +224,68 @@ void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, cons
   gemm(per_head(BH, T, T, hs, q, false, k, true, S, e_type, CUDA_R_32F, scale));  // S = q k^T / sqrt(hs)
   causal_probs<<<row_blocks(rows), kThreads, 0, stream>>>(dev(P), S, lse, rows, T);
   CUDA_CHECK_LAUNCH();
-  gemm(per_head(BH, T, hs, T, P, true, dO, false, dv, e_type, e_type, 1.0f));      // dV = P^T dO
-  gemm(per_head(BH, T, T, hs, dO, false, v, true, S, e_type, CUDA_R_32F, 1.0f));   // dP = dO V^T
+  gemm(per_head(BH, T, hs, T, P, true, dO, false, dv, e_type, e_type, 1.0f));     // dV = P^T dO
+  gemm(per_head(BH, T, T, hs, dO, false, v, true, S, e_type, CUDA_R_32F, 1.0f));  // dP = dO V^T
   causal_softmax_backward<<<row_blocks(rows), kThreads, 0, stream>>>(dev(P), S, dots, rows, T);
   CUDA_CHECK_LAUNCH();
   gemm(per_head(BH, T, hs, T, P, false, k, false, dq, e_type, e_type, scale));  // dQ = dS K / sqrt(hs)
   gemm(per_head(BH, T, hs, T, P, true, q, false, dk, e_type, e_type, scale));   // dK = dS^T Q / sqrt(hs)
   rearrange_heads(false, dqkv, static_cast<const E*>(dq), B, T, H, hs, 3);
+}
+
+// ---- dispatch ----------------------------------------------------------------------------
+
+// The fused kernels take the call when the head fits their padding and their shared
+// memory fits this GPU; otherwise the cuBLASLt path does. A tile grid beyond grid y's
+// 65535 (T past 2 million steps) is refused.
+template <class E>
+bool use_fused(int64_t B, int64_t T, int64_t H, int64_t hs) {
+  const int HD = padded_head_dim(hs);
+  if (HD == 0) return false;
+  if (Fused<E>::smem(HD) > context().properties.sharedMemPerBlockOptin) return false;
+  // Every bf16 grid has a tile of at least 64 rows per y, every fp32 grid one of 32.
+  const int64_t rows = std::is_same_v<E, float> ? kF32Rows : kBlockRows<128>;
+  MPIPE_CHECK(ceil_div(T, rows) <= kMaxTiles && B * H <= INT32_MAX, "attention: ", B, " x ", H, " heads of ", T,
+              " steps exceed one fused launch");
+  return true;
+}
+
+template <class E>
+Flash flash_sizes(int64_t B, int64_t T, int64_t H, int64_t hs) {
+  Flash f;
+  f.BH = static_cast<int>(B * H);
+  f.T = static_cast<int>(T);
+  f.H = static_cast<int>(H);
+  f.hs = static_cast<int>(hs);
+  f.scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  f.scale_log2 = f.scale * kLog2e;
+  return f;
+}
+
+}  // namespace
+
+template <class E>
+void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t C, int64_t H) {
+  if (B == 0 || T == 0) return;
+  MPIPE_CHECK(H > 0 && C > 0 && C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
+  const int64_t hs = C / H;
+  if (!use_fused<E>(B, T, H, hs)) return gemm_attention_forward(out, lse, qkv, B, T, H, hs);
+  Fused<E>::forward(out, lse, qkv, flash_sizes<E>(B, T, H, hs));
+}
+
+template <class E>
+void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B, int64_t T,
+                        int64_t C, int64_t H) {
+  if (B == 0 || T == 0) return;
+  MPIPE_CHECK(H > 0 && C > 0 && C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
+  const int64_t hs = C / H;
+  if (!use_fused<E>(B, T, H, hs)) return gemm_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs);
+  // D = rowsum(dO * O) first: both fused kernels subtract it from dP.
+  const int64_t rows = B * H * T;
+  auto* dots = static_cast<float*>(scratch(static_cast<std::size_t>(rows) * sizeof(float)));
+  attention_row_dots<<<row_blocks(rows), kThreads, 0, context().compute>>>(dots, dev(dout), dev(out), B, T, H, hs);
+  CUDA_CHECK_LAUNCH();
+  Fused<E>::backward(dqkv, dout, qkv, lse, dots, flash_sizes<E>(B, T, H, hs));
 }
 
 template void attention_forward<float>(float*, float*, const float*, int64_t, int64_t, int64_t, int64_t);
