@@ -1,0 +1,493 @@
+#!/usr/bin/env bash
+# One command for a machine with a GPU: checks mpipe's CUDA backend and measures it beside
+# PyTorch on the same GPU, printing ONE Markdown report (to standard output as each section
+# completes, and to --out). Every step runs under `timeout` (its own cap, or what is left of
+# --budget, 540 s, when less; a step with under 20 s left is skipped and said so), so with a
+# prebuilt build/release the whole ends within 10 minutes; the time each step took is in
+# the report. Sections:
+#   1. the `cuda` tests (ctest -L cuda): passed / failed / skipped, the failing names;
+#   2. a 2-rank pipeline on one GPU in bf16: a GPT (tokens/s) and a ResNet-18 (images/s);
+#   3. build/release/tests/bench_gpu: bf16 GEMM rate, each op of a GPT-2-medium block as a
+#      fraction of it, a whole step's MFU (its tables as they are);
+#   4. PyTorch on the same GPU (python3 with torch and CUDA; scripts/torch_gpu_bench.py):
+#      a. GPT-2 medium (24 blocks, C 1024, T 1024, V 50257, 16 heads, batch 8), eager and
+#         torch.compile, against mpipe's same model on one rank: tokens/s, peak memory;
+#      b. ResNet-50 at 224x224, batch 64, channels_last, eager, against mpipe's: images/s;
+#   5. with 16 cores or more: the CPU K ladder (K = 1, 2, 4, 8 at M = 32, the model of
+#      scripts/bench_pipeline.sh's ladder), K = 8 over K = 1 against 6.0x;
+# then the targets (GPT >= 1.0x compile, MFU >= 40%, attention forward >= 40% and backward
+# >= 30% of the GEMM rate, ResNet-50 >= 0.9x eager, peak memory <= eager's, K = 8 >= 6.0x)
+# beside what was measured, and every step's exit code and seconds. A step that fails is
+# reported (exit code, last lines of its log) and the next one runs.
+# Without a GPU (no nvidia-smi, no device, or a build without the CUDA backend:
+# build/release/tests/cuda_tests missing or exiting 77) the report says that nothing was
+# measured and why, and the exit code is 0. Otherwise the exit code is 1 when a step failed.
+# Never installs or rebuilds anything unless build/release/mpipe is missing or --build is
+# given (then cmake builds mpipe, cuda_tests and bench_gpu first, outside the budget).
+#
+# Usage: scripts/gpu_check.sh [--out FILE] [--logs DIR] [--budget SECONDS] [--build]
+#                             [--ladder | --no-ladder]
+#   --out     the report (default build/gpu-check-report.md)
+#   --logs    every step's full output and JSON (default: the report's name, -logs)
+#   --budget  seconds for all the steps (default 540)
+#   --ladder / --no-ladder   run the CPU K ladder whatever the cores / never
+# Environment: PYTHON  the python3 with torch (default: python3, then /usr/bin/python3).
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 2
+
+out=build/gpu-check-report.md
+logs=""
+budget=540
+build=0
+ladder=auto
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --out) out=$2; shift 2 ;;
+    --logs) logs=$2; shift 2 ;;
+    --budget) budget=$2; shift 2 ;;
+    --build) build=1; shift ;;
+    --ladder) ladder=1; shift ;;
+    --no-ladder) ladder=0; shift ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "gpu_check.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
+[[ $budget =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget takes seconds, got '$budget'" >&2; exit 2; }
+[[ -n $logs ]] || logs=${out%.md}-logs
+mkdir -p "$(dirname "$out")" "$logs" || exit 2
+: > "$out" || exit 2
+
+cores=$(nproc)  # before OMP_NUM_THREADS=1 below, which nproc would report instead
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+export PYTHONUNBUFFERED=1
+mpirun=(mpirun --oversubscribe)
+py=$(command -v python3 || echo /usr/bin/python3)  # any python3: JSON and log parsing
+mpipe=build/release/mpipe
+
+# ---- report helpers --------------------------------------------------------------------
+say() { printf '%s\n' "$@" | tee -a "$out"; }
+# code FILE [LINES]: the file's last LINES (all when 0) as a code block
+code() {
+  say '```'
+  if [[ ${2:-0} == 0 ]]; then tee -a "$out" < "$1"; else tail -n "$2" "$1" | tee -a "$out"; fi
+  say '```'
+}
+
+failed=0
+step_rows=()
+deadline=0
+# step NAME CAP LOG COMMAND...: COMMAND under `timeout` (CAP seconds, or what is left of the
+# budget when less), its output in LOG. Sets step_rc (0 ok; -1 skipped: no time left; with
+# skip_rc=N in its environment, exit N is a skip, not a failure) and step_status (words for
+# the report); records a row for the steps table.
+step() {
+  local name=$1 cap=$2 log=$3 left t t0
+  shift 3
+  left=$((deadline - SECONDS))
+  t=$((cap < left ? cap : left))
+  if ((t < 20)); then
+    step_rc=-1 step_status="skipped: the time budget (--budget ${budget}s) is spent"
+    : > "$log"
+    step_rows+=("| $name | skipped (no time left) | 0 |")
+    return
+  fi
+  t0=$SECONDS
+  timeout -k 15 "$t" "$@" > "$log" 2>&1
+  step_rc=$?
+  local s=$((SECONDS - t0))
+  if ((step_rc == 0)); then
+    step_status="ok"
+  elif ((step_rc == ${skip_rc:-0})); then
+    step_status="skipped (exit $step_rc)"
+  elif ((step_rc == 124 || step_rc == 137)); then
+    step_status="timed out after ${t} s (exit $step_rc)"
+    failed=1
+  else
+    step_status="failed (exit $step_rc)"
+    failed=1
+  fi
+  step_rows+=("| $name | ${step_status} | $s |")
+}
+# failure LOG: the step's status and the last lines of its log
+failure() {
+  say "" "**${name_of_step:-step} ${step_status}**; the last lines of \`$1\`:"
+  code "$1" 20
+}
+# json FILE EXPR: EXPR evaluated on the JSON object s in FILE ('' when absent or wrong)
+json() {
+  "$py" - "$1" "$2" <<'PY' 2>/dev/null
+import json, sys
+try:
+    s = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+    v = eval(sys.argv[2], {"s": s})
+    print("" if v is None else v)
+except Exception:
+    print("")
+PY
+}
+# calc EXPR: a Python expression, printed (an f-string formats a number)
+calc() { "$py" -c "import sys; print($1)" 2>/dev/null; }
+
+# GPU memory in use on the check's GPU every 100 ms while a step runs: the step's peak is the
+# highest reading minus the first (taken as the step starts), in MiB.
+watch_pid=""
+mem_watch() {
+  watch_file=$1
+  if command -v nvidia-smi > /dev/null; then
+    nvidia-smi -i "$gpu" --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 > "$watch_file" 2>/dev/null &
+    watch_pid=$!
+    sleep 0.3
+  else
+    : > "$watch_file"
+  fi
+}
+mem_unwatch() {  # sets smi_peak (MiB; empty when not read)
+  if [[ -n $watch_pid ]]; then kill "$watch_pid" 2>/dev/null; wait "$watch_pid" 2>/dev/null; fi
+  watch_pid=""
+  smi_peak=$(awk '$1 ~ /^[0-9]+$/ { if (n++ == 0) base = $1; if ($1 > peak) peak = $1 } END { if (n > 1) printf "%d", peak - base }' \
+    "$watch_file")
+}
+trap '[[ -n $watch_pid ]] && kill "$watch_pid" 2>/dev/null' EXIT
+
+gib() { [[ -n $1 ]] && calc "f'{$1 / 2**30:.2f} GiB'" || echo "n/a"; }
+mib_gib() { [[ -n $1 ]] && calc "f'{$1 / 1024:.2f} GiB'" || echo "n/a"; }
+
+# ---- header and the no-GPU exit -----------------------------------------------------------
+version=$([[ -x $mpipe ]] && "$mpipe" --version 2>/dev/null | head -1)
+say "# mpipe GPU check" "" \
+    "$(date -u '+%Y-%m-%d %H:%M UTC') on $(uname -n), $cores cores; ${version:-build/release/mpipe not built yet}"
+
+# nothing WHY [EXIT]: the report's end when nothing can be measured (exit 0: not an error)
+nothing() {
+  say "" "**Nothing was measured**: $1." "" \
+      "(scripts/gpu_check.sh measures on a machine with an NVIDIA GPU and a build with the CUDA backend;" \
+      "report: $out)"
+  exit "${2:-0}"
+}
+gpu=0
+if [[ -v CUDA_VISIBLE_DEVICES ]]; then
+  [[ -z ${CUDA_VISIBLE_DEVICES%%,*} ]] && nothing "CUDA_VISIBLE_DEVICES is set and empty: no GPU is visible"
+  [[ ${CUDA_VISIBLE_DEVICES%%,*} =~ ^[0-9]+$ ]] && gpu=${CUDA_VISIBLE_DEVICES%%,*}
+fi
+export CUDA_VISIBLE_DEVICES=$gpu  # every step on the same one GPU
+command -v nvidia-smi > /dev/null || nothing "no NVIDIA driver here (nvidia-smi not found)"
+smi=$(timeout 30 nvidia-smi -i "$gpu" --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)
+[[ $? -eq 0 && -n $smi ]] || nothing "nvidia-smi finds no GPU $gpu: $(head -1 <<< "$smi")"
+say "GPU $gpu: $smi (nvidia-smi)"
+
+if [[ $build == 1 || ! -x $mpipe ]]; then
+  why_build="build/release/mpipe is missing"
+  [[ $build == 1 ]] && why_build="--build"
+  say "" "Building ($why_build; not counted in the budget): cmake --build --preset release --target mpipe cuda_tests bench_gpu"
+  {
+    { [[ -f build/release/CMakeCache.txt ]] || cmake --preset release; } &&
+      cmake --build --preset release --target mpipe &&
+      { ! cmake --build --preset release --target help | grep -q cuda_tests ||  # a build with the CUDA backend
+          cmake --build --preset release --target cuda_tests bench_gpu; }
+  } > "$logs/build.log" 2>&1
+  build_rc=$?
+  if ((build_rc != 0)) || [[ ! -x $mpipe ]]; then
+    say "the build failed (exit $build_rc); the last lines of \`$logs/build.log\`:"
+    code "$logs/build.log" 15
+    nothing "the build failed" 1
+  fi
+  say "built: $("$mpipe" --version | head -1)"
+fi
+[[ -x build/release/tests/cuda_tests ]] ||
+  nothing "this build has no CUDA backend (build/release/tests/cuda_tests is missing: nvcc was not found when cmake configured build/release)"
+deadline=$((SECONDS + budget))  # from here on, everything counts
+timeout 60 build/release/tests/cuda_tests -tc=gpu-check-matches-no-test > "$logs/probe.log" 2>&1
+probe=$?
+if ((probe == 77)); then
+  nothing "the GPU is not usable by this build: $(grep -m1 SKIPPED "$logs/probe.log")"
+elif ((probe != 0)); then
+  say "" "(cuda_tests' probe exited $probe: $(tail -1 "$logs/probe.log"); going on)"
+fi
+
+# PyTorch with CUDA: $PYTHON, python3, /usr/bin/python3, the first that has both
+torch_py="" torch_why="no python3 with PyTorch"
+for cand in ${PYTHON:-} python3 /usr/bin/python3; do
+  command -v "$cand" > /dev/null || continue
+  v=$(timeout 120 "$cand" -c 'import torch; print(torch.__version__, "CUDA", torch.version.cuda, torch.cuda.is_available())' 2>/dev/null | tail -1)
+  [[ -n $v ]] || continue
+  if [[ $v == *True ]]; then torch_py=$cand torch_v=${v% True}; break; fi
+  torch_why="$cand has PyTorch ${v% *} but torch.cuda.is_available() is False"
+done
+torch_line="none ($torch_why)"
+[[ -n $torch_py ]] && torch_line="$torch_py, $torch_v"
+say "PyTorch: $torch_line" \
+    "Budget: ${budget} s for the steps; logs in \`$logs/\`."
+
+# Values the targets table reads; empty when not measured.
+mfu="" att_f="" att_b="" gpt_compile_ratio="" gpt_eager_ratio="" resnet_ratio="" ladder_speedup=""
+gpt_mem="" gpt_mem_ok="" resnet_mem="" resnet_mem_ok=""
+
+# ---- 1. cuda tests -------------------------------------------------------------------------
+say "" "## 1. CUDA tests"
+name_of_step="cuda tests"
+if command -v ctest > /dev/null; then
+  step "ctest -L cuda" 180 "$logs/ctest.log" ctest --test-dir build/release -L cuda --output-on-failure
+  how="\`ctest --test-dir build/release -L cuda --output-on-failure\`"
+else  # the two tests as tests/CMakeLists.txt declares them, their results in ctest's words
+  how="cuda_tests run as ctest would (ctest not found)"
+  all_rc=0
+  : > "$logs/ctest.log"
+  for t in ops train; do
+    cmd=(build/release/tests/cuda_tests '-tc=*op*')
+    [[ $t == train ]] && cmd=("${mpirun[@]}" -n 2 build/release/tests/cuda_tests '-tc=*training*,*transparency*')
+    skip_rc=77 step "cuda.$t" 180 "$logs/cuda-$t.log" "${cmd[@]}"
+    case $step_rc in
+      0) r=Passed ;;
+      77) r='***Skipped' ;;
+      -1) r='***Not Run' ;;
+      *) r='***Failed' all_rc=$step_rc ;;
+    esac
+    { cat "$logs/cuda-$t.log"; echo "Test #0: cuda.$t ....... $r"; } >> "$logs/ctest.log"
+  done
+  step_rc=$all_rc step_status=ok
+  ((all_rc != 0)) && step_status="failed (exit $all_rc)"
+fi
+read -r passed failed_n skipped total failing skipping < <("$py" - "$logs/ctest.log" <<'PY'
+import re, sys
+res = {}
+for m in re.finditer(r"Test\s+#\d+: (\S+) \.*\s*(?:\*\*\*)?(Passed|Failed|Skipped|Timeout|Exception|Not Run)", open(sys.argv[1], errors="replace").read()):
+    res[m.group(1)] = m.group(2)
+p = sum(v == "Passed" for v in res.values()); s = sum(v in ("Skipped", "Not Run") for v in res.values())
+bad = [k for k, v in res.items() if v not in ("Passed", "Skipped", "Not Run")]
+skip = [k for k, v in res.items() if v in ("Skipped", "Not Run")]
+print(p, len(bad), s, len(res), ",".join(bad) or "-", ",".join(skip) or "-")
+PY
+)
+say "$how: $step_status" "" "| passed | failed | skipped | total |" "|---|---|---|---|" \
+    "| ${passed:-?} | ${failed_n:-?} | ${skipped:-?} | ${total:-?} |"
+[[ ${failing:--} != - ]] && say "" "Failing: ${failing//,/, }"
+if ((step_rc > 0)); then
+  failure "$logs/ctest.log"
+  [[ ${total:-0} == 0 ]] && say "(no test result could be read from the log)"
+fi
+[[ ${skipping:--} != - ]] && say "" "Skipped: ${skipping//,/, } (a cuda test skips when it finds no usable GPU)"
+
+# ---- 2. 2-rank pipeline on one GPU ----------------------------------------------------------
+say "" "## 2. Two-stage pipeline on one GPU, bf16" ""
+pipe_rows=()
+pipe_run() {  # pipe_run NAME SUMMARY-KEY UNIT LOGNAME MPIPE-ARGS...
+  local name=$1 key=$2 unit=$3 base=$4
+  shift 4
+  rm -f "$logs/$base.json"
+  step "$name" 120 "$logs/$base.log" "${mpirun[@]}" -n 2 "$mpipe" train --device cuda --precision bf16 --steps 10 \
+    --log-every 5 --progress off --resume never --summary "$logs/$base.json" "$@"
+  if ((step_rc == 0)); then
+    local rate
+    rate=$(json "$logs/$base.json" "f\"{s['$key']:.0f}\"")
+    pipe_rows+=("| $name | ${rate:-?} $unit | $(json "$logs/$base.json" "f\"{1e3 * s['step_time_s']:.1f}\"") ms | $(json "$logs/$base.json" "f\"{100 * s['bubble_fraction']:.1f}%\"") | $(json "$logs/$base.json" "' / '.join(f'{b / 2**20:.0f}' for b in s['peak_activation_bytes_per_rank']) + ' MiB'") |")
+  else
+    pipe_rows+=("| $name | $step_status | | | |")
+  fi
+}
+pipe_run "GPT 4 x 512, T 512, V 8192, batch 16, M 4" tokens_per_s tokens/s pipe-gpt \
+  --layers 4 --d-model 512 --heads 8 --seq-len 512 --vocab 8192 --batch-size 16 --micro-batches 4
+gpt_status=$step_status gpt_rc=$step_rc
+pipe_run "ResNet-18 64x64, width 32, 10 classes, batch 64, M 4" samples_per_s images/s pipe-resnet \
+  --model resnet --layers 18 --image 64 --width 32 --classes 10 --batch-size 64 --micro-batches 4
+resnet_status=$step_status resnet_rc=$step_rc
+say "\`mpirun -n 2 build/release/mpipe train --device cuda --precision bf16 --steps 10 ...\`; rates from" \
+    "\`--summary\` (median step, the first excluded)." "" \
+    "| run | throughput | median step | bubble | peak activations rank 0 / 1 |" "|---|---|---|---|---|"
+for r in "${pipe_rows[@]}"; do say "$r"; done
+dev_line=$(cat "$logs/pipe-gpt.log" "$logs/pipe-resnet.log" 2>/dev/null | grep -m1 '^device:')
+[[ -n $dev_line ]] && say "" "\`$dev_line\`"
+step_status=$gpt_status step_rc=$gpt_rc
+((gpt_rc > 0)) && name_of_step="GPT pipeline" failure "$logs/pipe-gpt.log"
+step_status=$resnet_status step_rc=$resnet_rc
+((resnet_rc > 0)) && name_of_step="ResNet pipeline" failure "$logs/pipe-resnet.log"
+
+# ---- 3. bench_gpu ------------------------------------------------------------------------
+say "" "## 3. bench_gpu: per-op rates and MFU (GPT-2-medium block, bf16)" ""
+name_of_step="bench_gpu"
+if [[ -x build/release/tests/bench_gpu ]]; then
+  skip_rc=77 step "bench_gpu" 150 "$logs/bench_gpu.log" build/release/tests/bench_gpu
+  if ((step_rc == 0)); then
+    grep -E '^(\||GPU:|measured|$)' "$logs/bench_gpu.log" | cat -s > "$logs/bench_gpu.md"  # its Markdown, no MPI chatter
+    tee -a "$out" < "$logs/bench_gpu.md"
+    of_gemm() { awk -F'|' -v op="$1" '$2 ~ op { gsub(/[ %]/, "", $5); print $5; exit }' "$logs/bench_gpu.log"; }
+    att_f=$(of_gemm "attention forward")
+    att_b=$(of_gemm "attention backward")
+    mfu=$(awk -F'|' '$2 ~ /MFU/ { gsub(/[ %]/, "", $3); print $3; exit }' "$logs/bench_gpu.log")
+  else
+    failure "$logs/bench_gpu.log"
+  fi
+else
+  say "build/release/tests/bench_gpu is not built."
+  step_rows+=("| bench_gpu | not built | 0 |")
+fi
+
+# ---- 4. PyTorch side by side ---------------------------------------------------------------
+say "" "## 4. PyTorch side by side on the same GPU"
+# torch_run NAME LOGNAME ARGS...: scripts/torch_gpu_bench.py, its GPU memory watched
+torch_run() {
+  local name=$1 base=$2
+  shift 2
+  rm -f "$logs/$base.json"
+  mem_watch "$logs/$base.mem"
+  step "$name" "$cap" "$logs/$base.log" "$torch_py" scripts/torch_gpu_bench.py "$@" --json "$logs/$base.json"
+  mem_unwatch
+}
+# mpipe_run NAME LOGNAME ARGS...: one rank, its GPU memory watched
+mpipe_run() {
+  local name=$1 base=$2
+  shift 2
+  rm -f "$logs/$base.json"
+  mem_watch "$logs/$base.mem"
+  step "$name" "$cap" "$logs/$base.log" "${mpirun[@]}" -n 1 "$mpipe" train --device cuda --precision bf16 --steps 12 \
+    --log-every 4 --progress off --resume never --summary "$logs/$base.json" "$@"
+  mem_unwatch
+}
+# A row of the side-by-side table: NAME RC JSON RATE-KEY SMI-PEAK-MIB ALLOC-BYTES-EXPR
+side_row() {
+  local name=$1 rc=$2 file=$3 key=$4 smi=$5 alloc=$6
+  if ((rc != 0)); then
+    local why
+    why=$(json "$file" "s.get('error')")
+    say "| $name | ${why:-$7} | | | |"
+    return
+  fi
+  say "| $name | $(json "$file" "f\"{s['$key']:.0f}\"") | $(json "$file" "f\"{1e3 * s.get('step_s_median', s.get('step_time_s', 0)):.1f}\"") ms | $(mib_gib "$smi") | $alloc |"
+}
+# mpipe's own memory figures: all device memory it held at once (--summary's
+# peak_device_bytes_per_rank: arenas as reserved, so the counterpart of max_memory_reserved), then the parts:
+# weights+state of stage 0 from the plan table, peak activations
+mpipe_mem() {
+  local ws act all
+  ws=$(awk '/^stage +layers/ { getline; n = NF; print $(n - 5), $(n - 4); exit }' "$1")
+  act=$(json "$2" "f\"{s['peak_activation_bytes_per_rank'][0] / 2**30:.2f} GiB\"")
+  all=$(json "$2" "f\"{s['peak_device_bytes_per_rank'][0] / 2**30:.2f} GiB\"")
+  echo "${all:-?} held (weights+state ${ws:-?} (plan) + activations ${act:-?} + scratch)"
+}
+ratio() { [[ -n $1 && -n $2 ]] && calc "f'{$1 / $2:.2f}'"; }
+x() { [[ -n $1 ]] && echo "${1}x" || echo "n/a"; }  # a ratio as 1.23x, or n/a
+
+if [[ -z $torch_py ]]; then
+  say "" "Not run: $torch_why."
+  step_rows+=("| PyTorch side by side | not run: $torch_why | 0 |")
+else
+  # -- 4a. GPT-2 medium
+  gpt_shape=(--layers 24 --d-model 1024 --heads 16 --seq-len 1024 --vocab 50257 --batch-size 8)
+  cap=150; name_of_step="PyTorch GPT-2 medium eager"
+  torch_run "PyTorch GPT-2 medium eager" torch-gpt-eager gpt --mode eager "${gpt_shape[@]}"
+  te_rc=$step_rc te_status=$step_status te_smi=$smi_peak
+  cap=300; name_of_step="PyTorch GPT-2 medium torch.compile"
+  torch_run "PyTorch GPT-2 medium torch.compile" torch-gpt-compile gpt --mode compile "${gpt_shape[@]}"
+  tc_rc=$step_rc tc_status=$step_status tc_smi=$smi_peak
+  cap=150; name_of_step="mpipe GPT-2 medium"
+  mpipe_run "mpipe GPT-2 medium, 1 rank" mpipe-gpt "${gpt_shape[@]}" --micro-batches 1
+  mg_rc=$step_rc mg_status=$step_status mg_smi=$smi_peak
+  say "" "### 4a. GPT-2 medium: 24 blocks, C 1024, T 1024, V 50257, 16 heads, batch 8, bf16, AdamW" "" \
+      "PyTorch: \`scripts/torch_gpu_bench.py gpt\` (bf16 autocast, scaled_dot_product_attention, fused AdamW," \
+      "3 warm-up steps untimed, median of 10). mpipe: \`mpipe train --device cuda --precision bf16 --layers 24" \
+      "--d-model 1024 --heads 16 --seq-len 1024 --vocab 50257 --batch-size 8 --micro-batches 1 --steps 12\`" \
+      "on 1 rank (median step, the first excluded). GPU memory: the highest \`nvidia-smi\` reading during" \
+      "the run less the one at its start (CUDA context, allocator caches and workspaces included)." "" \
+      "| run | tokens/s | median step | GPU memory (nvidia-smi) | allocator / own count |" "|---|---|---|---|---|"
+  side_row "PyTorch eager" "$te_rc" "$logs/torch-gpt-eager.json" tokens_per_s "$te_smi" \
+    "$(gib "$(json "$logs/torch-gpt-eager.json" "s.get('peak_allocated_bytes')")") allocated, $(gib "$(json "$logs/torch-gpt-eager.json" "s.get('peak_reserved_bytes')")") reserved" "$te_status"
+  side_row "PyTorch torch.compile" "$tc_rc" "$logs/torch-gpt-compile.json" tokens_per_s "$tc_smi" \
+    "$(gib "$(json "$logs/torch-gpt-compile.json" "s.get('peak_allocated_bytes')")") allocated, $(gib "$(json "$logs/torch-gpt-compile.json" "s.get('peak_reserved_bytes')")") reserved" "$tc_status"
+  side_row "mpipe, 1 rank" "$mg_rc" "$logs/mpipe-gpt.json" tokens_per_s "$mg_smi" \
+    "$(mpipe_mem "$logs/mpipe-gpt.log" "$logs/mpipe-gpt.json")" "$mg_status"
+  m_tps=$( ((mg_rc == 0)) && json "$logs/mpipe-gpt.json" "s['tokens_per_s']")
+  e_tps=$( ((te_rc == 0)) && json "$logs/torch-gpt-eager.json" "s['tokens_per_s']")
+  c_tps=$( ((tc_rc == 0)) && json "$logs/torch-gpt-compile.json" "s['tokens_per_s']")
+  gpt_eager_ratio=$(ratio "$m_tps" "$e_tps")
+  gpt_compile_ratio=$(ratio "$m_tps" "$c_tps")
+  warm=$(json "$logs/torch-gpt-compile.json" "f\"{s['warmup_s']:.0f}\"")
+  say "" "mpipe / eager: $(x "$gpt_eager_ratio"); mpipe / torch.compile: $(x "$gpt_compile_ratio")"
+  [[ -n $warm ]] && say "(the 3 warm-up steps of torch.compile, compilation included, took $warm s)"
+  if [[ -n $mg_smi && -n $te_smi ]] && ((mg_rc == 0 && te_rc == 0)); then
+    gpt_mem="$(mib_gib "$mg_smi") vs $(mib_gib "$te_smi")" gpt_mem_ok=$((mg_smi <= te_smi))
+  fi
+  step_rc=$te_rc step_status=$te_status; ((te_rc > 0)) && name_of_step="PyTorch eager" failure "$logs/torch-gpt-eager.log"
+  step_rc=$tc_rc step_status=$tc_status; ((tc_rc > 0)) && name_of_step="PyTorch torch.compile" failure "$logs/torch-gpt-compile.log"
+  step_rc=$mg_rc step_status=$mg_status; ((mg_rc > 0)) && name_of_step="mpipe GPT-2 medium" failure "$logs/mpipe-gpt.log"
+
+  # -- 4b. ResNet-50
+  cap=150
+  torch_run "PyTorch ResNet-50 eager" torch-resnet-eager resnet --mode eager --layers 50 --image 224 --width 64 \
+    --classes 1000 --batch-size 64
+  re_rc=$step_rc re_status=$step_status re_smi=$smi_peak
+  mpipe_run "mpipe ResNet-50, 1 rank" mpipe-resnet --model resnet --layers 50 --image 224 --width 64 --classes 1000 \
+    --batch-size 64 --micro-batches 1
+  mr_rc=$step_rc mr_status=$step_status mr_smi=$smi_peak
+  say "" "### 4b. ResNet-50: 224x224, batch 64, 1000 classes, bf16, AdamW" "" \
+      "PyTorch: \`scripts/torch_gpu_bench.py resnet\` (torchvision's v1.5 written out, 25,557,032 parameters;" \
+      "bf16 autocast, channels_last, eager). mpipe: \`mpipe train --model resnet --layers 50 --image 224" \
+      "--width 64 --classes 1000 --batch-size 64 --device cuda --precision bf16 --steps 12\` on 1 rank." "" \
+      "| run | images/s | median step | GPU memory (nvidia-smi) | allocator / own count |" "|---|---|---|---|---|"
+  side_row "PyTorch eager" "$re_rc" "$logs/torch-resnet-eager.json" samples_per_s "$re_smi" \
+    "$(gib "$(json "$logs/torch-resnet-eager.json" "s.get('peak_allocated_bytes')")") allocated, $(gib "$(json "$logs/torch-resnet-eager.json" "s.get('peak_reserved_bytes')")") reserved" "$re_status"
+  side_row "mpipe, 1 rank" "$mr_rc" "$logs/mpipe-resnet.json" samples_per_s "$mr_smi" \
+    "$(mpipe_mem "$logs/mpipe-resnet.log" "$logs/mpipe-resnet.json")" "$mr_status"
+  m_ips=$( ((mr_rc == 0)) && json "$logs/mpipe-resnet.json" "s['samples_per_s']")
+  e_ips=$( ((re_rc == 0)) && json "$logs/torch-resnet-eager.json" "s['samples_per_s']")
+  resnet_ratio=$(ratio "$m_ips" "$e_ips")
+  say "" "mpipe / eager: $(x "$resnet_ratio")"
+  if [[ -n $mr_smi && -n $re_smi ]] && ((mr_rc == 0 && re_rc == 0)); then
+    resnet_mem="$(mib_gib "$mr_smi") vs $(mib_gib "$re_smi")" resnet_mem_ok=$((mr_smi <= re_smi))
+  fi
+  step_rc=$re_rc step_status=$re_status; ((re_rc > 0)) && name_of_step="PyTorch ResNet-50" failure "$logs/torch-resnet-eager.log"
+  step_rc=$mr_rc step_status=$mr_status; ((mr_rc > 0)) && name_of_step="mpipe ResNet-50" failure "$logs/mpipe-resnet.log"
+fi
+
+# ---- 5. CPU K ladder -------------------------------------------------------------------------
+say "" "## 5. CPU K ladder (K = 1, 2, 4, 8; M = 32)"
+if [[ $ladder == 0 ]] || { [[ $ladder == auto ]] && ((cores < 16)); }; then
+  say "" "Not run: $( [[ $ladder == 0 ]] && echo '--no-ladder' || echo "$cores cores here, 16 wanted (--ladder runs it anyway)")."
+  step_rows+=("| CPU K ladder | not run | 0 |")
+else
+  # The model of scripts/bench_pipeline.sh's ladder, one BLAS thread per rank, bound to cores.
+  ladder_args=(--model gpt --layers 8 --d-model 256 --heads 8 --seq-len 128 --vocab 256 --batch-size 64
+               --micro-batches 32 --threads 1 --steps 4 --log-every 1000000 --resume never --partition flops
+               --device cpu --progress off)
+  say "" "GPT 8 blocks x 256 channels, seq 128, vocab 256, batch 64, M = 32, gpipe, 1 thread per rank" \
+      "(\`mpirun -n K --bind-to core ... --stages K\`); tokens/s of the median of 3 steps (the first excluded)." "" \
+      "| K | tokens/s | speed-up | GPipe bound K·M/(M+K−1) | bubble |" "|---|---|---|---|---|"
+  k1=""
+  name_of_step="K ladder"
+  for K in 1 2 4 8; do
+    rm -f "$logs/ladder-$K.json"
+    step "CPU K ladder, K = $K" 150 "$logs/ladder-$K.log" env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 \
+      "${mpirun[@]}" -n "$K" --bind-to "$( ((K <= cores)) && echo core || echo none)" "$mpipe" train "${ladder_args[@]}" --stages "$K" --summary "$logs/ladder-$K.json"
+    if ((step_rc != 0)); then
+      say "| $K | $step_status | | | |"
+      continue
+    fi
+    tps=$(json "$logs/ladder-$K.json" "s['tokens_per_s']")
+    ((K == 1)) && k1=$tps
+    speedup=$(ratio "$tps" "$k1")
+    ((K == 8)) && ladder_speedup=$speedup
+    say "| $K | $(calc "f'{$tps:.0f}'") | $(x "$speedup") | $(calc "f'{$K * 32 / (32 + $K - 1):.2f}'")x | $(json "$logs/ladder-$K.json" "f\"{100 * s['bubble_fraction']:.1f}%\"") |"
+  done
+  for K in 1 2 4 8; do
+    [[ -s $logs/ladder-$K.json ]] || { [[ -s $logs/ladder-$K.log ]] && { say "" "K = $K:"; code "$logs/ladder-$K.log" 10; }; }
+  done
+  say "" "K = 8 over K = 1: $(x "$ladder_speedup") (target 6.0x)"
+fi
+
+# ---- targets and steps ---------------------------------------------------------------------------
+verdict() {  # VALUE OP TARGET -> met / missed / not measured
+  [[ -n $1 ]] || { echo "not measured"; return; }
+  calc "'met' if $1 $2 $3 else 'missed'"
+}
+say "" "## Targets" "" "| target | measured | |" "|---|---|---|" \
+    "| GPT-2 medium: mpipe ≥ 1.0x torch.compile | ${gpt_compile_ratio:+${gpt_compile_ratio}x} | $(verdict "$gpt_compile_ratio" '>=' 1.0) |" \
+    "| GPT-2 medium: mpipe / eager (for reference) | ${gpt_eager_ratio:+${gpt_eager_ratio}x} | |" \
+    "| MFU ≥ 40% (bench_gpu whole step) | ${mfu:+${mfu}%} | $(verdict "$mfu" '>=' 40) |" \
+    "| attention forward ≥ 40% of the GEMM rate | ${att_f:+${att_f}%} | $(verdict "$att_f" '>=' 40) |" \
+    "| attention backward ≥ 30% of the GEMM rate | ${att_b:+${att_b}%} | $(verdict "$att_b" '>=' 30) |" \
+    "| ResNet-50: mpipe ≥ 0.9x eager | ${resnet_ratio:+${resnet_ratio}x} | $(verdict "$resnet_ratio" '>=' 0.9) |" \
+    "| GPT-2 medium: peak GPU memory ≤ eager's (nvidia-smi, mpipe vs eager) | $gpt_mem | $(verdict "$gpt_mem_ok" == 1) |" \
+    "| ResNet-50: peak GPU memory ≤ eager's (nvidia-smi, mpipe vs eager) | $resnet_mem | $(verdict "$resnet_mem_ok" == 1) |" \
+    "| CPU K ladder: K = 8 ≥ 6.0x K = 1 (M = 32) | ${ladder_speedup:+${ladder_speedup}x} | $(verdict "$ladder_speedup" '>=' 6.0) |"
+say "" "## Steps" "" "| step | result | seconds |" "|---|---|---|"
+for r in "${step_rows[@]}"; do say "$r"; done
+say "" "Total: $SECONDS s; $( ((failed)) && echo 'some steps FAILED (exit 1)' || echo 'no step failed'). Report: $out"
+exit $failed

@@ -1,0 +1,256 @@
+#!/usr/bin/env python3
+"""PyTorch side of scripts/gpu_check.sh: training-step throughput and peak memory of the
+models mpipe trains on a GPU, in PyTorch, for a side-by-side report.
+
+  torch_gpu_bench.py gpt    [--mode eager|compile] [--layers 24 --d-model 1024 --heads 16
+                             --seq-len 1024 --vocab 50257 --batch-size 8]
+  torch_gpu_bench.py resnet [--mode eager|compile] [--layers 50 --image 224 --width 64
+                             --classes 1000 --batch-size 64]
+
+GPT: GPT-2 as mpipe's preset builds it (token and position embeddings, pre-LN blocks
+with biases, tanh GELU, final LayerNorm, the head tied to the token table), attention
+through F.scaled_dot_product_attention (causal; flash attention where PyTorch has it).
+ResNet: torchvision's v1.5 (the stride on the 3x3 convolution) written out here, so
+torchvision is not needed, with mpipe's stems (ImageNet's 7x7/2 and max pool from 128
+pixels on, CIFAR's 3x3/1 below) and the same parameter count (25,557,032 for ResNet-50 at
+1000 classes); channels_last unless --no-channels-last.
+
+Both: bf16 autocast, fp32 weights, AdamW (fused where PyTorch has it; lr 1e-4, no weight
+decay), gradient norm clipped to 1 (mpipe's defaults), synthetic data made once on the
+device. The warm-up steps (compilation included) are not timed; each timed step is
+bracketed by torch.cuda.synchronize(). Prints one JSON object as its last line:
+median and mean step time, tokens/s (GPT) and samples/s, peak memory
+(torch.cuda.max_memory_allocated / max_memory_reserved over the whole process: weights,
+gradients, optimizer state and activations), parameters, warm-up seconds.
+Exit 0; 3 when the mode is not available (torch.compile on an old PyTorch); 1 on error.
+--device cpu runs the same code on the CPU (for checking the script without a GPU).
+"""
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+# ---- GPT-2 -------------------------------------------------------------------------------
+class Block(torch.nn.Module):
+    def __init__(self, C, H):
+        super().__init__()
+        self.H = H
+        self.ln_1 = torch.nn.LayerNorm(C)
+        self.c_attn = torch.nn.Linear(C, 3 * C)
+        self.c_proj = torch.nn.Linear(C, C)
+        self.ln_2 = torch.nn.LayerNorm(C)
+        self.c_fc = torch.nn.Linear(C, 4 * C)
+        self.mlp_proj = torch.nn.Linear(4 * C, C)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.H, C // self.H).transpose(1, 2) for t in (q, k, v))
+        if hasattr(F, "scaled_dot_product_attention"):
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # PyTorch < 2.0
+            att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.H)
+            mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), diagonal=1)
+            y = att.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
+        x = x + self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, layers, C, H, T, V):
+        super().__init__()
+        self.wte = torch.nn.Embedding(V, C)
+        self.wpe = torch.nn.Embedding(T, C)
+        self.blocks = torch.nn.ModuleList(Block(C, H) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(C)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers) if name.endswith("proj.weight") else 0.02)
+            elif name.endswith("bias"):
+                torch.nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for b in self.blocks:
+            x = b(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # the tied head
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+# ---- ResNet (torchvision's v1.5, written out) ---------------------------------------------
+def conv_bn(cin, cout, kernel, stride):
+    return [torch.nn.Conv2d(cin, cout, kernel, stride, kernel // 2, bias=False), torch.nn.BatchNorm2d(cout)]
+
+
+class Residual(torch.nn.Module):
+    def __init__(self, cin, width, stride, bottleneck):
+        super().__init__()
+        out = 4 * width if bottleneck else width
+        if bottleneck:
+            layers = (conv_bn(cin, width, 1, 1) + [torch.nn.ReLU(inplace=True)] + conv_bn(width, width, 3, stride)
+                      + [torch.nn.ReLU(inplace=True)] + conv_bn(width, out, 1, 1))
+        else:
+            layers = conv_bn(cin, width, 3, stride) + [torch.nn.ReLU(inplace=True)] + conv_bn(width, width, 3, 1)
+        torch.nn.init.zeros_(layers[-1].weight)  # the block's last BatchNorm starts at scale 0, as mpipe's
+        self.body = torch.nn.Sequential(*layers)
+        self.skip = torch.nn.Sequential(*conv_bn(cin, out, 1, stride)) if stride != 1 or cin != out else None
+        self.out = out
+
+    def forward(self, x):
+        return F.relu(self.body(x) + (x if self.skip is None else self.skip(x)), inplace=True)
+
+
+RESNET_BLOCKS = {18: [2, 2, 2, 2], 34: [3, 4, 6, 3], 50: [3, 4, 6, 3], 101: [3, 4, 23, 3], 152: [3, 8, 36, 3]}
+
+
+class ResNet(torch.nn.Module):
+    def __init__(self, depth, image, width, classes, channels=3):
+        super().__init__()
+        bottleneck = depth >= 50
+        if image >= 128:
+            stem = [torch.nn.Conv2d(channels, width, 7, 2, 3, bias=False), torch.nn.BatchNorm2d(width),
+                    torch.nn.ReLU(inplace=True), torch.nn.MaxPool2d(3, 2, 1)]
+        else:
+            stem = conv_bn(channels, width, 3, 1) + [torch.nn.ReLU(inplace=True)]
+        layers, cin = stem, width
+        for stage, n in enumerate(RESNET_BLOCKS[depth]):
+            for b in range(n):
+                block = Residual(cin, width << stage, 2 if stage > 0 and b == 0 else 1, bottleneck)
+                layers.append(block)
+                cin = block.out
+        self.features = torch.nn.Sequential(*layers)
+        self.fc = torch.nn.Linear(cin, classes)
+        for m in self.modules():
+            if isinstance(m, torch.nn.Conv2d):
+                torch.nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x, targets):
+        x = self.features(x).mean(dim=(2, 3))
+        return F.cross_entropy(self.fc(x).float(), targets)
+
+
+# ---- the timed loop ---------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", choices=["gpt", "resnet"])
+    ap.add_argument("--mode", choices=["eager", "compile"], default="eager")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--d-model", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=50257)
+    ap.add_argument("--image", type=int, default=224)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--classes", type=int, default=1000)
+    ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--no-channels-last", action="store_true")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens in the first)")
+    ap.add_argument("--steps", type=int, default=10, help="timed steps")
+    ap.add_argument("--json", help="also write the result here")
+    a = ap.parse_args()
+    gpt = a.model == "gpt"
+    a.layers = a.layers or (24 if gpt else 50)
+    a.batch_size = a.batch_size or (8 if gpt else 64)
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    result = {"model": a.model, "mode": a.mode, "torch": torch.__version__, "batch_size": a.batch_size,
+              "layers": a.layers, "warmup_steps": a.warmup, "timed_steps": a.steps}
+
+    def finish(code):
+        line = json.dumps(result)
+        print(line, flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                f.write(line + "\n")
+        sys.exit(code)
+
+    if cuda and not torch.cuda.is_available():
+        result["error"] = "torch.cuda.is_available() is False"
+        finish(3)
+    if a.mode == "compile" and not hasattr(torch, "compile"):
+        result["error"] = f"torch.compile is not in PyTorch {torch.__version__}"
+        finish(3)
+    torch.manual_seed(0)
+    if cuda:
+        result["device"] = torch.cuda.get_device_name(dev)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    if gpt:
+        model = GPT(a.layers, a.d_model, a.heads, a.seq_len, a.vocab).to(dev)
+        x = torch.randint(0, a.vocab, (a.batch_size, a.seq_len), device=dev)
+        y = torch.randint(0, a.vocab, (a.batch_size, a.seq_len), device=dev)
+        result.update(d_model=a.d_model, heads=a.heads, seq_len=a.seq_len, vocab=a.vocab,
+                      sdpa=hasattr(F, "scaled_dot_product_attention"))
+    else:
+        model = ResNet(a.layers, a.image, a.width, a.classes).to(dev)
+        x = torch.randn(a.batch_size, 3, a.image, a.image, device=dev)
+        y = torch.randint(0, a.classes, (a.batch_size,), device=dev)
+        channels_last = not a.no_channels_last
+        if channels_last:
+            model = model.to(memory_format=torch.channels_last)
+            x = x.contiguous(memory_format=torch.channels_last)
+        result.update(image=a.image, width=a.width, classes=a.classes, channels_last=channels_last)
+    result["params"] = sum(p.numel() for p in model.parameters())
+    params = list(model.parameters())
+    try:
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0, fused=cuda)
+        result["adamw"] = "fused" if cuda else "default"
+    except (TypeError, RuntimeError):  # no fused AdamW in this PyTorch
+        opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.0)
+        result["adamw"] = "default"
+    step_model = torch.compile(model) if a.mode == "compile" else model
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(dev)
+
+    def step():
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
+            loss = step_model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    try:
+        sync()
+        start = time.perf_counter()
+        for _ in range(a.warmup):
+            loss = step()
+        sync()
+        result["warmup_s"] = time.perf_counter() - start
+        seconds = []
+        for _ in range(a.steps):
+            sync()
+            t0 = time.perf_counter()
+            loss = step()
+            sync()
+            seconds.append(time.perf_counter() - t0)
+        result["last_loss"] = float(loss)
+    except Exception as e:  # noqa: BLE001 - reported, not hidden: out of memory, a compiler error, ...
+        result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        if cuda:
+            result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+        finish(1)
+    median = statistics.median(seconds)
+    result.update(step_s_median=median, step_s_mean=statistics.mean(seconds), step_s_min=min(seconds),
+                  samples_per_s=a.batch_size / median)
+    if gpt:
+        result["tokens_per_s"] = a.batch_size * a.seq_len / median
+    if cuda:
+        result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(dev)
+        result["peak_reserved_bytes"] = torch.cuda.max_memory_reserved(dev)
+    finish(0)
+
+
+if __name__ == "__main__":
+    main()
