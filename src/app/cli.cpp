@@ -36,6 +36,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--head-chunks", m.head_chunks,
                  "The LM head as this many vocabulary chunks, layers a pipeline can put on different stages "
                  "(gpt; 1: one linear layer)")->capture_default_str();
+  cmd.add_option("--head-logits", m.head_logits,
+                 "With --head-chunks: keep each chunk's logits for the backward (keep), or compute them again there "
+                 "(recompute: one more GEMM a chunk, no batch x tokens x vocabulary logits held)")->capture_default_str();
   cmd.add_option("--hidden", m.hidden, "Width of the hidden layers (mlp)")->capture_default_str();
   cmd.add_option("--inputs", m.inputs, "Input features (mlp)")->capture_default_str();
   cmd.add_option("--classes", m.classes, "Output classes (mlp, resnet)")->capture_default_str();

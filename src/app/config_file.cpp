@@ -83,6 +83,7 @@ std::string to_toml(const TrainConfig& c) {
     line("seq-len", cat(m.seq_len));
     line("vocab", cat(m.vocab));
     line("head-chunks", cat(m.head_chunks));
+    line("head-logits", toml_quoted(m.head_logits));
   } else if (m.kind == "mlp") {
     line("hidden", cat(m.hidden));
     line("inputs", cat(m.inputs));

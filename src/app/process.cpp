@@ -166,13 +166,6 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
                 "--precision bf16 needs a GPU, and --device ", config.device == "cpu" ? "cpu" : "auto",
                 " chose the CPU");
   if (config.device == "cpu") return "device: cpu";
-  // The head's vocabulary chunks have no GPU kernels yet: one linear head instead, the
-  // same parameters (tied to the token table either way) and the same checkpoints.
-  std::string head;
-  if (config.model.kind == "gpt" && config.model.head_chunks > 1) {
-    head = cat("; the LM head as one layer, not ", config.model.head_chunks, " vocabulary chunks (no GPU kernels for them yet)");
-    config.model.head_chunks = 1;
-  }
   // Node-local rank modulo the GPUs this rank sees: one GPU per rank with one rank per
   // GPU, or ranks sharing GPUs round-robin when there are more ranks than GPUs.
   const Communicator node = Communicator::node(world);
@@ -181,8 +174,7 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
   const cuda::DeviceProperties p = cuda::properties(ordinal);
   return cat("device: cuda, ", p.name, " (sm_", p.major, p.minor, ", ", p.memory_bytes >> 30, " GiB); ", gpus,
              " GPU(s) and ", node.size(), " rank(s) per node; precision ", config.precision, "; MPI ",
-             mpi_cuda_aware() ? "CUDA-aware (messages from device memory)" : "not CUDA-aware (messages staged in pinned host memory)",
-             head);
+             mpi_cuda_aware() ? "CUDA-aware (messages from device memory)" : "not CUDA-aware (messages staged in pinned host memory)");
 }
 
 }  // namespace mpipe

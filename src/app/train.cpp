@@ -18,6 +18,7 @@
 #include "mpipe/app/process.hpp"
 #include "mpipe/app/report.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/io/metrics.hpp"
@@ -279,6 +280,8 @@ int Training::finish() {
   std::vector<StagePhases> phases = phase_table(stats_, world_, plan.schedule, config_.micro_batches,
                                                 plan.unit_cost_bubble, plan.options.overlap_steps, &simulated);
   const std::vector<double> peaks = world_.gather(static_cast<double>(exec_.peak_activation_bytes()), 0);
+  const bool gpu = exec_.device() == Device::cuda;
+  const std::vector<double> device_peaks = world_.gather(static_cast<double>(gpu ? cuda::device_bytes_peak() : 0), 0);
   if (!config_.trace.empty()) {
     if (const int code = agree(world_, [&] { write_trace(exec_, config_.trace); })) return code;
     if (root_)
@@ -288,6 +291,11 @@ int Training::finish() {
     std::printf("peak activation memory per rank:");
     for (double p : peaks) std::printf(" %s", human_bytes(p).c_str());
     std::printf("\n");
+    if (gpu) {
+      std::printf("peak GPU memory per rank (all mpipe allocated: weights, state, activations, scratch):");
+      for (double p : device_peaks) std::printf(" %s", human_bytes(p).c_str());
+      std::printf("\n");
+    }
     if (plan.options.overlap_steps)
       std::printf("overlap-steps: %lld updates made ahead of their agreement, %lld undone and redone (clipping or "
                   "non-finite)\n",
@@ -304,6 +312,7 @@ int Training::finish() {
     summary.theoretical_bubble = plan.unit_cost_bubble;
     summary.simulated_bubble = simulated;
     summary.peak_bytes_per_rank = peaks;
+    if (gpu) summary.device_peak_bytes_per_rank = device_peaks;
     summary.phases = std::move(phases);
     const std::string json = summary_json(exec_, summary);
     try {
@@ -375,11 +384,11 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   // Collective, and only once every rank's options are known good.
   std::string device_line;
   if ((code = agree(world, [&] { device_line = resolve_device(config, world); }))) return code;
-  // On a GPU the model may change (the LM head as one layer): the plan follows it.
+  // The device is known now (auto resolved to cpu or cuda); the model is the one planned.
   if ((code = agree(world, [&] {
          const RunOptions resolved = run_options(config);
-         if (resolved.model == plan.options.model) plan.options = resolved;
-         else plan = make_plan(resolved, world.size(), Model(resolved.model));
+         MPIPE_CHECK(resolved.model == plan.options.model, "resolving the device changed the model");
+         plan.options = resolved;
        })))
     return code;
   // Each checkpoint says how to continue it: the options as resolved (the device, the grid).

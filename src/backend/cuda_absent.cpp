@@ -31,6 +31,7 @@ void copy_on_device(void*, const void*, std::size_t) { not_built(); }
 void zero(void*, std::size_t) { not_built(); }
 void* allocate(std::size_t) { not_built(); }
 void release(void*) noexcept {}
+std::size_t device_bytes_peak() { return 0; }
 template <>
 DeviceBuffer::Buffer(std::size_t) { not_built(); }
 template <>

@@ -260,9 +260,30 @@ void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutK
 }
 
 namespace {
-void cpu_only(const char* op, const Tensor& t) {
-  if (t.device != Device::cpu) throw Error(cat(op, " has no GPU kernel yet: run the model with --device cpu"));
-  is_f32(op, t);
+#if MPIPE_HAVE_CUDA
+// Device scratch for small per-call vectors (BatchNorm's deferred sums) and its host
+// mirror: grown once to the largest call, so later steps allocate nothing.
+struct SmallDeviceScratch {
+  cuda::DeviceBuffer device;
+  cuda::PinnedBuffer host;
+  void* reserve(std::size_t bytes) {
+    if (device.bytes() < bytes) {
+      device = cuda::DeviceBuffer(bytes);
+      host = cuda::PinnedBuffer(bytes);
+    }
+    return device.data();
+  }
+};
+SmallDeviceScratch& small_scratch() {
+  static SmallDeviceScratch scratch;  // ops are queued by the rank's one compute thread
+  return scratch;
+}
+#endif
+
+// The statistics (4, N) of a head chunk: fp32 on either device.
+void head_statistics(const char* op, const Tensor& stats, int64_t N) {
+  is_f32(op, stats);
+  MPIPE_CHECK(stats.empty() || stats.numel() == 4 * N, op, ": statistics of ", stats.numel(), " for ", N, " rows");
 }
 }  // namespace
 
@@ -287,78 +308,124 @@ int64_t count_correct(const Tensor& logits, const Tensor& targets) {
 }
 
 void vocab_chunk_forward(const Tensor& out, const Tensor& in, const Tensor& z, const Tensor& targets, int64_t v0) {
-  cpu_only("the vocabulary chunk of a head", z);
   const int64_t N = z.shape.rows(), V = z.shape[-1];
-  MPIPE_CHECK(out.numel() == 4 * N && (in.empty() || in.numel() == 4 * N) && targets.numel() == N,
-              "vocab chunk: statistics of ", out.numel(), " for ", N, " rows");
-  cpu::vocab_chunk_forward(out.f32(), ptr_or_null<float>(in), z.f32(), targets.i32(), N, V, v0);
+  same_device("vocab chunk", out, z);
+  same_device("vocab chunk", in, z);
+  same_device("vocab chunk", targets, z);
+  head_statistics("vocab chunk", out, N);
+  head_statistics("vocab chunk", in, N);
+  MPIPE_CHECK(!out.empty() && targets.numel() == N, "vocab chunk: ", targets.numel(), " targets for ", N, " rows");
+  if (z.device == Device::cpu)
+    cpu::vocab_chunk_forward(out.f32(), ptr_or_null<float>(in), z.f32(), targets.i32(), N, V, v0);
+  else
+    MPIPE_ON_GPU(z, cuda::vocab_chunk_forward(out.f32(), ptr_or_null<float>(in), ptr<E>(z), targets.i32(), N, V, v0));
 }
 
 void vocab_chunk_backward(const Tensor& dz, const Tensor& din, const Tensor& dout, const Tensor& z, const Tensor& in,
                           const Tensor& out, const Tensor& targets, int64_t v0, GradMode mode) {
-  cpu_only("the vocabulary chunk of a head", z);
   const int64_t N = z.shape.rows(), V = z.shape[-1];
-  MPIPE_CHECK(dz.shape == z.shape && dout.numel() == 4 * N && (din.empty() || din.numel() == 4 * N), "vocab chunk backward shapes");
-  cpu::vocab_chunk_backward(dz.f32(), ptr_or_null<float>(din), dout.f32(), z.f32(), ptr_or_null<float>(in), out.f32(),
-                            targets.i32(), N, V, v0, mode);
+  same_place("vocab chunk backward", dz, z);
+  same_device("vocab chunk backward", dout, z);
+  head_statistics("vocab chunk backward", dout, N);
+  head_statistics("vocab chunk backward", din, N);
+  MPIPE_CHECK(dz.shape == z.shape && !dout.empty(), "vocab chunk backward: dz ", dz.shape.str(), " for z ", z.shape.str());
+  if (z.device == Device::cpu)
+    cpu::vocab_chunk_backward(dz.f32(), ptr_or_null<float>(din), dout.f32(), z.f32(), ptr_or_null<float>(in), out.f32(),
+                              targets.i32(), N, V, v0, mode);
+  else
+    MPIPE_ON_GPU(z, cuda::vocab_chunk_backward(ptr<E>(dz), ptr_or_null<float>(din), dout.f32(), ptr<E>(z),
+                                               ptr_or_null<float>(in), out.f32(), targets.i32(), N, V, v0, mode));
 }
 
-double vocab_loss_forward(const Tensor& stats, const Tensor& targets, int64_t vocab) {
-  cpu_only("the loss of a head split over the vocabulary", stats);
+double vocab_loss_forward(const Tensor& stats, const Tensor& targets, int64_t vocab, double* device_loss_sum) {
   const int64_t N = targets.numel();
-  MPIPE_CHECK(stats.numel() == 4 * N, "vocab loss: ", N, " targets for ", stats.numel() / 4, " rows");
-  return cpu::vocab_loss_forward(stats.f32(), targets.i32(), N, vocab);
+  head_statistics("vocab loss", stats, N);
+  if (stats.device == Device::cpu) return cpu::vocab_loss_forward(stats.f32(), targets.i32(), N, vocab);
+#if MPIPE_HAVE_CUDA
+  cuda::vocab_loss_forward(device_loss_sum, stats.f32(), N);
+#endif
+  return 0.0;
 }
 
 void vocab_loss_backward(const Tensor& dstats, const Tensor& stats, float scale) {
-  cpu_only("the loss of a head split over the vocabulary", stats);
   MPIPE_CHECK(dstats.numel() == stats.numel() && stats.numel() % 4 == 0, "vocab loss backward shapes");
-  cpu::vocab_loss_backward(dstats.f32(), stats.f32(), scale, stats.numel() / 4);
+  same_device("vocab loss backward", dstats, stats);
+  is_f32("vocab loss backward", stats);
+  is_f32("vocab loss backward", dstats);
+  if (stats.device == Device::cpu) return cpu::vocab_loss_backward(dstats.f32(), stats.f32(), scale, stats.numel() / 4);
+#if MPIPE_HAVE_CUDA
+  cuda::vocab_loss_backward(dstats.f32(), stats.f32(), scale, stats.numel() / 4);
+#endif
 }
 
 int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets) {
-  cpu_only("the loss of a head split over the vocabulary", stats);
-  MPIPE_CHECK(stats.numel() == 4 * targets.numel(), "vocab count: ", targets.numel(), " targets");
-  return cpu::vocab_count_correct(stats.f32(), targets.i32(), targets.numel());
+  const int64_t N = targets.numel();
+  head_statistics("vocab count", stats, N);
+  if (stats.device == Device::cpu) return cpu::vocab_count_correct(stats.f32(), targets.i32(), N);
+  // Evaluation only: the statistics and targets to the host.
+  std::vector<float> host(static_cast<std::size_t>(4 * N));
+  std::vector<std::int32_t> wanted(static_cast<std::size_t>(N));
+  cuda::copy_to_host(host.data(), stats.data, host.size() * sizeof(float));
+  cuda::copy_to_host(wanted.data(), targets.data, wanted.size() * sizeof(std::int32_t));
+  cuda::synchronize(cuda::StreamKind::compute);
+  return cpu::vocab_count_correct(host.data(), wanted.data(), N);
 }
 
-int64_t conv2d_scratch(const Window2d& w) { return cpu::conv2d_cols(w); }
+int64_t conv2d_scratch(const Window2d& w, Device device) { return device == Device::cpu ? cpu::conv2d_cols(w) : 0; }
 
 void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& cols,
                     const Window2d& w) {
-  cpu_only("conv2d", inp);
   same_place("conv2d", out, inp);
-  MPIPE_CHECK(cols.numel() >= cpu::conv2d_cols(w), "conv2d: scratch of ", cols.numel(), " floats");
-  cpu::conv2d_forward(out.f32(), inp.f32(), weight.f32(), ptr_or_null<float>(bias), cols.f32(), w);
+  same_place("conv2d", inp, weight);
+  same_place("conv2d", weight, bias);
+  if (inp.device == Device::cpu) {
+    MPIPE_CHECK(cols.numel() >= cpu::conv2d_cols(w), "conv2d: scratch of ", cols.numel(), " floats");
+    cpu::conv2d_forward(out.f32(), inp.f32(), weight.f32(), ptr_or_null<float>(bias), cols.f32(), w);
+  } else {
+    MPIPE_ON_GPU(inp, cuda::conv2d_forward(ptr<E>(out), ptr<E>(inp), ptr<E>(weight), ptr_or_null<E>(bias), w));
+  }
 }
 
 void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                      const Tensor& inp, const Tensor& weight, const Tensor& cols, const Window2d& w, GradMode mode) {
-  cpu_only("conv2d", dout);
-  same_place("conv2d", dinp, dout);
-  cpu::conv2d_backward(ptr_or_null<float>(dinp), ptr_or_null<float>(dweight), ptr_or_null<float>(dbias), dout.f32(), inp.f32(),
-                       weight.f32(), cols.f32(), w, mode);
+  same_place("conv2d backward", dinp, dout);
+  same_place("conv2d backward", dout, inp);
+  same_place("conv2d backward", inp, weight);
+  same_device("conv2d backward", dweight, dout);
+  is_f32("conv2d backward", dweight);
+  is_f32("conv2d backward", dbias);
+  if (dout.device == Device::cpu)
+    cpu::conv2d_backward(ptr_or_null<float>(dinp), ptr_or_null<float>(dweight), ptr_or_null<float>(dbias), dout.f32(),
+                         inp.f32(), weight.f32(), cols.f32(), w, mode);
+  else
+    MPIPE_ON_GPU(dout, cuda::conv2d_backward(ptr_or_null<E>(dinp), ptr_or_null<float>(dweight), ptr_or_null<float>(dbias),
+                                             ptr<E>(dout), ptr<E>(inp), ptr<E>(weight), w, mode));
 }
 
 void maxpool2d_forward(const Tensor& out, const Tensor& argmax, const Tensor& inp, const Window2d& w) {
-  cpu_only("maxpool2d", inp);
+  same_place("maxpool2d", out, inp);
+  same_device("maxpool2d", argmax, inp);
   MPIPE_CHECK(argmax.dtype == DType::i32, "maxpool2d: argmax of ", to_string(argmax.dtype));
-  cpu::maxpool2d_forward(out.f32(), ptr<std::int32_t>(argmax), inp.f32(), w);
+  if (inp.device == Device::cpu) cpu::maxpool2d_forward(out.f32(), ptr<std::int32_t>(argmax), inp.f32(), w);
+  else MPIPE_ON_GPU(inp, cuda::maxpool2d_forward(ptr<E>(out), ptr<std::int32_t>(argmax), ptr<E>(inp), w));
 }
 
 void maxpool2d_backward(const Tensor& dinp, const Tensor& dout, const Tensor& argmax, const Window2d& w, GradMode mode) {
-  cpu_only("maxpool2d", dout);
-  cpu::maxpool2d_backward(dinp.f32(), dout.f32(), ptr<std::int32_t>(argmax), w, mode);
+  same_place("maxpool2d backward", dinp, dout);
+  if (dout.device == Device::cpu) cpu::maxpool2d_backward(dinp.f32(), dout.f32(), ptr<std::int32_t>(argmax), w, mode);
+  else MPIPE_ON_GPU(dout, cuda::maxpool2d_backward(ptr<E>(dinp), ptr<E>(dout), ptr<std::int32_t>(argmax), w, mode));
 }
 
 void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w) {
-  cpu_only("avgpool2d", inp);
-  cpu::avgpool2d_forward(out.f32(), inp.f32(), w);
+  same_place("avgpool2d", out, inp);
+  if (inp.device == Device::cpu) cpu::avgpool2d_forward(out.f32(), inp.f32(), w);
+  else MPIPE_ON_GPU(inp, cuda::avgpool2d_forward(ptr<E>(out), ptr<E>(inp), w));
 }
 
 void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode) {
-  cpu_only("avgpool2d", dout);
-  cpu::avgpool2d_backward(dinp.f32(), dout.f32(), w, mode);
+  same_place("avgpool2d backward", dinp, dout);
+  if (dout.device == Device::cpu) cpu::avgpool2d_backward(dinp.f32(), dout.f32(), w, mode);
+  else MPIPE_ON_GPU(dout, cuda::avgpool2d_backward(ptr<E>(dinp), ptr<E>(dout), w, mode));
 }
 
 namespace {
@@ -369,37 +436,91 @@ std::array<int64_t, 3> channels_of(const Tensor& t) { return {t.shape[0], t.shap
 void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
                              const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
                              const Tensor& bias, float eps, float momentum) {
-  cpu_only("batchnorm2d", inp);
+  same_place("batchnorm", out, inp);
+  same_place("batchnorm", inp, weight);
+  same_place("batchnorm", weight, bias);
+  same_device("batchnorm", mean, inp);
+  same_device("batchnorm", running_mean, inp);
+  for (const Tensor* t : {&mean, &rstd, &running_mean, &running_var}) is_f32("batchnorm statistics", *t);
   const auto [N, C, plane] = channels_of(inp);
   MPIPE_CHECK(sums.empty() || sums.size() == static_cast<std::size_t>(1 + 2 * C), "batchnorm: ", sums.size(), " sums for ",
               C, " channels");
-  cpu::batchnorm_forward_train(out.f32(), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
-                               ptr_or_null<float>(running_var), sums.empty() ? nullptr : sums.data(), inp.f32(),
-                               weight.f32(), bias.f32(), N, C, plane, eps, momentum);
+  if (inp.device == Device::cpu) {
+    cpu::batchnorm_forward_train(out.f32(), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
+                                 ptr_or_null<float>(running_var), sums.empty() ? nullptr : sums.data(), inp.f32(),
+                                 weight.f32(), bias.f32(), N, C, plane, eps, momentum);
+    return;
+  }
+#if MPIPE_HAVE_CUDA
+  // The deferred rule's sums stay on the host (the replicas sum them over MPI): this
+  // micro-batch's are gathered on the device from zero, then added here in the CPU's order.
+  const std::size_t count = sums.size();
+  double* device_sums = nullptr;
+  if (count) {
+    device_sums = static_cast<double*>(small_scratch().reserve(count * sizeof(double)));
+    cuda::zero(device_sums, count * sizeof(double));
+  }
+  MPIPE_ON_GPU(inp, cuda::batchnorm_forward_train(ptr<E>(out), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
+                                                  ptr_or_null<float>(running_var), device_sums, ptr<E>(inp), ptr<E>(weight),
+                                                  ptr<E>(bias), N, C, plane, eps, momentum));
+  if (count) {
+    auto* host = small_scratch().host.as<double>();
+    cuda::copy_to_host(host, device_sums, count * sizeof(double));
+    cuda::synchronize(cuda::StreamKind::compute);
+    for (std::size_t i = 0; i < count; ++i) sums[i] += host[i];
+  }
+#endif
 }
 
 void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,
                           float momentum) {
-  cpu_only("batchnorm2d", running_mean);
+  is_f32("batchnorm running statistics", running_mean);
+  is_f32("batchnorm running statistics", running_var);
   const int64_t C = running_mean.numel();
   MPIPE_CHECK(sums.size() == static_cast<std::size_t>(1 + 2 * C), "batchnorm: ", sums.size(), " sums for ", C, " channels");
-  cpu::batchnorm_apply_sums(running_mean.f32(), running_var.f32(), sums.data(), C, momentum);
+  if (running_mean.device == Device::cpu) {
+    cpu::batchnorm_apply_sums(running_mean.f32(), running_var.f32(), sums.data(), C, momentum);
+    return;
+  }
+#if MPIPE_HAVE_CUDA
+  auto* device_sums = static_cast<double*>(small_scratch().reserve(sums.size() * sizeof(double)));
+  cuda::copy_to_device(device_sums, sums.data(), sums.size() * sizeof(double));
+  cuda::batchnorm_apply_sums(running_mean.f32(), running_var.f32(), device_sums, C, momentum);
+  cuda::synchronize(cuda::StreamKind::compute);  // the host's sums may change once this returns
+#endif
 }
 
 void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
                             const Tensor& running_mean, const Tensor& running_var, float eps) {
-  cpu_only("batchnorm2d", inp);
+  same_place("batchnorm", out, inp);
+  same_place("batchnorm", inp, weight);
+  same_device("batchnorm", running_mean, inp);
+  is_f32("batchnorm running statistics", running_mean);
+  is_f32("batchnorm running statistics", running_var);
   const auto [N, C, plane] = channels_of(inp);
-  cpu::batchnorm_forward_eval(out.f32(), inp.f32(), weight.f32(), bias.f32(), running_mean.f32(), running_var.f32(), N, C,
-                              plane, eps);
+  if (inp.device == Device::cpu)
+    cpu::batchnorm_forward_eval(out.f32(), inp.f32(), weight.f32(), bias.f32(), running_mean.f32(), running_var.f32(), N,
+                                C, plane, eps);
+  else
+    MPIPE_ON_GPU(inp, cuda::batchnorm_forward_eval(ptr<E>(out), ptr<E>(inp), ptr<E>(weight), ptr<E>(bias),
+                                                   running_mean.f32(), running_var.f32(), N, C, plane, eps));
 }
 
 void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                         const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd, GradMode mode) {
-  cpu_only("batchnorm2d", dout);
+  same_place("batchnorm backward", dinp, dout);
+  same_place("batchnorm backward", dout, inp);
+  same_place("batchnorm backward", inp, weight);
+  same_device("batchnorm backward", dweight, inp);
+  is_f32("batchnorm backward", dweight);
+  is_f32("batchnorm backward", dbias);
   const auto [N, C, plane] = channels_of(inp);
-  cpu::batchnorm_backward(ptr_or_null<float>(dinp), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(),
-                          mean.f32(), rstd.f32(), N, C, plane, mode);
+  if (dout.device == Device::cpu)
+    cpu::batchnorm_backward(ptr_or_null<float>(dinp), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(),
+                            mean.f32(), rstd.f32(), N, C, plane, mode);
+  else
+    MPIPE_ON_GPU(dout, cuda::batchnorm_backward(ptr_or_null<E>(dinp), dweight.f32(), dbias.f32(), ptr<E>(dout), ptr<E>(inp),
+                                                ptr<E>(weight), mean.f32(), rstd.f32(), N, C, plane, mode));
 }
 
 void add(const Tensor& y, const Tensor& x) {

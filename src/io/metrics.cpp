@@ -61,6 +61,8 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
     double& peak = stage_peak[static_cast<std::size_t>(g.shape().stage_of(static_cast<int>(r)))];
     peak = std::max(peak, s.peak_bytes_per_rank[r]);
   }
+  Json device_per_rank = Json::array();  // empty on the CPU
+  for (const double bytes : s.device_peak_bytes_per_rank) device_per_rank.push_back(static_cast<long long>(bytes));
   Json per_stage = Json::array();
   for (const double peak : stage_peak) per_stage.push_back(static_cast<long long>(peak));
   // "phase_s": per stage, each phase's [min, mean, max] seconds per step.
@@ -96,6 +98,7 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
                         {"simulated_bubble", json_number(s.simulated_bubble)},
                         {"peak_activation_bytes_per_stage", per_stage},
                         {"peak_activation_bytes_per_rank", per_rank},
+                        {"peak_device_bytes_per_rank", device_per_rank},
                         {"phase_s", phases}};
   return summary.dump();
 }

@@ -49,7 +49,7 @@ Cost Conv2d::cost(const Shape& in) const {
   // Held until the step ends: the output, and the im2col scratch of the forward and of
   // the backward (arena memory lives for the step). W keeps the output's gradient.
   const double output = 4.0 * static_cast<double>(w.N * w.OC * w.OH * w.OW);
-  const double held = output + 2 * 4.0 * static_cast<double>(ops::conv2d_scratch(w));
+  const double held = output + 2 * 4.0 * static_cast<double>(ops::conv2d_scratch(w, Device::cpu));
   return {2 * macs, 4 * macs, 4 * params, held, 2 * macs, output};
 }
 
@@ -67,13 +67,13 @@ void Conv2d::bind(std::span<const Tensor> params, std::span<const Tensor> grads)
 Tensor Conv2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   const Window2d w = window(x.shape);
   Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);
-  ops::conv2d_forward(y, x, weight_, bias_, pass.arena->tensor(Shape{ops::conv2d_scratch(w)}), w);
+  ops::conv2d_forward(y, x, weight_, bias_, pass.arena->tensor(Shape{ops::conv2d_scratch(w, x.device)}), w);
   return y;
 }
 
 void Conv2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   const Window2d w = window(ctx.input.shape);
-  const Tensor cols = pass.arena->tensor(Shape{ops::conv2d_scratch(w)});
+  const Tensor cols = pass.arena->tensor(Shape{ops::conv2d_scratch(w, dy.device)});
   if (!pass.stash) {
     ops::conv2d_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, cols, w, mode);
     return;
@@ -88,7 +88,7 @@ void Conv2d::backward_weight_impl(Context& ctx, const Pass& pass) {
   MPIPE_CHECK(!ctx.output_grad.empty(), "conv2d layer ", global_index(), ": weight gradient without a split backward");
   const Window2d w = window(ctx.input.shape);
   ops::conv2d_backward(Tensor{}, dweight_, dbias_, ctx.output_grad, ctx.input, weight_,
-                       pass.arena->tensor(Shape{ops::conv2d_scratch(w)}), w, GradMode::accumulate);
+                       pass.arena->tensor(Shape{ops::conv2d_scratch(w, weight_.device)}), w, GradMode::accumulate);
   ctx.output_grad = Tensor{};
 }
 
@@ -204,16 +204,13 @@ void BatchNorm2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx
 
 // ---- Flatten -------------------------------------------------------------------------
 
-Cost Flatten::cost(const Shape& in) const {
-  const double n = static_cast<double>(in.numel());
-  return {0, 0, 0, 4 * n};
-}
+Cost Flatten::cost(const Shape& in) const { return {0, 0, 0, 0}; }  // a view: nothing computed or held
 
+// A view of the input under the flat shape: the input's memory lives as long as this
+// micro-batch's contexts (it is the previous layer's output or the received message).
 Tensor Flatten::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);
-  Tensor flat = x;
-  flat.shape = y.shape;
-  ops::copy(y, flat);
+  Tensor y = x;
+  y.shape = output_shape(x.shape);
   return y;
 }
 
@@ -227,7 +224,7 @@ void Flatten::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, Gr
 
 // ---- registry entries ----------------------------------------------------------------
 
-// NCHW; CPU kernels only so far (gpu = false).
+// NCHW, on the CPU and the GPU.
 std::vector<LayerKind> conv_layer_kinds() {
   using T = OptionType;
   std::vector<LayerKind> k;
@@ -249,7 +246,7 @@ std::vector<LayerKind> conv_layer_kinds() {
                  return std::make_unique<Conv2d>(w.C, out, w.KH, w.stride, w.padding, groups, a.boolean("bias"),
                                                  static_cast<float>(given < 0 ? std::sqrt(2.0 / fan_in) : given));
                },
-               false, true});
+               true});
   for (const bool max : {true, false})
     k.push_back({max ? "maxpool2d" : "avgpool2d",
                  max ? "max over kernel x kernel windows of each plane (padding counts as -inf)"
@@ -264,13 +261,12 @@ std::vector<LayerKind> conv_layer_kinds() {
                    if (2 * w.padding > kernel) a.refuse("padding", cat(w.padding, " is more than half the kernel ", kernel), "pad at most kernel / 2");
                    return std::make_unique<Pool2d>(max ? Pool2d::Op::max : Pool2d::Op::average, kernel, w.stride, w.padding);
                  },
-                 false, true});
+                 true});
   k.push_back({"global-avgpool", "mean of each plane: (N, C, H, W) -> (N, C)", {}, false,
                [](const LayerArgs& a) -> std::unique_ptr<Layer> {
                  a.image_window(1, 1, 0);
                  return std::make_unique<Pool2d>(Pool2d::Op::global_average, 0, 1, 0);
-               },
-               false});
+               }});
   k.push_back({"batchnorm2d",
                "BatchNorm over the channels of (N, C, H, W): each micro-batch normalised with its own statistics in "
                "training (GPipe's rule), the running statistics in evaluation",
@@ -286,13 +282,12 @@ std::vector<LayerKind> conv_layer_kinds() {
                  if (!(momentum >= 0 && momentum <= 1)) a.refuse("momentum", cat("must be in [0, 1], got ", momentum), "e.g. momentum = 0.1");
                  return std::make_unique<BatchNorm2d>(w.C, static_cast<float>(eps), static_cast<float>(momentum), a.boolean("zero-init"));
                },
-               false, true});
+               true});
   k.push_back({"flatten", "(N, d1, d2, ...) -> (N, d1 x d2 x ...)", {}, false,
                [](const LayerArgs& a) -> std::unique_ptr<Layer> {
                  if (a.input.rank < 2) a.refuse("kind", cat("needs (batch, ...), gets ", a.input.str()), "put it after a layer with features");
                  return std::make_unique<Flatten>();
-               },
-               false});
+               }});
   return k;
 }
 

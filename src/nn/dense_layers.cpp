@@ -222,7 +222,7 @@ std::vector<LayerKind> dense_layer_kinds() {
   std::vector<LayerKind> k;
   k.push_back({"layernorm", "layer normalisation over the channels", {}, false,
                [](const LayerArgs& a) -> std::unique_ptr<Layer> { return std::make_unique<LayerNorm>(a.channels()); },
-               true, true});
+               true});
   k.push_back({"linear", "y = x W^T + b over the last dimension: (.., in) -> (.., out)",
                {{"out", T::integer, std::nullopt, "output features"},
                 {"bias", T::boolean, true, "add a learned bias"},
@@ -236,10 +236,10 @@ std::vector<LayerKind> dense_layer_kinds() {
                  if (tie >= 0) layer->tie_weight(tie, "wte");
                  return layer;
                },
-               true, true});
-  k.push_back({"relu", "max(x, 0)", {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<ReLU>(); }, true, true});
+               true});
+  k.push_back({"relu", "max(x, 0)", {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<ReLU>(); }, true});
   k.push_back({"gelu", "GELU (tanh approximation)", {}, false,
-               [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<GELU>(); }, true, true});
+               [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<GELU>(); }, true});
   k.push_back({"dropout", "inverted dropout (masks from a counter-based generator, recomputed in backward)",
                {{"p", T::number, std::nullopt, "probability of dropping an element, in [0, 1)"}},
                false,

@@ -98,6 +98,10 @@ void validate(const ModelConfig& c) {
     MPIPE_REQUIRE(c.vocab > 0, hint, "--vocab must be positive, got ", c.vocab);
     MPIPE_REQUIRE(c.head_chunks >= 1 && c.head_chunks <= c.vocab, "give from 1 (one linear head) to --vocab",
                   "--head-chunks must be from 1 to the vocabulary's ", c.vocab, ", got ", c.head_chunks);
+    MPIPE_REQUIRE(c.head_logits == "keep" || c.head_logits == "recompute", "use keep or recompute",
+                  "--head-logits must be keep or recompute, got '", c.head_logits, "'");
+    MPIPE_REQUIRE(c.head_logits == "keep" || c.head_chunks > 1, "split the head with --head-chunks 2 or more",
+                  "--head-logits recompute applies to a head in vocabulary chunks, and --head-chunks is 1");
   } else if (c.kind == "mlp") {
     MPIPE_REQUIRE(c.hidden > 0, hint, "--hidden must be positive, got ", c.hidden);
     MPIPE_REQUIRE(c.inputs > 0, hint, "--inputs must be positive, got ", c.inputs);
@@ -133,7 +137,8 @@ ModelSpec model_spec(const ModelConfig& c) {
       spec.layers.push_back({"linear", Options{{"out", std::int64_t{c.vocab}}, {"bias", false}, {"tie", std::int64_t{0}}}});
     for (int i = 0; c.head_chunks > 1 && i < c.head_chunks; ++i)
       spec.layers.push_back({"vocab-chunk", Options{{"vocab", std::int64_t{c.vocab}}, {"chunk", std::int64_t{i}},
-                                                    {"chunks", std::int64_t{c.head_chunks}}, {"tie", std::int64_t{0}}}});
+                                                    {"chunks", std::int64_t{c.head_chunks}}, {"tie", std::int64_t{0}},
+                                                    {"logits", c.head_logits}}});
   } else {
     spec.input = {c.inputs};
     for (int i = 0; i < c.layers; ++i) {

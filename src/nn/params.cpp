@@ -154,8 +154,10 @@ std::size_t ParamStore::count() const {
 }
 
 Tensor ParamStore::param(const ParamEntry& e) const {
-  return {static_cast<std::byte*>(compute_.data) + e.param_offset * dtype_size(compute_.dtype), e.shape, compute_.dtype,
-          compute_.device};
+  // Buffers (BatchNorm's running statistics) are moved by the layers, not the optimizer:
+  // they are the fp32 master itself, or a bf16 compute copy would lose their updates.
+  const Tensor& from = e.buffer ? master_ : compute_;
+  return {static_cast<std::byte*>(from.data) + e.param_offset * dtype_size(from.dtype), e.shape, from.dtype, from.device};
 }
 
 Tensor ParamStore::grad(const ParamEntry& e) const {

@@ -168,8 +168,7 @@ std::vector<LayerKind> residual_layer_kinds() {
                  }
                  auto skip = projection(a, a.input, s);
                  return std::make_unique<Residual>(std::move(inner), std::move(skip));
-               },
-               false});
+               }});
   return k;
 }
 }  // namespace mpipe

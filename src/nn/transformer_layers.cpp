@@ -302,7 +302,7 @@ std::vector<LayerKind> transformer_layer_kinds() {
                  const Attention t = attention_args(a);
                  return std::make_unique<CausalSelfAttention>(t.channels, t.heads, t.init_std, t.proj_std);
                },
-               true, true});
+               true});
   return k;
 }
 }  // namespace mpipe

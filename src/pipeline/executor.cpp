@@ -32,11 +32,6 @@ Executor::Executor(const Plan& plan, const Communicator& world)
               " ranks on ", world.size());
   shapes_ = model_.shapes(micro_);
   if (plan.options.device == Device::cuda) {
-    for (int i = 0; i < model_.size(); ++i) {
-      const LayerKind* kind = find_layer_kind(model_.layer(i).kind());
-      MPIPE_REQUIRE(!kind || kind->gpu, "run this model with --device cpu", "layer ", i, " (", model_.layer(i).kind(),
-                    ") has no GPU kernels yet");
-    }
     MPIPE_CHECK(cuda::active(), "--device cuda without cuda::init()");
     device_ = Device::cuda;
     dtype_ = plan.options.precision;

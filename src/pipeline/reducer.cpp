@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "mpipe/backend/ops.hpp"
+
 namespace mpipe {
 
 Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, ParamStore& params,
@@ -224,21 +226,22 @@ void Reducer::settle_buffers(bool updated, std::int64_t update) {
   }
   // Micro-batch statistics moved during the forwards, skipped step or not: averaged either way.
   if (!replicas || settle_values_.empty()) return;
+  // Each buffer's values (fp32, where the layers move them: the device's master on a GPU)
+  // beside its place in the packed host vector.
   auto each_buffer = [&](auto&& f) {
     std::size_t at = 0;
     for (const ParamEntry& e : params_.entries()) {
       if (!e.buffer) continue;
-      const std::span<float> values = params_.params().subspan(e.param_offset, static_cast<std::size_t>(e.numel()));
-      f(values, std::span<float>(settle_values_).subspan(at, values.size()));
-      at += values.size();
+      const Tensor values = params_.param(e);
+      f(values, make_tensor(settle_values_.data() + at, Shape{e.numel()}));
+      at += static_cast<std::size_t>(e.numel());
     }
   };
-  each_buffer([](std::span<float> values, std::span<float> packed) { std::copy(values.begin(), values.end(), packed.begin()); });
+  each_buffer([](const Tensor& values, const Tensor& packed) { ops::transfer(packed, values); });
   sum_over_replicas(std::span<float>(settle_values_), update);
   const auto n = static_cast<float>(grid_.replicas());
-  each_buffer([n](std::span<float> values, std::span<float> packed) {
-    for (std::size_t i = 0; i < values.size(); ++i) values[i] = packed[i] / n;
-  });
+  for (float& v : settle_values_) v /= n;
+  each_buffer([](const Tensor& values, const Tensor& packed) { ops::transfer(values, packed); });
 }
 
 }  // namespace mpipe

@@ -1,6 +1,7 @@
 // GPU benchmark (scripts/bench_gpu.sh): the measured bf16 GEMM rate of this GPU, then
 // per-op and whole-step throughput of a GPT-2-medium-sized stage in bf16 as a fraction
-// of that rate (model FLOPs utilisation). Prints a Markdown table; exits 77 without a GPU.
+// of that rate (model FLOPs utilisation), and convolution and BatchNorm at ResNet-50's
+// shapes. Prints a Markdown table; exits 77 without a GPU.
 #include <mpi.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <cstdio>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -114,7 +116,9 @@ int main(int argc, char** argv) {
     rows.push_back({"matmul+GELU forward (C to 4C)", time_gpu([&] { cuda::matmul_gelu_forward(p(wide), p(pre), p(x), p(w_fc), p(b_fc), N, C, 4 * C); }, repeats), gemm * 4 * C, 0});
     rows.push_back({"matmul proj forward (4C to C)", time_gpu([&] { cuda::matmul_forward(p(y), p(wide), p(w_proj), p(b_proj), N, 4 * C, C); }, repeats), gemm * 4 * C, 0});
     rows.push_back({"matmul backward (4C to C)", time_gpu([&] { cuda::matmul_backward(p(wide), dw.as<float>(), db.as<float>(), p(y), p(wide), p(w_proj), N, 4 * C, C, GradMode::overwrite); }, repeats), 2 * gemm * 4 * C, 0});
-    const double attention = 4.0 * B * T * T * C;  // QK^T and PV, full square
+    // QK^T and PV over the causal half of the square (i <= j): what a causal kernel must
+    // compute; the backward is 2.5 times that (recomputed S, dV, dP, dQ, dK).
+    const double attention = 4.0 * B * C * (T * (T + 1) / 2.0);
     rows.push_back({"attention forward", time_gpu([&] { cuda::attention_forward(p(y), lse.as<float>(), p(qkv), B, T, C, H); }, repeats), attention, 0});
     rows.push_back({"attention backward", time_gpu([&] { cuda::attention_backward(p(dqkv), p(x), p(qkv), p(y), lse.as<float>(), B, T, C, H); }, repeats), 2.5 * attention, 0});
     rows.push_back({"layernorm forward", time_gpu([&] { cuda::layernorm_forward(p(y), mean.as<float>(), rstd.as<float>(), p(x), p(ln_w), p(ln_b), N, C); }, repeats), 0, 2.0 * N * C * 2});
@@ -128,6 +132,32 @@ int main(int argc, char** argv) {
     cuda::zero(targets.data(), targets.bytes());
     rows.push_back({"cross-entropy forward (V " + std::to_string(V) + ")", time_gpu([&] { cuda::crossentropy_forward(lse.as<float>(), loss.as<double>(), logits.as<bf16>(), targets.as<int32_t>(), N, V); }, repeats), 0, 1.0 * N * V * 2});
     rows.push_back({"cross-entropy backward", time_gpu([&] { cuda::crossentropy_backward(logits.as<bf16>(), logits.as<bf16>(), lse.as<float>(), targets.as<int32_t>(), 1.0f, N, V); }, repeats), 0, 2.0 * N * V * 2});
+  }
+  {
+    // Convolution and BatchNorm at ResNet-50's shapes (the second stage's 3x3 and a
+    // bottleneck's 1x1 expansion at 56 x 56, batch 32), bf16.
+    const std::int64_t n = 32, side = 56;
+    const auto conv_window = [&](std::int64_t in, std::int64_t out, std::int64_t kernel) {
+      Window2d w;
+      w.N = n, w.C = in, w.H = w.W = side, w.OC = out, w.KH = w.KW = kernel, w.padding = kernel / 2;
+      w.OH = w.OW = side;
+      return w;
+    };
+    cuda::DeviceBuffer x = bf16_buffer(n * 256 * side * side), y = bf16_buffer(n * 256 * side * side),
+                       dx = bf16_buffer(n * 256 * side * side), weight = bf16_buffer(256 * 64 * 9),
+                       bn_w = bf16_buffer(256), bn_b = bf16_buffer(256);
+    cuda::DeviceBuffer dweight(static_cast<std::size_t>(256 * 64 * 9) * 4), stats(static_cast<std::size_t>(4 * 256) * 4);
+    auto p = [](cuda::DeviceBuffer& d) { return d.as<bf16>(); };
+    for (const auto& [name, w] : {std::pair{std::string("conv2d 3x3 64 to 64"), conv_window(64, 64, 3)},
+                                  std::pair{std::string("conv2d 1x1 64 to 256"), conv_window(64, 256, 1)}}) {
+      const double flops = 2.0 * w.N * w.OC * w.OH * w.OW * w.C * w.KH * w.KW;
+      rows.push_back({name + " forward (56 x 56, N 32)", time_gpu([&] { cuda::conv2d_forward(p(y), p(x), p(weight), (const bf16*)nullptr, w); }, repeats), flops, 0});
+      rows.push_back({name + " backward", time_gpu([&] { cuda::conv2d_backward(p(dx), dweight.as<float>(), (float*)nullptr, p(y), p(x), p(weight), w, GradMode::overwrite); }, repeats), 2 * flops, 0});
+    }
+    const std::int64_t ch = 256, plane = side * side;
+    float* f = stats.as<float>();
+    rows.push_back({"batchnorm forward (256 ch, 56 x 56, N 32)", time_gpu([&] { cuda::batchnorm_forward_train(p(y), f, f + ch, f + 2 * ch, f + 3 * ch, (double*)nullptr, p(x), p(bn_w), p(bn_b), n, ch, plane, 1e-5f, 0.1f); }, repeats), 0, 3.0 * n * ch * plane * 2});
+    rows.push_back({"batchnorm backward", time_gpu([&] { cuda::batchnorm_backward(p(dx), f + 2 * ch, f + 3 * ch, p(y), p(x), p(bn_w), f, f + ch, n, ch, plane, GradMode::overwrite); }, repeats), 0, 5.0 * n * ch * plane * 2});
   }
   std::printf("| op (B %lld, T %lld, C %lld, H %lld, bf16) | ms | TFLOP/s | of GEMM rate | GB/s |\n|---|---|---|---|---|\n",
               static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(C), static_cast<long long>(H));

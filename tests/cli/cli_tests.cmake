@@ -32,6 +32,8 @@ mpipe_cli_test(plan_links 0 "links \\(configured\\): 0->1 0.05 GB/s, 1->2 0.05 G
 # GPT-2 small's head as 4 vocabulary chunks over 8 stages: within 5 points of equal stages (60.5% as one layer).
 mpipe_cli_test(plan_gpt_small_k8 0 "bubble: 30.4% for equal stages [^,]*, (3[0-4]\\.[0-9]|35\\.[0-4])% predicted" plan --config ${CMAKE_SOURCE_DIR}/inputs/gpt-small.toml --ranks 8 --micro-batches 16)
 mpipe_cli_test(head_chunks_zero 2 "error: --head-chunks must be from 1 to the vocabulary's 256, got 0; hint: give from 1 \\(one linear head\\) to --vocab" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --head-chunks 0)
+mpipe_cli_test(head_logits_word 2 "error: --head-logits must be keep or recompute, got 'some'; hint: use keep or recompute" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --head-chunks 2 --head-logits some)
+mpipe_cli_test(head_logits_one_head 2 "error: --head-logits recompute applies to a head in vocabulary chunks, and --head-chunks is 1; hint: split the head with --head-chunks 2 or more" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --head-logits recompute)
 mpipe_cli_test(plan_links_auto 0 "links: not counted \\(plan cannot measure them; give --link-bandwidth GB/s\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2 --partition time)
 mpipe_cli_test(link_bandwidth_word 2 "error: --link-bandwidth 'fast' is not a number; hint: give auto, off, or gigabytes per second" train --link-bandwidth fast)
 mpipe_cli_test(link_bandwidth_zero 2 "error: --link-bandwidth must be positive, got 0; hint" plan --ranks 2 --link-bandwidth 0)

@@ -1,9 +1,12 @@
 // The executor on the GPU: a whole training step against the same step on the CPU, and
-// partition transparency on one GPU (K = 1 against K = 2, two ranks sharing it). Run
-// under mpiexec -n 2; every rank binds GPU (local rank modulo GPUs) in cuda_main.cpp.
+// partition transparency on one GPU (K = 1 against K = 2, two ranks sharing it), for the
+// GPT and for a CNN with every convolutional layer kind. Run under mpiexec -n 2; every
+// rank binds GPU (local rank modulo GPUs) in cuda_main.cpp.
 #include <doctest/doctest.h>
 
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <optional>
 #include <string>
 #include <vector>
@@ -13,6 +16,7 @@
 #include "gather.hpp"
 #include "mpipe/app/config.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/core/error.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
 using namespace mpipe;
@@ -84,32 +88,97 @@ Run run(const TrainConfig& config, int ranks, int steps) {
 
 double relative(double a, double b) { return std::abs(a - b) / std::abs(b); }
 
+// How close a GPU run must come to the CPU's: gradients (after compute_gradients and the
+// steps' norms), losses, and the parameters after the steps.
+struct Tolerance {
+  double grads, losses, params;
+};
+Tolerance tolerance_for(const std::string& precision, double fp32_grads, double bf16_grads) {
+  // fp32 differs from the CPU only in summation order; bf16 rounds every activation.
+  return precision == "fp32" ? Tolerance{fp32_grads, 1e-5, 1e-4} : Tolerance{bf16_grads, 1e-2, bf16_grads};
+}
+
+void check_close(const Run& gpu, const Run& cpu, const Tolerance& t) {
+  REQUIRE(gpu.grads.size() == cpu.grads.size());
+  CHECK(relative_difference(gpu.grads, cpu.grads) < t.grads);
+  REQUIRE(gpu.losses.size() == cpu.losses.size());
+  for (std::size_t s = 0; s < cpu.losses.size(); ++s) {
+    CAPTURE(s);
+    CHECK(relative(gpu.losses[s], cpu.losses[s]) < t.losses);
+    CHECK(relative(gpu.norms[s], cpu.norms[s]) < t.grads);
+  }
+  // A few AdamW steps on gradients this close move the weights (and BatchNorm's running
+  // statistics) alike.
+  CHECK(relative_difference(gpu.params, cpu.params) < t.params);
+}
+
+// Losses, norms and parameters, bit for bit.
+void check_same_bits(const Run& a, const Run& b) {
+  CHECK(a.losses == b.losses);
+  CHECK(a.norms == b.norms);
+  REQUIRE(a.params.size() == b.params.size());
+  CHECK(std::memcmp(a.params.data(), b.params.data(), a.params.size() * sizeof(float)) == 0);
+}
+
+// A CNN with every convolutional kind: a strided, padded stem with BatchNorm, a padded
+// max pool, a grouped convolution, a residual block with a projection and skip-norm, an
+// average pool, global average pooling and flatten, then the head. Written once per rank.
+std::string cnn_model_file() {
+  const auto path = std::filesystem::temp_directory_path() / cat("mpipe_cuda_cnn_", world().rank(), ".toml");
+  std::ofstream(path) << "input = [3, 20, 20]\n"
+                         "[[layer]]\nkind = \"conv2d\"\nout = 8\nkernel = 5\nstride = 2\npadding = 2\nbias = false\n"
+                         "[[layer]]\nkind = \"batchnorm2d\"\n"
+                         "[[layer]]\nkind = \"relu\"\n"
+                         "[[layer]]\nkind = \"maxpool2d\"\nkernel = 3\nstride = 1\npadding = 1\n"
+                         "[[layer]]\nkind = \"conv2d\"\nout = 12\nkernel = 3\npadding = 1\ngroups = 4\n"
+                         "[[layer]]\nkind = \"relu\"\n"
+                         "[[layer]]\nkind = \"residual\"\nskip-norm = true\n"
+                         "[[layer.layer]]\nkind = \"conv2d\"\nout = 16\nkernel = 3\nstride = 2\npadding = 1\nbias = false\n"
+                         "[[layer.layer]]\nkind = \"batchnorm2d\"\nmomentum = 0.2\n"
+                         "[[layer.layer]]\nkind = \"relu\"\n"
+                         "[[layer.layer]]\nkind = \"conv2d\"\nout = 16\nkernel = 1\n"
+                         "[[layer]]\nkind = \"avgpool2d\"\nkernel = 2\n"
+                         "[[layer]]\nkind = \"conv2d\"\nout = 10\nkernel = 1\n"
+                         "[[layer]]\nkind = \"global-avgpool\"\n"
+                         "[[layer]]\nkind = \"flatten\"\n"
+                         "[[layer]]\nkind = \"linear\"\nout = 5\n"
+                         "[[layer]]\nkind = \"cross_entropy\"\n";
+  return path.string();
+}
+
+TrainConfig small_cnn(const std::string& device, const std::string& precision, const std::string& batchnorm) {
+  TrainConfig c;
+  c.model.kind = cnn_model_file();
+  c.batch_size = 16;
+  c.micro_batches = 2;
+  c.steps = 3;
+  c.seed = 9;
+  c.threads = 2;
+  c.optimizer.lr = 3e-3f;
+  c.device = device;
+  c.precision = precision;
+  c.pipeline.batchnorm = batchnorm;
+  c.pipeline.partition = "uniform";
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("training step on the GPU matches the CPU: fp32 and bf16") {
-  // One process, K = 1: the CPU executor is the reference.
-  if (world().rank() != 0) return;
+  // K = 1 on rank 0, the CPU executor the reference. Every rank calls run() (its
+  // communicator split is collective), the others sitting each run out.
   cpu::set_threads(2);
   const Run reference = run(small_gpt("cpu", "fp32"), 1, 3);
   for (const std::string precision : {"fp32", "bf16"}) {
     CAPTURE(precision);
     const Run gpu = run(small_gpt("cuda", precision), 1, 3);
-    // fp32 differs from the CPU only in summation order; bf16 rounds every activation.
-    const double tolerance = precision == "fp32" ? 1e-5 : 2e-2;
-    REQUIRE(gpu.grads.size() == reference.grads.size());
-    CHECK(relative_difference(gpu.grads, reference.grads) < tolerance);
-    for (std::size_t s = 0; s < reference.losses.size(); ++s) {
-      CAPTURE(s);
-      CHECK(relative(gpu.losses[s], reference.losses[s]) < (precision == "fp32" ? 1e-5 : 1e-2));
-      CHECK(relative(gpu.norms[s], reference.norms[s]) < tolerance);
-    }
-    // Three AdamW steps on gradients this close move the weights alike.
-    CHECK(relative_difference(gpu.params, reference.params) < (precision == "fp32" ? 1e-4 : 2e-2));
-    CHECK(gpu.losses.back() < gpu.losses.front());
-    // Recomputation gives the same bits, and counts each micro-batch's loss once.
     TrainConfig remat = small_gpt("cuda", precision);
     remat.pipeline.remat = "always";
     const Run recomputed = run(remat, 1, 3);
+    if (world().rank() != 0) continue;
+    check_close(gpu, reference, tolerance_for(precision, 1e-5, 2e-2));
+    CHECK(gpu.losses.back() < gpu.losses.front());
+    // Recomputation gives the same bits, and counts each micro-batch's loss once.
     CHECK(recomputed.losses == gpu.losses);
     CHECK(recomputed.params == gpu.params);
   }
@@ -128,14 +197,7 @@ TEST_CASE("partition transparency on one GPU: K = 2 gives K = 1's bits, fp32 and
       config.pipeline.grid.stages = 2;
       const Run two = run(config, 2, 3);
       if (world().rank() != 0) continue;
-      REQUIRE(one.losses.size() == two.losses.size());
-      for (std::size_t s = 0; s < one.losses.size(); ++s) {
-        CAPTURE(s);
-        CHECK(one.losses[s] == two.losses[s]);
-        CHECK(one.norms[s] == two.norms[s]);
-      }
-      REQUIRE(one.params.size() == two.params.size());
-      CHECK(std::memcmp(one.params.data(), two.params.data(), one.params.size() * sizeof(float)) == 0);
+      check_same_bits(one, two);
     }
   }
 }
@@ -158,11 +220,73 @@ TEST_CASE("overlap-steps transparency on one GPU: updates made ahead give the sy
       config.pipeline.overlap_steps = true;
       const Run overlapped = run(config, 2, 5);
       if (world().rank() != 0) continue;
-      CHECK(overlapped.losses == synchronized.losses);
-      CHECK(overlapped.norms == synchronized.norms);
-      REQUIRE(overlapped.params.size() == synchronized.params.size());
-      CHECK(std::memcmp(overlapped.params.data(), synchronized.params.data(), overlapped.params.size() * sizeof(float)) == 0);
+      check_same_bits(overlapped, synchronized);
       CHECK((clip > 0 ? overlapped.rolled_back >= 1 : overlapped.rolled_back == 0));
+    }
+  }
+}
+
+TEST_CASE("training step on the GPU matches the CPU with the LM head in vocabulary chunks, and K = 2 its bits") {
+  // --head-chunks 3: three vocab-chunk layers carrying the online softmax, then the loss.
+  cpu::set_threads(2);
+  for (const std::string precision : {"fp32", "bf16"}) {
+    CAPTURE(precision);
+    TrainConfig chunked = small_gpt("cuda", precision);
+    chunked.model.head_chunks = 3;
+    chunked.model.head_logits = precision == "fp32" ? "keep" : "recompute";  // both ways of the backward
+    TrainConfig on_cpu = chunked;
+    on_cpu.device = "cpu";
+    on_cpu.precision = "fp32";
+    const Run reference = run(on_cpu, 1, 3);
+    const Run gpu = run(chunked, 1, 3);
+    // The head's chunks split over two stages: chunk 0 with the blocks, chunks 1 and 2
+    // with the loss.
+    chunked.pipeline.grid.stages = 2;
+    chunked.pipeline.balance = "5,3";
+    const Run two = run(chunked, 2, 3);
+    if (world().rank() != 0) continue;
+    check_close(gpu, reference, tolerance_for(precision, 1e-5, 2e-2));
+    check_same_bits(two, gpu);
+  }
+}
+
+TEST_CASE("training step on the GPU matches the CPU for a CNN with BatchNorm under both rules: fp32 and bf16") {
+  cpu::set_threads(2);
+  for (const std::string rule : {"micro", "deferred"}) {
+    const Run reference = run(small_cnn("cpu", "fp32", rule), 1, 3);
+    for (const std::string precision : {"fp32", "bf16"}) {
+      CAPTURE(rule);
+      CAPTURE(precision);
+      const Run gpu = run(small_cnn("cuda", precision, rule), 1, 3);
+      TrainConfig remat = small_cnn("cuda", precision, rule);
+      remat.pipeline.remat = "always";
+      const Run recomputed = run(remat, 1, 3);
+      if (world().rank() != 0) continue;
+      // fp32: the GPU sums a convolution's samples in one GEMM (or cuDNN), the CPU one by one.
+      check_close(gpu, reference, tolerance_for(precision, 1e-4, 3e-2));
+      // Recomputation moves no running statistic: the same bits.
+      CHECK(recomputed.losses == gpu.losses);
+      CHECK(recomputed.params == gpu.params);
+    }
+  }
+}
+
+TEST_CASE("partition transparency on one GPU for a CNN with BatchNorm: K = 2 gives K = 1's bits") {
+  REQUIRE(world().size() >= 2);
+  for (const std::string precision : {"fp32", "bf16"}) {
+    for (const std::string rule : {"micro", "deferred"}) {
+      for (const std::string schedule : {"1f1b", "zb-h1"}) {
+        CAPTURE(precision);
+        CAPTURE(rule);
+        CAPTURE(schedule);
+        TrainConfig config = small_cnn("cuda", precision, rule);
+        config.pipeline.schedule = schedule;
+        const Run one = run(config, 1, 3);
+        config.pipeline.grid.stages = 2;
+        const Run two = run(config, 2, 3);
+        if (world().rank() != 0) continue;
+        check_same_bits(one, two);
+      }
     }
   }
 }

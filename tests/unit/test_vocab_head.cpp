@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
+#include <utility>
 
 #include "gradcheck.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
@@ -85,7 +87,8 @@ Head chunked_head(const std::vector<float>& x, std::vector<float>& w, std::vecto
   out.dw.assign(w.size(), 0.0f);
   std::vector<std::unique_ptr<VocabChunk>> layers;
   for (int c = 0; c < chunks; ++c) {
-    layers.push_back(std::make_unique<VocabChunk>(V, c, chunks, C, 0.02f, -1));
+    // Chunks alternately keep and recompute their logits: the same bits either way.
+    layers.push_back(std::make_unique<VocabChunk>(V, c, chunks, C, 0.02f, -1, c % 2 == 1));
     VocabChunk& l = *layers.back();
     const Shape rows{l.end() - l.begin(), C};
     l.bind(std::vector<Tensor>{make_tensor(w.data() + l.begin() * C, rows)},
@@ -95,7 +98,7 @@ Head chunked_head(const std::vector<float>& x, std::vector<float>& w, std::vecto
   std::vector<Context> ctx(static_cast<std::size_t>(chunks + 1));
   Tensor y = make_tensor(const_cast<float*>(x.data()), Shape{B, T, C});
   for (int c = 0; c < chunks; ++c) y = layers[static_cast<std::size_t>(c)]->forward(y, ctx[static_cast<std::size_t>(c)], pass);
-  CHECK(y.shape == Shape{B, T, C + 4});
+  CHECK(y.shape == Shape{B, T, C + 8});
   loss.forward(y, ctx.back(), pass);
   out.loss = ctx.back().value;
   out.correct = ctx.back().correct;
@@ -104,7 +107,7 @@ Head chunked_head(const std::vector<float>& x, std::vector<float>& w, std::vecto
   Tensor dy = arena.tensor(y.shape);
   loss.backward(ctx.back(), make_tensor(&one, Shape{1}), dy, GradMode::overwrite, pass);
   for (int c = chunks; c-- > 0;) {
-    const Tensor dx = c == 0 ? make_tensor(out.dx.data(), Shape{B, T, C}) : arena.tensor(Shape{B, T, C + 4});
+    const Tensor dx = c == 0 ? make_tensor(out.dx.data(), Shape{B, T, C}) : arena.tensor(Shape{B, T, C + 8});
     layers[static_cast<std::size_t>(c)]->backward(ctx[static_cast<std::size_t>(c)], dy, dx, GradMode::overwrite, pass);
     dy = dx;
   }
@@ -147,7 +150,7 @@ TEST_CASE("a head split over the vocabulary computes one linear head's loss, dX,
   for (const int chunks : {2, 5}) CHECK(chunked_head(x, sharp, targets, chunks, false).correct == sharp_ref.correct);
 }
 
-TEST_CASE("vocabulary chunks: the first largest logit wins a tie across chunks; the statistics fold as one softmax") {
+TEST_CASE("vocabulary chunks: the first largest logit wins a tie across chunks, and the statistics fold as one softmax") {
   // Chunk 0 covers entries 0-2, chunk 1 entries 3-4; the largest logit 3 is at 1, 2 and 3.
   const std::vector<float> z0{1.0f, 3.0f, 3.0f}, z1{3.0f, 2.0f};
   std::vector<std::int32_t> target{4};
@@ -168,29 +171,96 @@ TEST_CASE("vocabulary chunks: the first largest logit wins a tie across chunks; 
 }
 
 TEST_CASE("vocabulary chunks: backward accumulates into dX what it overwrites, the statistics' part too") {
-  VocabChunk chunk(V, 1, 3, C, 0.3f, -1);
-  mpipe::test::LayerHarness h(chunk);
+  for (const bool recompute : {false, true}) {
+    CAPTURE(recompute);
+    VocabChunk chunk(V, 1, 3, C, 0.3f, -1, recompute);
+    mpipe::test::LayerHarness h(chunk);
+    std::vector<std::int32_t> targets{0, 36, 9, 12, 13, 18, 19, 24, 25, 5};
+    // Packed: the statistics (4, N), the hidden states (N, C), 4 N unused floats.
+    std::vector<float> x = random_vector(static_cast<std::size_t>(N * (C + 8)), 4);
+    for (std::int64_t n = 0; n < N; ++n) {  // statistics a chunk 0 could have made: s >= 1
+      x[static_cast<std::size_t>(N + n)] = 1.5f + 0.1f * static_cast<float>(n);
+      x[static_cast<std::size_t>(3 * N + n)] = 2.0f;
+    }
+    Pass pass;
+    pass.arena = &h.arena;
+    pass.targets = tokens(targets);
+    Context ctx;
+    const Tensor y = chunk.forward(make_tensor(x.data(), Shape{B, T, C + 8}), ctx, pass);
+    std::vector<float> dy = random_vector(static_cast<std::size_t>(y.numel()), 9);
+    std::vector<float> written(x.size(), 5.0f), accumulated(x.size(), 1.0f);
+    chunk.backward(ctx, make_tensor(dy.data(), y.shape), make_tensor(written.data(), y.shape), GradMode::overwrite, pass);
+    chunk.backward(ctx, make_tensor(dy.data(), y.shape), make_tensor(accumulated.data(), y.shape), GradMode::accumulate, pass);
+    for (std::size_t i = 0; i < written.size(); ++i) CHECK(accumulated[i] == doctest::Approx(written[i] + 1.0f));
+    // m is a stabiliser: its gradient is zero; so is the index's.
+    for (std::int64_t n = 0; n < N; ++n) {
+      CHECK(written[static_cast<std::size_t>(n)] == 0.0f);
+      CHECK(written[static_cast<std::size_t>(3 * N + n)] == 0.0f);
+    }
+    // The unused floats after the hidden states: written as zero, accumulated as zero.
+    for (std::int64_t i = N * (C + 4); i < N * (C + 8); ++i) CHECK(written[static_cast<std::size_t>(i)] == 0.0f);
+  }
+}
+
+TEST_CASE("vocabulary chunks: the output packs four fp32 statistics a row first, then the hidden states, and keeps no logits") {
+  // Two chunks of V over x (N, C), each against the CPU ops called directly on the
+  // forward's own logits, bit for bit.
+  const std::vector<float> x = random_vector(static_cast<std::size_t>(N * C), 21, 1.0f);
+  std::vector<float> w = random_vector(static_cast<std::size_t>(V * C), 22, 0.7f);
+  std::vector<float> dw(w.size(), 0.0f);
   std::vector<std::int32_t> targets{0, 36, 9, 12, 13, 18, 19, 24, 25, 5};
-  std::vector<float> x = random_vector(static_cast<std::size_t>(N * (C + 4)), 4);
-  for (std::int64_t n = 0; n < N; ++n) {  // statistics a chunk 0 could have made: s >= 1
-    x[static_cast<std::size_t>(N * C + N + n)] = 1.5f + 0.1f * static_cast<float>(n);
-    x[static_cast<std::size_t>(N * C + 3 * N + n)] = 2.0f;
+  VocabChunk first(V, 0, 2, C, 0.02f, -1, true), second(V, 1, 2, C, 0.02f, -1, true);
+  for (VocabChunk* l : {&first, &second}) {
+    const Shape rows{l->end() - l->begin(), C};
+    l->bind(std::vector<Tensor>{make_tensor(w.data() + l->begin() * C, rows)},
+            std::vector<Tensor>{make_tensor(dw.data() + l->begin() * C, rows)});
   }
+  Arena arena;
   Pass pass;
-  pass.arena = &h.arena;
+  pass.arena = &arena;
   pass.targets = tokens(targets);
-  Context ctx;
-  const Tensor y = chunk.forward(make_tensor(x.data(), Shape{B, T, C + 4}), ctx, pass);
-  std::vector<float> dy = random_vector(static_cast<std::size_t>(y.numel()), 9);
-  std::vector<float> written(x.size(), 5.0f), accumulated(x.size(), 1.0f);
-  chunk.backward(ctx, make_tensor(dy.data(), y.shape), make_tensor(written.data(), y.shape), GradMode::overwrite, pass);
-  chunk.backward(ctx, make_tensor(dy.data(), y.shape), make_tensor(accumulated.data(), y.shape), GradMode::accumulate, pass);
-  for (std::size_t i = 0; i < written.size(); ++i) CHECK(accumulated[i] == doctest::Approx(written[i] + 1.0f));
-  // m is a stabiliser: its gradient is zero; so is the index's.
-  for (std::int64_t n = 0; n < N; ++n) {
-    CHECK(written[static_cast<std::size_t>(N * C + n)] == 0.0f);
-    CHECK(written[static_cast<std::size_t>(N * C + 3 * N + n)] == 0.0f);
+  Context c0, c1;
+  const std::size_t before = arena.used();
+  const Tensor y0 = first.forward(make_tensor(const_cast<float*>(x.data()), Shape{B, T, C}), c0, pass);
+  // The arena holds the output alone: the logits (N, V / 2) went back when the forward ended.
+  CHECK(arena.used() - before == (y0.bytes() + Arena::alignment - 1) / Arena::alignment * Arena::alignment);
+  const Tensor y1 = second.forward(y0, c1, pass);
+  REQUIRE(y1.shape == Shape{B, T, C + 8});
+
+  std::vector<float> z0(static_cast<std::size_t>(N * first.end())), z1(static_cast<std::size_t>(N * (V - second.begin())));
+  std::vector<float> s0(4 * N), s1(4 * N);
+  cpu::matmul_forward(z0.data(), x.data(), w.data(), nullptr, N, C, first.end());
+  cpu::matmul_forward(z1.data(), x.data(), w.data() + second.begin() * C, nullptr, N, C, V - second.begin());
+  cpu::vocab_chunk_forward(s0.data(), nullptr, z0.data(), targets.data(), N, first.end(), 0);
+  cpu::vocab_chunk_forward(s1.data(), s0.data(), z1.data(), targets.data(), N, V - second.begin(), second.begin());
+  for (const auto& [y, s] : {std::pair{y0, &s0}, std::pair{y1, &s1}}) {
+    const float* packed = y.f32();
+    CHECK(std::memcmp(packed, s->data(), s->size() * sizeof(float)) == 0);  // (4, N) first
+    CHECK(std::memcmp(packed + 4 * N, x.data(), x.size() * sizeof(float)) == 0);  // then (N, C)
+    for (std::int64_t i = N * (C + 4); i < N * (C + 8); ++i) CHECK(packed[i] == 0.0f);  // then unused
   }
+
+  // Backward recomputes the logits: what the CPU ops give from the forward's, bit for bit.
+  std::vector<float> dy = random_vector(static_cast<std::size_t>(y1.numel()), 23);
+  for (std::int64_t n = 0; n < N; ++n) dy[static_cast<std::size_t>(N + n)] = 0.25f + 0.01f * static_cast<float>(n);
+  std::vector<float> dx1(static_cast<std::size_t>(y0.numel()), 7.0f);
+  second.backward(c1, make_tensor(dy.data(), y1.shape), make_tensor(dx1.data(), y0.shape), GradMode::overwrite, pass);
+  std::vector<float> dz(z1.size()), din(4 * N), dh(x.begin(), x.end()), dw_want(w.size(), 0.0f);
+  cpu::vocab_chunk_backward(dz.data(), din.data(), dy.data(), z1.data(), s0.data(), s1.data(), targets.data(), N,
+                            V - second.begin(), second.begin(), GradMode::overwrite);
+  std::copy(dy.begin() + 4 * N, dy.begin() + 4 * N + N * C, dh.begin());
+  cpu::matmul_backward(dh.data(), dw_want.data() + second.begin() * C, nullptr, dz.data(), x.data(),
+                       w.data() + second.begin() * C, N, C, V - second.begin(), GradMode::accumulate);
+  CHECK(std::memcmp(dx1.data(), din.data(), din.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(dx1.data() + 4 * N, dh.data(), dh.size() * sizeof(float)) == 0);
+  CHECK(std::memcmp(dw.data(), dw_want.data(), dw.size() * sizeof(float)) == 0);
+
+  // What the partitioner and the memory plan count.
+  const double rows = N, width = V - second.begin();
+  const Cost cost = second.cost(Shape{B, T, C + 8});
+  CHECK(cost.activation_bytes == 4.0 * rows * (C + 8));
+  CHECK(cost.backward_flops == 6.0 * rows * C * width + 3.0 * rows * width);
+  CHECK(cost.weight_flops == 2.0 * rows * C * width);
 }
 
 TEST_CASE("a GPT with its head in vocabulary chunks: ties to rows of the token table, stored and summed by rows") {
@@ -205,6 +275,7 @@ TEST_CASE("a GPT with its head in vocabulary chunks: ties to rows of the token t
   c.head_chunks = 3;
   Model model(c), single(one);
   REQUIRE(model.size() == 7);  // embedding, block, layernorm, 3 chunks, loss
+  CHECK(model.shapes(1)[4] == Shape{1, 4, 6 + 8});  // chunk 0's: statistics and hidden states
   CHECK(model.layer(3).kind() == "vocab-chunk");
   CHECK(model.layer(6).kind() == "cross_entropy");
   CHECK(model.parameter_count() == single.parameter_count());

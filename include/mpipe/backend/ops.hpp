@@ -67,21 +67,22 @@ void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Te
 int64_t count_correct(const Tensor& logits, const Tensor& targets);
 
 // A language-model head split over the vocabulary (cpu/ops.hpp has the rules); the
-// statistics are (4, N) fp32. CPU only so far.
+// statistics are (4, N) fp32 on either device, z and dz the activations' type. The loss
+// is returned on the CPU; on a GPU it is added to *device_loss_sum (as cross-entropy).
 void vocab_chunk_forward(const Tensor& out, const Tensor& in, const Tensor& z, const Tensor& targets, int64_t v0);
 void vocab_chunk_backward(const Tensor& dz, const Tensor& din, const Tensor& dout, const Tensor& z, const Tensor& in,
                           const Tensor& out, const Tensor& targets, int64_t v0, GradMode mode);
-double vocab_loss_forward(const Tensor& stats, const Tensor& targets, int64_t vocab);
+double vocab_loss_forward(const Tensor& stats, const Tensor& targets, int64_t vocab, double* device_loss_sum);
 void vocab_loss_backward(const Tensor& dstats, const Tensor& stats, float scale);
 int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets);
 
 // Over the first dimension as samples.
 void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key);
 
-// Convolution and pooling over NCHW (see cpu/ops.hpp); on the CPU only so far: a GPU
-// tensor is an Error (the registry refuses such layers with --device cuda up front).
-// `cols` is scratch of conv2d_scratch(w) floats.
-int64_t conv2d_scratch(const Window2d& w);
+// Convolution and pooling over NCHW (see cpu/ops.hpp and cuda/ops.hpp). `cols` is
+// scratch of conv2d_scratch(w, device) elements: im2col columns on the CPU, none on a GPU
+// (its op unfolds the whole micro-batch into temporary device scratch).
+int64_t conv2d_scratch(const Window2d& w, Device device);
 void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& cols,
                     const Window2d& w);
 void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
@@ -91,9 +92,10 @@ void maxpool2d_backward(const Tensor& dinp, const Tensor& dout, const Tensor& ar
 void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w);
 void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode);
 
-// BatchNorm over (N, C, ...) per channel (see cpu/ops.hpp); CPU only so far. Training
-// with running statistics given (non-empty) moves them, with `sums` given (1 + 2C) adds
-// the batch to them; inference reads them.
+// BatchNorm over (N, C, ...) per channel (see cpu/ops.hpp). Statistics and running
+// statistics are fp32 on either device. Training with running statistics given
+// (non-empty) moves them, with `sums` given (1 + 2C, host) adds the batch to them (on a
+// GPU through one copy back, waiting for it); inference reads them.
 void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
                              const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
                              const Tensor& bias, float eps, float momentum);

@@ -39,6 +39,7 @@ struct RunSummary {
   double simulated_bubble = 0;  // the schedule simulated with the run's mean action times per stage
   long long steps = 0;
   std::vector<double> peak_bytes_per_rank;  // activations and scratch
+  std::vector<double> device_peak_bytes_per_rank;  // on a GPU: all device memory mpipe held (cuda::device_bytes_peak)
   std::vector<StagePhases> phases;           // per stage; empty when no step was timed
 };
 

@@ -1,5 +1,5 @@
 // Convolutional layers over NCHW tensors: conv2d, max and average pooling, global
-// average pooling, flatten. CPU only so far (their LayerKind says gpu = false).
+// average pooling, flatten, BatchNorm; on the CPU and the GPU (backend/cuda/conv.cu).
 #pragma once
 #include <algorithm>
 

@@ -28,6 +28,9 @@ struct ModelConfig {
   // gpt: the LM head as this many vocabulary chunks (layers a pipeline can put on
   // different stages; nn/vocab_layers.hpp), 1: one linear layer.
   int head_chunks = 1;
+  // gpt, head chunks: keep each chunk's logits for its backward (fastest), or recompute
+  // them there (one more GEMM; no rows x vocab logits held between forward and backward).
+  std::string head_logits = "keep";
   bool operator==(const ModelConfig&) const = default;
 };
 

@@ -59,7 +59,9 @@ class ParamStore {
   // The fp32 master values where training keeps them.
   std::span<float> master() const { return {master_.f32(), static_cast<std::size_t>(master_.numel())}; }
   std::size_t count() const;  // parameters of this range, tied copies not counted
-  Tensor param(const ParamEntry& e) const;  // what the layers read: compute copy on a GPU
+  // What the layers read: the compute copy on a GPU, but the fp32 master for buffers
+  // (the layers move those).
+  Tensor param(const ParamEntry& e) const;
   Tensor grad(const ParamEntry& e) const;
   void zero_grads();
   void scale_grads(float factor);

@@ -83,7 +83,6 @@ struct LayerKind {
   std::vector<OptionSpec> options;
   bool takes_tokens = false;  // its input is token ids (B, T) int32
   std::function<std::unique_ptr<Layer>(const LayerArgs&)> make;
-  bool gpu = true;        // has CUDA kernels (--device cuda refuses a model with one that has not)
   bool nestable = false;  // may be an inner layer of a residual block ([[layer.layer]])
 };
 

@@ -31,10 +31,29 @@
   X(cublasLtMatrixLayoutCreate)          \
   X(cublasLtMatrixLayoutDestroy)         \
   X(cublasLtMatrixLayoutSetAttribute)
-#define MPIPE_CUDNN_FUNCTIONS(X) \
-  X(cudnnCreate)                 \
-  X(cudnnGetErrorString)         \
-  X(cudnnSetStream)
+#define MPIPE_CUDNN_FUNCTIONS(X)                      \
+  X(cudnnCreate)                                      \
+  X(cudnnGetErrorString)                              \
+  X(cudnnSetStream)                                   \
+  X(cudnnCreateTensorDescriptor)                      \
+  X(cudnnSetTensor4dDescriptor)                       \
+  X(cudnnDestroyTensorDescriptor)                     \
+  X(cudnnCreateFilterDescriptor)                      \
+  X(cudnnSetFilter4dDescriptor)                       \
+  X(cudnnDestroyFilterDescriptor)                     \
+  X(cudnnCreateConvolutionDescriptor)                 \
+  X(cudnnSetConvolution2dDescriptor)                  \
+  X(cudnnSetConvolutionGroupCount)                    \
+  X(cudnnSetConvolutionMathType)                      \
+  X(cudnnDestroyConvolutionDescriptor)                \
+  X(cudnnGetConvolutionForwardAlgorithmMaxCount)      \
+  X(cudnnGetConvolutionForwardAlgorithm_v7)           \
+  X(cudnnGetConvolutionForwardWorkspaceSize)          \
+  X(cudnnConvolutionForward)                          \
+  X(cudnnGetConvolutionBackwardDataAlgorithmMaxCount) \
+  X(cudnnGetConvolutionBackwardDataAlgorithm_v7)      \
+  X(cudnnGetConvolutionBackwardDataWorkspaceSize)     \
+  X(cudnnConvolutionBackwardData)
 
 namespace mpipe::cuda {
 

@@ -1,12 +1,51 @@
 // The rank's GPU: device choice, streams, library handles, memory, events, copies.
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "context.cuh"
 
 namespace mpipe::cuda {
+
+namespace {
+// The device memory this process allocated through us (arenas, buffers, scratch, the
+// cuBLASLt workspace), and the most it held at once: what --summary reports beside
+// PyTorch's max_memory_allocated. Library-internal allocations are not counted.
+struct Ledger {
+  std::mutex mutex;
+  std::unordered_map<void*, std::size_t> sizes;
+  std::size_t in_use = 0, peak = 0;
+};
+Ledger& ledger() {
+  static Ledger* l = new Ledger;  // never destroyed: buffers may be freed at exit
+  return *l;
+}
+void counted(void* p, std::size_t bytes) {
+  Ledger& l = ledger();
+  const std::lock_guard<std::mutex> lock(l.mutex);
+  l.sizes[p] = bytes;
+  l.in_use += bytes;
+  l.peak = std::max(l.peak, l.in_use);
+}
+void uncounted(void* p) {
+  Ledger& l = ledger();
+  const std::lock_guard<std::mutex> lock(l.mutex);
+  const auto it = l.sizes.find(p);
+  if (it == l.sizes.end()) return;
+  l.in_use -= it->second;
+  l.sizes.erase(it);
+}
+}  // namespace
+
+std::size_t device_bytes_peak() {
+  Ledger& l = ledger();
+  const std::lock_guard<std::mutex> lock(l.mutex);
+  return l.peak;
+}
+
 
 void fail(const char* file, int line, const char* call, const std::string& what) {
   throw Error(cat(file, ":", line, ": `", call, "` failed: ", what));
@@ -86,6 +125,7 @@ void init(int ordinal) {
   // 32 MiB is what cuBLAS asks for on Hopper to reach its fastest kernels.
   c.lt_workspace_bytes = std::size_t{32} << 20;
   CUDA_CHECK(cudaMalloc(&c.lt_workspace, c.lt_workspace_bytes));
+  counted(c.lt_workspace, c.lt_workspace_bytes);
   CUBLAS_CHECK(lib().cublasSetWorkspace(c.blas, c.lt_workspace, c.lt_workspace_bytes));
   CUDNN_CHECK(lib().cudnnCreate(&c.dnn));
   CUDNN_CHECK(lib().cudnnSetStream(c.dnn, c.compute));
@@ -107,10 +147,15 @@ void* scratch(std::size_t bytes) {
   Context& c = context();
   if (bytes > c.scratch_bytes) {
     CUDA_CHECK(cudaStreamSynchronize(c.compute));  // the old scratch may still be in use
-    if (c.scratch) CUDA_CHECK(cudaFree(c.scratch));
+    if (c.scratch) {
+      uncounted(c.scratch);
+      CUDA_CHECK(cudaFree(c.scratch));
+    }
+    // Nothing held until the new region is: a failed grow leaves no stale size behind.
     c.scratch = nullptr;
+    c.scratch_bytes = 0;
     const std::size_t grown = bytes + bytes / 8;
-    CUDA_CHECK(cudaMalloc(&c.scratch, grown));
+    c.scratch = allocate(grown);  // counted; out of memory: allocate()'s error
     c.scratch_bytes = grown;
   }
   return c.scratch;
@@ -141,10 +186,13 @@ void* allocate(std::size_t bytes) {
     throw Error(cat("out of GPU memory allocating ", bytes >> 20, " MiB (", free_bytes >> 20, " of ", total >> 20,
                     " MiB free); try more --stages, --remat always or more --micro-batches"));
   }
+  counted(p, bytes);
   return p;
 }
 void release(void* p) noexcept {
-  if (p) cudaFree(p);
+  if (!p) return;
+  uncounted(p);
+  cudaFree(p);
 }
 
 // ---- RAII owners -------------------------------------------------------------------

@@ -79,8 +79,9 @@ void vocab_chunk_forward(float* out, const float* in, const float* z, const int3
                          int64_t v0);
 // From the gradient `dout` of the statistics out (only ds and dt are non-zero; m is a
 // stabiliser, the loss does not depend on it): dz (N, V) = ds e^(z - m_out) + dt at the
-// target, overwritten; and, unless `din` is null, the gradient of the statistics in:
-// ds e^(m_in - m_out) and dt, by `mode`.
+// target, overwritten (dz may be z: each entry is read before it is written); and,
+// unless `din` is null, the gradient of the statistics in: ds e^(m_in - m_out) and dt,
+// by `mode`.
 void vocab_chunk_backward(float* dz, float* din, const float* dout, const float* z, const float* in, const float* out,
                           const int32_t* targets, int64_t N, int64_t V, int64_t v0, GradMode mode);
 // The loss from the last chunk's statistics: the sum over rows of m + log s - t, in a

@@ -86,6 +86,66 @@ template <class E>
 void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const int32_t* targets, float scale,
                            int64_t N, int64_t V);
 
+// A language-model head split over the vocabulary (vocab.cu), as the CPU ops
+// (cpu/ops.hpp): the statistics (4, N) are fp32 (m, s, t, first argmax as a float), the
+// logits z (N, V) of the chunk [v0, v0 + V) are E. One warp per row, the row's entries in
+// a fixed order, so the bits do not depend on the launch; m, t and the argmax are the
+// CPU's exactly, s within rounding (e^x is CUDA's expf, clamped as the CPU's). Overwrites
+// out (which may be in).
+template <class E>
+void vocab_chunk_forward(float* out, const float* in, const E* z, const int32_t* targets, int64_t N, int64_t V,
+                         int64_t v0);
+// dz (N, V) overwritten, and may be z (each entry is read before it is written); din
+// (4, N) per mode (skipped when null).
+template <class E>
+void vocab_chunk_backward(E* dz, float* din, const float* dout, const E* z, const float* in, const float* out,
+                          const int32_t* targets, int64_t N, int64_t V, int64_t v0, GradMode mode);
+// Adds the sum over rows of m + log s - t to *loss_sum (device; null: not counted), in a
+// fixed order. Targets are not checked here (the datasets check them when they load).
+void vocab_loss_forward(double* loss_sum, const float* stats, int64_t N);
+// dstats (4, N): ds = scale / s, dt = -scale, dm = da = 0. Overwrites.
+void vocab_loss_backward(float* dstats, const float* stats, float scale, int64_t N);
+
+// ---- convolution, pooling and BatchNorm over NCHW (conv.cu, conv_dnn.cu) ---------------
+// Convolution: forward and input gradient on cuDNN where it has a deterministic
+// algorithm for the shape (fp32 without TF32 or transforms), else, and always for the
+// weight gradient, one GEMM per group over the whole micro-batch: the input unfolded into
+// columns (C/g x KH x KW, N x OH x OW) in scratch(), then out = weight · columns. A conv
+// layer holds nothing between its forward and backward. MPIPE_CONV=gemm: no cuDNN;
+// MPIPE_CONV=verbose: each shape's choice on stderr. Overwrites out; bias may be null.
+template <class E>
+void conv2d_forward(E* out, const E* inp, const E* weight, const E* bias, const Window2d& w);
+// dinp per mode (skipped when null); dweight and dbias (null: none) accumulate in fp32.
+template <class E>
+void conv2d_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
+                     const Window2d& w, GradMode mode);
+// As the CPU ops: argmax (N, C, OH, OW) keeps the input offset within its plane. The
+// backward gathers, for each input element, the windows that chose it (no atomics).
+template <class E>
+void maxpool2d_forward(E* out, int32_t* argmax, const E* inp, const Window2d& w);
+template <class E>
+void maxpool2d_backward(E* dinp, const E* dout, const int32_t* argmax, const Window2d& w, GradMode mode);
+template <class E>
+void avgpool2d_forward(E* out, const E* inp, const Window2d& w);
+template <class E>
+void avgpool2d_backward(E* dinp, const E* dout, const Window2d& w, GradMode mode);
+// BatchNorm per channel of (N, C, plane), the CPU op's math (statistics in double, one
+// block per channel summing in a fixed order). weight and bias are E, the statistics and
+// running statistics fp32. Running statistics null: not moved. sums (1 + 2C doubles,
+// device; null: none) gather the batch for the deferred rule, added in place.
+template <class E>
+void batchnorm_forward_train(E* out, float* mean, float* rstd, float* running_mean, float* running_var,
+                             double* sums, const E* inp, const E* weight, const E* bias, int64_t N, int64_t C,
+                             int64_t plane, float eps, float momentum);
+void batchnorm_apply_sums(float* running_mean, float* running_var, const double* sums, int64_t C, float momentum);
+template <class E>
+void batchnorm_forward_eval(E* out, const E* inp, const E* weight, const E* bias, const float* running_mean,
+                            const float* running_var, int64_t N, int64_t C, int64_t plane, float eps);
+// dinp per mode (skipped when null); dweight and dbias accumulate.
+template <class E>
+void batchnorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
+                        const float* mean, const float* rstd, int64_t N, int64_t C, int64_t plane, GradMode mode);
+
 // Same masks as the CPU op, bit for bit (the same Philox4x32-10 words). out may alias inp.
 template <class E>
 void dropout_apply(E* out, const E* inp, int64_t B, int64_t per_sample, float p, const DropoutKey& key);

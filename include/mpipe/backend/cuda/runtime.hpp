@@ -55,6 +55,9 @@ void zero(void* device_dst, std::size_t bytes);                      // compute 
 // Raw device memory (cudaMalloc: 256-byte aligned). For the arena and the buffers below.
 void* allocate(std::size_t bytes);
 void release(void* device_ptr) noexcept;
+// The most device memory this process held at once through allocate(), the ops' scratch
+// and the cuBLASLt workspace (not the libraries' own allocations); 0 without a GPU.
+std::size_t device_bytes_peak();
 
 // Move-only owner of device memory (cudaMalloc, zeroed) or of page-locked host memory
 // (cudaMallocHost): the staging area of copies that overlap compute, and of MPI

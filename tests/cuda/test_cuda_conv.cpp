@@ -1,0 +1,273 @@
+// The convolutional CUDA ops against their CPU twins (backend/cpu/conv.cpp), in fp32 and
+// bf16: convolution (stride, padding, groups, 1x1, bias or none; forward, the input
+// gradient and the weight and bias gradients, alone as a split backward does and together,
+// per GradMode), max and average pooling (padded, overlapping windows, global), BatchNorm
+// (training with running statistics, the deferred rule's sums, evaluation, backward).
+// Compared by normalized error as in test_cuda_ops.cpp; the gathers that add in the CPU's
+// order (pooling backward) bit for bit in fp32; every reducing op rerun for the same bits.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "compare.hpp"
+#include "device_data.hpp"
+#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/backend/cuda/ops.hpp"
+#include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/core/bf16.hpp"
+#include "mpipe/core/rng.hpp"
+
+using namespace mpipe;
+
+using namespace mpipe::test;
+
+namespace {
+
+int64_t swept(int64_t size, int64_t kernel, int64_t stride, int64_t padding) {
+  return (size + 2 * padding - kernel) / stride + 1;
+}
+
+Window2d window(int64_t N, int64_t C, int64_t H, int64_t W, int64_t OC, int64_t kernel, int64_t stride, int64_t padding,
+                int64_t groups) {
+  Window2d w;
+  w.N = N, w.C = C, w.H = H, w.W = W, w.OC = OC;
+  w.KH = w.KW = kernel;
+  w.stride = stride, w.padding = padding, w.groups = groups;
+  w.OH = swept(H, kernel, stride, padding);
+  w.OW = swept(W, kernel, stride, padding);
+  return w;
+}
+
+std::size_t input_size(const Window2d& w) { return static_cast<std::size_t>(w.N * w.C * w.H * w.W); }
+std::size_t output_size(const Window2d& w) { return static_cast<std::size_t>(w.N * w.OC * w.OH * w.OW); }
+
+}  // namespace
+
+// ---- convolution -------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda op: conv2d forward and backward match the CPU (stride, padding, groups, 1x1)", E, float, bf16) {
+  struct Case {
+    int64_t N, C, H, W, OC, kernel, stride, padding, groups;
+    bool bias;
+  };
+  // 3x3 padded; strided 7x7 stem on an odd plane; grouped; depthwise; 1x1; strided 1x1
+  // without bias (a projection); a non-square plane with a kernel as large as it.
+  for (const Case& k : {Case{2, 3, 9, 9, 8, 3, 1, 1, 1, true}, Case{3, 3, 17, 17, 16, 7, 2, 3, 1, false},
+                       Case{2, 8, 10, 10, 12, 3, 1, 1, 4, true}, Case{2, 6, 7, 7, 6, 3, 2, 1, 6, false},
+                       Case{4, 16, 5, 5, 24, 1, 1, 0, 1, true}, Case{2, 16, 9, 9, 32, 1, 2, 0, 1, false},
+                       Case{1, 2, 4, 6, 3, 4, 1, 0, 1, true}}) {
+    CAPTURE(k.C);
+    CAPTURE(k.kernel);
+    CAPTURE(k.stride);
+    CAPTURE(k.groups);
+    const Window2d w = window(k.N, k.C, k.H, k.W, k.OC, k.kernel, k.stride, k.padding, k.groups);
+    const std::size_t wsize = static_cast<std::size_t>(w.OC * (w.C / w.groups) * w.KH * w.KW);
+    const auto inp = rounded<E>(normals(input_size(w), 1));
+    const auto weight = rounded<E>(normals(wsize, 2, 0.3f));
+    const auto bias = rounded<E>(normals(static_cast<std::size_t>(w.OC), 3));
+    const auto dout = rounded<E>(normals(output_size(w), 4));
+    const auto dinp_before = rounded<E>(normals(input_size(w), 5));
+    const auto dweight_before = normals(wsize, 6);
+    const auto dbias_before = normals(static_cast<std::size_t>(w.OC), 7);
+
+    std::vector<float> cols(static_cast<std::size_t>(cpu::conv2d_cols(w)));
+    std::vector<float> out(output_size(w));
+    cpu::conv2d_forward(out.data(), inp.data(), weight.data(), k.bias ? bias.data() : nullptr, cols.data(), w);
+    std::vector<float> dinp = dinp_before, dweight = dweight_before, dbias = dbias_before;
+    cpu::conv2d_backward(dinp.data(), dweight.data(), k.bias ? dbias.data() : nullptr, dout.data(), inp.data(),
+                         weight.data(), cols.data(), w, GradMode::accumulate);
+    std::vector<float> dinp_overwritten(input_size(w));
+    cpu::conv2d_backward(dinp_overwritten.data(), nullptr, nullptr, dout.data(), inp.data(), weight.data(), cols.data(),
+                         w, GradMode::overwrite);
+
+    const DeviceArray<E> d_inp = upload<E>(inp), d_weight = upload<E>(weight), d_bias = upload<E>(bias),
+                         d_dout = upload<E>(dout);
+    DeviceArray<E> d_out(output_size(w)), d_dinp = upload<E>(dinp_before), d_dinp2(input_size(w));
+    DeviceArray<float> d_dweight(dweight_before), d_dbias(dbias_before);
+    cuda::conv2d_forward(d_out.get(), d_inp.get(), d_weight.get(), k.bias ? d_bias.get() : nullptr, w);
+    CHECK(error(download(d_out), out) < tolerance<E>);
+    // The full backward in one call, accumulating everything.
+    cuda::conv2d_backward(d_dinp.get(), d_dweight.get(), k.bias ? d_dbias.get() : nullptr, d_dout.get(), d_inp.get(),
+                          d_weight.get(), w, GradMode::accumulate);
+    CHECK(error(download(d_dinp), dinp) < tolerance<E>);
+    CHECK(error(d_dweight.read(), dweight) < gemm_grad_tolerance<E>);
+    if (k.bias) CHECK(error(d_dbias.read(), dbias) < gemm_grad_tolerance<E>);
+    else CHECK(same_bits(d_dbias.read(), dbias_before));  // no bias: untouched
+    // A split backward: the input gradient alone (overwritten), then the weight's.
+    cuda::conv2d_backward(d_dinp2.get(), nullptr, nullptr, d_dout.get(), d_inp.get(), d_weight.get(), w,
+                          GradMode::overwrite);
+    CHECK(error(download(d_dinp2), dinp_overwritten) < tolerance<E>);
+    DeviceArray<float> d_dweight_split(dweight_before), d_dbias_split(dbias_before);
+    cuda::conv2d_backward<E>(nullptr, d_dweight_split.get(), k.bias ? d_dbias_split.get() : nullptr, d_dout.get(),
+                             d_inp.get(), d_weight.get(), w, GradMode::accumulate);
+    // The same GEMMs and sums as the full backward's: the same bits.
+    CHECK(same_bits(d_dweight_split.read(), d_dweight.read()));
+    CHECK(same_bits(d_dbias_split.read(), d_dbias.read()));
+    // Rerun: the same bits.
+    DeviceArray<E> d_out2(output_size(w));
+    cuda::conv2d_forward(d_out2.get(), d_inp.get(), d_weight.get(), k.bias ? d_bias.get() : nullptr, w);
+    CHECK(same_bits(d_out2.read(), d_out.read()));
+    DeviceArray<E> d_dinp3(input_size(w));
+    cuda::conv2d_backward(d_dinp3.get(), nullptr, nullptr, d_dout.get(), d_inp.get(), d_weight.get(), w,
+                          GradMode::overwrite);
+    CHECK(same_bits(d_dinp3.read(), d_dinp2.read()));
+  }
+}
+
+TEST_CASE("cuda op: conv2d at a ResNet-50 stage shape in bf16 (N 8, 64 -> 64, 56 x 56, 3 x 3)") {
+  const Window2d w = window(8, 64, 56, 56, 64, 3, 1, 1, 1);
+  const std::size_t wsize = static_cast<std::size_t>(64 * 64 * 9);
+  const auto inp = rounded<bf16>(normals(input_size(w), 11));
+  const auto weight = rounded<bf16>(normals(wsize, 12, 0.05f));
+  const auto dout = rounded<bf16>(normals(output_size(w), 13));
+  std::vector<float> cols(static_cast<std::size_t>(cpu::conv2d_cols(w))), out(output_size(w)), dinp(input_size(w)),
+      dweight(wsize, 0.0f);
+  cpu::conv2d_forward(out.data(), inp.data(), weight.data(), nullptr, cols.data(), w);
+  cpu::conv2d_backward(dinp.data(), dweight.data(), nullptr, dout.data(), inp.data(), weight.data(), cols.data(), w,
+                       GradMode::overwrite);
+  const DeviceArray<bf16> d_inp = upload<bf16>(inp), d_weight = upload<bf16>(weight), d_dout = upload<bf16>(dout);
+  DeviceArray<bf16> d_out(output_size(w)), d_dinp(input_size(w));
+  DeviceArray<float> d_dweight(wsize);
+  cuda::conv2d_forward<bf16>(d_out.get(), d_inp.get(), d_weight.get(), nullptr, w);
+  cuda::conv2d_backward<bf16>(d_dinp.get(), d_dweight.get(), nullptr, d_dout.get(), d_inp.get(), d_weight.get(), w,
+                              GradMode::overwrite);
+  CHECK(error(download(d_out), out) < 1e-2);
+  CHECK(error(download(d_dinp), dinp) < 1e-2);
+  CHECK(error(d_dweight.read(), dweight) < 1e-4);
+}
+
+// ---- pooling -----------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda op: max and average pooling forward and backward match the CPU", E, float, bf16) {
+  struct Case {
+    int64_t N, C, H, W, kernel, stride, padding;
+  };
+  // ResNet's 3x3/2 padded stem pool on an odd plane (overlapping windows), 2x2/2, a window
+  // of 3 at stride 1, and a global window (7 x 7).
+  for (const Case& k : {Case{2, 3, 11, 11, 3, 2, 1}, Case{2, 4, 8, 6, 2, 2, 0}, Case{1, 5, 7, 9, 3, 1, 1},
+                       Case{3, 6, 7, 7, 7, 1, 0}}) {
+    CAPTURE(k.H);
+    CAPTURE(k.kernel);
+    CAPTURE(k.stride);
+    CAPTURE(k.padding);
+    const Window2d w = window(k.N, k.C, k.H, k.W, k.C, k.kernel, k.stride, k.padding, 1);
+    const auto inp = rounded<E>(normals(input_size(w), 21));
+    const auto dout = rounded<E>(normals(output_size(w), 22));
+    const auto before = rounded<E>(normals(input_size(w), 23));
+    std::vector<float> out(output_size(w)), dinp = before, avg(output_size(w)), davg = before;
+    std::vector<int32_t> argmax(output_size(w));
+    cpu::maxpool2d_forward(out.data(), argmax.data(), inp.data(), w);
+    cpu::maxpool2d_backward(dinp.data(), dout.data(), argmax.data(), w, GradMode::accumulate);
+    cpu::avgpool2d_forward(avg.data(), inp.data(), w);
+    cpu::avgpool2d_backward(davg.data(), dout.data(), w, GradMode::accumulate);
+
+    const DeviceArray<E> d_inp = upload<E>(inp), d_dout = upload<E>(dout);
+    DeviceArray<E> d_out(output_size(w)), d_dinp = upload<E>(before), d_avg(output_size(w)), d_davg = upload<E>(before);
+    DeviceArray<int32_t> d_argmax(output_size(w));
+    cuda::maxpool2d_forward(d_out.get(), d_argmax.get(), d_inp.get(), w);
+    cuda::maxpool2d_backward(d_dinp.get(), d_dout.get(), d_argmax.get(), w, GradMode::accumulate);
+    cuda::avgpool2d_forward(d_avg.get(), d_inp.get(), w);
+    cuda::avgpool2d_backward(d_davg.get(), d_dout.get(), w, GradMode::accumulate);
+    // The maximum and its place are exact; the max gradient adds the same terms in the
+    // same order as the CPU.
+    CHECK(download(d_out) == out);
+    CHECK(d_argmax.read() == argmax);
+    if constexpr (std::is_same_v<E, float>) CHECK(download(d_dinp) == dinp);
+    else CHECK(error(download(d_dinp), dinp) < tolerance<E>);
+    CHECK(error(download(d_avg), avg) < tolerance<E>);
+    CHECK(error(download(d_davg), davg) < tolerance<E>);
+    // Overwrite mode starts from zero.
+    std::vector<float> fresh(input_size(w));
+    cpu::maxpool2d_backward(fresh.data(), dout.data(), argmax.data(), w, GradMode::overwrite);
+    cuda::maxpool2d_backward(d_dinp.get(), d_dout.get(), d_argmax.get(), w, GradMode::overwrite);
+    CHECK(error(download(d_dinp), fresh) < tolerance<E>);
+  }
+}
+
+// ---- BatchNorm ---------------------------------------------------------------------------
+
+TEST_CASE_TEMPLATE("cuda op: batchnorm training, running statistics, deferred sums, evaluation and backward", E, float,
+                   bf16) {
+  struct Case {
+    int64_t N, C, plane;
+  };
+  // Small planes, an odd plane over many samples, a 1 x 1 plane (after global pooling),
+  // and one large channel sum.
+  for (const Case& k : {Case{4, 3, 25}, Case{7, 5, 33}, Case{16, 8, 1}, Case{8, 2, 3136}}) {
+    CAPTURE(k.N);
+    CAPTURE(k.C);
+    CAPTURE(k.plane);
+    const int64_t N = k.N, C = k.C, plane = k.plane;
+    const std::size_t n = static_cast<std::size_t>(N * C * plane), c = static_cast<std::size_t>(C);
+    auto inp = normals(n, 31, 2.0f);
+    for (std::size_t i = 0; i < n; ++i) inp[i] += 0.5f;  // a mean far from 0
+    inp = rounded<E>(inp);
+    const auto weight = rounded<E>(normals(c, 32)), bias = rounded<E>(normals(c, 33));
+    const auto dout = rounded<E>(normals(n, 34));
+    const auto running_mean0 = normals(c, 35, 0.1f), running_var0 = std::vector<float>(c, 1.0f);
+    const float eps = 1e-5f, momentum = 0.1f;
+
+    std::vector<float> out(n), mean(c), rstd(c), rm = running_mean0, rv = running_var0, dinp(n), dw(c, 0.0f), db(c, 0.0f),
+        eval(n);
+    std::vector<double> sums(1 + 2 * c, 0.0);
+    cpu::batchnorm_forward_train(out.data(), mean.data(), rstd.data(), rm.data(), rv.data(), sums.data(), inp.data(),
+                                 weight.data(), bias.data(), N, C, plane, eps, momentum);
+    cpu::batchnorm_backward(dinp.data(), dw.data(), db.data(), dout.data(), inp.data(), weight.data(), mean.data(),
+                            rstd.data(), N, C, plane, GradMode::overwrite);
+    cpu::batchnorm_forward_eval(eval.data(), inp.data(), weight.data(), bias.data(), rm.data(), rv.data(), N, C, plane,
+                                eps);
+    std::vector<float> applied_mean = running_mean0, applied_var = running_var0;
+    cpu::batchnorm_apply_sums(applied_mean.data(), applied_var.data(), sums.data(), C, momentum);
+
+    const DeviceArray<E> d_inp = upload<E>(inp), d_weight = upload<E>(weight), d_bias = upload<E>(bias),
+                         d_dout = upload<E>(dout);
+    DeviceArray<E> d_out(n), d_dinp(n), d_eval(n);
+    DeviceArray<float> d_mean(c), d_rstd(c), d_rm(running_mean0), d_rv(running_var0), d_dw(c), d_db(c);
+    DeviceArray<double> d_sums(1 + 2 * c);
+    cuda::batchnorm_forward_train(d_out.get(), d_mean.get(), d_rstd.get(), d_rm.get(), d_rv.get(), d_sums.get(),
+                                  d_inp.get(), d_weight.get(), d_bias.get(), N, C, plane, eps, momentum);
+    cuda::batchnorm_backward(d_dinp.get(), d_dw.get(), d_db.get(), d_dout.get(), d_inp.get(), d_weight.get(),
+                             d_mean.get(), d_rstd.get(), N, C, plane, GradMode::overwrite);
+    cuda::batchnorm_forward_eval(d_eval.get(), d_inp.get(), d_weight.get(), d_bias.get(), d_rm.get(), d_rv.get(), N, C,
+                                 plane, eps);
+    CHECK(error(download(d_out), out) < tolerance<E>);
+    // Statistics in double on both: fp32 results within a rounding or two.
+    CHECK(error(d_mean.read(), mean) < 1e-6);
+    CHECK(error(d_rstd.read(), rstd) < 1e-6);
+    CHECK(error(d_rm.read(), rm) < 1e-6);
+    CHECK(error(d_rv.read(), rv) < 1e-6);
+    const std::vector<double> gpu_sums = d_sums.read();
+    CHECK(gpu_sums[0] == sums[0]);
+    for (std::size_t i = 1; i < sums.size(); ++i) CHECK(std::fabs(gpu_sums[i] - sums[i]) <= 1e-9 * (1.0 + std::fabs(sums[i])));
+    CHECK(error(download(d_dinp), dinp) < tolerance<E>);
+    CHECK(error(d_dw.read(), dw) < gemm_grad_tolerance<E>);
+    CHECK(error(d_db.read(), db) < gemm_grad_tolerance<E>);
+    CHECK(error(download(d_eval), eval) < tolerance<E>);
+    // The deferred rule: the sums applied once.
+    DeviceArray<float> d_am(running_mean0), d_av(running_var0);
+    cuda::batchnorm_apply_sums(d_am.get(), d_av.get(), d_sums.get(), C, momentum);
+    CHECK(error(d_am.read(), applied_mean) < 1e-6);
+    CHECK(error(d_av.read(), applied_var) < 1e-6);
+    // No running statistics given (a recomputation, or the deferred rule): the output is
+    // the same bits.
+    DeviceArray<E> d_out2(n);
+    cuda::batchnorm_forward_train(d_out2.get(), d_mean.get(), d_rstd.get(), nullptr, nullptr, nullptr, d_inp.get(),
+                                  d_weight.get(), d_bias.get(), N, C, plane, eps, momentum);
+    CHECK(same_bits(d_out2.read(), d_out.read()));
+    // Rerun: the same bits. Then the parameter gradients alone, accumulated once more.
+    DeviceArray<E> d_dinp2(n);
+    DeviceArray<float> d_dw2(c), d_db2(c);
+    cuda::batchnorm_backward(d_dinp2.get(), d_dw2.get(), d_db2.get(), d_dout.get(), d_inp.get(), d_weight.get(),
+                             d_mean.get(), d_rstd.get(), N, C, plane, GradMode::overwrite);
+    CHECK(same_bits(d_dinp2.read(), d_dinp.read()));
+    CHECK(same_bits(d_dw2.read(), d_dw.read()));
+    cuda::batchnorm_backward<E>(nullptr, d_dw2.get(), d_db2.get(), d_dout.get(), d_inp.get(), d_weight.get(),
+                                d_mean.get(), d_rstd.get(), N, C, plane, GradMode::accumulate);
+    std::vector<float> twice = dw;
+    for (float& v : twice) v *= 2.0f;
+    CHECK(error(d_dw2.read(), twice) < gemm_grad_tolerance<E>);
+  }
+}
