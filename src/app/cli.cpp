@@ -22,7 +22,7 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   c.device = "auto";  // the library default is the CPU; users get the GPU when there is one
   // An option given twice takes the last value, so scripts can append overrides.
   cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  cmd.add_option("--config", "TOML file with any of these options (command-line values win)")
+  cmd.add_option("--config", c.config_file, "TOML file with any of these options (command-line values win)")
       ->check(CLI::ExistingFile);
   auto& m = c.model;
   auto& o = c.optimizer;

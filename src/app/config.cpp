@@ -5,11 +5,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "mpipe/app/config_file.hpp"
 #include "mpipe/core/error.hpp"
 #include "mpipe/data/dataset.hpp"
+#include "mpipe/io/checkpoint_format.hpp"
 
 namespace mpipe {
 
@@ -221,6 +224,15 @@ double parse_time_limit(const std::string& text) {
 }
 
 
+namespace {
+// A file that begins with HDF5's signature (checkpoints and HDF5 data do).
+bool is_hdf5_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  char head[8] = {};
+  return in.read(head, sizeof head) && std::memcmp(head, "\211HDF\r\n\032\n", sizeof head) == 0;
+}
+}  // namespace
+
 void check_output_files(const TrainConfig& c) {
   namespace fs = std::filesystem;
   struct Output {
@@ -256,14 +268,32 @@ void check_output_files(const TrainConfig& c) {
     if (ec1 || ec2 || pa != pb) return false;
     return !fs::is_character_file(pa, ec1);  // /dev/null may take them all
   };
-  // The inputs are files no output may overwrite (the two inputs may be one file).
-  const std::string data = data_file(c.data), eval_data = data_file(c.eval_data);
-  if (!data.empty()) outputs.push_back({"--data", data, ""});
-  if (!eval_data.empty() && !(!data.empty() && same(data, eval_data))) outputs.push_back({"--eval-data", eval_data, ""});
+  // No output may be a checkpoint: one under a checkpoint's name in the checkpoint
+  // directory (it would replace the file a run resumes from), or any HDF5 file.
+  for (const Output& o : outputs) {
+    std::error_code ec;
+    const fs::path parent = fs::path(o.path).has_parent_path() ? fs::path(o.path).parent_path() : fs::path(".");
+    MPIPE_REQUIRE(c.checkpoint_dir.empty() || checkpoint_step_of_name(o.path) < 0 || !same(parent.string(), c.checkpoint_dir),
+                  "choose a file outside the checkpoint's names", o.option, " '", o.path,
+                  "' is a checkpoint's name in --checkpoint-dir '", c.checkpoint_dir, "'");
+    MPIPE_REQUIRE(!is_hdf5_file(o.path), "choose another file: this one is a checkpoint or data", o.option, " '",
+                  o.path, "' is an HDF5 file");
+  }
+  // The inputs are files no output may overwrite (two inputs may be one file).
+  std::vector<Output> inputs;
+  if (!is_preset(c.model.kind)) inputs.push_back({"--model", c.model.kind, ""});
+  if (!c.config_file.empty()) inputs.push_back({"--config", c.config_file, ""});
+  if (c.pipeline.schedule.rfind("file:", 0) == 0) inputs.push_back({"--schedule", c.pipeline.schedule.substr(5), ""});
+  if (const std::string data = data_file(c.data); !data.empty()) inputs.push_back({"--data", data, ""});
+  if (const std::string eval = data_file(c.eval_data); !eval.empty()) inputs.push_back({"--eval-data", eval, ""});
   for (std::size_t i = 0; i < outputs.size(); ++i)
     for (std::size_t j = i + 1; j < outputs.size(); ++j)
       MPIPE_REQUIRE(!same(outputs[i].path, outputs[j].path), "give each output its own file", outputs[i].option, " and ",
                     outputs[j].option, " name the same file '", outputs[j].path, "'");
+  for (const Output& o : outputs)
+    for (const Output& in : inputs)
+      MPIPE_REQUIRE(!same(o.path, in.path), cat("choose another file for ", o.option), o.option, " '", o.path,
+                    "' is the ", in.option, " file: the run would overwrite its input");
 }
 
 

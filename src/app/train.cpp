@@ -20,6 +20,7 @@
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/core/version.hpp"
+#include "mpipe/data/dataset.hpp"
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/io/trace.hpp"
@@ -60,24 +61,34 @@ int agree(const Communicator& world, const std::function<void()>& phase) {
   return worst;
 }
 
-// Before any rank allocates (CPU): this rank's parameters, gradients, optimizer state
-// and the activations of its in-flight micro-batches, against the memory the node has
-// for each of its `node_ranks` ranks. UserError when it cannot fit.
-void check_memory(const Plan& plan, const Grid& grid, int node_ranks) {
+// Before any rank allocates (CPU), from the plan alone: this rank's parameters,
+// gradients, optimizer state and the activations of its in-flight micro-batches, against
+// the memory the node has for each of its `node_ranks` ranks. UserError when it cannot
+// fit (sizes no allocation could take included: they must not end as std::bad_alloc).
+void check_memory(const Plan& plan, int world_rank, int node_ranks) {
   if (plan.options.device != Device::cpu) return;  // the GPU's memory is the device's own affair
-  const int stage = grid.stage();
+  const int stage = plan.grid.stage_of(world_rank);
   const int live = in_flight(plan.schedule, stage);
   const bool remat = plan.remat_stage(stage);
   const double weights = plan.weight_bytes(stage), activations = plan.activation_bytes(stage);
-  const double need = weights + activations, have = available_memory() / std::max(1, node_ranks);
+  // Beyond the plan's activations: each micro-batch in flight keeps its input until its
+  // backward (remat counts them already), and the first stage holds the step's batch.
+  double inputs = 0;
+  for (const int m : plan.schedule.stages_of(stage)) {
+    const double boundary = plan.memory[static_cast<std::size_t>(m)].boundary;
+    if (!remat) inputs += live * boundary;
+    if (m == 0) inputs += plan.options.micro_batches * boundary;
+  }
+  const double need = weights + activations + inputs, have = available_memory() / std::max(1, node_ranks);
   if (have <= 0) return;  // nothing to go by
   MPIPE_REQUIRE(need <= have,
                 "use more stages (--stages), --remat always, a smaller --batch-size or more --micro-batches, or a "
                 "smaller model",
-                "rank ", grid.world_rank(), " (stage ", stage, ") needs about ", human_bytes(need),
+                "rank ", world_rank, " (stage ", stage, ") needs about ", human_bytes(need),
                 " (parameters, gradients and ", plan.options.optimizer.kind, " state ", human_bytes(weights),
                 ", activations of ", remat ? 1 : live, " micro-batch", (remat ? 1 : live) > 1 ? "es " : " ",
-                human_bytes(activations), "), this node has ", human_bytes(have), " per rank for its ", node_ranks,
+                human_bytes(activations), ", inputs ", human_bytes(inputs), "), this node has ", human_bytes(have),
+                " per rank for its ", node_ranks,
                 " rank", node_ranks > 1 ? "s" : "");
 }
 
@@ -360,8 +371,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   TrainConfig config = options;
   double time_limit_s = 0;
   // The plan, made by each rank alone: a bad schedule, --balance or model is said before
-  // anything is created or locked. It stands unless the device changes the model (below)
-  // or --partition time measures.
+  // anything is created or locked. It stands unless --partition time measures (below).
   Plan plan;
   int code = agree(world, [&] {
     validate(config, world.size());
@@ -401,19 +411,21 @@ int run_train(const TrainConfig& options, const Communicator& world) {
                                                               measure_costs(plan.options, world));
                                            })))
     return code;
+  const int node_ranks = world.size() > 1 ? Communicator::node(world).size() : 1;
   std::unique_ptr<Executor> exec;
   if ((code = agree(world, [&] {
+         // Before the executor allocates anything (synthetic data included): a data file's
+         // problems first (an input), then whether this rank's share fits.
+         const Model model(plan.options.model);
+         for (const auto& [spec, held_out] : {std::pair{config.data, false}, std::pair{config.eval_data, true}})
+           if (!data_file(spec).empty()) make_dataset(spec, model, plan.options.seed, held_out);
+         check_memory(plan, world.rank(), node_ranks);
          if (root && !config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
          exec = std::make_unique<Executor>(plan, world);
        })))
     return code;
   if ((code = agree(world, [&] { exec->connect(); }))) return code;
-  const int node_ranks = world.size() > 1 ? Communicator::node(world).size() : 1;
-  if ((code = agree(world, [&] {
-         check_memory(exec->plan(), exec->grid(), node_ranks);
-         exec->allocate();
-       })))
-    return code;
+  if ((code = agree(world, [&] { exec->allocate(); }))) return code;
   std::int64_t first_step = 0;
   std::string resumed_from;
   double load_seconds = 0;

@@ -159,6 +159,10 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
   }
   source.mean = std::move(mean);
   source.inverse_std = std::move(stdev);
+  // Integers only: HDF5 would convert floating-point labels (0.5 ... 9.5) by truncation.
+  const Handle label_type(H5Dget_type(labels.get()), H5Tclose);
+  MPIPE_REQUIRE(H5Tget_class(label_type.get()) == H5T_INTEGER, "store /labels as integers (class indices)", file_name,
+                ": /labels is not of an integer type");
   std::vector<std::int64_t> wide(static_cast<std::size_t>(n));
   MPIPE_REQUIRE(H5Dread(labels.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, wide.data()) >= 0,
                 "store /labels as integers", file_name, ": cannot read /labels as integers");

@@ -242,7 +242,7 @@ std::vector<LayerKind> conv_layer_kinds() {
                  const std::int64_t out = a.integer("out"), groups = a.integer("groups");
                  if (w.C % groups != 0 || out % groups != 0)
                    a.refuse("groups", cat(groups, " does not divide the ", w.C, " channels in and ", out, " out"), "pick groups dividing both");
-                 const double fan_in = static_cast<double>(w.C / groups * w.KH * w.KW), given = a.number("init-std");
+                 const double fan_in = static_cast<double>(w.C / groups * w.KH * w.KW), given = a.deviation("init-std", true);
                  return std::make_unique<Conv2d>(w.C, out, w.KH, w.stride, w.padding, groups, a.boolean("bias"),
                                                  static_cast<float>(given < 0 ? std::sqrt(2.0 / fan_in) : given));
                },

@@ -231,7 +231,7 @@ std::vector<LayerKind> dense_layer_kinds() {
                false,
                [](const LayerArgs& a) -> std::unique_ptr<Layer> {
                  const std::int64_t in = a.channels(), out = a.integer("out");
-                 auto layer = std::make_unique<Linear>(in, out, a.boolean("bias"), static_cast<float>(a.number("init-std")));
+                 auto layer = std::make_unique<Linear>(in, out, a.boolean("bias"), static_cast<float>(a.deviation("init-std", false)));
                  const int tie = a.tied_table(out, in, "weight");
                  if (tie >= 0) layer->tie_weight(tie, "wte");
                  return layer;

@@ -106,6 +106,14 @@ double LayerArgs::number(const std::string& name) const {
   return v;
 }
 
+double LayerArgs::deviation(const std::string& name, bool automatic) const {
+  const double v = number(name);
+  if (automatic && v == -1.0) return v;
+  if (v < 0) refuse(name, cat("must be a standard deviation, at least 0", automatic ? " (or -1: the default rule)" : "",
+                              ", got ", v), automatic ? cat("e.g. ", name, " = -1 or 0.02") : cat("e.g. ", name, " = 0.02"));
+  return v;
+}
+
 bool LayerArgs::boolean(const std::string& name) const { return std::get<bool>(spec.options.at(name)); }
 
 const std::string& LayerArgs::text(const std::string& name) const { return std::get<std::string>(spec.options.at(name)); }
@@ -266,6 +274,9 @@ std::pair<LayerSpec, std::int64_t> parse_layer(const toml::table& t, const std::
     }
   }
   MPIPE_REQUIRE(!l.kind.empty(), cat("the kinds are ", kind_names()), where, ": no 'kind'");
+  // Named here, before the file's other checks (a one-layer file would otherwise hear
+  // only that it has too few layers).
+  MPIPE_REQUIRE(find_layer_kind(l.kind), cat("the kinds are ", kind_names()), where, ": unknown layer kind '", l.kind, "'");
   return {l, repeat};
 }
 

@@ -261,7 +261,7 @@ Attention attention_args(const LayerArgs& a) {
   if (c % heads != 0) a.refuse("heads", cat(heads, " does not divide the ", c, " channels coming in"), "pick heads dividing the channels");
   int blocks = 0;
   for (const LayerSpec& l : a.model.layers) blocks += l.kind == "block" ? 1 : 0;
-  const double init = a.number("init-std"), proj = a.number("proj-std");
+  const double init = a.deviation("init-std", false), proj = a.deviation("proj-std", true);
   return {c, heads, static_cast<float>(init), static_cast<float>(proj < 0 ? init / std::sqrt(2.0 * std::max(blocks, 1)) : proj)};
 }
 

@@ -231,7 +231,7 @@ std::vector<LayerKind> vocab_layer_kinds() {
                  const std::string& kept = a.text("logits");
                  if (kept != "keep" && kept != "recompute")
                    a.refuse("logits", cat("must be keep or recompute, got '", kept, "'"), "e.g. logits = \"recompute\"");
-                 return std::make_unique<VocabChunk>(vocab, chunk, chunks, C, static_cast<float>(a.number("init-std")), tie,
+                 return std::make_unique<VocabChunk>(vocab, chunk, chunks, C, static_cast<float>(a.deviation("init-std", false)), tie,
                                                      kept == "recompute");
                }});
   k.push_back({"cross_entropy",

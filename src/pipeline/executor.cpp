@@ -66,6 +66,17 @@ void Executor::connect() {
     if (!plan_.options.eval_data.empty())
       eval_dataset_ = make_dataset(plan_.options.eval_data, model_, plan_.options.seed, true);
   }
+  // A held-out file is evaluated in whole batches, each sample at most once: it must
+  // hold one batch, and every batch asked for.
+  if (eval_dataset_ && eval_dataset_->size() > 0) {
+    const std::int64_t size = eval_dataset_->size(), batch = plan_.options.batch_size;
+    const std::int64_t asked = static_cast<std::int64_t>(plan_.options.eval_batches) * batch;
+    MPIPE_REQUIRE(size >= batch, cat("give a --batch-size of at most ", size, ", or more held-out samples"), "--eval-data has ",
+                  size, " samples, fewer than one batch of ", batch, ": evaluation would repeat samples");
+    MPIPE_REQUIRE(asked <= size, cat("give --eval-batches at most ", size / batch, " (0: every whole batch)"), "--eval-batches ",
+                  plan_.options.eval_batches, " of ", batch, " samples need ", asked, " held-out samples, --eval-data has ",
+                  size, ": evaluation would repeat samples");
+  }
 }
 
 void Executor::allocate() {

@@ -515,6 +515,8 @@ make("wrong_shape", inputs=np.zeros((10, 1, 8, 7), np.float32), labels=y)
 make("label_range", inputs=x, labels=np.full(10, 10, np.int32))
 make("label_count", inputs=x, labels=y[:9])
 make("uint8", inputs=np.full((10, 1, 8, 8), 255, np.uint8), labels=y)
+make("float_labels", inputs=x, labels=np.arange(10, dtype=np.float32) + 0.5)
+make("two", inputs=x[:2], labels=y[:2])
 PY
   model=(train --model "$(dirname "$0")/../../inputs/digits-cnn.toml" --batch-size 8 --threads 1 --steps 1)
   expect_error 2 "no_labels.h5' has no /labels dataset" run 1 "${model[@]}" --data "hdf5:$work/no_labels.h5"
@@ -525,6 +527,15 @@ PY
   expect_error 2 "/labels has 9 entries for 10 samples" run 1 "${model[@]}" --eval-data "hdf5:$work/label_count.h5"
   expect_error 2 "is not an HDF5 file" run 1 "${model[@]}" --data "hdf5:$(dirname "$0")/../../inputs/cnn.toml"
   run 1 "${model[@]}" --data "hdf5:$work/uint8.h5" >/dev/null || fail "uint8 inputs were refused"
+  # Floating-point labels (0.5 ... 9.5) would be truncated to classes: refused.
+  expect_error 2 "float_labels.h5': /labels is not of an integer type; hint: store /labels as integers" \
+    run 1 "${model[@]}" --data "hdf5:$work/float_labels.h5"
+  # Evaluation takes each held-out sample at most once: a file smaller than a batch, or
+  # fewer samples than --eval-batches asks for, is refused (it used to repeat them).
+  expect_error 2 "--eval-data has 2 samples, fewer than one batch of 8: evaluation would repeat samples; hint" \
+    run 1 "${model[@]}" --eval-data "hdf5:$work/two.h5"
+  expect_error 2 "--eval-batches 5 of 8 samples need 40 held-out samples, --eval-data has 10: evaluation would repeat" \
+    run 1 "${model[@]}" --eval-data "hdf5:$work/uint8.h5" --eval-batches 5
   ;;
 *) fail "unknown case $case" ;;
 esac

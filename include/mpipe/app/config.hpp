@@ -34,6 +34,7 @@ struct TrainConfig {
   ModelConfig model;
   OptimizerConfig optimizer;
   PipelineConfig pipeline;
+  std::string config_file;  // --config, if given: an input no output may overwrite
   std::string data = "synthetic";
   std::string eval_data;    // held-out data (same specs as data); empty: no evaluation
   int eval_every = 0;       // steps between evaluations (and one at the end); 0: only at the end

@@ -47,11 +47,18 @@ class TimeoutError : public Error {
 // A problem with the user's input; `hint` says what to do about it.
 class UserError : public std::runtime_error {
  public:
+  // Control bytes (a binary file's, quoted back) become '?': the error stays one line a
+  // terminal prints as it is.
   UserError(std::string what, std::string hint)
-      : std::runtime_error(std::move(what)), hint_(std::move(hint)) {}
+      : std::runtime_error(one_line(std::move(what))), hint_(one_line(std::move(hint))) {}
   const std::string& hint() const { return hint_; }
 
  private:
+  static std::string one_line(std::string text) {
+    for (char& ch : text)
+      if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
+    return text;
+  }
   std::string hint_;
 };
 

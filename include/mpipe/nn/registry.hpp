@@ -63,6 +63,9 @@ struct LayerArgs {
 
   std::int64_t integer(const std::string& name, std::int64_t least = 1) const;  // checked: least .. 2^31
   double number(const std::string& name) const;
+  // A standard deviation option: at least 0, or -1 (the kind's default rule) where
+  // `automatic`.
+  double deviation(const std::string& name, bool automatic) const;
   bool boolean(const std::string& name) const;
   const std::string& text(const std::string& name) const;
   // The channels of a (.., C) input; refuses other inputs.
