@@ -271,7 +271,6 @@ void check_output_files(const TrainConfig& c) {
   // No output may be a checkpoint: one under a checkpoint's name in the checkpoint
   // directory (it would replace the file a run resumes from), or any HDF5 file.
   for (const Output& o : outputs) {
-    std::error_code ec;
     const fs::path parent = fs::path(o.path).has_parent_path() ? fs::path(o.path).parent_path() : fs::path(".");
     MPIPE_REQUIRE(c.checkpoint_dir.empty() || checkpoint_step_of_name(o.path) < 0 || !same(parent.string(), c.checkpoint_dir),
                   "choose a file outside the checkpoint's names", o.option, " '", o.path,
