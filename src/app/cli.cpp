@@ -46,7 +46,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--channels", m.channels, "Input channels (resnet)")->capture_default_str();
   cmd.add_option("--width", m.width, "Channels of the first of the four stages (resnet)")->capture_default_str();
   cmd.add_option("--dropout", m.dropout, "Dropout probability")->capture_default_str();
-  cmd.add_option("--data", c.data, "synthetic, text:PATH (bytes) or tokens:PATH (uint16)")->capture_default_str();
+  cmd.add_option("--data", c.data,
+                 "synthetic, text:PATH (bytes), tokens:PATH (uint16) or hdf5:PATH (/inputs and /labels; docs/data.md)")
+      ->capture_default_str();
   cmd.add_option("--batch-size", c.batch_size, "Global mini-batch, in samples")->capture_default_str();
   cmd.add_option("--micro-batches", c.micro_batches, "Micro-batches per mini-batch and replica")->capture_default_str();
   cmd.add_option("--optimizer", o.kind, "adamw or sgd")->capture_default_str();

@@ -160,3 +160,4 @@ mpipe_cli_test(negative_init_std_linear 2 "'init-std': must be a standard deviat
 # model file's input, and the ResNet preset's head.
 mpipe_cli_test(memory_input_size 2 "error: rank 0 \\(stage 0\\) needs about [0-9.]+ TiB \\(.*inputs [0-9.]+ TiB\\), this node has" train --model ${MODELS}/huge_input.toml --steps 1 --threads 1 --batch-size 4 --micro-batches 2)
 mpipe_cli_test(memory_classes 2 "error: rank 0 \\(stage 0\\) needs about [0-9.]+ TiB \\(parameters, gradients and adamw state [0-9.]+ TiB" train --model resnet --classes 2000000000 --batch-size 4 --micro-batches 2 --steps 1 --threads 1)
+mpipe_cli_test(help_data_hdf5 0 "hdf5:PATH \\(/inputs and /labels" train --help)

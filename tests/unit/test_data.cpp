@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 #include <unistd.h>
 
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -259,5 +260,92 @@ TEST_CASE("hdf5 data: rows read by part, scaled and normalised, every row once p
     }
     CHECK(seen == std::vector<int>(N, 1));
   }
+  fs::remove(path);
+}
+
+namespace {
+
+// Philox4x32-10 and the shuffle exactly as docs/data.md ("How a batch is made") states
+// them, written from that text alone: the test fails if the code or the text changes.
+std::array<std::uint32_t, 4> documented_philox(std::array<std::uint32_t, 4> x, std::uint64_t key) {
+  std::uint32_t k0 = static_cast<std::uint32_t>(key), k1 = static_cast<std::uint32_t>(key >> 32);
+  for (int round = 0; round < 10; ++round) {
+    const std::uint64_t p0 = std::uint64_t{0xD2511F53u} * x[0], p1 = std::uint64_t{0xCD9E8D57u} * x[2];
+    x = {static_cast<std::uint32_t>(p1 >> 32) ^ x[1] ^ k0, static_cast<std::uint32_t>(p1),
+         static_cast<std::uint32_t>(p0 >> 32) ^ x[3] ^ k1, static_cast<std::uint32_t>(p0)};
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  return x;
+}
+
+std::vector<std::uint32_t> documented_order(std::uint64_t seed, std::uint64_t epoch, std::uint32_t n) {
+  std::vector<std::uint32_t> order(n);
+  for (std::uint32_t i = 0; i < n; ++i) order[i] = i;
+  const std::uint64_t key = seed ^ (std::uint64_t{4} << 56);
+  for (std::uint64_t i = n; i > 1; --i) {
+    const std::uint64_t block = i / 4;
+    const auto words = documented_philox({static_cast<std::uint32_t>(block), 7u,
+                                          static_cast<std::uint32_t>(epoch) ^ static_cast<std::uint32_t>(block >> 32),
+                                          static_cast<std::uint32_t>(epoch >> 32)},
+                                         key);
+    std::swap(order[i - 1], order[words[i % 4] % i]);
+  }
+  return order;
+}
+
+}  // namespace
+
+TEST_CASE("hdf5 data: a run's batches follow the rule docs/data.md states, shuffle and replica split included") {
+  // 11 rows labelled by their index, so a batch's labels are its rows.
+  const auto path = fs::temp_directory_path() / "mpipe_batch_rule.h5";
+  constexpr int N = 11;
+  {
+    std::vector<float> pixels(N * 4, 0.5f);
+    std::vector<std::int32_t> labels(N);
+    for (int s = 0; s < N; ++s) labels[static_cast<std::size_t>(s)] = s;
+    const hid_t file = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    const hsize_t dims[4] = {N, 1, 2, 2}, label_dims[1] = {N};
+    const hid_t space = H5Screate_simple(4, dims, nullptr), label_space = H5Screate_simple(1, label_dims, nullptr);
+    const hid_t inputs = H5Dcreate2(file, "inputs", H5T_NATIVE_FLOAT, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Dwrite(inputs, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, pixels.data());
+    const hid_t ls = H5Dcreate2(file, "labels", H5T_NATIVE_INT32, label_space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+    H5Dwrite(ls, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels.data());
+    for (hid_t id : {space, label_space}) H5Sclose(id);
+    H5Dclose(inputs);
+    H5Dclose(ls);
+    H5Fclose(file);
+  }
+  const auto model_path = fs::temp_directory_path() / "mpipe_batch_rule.toml";
+  std::ofstream(model_path) << "input = [1, 2, 2]\n[[layer]]\nkind = \"flatten\"\n[[layer]]\nkind = \"linear\"\nout = 16\n"
+                               "[[layer]]\nkind = \"cross_entropy\"\n";
+  ModelConfig m;
+  m.kind = model_path.string();
+  const Model model(m);
+  fs::remove(model_path);
+  const std::uint64_t seed = 1234;
+  auto data = make_dataset("hdf5:" + path.string(), model, seed);
+  // Steps of B = 6 samples over D = 2 replicas: replica r of step t reads 3 samples from
+  // t B + r B / D (what Executor::read_batch asks for), across three epochs.
+  constexpr int B = 6, D = 2, share = B / D;
+  for (int t = 0; t < 5; ++t)
+    for (int r = 0; r < D; ++r) {
+      CAPTURE(t);
+      CAPTURE(r);
+      const std::uint64_t first = static_cast<std::uint64_t>(t) * B + static_cast<std::uint64_t>(r) * share;
+      std::vector<float> x(share * 4);
+      std::vector<std::int32_t> y(share);
+      data->fill(first, share, make_tensor(x.data(), Shape{share, 1, 2, 2}), make_tensor(y.data(), Shape{share}));
+      for (int j = 0; j < share; ++j) {
+        const std::uint64_t s = first + static_cast<std::uint64_t>(j);
+        const std::vector<std::uint32_t> order = documented_order(seed, s / N, N);
+        CHECK(y[static_cast<std::size_t>(j)] == static_cast<std::int32_t>(order[s % N]));
+      }
+    }
+  // The order is a shuffle: not the file's, and another each epoch.
+  CHECK(documented_order(seed, 0, N) != documented_order(seed, 1, N));
+  std::vector<std::uint32_t> identity(N);
+  for (std::uint32_t i = 0; i < N; ++i) identity[i] = i;
+  CHECK(documented_order(seed, 0, N) != identity);
   fs::remove(path);
 }
