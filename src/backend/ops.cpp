@@ -8,6 +8,7 @@
 
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/backend/dispatch.hpp"
 #include "mpipe/core/bf16.hpp"
 #if MPIPE_HAVE_CUDA
 #include "mpipe/backend/cuda/ops.hpp"
@@ -15,50 +16,7 @@
 
 namespace mpipe::ops {
 
-namespace {
-
-template <class E>
-E* ptr(const Tensor& t) {
-  return static_cast<E*>(t.data);
-}
-template <class E>
-E* ptr_or_null(const Tensor& t) {
-  return t.empty() ? nullptr : static_cast<E*>(t.data);
-}
-
-// Tensors of one op live on one device, and the activation-like ones share an element
-// type. A mismatch is a bug in the layer or the executor, not a user error.
-void same_place(const char* op, const Tensor& a, const Tensor& b) {
-  if (a.empty() || b.empty()) return;
-  MPIPE_CHECK(a.device == b.device, op, ": tensors on ", to_string(a.device), " and ", to_string(b.device));
-  MPIPE_CHECK(a.dtype == b.dtype, op, ": tensors of ", to_string(a.dtype), " and ", to_string(b.dtype));
-}
-void same_device(const char* op, const Tensor& a, const Tensor& b) {
-  if (a.empty() || b.empty()) return;
-  MPIPE_CHECK(a.device == b.device, op, ": tensors on ", to_string(a.device), " and ", to_string(b.device));
-}
-void is_f32(const char* op, const Tensor& t) {
-  MPIPE_CHECK(t.empty() || t.dtype == DType::f32, op, ": expected fp32, got ", to_string(t.dtype));
-}
-
-#if MPIPE_HAVE_CUDA
-// Runs `body` with E bound to the element type of `t` (fp32 or bf16).
-#define MPIPE_ON_GPU(t, body)                \
-  do {                                       \
-    if ((t).dtype == DType::bf16) {          \
-      using E = ::mpipe::bf16;               \
-      body;                                  \
-    } else {                                 \
-      MPIPE_CHECK((t).dtype == DType::f32, "GPU op on ", to_string((t).dtype)); \
-      using E = float;                       \
-      body;                                  \
-    }                                        \
-  } while (0)
-#else
-#define MPIPE_ON_GPU(t, body) throw Error("a tensor on the GPU in a build without CUDA")
-#endif
-
-}  // namespace
+using namespace detail;
 
 DeviceMemory device_memory(Device device) {
   DeviceMemory memory;
@@ -260,25 +218,6 @@ void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutK
 }
 
 namespace {
-#if MPIPE_HAVE_CUDA
-// Device scratch for small per-call vectors (BatchNorm's deferred sums) and its host
-// mirror: grown once to the largest call, so later steps allocate nothing.
-struct SmallDeviceScratch {
-  cuda::DeviceBuffer device;
-  cuda::PinnedBuffer host;
-  void* reserve(std::size_t bytes) {
-    if (device.bytes() < bytes) {
-      device = cuda::DeviceBuffer(bytes);
-      host = cuda::PinnedBuffer(bytes);
-    }
-    return device.data();
-  }
-};
-SmallDeviceScratch& small_scratch() {
-  static SmallDeviceScratch scratch;  // ops are queued by the rank's one compute thread
-  return scratch;
-}
-#endif
 
 // The statistics (4, N) of a head chunk: fp32 on either device.
 void head_statistics(const char* op, const Tensor& stats, int64_t N) {
@@ -369,158 +308,6 @@ int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets) {
   cuda::copy_to_host(wanted.data(), targets.data, wanted.size() * sizeof(std::int32_t));
   cuda::synchronize(cuda::StreamKind::compute);
   return cpu::vocab_count_correct(host.data(), wanted.data(), N);
-}
-
-int64_t conv2d_scratch(const Window2d& w, Device device) { return device == Device::cpu ? cpu::conv2d_cols(w) : 0; }
-
-void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& cols,
-                    const Window2d& w) {
-  same_place("conv2d", out, inp);
-  same_place("conv2d", inp, weight);
-  same_place("conv2d", weight, bias);
-  if (inp.device == Device::cpu) {
-    MPIPE_CHECK(cols.numel() >= cpu::conv2d_cols(w), "conv2d: scratch of ", cols.numel(), " floats");
-    cpu::conv2d_forward(out.f32(), inp.f32(), weight.f32(), ptr_or_null<float>(bias), cols.f32(), w);
-  } else {
-    MPIPE_ON_GPU(inp, cuda::conv2d_forward(ptr<E>(out), ptr<E>(inp), ptr<E>(weight), ptr_or_null<E>(bias), w));
-  }
-}
-
-void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
-                     const Tensor& inp, const Tensor& weight, const Tensor& cols, const Window2d& w, GradMode mode) {
-  same_place("conv2d backward", dinp, dout);
-  same_place("conv2d backward", dout, inp);
-  same_place("conv2d backward", inp, weight);
-  same_device("conv2d backward", dweight, dout);
-  is_f32("conv2d backward", dweight);
-  is_f32("conv2d backward", dbias);
-  if (dout.device == Device::cpu)
-    cpu::conv2d_backward(ptr_or_null<float>(dinp), ptr_or_null<float>(dweight), ptr_or_null<float>(dbias), dout.f32(),
-                         inp.f32(), weight.f32(), cols.f32(), w, mode);
-  else
-    MPIPE_ON_GPU(dout, cuda::conv2d_backward(ptr_or_null<E>(dinp), ptr_or_null<float>(dweight), ptr_or_null<float>(dbias),
-                                             ptr<E>(dout), ptr<E>(inp), ptr<E>(weight), w, mode));
-}
-
-void maxpool2d_forward(const Tensor& out, const Tensor& argmax, const Tensor& inp, const Window2d& w) {
-  same_place("maxpool2d", out, inp);
-  same_device("maxpool2d", argmax, inp);
-  MPIPE_CHECK(argmax.dtype == DType::i32, "maxpool2d: argmax of ", to_string(argmax.dtype));
-  if (inp.device == Device::cpu) cpu::maxpool2d_forward(out.f32(), ptr<std::int32_t>(argmax), inp.f32(), w);
-  else MPIPE_ON_GPU(inp, cuda::maxpool2d_forward(ptr<E>(out), ptr<std::int32_t>(argmax), ptr<E>(inp), w));
-}
-
-void maxpool2d_backward(const Tensor& dinp, const Tensor& dout, const Tensor& argmax, const Window2d& w, GradMode mode) {
-  same_place("maxpool2d backward", dinp, dout);
-  if (dout.device == Device::cpu) cpu::maxpool2d_backward(dinp.f32(), dout.f32(), ptr<std::int32_t>(argmax), w, mode);
-  else MPIPE_ON_GPU(dout, cuda::maxpool2d_backward(ptr<E>(dinp), ptr<E>(dout), ptr<std::int32_t>(argmax), w, mode));
-}
-
-void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w) {
-  same_place("avgpool2d", out, inp);
-  if (inp.device == Device::cpu) cpu::avgpool2d_forward(out.f32(), inp.f32(), w);
-  else MPIPE_ON_GPU(inp, cuda::avgpool2d_forward(ptr<E>(out), ptr<E>(inp), w));
-}
-
-void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode) {
-  same_place("avgpool2d backward", dinp, dout);
-  if (dout.device == Device::cpu) cpu::avgpool2d_backward(dinp.f32(), dout.f32(), w, mode);
-  else MPIPE_ON_GPU(dout, cuda::avgpool2d_backward(ptr<E>(dinp), ptr<E>(dout), w, mode));
-}
-
-namespace {
-// (N, C, plane) of a BatchNorm input.
-std::array<int64_t, 3> channels_of(const Tensor& t) { return {t.shape[0], t.shape[1], t.numel() / (t.shape[0] * t.shape[1])}; }
-}  // namespace
-
-void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
-                             const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
-                             const Tensor& bias, float eps, float momentum) {
-  same_place("batchnorm", out, inp);
-  same_place("batchnorm", inp, weight);
-  same_place("batchnorm", weight, bias);
-  same_device("batchnorm", mean, inp);
-  same_device("batchnorm", running_mean, inp);
-  for (const Tensor* t : {&mean, &rstd, &running_mean, &running_var}) is_f32("batchnorm statistics", *t);
-  const auto [N, C, plane] = channels_of(inp);
-  MPIPE_CHECK(sums.empty() || sums.size() == static_cast<std::size_t>(1 + 2 * C), "batchnorm: ", sums.size(), " sums for ",
-              C, " channels");
-  if (inp.device == Device::cpu) {
-    cpu::batchnorm_forward_train(out.f32(), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
-                                 ptr_or_null<float>(running_var), sums.empty() ? nullptr : sums.data(), inp.f32(),
-                                 weight.f32(), bias.f32(), N, C, plane, eps, momentum);
-    return;
-  }
-#if MPIPE_HAVE_CUDA
-  // The deferred rule's sums stay on the host (the replicas sum them over MPI): this
-  // micro-batch's are gathered on the device from zero, then added here in the CPU's order.
-  const std::size_t count = sums.size();
-  double* device_sums = nullptr;
-  if (count) {
-    device_sums = static_cast<double*>(small_scratch().reserve(count * sizeof(double)));
-    cuda::zero(device_sums, count * sizeof(double));
-  }
-  MPIPE_ON_GPU(inp, cuda::batchnorm_forward_train(ptr<E>(out), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
-                                                  ptr_or_null<float>(running_var), device_sums, ptr<E>(inp), ptr<E>(weight),
-                                                  ptr<E>(bias), N, C, plane, eps, momentum));
-  if (count) {
-    auto* host = small_scratch().host.as<double>();
-    cuda::copy_to_host(host, device_sums, count * sizeof(double));
-    cuda::synchronize(cuda::StreamKind::compute);
-    for (std::size_t i = 0; i < count; ++i) sums[i] += host[i];
-  }
-#endif
-}
-
-void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,
-                          float momentum) {
-  is_f32("batchnorm running statistics", running_mean);
-  is_f32("batchnorm running statistics", running_var);
-  const int64_t C = running_mean.numel();
-  MPIPE_CHECK(sums.size() == static_cast<std::size_t>(1 + 2 * C), "batchnorm: ", sums.size(), " sums for ", C, " channels");
-  if (running_mean.device == Device::cpu) {
-    cpu::batchnorm_apply_sums(running_mean.f32(), running_var.f32(), sums.data(), C, momentum);
-    return;
-  }
-#if MPIPE_HAVE_CUDA
-  auto* device_sums = static_cast<double*>(small_scratch().reserve(sums.size() * sizeof(double)));
-  cuda::copy_to_device(device_sums, sums.data(), sums.size() * sizeof(double));
-  cuda::batchnorm_apply_sums(running_mean.f32(), running_var.f32(), device_sums, C, momentum);
-  cuda::synchronize(cuda::StreamKind::compute);  // the host's sums may change once this returns
-#endif
-}
-
-void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
-                            const Tensor& running_mean, const Tensor& running_var, float eps) {
-  same_place("batchnorm", out, inp);
-  same_place("batchnorm", inp, weight);
-  same_device("batchnorm", running_mean, inp);
-  is_f32("batchnorm running statistics", running_mean);
-  is_f32("batchnorm running statistics", running_var);
-  const auto [N, C, plane] = channels_of(inp);
-  if (inp.device == Device::cpu)
-    cpu::batchnorm_forward_eval(out.f32(), inp.f32(), weight.f32(), bias.f32(), running_mean.f32(), running_var.f32(), N,
-                                C, plane, eps);
-  else
-    MPIPE_ON_GPU(inp, cuda::batchnorm_forward_eval(ptr<E>(out), ptr<E>(inp), ptr<E>(weight), ptr<E>(bias),
-                                                   running_mean.f32(), running_var.f32(), N, C, plane, eps));
-}
-
-void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
-                        const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd, GradMode mode) {
-  same_place("batchnorm backward", dinp, dout);
-  same_place("batchnorm backward", dout, inp);
-  same_place("batchnorm backward", inp, weight);
-  same_device("batchnorm backward", dweight, inp);
-  is_f32("batchnorm backward", dweight);
-  is_f32("batchnorm backward", dbias);
-  const auto [N, C, plane] = channels_of(inp);
-  if (dout.device == Device::cpu)
-    cpu::batchnorm_backward(ptr_or_null<float>(dinp), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(),
-                            mean.f32(), rstd.f32(), N, C, plane, mode);
-  else
-    MPIPE_ON_GPU(dout, cuda::batchnorm_backward(ptr_or_null<E>(dinp), dweight.f32(), dbias.f32(), ptr<E>(dout), ptr<E>(inp),
-                                                ptr<E>(weight), mean.f32(), rstd.f32(), N, C, plane, mode));
 }
 
 void add(const Tensor& y, const Tensor& x) {

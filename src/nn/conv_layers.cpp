@@ -1,6 +1,7 @@
 // Convolutional layers: shapes, costs and parameters here, the math in backend/ops.
 #include "mpipe/nn/conv_layers.hpp"
 
+#include "mpipe/backend/conv_ops.hpp"
 #include "mpipe/nn/registry.hpp"
 
 #include <cmath>

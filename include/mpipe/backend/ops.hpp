@@ -79,33 +79,6 @@ int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets);
 // Over the first dimension as samples.
 void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key);
 
-// Convolution and pooling over NCHW (see cpu/ops.hpp and cuda/ops.hpp). `cols` is
-// scratch of conv2d_scratch(w, device) elements: im2col columns on the CPU, none on a GPU
-// (its op unfolds the whole micro-batch into temporary device scratch).
-int64_t conv2d_scratch(const Window2d& w, Device device);
-void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& cols,
-                    const Window2d& w);
-void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
-                     const Tensor& inp, const Tensor& weight, const Tensor& cols, const Window2d& w, GradMode mode);
-void maxpool2d_forward(const Tensor& out, const Tensor& argmax, const Tensor& inp, const Window2d& w);
-void maxpool2d_backward(const Tensor& dinp, const Tensor& dout, const Tensor& argmax, const Window2d& w, GradMode mode);
-void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w);
-void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode);
-
-// BatchNorm over (N, C, ...) per channel (see cpu/ops.hpp). Statistics and running
-// statistics are fp32 on either device. Training with running statistics given
-// (non-empty) moves them, with `sums` given (1 + 2C, host) adds the batch to them (on a
-// GPU through one copy back, waiting for it); inference reads them.
-void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
-                             const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
-                             const Tensor& bias, float eps, float momentum);
-void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,
-                          float momentum);
-void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
-                            const Tensor& running_mean, const Tensor& running_var, float eps);
-void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
-                        const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd, GradMode mode);
-
 // y = x in y's element type (fp32 <-> bf16 on the GPU); a plain copy when they agree.
 void convert(const Tensor& y, const Tensor& x);
 void add(const Tensor& y, const Tensor& x);

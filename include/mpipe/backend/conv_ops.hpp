@@ -1,0 +1,39 @@
+// Convolution, pooling and BatchNorm on Tensors, over NCHW: one call site in the
+// layers for both backends, as ops.hpp's ops (the same checks and rules).
+#pragma once
+#include <cstdint>
+#include <span>
+
+#include "mpipe/backend/op_types.hpp"
+#include "mpipe/core/tensor.hpp"
+
+namespace mpipe::ops {
+
+// Convolution and pooling over NCHW (see cpu/ops.hpp and cuda/ops.hpp). `cols` is
+// scratch of conv2d_scratch(w, device) elements: im2col columns on the CPU, none on a GPU
+// (its op unfolds the whole micro-batch into temporary device scratch).
+int64_t conv2d_scratch(const Window2d& w, Device device);
+void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& cols,
+                    const Window2d& w);
+void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                     const Tensor& inp, const Tensor& weight, const Tensor& cols, const Window2d& w, GradMode mode);
+void maxpool2d_forward(const Tensor& out, const Tensor& argmax, const Tensor& inp, const Window2d& w);
+void maxpool2d_backward(const Tensor& dinp, const Tensor& dout, const Tensor& argmax, const Window2d& w, GradMode mode);
+void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w);
+void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode);
+
+// BatchNorm over (N, C, ...) per channel (see cpu/ops.hpp). Statistics and running
+// statistics are fp32 on either device. Training with running statistics given
+// (non-empty) moves them, with `sums` given (1 + 2C, host) adds the batch to them (on a
+// GPU through one copy back, waiting for it); inference reads them.
+void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
+                             const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
+                             const Tensor& bias, float eps, float momentum);
+void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,
+                          float momentum);
+void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
+                            const Tensor& running_mean, const Tensor& running_var, float eps);
+void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
+                        const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd, GradMode mode);
+
+}  // namespace mpipe::ops
