@@ -23,7 +23,7 @@ launch() { mpiexec -n "$1" --oversubscribe "$mpipe" train "${model[@]}" "${@:2}"
 launch_bg() { exec mpiexec -n "$1" --oversubscribe "$mpipe" train "${model[@]}" "${@:2}"; }
 
 bad=0
-printf '%-34s %5s %7s %7s %7s  %s\n' case exit seconds ckpt-in ckpt-out verdict
+printf '%-40s %5s %7s %7s %7s  %s\n' case exit seconds ckpt-in ckpt-out verdict
 # complete DIR: the checkpoints in DIR that verify, newest last (one per line)
 complete() { for f in "$1"/ckpt-*.h5; do [[ -f "$f" ]] && "$mpipe" inspect "$f" --verify >/dev/null 2>&1 && basename "$f"; done; }
 count() { complete "$1" | grep -c . ; }
@@ -31,7 +31,7 @@ count() { complete "$1" | grep -c . ; }
 row() {
   local verdict=ok
   [[ -n "$6" ]] && verdict="BAD: $6" && bad=$((bad + 1))
-  printf '%-34s %5s %7s %7s %7s  %s\n' "$1" "$2" "$3" "$4" "$5" "$verdict"
+  printf '%-40s %5s %7s %7s %7s  %s\n' "$1" "$2" "$3" "$4" "$5" "$verdict"
 }
 now() { date +%s.%N; }
 since() { /usr/bin/python3 -c "import sys,time; print(f'{time.time() - float(sys.argv[1]):.1f}')" "$1"; }
@@ -182,6 +182,28 @@ startup() {  # startup NAME WHO
 startup "SIGUSR1 to mpirun in start-up" mpirun
 for round in $(seq "$rounds"); do startup "SIGUSR1 to a new rank (round $round)" "rank$round"; done
 
+# ---- a rank stopped in a phase of start-up (MPIPE_FAULT_STOP=PHASE@RANK: it stops itself
+# as it enters PHASE), resuming from a checkpoint: ended within --p2p-timeout + 4 s, named
+mkdir "$work/resume-from"
+launch 2 --steps 2 --checkpoint-dir "$work/resume-from" >/dev/null 2>&1
+phases=(options directory lock device resolve executor connect allocate resume claim)
+for round in $(seq "$rounds"); do
+  phase=${phases[RANDOM % ${#phases[@]}]} victim=$((RANDOM % 2))
+  start=$(now)
+  MPIPE_FAULT_STOP="$phase@$victim" launch_bg 2 --steps 4 --checkpoint-dir "$work/resume-from" > "$work/log" 2>&1 &
+  pid=$!
+  ( sleep 30; kill -9 "$pid" 2>/dev/null; pkill -9 -P "$pid" 2>/dev/null ) & guard=$!
+  wait "$pid"; rc=$?
+  took=$(since "$start")
+  kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
+  problem=$(one_error "$work/log")
+  [[ $rc -ne 0 && $rc -ne 137 ]] || problem="${problem:+$problem; }exit $rc"
+  over "$took" $((timeout_s + 4)) && problem="${problem:+$problem; }ended after $took s"
+  grep -Eq "mpipe: error: rank $victim stopped answering .*start-up \($phase\)" "$work/log" \
+    || problem="${problem:+$problem; }rank $victim not named: $(grep -m1 "mpipe: error" "$work/log" | cut -c1-80)"
+  row "SIGSTOP rank $victim in start-up ($phase)" "$rc" "$took" 1 "$(count "$work/resume-from")" "$problem"
+done
+
 # ---- a full disk under the checkpoint directory ----------------------------------------
 mkdir "$work/full"
 if mount -t tmpfs -o size=600k tmpfs "$work/full" 2>/dev/null; then
@@ -195,7 +217,7 @@ if mount -t tmpfs -o size=600k tmpfs "$work/full" 2>/dev/null; then
   row "full disk under --checkpoint-dir" "$rc" "$took" 0 "$(count "$work/full")" "$problem"
   umount "$work/full"
 else
-  printf '%-34s %5s %7s %7s %7s  %s\n' "full disk under --checkpoint-dir" - - - - "skipped (cannot mount a tmpfs here)"
+  printf '%-40s %5s %7s %7s %7s  %s\n' "full disk under --checkpoint-dir" - - - - "skipped (cannot mount a tmpfs here)"
 fi
 
 echo

@@ -13,7 +13,10 @@
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cctype>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string_view>
 
 #include "mpipe/backend/cuda/runtime.hpp"
@@ -59,6 +62,26 @@ bool environment_has(char** environment, std::string_view name) {
 }  // namespace
 
 bool stop_signalled() { return g_stop_signal != 0; }
+
+double mpirun_kill_grace() {
+  if (!std::getenv("OMPI_MCA_orte_hnp_uri")) return -1;  // mpirun (ORTE) sets it for its ranks
+  constexpr const char* name = "odls_base_sigkill_timeout";
+  if (const char* value = std::getenv("OMPI_MCA_odls_base_sigkill_timeout")) return std::atof(value);
+  // The files mpirun reads, the user's before the system's: "name = value" lines.
+  const char* home = std::getenv("HOME");
+  for (const std::string& path : {std::string(home ? home : "") + "/.openmpi/mca-params.conf",
+                                  std::string("/etc/openmpi/openmpi-mca-params.conf")}) {
+    std::ifstream file(path);
+    for (std::string line; std::getline(file, line);) {
+      const std::size_t equals = line.find('=');
+      if (line.empty() || line[0] == '#' || equals == std::string::npos) continue;
+      std::string key = line.substr(0, equals);
+      key.erase(std::remove_if(key.begin(), key.end(), [](unsigned char c) { return std::isspace(c); }), key.end());
+      if (key == name) return std::atof(line.c_str() + equals + 1);
+    }
+  }
+  return 1;
+}
 
 // Without SA_RESTART: a write already blocked on a full pipe returns. Output may be
 // dropped where it goes to a pipe, a socket, or (mpirun's default) a terminal of the

@@ -8,8 +8,11 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 
@@ -60,6 +63,39 @@ int agree(const Communicator& world, const std::function<void()>& phase) {
   }
   return worst;
 }
+
+// A test's fault: MPIPE_FAULT_STOP=PHASE@RANK stops (SIGSTOP) that world rank as it
+// enters that start-up phase, so a test can put a stopped rank in any of them
+// (tests/mpi/startup_stopped.sh). Unset in every real run.
+void fault_point(const char* phase, int rank) {
+  static const std::string fault = [] {
+    const char* value = std::getenv("MPIPE_FAULT_STOP");
+    return std::string(value ? value : "");
+  }();
+  if (!fault.empty() && fault == cat(phase, "@", rank)) std::raise(SIGSTOP);
+}
+
+// Start-up: phases every rank runs and agrees on (agree above), under one watchdog armed
+// from the first to the last. A rank stopped anywhere in them (or before the first) leaves
+// the others in a collective; the watchdog's heartbeats name it within --p2p-timeout.
+// Without a deadline: a checkpoint's read or --partition time's measurement has no size
+// known in advance to bound it by.
+class StartUp {
+ public:
+  StartUp(const Communicator& world, Watchdog& watchdog)
+      : world_(world), watchdog_(watchdog), guard_(watchdog.arm("start-up", std::numeric_limits<double>::infinity())) {}
+  // Runs `body` as the phase `name`; its agreed exit code (0: go on).
+  int phase(const char* name, const std::function<void()>& body) {
+    watchdog_.doing(cat("start-up (", name, ")"));
+    fault_point(name, world_.rank());
+    return agree(world_, body);
+  }
+
+ private:
+  const Communicator& world_;
+  Watchdog& watchdog_;
+  Watchdog::Guard guard_;
+};
 
 // Before any rank allocates (CPU), from the plan alone: this rank's parameters,
 // gradients, optimizer state and the activations of its in-flight micro-batches, against
@@ -118,6 +154,7 @@ class Training {
   void to_metrics(Write&& write);
   void report(const StepResult& r);  // one validated step
   void evaluate(std::int64_t step);
+  void advise_kill_grace(double need_s);  // rank 0
 
   const TrainConfig& config_;
   const Communicator& world_;
@@ -136,7 +173,7 @@ class Training {
   PhaseStats stats_;
   std::vector<double> step_seconds_;  // rank 0, for the summary's median
   double longest_step_ = 0, checkpoint_seconds_ = 0;  // for --time-limit
-  bool preempted_ = false;
+  bool preempted_ = false, advised_ = false;
   std::string output_error_;  // rank 0: an output file that could not be written
 };
 
@@ -150,6 +187,7 @@ bool Training::checkpoint(std::int64_t done) {
       std::printf("checkpoint %s written: %s in %.2f s (%.0f MB/s), verified in %.2f s\n", saved.path.c_str(),
                   human_bytes(saved.bytes).c_str(), saved.write_seconds, saved.bytes / 1e6 / saved.write_seconds,
                   saved.verify_seconds);
+    if (root_) advise_kill_grace(longest_step_ + checkpoint_seconds_);
     return true;
   } catch (const std::exception& e) {
     if (root_) std::fprintf(stderr, "mpipe: error: %s\n", e.what());
@@ -200,6 +238,7 @@ void Training::report(const StepResult& r) {
     else std::printf("%.0f samples/s\n", samples_per_s);
     std::fflush(stdout);
   }
+  if (!config_.checkpoint_dir.empty()) advise_kill_grace(longest_step_);
   if (progress_ && step + 1 < config_.steps) {
     // On a terminal: one line that updates in place. Batch logs get plain lines only.
     const double eta = since(run_start_) / static_cast<double>(step + 1 - first_step_) *
@@ -211,12 +250,32 @@ void Training::report(const StepResult& r) {
   }
 }
 
+// Under mpirun, a SIGTERM (timeout, a scheduler without --signal) gives the ranks
+// odls_base_sigkill_timeout seconds (1 by default) to finish their step and write the
+// checkpoint before SIGKILL: say so, once, when this run needs more.
+void Training::advise_kill_grace(double need_s) {
+  if (advised_) return;
+  const double grace = mpirun_kill_grace();
+  if (grace < 0 || need_s <= grace) return;
+  advised_ = true;
+  if (progress_) std::printf("\r\033[K");
+  std::printf("note: a SIGTERM to mpirun leaves the ranks %g s (odls_base_sigkill_timeout) before its SIGKILL; a step "
+              "and a checkpoint take %.1f s or more here: launch with 'mpirun --mca odls_base_sigkill_timeout %.0f' to "
+              "keep the checkpoint (SIGUSR1 to mpirun has no such limit)\n",
+              grace, need_s, std::max(10.0, std::ceil(3 * need_s)));
+  std::fflush(stdout);
+}
+
 void Training::evaluate(std::int64_t step) {
   const EvalResult e = exec_.evaluate();  // every rank
   if (!root_) return;
   if (progress_) std::printf("\r\033[K");
   std::printf("eval step %lld | loss %.6f | %s %.2f%% | %lld samples", static_cast<long long>(step + 1), e.loss,
               tokens_per_sample_ > 0 ? "token accuracy" : "accuracy", 100 * e.accuracy, static_cast<long long>(e.samples));
+  if (e.available > e.samples)  // whole batches only: say what the file had beyond them
+    std::printf(" (of %lld in the file: %lld left out, %s)", static_cast<long long>(e.available),
+                static_cast<long long>(e.available - e.samples),
+                config_.eval_batches > 0 ? "beyond --eval-batches" : "less than a batch");
   if (tokens_per_sample_ > 0) std::printf(" | perplexity %.3f", std::exp(e.loss));
   std::printf("\n");
   std::fflush(stdout);
@@ -370,10 +429,16 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   const bool root = world.rank() == 0;
   TrainConfig config = options;
   double time_limit_s = 0;
+  // Heartbeats from the first collective to the end: a rank stopped in start-up, in a
+  // checkpoint or before the end of training is named within --p2p-timeout (an invalid
+  // timeout, refused below, runs no heartbeats until then). The ranks come to it
+  // together, out of MPI_Init.
+  Watchdog watchdog(world, cat("rank ", world.rank()), options.pipeline.p2p_timeout);
+  std::optional<StartUp> start_up(std::in_place, world, watchdog);
   // The plan, made by each rank alone: a bad schedule, --balance or model is said before
   // anything is created or locked. It stands unless --partition time measures (below).
   Plan plan;
-  int code = agree(world, [&] {
+  int code = start_up->phase("options", [&] {
     validate(config, world.size());
     const RunOptions run = run_options(config);
     plan = make_plan(run, world.size(), Model(run.model));
@@ -383,19 +448,19 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   });
   if (code) return code;
   // Every rank sees the directory rank 0 made (a shared file system), or says it does not.
-  if ((code = agree(world, [&] { check_checkpoint_options(config); }))) return code;
+  if ((code = start_up->phase("directory", [&] { check_checkpoint_options(config); }))) return code;
   // One job per checkpoint directory, and a run id for the checkpoints this run writes.
   CheckpointDir checkpoint_dir(checkpoint_options(config));
-  if ((code = agree(world, [&] {
+  if ((code = start_up->phase("lock", [&] {
          if (root) checkpoint_dir.lock();
        })))
     return code;
   checkpoint_dir.begin(world);
   // Collective, and only once every rank's options are known good.
   std::string device_line;
-  if ((code = agree(world, [&] { device_line = resolve_device(config, world); }))) return code;
+  if ((code = start_up->phase("device", [&] { device_line = resolve_device(config, world); }))) return code;
   // The device is known now (auto resolved to cpu or cuda); the model is the one planned.
-  if ((code = agree(world, [&] {
+  if ((code = start_up->phase("resolve", [&] {
          const RunOptions resolved = run_options(config);
          MPIPE_CHECK(resolved.model == plan.options.model, "resolving the device changed the model");
          plan.options = resolved;
@@ -406,14 +471,14 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   checkpoint_dir.set_config_text(to_toml(config));
   std::unique_ptr<MetricsWriter> metrics;
   cpu::set_threads(config.threads > 0 ? config.threads : default_threads(world));
-  if (needs_measurement(plan.options) && (code = agree(world, [&] {
+  if (needs_measurement(plan.options) && (code = start_up->phase("measure", [&] {
                                              plan = make_plan(plan.options, world.size(), Model(plan.options.model),
                                                               measure_costs(plan.options, world));
                                            })))
     return code;
   const int node_ranks = world.size() > 1 ? Communicator::node(world).size() : 1;
   std::unique_ptr<Executor> exec;
-  if ((code = agree(world, [&] {
+  if ((code = start_up->phase("executor", [&] {
          // Before the executor allocates anything (synthetic data included): a data file's
          // problems first (an input), then whether this rank's share fits.
          const Model model(plan.options.model);
@@ -424,27 +489,25 @@ int run_train(const TrainConfig& options, const Communicator& world) {
          exec = std::make_unique<Executor>(plan, world);
        })))
     return code;
-  if ((code = agree(world, [&] { exec->connect(); }))) return code;
-  if ((code = agree(world, [&] { exec->allocate(); }))) return code;
+  if ((code = start_up->phase("connect", [&] { exec->connect(); }))) return code;
+  watchdog.rename(exec->grid().name());  // the grid exists from connect on
+  if ((code = start_up->phase("allocate", [&] { exec->allocate(); }))) return code;
   std::int64_t first_step = 0;
   std::string resumed_from;
   double load_seconds = 0;
-  if ((code = agree(world, [&] {
+  if ((code = start_up->phase("resume", [&] {
          const auto start = Clock::now();
          resumed_from = resume(*exec, checkpoint_dir, &first_step);
          load_seconds = since(start);
        })))
     return code;
   // Checkpoints of another run in the directory: refused, or replaced under --overwrite.
-  if ((code = agree(world, [&] {
+  if ((code = start_up->phase("claim", [&] {
          if (root) checkpoint_dir.claim();
        })))
     return code;
+  start_up.reset();  // from here the steps' waits have --p2p-timeout, checkpoints their own guard
   if (!config.trace.empty()) exec->start_trace_clock();
-  // Heartbeats from here to the end (after a collective, so every rank starts them
-  // together): a rank stopped before or inside a checkpoint, or before the end of
-  // training, is named within --p2p-timeout.
-  Watchdog watchdog(world, exec->grid().name(), config.pipeline.p2p_timeout);
   if (root) print_header(config, *exec, device_line, time_limit_s, resumed_from, first_step, load_seconds);
   Training training(config, world, *exec, checkpoint_dir, watchdog, metrics.get(), started, time_limit_s, first_step,
                     !resumed_from.empty());

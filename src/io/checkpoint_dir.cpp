@@ -60,6 +60,17 @@ double age_of(const std::string& path) {
   return std::difftime(std::time(nullptr), st.st_mtime);
 }
 
+// Whether process `pid` of this host has ended: gone, or a zombie not yet reaped (a rank
+// of a job mpirun aborted, whose parent has exited: until init reaps it, kill() finds it).
+bool process_ended(long pid) {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  std::ifstream stat_file(cat("/proc/", pid, "/stat"));
+  std::string stat_line;
+  std::getline(stat_file, stat_line);
+  const std::size_t name_end = stat_line.rfind(')');  // "pid (name) STATE ...": the name may hold spaces
+  return name_end != std::string::npos && name_end + 2 < stat_line.size() && stat_line[name_end + 2] == 'Z';
+}
+
 // Why the job that wrote lock `text` is gone, or "" while it may still run.
 std::string stale_reason(const std::string& text, double age) {
   const std::string job = field(text, "job"), restart = field(text, "restart");
@@ -69,7 +80,7 @@ std::string stale_reason(const std::string& text, double age) {
   const std::string host = field(text, "host");
   if (host == host_name()) {
     const long pid = std::strtol(field(text, "pid").c_str(), nullptr, 10);
-    if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH)
+    if (pid > 0 && process_ended(pid))
       return cat("process ", pid, " on this host has ended");
     return "";  // that process runs here: the lock is live however old its time
   }

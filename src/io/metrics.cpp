@@ -44,10 +44,11 @@ void MetricsWriter::write(const StepResult& r, double samples_per_s, double toke
 
 void MetricsWriter::write_eval(std::int64_t step, const EvalResult& e) {
   // A diverged model's loss is null, as in write().
-  const Json line = {{"step", step + 1},
+  Json line = {{"step", step + 1},
                      {"eval_loss", json_number(e.loss, 17)},
                      {"eval_accuracy", json_number(e.accuracy, 17)},
                      {"eval_samples", e.samples}};
+  if (e.available > 0) line["eval_samples_in_file"] = e.available;
   write_line(line.dump());
 }
 

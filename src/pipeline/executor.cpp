@@ -342,12 +342,12 @@ void Executor::update(StepResult& r) {
 EvalResult Executor::evaluate() {
   MPIPE_CHECK(!plan_.options.eval_data.empty(), "evaluate() without --eval-data");
   MPIPE_CHECK(!pending_, "evaluate() with a step in flight (settle() it first)");
+  // The file's size, the same on every rank (rank 0 knows it); 0 for synthetic data.
+  double size = eval_dataset_ ? static_cast<double>(eval_dataset_->size()) : 0.0;
+  world_.broadcast(std::span<double>(&size, 1), 0);
   int batches = plan_.options.eval_batches;
-  if (batches == 0) {  // a file's whole batches (the same on every rank: rank 0 knows the size)
-    double size = eval_dataset_ ? static_cast<double>(eval_dataset_->size()) : 0.0;
-    world_.broadcast(std::span<double>(&size, 1), 0);
-    batches = size > 0 ? std::max(1, static_cast<int>(size) / plan_.options.batch_size) : 8;
-  }
+  if (batches == 0)  // a file's whole batches
+    batches = size > 0 ? std::max(1, static_cast<int>(size / plan_.options.batch_size)) : 8;
   timeline_.begin_quiet();
   double sums[2] = {0, 0};
   for (int b = 0; b < batches; ++b) {
@@ -361,6 +361,7 @@ EvalResult Executor::evaluate() {
   timeline_.end_quiet();
   EvalResult r;
   r.samples = static_cast<std::int64_t>(batches) * plan_.options.batch_size;
+  r.available = static_cast<std::int64_t>(size);
   const double rows = static_cast<double>(r.samples * model_.rows_per_sample());
   r.loss = sums[0] / rows;
   r.accuracy = sums[1] / rows;

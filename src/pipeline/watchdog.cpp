@@ -3,6 +3,7 @@
 #include "mpipe/pipeline/watchdog.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <vector>
 
@@ -147,7 +148,7 @@ Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
     std::lock_guard<std::mutex> lock(mutex_);
     what_ = std::move(what);
     seconds_ = seconds;
-    deadline_ = after(seconds);
+    deadline_ = std::isfinite(seconds) ? after(seconds) : Clock::time_point::max();
     // The ranks arm together (after a collective): a peer has the liveness time from here
     // for its next word, whatever it did before (it may have built its watchdog later).
     const Clock::time_point now = Clock::now();
@@ -157,6 +158,16 @@ Watchdog::Guard Watchdog::arm(std::string what, double seconds) {
   }
   wake_.notify_all();
   return Guard(*this);
+}
+
+void Watchdog::doing(std::string what) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  what_ = std::move(what);
+}
+
+void Watchdog::rename(std::string rank_name) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  rank_name_ = std::move(rank_name);
 }
 
 double Watchdog::silent_s(int peer) {
@@ -225,7 +236,8 @@ void Watchdog::run() {
   next_send_ = Clock::now();
   Clock::time_point last_wake = next_send_;
   while (!stop_) {
-    if (!armed_ && !heartbeats_) {
+    // Without heartbeats only a deadline can fire: none (unarmed, or armed without one), sleep.
+    if (!heartbeats_ && (!armed_ || deadline_ == Clock::time_point::max())) {
       wake_.wait(lock);
       continue;
     }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checkpoint tests with the real binary under mpiexec and real HDF5 files.
 # Usage: checkpoint_test.sh MPIPE CASE   (CASE: layout | resume | reshard | preempt |
-#        damaged | bad-input | keep | continue | ownership | lock | state | stopped | model-file | eval | image-data)
+#        damaged | bad-input | keep | continue | ownership | lock | state | stopped | model-file | eval | image-data |
+#        slow-term)
 set -euo pipefail
 mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -140,6 +141,33 @@ preempt)
   at=$(basename "$ckpt" .h5); at=$((10#${at#ckpt-}))
   ((at >= 200)) || fail "checkpoint at step $at"
   "$mpipe" inspect "$ckpt" --verify >/dev/null || fail "$ckpt does not verify"
+  ;;
+slow-term)
+  # Steps longer than mpirun's 1 s between its SIGTERM and its SIGKILL: the run says so
+  # (once, after its first step), and launched with the setting it names, a SIGTERM to
+  # mpirun leaves a new checkpoint that verifies. (Without it the checkpoint is lost:
+  # SIGKILL 1 s after the ranks' SIGTERM, mid-step.)
+  slow=(train --model mlp --layers 4 --hidden 1024 --batch-size 4096 --micro-batches 2 --threads 1 --log-every 1
+        --checkpoint-dir "$work/slow")
+  out=$(run 2 "${slow[@]}" --steps 1 2>&1) || fail "the 1-step run failed: $out"
+  step_ms=$(sed -n 's/^step .* | *\([0-9.]*\) ms | .*/\1/p' <<<"$out")
+  [[ -n "$step_ms" ]] && awk -v ms="$step_ms" 'BEGIN { exit !(ms > 1000) }' || fail "the step took ${step_ms:-?} ms, not > 1 s"
+  note=$(grep "^note: a SIGTERM to mpirun" <<<"$out") || fail "no note about mpirun's SIGKILL: $out"
+  grace=$(sed -n "s/.*'mpirun --mca odls_base_sigkill_timeout \([0-9]*\)'.*/\1/p" <<<"$note")
+  [[ -n "$grace" && $grace -ge 10 ]] || fail "the note names no usable setting: $note"
+  rm -rf "$work/slow"
+  mpiexec -n 2 --oversubscribe --mca odls_base_sigkill_timeout "$grace" "$mpipe" "${slow[@]}" --steps 100000 \
+    > "$work/slow.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 600); do grep -q "^step *1/" "$work/slow.log" && break; sleep 0.05; done
+  grep -q "^step *1/" "$work/slow.log" || fail "no first step: $(cat "$work/slow.log")"
+  ! grep -q "^note: a SIGTERM" "$work/slow.log" || fail "the note with the setting given: $(cat "$work/slow.log")"
+  kill -TERM "$pid"
+  set +e; wait "$pid"; set -e
+  ckpt=$(ls "$work/slow"/ckpt-*.h5 2>/dev/null) || fail "no checkpoint after SIGTERM to mpirun: $(cat "$work/slow.log")"
+  "$mpipe" inspect "$ckpt" --verify >/dev/null || fail "$ckpt does not verify"
+  [[ ! -e "$work/slow/.mpipe.lock" ]] || fail "the lock outlived the job"
+  echo "SIGTERM to mpirun with odls_base_sigkill_timeout $grace, steps of $step_ms ms: $(basename "$ckpt") kept"
   ;;
 continue)
   # A checkpoint says how to continue it: `inspect --config` writes the run's options as
@@ -491,16 +519,20 @@ image-data)
           --eval-data "hdf5:$work/digits/digits-test.h5" --batch-size 32 --micro-batches 4 --threads 1 --lr 3e-3
           --log-every 100)
   out=$(run 2 "${digits[@]}" --steps 300 2>&1) || fail "digits: $out"
-  accuracy=$(sed -n 's/^eval step 300 | loss [0-9.]* | accuracy \([0-9.]*\)% | 352 samples$/\1/p' <<<"$out")
+  accuracy=$(sed -n 's/^eval step 300 | loss [0-9.]* | accuracy \([0-9.]*\)% | 352 samples (of 359 in the file: 7 left out, less than a batch)$/\1/p' <<<"$out")
   [[ -n "$accuracy" ]] || fail "no final evaluation: $out"
   /usr/bin/python3 -c "import sys; sys.exit(float(sys.argv[1]) < 97)" "$accuracy" || fail "digits test accuracy $accuracy% < 97%"
   echo "digits: test accuracy $accuracy% after 300 steps"
   # A residual network with BatchNorm (three blocks, a projection) too, at 400 steps.
   digits[2]="$(dirname "$0")/../../inputs/resnet-digits.toml"
   out=$(run 2 "${digits[@]}" --steps 400 2>&1) || fail "resnet digits: $out"
-  accuracy=$(sed -n 's/^eval step 400 | loss [0-9.]* | accuracy \([0-9.]*\)% | 352 samples$/\1/p' <<<"$out")
+  accuracy=$(sed -n 's/^eval step 400 | loss [0-9.]* | accuracy \([0-9.]*\)% | 352 samples (of 359 in the file: 7 left out, less than a batch)$/\1/p' <<<"$out")
   /usr/bin/python3 -c "import sys; sys.exit(float(sys.argv[1]) < 97)" "${accuracy:-0}" || fail "resnet digits accuracy '$accuracy' < 97%"
   echo "resnet digits: test accuracy $accuracy% after 400 steps"
+  # --eval-batches: the line says how many of the file's samples it left out.
+  out=$(run 2 "${digits[@]}" --steps 1 --eval-batches 2 2>&1) || fail "--eval-batches 2: $out"
+  grep -Eq "^eval step 1 \| .* \| 64 samples \(of 359 in the file: 295 left out, beyond --eval-batches\)$" <<<"$out" \
+    || fail "--eval-batches 2: the line does not say what it left out: $out"
   # Bad files: one line, exit 2, before training.
   /usr/bin/python3 - "$work" <<'PY'
 import sys, h5py, numpy as np

@@ -21,6 +21,13 @@ void install_stop_handlers(char** environment);
 // Whether a stop signal has come.
 bool stop_signalled();
 
+// Under Open MPI's mpirun: the seconds a rank has, once a SIGTERM to mpirun reaches it,
+// before mpirun's SIGKILL (odls_base_sigkill_timeout: mpirun sends SIGCONT, waits that
+// long, SIGTERM, waits again, SIGKILL). From --mca (the environment) or an MCA parameter
+// file; 1, Open MPI's default, where none sets it. -1 when not under mpirun (srun: the
+// cluster's KillWait, Slurm's --signal).
+double mpirun_kill_grace();
+
 // Threads per rank when --threads is 0: the cores the launcher bound this rank to, or,
 // when it did not bind (all cores visible), the node's cores shared by its ranks.
 // Collective over `world`.

@@ -76,7 +76,8 @@ struct StepResult {
 // for a model of tokens), over `samples` samples.
 struct EvalResult {
   double loss = 0, accuracy = 0;
-  std::int64_t samples = 0;
+  std::int64_t samples = 0;    // evaluated: whole batches
+  std::int64_t available = 0;  // in the held-out file (0: synthetic, unbounded)
 };
 
 // Runs `f` for step `step`, naming this rank and stage on an error that does not name

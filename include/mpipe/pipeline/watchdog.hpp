@@ -74,7 +74,13 @@ class Watchdog {
    private:
     Watchdog* dog_;
   };
+  // `seconds`: infinity for no deadline (liveness alone: start-up, whose reads and
+  // measurements have no size to bound them by).
   [[nodiscard]] Guard arm(std::string what, double seconds);
+  // What the armed stretch is doing now, for the line that ends the job (start-up's phases).
+  void doing(std::string what);
+  // The name the line gives this rank ("rank 3" until the grid names its stage).
+  void rename(std::string rank_name);
 
   // Whether heartbeats run (MPI_THREAD_MULTIPLE, more than one rank, liveness_s > 0).
   bool heartbeats() const { return heartbeats_; }
