@@ -24,6 +24,9 @@
 #   ROUNDS4=1 rounds, each schedule once per round, interleaved)
 #   ZB=0: skip table 5 (the quickstart GPT at K = 2, M = 4: 1f1b, zb-h1 and zb-h1 --in-flight 1f1b, ROUNDS5=3 rounds
 #   of STEPS5=40 steps, each schedule once per round, interleaved)
+#   REMAT=0: skip table 6 (--remat never, selective, except-last, always at K = 2, gpipe: the quickstart GPT at M = 8 and a GPT
+#   4 x 128 at T 512, batch 8, M = 4; ROUNDS6=2 rounds, interleaved; tokens/s and peak activation memory per rank
+#   against never's). BASELINE=PATH adds that binary's never and always rows (an older build) to the same rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -274,5 +277,49 @@ for name, vs in runs.items():  # each: tokens/s, bubble, unit-cost bubble, simul
           f"[{100 * min(bubbles):4.1f}-{100 * max(bubbles):4.1f}] {statistics.mean(bubbles) / base:7.2f}x "
           f"{100 * statistics.mean(float(v[3]) for v in vs):9.1f}% {peak0 / 2**20:7.1f} / {peak1 / 2**20:4.1f} MiB "
           f"{max(peak0, peak1) / base_peak:12.2f}x {'/'.join(sorted(losses)):>12}")
+PY
+fi
+
+# ---- 6. re-materialization: what each --remat mode costs and saves ----------------------
+if [[ "${REMAT:-1}" != 0 ]]; then
+  rounds6=${ROUNDS6:-2}
+  echo
+  echo "6. --remat at K = 2, gpipe, one thread per rank: tokens/s of the median step and peak activation memory"
+  echo "   of rank 0 / rank 1, each against --remat never of the same model; $rounds6 rounds, interleaved"
+  echo "   (base: ${BASELINE:-none} as a baseline binary, its rows marked 'base')"
+  quick=(--config inputs/quickstart.toml --micro-batches 8 --steps "${STEPS6Q:-40}")
+  long=(--model gpt --layers 4 --d-model 128 --heads 4 --seq-len 512 --vocab 256 --batch-size 8 --micro-batches 4
+        --steps "${STEPS6L:-10}")
+  rows6=()
+  for ((round = 0; round < rounds6; ++round)); do
+    for model in quick long; do
+      declare -n args6=$model
+      for row in never selective except-last always ${BASELINE:+base:never base:always}; do
+        binary=build/release/mpipe
+        [[ $row == base:* ]] && binary=$BASELINE
+        mpirun -n 2 --bind-to core "$binary" train "${args6[@]}" --threads 1 --log-every 1000000 --resume never \
+          --schedule gpipe --remat "${row#base:}" --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
+        rows6+=("$model $row $(summarize)")
+      done
+      unset -n args6
+    done
+  done
+  /usr/bin/python3 - "${rows6[@]}" <<'PY'
+import statistics, sys
+runs = {}
+for row in sys.argv[1:]:
+    model, mode, *v = row.split()
+    runs.setdefault((model, mode), []).append(v)
+names = {"quick": "quickstart GPT, M=8", "long": "GPT 4x128, T 512, M=4"}
+print(f"{'model':<22} {'remat':<16} {'tokens/s':>9} {'of never':>9} {'peak r0 / r1':>20} {'of never':>9} {'last loss':>12}")
+for (model, mode), vs in runs.items():
+    never = runs[(model, "never")]
+    tps = statistics.mean(float(v[0]) for v in vs)
+    base_tps = statistics.mean(float(v[0]) for v in never)
+    peak = max(max(float(v[4]), float(v[5])) for v in vs)
+    base_peak = max(max(float(v[4]), float(v[5])) for v in never)
+    p0, p1 = max(float(v[4]) for v in vs), max(float(v[5]) for v in vs)
+    print(f"{names[model]:<22} {mode:<16} {tps:9.0f} {tps / base_tps:8.2f}x {p0 / 2**20:8.1f} / {p1 / 2**20:5.1f} MiB "
+          f"{peak / base_peak:8.2f}x {'/'.join(sorted({v[6] for v in vs})):>12}")
 PY
 fi

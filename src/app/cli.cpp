@@ -111,7 +111,8 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "Model stages per rank, for --schedule interleaved (2 or more; stage m on pipeline stage m mod K); "
                  "zbv sets 2 (stages s and 2K-1-s on pipeline stage s)")
       ->capture_default_str();
-  cmd.add_option("--remat", p.remat, "Re-materialization: always, except-last or never")->capture_default_str();
+  cmd.add_option("--remat", p.remat, "Re-materialization: never; selective (keep GEMM inputs and outputs, recompute LayerNorm and GELU "
+                 "outputs in backward); except-last or always (recompute whole stages)")->capture_default_str();
   cmd.add_option("--batchnorm", p.batchnorm,
                  "BatchNorm's running statistics: micro (moved by each micro-batch, GPipe) or deferred (by the "
                  "mini-batch once per step, torchgpipe)")

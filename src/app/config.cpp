@@ -55,7 +55,7 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
                 "unknown --progress '", c.progress, "'");
   MPIPE_REQUIRE(word_index(p.remat, remat_names) >= 0,
-                "use --remat always, except-last or never", "unknown --remat '", p.remat, "'");
+                "use --remat never, selective, except-last or always", "unknown --remat '", p.remat, "'");
   MPIPE_REQUIRE(word_index(p.batchnorm, batchnorm_names) >= 0, "use --batchnorm micro or deferred",
                 "unknown --batchnorm '", p.batchnorm, "'");
   MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);

@@ -44,8 +44,8 @@ void print_plan(const Plan& plan, const Model& model) {
                 plan.links_measured ? "measured" : "configured", links.c_str(), work.c_str(), comm.c_str());
   }
   const double states = plan.state_copies();
-  std::printf("%-6s %-9s %-28s %10s %12s %14s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb", "weights+state",
-              "act. no remat", "act. remat");
+  std::printf("%-6s %-9s %-28s %10s %12s %14s %16s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb",
+              "weights+state", "act. no remat", "act. selective", "act. remat");
   for (int s = 0; s < part.stages(); ++s) {
     std::string kinds;
     for (int i = part.begin(s); i < part.end(s); ++i) {
@@ -57,10 +57,11 @@ void print_plan(const Plan& plan, const Model& model) {
     const bool split = schedule.splits(schedule.list_of(s));
     const StageMemory& f = plan.memory[static_cast<std::size_t>(s)];
     const auto at = static_cast<std::size_t>(s);
-    std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s\n", (v > 1 ? cat(s, " p", schedule.list_of(s)) : cat(s)).c_str(),
-                cat(part.begin(s), "-", part.end(s) - 1).c_str(), kinds.c_str(), human_count(f.params).c_str(),
-                (plan.flops.forward[at] + plan.flops.backward[at]) / 1e9, human_bytes(f32_bytes(f.params * states)).c_str(),
-                human_bytes(f.held(live, false, split)).c_str(), human_bytes(f.held(live, true, split)).c_str());
+    std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s %16s\n",
+                (v > 1 ? cat(s, " p", schedule.list_of(s)) : cat(s)).c_str(), cat(part.begin(s), "-", part.end(s) - 1).c_str(),
+                kinds.c_str(), human_count(f.params).c_str(), (plan.flops.forward[at] + plan.flops.backward[at]) / 1e9,
+                human_bytes(f32_bytes(f.params * states)).c_str(), human_bytes(f.held(live, false, split)).c_str(),
+                human_bytes(f.held(live, false, split, true)).c_str(), human_bytes(f.held(live, true, split)).c_str());
   }
   std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n",
               100 * plan.equal_bubble, plan.bubble_formula.c_str(), 100 * plan.predicted_bubble);

@@ -157,16 +157,14 @@ void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& do
     MPIPE_ON_GPU(dout, cuda::embedding_backward(dwte.f32(), dwpe.f32(), ptr<E>(dout), tokens.i32(), B, T, C, V));
 }
 
-Shape attention_state_shape(Device device, int64_t B, int64_t H, int64_t T) {
-  return device == Device::cpu ? Shape{B, H, T, T} : Shape{B, H, T};
-}
+Shape attention_state_shape(int64_t B, int64_t H, int64_t T) { return Shape{B, H, T}; }
 
 void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv, int64_t heads) {
   same_place("attention", out, qkv);
   same_device("attention", state, qkv);
   is_f32("attention", state);
   const int64_t B = out.shape[0], T = out.shape[1], C = out.shape[2];
-  MPIPE_CHECK(state.shape == attention_state_shape(qkv.device, B, heads, T), "attention state ", state.shape.str());
+  MPIPE_CHECK(state.shape == attention_state_shape(B, heads, T), "attention state ", state.shape.str());
   if (qkv.device == Device::cpu)
     cpu::attention_forward(out.f32(), state.f32(), qkv.f32(), B, T, C, heads);
   else
@@ -174,18 +172,18 @@ void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv
 }
 
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                        const Tensor& state, int64_t heads, Arena& arena) {
+                        const Tensor& state) {
   same_place("attention backward", dqkv, qkv);
   same_place("attention backward", dout, qkv);
   same_place("attention backward", out, qkv);
-  const int64_t B = dout.shape[0], T = dout.shape[1], C = dout.shape[2];
-  if (qkv.device == Device::cpu) {
-    Tensor dprobs = arena.tensor(state.shape);  // (B, H, T, T) scratch
-    cpu::attention_backward(dqkv.f32(), dprobs.f32(), dout.f32(), qkv.f32(), state.f32(), B, T, C, heads);
-  } else {
+  same_device("attention backward", state, qkv);
+  const int64_t B = dout.shape[0], T = dout.shape[1], C = dout.shape[2], heads = state.shape[1];
+  MPIPE_CHECK(state.shape == attention_state_shape(B, heads, T), "attention state ", state.shape.str());
+  if (qkv.device == Device::cpu)
+    cpu::attention_backward(dqkv.f32(), dout.f32(), qkv.f32(), out.f32(), state.f32(), B, T, C, heads);
+  else
     MPIPE_ON_GPU(qkv, cuda::attention_backward(ptr<E>(dqkv), ptr<E>(dout), ptr<E>(qkv), ptr<E>(out), state.f32(), B,
                                                T, C, heads));
-  }
 }
 
 double crossentropy_forward(const Tensor& lse, const Tensor& logits, const Tensor& targets, double* device_loss_sum) {

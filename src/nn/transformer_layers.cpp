@@ -71,7 +71,7 @@ Cost CausalSelfAttention::cost(const Shape& in) const {
   return {a.forward_flops + b.forward_flops + core,
           a.backward_flops + b.backward_flops + 2 * core,
           a.param_bytes + b.param_bytes,
-          a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T * T + B * T * C),
+          a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T) + f32_bytes(B * T * C),
           a.weight_flops + b.weight_flops,
           b.weight_stash_bytes};  // the qkv projection keeps its dy where q, k, v were
 }
@@ -92,8 +92,8 @@ Tensor CausalSelfAttention::forward_impl(const Tensor& x, Context& ctx, const Pa
   ctx.children = pass.arena->objects<Context>(2);
   Tensor qkv = qkv_.forward(x, ctx.children[0], pass);                // (B, T, 3C)
   Tensor att = pass.arena->tensor(Shape{B, T, C}, pass.dtype);       // (B, T, C)
-  // (B, H, T, T) probabilities on the CPU, (B, H, T) log-sum-exp on the GPU; fp32.
-  Tensor state = pass.arena->tensor(ops::attention_state_shape(x.device, B, heads_, T));
+  // (B, H, T) log-sum-exp, fp32: no (T, T) probabilities are kept.
+  Tensor state = pass.arena->tensor(ops::attention_state_shape(B, heads_, T));
   ops::attention_forward(att, state, qkv, heads_);
   ctx.saved[0] = qkv;
   ctx.saved[1] = state;
@@ -107,7 +107,7 @@ void CausalSelfAttention::backward_impl(Context& ctx, const Tensor& dy, const Te
   proj_.backward(ctx.children[1], dy, datt, GradMode::overwrite, pass);
   Tensor dqkv = pass.arena->tensor(Shape{B, T, 3 * C}, pass.dtype);  // (B, T, 3C)
   // The attention output is the projection's input, which its context keeps.
-  ops::attention_backward(dqkv, datt, ctx.saved[0], ctx.children[1].input, ctx.saved[1], heads_, *pass.arena);
+  ops::attention_backward(dqkv, datt, ctx.saved[0], ctx.children[1].input, ctx.saved[1]);
   // q, k, v are dead now: a split backward keeps dqkv for W in their place. (The output
   // projection above kept its dy where the caller's stash_into said, if it did.)
   Pass qkv_pass = pass;
@@ -142,11 +142,15 @@ Cost TransformerBlock::cost(const Shape& in) const {
                         fc_proj_.cost(wide)})
     total += c;
   total.activation_bytes += f32_bytes(static_cast<double>(in.numel()));  // the residual sum
+  // --remat selective: the two LayerNorm outputs (B, T, C) and GELU's (B, T, 4C) are
+  // recomputed from what is kept (their inputs; LayerNorm's statistics with them).
+  total.recomputable_bytes = f32_bytes(static_cast<double>(in.numel()) * 6);
+  total.recompute_flops = ln1_.cost(in).forward_flops + ln2_.cost(in).forward_flops + gelu_.cost(wide).forward_flops;
   // W keeps every dy in buffers B is done with: fc's where GELU's input was, the
   // attention's qkv and output projection theirs where q, k, v and the residual sum were,
-  // fc_proj's where the attention's probabilities were (the CPU's (B, H, T, T), when
-  // H·T >= C; otherwise it takes stash memory).
-  total.weight_stash_bytes = attn_.heads() * in[1] >= channels_ ? 0.0 : fc_proj_.cost(wide).weight_stash_bytes;
+  // fc_proj's (B, T, C) where the attention's log-sum-exp (B, H, T) was when H >= C;
+  // otherwise (every real model) it takes stash memory.
+  total.weight_stash_bytes = attn_.heads() >= channels_ ? 0.0 : fc_proj_.cost(wide).weight_stash_bytes;
   return total;
 }
 
@@ -169,12 +173,20 @@ void TransformerBlock::bind(std::span<const Tensor> params, std::span<const Tens
 Tensor TransformerBlock::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   const bool drop = pass.training && dropout_ > 0.0f;
   Context* c = ctx.children = pass.arena->objects<Context>(6);
-  Tensor h1 = ln1_.forward(x, c[0], pass);
+  // --remat selective: LayerNorm's and GELU's outputs (and LayerNorm's statistics) into
+  // the transient arena; the backward recomputes them (recompute_parts below).
+  Pass light = pass;
+  if (pass.transient) light.arena = pass.transient;
+  ctx.recompute_parts = pass.transient != nullptr;
+  Tensor h1 = ln1_.forward(x, c[0], light);
   Tensor a = attn_.forward(h1, c[1], pass);  // (B, T, C), owned by this call
   if (drop) ops::dropout_apply(a, a, dropout_, dropout_key(pass, global_index(), 1));
   ops::add(a, x);                            // a is now x2 = x + drop(attn(ln1(x)))
-  Tensor h2 = ln2_.forward(a, c[2], pass);
-  Tensor g = fc_.forward_gelu(h2, c[3], c[4], pass);  // GELU(fc(h2)), one GEMM epilogue on a GPU
+  Tensor h2 = ln2_.forward(a, c[2], light);
+  // GELU(fc(h2)): one GEMM epilogue on a GPU; under selective GELU apart, as its
+  // recomputation will be (bf16 on a GPU: the epilogue's rounding is cuBLASLt's own).
+  Tensor g = ctx.recompute_parts ? gelu_.forward(fc_.forward(h2, c[3], pass), c[4], light)
+                                 : fc_.forward_gelu(h2, c[3], c[4], pass);
   Tensor f = fc_proj_.forward(g, c[5], pass);
   if (drop) ops::dropout_apply(f, f, dropout_, dropout_key(pass, global_index(), 2));
   ops::add(f, a);                            // y = x2 + drop(mlp(ln2(x2)))
@@ -185,6 +197,18 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
                                      GradMode mode, const Pass& pass) {
   const bool drop = pass.training && dropout_ > 0.0f;
   Context* c = ctx.children;
+  if (ctx.recompute_parts) {
+    // --remat selective: what the forward let go, recomputed from what it kept, with the
+    // same ops on the same inputs (the same bits). Until W where split (the stash), else
+    // the backward's scratch.
+    Pass again = pass;
+    again.recompute = true;
+    again.stash = nullptr;
+    if (pass.stash) again.arena = pass.stash;
+    CausalSelfAttention::rebind_input(c[1], ln1_.forward(c[0].input, c[0], again));
+    c[3].input = ln2_.forward(c[2].input, c[2], again);
+    c[5].input = gelu_.forward(c[4].input, c[4], again);
+  }
   Tensor scratch = drop ? pass.arena->tensor(dy.shape, pass.dtype) : Tensor{};  // (B, T, C)
   // MLP branch.
   Tensor df = dy;
@@ -224,8 +248,8 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
   attn_.backward(c[1], da, dh, GradMode::overwrite, attn_pass);       // dh is now d(h1)
   if (pass.stash) {
     // The attention's state is dead now: fc_proj's dy moves there for W (before dx is
-    // written, which a caller may have given as dy), or, where the state is smaller (a
-    // GPU's log-sum-exp), into the stash.
+    // written, which a caller may have given as dy), or, where the state is smaller (its
+    // log-sum-exp, unless H >= C), into the stash.
     Tensor& kept = c[5].output_grad;
     const Tensor& state = CausalSelfAttention::state(c[1]);
     const Tensor into = state.bytes() >= kept.bytes() ? Tensor{state.data, kept.shape, kept.dtype, kept.device}

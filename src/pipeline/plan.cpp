@@ -19,6 +19,7 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       const Cost c = model.layer(i).cost(shapes[static_cast<std::size_t>(i)]);
       m.params += static_cast<double>(c.param_bytes) / word_bytes;
       m.activation += static_cast<double>(c.activation_bytes);
+      m.recomputable += static_cast<double>(c.recomputable_bytes);
       // A Linear whose next layer on the stage has no W keeps its dy in its own output's
       // buffer (Stage::backward, keeps_dy_in_output): no stash of its own.
       if (!keeps_dy_in_output(model, i, part.end(s))) m.stash += static_cast<double>(c.weight_stash_bytes);
@@ -53,7 +54,7 @@ double Plan::activation_bytes(int stage) const {
   double bytes = 0;
   for (const int m : schedule.stages_of(stage))
     bytes += memory[static_cast<std::size_t>(m)].held(in_flight(schedule, stage, schedule.virtual_stages > 1 ? m : -1),
-                                                       remat_stage(stage), schedule.splits(stage));
+                                                       remat_stage(stage), schedule.splits(stage), selective());
   return bytes;
 }
 

@@ -278,9 +278,9 @@ TEST_CASE_TEMPLATE("cuda op: attention forward (out, lse) and backward (dqkv)", 
     const int64_t B = s.B, T = s.T, C = s.C, H = s.H;
     const auto qkv = rounded<E>(normals(B * T * 3 * C, 60));
     const auto dout = rounded<E>(normals(B * T * C, 61));
-    std::vector<float> out(B * T * C), probs(B * H * T * T), dqkv(B * T * 3 * C), dprobs(B * H * T * T);
-    cpu::attention_forward(out.data(), probs.data(), qkv.data(), B, T, C, H);
-    cpu::attention_backward(dqkv.data(), dprobs.data(), dout.data(), qkv.data(), probs.data(), B, T, C, H);
+    std::vector<float> out(B * T * C), lse(B * H * T), dqkv(B * T * 3 * C);
+    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, H);
+    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, H);
 
     const DeviceArray<E> d_qkv = upload<E>(qkv), d_dout = upload<E>(dout);
     DeviceArray<E> d_out(B * T * C), d_dqkv(B * T * 3 * C);
@@ -289,6 +289,7 @@ TEST_CASE_TEMPLATE("cuda op: attention forward (out, lse) and backward (dqkv)", 
     cuda::attention_backward(d_dqkv.get(), d_dout.get(), d_qkv.get(), d_out.get(), d_lse.get(), B, T, C, H);
     CHECK(error(download(d_out), out) < tolerance<E>);
     CHECK(error(d_lse.read(), attention_lse(qkv, B, T, C, H)) < fp32_tolerance);
+    CHECK(error(lse, attention_lse(qkv, B, T, C, H)) < fp32_tolerance);
     CHECK(error(download(d_dqkv), dqkv) < tolerance<E>);
   }
 }

@@ -127,13 +127,23 @@ def main():
         print(f"step {step}: lr {lr:.3e} loss mpipe {ours[step]:.9g} torch {loss.item():.9g} rel {e:.2e}")
         if e > TOL:
             failures.append(f"loss at step {step}: rel error {e:.2e}")
-    worst_key = max(params, key=lambda k: rel(final[k], params[k].detach().numpy()))
-    worst_final = rel(final[worst_key], params[worst_key].detach().numpy())
+    # The key third of an attention's c_attn.bias has a true gradient of exactly zero
+    # (softmax ignores a shift of all keys): both sides step it by float noise that Adam
+    # normalises to full-size updates of either sign, so it is no comparison of the two.
+    # The final values compare without it (its step-0 gradient is compared above).
+    def compared(key, value):
+        value = np.asarray(value)
+        if key[1].endswith("attn.c_attn.bias"):
+            third = value.shape[0] // 3
+            return np.concatenate([value[:third], value[2 * third:]])
+        return value
+
+    def final_error(key):
+        return rel(compared(key, final[key]), compared(key, params[key].detach().numpy()))
+    worst_key = max(params, key=final_error)
+    worst_final = final_error(worst_key)
     print(f"parameters after {len(ours)} steps: worst rel error {worst_final:.2e} (layer {worst_key[0]} {worst_key[1]})")
-    # Loose on purpose: the key part of c_attn.bias has a true gradient of exactly zero
-    # (softmax ignores a shift of all keys), so both sides step it by float noise that
-    # Adam normalises to full-size updates of either sign.
-    # The same for the BatchNorm biases inside a residual block whose last BatchNorm starts
+    # Loose on purpose for the BatchNorm biases inside a residual block whose last BatchNorm starts
     # at scale 0 (the resnet preset): their gradients are that scale times a normal one,
     # float noise weighs in, and Adam's normalisation turns it into steps of either sign
     # (1.2e-2 after 10 steps, while every loss agrees to 2e-5): --final-tol.

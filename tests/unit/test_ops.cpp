@@ -242,3 +242,103 @@ TEST_CASE("the flat-store Tensor ops: transfer copies, scale is cpu::scale, Span
   for (std::size_t i = 0; i < offsets.size(); ++i) CHECK(got[i] == cpu::sum_squares(x.data() + offsets[i], sizes[i]));
   CHECK_THROWS_AS(ops::transfer(make_tensor(y.data(), Shape{3}), make_tensor(x.data(), all)), Error);
 }
+
+namespace {
+// Causal attention in float64, the whole (T, T) at once: out, each row's log-sum-exp, and
+// dqkv for an upstream gradient dout. The definition the tiled CPU kernel must meet.
+struct AttentionReference {
+  std::vector<double> out, lse, dqkv;
+};
+AttentionReference attention_reference(const std::vector<float>& qkv, const std::vector<float>& dout, int64_t B,
+                                       int64_t T, int64_t C, int64_t H) {
+  const int64_t hs = C / H;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
+  AttentionReference r{std::vector<double>(B * T * C), std::vector<double>(B * H * T), std::vector<double>(B * T * 3 * C)};
+  auto at = [&](int64_t b, int64_t t, int64_t part, int64_t h, int64_t d) {
+    return static_cast<double>(qkv[static_cast<std::size_t>((b * T + t) * 3 * C + part * C + h * hs + d)]);
+  };
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      std::vector<double> p(static_cast<std::size_t>(T * T), 0.0);
+      for (int64_t i = 0; i < T; ++i) {
+        double mx = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j <= i; ++j) {
+          double dot = 0;
+          for (int64_t d = 0; d < hs; ++d) dot += at(b, i, 0, h, d) * at(b, j, 1, h, d);
+          p[i * T + j] = dot * scale;
+          mx = std::max(mx, p[i * T + j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j <= i; ++j) sum += std::exp(p[i * T + j] - mx);
+        r.lse[static_cast<std::size_t>((b * H + h) * T + i)] = mx + std::log(sum);
+        for (int64_t j = 0; j <= i; ++j) p[i * T + j] = std::exp(p[i * T + j] - mx) / sum;
+        for (int64_t d = 0; d < hs; ++d) {
+          double o = 0;
+          for (int64_t j = 0; j <= i; ++j) o += p[i * T + j] * at(b, j, 2, h, d);
+          r.out[static_cast<std::size_t>((b * T + i) * C + h * hs + d)] = o;
+        }
+      }
+      auto dy = [&](int64_t t, int64_t d) { return static_cast<double>(dout[static_cast<std::size_t>((b * T + t) * C + h * hs + d)]); };
+      auto grad = [&](int64_t t, int64_t part, int64_t d) -> double& {
+        return r.dqkv[static_cast<std::size_t>((b * T + t) * 3 * C + part * C + h * hs + d)];
+      };
+      for (int64_t i = 0; i < T; ++i) {
+        std::vector<double> dp(static_cast<std::size_t>(i + 1));
+        double dot = 0;
+        for (int64_t j = 0; j <= i; ++j) {
+          for (int64_t d = 0; d < hs; ++d) dp[j] += dy(i, d) * at(b, j, 2, h, d);
+          dot += p[i * T + j] * dp[j];
+        }
+        for (int64_t j = 0; j <= i; ++j) {
+          const double ds = p[i * T + j] * (dp[j] - dot) * scale;
+          for (int64_t d = 0; d < hs; ++d) {
+            grad(j, 2, d) += p[i * T + j] * dy(i, d);
+            grad(i, 0, d) += ds * at(b, j, 1, h, d);
+            grad(j, 1, d) += ds * at(b, i, 0, h, d);
+          }
+        }
+      }
+    }
+  return r;
+}
+
+double max_relative_error(const std::vector<float>& got, const std::vector<double>& want) {
+  double worst = 0, scale = 1e-3;
+  for (double w : want) scale = std::max(scale, std::abs(w));
+  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]) / scale);
+  return worst;
+}
+}  // namespace
+
+TEST_CASE("attention: the tiled CPU kernel (no T x T stored) meets float64 attention at tile edges, and a sample's result does not depend on its batch") {
+  struct Case {
+    int64_t B, T, C, H;
+  };
+  // One tile, one short of two, two exactly, two and a row, several with a partial last; hs 8, 20 and 64.
+  for (const Case c : {Case{2, 1, 16, 2}, Case{1, 63, 16, 2}, Case{2, 64, 40, 2}, Case{1, 65, 16, 2}, Case{2, 150, 24, 3},
+                       Case{1, 200, 64, 1}}) {
+    CAPTURE(c.T);
+    CAPTURE(c.C);
+    const int64_t B = c.B, T = c.T, C = c.C, H = c.H;
+    std::vector<float> qkv(static_cast<std::size_t>(B * T * 3 * C)), dout(static_cast<std::size_t>(B * T * C));
+    for (std::size_t i = 0; i < qkv.size(); ++i) qkv[i] = 1.5f * std::sin(0.731f * static_cast<float>(i) + 0.3f);
+    for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = std::cos(0.417f * static_cast<float>(i));
+    std::vector<float> out(static_cast<std::size_t>(B * T * C)), lse(static_cast<std::size_t>(B * H * T)),
+        dqkv(qkv.size(), 123.0f);  // overwritten, not accumulated into
+    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, H);
+    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, H);
+    const AttentionReference want = attention_reference(qkv, dout, B, T, C, H);
+    CHECK(max_relative_error(out, want.out) < 1e-5);
+    CHECK(max_relative_error(lse, want.lse) < 1e-5);
+    CHECK(max_relative_error(dqkv, want.dqkv) < 1e-5);
+    if (B < 2) continue;
+    // The second sample alone: bitwise its part of the batch (partition transparency).
+    const std::vector<float> qkv1(qkv.begin() + T * 3 * C, qkv.end()), dout1(dout.begin() + T * C, dout.end());
+    std::vector<float> out1(static_cast<std::size_t>(T * C)), lse1(static_cast<std::size_t>(H * T)), dqkv1(qkv1.size());
+    cpu::attention_forward(out1.data(), lse1.data(), qkv1.data(), 1, T, C, H);
+    cpu::attention_backward(dqkv1.data(), dout1.data(), qkv1.data(), out1.data(), lse1.data(), 1, T, C, H);
+    CHECK(std::equal(out1.begin(), out1.end(), out.begin() + T * C));
+    CHECK(std::equal(lse1.begin(), lse1.end(), lse.begin() + H * T));
+    CHECK(std::equal(dqkv1.begin(), dqkv1.end(), dqkv.begin() + T * 3 * C));
+  }
+}

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
 
 #include "mpipe/app/config.hpp"
@@ -242,26 +243,43 @@ TEST_CASE("weight-gradient cost: what W runs and keeps is every Linear's and Con
   const Cost block = m.layer(1).cost(shapes[1]);
   CHECK(m.layer(1).kind() == "block");
   CHECK(block.weight_flops == doctest::Approx(2 * rows * C * C * (3 + 1 + 4 + 4)));
-  // qkv, proj, fc and fc_proj keep theirs where q, k, v, the residual sum, GELU's input
-  // and the attention's probabilities (H·T = 16 >= C) were: no stash memory.
-  CHECK(block.weight_stash_bytes == 0);
+  // qkv, proj and fc keep theirs where q, k, v, the residual sum and GELU's input were;
+  // fc_proj's (B, T, C) does not fit where the attention's log-sum-exp (B, H, T) was:
+  // stash memory.
+  CHECK(block.weight_stash_bytes == f32_bytes(rows * C));
   CHECK(block.weight_flops < block.backward_flops);  // the attention core and the rest stay in B
   const Cost norm = m.layer(2).cost(shapes[2]);      // the final LayerNorm: its gradients all in B
   CHECK(norm.weight_flops == 0);
   CHECK(norm.weight_stash_bytes == 0);
 }
 
-TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forward buffers, bitwise the fused one, in the fused one's scratch") {
-  ModelConfig c = one_block_gpt();
-  c.dropout = 0.1f;
-  Model m(c);
-  ParamStore store(m, std::vector<int>{1}, 7);
-  const Shape in = m.shapes(2)[1];  // (2, 8, 16)
-  std::vector<float> x(static_cast<std::size_t>(in.numel())), dy(x.size());
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    x[i] = std::sin(0.37f * static_cast<float>(i));
-    dy[i] = std::cos(0.11f * static_cast<float>(i)) * 0.1f;
+// One GPT block (dropout 0.1) with its parameters, and a fixed input and output gradient.
+struct BlockCase {
+  Model m;
+  ParamStore store;
+  Shape in;
+  std::vector<float> x, dy;
+  BlockCase() : m(dropout_gpt()), store(m, std::vector<int>{1}, 7), in(m.shapes(2)[1]) {  // in: (2, 8, 16)
+    x.resize(static_cast<std::size_t>(in.numel()));
+    dy.resize(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      x[i] = std::sin(0.37f * static_cast<float>(i));
+      dy[i] = std::cos(0.11f * static_cast<float>(i)) * 0.1f;
+    }
   }
+  static ModelConfig dropout_gpt() {
+    ModelConfig c = one_block_gpt();
+    c.dropout = 0.1f;
+    return c;
+  }
+};
+
+TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forward buffers, bitwise the fused one, in the fused one's scratch") {
+  BlockCase block;
+  Model& m = block.m;
+  ParamStore& store = block.store;
+  const Shape in = block.in;
+  std::vector<float>&x = block.x, &dy = block.dy;
   auto gradients = [&](bool split, std::size_t* stash_bytes, std::size_t* scratch_bytes) {
     Arena slot, scratch, stash;
     Pass pass;
@@ -288,11 +306,63 @@ TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forwa
                            split = gradients(true, &stash_bytes, &split_scratch);
   REQUIRE(fused.size() == split.size());
   CHECK(std::memcmp(fused.data(), split.data(), fused.size() * sizeof(float)) == 0);
-  // Nothing: every W's output gradient is in a buffer of the forward's that B is done with.
-  CHECK(stash_bytes == 0);
+  // Only fc_proj's (B, T, C): every other W's output gradient is in a buffer of the
+  // forward's that B is done with (the attention keeps no (T, T) probabilities to reuse).
+  CHECK(stash_bytes == static_cast<std::size_t>(in.numel()) * sizeof(float));
   // With dropout the MLP's dy waits in the dropout scratch for W; the attention's dy then
   // takes a buffer that is dead by then, not a new one (--in-flight 1f1b: 1F1B's memory).
   CHECK(split_scratch == fused_scratch);
+}
+
+TEST_CASE("--remat selective: a GPT block keeps 6 (B, T, C) fewer, recomputes them in backward, bitwise never's gradients, fused and split") {
+  BlockCase block;
+  Model& m = block.m;
+  ParamStore& store = block.store;
+  const Shape in = block.in;
+  std::vector<float>&x = block.x, &dy = block.dy;
+  // Gradients (and dx) of one forward and backward; the forward's kept bytes.
+  auto gradients = [&](bool selective, bool split, std::size_t* kept_bytes) {
+    Arena slot, transient, scratch, stash;
+    Pass pass;
+    pass.seed = 3;
+    pass.step = 1;
+    pass.arena = &slot;
+    if (selective) pass.transient = &transient;
+    store.zero_grads();
+    Context ctx;
+    m.layer(1).forward(make_tensor(x.data(), in), ctx, pass);
+    *kept_bytes = slot.high_water();
+    // Dead once the forward has returned: poisoned, so that a backward reading it, not
+    // its recomputation, fails the comparison below.
+    const std::size_t dead = transient.high_water();
+    transient.reset();
+    if (dead > 0) {
+      const Tensor poison = transient.tensor(Shape{static_cast<int64_t>(dead / sizeof(float))});
+      std::fill_n(static_cast<float*>(poison.data), poison.numel(), std::numeric_limits<float>::quiet_NaN());
+    }
+    pass.transient = nullptr;
+    pass.arena = &scratch;
+    if (split) pass.stash = &stash;
+    Tensor dx = scratch.tensor(in);
+    m.layer(1).backward(ctx, make_tensor(dy.data(), in), dx, GradMode::overwrite, pass);
+    if (split) m.layer(1).backward_weight(ctx, pass);
+    std::vector<float> out(store.grads().begin(), store.grads().end());
+    const float* d = static_cast<const float*>(dx.data);
+    out.insert(out.end(), d, d + in.numel());
+    return out;
+  };
+  std::size_t never_kept = 0, selective_kept = 0, unused = 0;
+  const std::vector<float> never = gradients(false, false, &never_kept);
+  for (const bool split : {false, true}) {
+    CAPTURE(split);
+    const std::vector<float> selective = gradients(true, split, split ? &unused : &selective_kept);
+    REQUIRE(selective.size() == never.size());
+    CHECK(std::memcmp(selective.data(), never.data(), never.size() * sizeof(float)) == 0);
+  }
+  // LayerNorm's two outputs and GELU's (B, T, 4C), LayerNorm's statistics with them.
+  const std::size_t btc = static_cast<std::size_t>(in.numel()) * sizeof(float);
+  CHECK(never_kept - selective_kept >= 6 * btc);
+  CHECK(m.layer(1).cost(in).recomputable_bytes == doctest::Approx(6.0 * static_cast<double>(btc)));
 }
 
 TEST_CASE("a stage's split backward keeps a Linear's dy in its output's buffer where no later W reads it, bitwise the fused one") {
@@ -359,7 +429,9 @@ kind = "cross_entropy"
     const std::vector<float> fused = gradients(false, nullptr), split = gradients(true, &stash_bytes);
     REQUIRE(fused.size() == split.size());
     CHECK(std::memcmp(fused.data(), split.data(), fused.size() * sizeof(float)) == 0);
-    if (reused) CHECK(stash_bytes == 0);
+    // GPT: only the block's fc_proj dy (B, T, C) (the attention keeps no (T, T) to reuse).
+    if (name == "gpt") CHECK(stash_bytes == static_cast<std::size_t>(shapes[1].numel()) * sizeof(float));
+    else if (reused) CHECK(stash_bytes == 0);
     else CHECK(stash_bytes > 0);  // the second Linear's input was not overwritten: the sums above agree
   }
 }

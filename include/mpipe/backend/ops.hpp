@@ -46,13 +46,13 @@ void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor&
 void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe);
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& tokens);
 
-// What the attention core keeps for backward: the probabilities (B, H, T, T) on the
-// CPU, the scores' log-sum-exp (B, H, T) on the GPU. Always fp32.
-Shape attention_state_shape(Device device, int64_t B, int64_t H, int64_t T);
+// What the attention core keeps for backward: the scores' log-sum-exp (B, H, T), fp32,
+// on either device (no (T, T) matrix is stored: the backward recomputes it tile by tile).
+Shape attention_state_shape(int64_t B, int64_t H, int64_t T);
 void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv, int64_t heads);
-// `out` is the forward's output (the GPU backward uses it); scratch comes from `arena`.
+// `out` is the forward's output (each row's dO·O).
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
-                        const Tensor& state, int64_t heads, Arena& arena);
+                        const Tensor& state);
 
 // The summed -log p(target) of the rows. The CPU returns it; the GPU adds it to
 // *device_loss_sum (one double in device memory; null: not counted) and returns 0, so

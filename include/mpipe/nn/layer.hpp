@@ -59,6 +59,9 @@ struct Cost {
   // Split backward (zero-bubble schedules): the part of backward_flops that
   // backward_weight() runs, and the output gradient kept for it until then.
   double weight_flops = 0, weight_stash_bytes = 0;
+  // --remat selective: the part of activation_bytes a forward does not keep, and the
+  // FLOPs its backward spends to recompute it (elementwise work: LayerNorm, GELU).
+  double recomputable_bytes = 0, recompute_flops = 0;
   Cost& operator+=(const Cost& c) {  // composite layers: the sum of their parts
     forward_flops += c.forward_flops;
     backward_flops += c.backward_flops;
@@ -66,6 +69,8 @@ struct Cost {
     activation_bytes += c.activation_bytes;
     weight_flops += c.weight_flops;
     weight_stash_bytes += c.weight_stash_bytes;
+    recomputable_bytes += c.recomputable_bytes;
+    recompute_flops += c.recompute_flops;
     return *this;
   }
 };
@@ -93,6 +98,9 @@ struct Pass {
   // residual sum): the Linear that receives that dy (the part, or an attention's output
   // projection) keeps it there instead of taking more stash memory.
   Tensor stash_into;
+  // --remat selective, in a training forward: where a layer that supports it puts what
+  // its backward recomputes (dead once the forward returns); null: keep everything.
+  Arena* transient = nullptr;
 };
 
 // What backward needs from one forward call. Trivially destructible: it lives in the
@@ -105,6 +113,7 @@ struct Context {
   double value = 0.0;  // the loss layer's summed loss (on the CPU; see Pass)
   double correct = 0.0;  // evaluation: the loss layer's rows predicted right
   Tensor output_grad;    // split backward: the dy kept for backward_weight() (in Pass::stash)
+  bool recompute_parts = false;  // --remat selective: backward recomputes what the forward let go
 };
 
 class Layer {

@@ -46,9 +46,14 @@ class CausalSelfAttention final : public Layer {
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
   int64_t heads() const { return heads_; }
   // What a forward kept for the attention's backward, dead once backward() has run (its
-  // memory lives as long as the forward's): (B, H, T, T) probabilities on the CPU, fp32;
-  // (B, H, T) log-sum-exp on a GPU.
+  // memory lives as long as the forward's): the (B, H, T) log-sum-exp, fp32.
   static const Tensor& state(const Context& ctx) { return ctx.saved[1]; }
+  // --remat selective: the input the forward let go, recomputed, for the backward (the
+  // qkv projection's weight gradient reads it).
+  static void rebind_input(Context& ctx, const Tensor& x) {
+    ctx.input = x;
+    ctx.children[0].input = x;
+  }
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
@@ -62,7 +67,9 @@ class CausalSelfAttention final : public Layer {
 };
 
 // Pre-LayerNorm transformer block: x + drop(attn(ln1(x))), then + drop(mlp(ln2(.))),
-// the MLP being Linear(C, 4C), GELU, Linear(4C, C).
+// the MLP being Linear(C, 4C), GELU, Linear(4C, C). Under --remat selective the forward
+// keeps neither LayerNorm's output nor GELU's (6 of its 16 (B, T, C) activations); the
+// backward recomputes them from the kept inputs, bitwise the same values.
 class TransformerBlock final : public Layer {
  public:
   TransformerBlock(int64_t channels, int64_t heads, float dropout, float init_std, float proj_std);

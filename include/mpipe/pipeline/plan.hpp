@@ -24,8 +24,11 @@
 namespace mpipe {
 
 // Each option's words in enum order: the one list that parsing and printing read.
-enum class Remat { never, except_last, always };
-inline constexpr std::array<const char*, 3> remat_names{"never", "except-last", "always"};
+// selective: every micro-batch keeps what is costly to recompute (GEMM inputs and
+// outputs) and recomputes in its backward what is cheap and large (each layer's cost
+// says which: recomputable_bytes), as Megatron-LM's selective recomputation.
+enum class Remat { never, except_last, always, selective };
+inline constexpr std::array<const char*, 4> remat_names{"never", "except-last", "always", "selective"};
 // When BatchNorm's running statistics move: each micro-batch (GPipe) or once per step
 // toward the mini-batch's (torchgpipe).
 enum class BatchNormRule { micro, deferred };
@@ -89,11 +92,15 @@ struct StageMemory {
   double activation = 0;  // bytes a forward keeps for its backward
   double boundary = 0;    // bytes of the stage's input: all a rematerialized micro-batch keeps
   double stash = 0;       // bytes a split backward keeps from B to W (the dy of each weight layer)
+  double recomputable = 0;  // of `activation`: what --remat selective recomputes instead of keeping
   // Activation bytes held with `live` micro-batches in flight: without remat each keeps
   // its activations; with remat only its input, plus one micro-batch's while recomputing.
   // A stage that splits its backwards (zero bubble) also keeps W's output gradients, and
   // under remat its recomputation lives until W.
-  double held(int live, bool remat, bool split = false) const {
+  // Under --remat selective each keeps its activations less the recomputable part, and
+  // one micro-batch's recomputation lives in the backward (until W where split).
+  double held(int live, bool remat, bool split = false, bool selective = false) const {
+    if (selective) return live * (activation - recomputable + (split ? stash + recomputable : 0)) + recomputable;
     const double each = activation + (split ? stash : 0);
     return remat && !split ? live * boundary + activation : live * each;
   }
@@ -128,6 +135,7 @@ struct Plan {
   }
   // Whether pipeline stage `stage` keeps only its micro-batches' inputs (the memory rule
   // of --remat: except-last keeps the last stage's whole).
+  bool selective() const { return options.remat == Remat::selective; }
   bool remat_stage(int stage) const {
     return options.remat == Remat::always || (options.remat == Remat::except_last && stage + 1 < grid.stages);
   }

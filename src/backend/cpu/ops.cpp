@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "mpipe/backend/cpu/vmath.hpp"
 #include "mpipe/core/error.hpp"
@@ -205,76 +206,141 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
 }
 
 // ---- attention ---------------------------------------------------------------------
-// Per (batch, head): S = Q K^T / sqrt(hs) and O = P V as BLAS GEMMs on strided views of
-// qkv; the causal softmax in between. Called inside an OpenMP loop over (b, h), where
-// OpenMP-flavoured OpenBLAS runs each call on the calling thread.
+// FlashAttention (Dao et al., 2022; FA-2's loop order) on the CPU. Per (batch, head), a
+// query tile of `attention_tile` rows meets the key tiles at or before it (causal: the
+// tiles after it are skipped, half the work of the whole T x T): S = Q K^T / sqrt(hs)
+// and O += P V as BLAS GEMMs on strided views of qkv, the online softmax in between.
+// Only a tile's scores live at a time (on the stack); the backward recomputes them from
+// q, k and the forward's log-sum-exp. Called inside an OpenMP loop over (b, h), where
+// OpenMP-flavoured OpenBLAS runs each call on the calling thread; each (b, h) writes only
+// its own columns, so the loop needs no reduction. Every tile's arithmetic is the same
+// for a sample whatever the batch it comes in (partition transparency).
 
-void attention_forward(float* out, float* probs, const float* qkv, int64_t B, int64_t T,
-                       int64_t C, int64_t H) {
-  const int64_t hs = C / H;
+namespace {
+constexpr int64_t attention_tile = 64;
+}
+
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t H) {
+  const int64_t hs = C / H, ld = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  constexpr int64_t tile = attention_tile;
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H;
-    const float* q = qkv + b * T * 3 * C + h * hs;
+    const float* q = qkv + b * T * ld + h * hs;
     const float* k = q + C;
     const float* v = q + 2 * C;
-    float* p = probs + bh * T * T;  // (T, T)
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, scale, q, 3 * C, k, 3 * C,
-                0.0f, p, T);
-    for (int64_t t = 0; t < T; ++t) {
-      float* row = p + t * T;
-      float mx = row[0];
-      for (int64_t s = 1; s <= t; ++s) mx = std::max(mx, row[s]);
-      float sum = 0.0f;
-      for (int64_t s = 0; s <= t; ++s) {
-        row[s] = std::exp(row[s] - mx);
-        sum += row[s];
+    float* o = out + b * T * C + h * hs;
+    float* row_lse = lse + bh * T;
+    float s[tile * tile];          // (rows, keys) scores, then probabilities
+    float m[tile], l[tile];        // each row's running maximum and sum
+    for (int64_t i0 = 0; i0 < T; i0 += tile) {
+      const int64_t rows = std::min(tile, T - i0);
+      for (int64_t r = 0; r < rows; ++r) {
+        std::fill_n(o + (i0 + r) * C, hs, 0.0f);
+        m[r] = -std::numeric_limits<float>::infinity();
+        l[r] = 0.0f;
       }
-      const float inv = 1.0f / sum;
-      for (int64_t s = 0; s <= t; ++s) row[s] *= inv;
-      for (int64_t s = t + 1; s < T; ++s) row[s] = 0.0f;
+      for (int64_t j0 = 0; j0 < i0 + rows; j0 += tile) {  // key tiles with a key at or before a row
+        const int64_t keys = std::min(tile, i0 + rows - j0);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, scale, q + i0 * ld, ld, k + j0 * ld, ld,
+                    0.0f, s, tile);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = s + r * tile;
+          const int64_t seen = std::clamp<int64_t>(i0 + r - j0 + 1, 0, keys);  // keys at or before the query
+          float mx = m[r];
+          for (int64_t c = 0; c < seen; ++c) mx = std::max(mx, row[c]);
+          float sum = 0.0f;
+          for (int64_t c = 0; c < seen; ++c) {
+            row[c] = std::exp(row[c] - mx);
+            sum += row[c];
+          }
+          std::fill(row + seen, row + keys, 0.0f);
+          if (mx != m[r]) {  // a new maximum: what came before shrinks
+            const float shrink = std::exp(m[r] - mx);  // 0 for the first
+            float* orow = o + (i0 + r) * C;
+            for (int64_t c = 0; c < hs; ++c) orow[c] *= shrink;
+            l[r] *= shrink;
+            m[r] = mx;
+          }
+          l[r] += sum;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, keys, 1.0f, s, tile, v + j0 * ld, ld, 1.0f,
+                    o + i0 * C, C);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const float inv = 1.0f / l[r];
+        float* orow = o + (i0 + r) * C;
+        for (int64_t c = 0; c < hs; ++c) orow[c] *= inv;
+        row_lse[i0 + r] = m[r] + std::log(l[r]);
+      }
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, 1.0f, p, T, v, 3 * C, 0.0f,
-                out + b * T * C + h * hs, C);
   }
 }
 
-void attention_backward(float* dqkv, float* dprobs, const float* dout, const float* qkv,
-                        const float* probs, int64_t B, int64_t T, int64_t C, int64_t H) {
-  const int64_t hs = C / H;
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                        int64_t B, int64_t T, int64_t C, int64_t H) {
+  const int64_t hs = C / H, ld = 3 * C;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  constexpr int64_t tile = attention_tile;
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H;
-    const float* q = qkv + b * T * 3 * C + h * hs;
+    const float* q = qkv + b * T * ld + h * hs;
     const float* k = q + C;
     const float* v = q + 2 * C;
-    float* dq = dqkv + b * T * 3 * C + h * hs;
+    const float* o = out + b * T * C + h * hs;
+    const float* dy = dout + b * T * C + h * hs;
+    const float* row_lse = lse + bh * T;
+    float* dq = dqkv + b * T * ld + h * hs;
     float* dk = dq + C;
     float* dv = dq + 2 * C;
-    const float* p = probs + bh * T * T;
-    float* dp = dprobs + bh * T * T;
-    const float* dy = dout + b * T * C + h * hs;
-    // dP (T, T) = dO (T, hs) · V^T ; dV (T, hs) = P^T · dO
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, T, hs, 1.0f, dy, C, v, 3 * C, 0.0f,
-                dp, T);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, 1.0f, p, T, dy, C, 0.0f, dv,
-                3 * C);
-    // dS = P * (dP - rowsum(P * dP)), in place over dP; zero where masked.
     for (int64_t t = 0; t < T; ++t) {
-      const float* prow = p + t * T;
-      float* drow = dp + t * T;
-      float dot = 0.0f;
-      for (int64_t s = 0; s <= t; ++s) dot += prow[s] * drow[s];
-      for (int64_t s = 0; s <= t; ++s) drow[s] = prow[s] * (drow[s] - dot);
-      for (int64_t s = t + 1; s < T; ++s) drow[s] = 0.0f;
+      std::fill_n(dq + t * ld, hs, 0.0f);
+      std::fill_n(dk + t * ld, hs, 0.0f);
+      std::fill_n(dv + t * ld, hs, 0.0f);
     }
-    // dQ = scale · dS · K ; dK = scale · dS^T · Q
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, T, hs, T, scale, dp, T, k, 3 * C,
-                0.0f, dq, 3 * C);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, T, hs, T, scale, dp, T, q, 3 * C, 0.0f,
-                dk, 3 * C);
+    float p[tile * tile], dp[tile * tile];  // (rows, keys): probabilities; their gradient, then dS
+    float delta[tile];                      // each row's dO · O (= rowsum(P * dP))
+    for (int64_t i0 = 0; i0 < T; i0 += tile) {
+      const int64_t rows = std::min(tile, T - i0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* dyrow = dy + (i0 + r) * C;
+        const float* orow = o + (i0 + r) * C;
+        float dot = 0.0f;
+        for (int64_t c = 0; c < hs; ++c) dot += dyrow[c] * orow[c];
+        delta[r] = dot;
+      }
+      for (int64_t j0 = 0; j0 < i0 + rows; j0 += tile) {
+        const int64_t keys = std::min(tile, i0 + rows - j0);
+        // P = exp(S - lse), zero where masked.
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, scale, q + i0 * ld, ld, k + j0 * ld, ld,
+                    0.0f, p, tile);
+        for (int64_t r = 0; r < rows; ++r) {
+          float* row = p + r * tile;
+          const int64_t seen = std::clamp<int64_t>(i0 + r - j0 + 1, 0, keys);
+          const float row_max = row_lse[i0 + r];
+          for (int64_t c = 0; c < seen; ++c) row[c] = std::exp(row[c] - row_max);
+          std::fill(row + seen, row + keys, 0.0f);
+        }
+        // dV_j += P^T dO_i ; dP = dO_i V_j^T
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, hs, rows, 1.0f, p, tile, dy + i0 * C, C, 1.0f,
+                    dv + j0 * ld, ld);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, 1.0f, dy + i0 * C, C, v + j0 * ld, ld,
+                    0.0f, dp, tile);
+        // dS = P * (dP - delta), in place over dP (zero where P is).
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* prow = p + r * tile;
+          float* drow = dp + r * tile;
+          for (int64_t c = 0; c < keys; ++c) drow[c] = prow[c] * (drow[c] - delta[r]);
+        }
+        // dQ_i += scale dS K_j ; dK_j += scale dS^T Q_i
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, keys, scale, dp, tile, k + j0 * ld, ld, 1.0f,
+                    dq + i0 * ld, ld);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, hs, rows, scale, dp, tile, q + i0 * ld, ld, 1.0f,
+                    dk + j0 * ld, ld);
+      }
+    }
   }
 }
 

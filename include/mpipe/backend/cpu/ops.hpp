@@ -54,13 +54,15 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
                         int64_t B, int64_t T, int64_t C);
 
-// Causal multi-head self-attention core. qkv (B, T, 3C) holds q, k, v side by side.
-// Overwrites out (B, T, C) and probs (B, H, T, T) (kept for backward).
-void attention_forward(float* out, float* probs, const float* qkv, int64_t B, int64_t T,
-                       int64_t C, int64_t H);
-// Overwrites dqkv (B, T, 3C); dprobs (B, H, T, T) is scratch.
-void attention_backward(float* dqkv, float* dprobs, const float* dout, const float* qkv,
-                        const float* probs, int64_t B, int64_t T, int64_t C, int64_t H);
+// Causal multi-head self-attention core, FlashAttention's algorithm: no (T, T) matrix is
+// ever stored. qkv (B, T, 3C) holds q, k, v side by side. The forward runs over tiles
+// of queries and keys with an online softmax and overwrites out (B, T, C) and lse
+// (B, H, T), each row's log-sum-exp of its scaled scores (kept for backward).
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t H);
+// Overwrites dqkv (B, T, 3C), recomputing the probabilities tile by tile from q, k and
+// lse; `out` is the forward's output (for each row's dO·O).
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                        int64_t B, int64_t T, int64_t C, int64_t H);
 
 // Softmax cross-entropy. Overwrites lse (N) with each row's log-sum-exp; returns the sum
 // over rows of -log p(target), accumulated in a fixed order. Targets are checked < V.
