@@ -73,7 +73,10 @@ Cost CausalSelfAttention::cost(const Shape& in) const {
           a.param_bytes + b.param_bytes,
           a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T) + f32_bytes(B * T * C),
           a.weight_flops + b.weight_flops,
-          b.weight_stash_bytes};  // the qkv projection keeps its dy where q, k, v were
+          b.weight_stash_bytes,  // the qkv projection keeps its dy where q, k, v were
+          0,
+          0,
+          f32_bytes(4 * B * T * C)};  // backward: d(att) (B, T, C) and dqkv (B, T, 3C)
 }
 
 std::vector<ParamSpec> CausalSelfAttention::param_specs() const {
@@ -141,11 +144,16 @@ Cost TransformerBlock::cost(const Shape& in) const {
   for (const Cost& c : {ln1_.cost(in), attn_.cost(in), ln2_.cost(in), fc_.cost(in), gelu_.cost(wide),
                         fc_proj_.cost(wide)})
     total += c;
+  total.backward_scratch_bytes = 0;  // set below: the parts' do not add up
   total.activation_bytes += f32_bytes(static_cast<double>(in.numel()));  // the residual sum
   // --remat selective: the two LayerNorm outputs (B, T, C) and GELU's (B, T, 4C) are
   // recomputed from what is kept (their inputs; LayerNorm's statistics with them).
   total.recomputable_bytes = f32_bytes(static_cast<double>(in.numel()) * 6);
   total.recompute_flops = ln1_.cost(in).forward_flops + ln2_.cost(in).forward_flops + gelu_.cost(wide).forward_flops;
+  // Its backward's temporaries, alive together: dg (B, T, 4C), dh and dx2 (B, T, C), the
+  // dropout scratch (B, T, C) with dropout, and the attention's 4 (B, T, C) inside.
+  total.backward_scratch_bytes = f32_bytes(static_cast<double>(in.numel()) * (6 + (dropout_ > 0 ? 1 : 0))) +
+                                 attn_.cost(in).backward_scratch_bytes;
   // W keeps every dy in buffers B is done with: fc's where GELU's input was, the
   // attention's qkv and output projection theirs where q, k, v and the residual sum were,
   // fc_proj's (B, T, C) where the attention's log-sum-exp (B, H, T) was when H >= C;

@@ -23,8 +23,13 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       // A Linear whose next layer on the stage has no W keeps its dy in its own output's
       // buffer (Stage::backward, keeps_dy_in_output): no stash of its own.
       if (!keeps_dy_in_output(model, i, part.end(s))) m.stash += static_cast<double>(c.weight_stash_bytes);
+      const double dx = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i)].numel()));
+      const double dy = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
+      m.scratch = std::max(m.scratch, dx + dy + c.backward_scratch_bytes);
+      m.selective_scratch = std::max(m.selective_scratch, dx + dy + c.backward_scratch_bytes + c.recomputable_bytes);
     }
     m.boundary = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()));
+    if (s + 1 < part.stages()) m.output = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.end(s))].numel()));
   }
   return out;
 }

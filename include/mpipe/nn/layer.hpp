@@ -62,6 +62,9 @@ struct Cost {
   // --remat selective: the part of activation_bytes a forward does not keep, and the
   // FLOPs its backward spends to recompute it (elementwise work: LayerNorm, GELU).
   double recomputable_bytes = 0, recompute_flops = 0;
+  // The temporaries its backward allocates beyond its dx (for the plan's peak: the
+  // stage's backward scratch holds one layer's at a time). Composites set their own.
+  double backward_scratch_bytes = 0;
   Cost& operator+=(const Cost& c) {  // composite layers: the sum of their parts
     forward_flops += c.forward_flops;
     backward_flops += c.backward_flops;

@@ -8,6 +8,7 @@
 // checks the command line into them (app/config.hpp); below the app nothing compares an
 // option's text.
 #pragma once
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -91,18 +92,26 @@ struct StageMemory {
   double params = 0;      // parameters (floats)
   double activation = 0;  // bytes a forward keeps for its backward
   double boundary = 0;    // bytes of the stage's input: all a rematerialized micro-batch keeps
+  double output = 0;      // bytes of what it sends on (0 on the model's last stage): under remat kept until B
   double stash = 0;       // bytes a split backward keeps from B to W (the dy of each weight layer)
   double recomputable = 0;  // of `activation`: what --remat selective recomputes instead of keeping
+  // One backward's scratch at its peak: the largest over the stage's layers of its dy,
+  // its dx and its own temporaries (held once, whatever the micro-batches in flight);
+  // under --remat selective with the layer's recomputed part beside them.
+  double scratch = 0, selective_scratch = 0;
   // Activation bytes held with `live` micro-batches in flight: without remat each keeps
-  // its activations; with remat only its input, plus one micro-batch's while recomputing.
+  // its activations; with remat only its input and output, plus one micro-batch's while
+  // recomputing.
   // A stage that splits its backwards (zero bubble) also keeps W's output gradients, and
   // under remat its recomputation lives until W.
-  // Under --remat selective each keeps its activations less the recomputable part, and
-  // one micro-batch's recomputation lives in the backward (until W where split).
+  // Under --remat selective each keeps its activations less the recomputable part; the
+  // scratch holds the forward's recomputable part whole (it dies with the forward), or one
+  // layer's recomputation in a backward (until W where split).
   double held(int live, bool remat, bool split = false, bool selective = false) const {
-    if (selective) return live * (activation - recomputable + (split ? stash + recomputable : 0)) + recomputable;
+    if (selective)
+      return live * (activation - recomputable + (split ? stash + recomputable : 0)) + std::max(recomputable, selective_scratch);
     const double each = activation + (split ? stash : 0);
-    return remat && !split ? live * boundary + activation : live * each;
+    return (remat && !split ? live * (boundary + output) + activation : live * each) + scratch;
   }
 };
 
