@@ -112,11 +112,15 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "zbv sets 2 (stages s and 2K-1-s on pipeline stage s)")
       ->capture_default_str();
   cmd.add_option("--remat", p.remat, "Re-materialization: never; selective (keep GEMM inputs and outputs, recompute LayerNorm and GELU "
-                 "outputs in backward); except-last or always (recompute whole stages)")->capture_default_str();
+                 "outputs in backward); except-last or always (recompute whole stages); auto (per stage the first of "
+                 "never, selective and always that fits --memory-per-rank)")->capture_default_str();
   cmd.add_option("--batchnorm", p.batchnorm,
                  "BatchNorm's running statistics: micro (moved by each micro-batch, GPipe) or deferred (by the "
                  "mini-batch once per step, torchgpipe)")
       ->capture_default_str();
+  cmd.add_option("--memory-per-rank", p.memory_per_rank,
+                 "SIZE each rank may fill (weights, optimizer state, activations), e.g. 8GiB: what --remat auto fits "
+                 "into");
   cmd.add_option("--partition", p.partition, "Balance stages by uniform, params, flops or time")->capture_default_str();
   cmd.add_option("--balance", p.balance, "Layers per stage, e.g. 3,5 (overrides --partition)");
   cmd.add_option("--link-bandwidth", p.link_bandwidth,

@@ -55,7 +55,10 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
                 "unknown --progress '", c.progress, "'");
   MPIPE_REQUIRE(word_index(p.remat, remat_names) >= 0,
-                "use --remat never, selective, except-last or always", "unknown --remat '", p.remat, "'");
+                "use --remat never, selective, except-last, always or auto", "unknown --remat '", p.remat, "'");
+  if (!p.memory_per_rank.empty()) parse_memory_size(p.memory_per_rank);  // throws UserError when malformed
+  MPIPE_REQUIRE(p.remat != "auto" || !p.memory_per_rank.empty(), "e.g. --remat auto --memory-per-rank 8GiB",
+                "--remat auto needs --memory-per-rank (the memory each rank may fill)");
   MPIPE_REQUIRE(word_index(p.batchnorm, batchnorm_names) >= 0, "use --batchnorm micro or deferred",
                 "unknown --batchnorm '", p.batchnorm, "'");
   MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
@@ -118,6 +121,7 @@ RunOptions run_options(const TrainConfig& c) {
   o.in_flight = p.in_flight;
   o.overlap_steps = p.overlap_steps;
   o.remat = parsed<Remat>(p.remat, remat_names);
+  if (!p.memory_per_rank.empty()) o.memory_per_rank = parse_memory_size(p.memory_per_rank);
   o.batchnorm = parsed<BatchNormRule>(p.batchnorm, batchnorm_names);
   if (p.balance.empty()) o.partition = parsed<PartitionBy>(p.partition, partition_names);
   else o.balance = parse_balance(p.balance);
@@ -177,6 +181,27 @@ void check_checkpoint_options(const TrainConfig& c, bool create) {
   }
 }
 
+
+double parse_memory_size(const std::string& text) {
+  const std::string hint = "give bytes or a size with its unit, e.g. --memory-per-rank 8GiB or 500MB";
+  std::size_t used = 0;
+  double number = 0;
+  try {
+    number = std::stod(text, &used);
+  } catch (const std::logic_error&) {
+    throw UserError(cat("--memory-per-rank '", text, "' is not a size"), hint);
+  }
+  const std::string unit = text.substr(used);
+  double scale = 0;
+  const std::pair<const char*, double> units[] = {{"", 1},      {"B", 1},        {"KB", 1e3},     {"MB", 1e6},
+                                                  {"GB", 1e9},  {"TB", 1e12},    {"KiB", 0x1p10}, {"MiB", 0x1p20},
+                                                  {"GiB", 0x1p30}, {"TiB", 0x1p40}};
+  for (const auto& [name, factor] : units)
+    if (unit == name) scale = factor;
+  MPIPE_REQUIRE(scale > 0, hint, "--memory-per-rank '", text, "': unknown unit '", unit, "'");
+  MPIPE_REQUIRE(std::isfinite(number) && number > 0, hint, "--memory-per-rank must be positive, got '", text, "'");
+  return number * scale;
+}
 
 double parse_time_limit(const std::string& text) {
   if (text.empty()) return 0;

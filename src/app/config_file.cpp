@@ -119,6 +119,7 @@ std::string to_toml(const TrainConfig& c) {
   line("schedule", toml_quoted(q.schedule));
   line("virtual-stages", cat(q.virtual_stages));
   line("remat", toml_quoted(q.remat));
+  if (!q.memory_per_rank.empty()) line("memory-per-rank", toml_quoted(q.memory_per_rank));
   line("batchnorm", toml_quoted(q.batchnorm));
   line("partition", toml_quoted(q.partition));
   if (!q.balance.empty()) line("balance", toml_quoted(q.balance));

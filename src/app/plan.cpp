@@ -63,6 +63,26 @@ void print_plan(const Plan& plan, const Model& model) {
                 human_bytes(f32_bytes(f.params * states)).c_str(), human_bytes(f.held(live, false, split)).c_str(),
                 human_bytes(f.held(live, false, split, true)).c_str(), human_bytes(f.held(live, true, split)).c_str());
   }
+  if (!plan.stage_remat.empty()) {
+    // --remat auto's choice per stage, what each rank then holds, and what recomputing costs.
+    std::printf("remat auto (--memory-per-rank %s):", human_bytes(plan.options.memory_per_rank).c_str());
+    for (int p = 0; p < K; ++p) {
+      double extra = 0, work = 0;
+      Remat mode = Remat::never;
+      for (const int m : schedule.stages_of(p)) {
+        const auto at = static_cast<std::size_t>(m);
+        mode = plan.stage_remat[at];
+        work += plan.flops.forward[at] + plan.flops.backward[at];
+        extra += mode == Remat::always      ? plan.flops.forward[at]
+                 : mode == Remat::selective ? plan.memory[at].recompute_flops
+                                            : 0.0;
+      }
+      std::printf("%s stage %d %s, %s + %s, recompute +%.1f%% FLOPs", p ? ";" : "", p, to_string(mode),
+                  human_bytes(plan.weight_bytes(p)).c_str(), human_bytes(plan.activation_bytes(p)).c_str(),
+                  work > 0 ? 100 * extra / work : 0.0);
+    }
+    std::printf("\n");
+  }
   std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n",
               100 * plan.equal_bubble, plan.bubble_formula.c_str(), 100 * plan.predicted_bubble);
   // Post-validation: a stage starts the next step once its own part of this one is done.

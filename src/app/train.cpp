@@ -105,17 +105,18 @@ void check_memory(const Plan& plan, int world_rank, int node_ranks) {
   if (plan.options.device != Device::cpu) return;  // the GPU's memory is the device's own affair
   const int stage = plan.grid.stage_of(world_rank);
   const int live = in_flight(plan.schedule, stage);
-  const bool remat = plan.remat_stage(stage);
+  bool remat = false;
   const double weights = plan.weight_bytes(stage), activations = plan.activation_bytes(stage);
-  // Beyond the plan's activations: each micro-batch in flight keeps its input until its
-  // backward (remat counts them already), and the first stage holds the step's batch.
   double inputs = 0;
   for (const int m : plan.schedule.stages_of(stage)) {
-    const double boundary = plan.memory[static_cast<std::size_t>(m)].boundary;
-    if (!remat) inputs += live * boundary;
-    if (m == 0) inputs += plan.options.micro_batches * boundary;
+    remat = remat || plan.remat_stage(stage, m);
+    inputs += plan.input_bytes(stage, m, plan.remat_of(m));
   }
-  const double need = weights + activations + inputs, have = available_memory() / std::max(1, node_ranks);
+  const double need = weights + activations + inputs, node_share = available_memory() / std::max(1, node_ranks);
+  // --memory-per-rank, where given and smaller, is the limit (what --remat auto planned for).
+  const double limit = plan.options.memory_per_rank;
+  const bool given = limit > 0 && (node_share <= 0 || limit < node_share);
+  const double have = given ? limit : node_share;
   if (have <= 0) return;  // nothing to go by
   MPIPE_REQUIRE(need <= have,
                 "use more stages (--stages), --remat always, a smaller --batch-size or more --micro-batches, or a "
@@ -123,9 +124,10 @@ void check_memory(const Plan& plan, int world_rank, int node_ranks) {
                 "rank ", world_rank, " (stage ", stage, ") needs about ", human_bytes(need),
                 " (parameters, gradients and ", plan.options.optimizer.kind, " state ", human_bytes(weights),
                 ", activations of ", remat ? 1 : live, " micro-batch", (remat ? 1 : live) > 1 ? "es " : " ",
-                human_bytes(activations), ", inputs ", human_bytes(inputs), "), this node has ", human_bytes(have),
-                " per rank for its ", node_ranks,
-                " rank", node_ranks > 1 ? "s" : "");
+                human_bytes(activations), ", inputs ", human_bytes(inputs), "), ",
+                given ? cat("--memory-per-rank gives it ", human_bytes(have))
+                      : cat("this node has ", human_bytes(have), " per rank for its ", node_ranks, " rank",
+                            node_ranks > 1 ? "s" : ""));
 }
 
 // One rank's training from its first step to its summary, once start-up is done.

@@ -20,6 +20,7 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       m.params += static_cast<double>(c.param_bytes) / word_bytes;
       m.activation += static_cast<double>(c.activation_bytes);
       m.recomputable += static_cast<double>(c.recomputable_bytes);
+      m.recompute_flops += c.recompute_flops;
       // A Linear whose next layer on the stage has no W keeps its dy in its own output's
       // buffer (Stage::backward, keeps_dy_in_output): no stash of its own.
       if (!keeps_dy_in_output(model, i, part.end(s))) m.stash += static_cast<double>(c.weight_stash_bytes);
@@ -55,13 +56,51 @@ double Plan::weight_bytes(int stage) const {
   return bytes;
 }
 
+double Plan::activation_bytes(int stage, int model_stage, Remat mode) const {
+  const bool remat = mode == Remat::always || (mode == Remat::except_last && stage + 1 < grid.stages);
+  return memory[static_cast<std::size_t>(model_stage)].held(
+      in_flight(schedule, stage, schedule.virtual_stages > 1 ? model_stage : -1), remat, schedule.splits(stage),
+      mode == Remat::selective);
+}
+
+double Plan::input_bytes(int stage, int model_stage, Remat mode) const {
+  const bool remat = mode == Remat::always || (mode == Remat::except_last && stage + 1 < grid.stages);
+  const double boundary = memory[static_cast<std::size_t>(model_stage)].boundary;
+  return (remat ? 0.0 : in_flight(schedule, stage) * boundary) + (model_stage == 0 ? options.micro_batches * boundary : 0.0);
+}
+
 double Plan::activation_bytes(int stage) const {
   double bytes = 0;
-  for (const int m : schedule.stages_of(stage))
-    bytes += memory[static_cast<std::size_t>(m)].held(in_flight(schedule, stage, schedule.virtual_stages > 1 ? m : -1),
-                                                       remat_stage(stage), schedule.splits(stage), selective());
+  for (const int m : schedule.stages_of(stage)) bytes += activation_bytes(stage, m, remat_of(m));
   return bytes;
 }
+
+namespace {
+
+// --remat auto: for each pipeline stage, the first of never, selective and always whose
+// activations and inputs fit --memory-per-rank beside its weights and state (all of its
+// model stages alike; what run_train's memory check counts); always where none does (the
+// memory check then says by how much).
+std::vector<Remat> choose_remat(const Plan& plan) {
+  const double limit = plan.options.memory_per_rank;
+  MPIPE_REQUIRE(limit > 0, "e.g. --remat auto --memory-per-rank 8GiB", "--remat auto needs --memory-per-rank");
+  std::vector<Remat> chosen(plan.memory.size(), Remat::always);
+  for (int stage = 0; stage < plan.grid.stages; ++stage) {
+    const double room = limit - plan.weight_bytes(stage);
+    for (const Remat mode : {Remat::never, Remat::selective, Remat::always}) {
+      double bytes = 0;
+      for (const int m : plan.schedule.stages_of(stage))
+        bytes += plan.activation_bytes(stage, m, mode) + plan.input_bytes(stage, m, mode);
+      if (bytes <= room || mode == Remat::always) {
+        for (const int m : plan.schedule.stages_of(stage)) chosen[static_cast<std::size_t>(m)] = mode;
+        break;
+      }
+    }
+  }
+  return chosen;
+}
+
+}  // namespace
 
 Plan make_plan(const RunOptions& o, int ranks, const Model& model, const MeasuredCosts& measured) {
   MPIPE_REQUIRE(ranks > 0, "e.g. --ranks 4", "--ranks must be positive, got ", ranks);
@@ -114,6 +153,7 @@ Plan make_plan(const RunOptions& o, int ranks, const Model& model, const Measure
   plan.equal_overlap_bubble = steady_state(unit_overlapped, StageCosts::unit(unit_overlapped)).bubble_fraction;
   plan.predicted_overlap_bubble = steady_state(plan.schedule, plan.flops).bubble_fraction;
   plan.unit_cost_bubble = bubble_fraction(plan.schedule, StageCosts::unit(plan.schedule), o.overlap_steps);
+  if (o.remat == Remat::automatic) plan.stage_remat = choose_remat(plan);
   plan.bubble_formula = M < K || !kind ? "" : kind->bubble_formula(o.in_flight);
   if (plan.bubble_formula.empty()) plan.bubble_formula = "simulated";
   return plan;

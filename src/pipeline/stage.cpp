@@ -49,7 +49,7 @@ void Stage::attach(const StageShared& shared) {
   const Plan& plan = *shared.plan;
   const int M = plan.options.micro_batches;
   const int ring = std::min(M, in_flight(plan.schedule, plan.schedule.list_of(index_)) + 2);
-  for (auto [r, used] : {std::pair{&gradients_, !first_}, std::pair{&outputs_, (plan.options.remat == Remat::always || plan.options.remat == Remat::except_last) && !last_}}) {
+  for (auto [r, used] : {std::pair{&gradients_, !first_}, std::pair{&outputs_, (plan.remat_of(index_) == Remat::always || plan.remat_of(index_) == Remat::except_last) && !last_}}) {
     r->buffers.assign(used ? static_cast<std::size_t>(ring) : 0, Tensor{});
     r->owner.assign(r->buffers.size(), -1);
   }
@@ -132,12 +132,12 @@ Tensor Stage::input(const Pass& pass, int mb) {
 void Stage::forward(std::int64_t step, int mb, bool training) {
   const auto start = StageHooks::Clock::now();
   shared_.hooks->begin_compute(ComputeKind::forward, mb, index_);
-  const bool remat = training && shared_.plan->rematerialize(mb);
+  const bool remat = training && shared_.plan->rematerialize(index_, mb);
   Pass pass = make_pass(step, mb, remat ? shared_.scratch : training ? take_slot(mb) : shared_.persistent);
   pass.training = training;
   // --remat selective: what the layers recompute in backward goes to the scratch arena,
   // free between actions, and dies with this forward.
-  const bool selective = training && !remat && shared_.plan->selective();
+  const bool selective = training && !remat && shared_.plan->selective(index_);
   if (selective) pass.transient = shared_.scratch;
   Tensor out;
   Context* contexts = run_forward(pass, input(pass, mb), &out, *shared_.progress);

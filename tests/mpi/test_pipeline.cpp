@@ -823,3 +823,49 @@ TEST_CASE("plan's activation memory per rank is the measured peak within 10% (GP
     CHECK(std::abs(predicted / measured - 1) <= (std::string(remat) == "always" ? 0.15 : 0.10));
   }
 }
+
+TEST_CASE("--remat auto: each stage takes the first of never, selective, always that fits --memory-per-rank, bitwise never's training") {
+  if (world().size() != 4) return;
+  auto config = [](const char* remat, double limit) {
+    TrainConfig c = test::tiny_gpt({.layers = 4, .d_model = 64, .heads = 4, .seq_len = 64, .vocab = 64, .dropout = 0.1f,
+                                    .batch_size = 16, .micro_batches = 8, .steps = 3, .seed = 5});
+    c.threads = 1;
+    c.pipeline.remat = remat;
+    if (limit > 0) c.pipeline.memory_per_rank = cat(static_cast<long long>(limit));
+    return c;
+  };
+  const RunResult reference = run(config("never", 0), 4);
+  // A limit between stage 0's selective and never needs: it takes selective, and a stage
+  // whose never or selective needs more than that (the last, with the head) takes more.
+  const Plan never = plan_run(config("never", 0), world());
+  const auto need = [&](int stage, Remat mode) {
+    return never.weight_bytes(stage) + never.activation_bytes(stage, stage, mode) + never.input_bytes(stage, stage, mode);
+  };
+  const double limit = (need(0, Remat::never) + need(0, Remat::selective)) / 2;
+  const Plan plan = plan_run(config("auto", limit), world());
+  REQUIRE(plan.stage_remat.size() == 4);
+  CHECK(plan.stage_remat[0] == Remat::selective);
+  for (int stage = 0; stage < 4; ++stage) {
+    CAPTURE(stage);
+    const Remat chosen = plan.stage_remat[static_cast<std::size_t>(stage)];
+    // It fits, and the cheaper modes before it did not.
+    if (chosen != Remat::always) CHECK(need(stage, chosen) <= limit);
+    if (chosen != Remat::never) CHECK(need(stage, Remat::never) > limit);
+    if (chosen == Remat::always) CHECK(need(stage, Remat::selective) > limit);
+  }
+  const RunResult r = run(config("auto", limit), 4);
+  if (world().rank() == 0) {
+    CHECK(r.losses == reference.losses);
+    CHECK(r.norms == reference.norms);
+    CHECK(std::memcmp(r.params.data(), reference.params.data(), r.params.size() * sizeof(float)) == 0);
+  }
+  // What each rank measured stays within the plan's activations (as the plan's accuracy
+  // test bounds them), so the chosen stages fit.
+  Executor exec(plan, world());
+  exec.connect();
+  exec.allocate();
+  for (int step = 0; step < 2; ++step) exec.step(step);
+  const int stage = exec.grid().stage();
+  CAPTURE(stage);
+  CHECK(static_cast<double>(exec.peak_activation_bytes()) <= 1.15 * plan.activation_bytes(stage));
+}

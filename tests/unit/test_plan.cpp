@@ -83,10 +83,10 @@ TEST_CASE("a plan follows its options: remat, --balance, the zero-bubble order f
   c.pipeline.grid.stages = 2;
   c.pipeline.remat = "except-last";
   Plan plan = make_plan(options_of(c), 2, model);
-  CHECK(plan.rematerialize(0));
-  CHECK(!plan.rematerialize(3));  // the last micro-batch's backward comes at once
-  CHECK(plan.remat_stage(0));
-  CHECK(!plan.remat_stage(1));
+  CHECK(plan.rematerialize(0, 0));
+  CHECK(!plan.rematerialize(0, 3));  // the last micro-batch's backward comes at once
+  CHECK(plan.remat_stage(0, 0));
+  CHECK(!plan.remat_stage(1, 1));
   // Remat keeps only the inputs: a rank holds less than without it.
   c.pipeline.remat = "never";
   const Plan whole = make_plan(options_of(c), 2, model);

@@ -27,6 +27,7 @@ struct PipelineConfig {
   double comm_poll_us = 5000;      // the progress thread's poll interval while nothing moves, microseconds
   std::string comm_wait = "sleep";  // comm_wait_names: how a wait passes the time once nothing moves
   int in_flight = 0;               // zero-bubble schedules: micro-batches (zbv: model stages) held from F to W; 0: the schedule's own
+  std::string memory_per_rank;     // SIZE (e.g. 8GiB) --remat auto fits each rank into; empty: not given
   bool overlap_steps = false;      // update ahead of the step's agreement, checked after the next pass (Executor::advance)
 };
 
@@ -84,6 +85,9 @@ void check_checkpoint_options(const TrainConfig& config, bool create = false);
 // --time-limit in seconds: MINUTES (a number), or Slurm's forms MM:SS, H:MM:SS, D-H,
 // D-H:MM, D-H:MM:SS. 0 when empty; UserError when it is not a positive duration.
 double parse_time_limit(const std::string& text);
+// --memory-per-rank: bytes, or a number with B, KB, MB, GB, TB (powers of 1000) or KiB,
+// MiB, GiB, TiB (of 1024). UserError for anything else or a size that is not positive.
+double parse_memory_size(const std::string& text);
 
 // Rank 0, before training: --metrics, --trace and --summary each name a file that can be
 // written (not a directory, not a FIFO, in a directory that exists), and no two of them,

@@ -28,8 +28,10 @@ namespace mpipe {
 // selective: every micro-batch keeps what is costly to recompute (GEMM inputs and
 // outputs) and recomputes in its backward what is cheap and large (each layer's cost
 // says which: recomputable_bytes), as Megatron-LM's selective recomputation.
-enum class Remat { never, except_last, always, selective };
-inline constexpr std::array<const char*, 4> remat_names{"never", "except-last", "always", "selective"};
+// automatic: per stage the first of never, selective and always whose activations fit
+// --memory-per-rank beside the stage's weights and state (Plan::stage_remat).
+enum class Remat { never, except_last, always, selective, automatic };
+inline constexpr std::array<const char*, 5> remat_names{"never", "except-last", "always", "selective", "auto"};
 // When BatchNorm's running statistics move: each micro-batch (GPipe) or once per step
 // toward the mini-batch's (torchgpipe).
 enum class BatchNormRule { micro, deferred };
@@ -69,6 +71,7 @@ struct RunOptions {
   PartitionBy partition = PartitionBy::flops;
   std::vector<int> balance;            // layers per model stage (--balance); empty: by `partition`
   double link_seconds_per_byte = -1;   // --link-bandwidth: -1 measured by train, 0 not counted, else configured
+  double memory_per_rank = 0;          // --memory-per-rank, bytes (0: not given); what --remat auto fits into
   double p2p_timeout = 600;            // seconds a point-to-point wait may block
   ProgressMode comm_progress = ProgressMode::thread;
   double comm_poll_s = 5e-3;           // the progress thread's pause while nothing moves
@@ -95,6 +98,7 @@ struct StageMemory {
   double output = 0;      // bytes of what it sends on (0 on the model's last stage): under remat kept until B
   double stash = 0;       // bytes a split backward keeps from B to W (the dy of each weight layer)
   double recomputable = 0;  // of `activation`: what --remat selective recomputes instead of keeping
+  double recompute_flops = 0;  // and what that costs its backward
   // One backward's scratch at its peak: the largest over the stage's layers of its dy,
   // its dx and its own temporaries (held once, whatever the micro-batches in flight);
   // under --remat selective with the layer's recomputed part beside them.
@@ -129,6 +133,9 @@ struct Plan {
   Schedule schedule;
   StageCosts flops;                 // per model stage, one micro-batch
   std::vector<StageMemory> memory;  // per model stage, one micro-batch
+  // Per model stage, the re-materialization it runs: --remat auto's choice (empty
+  // otherwise: every stage runs options.remat).
+  std::vector<Remat> stage_remat;
   // Bubbles: at equal stages (the schedule built for unit costs, at unit costs) and
   // predicted (`schedule` at `flops`), for one step and for steps back to back
   // (--overlap-steps); and `schedule` at unit costs the way this run steps (the phase
@@ -138,16 +145,27 @@ struct Plan {
   std::string bubble_formula;  // the equal-stage closed form, or "simulated"
 
   // Whether micro-batch `mb`'s forward keeps only its input (re-materialization).
-  bool rematerialize(int micro_batch) const {
-    return options.remat == Remat::always ||
-           (options.remat == Remat::except_last && micro_batch != options.micro_batches - 1);
+  // The mode model stage `model_stage` runs: --remat's, or under auto its choice.
+  Remat remat_of(int model_stage) const {
+    return stage_remat.empty() ? options.remat : stage_remat[static_cast<std::size_t>(model_stage)];
   }
-  // Whether pipeline stage `stage` keeps only its micro-batches' inputs (the memory rule
-  // of --remat: except-last keeps the last stage's whole).
-  bool selective() const { return options.remat == Remat::selective; }
-  bool remat_stage(int stage) const {
-    return options.remat == Remat::always || (options.remat == Remat::except_last && stage + 1 < grid.stages);
+  bool rematerialize(int model_stage, int micro_batch) const {
+    const Remat r = remat_of(model_stage);
+    return r == Remat::always || (r == Remat::except_last && micro_batch != options.micro_batches - 1);
   }
+  bool selective(int model_stage) const { return remat_of(model_stage) == Remat::selective; }
+  // Whether model stage `model_stage` of pipeline stage `stage` keeps only its
+  // micro-batches' inputs (the memory rule of --remat: except-last keeps the last stage's
+  // whole).
+  bool remat_stage(int stage, int model_stage) const {
+    const Remat r = remat_of(model_stage);
+    return r == Remat::always || (r == Remat::except_last && stage + 1 < grid.stages);
+  }
+  // Activation bytes of model stage `model_stage` (on pipeline stage `stage`) under `mode`.
+  double activation_bytes(int stage, int model_stage, Remat mode) const;
+  // Beyond its activations: each micro-batch in flight keeps its input until its backward
+  // (remat counts them already), and the first model stage holds the step's batch.
+  double input_bytes(int stage, int model_stage, Remat mode) const;
   // fp32 floats per parameter a rank keeps: values, gradients and optimizer state, and
   // with --overlap-steps a second copy of each to go back to.
   double state_copies() const;
