@@ -26,7 +26,8 @@
 #   of STEPS5=40 steps, each schedule once per round, interleaved)
 #   REMAT=0: skip table 6 (--remat never, selective, except-last, always at K = 2, gpipe: the quickstart GPT at M = 8 and a GPT
 #   4 x 128 at T 512, batch 8, M = 4; ROUNDS6=2 rounds, interleaved; tokens/s and peak activation memory per rank
-#   against never's). BASELINE=PATH adds that binary's never and always rows (an older build) to the same rounds.
+#   against never's; auto with --memory-per-rank the weights plus half of never's peak: AUTO_Q=16.3MiB, AUTO_L=47.5MiB).
+#   BASELINE=PATH adds that binary's never and always rows (an older build) to the same rounds.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -294,11 +295,13 @@ if [[ "${REMAT:-1}" != 0 ]]; then
   for ((round = 0; round < rounds6; ++round)); do
     for model in quick long; do
       declare -n args6=$model
-      for row in never selective except-last always ${BASELINE:+base:never base:always}; do
+      for row in never selective except-last always auto ${BASELINE:+base:never base:always}; do
         binary=build/release/mpipe
         [[ $row == base:* ]] && binary=$BASELINE
+        limit=()
+        [[ $row == auto ]] && limit=(--memory-per-rank "$([[ $model == quick ]] && echo "${AUTO_Q:-16.3MiB}" || echo "${AUTO_L:-47.5MiB}")")
         mpirun -n 2 --bind-to core "$binary" train "${args6[@]}" --threads 1 --log-every 1000000 --resume never \
-          --schedule gpipe --remat "${row#base:}" --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
+          --schedule gpipe --remat "${row#base:}" "${limit[@]}" --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
         rows6+=("$model $row $(summarize)")
       done
       unset -n args6

@@ -69,15 +69,18 @@ void print_plan(const Plan& plan, const Model& model) {
     for (int p = 0; p < K; ++p) {
       double extra = 0, work = 0;
       Remat mode = Remat::never;
+      std::string mixed;
       for (const int m : schedule.stages_of(p)) {
         const auto at = static_cast<std::size_t>(m);
         mode = plan.stage_remat[at];
         work += plan.flops.forward[at] + plan.flops.backward[at];
+        const double whole = static_cast<double>(plan.remat_whole[at]) / plan.remat_window[at];  // 0 unless mixed
+        if (plan.remat_whole[at] > 0) mixed = cat(" (", plan.remat_whole[at], " of every ", plan.remat_window[at], " micro-batches wholly)");
         extra += mode == Remat::always      ? plan.flops.forward[at]
-                 : mode == Remat::selective ? plan.memory[at].recompute_flops
+                 : mode == Remat::selective ? (1 - whole) * plan.memory[at].recompute_flops + whole * plan.flops.forward[at]
                                             : 0.0;
       }
-      std::printf("%s stage %d %s, %s + %s, recompute +%.1f%% FLOPs", p ? ";" : "", p, to_string(mode),
+      std::printf("%s stage %d %s%s, %s + %s, recompute +%.1f%% FLOPs", p ? ";" : "", p, to_string(mode), mixed.c_str(),
                   human_bytes(plan.weight_bytes(p)).c_str(), human_bytes(plan.activation_bytes(p)).c_str(),
                   work > 0 ? 100 * extra / work : 0.0);
     }

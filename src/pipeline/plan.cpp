@@ -58,6 +58,9 @@ double Plan::weight_bytes(int stage) const {
 
 double Plan::activation_bytes(int stage, int model_stage, Remat mode) const {
   const bool remat = mode == Remat::always || (mode == Remat::except_last && stage + 1 < grid.stages);
+  const auto at = static_cast<std::size_t>(model_stage);
+  if (mode == Remat::selective && !remat_whole.empty() && remat_whole[at] > 0)
+    return memory[at].held_mixed(remat_window[at], remat_whole[at]);
   return memory[static_cast<std::size_t>(model_stage)].held(
       in_flight(schedule, stage, schedule.virtual_stages > 1 ? model_stage : -1), remat, schedule.splits(stage),
       mode == Remat::selective);
@@ -66,6 +69,10 @@ double Plan::activation_bytes(int stage, int model_stage, Remat mode) const {
 double Plan::input_bytes(int stage, int model_stage, Remat mode) const {
   const bool remat = mode == Remat::always || (mode == Remat::except_last && stage + 1 < grid.stages);
   const double boundary = memory[static_cast<std::size_t>(model_stage)].boundary;
+  // Mixed (auto): the rematerialized ones' inputs are in their activations already.
+  const auto at = static_cast<std::size_t>(model_stage);
+  if (mode == Remat::selective && !remat_whole.empty() && remat_whole[at] > 0)
+    return (remat_window[at] - remat_whole[at]) * boundary + (model_stage == 0 ? options.micro_batches * boundary : 0.0);
   return (remat ? 0.0 : in_flight(schedule, stage) * boundary) + (model_stage == 0 ? options.micro_batches * boundary : 0.0);
 }
 
@@ -81,23 +88,42 @@ namespace {
 // activations and inputs fit --memory-per-rank beside its weights and state (all of its
 // model stages alike; what run_train's memory check counts); always where none does (the
 // memory check then says by how much).
-std::vector<Remat> choose_remat(const Plan& plan) {
+// Between selective and always (schedules that do not split B and W, one model stage per
+// rank): selective with the fewest micro-batches of every window rematerialized wholly.
+void choose_remat(Plan& plan) {
   const double limit = plan.options.memory_per_rank;
   MPIPE_REQUIRE(limit > 0, "e.g. --remat auto --memory-per-rank 8GiB", "--remat auto needs --memory-per-rank");
-  std::vector<Remat> chosen(plan.memory.size(), Remat::always);
+  const std::size_t n = plan.memory.size();
+  plan.stage_remat.assign(n, Remat::always);
+  plan.remat_whole.assign(n, 0);
+  plan.remat_window.assign(n, 1);
   for (int stage = 0; stage < plan.grid.stages; ++stage) {
     const double room = limit - plan.weight_bytes(stage);
-    for (const Remat mode : {Remat::never, Remat::selective, Remat::always}) {
+    const std::vector<int> model_stages = plan.schedule.stages_of(stage);
+    const auto fits = [&](Remat mode) {
       double bytes = 0;
-      for (const int m : plan.schedule.stages_of(stage))
-        bytes += plan.activation_bytes(stage, m, mode) + plan.input_bytes(stage, m, mode);
-      if (bytes <= room || mode == Remat::always) {
-        for (const int m : plan.schedule.stages_of(stage)) chosen[static_cast<std::size_t>(m)] = mode;
-        break;
+      for (const int m : model_stages) bytes += plan.activation_bytes(stage, m, mode) + plan.input_bytes(stage, m, mode);
+      return bytes <= room;
+    };
+    const auto set = [&](Remat mode) {
+      for (const int m : model_stages) plan.stage_remat[static_cast<std::size_t>(m)] = mode;
+    };
+    if (fits(Remat::never)) { set(Remat::never); continue; }
+    set(Remat::selective);
+    if (fits(Remat::selective)) continue;
+    if (model_stages.size() == 1 && !plan.schedule.splits(stage)) {
+      const auto m = static_cast<std::size_t>(model_stages[0]);
+      const int live = in_flight(plan.schedule, stage);
+      plan.remat_window[m] = live;
+      for (int whole = 1; whole < live; ++whole) {
+        plan.remat_whole[m] = whole;
+        if (fits(Remat::selective)) break;
+        plan.remat_whole[m] = 0;
       }
+      if (plan.remat_whole[m] > 0) continue;
     }
+    set(Remat::always);
   }
-  return chosen;
 }
 
 }  // namespace
@@ -153,7 +179,7 @@ Plan make_plan(const RunOptions& o, int ranks, const Model& model, const Measure
   plan.equal_overlap_bubble = steady_state(unit_overlapped, StageCosts::unit(unit_overlapped)).bubble_fraction;
   plan.predicted_overlap_bubble = steady_state(plan.schedule, plan.flops).bubble_fraction;
   plan.unit_cost_bubble = bubble_fraction(plan.schedule, StageCosts::unit(plan.schedule), o.overlap_steps);
-  if (o.remat == Remat::automatic) plan.stage_remat = choose_remat(plan);
+  if (o.remat == Remat::automatic) choose_remat(plan);
   plan.bubble_formula = M < K || !kind ? "" : kind->bubble_formula(o.in_flight);
   if (plan.bubble_formula.empty()) plan.bubble_formula = "simulated";
   return plan;

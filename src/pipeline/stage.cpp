@@ -49,7 +49,7 @@ void Stage::attach(const StageShared& shared) {
   const Plan& plan = *shared.plan;
   const int M = plan.options.micro_batches;
   const int ring = std::min(M, in_flight(plan.schedule, plan.schedule.list_of(index_)) + 2);
-  for (auto [r, used] : {std::pair{&gradients_, !first_}, std::pair{&outputs_, (plan.remat_of(index_) == Remat::always || plan.remat_of(index_) == Remat::except_last) && !last_}}) {
+  for (auto [r, used] : {std::pair{&gradients_, !first_}, std::pair{&outputs_, plan.rematerializes(index_) && !last_}}) {
     r->buffers.assign(used ? static_cast<std::size_t>(ring) : 0, Tensor{});
     r->owner.assign(r->buffers.size(), -1);
   }

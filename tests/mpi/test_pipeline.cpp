@@ -824,7 +824,7 @@ TEST_CASE("plan's activation memory per rank is the measured peak within 10% (GP
   }
 }
 
-TEST_CASE("--remat auto: each stage takes the first of never, selective, always that fits --memory-per-rank, bitwise never's training") {
+TEST_CASE("--remat auto: each stage takes the first of never, selective, selective with some micro-batches rematerialized, always that fits --memory-per-rank, bitwise never's training") {
   if (world().size() != 4) return;
   auto config = [](const char* remat, double limit) {
     TrainConfig c = test::tiny_gpt({.layers = 4, .d_model = 64, .heads = 4, .seq_len = 64, .vocab = 64, .dropout = 0.1f,
@@ -835,37 +835,51 @@ TEST_CASE("--remat auto: each stage takes the first of never, selective, always 
     return c;
   };
   const RunResult reference = run(config("never", 0), 4);
-  // A limit between stage 0's selective and never needs: it takes selective, and a stage
-  // whose never or selective needs more than that (the last, with the head) takes more.
   const Plan never = plan_run(config("never", 0), world());
   const auto need = [&](int stage, Remat mode) {
     return never.weight_bytes(stage) + never.activation_bytes(stage, stage, mode) + never.input_bytes(stage, stage, mode);
   };
-  const double limit = (need(0, Remat::never) + need(0, Remat::selective)) / 2;
-  const Plan plan = plan_run(config("auto", limit), world());
-  REQUIRE(plan.stage_remat.size() == 4);
-  CHECK(plan.stage_remat[0] == Remat::selective);
-  for (int stage = 0; stage < 4; ++stage) {
+  // Limits between stage 0's never and selective needs (it takes selective), and between
+  // its selective and always needs (it rematerializes some micro-batches wholly).
+  for (const bool tight : {false, true}) {
+    CAPTURE(tight);
+    const double limit = tight ? (need(0, Remat::selective) + need(0, Remat::always)) / 2
+                               : (need(0, Remat::never) + need(0, Remat::selective)) / 2;
+    const Plan plan = plan_run(config("auto", limit), world());
+    REQUIRE(plan.stage_remat.size() == 4);
+    CHECK(plan.stage_remat[0] == Remat::selective);
+    CHECK((plan.remat_whole[0] > 0) == tight);
+    for (int stage = 0; stage < 4; ++stage) {
+      CAPTURE(stage);
+      const Remat chosen = plan.stage_remat[static_cast<std::size_t>(stage)];
+      const int whole = plan.remat_whole[static_cast<std::size_t>(stage)];
+      CAPTURE(whole);
+      // It fits, and the cheaper choices before it did not: pure selective before a mixed
+      // one, and the mixed one with a micro-batch fewer rematerialized.
+      if (chosen != Remat::always)
+        CHECK(plan.weight_bytes(stage) + plan.activation_bytes(stage) + plan.input_bytes(stage, stage, chosen) <= limit);
+      if (chosen != Remat::never) CHECK(need(stage, Remat::never) > limit);
+      if (whole > 0 || chosen == Remat::always) CHECK(need(stage, Remat::selective) > limit);
+      if (whole > 1) {
+        Plan fewer = plan;
+        fewer.remat_whole[static_cast<std::size_t>(stage)] = whole - 1;
+        CHECK(fewer.weight_bytes(stage) + fewer.activation_bytes(stage) + fewer.input_bytes(stage, stage, chosen) > limit);
+      }
+    }
+    const RunResult r = run(config("auto", limit), 4);
+    if (world().rank() == 0) {
+      CHECK(r.losses == reference.losses);
+      CHECK(r.norms == reference.norms);
+      CHECK(std::memcmp(r.params.data(), reference.params.data(), r.params.size() * sizeof(float)) == 0);
+    }
+    // What each rank measures stays within the plan's activations (as the plan's accuracy
+    // test bounds them), so the chosen stages fit.
+    Executor exec(plan, world());
+    exec.connect();
+    exec.allocate();
+    for (int step = 0; step < 2; ++step) exec.step(step);
+    const int stage = exec.grid().stage();
     CAPTURE(stage);
-    const Remat chosen = plan.stage_remat[static_cast<std::size_t>(stage)];
-    // It fits, and the cheaper modes before it did not.
-    if (chosen != Remat::always) CHECK(need(stage, chosen) <= limit);
-    if (chosen != Remat::never) CHECK(need(stage, Remat::never) > limit);
-    if (chosen == Remat::always) CHECK(need(stage, Remat::selective) > limit);
+    CHECK(static_cast<double>(exec.peak_activation_bytes()) <= 1.15 * plan.activation_bytes(stage));
   }
-  const RunResult r = run(config("auto", limit), 4);
-  if (world().rank() == 0) {
-    CHECK(r.losses == reference.losses);
-    CHECK(r.norms == reference.norms);
-    CHECK(std::memcmp(r.params.data(), reference.params.data(), r.params.size() * sizeof(float)) == 0);
-  }
-  // What each rank measured stays within the plan's activations (as the plan's accuracy
-  // test bounds them), so the chosen stages fit.
-  Executor exec(plan, world());
-  exec.connect();
-  exec.allocate();
-  for (int step = 0; step < 2; ++step) exec.step(step);
-  const int stage = exec.grid().stage();
-  CAPTURE(stage);
-  CHECK(static_cast<double>(exec.peak_activation_bytes()) <= 1.15 * plan.activation_bytes(stage));
 }

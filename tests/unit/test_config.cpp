@@ -149,3 +149,20 @@ TEST_CASE("validation names the option at fault") {
     CHECK(!e.hint().empty());
   }
 }
+
+TEST_CASE("--memory-per-rank: bytes or a size with its unit; --remat auto needs it") {
+  CHECK(parse_memory_size("123") == 123);
+  CHECK(parse_memory_size("500MB") == 500e6);
+  CHECK(parse_memory_size("8GiB") == 8.0 * 1024 * 1024 * 1024);
+  CHECK(parse_memory_size("1.5KiB") == 1536);
+  CHECK(parse_memory_size("2TB") == 2e12);
+  for (const char* bad : {"", "abc", "3XB", "-1GiB", "0", "nan", "8 GiB"})
+    CHECK_THROWS_AS(parse_memory_size(bad), UserError);
+  TrainConfig c;
+  c.pipeline.remat = "auto";
+  CHECK_THROWS_WITH_AS(validate(c), doctest::Contains("--remat auto needs --memory-per-rank"), UserError);
+  c.pipeline.memory_per_rank = "8GiB";
+  CHECK_NOTHROW(validate(c));
+  CHECK(run_options(c).memory_per_rank == 8.0 * 1024 * 1024 * 1024);
+  CHECK(run_options(c).remat == Remat::automatic);
+}

@@ -117,6 +117,13 @@ struct StageMemory {
     const double each = activation + (split ? stash : 0);
     return (remat && !split ? live * (boundary + output) + activation : live * each) + scratch;
   }
+  // --remat auto between selective and always (not split): of every `live` consecutive
+  // micro-batches, `whole` are rematerialized wholly (their input and output kept, their
+  // forward run again in backward) and the others kept selectively.
+  double held_mixed(int live, int whole) const {
+    return (live - whole) * (activation - recomputable) + whole * (boundary + output) +
+           std::max({recomputable, selective_scratch, whole > 0 ? activation + scratch : 0.0});
+  }
 };
 
 struct Plan {
@@ -136,6 +143,10 @@ struct Plan {
   // Per model stage, the re-materialization it runs: --remat auto's choice (empty
   // otherwise: every stage runs options.remat).
   std::vector<Remat> stage_remat;
+  // --remat auto, a selective model stage that rematerializes some micro-batches wholly:
+  // remat_whole of every remat_window consecutive ones (the micro-batches it holds at
+  // once), so that any window holds that many; empty or 0: none.
+  std::vector<int> remat_whole, remat_window;
   // Bubbles: at equal stages (the schedule built for unit costs, at unit costs) and
   // predicted (`schedule` at `flops`), for one step and for steps back to back
   // (--overlap-steps); and `schedule` at unit costs the way this run steps (the phase
@@ -151,9 +162,18 @@ struct Plan {
   }
   bool rematerialize(int model_stage, int micro_batch) const {
     const Remat r = remat_of(model_stage);
+    if (!remat_whole.empty() && remat_whole[static_cast<std::size_t>(model_stage)] > 0)  // auto: some of them
+      return micro_batch % remat_window[static_cast<std::size_t>(model_stage)] < remat_whole[static_cast<std::size_t>(model_stage)];
     return r == Remat::always || (r == Remat::except_last && micro_batch != options.micro_batches - 1);
   }
   bool selective(int model_stage) const { return remat_of(model_stage) == Remat::selective; }
+  // Whether some of its micro-batches are rematerialized wholly (their outputs then wait
+  // in send buffers of their own until B).
+  bool rematerializes(int model_stage) const {
+    const Remat r = remat_of(model_stage);
+    return r == Remat::always || r == Remat::except_last ||
+           (!remat_whole.empty() && remat_whole[static_cast<std::size_t>(model_stage)] > 0);
+  }
   // Whether model stage `model_stage` of pipeline stage `stage` keeps only its
   // micro-batches' inputs (the memory rule of --remat: except-last keeps the last stage's
   // whole).
