@@ -232,7 +232,19 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
 
 void Executor::run_actions(std::int64_t step, bool training) {
   const int list = grid_->stage();
-  for (const Action& action : schedule_.actions[static_cast<std::size_t>(list)]) {
+  const std::vector<Action>& actions = schedule_.actions[static_cast<std::size_t>(list)];
+  // Whether B of micro-batch `mb` on model stage `model_stage` is the next compute after
+  // action `at` (nothing that uses the scratch arena runs between).
+  const auto backward_next = [&](std::size_t at, int model_stage, int mb) {
+    for (std::size_t i = at + 1; i < actions.size(); ++i) {
+      const Action& next = actions[i];
+      if (next.kind != ActionKind::forward && next.kind != ActionKind::backward && next.kind != ActionKind::weight) continue;
+      return next.kind == ActionKind::backward && next.micro_batch == mb && schedule_.stage_of(list, next) == model_stage;
+    }
+    return false;
+  };
+  for (std::size_t at = 0; at < actions.size(); ++at) {
+    const Action& action = actions[at];
     const int mb = action.micro_batch;
     const int c = local_of_[static_cast<std::size_t>(schedule_.stage_of(list, action))];  // this rank's stage
     Stage& stage = stages_[static_cast<std::size_t>(c)];
@@ -259,8 +271,14 @@ void Executor::run_actions(std::int64_t step, bool training) {
           timeline_.record(step, TraceEvent::recv_act, mb, action_start, Clock::now(), -1, traced_stage(stage.index()));
           break;
         case ActionKind::recv_grad:
-          timeline_.times().p2p_wait += transport_->receive(Direction::backward, c, mb);
-          timeline_.record(step, TraceEvent::recv_grad, mb, action_start, Clock::now(), -1, traced_stage(stage.index()));
+          // A rematerialized micro-batch's forward runs while its gradient is on the way
+          // (GPipe's and 1F1B's waits for the next stage's B), not after it arrives.
+          if (training && backward_next(at, schedule_.stage_of(list, action), mb)) stage.recompute(step, mb);
+          {
+            const auto wait_start = Clock::now();
+            timeline_.times().p2p_wait += transport_->receive(Direction::backward, c, mb);
+            timeline_.record(step, TraceEvent::recv_grad, mb, wait_start, Clock::now(), -1, traced_stage(stage.index()));
+          }
           break;
         case ActionKind::send_act: transport_->send(Direction::forward, c, mb, stage.micro_batch(mb).output); break;
         case ActionKind::send_grad: transport_->send(Direction::backward, c, mb, stage.micro_batch(mb).input_grad); break;

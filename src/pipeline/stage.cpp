@@ -164,23 +164,27 @@ void Stage::forward(std::int64_t step, int mb, bool training) {
   shared_.hooks->end_compute(ComputeKind::forward, mb, index_, start);
 }
 
+void Stage::recompute(std::int64_t step, int mb) {
+  MicroBatch& m = micro_batch(mb);
+  if (m.contexts) return;
+  // The forward again with the same pass, hence the same dropout masks: into the scratch
+  // arena, which B resets once it is done (nothing runs between: B is this stage's next
+  // compute), or under a split backward into a slot, which lives on until W.
+  const auto start = StageHooks::Clock::now();
+  shared_.hooks->begin_compute(ComputeKind::recompute, mb, index_);
+  Tensor unused;
+  Pass again = make_pass(step, mb, shared_.split ? take_slot(mb) : shared_.scratch);
+  again.recompute = true;
+  again.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
+  m.contexts = run_forward(again, input(again, mb), &unused, *shared_.progress);
+  shared_.hooks->end_compute(ComputeKind::recompute, mb, index_, start);
+}
+
 void Stage::backward(std::int64_t step, int mb) {
   const bool split = shared_.split;
   MicroBatch& m = micro_batch(mb);
+  recompute(step, mb);
   Context* contexts = m.contexts;
-  if (!contexts) {
-    // Recompute the forward with the same pass, hence the same dropout masks; under a
-    // split backward into a slot, which lives on until W.
-    const auto start = StageHooks::Clock::now();
-    shared_.hooks->begin_compute(ComputeKind::recompute, mb, index_);
-    Tensor unused;
-    Pass recompute = make_pass(step, mb, split ? take_slot(mb) : shared_.scratch);
-    recompute.recompute = true;
-    recompute.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
-    contexts = run_forward(recompute, input(recompute, mb), &unused, *shared_.progress);
-    if (split) m.contexts = contexts;
-    shared_.hooks->end_compute(ComputeKind::recompute, mb, index_, start);
-  }
   const auto start = StageHooks::Clock::now();
   shared_.hooks->begin_compute(ComputeKind::backward, mb, index_);
   Pass pass = make_pass(step, mb, shared_.scratch);
@@ -194,7 +198,10 @@ void Stage::backward(std::int64_t step, int mb) {
                final ? shared_.hooks : nullptr, *shared_.progress);
   shared_.scratch->reset();
   shared_.hooks->end_compute(ComputeKind::backward, mb, index_, start);
-  if (!split) release_slot(mb);
+  if (!split) {
+    release_slot(mb);
+    m.contexts = nullptr;  // a recomputation's were in the scratch, gone with it
+  }
 }
 
 void Stage::weight(std::int64_t step, int mb) {

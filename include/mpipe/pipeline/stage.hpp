@@ -82,7 +82,7 @@ class Stage {
   struct MicroBatch {
     Tensor output;               // what F sends on (in its slot, or kept whole under remat)
     Tensor input_grad;           // what B sends back (not on the model's first stage)
-    Context* contexts = nullptr; // the forward's, per layer; null when rematerialized
+    Context* contexts = nullptr; // the forward's, per layer; null when rematerialized (until recomputed)
     int slot = -1;               // the SlotPool slot holding its activations, or -1
   };
 
@@ -117,6 +117,10 @@ class Stage {
   // B (where the schedule splits backwards, the input gradients alone, with what W needs
   // kept in the micro-batch's slot), its forward recomputed first where rematerialized.
   void backward(std::int64_t step, int mb);
+  // A rematerialized micro-batch's forward, recomputed for its B (nothing if it kept its
+  // contexts or has them already): B calls it first; the executor earlier, while the rank
+  // would otherwise wait for B's gradient, where B is its next compute.
+  void recompute(std::int64_t step, int mb);
   // W: the weight gradients B left, in the same layer order; the slot is free after it.
   // Ws run in ascending micro-batch order (validate()), so every gradient sums its
   // micro-batches in the same order as under the fused backward: bitwise equal.
