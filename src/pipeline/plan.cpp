@@ -57,23 +57,20 @@ double Plan::weight_bytes(int stage) const {
 }
 
 double Plan::activation_bytes(int stage, int model_stage, Remat mode) const {
-  const bool remat = mode == Remat::always || (mode == Remat::except_last && stage + 1 < grid.stages);
-  const auto at = static_cast<std::size_t>(model_stage);
-  if (mode == Remat::selective && !remat_whole.empty() && remat_whole[at] > 0)
-    return memory[at].held_mixed(remat_window[at], remat_whole[at]);
-  return memory[static_cast<std::size_t>(model_stage)].held(
-      in_flight(schedule, stage, schedule.virtual_stages > 1 ? model_stage : -1), remat, schedule.splits(stage),
-      mode == Remat::selective);
+  const StageMemory& memory_of = memory[static_cast<std::size_t>(model_stage)];
+  const int whole = mode == Remat::selective ? whole_of(model_stage) : 0;
+  if (whole > 0) return memory_of.held_mixed(remat_window[static_cast<std::size_t>(model_stage)], whole);
+  return memory_of.held(in_flight(schedule, stage, schedule.virtual_stages > 1 ? model_stage : -1),
+                        inputs_only(stage, mode), schedule.splits(stage), mode == Remat::selective);
 }
 
 double Plan::input_bytes(int stage, int model_stage, Remat mode) const {
-  const bool remat = mode == Remat::always || (mode == Remat::except_last && stage + 1 < grid.stages);
   const double boundary = memory[static_cast<std::size_t>(model_stage)].boundary;
+  const double batch = model_stage == 0 ? options.micro_batches * boundary : 0.0;
   // Mixed (auto): the rematerialized ones' inputs are in their activations already.
-  const auto at = static_cast<std::size_t>(model_stage);
-  if (mode == Remat::selective && !remat_whole.empty() && remat_whole[at] > 0)
-    return (remat_window[at] - remat_whole[at]) * boundary + (model_stage == 0 ? options.micro_batches * boundary : 0.0);
-  return (remat ? 0.0 : in_flight(schedule, stage) * boundary) + (model_stage == 0 ? options.micro_batches * boundary : 0.0);
+  if (const int whole = mode == Remat::selective ? whole_of(model_stage) : 0; whole > 0)
+    return (remat_window[static_cast<std::size_t>(model_stage)] - whole) * boundary + batch;
+  return (inputs_only(stage, mode) ? 0.0 : in_flight(schedule, stage) * boundary) + batch;
 }
 
 double Plan::activation_bytes(int stage) const {

@@ -160,10 +160,20 @@ struct Plan {
   Remat remat_of(int model_stage) const {
     return stage_remat.empty() ? options.remat : stage_remat[static_cast<std::size_t>(model_stage)];
   }
+  // --remat auto's mixed stages: how many of every remat_window micro-batches are
+  // rematerialized wholly (0: none, or not auto).
+  int whole_of(int model_stage) const {
+    return remat_whole.empty() ? 0 : remat_whole[static_cast<std::size_t>(model_stage)];
+  }
+  // Whether `mode` keeps only its micro-batches' inputs on pipeline stage `stage` (the
+  // memory rule of --remat: except-last keeps the last stage's whole).
+  bool inputs_only(int stage, Remat mode) const {
+    return mode == Remat::always || (mode == Remat::except_last && stage + 1 < grid.stages);
+  }
   bool rematerialize(int model_stage, int micro_batch) const {
+    if (const int whole = whole_of(model_stage); whole > 0)  // auto: some of them
+      return micro_batch % remat_window[static_cast<std::size_t>(model_stage)] < whole;
     const Remat r = remat_of(model_stage);
-    if (!remat_whole.empty() && remat_whole[static_cast<std::size_t>(model_stage)] > 0)  // auto: some of them
-      return micro_batch % remat_window[static_cast<std::size_t>(model_stage)] < remat_whole[static_cast<std::size_t>(model_stage)];
     return r == Remat::always || (r == Remat::except_last && micro_batch != options.micro_batches - 1);
   }
   bool selective(int model_stage) const { return remat_of(model_stage) == Remat::selective; }
@@ -171,16 +181,11 @@ struct Plan {
   // in send buffers of their own until B).
   bool rematerializes(int model_stage) const {
     const Remat r = remat_of(model_stage);
-    return r == Remat::always || r == Remat::except_last ||
-           (!remat_whole.empty() && remat_whole[static_cast<std::size_t>(model_stage)] > 0);
+    return r == Remat::always || r == Remat::except_last || whole_of(model_stage) > 0;
   }
   // Whether model stage `model_stage` of pipeline stage `stage` keeps only its
-  // micro-batches' inputs (the memory rule of --remat: except-last keeps the last stage's
-  // whole).
-  bool remat_stage(int stage, int model_stage) const {
-    const Remat r = remat_of(model_stage);
-    return r == Remat::always || (r == Remat::except_last && stage + 1 < grid.stages);
-  }
+  // micro-batches' inputs.
+  bool remat_stage(int stage, int model_stage) const { return inputs_only(stage, remat_of(model_stage)); }
   // Activation bytes of model stage `model_stage` (on pipeline stage `stage`) under `mode`.
   double activation_bytes(int stage, int model_stage, Remat mode) const;
   // Beyond its activations: each micro-batch in flight keeps its input until its backward
