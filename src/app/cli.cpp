@@ -161,6 +161,11 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                "and redone (bitwise the same training). Lets zb-h2 fill its warm-up with the last step's "
                "cool-down")
       ->capture_default_str();
+  cmd.add_flag("--shard-optimizer,!--no-shard-optimizer", p.shard_optimizer,
+               "ZeRO-1: each of a stage's D replicas keeps and updates 1/D of its optimizer state (AdamW's moments, "
+               "SGD's momentum), then the updated values are gathered; bitwise the same training, 1/D of the "
+               "optimizer memory")
+      ->capture_default_str();
   cmd.add_option("--device", c.device, "cpu, cuda (one GPU per rank: node-local rank modulo GPUs) or auto")
       ->capture_default_str();
   cmd.add_option("--precision", c.precision, "fp32, or bf16 on a GPU (fp32 master weights and optimizer state)")

@@ -120,6 +120,7 @@ RunOptions run_options(const TrainConfig& c) {
   o.virtual_stages = p.virtual_stages;
   o.in_flight = p.in_flight;
   o.overlap_steps = p.overlap_steps;
+  o.shard_optimizer = p.shard_optimizer;
   o.remat = parsed<Remat>(p.remat, remat_names);
   if (!p.memory_per_rank.empty()) o.memory_per_rank = parse_memory_size(p.memory_per_rank);
   o.batchnorm = parsed<BatchNormRule>(p.batchnorm, batchnorm_names);

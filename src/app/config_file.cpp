@@ -129,6 +129,7 @@ std::string to_toml(const TrainConfig& c) {
   line("comm-wait", toml_quoted(q.comm_wait));
   line("in-flight", q.in_flight == in_flight_of_1f1b ? toml_quoted("1f1b") : cat(q.in_flight));
   line("overlap-steps", q.overlap_steps ? "true" : "false");
+  line("shard-optimizer", q.shard_optimizer ? "true" : "false");
   line("log-every", cat(c.log_every));
   if (!c.checkpoint_dir.empty()) line("checkpoint-dir", toml_quoted(c.checkpoint_dir));
   line("checkpoint-every", cat(c.checkpoint_every));

@@ -85,11 +85,14 @@ void write_raw(int direct_fd, int buffered_fd, const void* source, std::size_t b
   }
 }
 
-// One writer's part of a checkpoint (collective over replica 0's ranks). HDF5 creates
-// every dataset on every writer (its metadata is collective) with space allocated at
-// creation; each writer then writes only its own layers' data: with HDF5's MPI-IO
-// driver, or, where the file system takes O_DIRECT, straight to the offsets HDF5
-// allocated once the file is closed (MPIPE_CHECKPOINT_BUFFERED=1 forces the former).
+// One writer's part of a checkpoint (collective over replica 0's ranks, or over every
+// rank with --shard-optimizer, where each replica writes its pieces of /optimizer). HDF5
+// creates every dataset on every writer (its metadata is collective) with space
+// allocated at creation; each writer then writes only its own layers' data (or rows of
+// them): with HDF5's MPI-IO driver, or, where the file system takes O_DIRECT, straight
+// to the offsets HDF5 allocated once the file is closed (MPIPE_CHECKPOINT_BUFFERED=1
+// forces the former). A dataset written in pieces gets the checksum of the whole, the
+// pieces' checksums combined in row order.
 struct WriteTimes {
   double write = 0, read_back = 0;
   bool data_checked = false;  // this writer read its data back against the checksums
@@ -102,7 +105,10 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
   const RunOptions& options = exec.options();
   const Grid& grid = exec.grid();
   const Model& model = exec.model();
-  const Communicator& comm = grid.pipeline();
+  const Optimizer& optimizer = exec.optimizer();
+  const bool sharded = optimizer.sharded();
+  const int parts = optimizer.parts();  // pieces a dataset may be written in
+  const Communicator& comm = sharded ? grid.world() : grid.pipeline();
   const auto params = parameter_datasets(model, "/model");
   const auto names = exec.optimizer().state_names();
   std::vector<DatasetSpec> all = params;  // parameters, then each optimizer state with the same keys
@@ -110,17 +116,22 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
     for (const DatasetSpec& d : params)
       all.push_back({"/optimizer/" + state + d.path.substr(std::strlen("/model")), d.shape, d.layer, d.name});
 
-  // This rank's datasets and the checksums every writer must agree on.
+  // This rank's datasets (or pieces of them) and the checksums every writer must agree on.
   struct Mine {
     std::size_t index;
     const float* data;
     std::size_t bytes;
+    std::size_t element = 0;  // where in the dataset the piece starts (whole rows)
+    unsigned crc = 0;         // of the piece
     haddr_t offset = HADDR_UNDEF;
   };
   std::vector<Mine> mine;
   const std::vector<int> writers = writer_stages(model, exec.partition(), params);
-  std::vector<unsigned> crcs(all.size(), 0);  // uint32 CRCs
+  // Each dataset's pieces, in row order: [dataset * parts + piece].
+  std::vector<unsigned> piece_crcs(all.size() * static_cast<std::size_t>(parts), 0);  // uint32 CRCs
+  std::vector<double> piece_bytes(piece_crcs.size(), 0.0);
   const ParamStore& store = exec.params();
+  std::vector<float> zeros;  // the state of views no optimizer piece holds (buffers: never updated)
   for (std::size_t i = 0; i < all.size(); ++i) {
     const DatasetSpec& d = all[i];
     if (exec.partition().pipeline_stage(writers[i % params.size()]) != grid.stage()) continue;
@@ -131,13 +142,43 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
         entry = &e;
     MPIPE_CHECK(entry, "no entry for ", d.path);
     const std::size_t which = i / params.size();  // 0 parameters, 1.. optimizer states
-    const float* data = which == 0 ? store.params().data() + entry->param_offset
-                                   : exec.optimizer().state(static_cast<int>(which - 1)).data() + entry->offset;
-    const std::size_t bytes = static_cast<std::size_t>(entry->numel()) * sizeof(float);
-    crcs[i] = crc32_of(data, bytes);
-    mine.push_back({i, data, bytes});
+    const std::size_t numel = static_cast<std::size_t>(entry->numel());
+    Mine m{i, nullptr, numel * sizeof(float)};
+    int piece = 0;
+    if (which == 0) {
+      if (grid.replica() != 0) continue;
+      m.data = store.params().data() + entry->param_offset;
+    } else if (!sharded) {
+      m.data = optimizer.state(static_cast<int>(which - 1)).data() + entry->offset;
+    } else if (const ShardPiece* p = optimizer.piece_of(static_cast<int>(entry - store.entries().data()))) {
+      m.data = optimizer.state(static_cast<int>(which - 1)).data() + p->state_offset;
+      m.bytes = p->count * sizeof(float);
+      m.element = p->element;
+      piece = optimizer.part();
+    } else {
+      // A view of no piece: a buffer (whose state stays zero), written whole by replica
+      // 0, or a piece of fewer rows than replicas, empty here.
+      if (!entry->buffer || grid.replica() != 0) continue;
+      if (zeros.size() < numel) zeros.assign(numel, 0.0f);
+      m.data = zeros.data();
+    }
+    m.crc = crc32_of(m.data, m.bytes);
+    piece_crcs[i * static_cast<std::size_t>(parts) + static_cast<std::size_t>(piece)] = m.crc;
+    piece_bytes[i * static_cast<std::size_t>(parts) + static_cast<std::size_t>(piece)] = static_cast<double>(m.bytes);
+    mine.push_back(m);
   }
-  comm.allreduce(std::span<unsigned>(crcs), Reduce::max);
+  comm.allreduce(std::span<unsigned>(piece_crcs), Reduce::max);
+  if (parts > 1) comm.allreduce(std::span<double>(piece_bytes), Reduce::max);
+  std::vector<unsigned> crcs(all.size(), 0);
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    uLong crc = 0;  // of nothing; combined with each piece in row order
+    for (std::size_t piece = 0; piece < static_cast<std::size_t>(parts); ++piece) {
+      const std::size_t at = i * static_cast<std::size_t>(parts) + piece;
+      if (parts == 1) crc = piece_crcs[at];
+      else if (piece_bytes[at] > 0) crc = crc32_combine(crc, piece_crcs[at], static_cast<z_off_t>(piece_bytes[at]));
+    }
+    crcs[i] = static_cast<unsigned>(crc);
+  }
 
   int direct_fd = -1;
   {
@@ -166,10 +207,26 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
       if (direct_fd >= 0) {
         m.offset = H5Dget_offset(sets[m.index].get());
         H5_CHECK(m.offset == HADDR_UNDEF ? -1 : 0, "no file offset for ", all[m.index].path);
-      } else {
+        m.offset += m.element * sizeof(float);
+        continue;
+      }
+      const Shape& shape = all[m.index].shape;
+      if (m.bytes == static_cast<std::size_t>(shape.numel()) * sizeof(float)) {
         H5_CHECK(H5Dwrite(sets[m.index].get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, m.data), "cannot write ",
                  all[m.index].path, " (disk full?)");
+        continue;
       }
+      // A piece: whole rows of the dataset.
+      std::vector<hsize_t> first(static_cast<std::size_t>(shape.rank), 0), count = dims(shape);
+      const std::size_t row = static_cast<std::size_t>(shape.numel() / shape[0]);
+      first[0] = m.element / row;
+      count[0] = m.bytes / sizeof(float) / row;
+      Handle file_space(H5Dget_space(sets[m.index].get()), H5Sclose);
+      H5_CHECK(H5Sselect_hyperslab(file_space.get(), H5S_SELECT_SET, first.data(), nullptr, count.data(), nullptr),
+               "cannot select rows of ", all[m.index].path);
+      Handle memory_space(H5Screate_simple(static_cast<int>(count.size()), count.data(), nullptr), H5Sclose);
+      H5_CHECK(H5Dwrite(sets[m.index].get(), H5T_NATIVE_FLOAT, memory_space.get(), file_space.get(), H5P_DEFAULT, m.data),
+               "cannot write ", all[m.index].path, " (disk full?)");
     }
     sets.clear();
     // Training state and provenance, the same on every writer.
@@ -224,7 +281,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
           bad = cat("cannot read back ", all[m.index].path);
         // (crc32_z with a null buffer returns the initial value, not crc: skip it when empty)
         if (!rest.empty()) crc = crc32_z(crc, reinterpret_cast<const Bytef*>(rest.data()), rest.size());
-        if (bad.empty() && static_cast<uint32_t>(crc) != crcs[m.index])
+        if (bad.empty() && static_cast<uint32_t>(crc) != m.crc)
           bad = cat("read-back of ", all[m.index].path, " does not match what was written (offset ", m.offset, ", ", m.bytes, " bytes, body ", body, ")");
         if (!bad.empty()) break;
       }
@@ -282,7 +339,9 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
   std::string problem;
 
   WriteTimes times;
-  if (grid.replica() == 0) {
+  // Replica 0 writes; with the optimizer sharded every replica writes its pieces.
+  const bool writer = grid.replica() == 0 || exec.optimizer().sharded();
+  if (writer) {
     try {
       times = write_file(exec, temp_path, dir, step);
     } catch (const std::exception& e) {
@@ -294,7 +353,7 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
   // times are the checkpoint's.
   // (the last entry is 1 where some writer did not read its data back)
   double agreed[4] = {static_cast<double>(failed), times.write, times.read_back,
-                      grid.replica() == 0 && !times.data_checked ? 1.0 : 0.0};
+                      writer && !times.data_checked ? 1.0 : 0.0};
   world.allreduce(std::span<double>(agreed), Reduce::max);
   failed = static_cast<int>(agreed[0]);
   result.write_seconds = agreed[1];
@@ -427,9 +486,13 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
       other_optimizer = state.optimizer;
       throw Error("optimizer mismatch");
     }
-    const auto names = exec.optimizer().state_names();
+    const Optimizer& optimizer = exec.optimizer();
+    const auto names = optimizer.state_names();
     std::vector<float> rows;  // a row copy's owner, whole
-    for (const ParamEntry& e : store.entries()) {
+    std::vector<float> view;  // a view's state, whole, of which a sharded optimizer keeps a piece
+    const auto entries = store.entries();
+    for (std::size_t index = 0; index < entries.size(); ++index) {
+      const ParamEntry& e = entries[index];
       if (e.alias) continue;  // the owner's values, loaded with the owner
       // A tied copy on another stage loads the owner's values and state.
       const std::string key = "/" + layer_key(e.owner_layer) + "/" +
@@ -448,9 +511,21 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
         if (into != out) std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(e.owner_element), e.numel(), out);
       };
       read("/model" + key, store.params().data() + e.param_offset);
-      if (!state.optimizer.empty())
-        for (std::size_t s = 0; s < names.size(); ++s)
-          read("/optimizer/" + names[s] + key, exec.optimizer().state(static_cast<int>(s)).data() + e.offset);
+      if (state.optimizer.empty()) continue;
+      // Every view's whole state is read (its checksum is of the whole), whatever piece
+      // of it this rank keeps: a checkpoint loads onto any D, sharded or not.
+      const ShardPiece* piece = optimizer.sharded() ? optimizer.piece_of(static_cast<int>(index)) : nullptr;
+      if (optimizer.sharded() && !piece) continue;  // none here (a buffer: never updated)
+      for (std::size_t s = 0; s < names.size(); ++s) {
+        const std::span<float> into = optimizer.state(static_cast<int>(s));
+        if (!piece) {
+          read("/optimizer/" + names[s] + key, into.data() + e.offset);
+          continue;
+        }
+        view.resize(static_cast<std::size_t>(e.numel()));
+        read("/optimizer/" + names[s] + key, view.data());
+        std::copy_n(view.begin() + static_cast<std::ptrdiff_t>(piece->element), piece->count, into.begin() + static_cast<std::ptrdiff_t>(piece->state_offset));
+      }
     }
   } catch (const std::exception& e) {
     problem = e.what();

@@ -88,6 +88,7 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
                         {"virtual_stages", c.virtual_stages},
                         {"remat", to_string(c.remat)},
                         {"overlap_steps", c.overlap_steps},
+                        {"shard_optimizer", c.shard_optimizer},
                         {"updates_ahead", exec.speculated()},
                         {"updates_undone", exec.rolled_back()},
                         {"steps_timed", s.steps},

@@ -46,10 +46,64 @@ float learning_rate(const OptimizerConfig& c, std::int64_t step, std::int64_t to
   return static_cast<float>(min_lr + (c.lr - min_lr) * keep);
 }
 
-Optimizer::Optimizer(ParamStore& store, const OptimizerConfig& config)
-    : store_(store), config_(config), adamw_(config.kind == "adamw"), first_(store.params().size()),
-      second_(config.kind == "adamw" ? store.params().size() : 0) {
+std::pair<std::size_t, std::size_t> shard_elements(const Shape& shape, int part, int parts) {
+  const std::int64_t rows = shape.rank > 0 ? shape[0] : 1;
+  const std::int64_t row = rows > 0 ? shape.numel() / rows : 0;
+  const auto at = [&](int p) { return static_cast<std::size_t>(rows * p / parts * row); };
+  return {at(part), at(part + 1)};
+}
+
+namespace {
+
+// Unsharded: every view but aliases, whole, its state in the gradients' layout. Sharded:
+// the trained views' pieces, their state packed.
+std::vector<ShardPiece> make_pieces(const ParamStore& store, int part, int parts, std::size_t* state_size) {
+  std::vector<ShardPiece> pieces;
+  std::size_t packed = 0;
+  const auto entries = store.entries();
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const ParamEntry& e = entries[i];
+    if (e.alias) continue;  // the owner's entry updates these values
+    ShardPiece p;
+    p.entry = static_cast<int>(i);
+    p.decay = e.decay;
+    if (parts == 1) {
+      p.count = static_cast<std::size_t>(e.numel());
+      p.state_offset = e.offset;
+    } else {
+      if (e.buffer) continue;
+      const auto [first, last] = shard_elements(e.shape, part, parts);
+      if (first == last) continue;
+      p.element = first;
+      p.count = last - first;
+      p.state_offset = packed;
+      packed += (p.count + 15) / 16 * 16;  // 64-byte aligned, as the store's views
+    }
+    p.param_offset = e.param_offset + p.element;
+    p.grad_offset = e.offset + p.element;
+    pieces.push_back(p);
+  }
+  *state_size = parts == 1 ? store.params().size() : packed;
+  return pieces;
+}
+
+}  // namespace
+
+Optimizer::Optimizer(ParamStore& store, const OptimizerConfig& config, int part, int parts)
+    : store_(store), config_(config), adamw_(config.kind == "adamw"), part_(part), parts_(parts) {
   validate(config);
+  MPIPE_CHECK(parts >= 1 && part >= 0 && part < parts, "optimizer shard ", part, " of ", parts);
+  std::size_t state_size = 0;
+  pieces_ = make_pieces(store, part, parts, &state_size);
+  piece_index_.assign(store.entries().size(), -1);
+  for (std::size_t i = 0; i < pieces_.size(); ++i) piece_index_[static_cast<std::size_t>(pieces_[i].entry)] = static_cast<int>(i);
+  first_ = FloatBuffer(state_size);
+  if (adamw_) second_ = FloatBuffer(state_size);
+}
+
+const ShardPiece* Optimizer::piece_of(int entry) const {
+  const int i = piece_index_[static_cast<std::size_t>(entry)];
+  return i < 0 ? nullptr : &pieces_[static_cast<std::size_t>(i)];
 }
 
 std::vector<std::string> Optimizer::state_names(const OptimizerConfig& config) {
@@ -62,26 +116,27 @@ void Optimizer::to_device() {
   const std::size_t bytes = first_.size() * sizeof(float);
   device_first_ = cuda::DeviceBuffer(bytes);
   if (second_.size() > 0) device_second_ = cuda::DeviceBuffer(bytes);
-  // The view table of one update launch: every entry but the aliases, whose values the
-  // owner's entry updates.
-  std::vector<std::int64_t> param_offsets, offsets, sizes;
+  // The view table of one update launch: this rank's pieces.
+  std::vector<std::int64_t> param_offsets, offsets, state_offsets, sizes;
   std::vector<float> decay;
-  for (const ParamEntry& e : store_.entries()) {
-    if (e.alias) continue;
-    param_offsets.push_back(static_cast<std::int64_t>(e.param_offset));
-    offsets.push_back(static_cast<std::int64_t>(e.offset));
-    sizes.push_back(e.numel());
-    decay.push_back(e.decay ? config_.weight_decay : 0.0f);
-    largest_view_ = std::max(largest_view_, e.numel());
+  for (const ShardPiece& p : pieces_) {
+    param_offsets.push_back(static_cast<std::int64_t>(p.param_offset));
+    offsets.push_back(static_cast<std::int64_t>(p.grad_offset));
+    state_offsets.push_back(static_cast<std::int64_t>(p.state_offset));
+    sizes.push_back(static_cast<std::int64_t>(p.count));
+    decay.push_back(p.decay ? config_.weight_decay : 0.0f);
+    largest_view_ = std::max(largest_view_, static_cast<std::int64_t>(p.count));
   }
   view_count_ = static_cast<int>(sizes.size());
   const std::size_t n = std::max<std::size_t>(1, sizes.size());
   view_param_offsets_ = cuda::DeviceBuffer(n * sizeof(std::int64_t));
   view_offsets_ = cuda::DeviceBuffer(n * sizeof(std::int64_t));
+  view_state_offsets_ = cuda::DeviceBuffer(n * sizeof(std::int64_t));
   view_sizes_ = cuda::DeviceBuffer(n * sizeof(std::int64_t));
   view_decay_ = cuda::DeviceBuffer(n * sizeof(float));
   cuda::copy_to_device(view_param_offsets_.data(), param_offsets.data(), param_offsets.size() * sizeof(std::int64_t));
   cuda::copy_to_device(view_offsets_.data(), offsets.data(), offsets.size() * sizeof(std::int64_t));
+  cuda::copy_to_device(view_state_offsets_.data(), state_offsets.data(), state_offsets.size() * sizeof(std::int64_t));
   cuda::copy_to_device(view_sizes_.data(), sizes.data(), sizes.size() * sizeof(std::int64_t));
   cuda::copy_to_device(view_decay_.data(), decay.data(), decay.size() * sizeof(float));
   on_device_ = true;
@@ -114,6 +169,7 @@ void Optimizer::update(float lr, std::int64_t t) {
     cuda::ViewTable views;
     views.param_offsets = view_param_offsets_.as<std::int64_t>();
     views.offsets = view_offsets_.as<std::int64_t>();
+    views.state_offsets = view_state_offsets_.as<std::int64_t>();
     views.sizes = view_sizes_.as<std::int64_t>();
     views.weight_decay = view_decay_.as<float>();
     views.count = view_count_;
@@ -131,16 +187,16 @@ void Optimizer::update(float lr, std::int64_t t) {
   }
   float* params = store_.params().data();
   const float* grads = store_.grads().data();
-  for (const ParamEntry& e : store_.entries()) {
-    if (e.alias) continue;  // the owner's entry updates these values
-    const float wd = e.decay ? config_.weight_decay : 0.0f;
-    const std::size_t o = e.offset;  // gradients and optimizer state
-    float* p = params + e.param_offset;
+  for (const ShardPiece& piece : pieces_) {
+    const float wd = piece.decay ? config_.weight_decay : 0.0f;
+    const std::size_t s = piece.state_offset;
+    const auto n = static_cast<std::int64_t>(piece.count);
+    float* p = params + piece.param_offset;
+    const float* g = grads + piece.grad_offset;
     if (adamw_)
-      cpu::adamw_update(p, grads + o, first_.data() + o, second_.data() + o, e.numel(), lr, config_.beta1,
-                        config_.beta2, config_.eps, wd, t);
+      cpu::adamw_update(p, g, first_.data() + s, second_.data() + s, n, lr, config_.beta1, config_.beta2, config_.eps, wd, t);
     else
-      cpu::sgd_update(p, grads + o, first_.data() + o, e.numel(), lr, config_.momentum, wd);
+      cpu::sgd_update(p, g, first_.data() + s, n, lr, config_.momentum, wd);
   }
 }
 

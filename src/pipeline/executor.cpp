@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -83,7 +84,10 @@ void Executor::allocate() {
   const int M = plan_.options.micro_batches;
   const int C = static_cast<int>(stages_.size());
   params_ = std::make_unique<ParamStore>(model_, layers(), plan_.options.seed);
-  optimizer_ = std::make_unique<Optimizer>(*params_, plan_.options.optimizer);
+  // --shard-optimizer: replica r of D keeps and updates piece r of each view.
+  const bool shard = plan_.options.shard_optimizer && grid_->replicas() > 1;
+  optimizer_ = std::make_unique<Optimizer>(*params_, plan_.options.optimizer, shard ? grid_->replica() : 0,
+                                           shard ? grid_->replicas() : 1);
   if (device_ == Device::cuda) {
     params_->to_device(dtype_);
     optimizer_->to_device();
@@ -96,7 +100,8 @@ void Executor::allocate() {
   }
   slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_);
   reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,
-                                       plan_.options.batchnorm == BatchNormRule::deferred, plan_.options.p2p_timeout);
+                                       plan_.options.batchnorm == BatchNormRule::deferred, shard,
+                                       plan_.options.p2p_timeout);
   if (plan_.options.overlap_steps) backup_ = std::make_unique<UpdateBackup>(*params_, *optimizer_, *device_ops_);
   // Every request in flight at once: each micro-batch's two receives and two sends on
   // every stage, and the reducer's.
@@ -134,10 +139,12 @@ void Executor::allocate() {
   if (const char* fail = std::getenv("MPIPE_TEST_FAIL")) {
     // Test hook: MPIPE_TEST_FAIL=RANK:STEP[:stall] makes that world rank throw (or hang)
     // in its first forward of that step, to check that one failing or stuck rank ends
-    // the whole job.
+    // the whole job; :gather stops it (SIGSTOP) after its update of that step, before
+    // --shard-optimizer's gather.
     char mode[16] = "";
     if (std::sscanf(fail, "%d:%d:%15s", &fail_rank_, &fail_step_, mode) < 2) fail_rank_ = fail_step_ = -1;
     fail_stall_ = std::strcmp(mode, "stall") == 0;
+    fail_gather_ = std::strcmp(mode, "gather") == 0;
   }
 }
 
@@ -257,7 +264,7 @@ void Executor::run_actions(std::int64_t step, bool training) {
       progress_->poll();
       switch (action.kind) {
         case ActionKind::forward:
-          if (world_.rank() == fail_rank_ && step == fail_step_) {
+          if (world_.rank() == fail_rank_ && step == fail_step_ && !fail_gather_) {
             if (fail_stall_)
               for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
             throw Error("injected failure (MPIPE_TEST_FAIL)");
@@ -350,7 +357,10 @@ void Executor::update(StepResult& r) {
     params_->scale_grads(factor);
   }
   optimizer_->update(r.lr, ++updates_);
+  if (fail_gather_ && world_.rank() == fail_rank_ && r.step == fail_step_) std::raise(SIGSTOP);
+  reducer_->start_gather(updates_);  // --shard-optimizer: the other replicas' pieces
   reducer_->settle_buffers(true, updates_);
+  reducer_->finish_gather(updates_);
   device_ops_->synchronize();  // honest step times on a GPU
   timeline_.times().optimizer += since(opt_start);
   timeline_.record(r.step, TraceEvent::optimizer, -1, opt_start);

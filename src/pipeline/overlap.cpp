@@ -102,7 +102,9 @@ std::span<const StepResult> Executor::advance_unchecked(std::int64_t step) {
     const auto opt_start = Clock::now();
     backup_->save_state();
     optimizer_->update(learning_rate(plan_.options.optimizer, step, plan_.options.steps), ++updates_);
+    reducer_->start_gather(updates_);
     reducer_->settle_buffers(true, updates_);
+    reducer_->finish_gather(updates_);
     backup_->save_statistics();
     timeline_.times().optimizer += since(opt_start);
     timeline_.record(step, TraceEvent::optimizer, -1, opt_start);

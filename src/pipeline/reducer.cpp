@@ -5,11 +5,13 @@
 #include <algorithm>
 
 #include "mpipe/backend/ops.hpp"
+#include "mpipe/nn/optimizer.hpp"
 
 namespace mpipe {
 
 Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, ParamStore& params,
-                 std::vector<int> layers, const StepDevice& device, bool deferred_batchnorm, double timeout_s)
+                 std::vector<int> layers, const StepDevice& device, bool deferred_batchnorm, bool shard_optimizer,
+                 double timeout_s)
     : grid_(grid), model_(model), params_(params), device_(device), deferred_batchnorm_(deferred_batchnorm),
       timeout_(timeout_s) {
   const int K = grid.stages(), D = grid.replicas();
@@ -32,6 +34,34 @@ Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, Par
     }
   }
   bucket_tickets_.assign(buckets_.size(), Progress::none);
+  // The sharded optimizer's pieces (as Optimizer's: trained views, not aliases), each
+  // sent to every other replica and received from its owner.
+  if (shard_optimizer && D > 1) {
+    const int mine = grid.replica();
+    MPIPE_CHECK(grid.data().rank() == mine && grid.data().size() == D, "replica group ", grid.data().rank(), " of ",
+                grid.data().size(), " for replica ", mine, " of ", D);
+    const auto entries = params_.entries();
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const ParamEntry& e = entries[i];
+      if (e.alias || e.buffer) continue;
+      for (int part = 0; part < D; ++part) {
+        const auto [first, last] = shard_elements(e.shape, part, D);
+        if (first == last) continue;
+        const int tag = static_cast<int>(i);
+        if (part == mine) {
+          for (int peer = 0; peer < D; ++peer)
+            if (peer != mine)
+              sends_.push_back({e.layer, e.param_offset + first, last - first, peer, tag,
+                                cat("the updated values sent to replica ", peer, " of layer")});
+        } else {
+          receives_.push_back({e.layer, e.param_offset + first, last - first, part, tag,
+                               cat("replica ", part, "'s updated values of layer")});
+        }
+      }
+    }
+    MPIPE_CHECK(entries.size() <= 32767, "more parameter views than MPI tags: ", entries.size());
+  }
+  gather_tickets_.assign(sends_.size() + receives_.size(), Progress::none);
   bucket_of_.assign(static_cast<std::size_t>(model_.size()), -1);
   for (std::size_t b = 0; b < buckets_.size(); ++b) bucket_of_[static_cast<std::size_t>(buckets_[b].lowest_layer)] = static_cast<int>(b);
 
@@ -85,7 +115,45 @@ Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, Par
 int Reducer::requests() const {
   // The buckets, the tied sums' two messages each, the closing allreduce and the
   // running statistics' sum.
-  return static_cast<int>(buckets_.size() + 2 * tied_spans_.size()) + 2;
+  return static_cast<int>(buckets_.size() + 2 * tied_spans_.size() + gather_tickets_.size()) + 2;
+}
+
+// The values the layers read are the master's (the CPU, fp32 on a GPU) or a compute copy
+// made from it; MPI moves the master itself where it can read device memory, else the
+// host mirror (downloaded before, uploaded after).
+void Reducer::start_gather(std::int64_t update) {
+  if (gather_tickets_.empty()) return;
+  MPIPE_CHECK(!gathering_, "a gather is already in flight, update ", update);
+  std::span<float> values = params_.master();
+  if (device_.staged()) {
+    params_.download();
+    values = params_.params();
+  } else {
+    device_.synchronize();  // MPI reads the updated values now
+  }
+  const Communicator& data = grid_.data();
+  const auto bytes = [&](const Exchange& x) { return std::as_writable_bytes(values.subspan(x.offset, x.count)); };
+  std::size_t t = 0;
+  for (const Exchange& x : receives_) gather_tickets_[t++] = progress_->track(data.irecv(bytes(x), x.peer, x.tag), true);
+  for (const Exchange& x : sends_) gather_tickets_[t++] = progress_->track(data.isend(bytes(x), x.peer, x.tag), true);
+  gathering_ = true;
+}
+
+void Reducer::finish_gather(std::int64_t update) {
+  if (!gathering_) return;
+  gathering_ = false;
+  std::size_t t = 0;
+  for (const Exchange& x : receives_) {
+    Progress::Ticket& ticket = gather_tickets_[t++];
+    progress_->wait(ticket, timeout_, x.what.c_str(), x.layer, static_cast<long>(x.count * sizeof(float)));
+  }
+  for (const Exchange& x : sends_) {
+    Progress::Ticket& ticket = gather_tickets_[t++];
+    progress_->wait(ticket, timeout_, x.what.c_str(), x.layer);
+  }
+  if (device_.staged()) params_.upload();  // and the compute copy from it
+  else if (device_.kind() == Device::cuda) params_.refresh_compute_copy();
+  (void)update;
 }
 
 void Reducer::connect(Progress& progress) {

@@ -446,19 +446,22 @@ TEST_CASE("cuda op: the flat-store Tensor ops (scale, transfer, SpanSums) are th
 
 namespace {
 
-// Three views at different places in params and in grads/state, with different decay;
-// params has gaps between the views that must stay untouched.
+// Three views at different places in params, in grads and in the state (packed
+// elsewhere, as a sharded optimizer's), with different decay; params has gaps between
+// the views that must stay untouched.
 struct Views {
-  std::vector<int64_t> param_offsets{5, 2000, 3500}, offsets{0, 1003, 1503}, sizes{1003, 500, 777};
+  std::vector<int64_t> param_offsets{5, 2000, 3500}, offsets{0, 1003, 1503}, state_offsets{16, 1040, 1552},
+      sizes{1003, 500, 777};
   std::vector<float> decay{0.1f, 0.0f, 0.01f};
-  int64_t params = 4300, state = 2280;
-  DeviceArray<int64_t> d_param_offsets{param_offsets}, d_offsets{offsets}, d_sizes{sizes};
+  int64_t params = 4300, grads = 2280, state = 2400;
+  DeviceArray<int64_t> d_param_offsets{param_offsets}, d_offsets{offsets}, d_state_offsets{state_offsets}, d_sizes{sizes};
   DeviceArray<float> d_decay{decay};
 
   cuda::ViewTable table() const {
     cuda::ViewTable t;
     t.param_offsets = d_param_offsets.get();
     t.offsets = d_offsets.get();
+    t.state_offsets = d_state_offsets.get();
     t.sizes = d_sizes.get();
     t.weight_decay = d_decay.get();
     t.count = static_cast<int>(sizes.size());
@@ -476,10 +479,10 @@ TEST_CASE("cuda op: adamw_update over several views for several steps") {
   const auto untouched = params;
   const float lr = 1e-2f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   for (int64_t step = 1; step <= 3; ++step) {
-    const auto grads = normals(views.state, 121 + static_cast<uint32_t>(step));
+    const auto grads = normals(views.grads, 121 + static_cast<uint32_t>(step));
     for (std::size_t i = 0; i < views.sizes.size(); ++i) {
-      const int64_t at = views.offsets[i];
-      cpu::adamw_update(params.data() + views.param_offsets[i], grads.data() + at, m.data() + at, v.data() + at,
+      const int64_t at = views.offsets[i], state = views.state_offsets[i];
+      cpu::adamw_update(params.data() + views.param_offsets[i], grads.data() + at, m.data() + state, v.data() + state,
                         views.sizes[i], lr, beta1, beta2, eps, views.decay[i], step);
     }
     const DeviceArray<float> d_grads(grads);
@@ -503,10 +506,10 @@ TEST_CASE("cuda op: sgd_update over several views for several steps") {
   const auto untouched = params;
   const float lr = 0.05f, momentum = 0.9f;
   for (int64_t step = 1; step <= 3; ++step) {
-    const auto grads = normals(views.state, 131 + static_cast<uint32_t>(step));
+    const auto grads = normals(views.grads, 131 + static_cast<uint32_t>(step));
     for (std::size_t i = 0; i < views.sizes.size(); ++i) {
-      const int64_t at = views.offsets[i];
-      cpu::sgd_update(params.data() + views.param_offsets[i], grads.data() + at, velocity.data() + at,
+      const int64_t at = views.offsets[i], state = views.state_offsets[i];
+      cpu::sgd_update(params.data() + views.param_offsets[i], grads.data() + at, velocity.data() + state,
                       views.sizes[i], lr, momentum, views.decay[i]);
     }
     const DeviceArray<float> d_grads(grads);

@@ -236,6 +236,30 @@ TEST_CASE("overlap-steps transparency on one GPU: updates made ahead give the sy
   }
 }
 
+TEST_CASE("sharding transparency on one GPU: --shard-optimizer over two replicas gives the unsharded bits, fp32 and bf16") {
+  // D = 2 on two ranks sharing the GPU: each updates its rows of every view on the device
+  // (the packed state's offsets in the update's view table), then the rows travel (from
+  // device memory with a CUDA-aware MPI, else through the host mirror) and the bf16
+  // compute copy is refreshed. AdamW and SGD, a GPT and a CNN with BatchNorm.
+  REQUIRE(world().size() >= 2);
+  for (const std::string precision : {"fp32", "bf16"}) {
+    for (const std::string what : {"gpt/adamw", "gpt/sgd", "cnn/micro", "cnn/deferred"}) {
+      CAPTURE(precision);
+      CAPTURE(what);
+      TrainConfig config = what.starts_with("gpt") ? small_gpt("cuda", precision)
+                                                   : small_cnn("cuda", precision, what.substr(4));
+      if (what == "gpt/sgd") config.optimizer.kind = "sgd";
+      config.pipeline.grid.replicas = 2;
+      config.micro_batches = 1;
+      const Run plain = run(config, 2, 3);
+      config.pipeline.shard_optimizer = true;
+      const Run sharded = run(config, 2, 3);
+      if (world().rank() != 0) continue;
+      check_same_bits(sharded, plain);
+    }
+  }
+}
+
 TEST_CASE("training step on the GPU matches the CPU with the LM head in vocabulary chunks, and K = 2 its bits") {
   // --head-chunks 3: three vocab-chunk layers carrying the online softmax, then the loss.
   cpu::set_threads(2);

@@ -16,10 +16,13 @@
 #include <thread>
 #include <vector>
 
+#include <hdf5.h>
+
 #include "tiny_gpt.hpp"
 #include "compare.hpp"
 #include "gather.hpp"
 #include "mpipe/app/config.hpp"
+
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/pipeline/executor.hpp"
 #include "mpipe/pipeline/progress.hpp"
@@ -52,6 +55,7 @@ struct RunResult {
   std::vector<float> params;  // every parameter in global layer order (rank 0 of the run)
   std::vector<float> replica_params;  // the same gathered from the last replica
   std::vector<std::vector<float>> tied;  // on the last stage: (owner values, copy values)
+  std::size_t state_floats = 0, store_floats = 0;  // rank 0's optimizer state and parameter store
 };
 
 // Runs `config` on the first `ranks` world ranks; the others sit this one out.
@@ -84,6 +88,8 @@ RunResult run(const TrainConfig& config, int ranks) {
     result.rolled_back = e.rolled_back();
     result.params = gather_params(e, sub, 0);
     result.replica_params = gather_params(e, sub, e.grid().replicas() - 1);
+    result.state_floats = e.optimizer().state(0).size();
+    result.store_floats = e.params().params().size();
   } catch (const std::exception& e) {
     // The other ranks would wait forever in a collective: fail the whole run now.
     std::fprintf(stderr, "rank %d: %s\n", world().rank(), e.what());
@@ -111,6 +117,39 @@ std::vector<float> train_and_save(const TrainConfig& config, int steps) {
   owner.begin(world());
   save_checkpoint(writer, owner, steps);
   return gather_params(writer, world(), 0);
+}
+
+// Every dataset of checkpoint `path` (parameters and optimizer state), each read against
+// its checksum (of the whole, however many ranks wrote its pieces), in file order.
+std::vector<std::vector<float>> checkpoint_datasets(const std::string& path, const Model& model,
+                                                    const std::vector<std::string>& states) {
+  std::vector<std::string> names;
+  for (const DatasetSpec& d : parameter_datasets(model, "/model")) names.push_back(d.path);
+  for (const std::string& state : states)
+    for (const DatasetSpec& d : parameter_datasets(model, "/optimizer/" + state)) names.push_back(d.path);
+  std::vector<std::vector<float>> out;
+  const hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  REQUIRE(file >= 0);
+  for (const std::string& name : names) {
+    const hid_t set = H5Dopen2(file, name.c_str(), H5P_DEFAULT);
+    REQUIRE(set >= 0);
+    const hid_t space = H5Dget_space(set);
+    std::vector<float> values(static_cast<std::size_t>(H5Sget_simple_extent_npoints(space)));
+    H5Sclose(space);
+    H5Dclose(set);
+    const auto problem = read_checked(file, name, values.data(), values.size());
+    CHECK_MESSAGE(!problem, name, ": ", problem.value_or(""));
+    out.push_back(std::move(values));
+  }
+  H5Fclose(file);
+  return out;
+}
+
+// A model file of this rank's, `name` holding `text`.
+std::filesystem::path model_file(const char* name, const char* text) {
+  const auto path = std::filesystem::temp_directory_path() / cat(name, "_", world().rank(), ".toml");
+  std::ofstream(path) << text;
+  return path;
 }
 
 // A small CNN with BatchNorm (model file `path`) on K = 2 x D = 2 ranks, running
@@ -344,10 +383,144 @@ TEST_CASE("three replicas: K = 1 and K = 2 stay bitwise identical (mpiexec -n 6)
   config.pipeline.grid.replicas = 3;
   const RunResult k1 = run(config, 3);
   const RunResult k2 = run(config, 6);
+  // Sharded over three replicas: pieces of 16 rows are 5, 5 and 6.
+  config.pipeline.shard_optimizer = true;
+  const RunResult sharded = run(config, 6);
   if (world().rank() == 0) {
     CHECK(k1.losses == k2.losses);
     CHECK(std::memcmp(k1.params.data(), k2.params.data(), k1.params.size() * sizeof(float)) == 0);
     CHECK(std::memcmp(k2.params.data(), k2.replica_params.data(), k2.params.size() * sizeof(float)) == 0);
+    CHECK(sharded.losses == k2.losses);
+    CHECK(std::memcmp(sharded.params.data(), k2.params.data(), k2.params.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(sharded.replica_params.data(), k2.params.data(), k2.params.size() * sizeof(float)) == 0);
+  }
+}
+
+TEST_CASE("--shard-optimizer: each replica keeps 1/D of the optimizer state and trains bitwise as unsharded") {
+  if (world().size() != 4) return;
+  // The gradient sums are the unsharded ones; each replica updates its rows of every view
+  // (AdamW and SGD are elementwise: the same bits), then the replicas exchange them. So
+  // losses, norms and parameters are bitwise those of the same run unsharded, for every
+  // schedule, K, D, remat mode, --overlap-steps, and BatchNorm's two rules.
+  auto check = [](TrainConfig c, int ranks, const char* what) {
+    c.pipeline.shard_optimizer = false;
+    const RunResult want = run(c, ranks);
+    c.pipeline.shard_optimizer = true;
+    const RunResult got = run(c, ranks);
+    if (world().rank() != 0) return;
+    const int replicas = c.pipeline.grid.replicas;
+    INFO(what << ": " << c.pipeline.schedule << ", remat " << c.pipeline.remat << ", " << c.optimizer.kind << ", D = "
+              << replicas << " on " << ranks << " ranks");
+    REQUIRE(got.losses.size() == want.losses.size());
+    CHECK(std::memcmp(got.losses.data(), want.losses.data(), got.losses.size() * sizeof(double)) == 0);
+    CHECK(std::memcmp(got.norms.data(), want.norms.data(), got.norms.size() * sizeof(double)) == 0);
+    REQUIRE(got.params.size() == want.params.size());
+    CHECK(std::memcmp(got.params.data(), want.params.data(), got.params.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(got.replica_params.data(), want.params.data(), got.params.size() * sizeof(float)) == 0);
+    // Rank 0's state: the store's layout unsharded; about 1/D of it sharded (each view's
+    // piece padded to 16 floats).
+    CHECK(want.state_floats == want.store_floats);
+    CHECK(got.state_floats < want.state_floats / static_cast<std::size_t>(replicas) + 16 * 64);
+    CHECK(got.state_floats > want.state_floats / static_cast<std::size_t>(replicas) / 2);
+  };
+  TrainConfig c = tiny_gpt("gpipe", "never", 2);
+  c.pipeline.grid.replicas = 2;
+  check(c, 2, "K = 1");
+  check(c, 4, "K = 2");
+  c.pipeline.schedule = "1f1b";
+  c.pipeline.remat = "always";
+  c.optimizer.kind = "sgd";
+  c.optimizer.lr = 0.1f;
+  check(c, 4, "K = 2, SGD");
+  TrainConfig zb = tiny_gpt("zb-h1", "selective", 4);
+  zb.pipeline.grid.replicas = 2;
+  check(zb, 4, "zero bubble");
+  TrainConfig ahead = tiny_gpt("zb-h2", "never", 4);
+  ahead.pipeline.grid.replicas = 2;
+  ahead.pipeline.overlap_steps = true;
+  ahead.steps = 6;
+  ahead.optimizer.clip_grad = 0.8f;  // bets won and lost
+  check(ahead, 4, "--overlap-steps");
+  TrainConfig four = tiny_gpt("gpipe", "never", 1);
+  four.pipeline.grid.replicas = 4;
+  four.model.vocab = 30;  // uneven pieces: 30 rows of the embedding over 4 replicas
+  check(four, 4, "D = 4");
+  const auto path = model_file("mpipe_shard_bn", "input = [2, 6, 6]\n"
+                                                "[[layer]]\nkind = \"conv2d\"\nout = 5\nkernel = 3\npadding = 1\n"
+                                                "[[layer]]\nkind = \"batchnorm2d\"\n"
+                                                "[[layer]]\nkind = \"global-avgpool\"\n"
+                                                "[[layer]]\nkind = \"linear\"\nout = 3\n"
+                                                "[[layer]]\nkind = \"cross_entropy\"\n");
+  for (const std::string mode : {"micro", "deferred"}) check(batchnorm_cnn(path.string(), mode, 3, 1e-2f), 4, "BatchNorm");
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("--shard-optimizer checkpoints: each replica writes its rows, the file is the unsharded one, and it loads onto any D and K") {
+  if (world().size() != 4) return;
+  // D = 4 x K = 1 writes the same file sharded (every replica its rows of /optimizer) and
+  // unsharded (replica 0 all of it): every dataset and checksum alike. It loads at
+  // D = 1 x K = 4; and a file written at K = 4 continues at D = 2 x K = 2 sharded bitwise
+  // as unsharded, the state each replica loaded being its rows of the file's.
+  const std::string sharded_dir = temp_dir("mpipe-shard"), plain_dir = temp_dir("mpipe-plain");
+  TrainConfig c = tiny_gpt("gpipe", "never", 1);
+  c.model.vocab = 30;  // uneven pieces
+  c.pipeline.grid.replicas = 4;
+  c.pipeline.shard_optimizer = true;
+  c.checkpoint_dir = sharded_dir;
+  const std::vector<float> written = train_and_save(c, 2);
+  c.pipeline.shard_optimizer = false;
+  c.checkpoint_dir = plain_dir;
+  train_and_save(c, 2);
+  const Model model(c.model);
+  const std::vector<std::string> states{"exp_avg", "exp_avg_sq"};
+  if (world().rank() == 0) {
+    const auto a = checkpoint_datasets(checkpoint_path(sharded_dir, 2), model, states);
+    const auto b = checkpoint_datasets(checkpoint_path(plain_dir, 2), model, states);
+    REQUIRE(a.size() == b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      CAPTURE(i);
+      REQUIRE(a[i].size() == b[i].size());
+      CHECK(std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) == 0);
+    }
+  }
+  {  // D = 4 sharded -> D = 1 x K = 4
+    TrainConfig k4 = c;
+    k4.pipeline.grid.replicas = 1;
+    k4.micro_batches = 4;
+    Executor reader(plan_run(k4, world()), world());
+    reader.connect();
+    reader.allocate();
+    CHECK(load_checkpoint(reader, checkpoint_path(sharded_dir, 2)) == 2);
+    const std::vector<float> loaded = gather_params(reader, world(), 0);
+    if (world().rank() == 0) CHECK(std::memcmp(loaded.data(), written.data(), loaded.size() * sizeof(float)) == 0);
+  }
+  // K = 4 (unsharded: one replica) -> D = 2 x K = 2, sharded and not, two more steps each.
+  TrainConfig k4 = c;
+  k4.pipeline.grid.replicas = 1;
+  k4.micro_batches = 4;
+  k4.checkpoint_dir = plain_dir;
+  const std::string from_k4 = temp_dir("mpipe-k4");
+  k4.checkpoint_dir = from_k4;
+  train_and_save(k4, 2);
+  std::vector<std::vector<float>> continued;
+  for (const bool shard : {false, true}) {
+    TrainConfig d2 = c;
+    d2.pipeline.grid.stages = 2;
+    d2.pipeline.grid.replicas = 2;
+    d2.micro_batches = 2;
+    d2.pipeline.shard_optimizer = shard;
+    Executor e(plan_run(d2, world()), world());
+    e.connect();
+    e.allocate();
+    CHECK(load_checkpoint(e, checkpoint_path(from_k4, 2)) == 2);
+    for (int step = 2; step < 4; ++step) e.step(step);
+    continued.push_back(gather_params(e, world(), 1));
+  }
+  if (world().rank() == 0) {
+    REQUIRE(continued[0].size() == continued[1].size());
+    CHECK(std::memcmp(continued[0].data(), continued[1].data(), continued[0].size() * sizeof(float)) == 0);
+    CHECK(continued[0] != written);
+    for (const std::string& dir : {sharded_dir, plain_dir, from_k4}) std::filesystem::remove_all(dir);
   }
 }
 
@@ -477,16 +650,15 @@ TEST_CASE("BatchNorm with replicas: every replica ends each step with the same r
   // A CNN with BatchNorm (in a residual block too), K = 2 x D = 2: the replicas see other
   // micro-batches; micro: they average their statistics after each update; deferred:
   // they add up the step's sums and apply the same.
-  const auto path = std::filesystem::temp_directory_path() / cat("mpipe_bn_", world().rank(), ".toml");
-  std::ofstream(path) << "input = [2, 6, 6]\n"
-                         "[[layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
-                         "[[layer]]\nkind = \"batchnorm2d\"\n"
-                         "[[layer]]\nkind = \"residual\"\n"
-                         "[[layer.layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
-                         "[[layer.layer]]\nkind = \"batchnorm2d\"\n"
-                         "[[layer]]\nkind = \"global-avgpool\"\n"
-                         "[[layer]]\nkind = \"linear\"\nout = 3\n"
-                         "[[layer]]\nkind = \"cross_entropy\"\n";
+  const auto path = model_file("mpipe_bn", "input = [2, 6, 6]\n"
+                                          "[[layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
+                                          "[[layer]]\nkind = \"batchnorm2d\"\n"
+                                          "[[layer]]\nkind = \"residual\"\n"
+                                          "[[layer.layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
+                                          "[[layer.layer]]\nkind = \"batchnorm2d\"\n"
+                                          "[[layer]]\nkind = \"global-avgpool\"\n"
+                                          "[[layer]]\nkind = \"linear\"\nout = 3\n"
+                                          "[[layer]]\nkind = \"cross_entropy\"\n");
   std::vector<float> micro;
   for (const std::string mode : {"micro", "deferred"}) {
     CAPTURE(mode);

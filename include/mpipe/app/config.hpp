@@ -29,6 +29,7 @@ struct PipelineConfig {
   int in_flight = 0;               // zero-bubble schedules: micro-batches (zbv: model stages) held from F to W; 0: the schedule's own
   std::string memory_per_rank;     // SIZE (e.g. 8GiB) --remat auto fits each rank into; empty: not given
   bool overlap_steps = false;      // update ahead of the step's agreement, checked after the next pass (Executor::advance)
+  bool shard_optimizer = false;    // optimizer state sharded over each stage's replicas (ZeRO-1)
 };
 
 struct TrainConfig {

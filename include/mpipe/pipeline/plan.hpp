@@ -66,6 +66,7 @@ struct RunOptions {
   int virtual_stages = 1;          // model stages per rank
   int in_flight = 0;               // zero-bubble schedules' memory (ScheduleOptions::in_flight)
   bool overlap_steps = false;      // update ahead of the step's agreement (Executor::advance)
+  bool shard_optimizer = false;    // each replica keeps and updates 1/D of its stage's optimizer state (ZeRO-1)
   Remat remat = Remat::never;
   BatchNormRule batchnorm = BatchNormRule::micro;
   PartitionBy partition = PartitionBy::flops;

@@ -12,9 +12,12 @@
 //   (replica 0 of the stage holding it), and x + 0 = x, so the norm is bitwise the same
 //   for every K and D.
 // - BatchNorm's running statistics made equal over the replicas after an update.
+// - With the optimizer sharded (--shard-optimizer, ZeRO-1), the values each replica
+//   updated gathered by the others: every piece sent, in place, to every other replica.
 // Every wait is through Progress, within --p2p-timeout.
 #pragma once
 #include <memory>
+#include <string>
 #include <span>
 #include <vector>
 
@@ -49,8 +52,10 @@ class Reducer {
 
   // Plans the sums of this rank's `layers` (ascending) in `params`; local work only.
   // `deferred_batchnorm`: running statistics move once per step (--batchnorm deferred).
+  // `shard_optimizer`: the optimizer updates this replica's pieces only (shard_elements),
+  // and the gather below brings the others'.
   Reducer(const Grid& grid, Model& model, const Partition& partition, ParamStore& params, std::vector<int> layers,
-          const StepDevice& device, bool deferred_batchnorm, double timeout_s);
+          const StepDevice& device, bool deferred_batchnorm, bool shard_optimizer, double timeout_s);
   Reducer(const Reducer&) = delete;
   Reducer& operator=(const Reducer&) = delete;
   // Requests it can have in flight at once (for Progress's capacity).
@@ -82,11 +87,25 @@ class Reducer {
   void settle_buffers(bool updated, std::int64_t update);
   // Layers with step sums (deferred BatchNorm): cleared as a step begins.
   void clear_step_sums();
+  // --shard-optimizer, after an update: this replica's pieces of the values go to every
+  // other replica of the stage, theirs come in, in place (start_gather() posts them;
+  // finish_gather() waits, within --p2p-timeout, and on a GPU refreshes what the layers
+  // read). Nothing without sharding or replicas. `update`: the optimizer's count.
+  void start_gather(std::int64_t update);
+  void finish_gather(std::int64_t update);
+  bool gathering() const { return gathering_; }
 
  private:
   struct Bucket {
     int lowest_layer;          // starts when this layer's last backward is done
     std::size_t begin, end;    // span of the gradient buffer
+  };
+  struct Exchange {            // one piece of a view, to or from one other replica
+    int layer;
+    std::size_t offset, count; // of the values
+    int peer;                  // its replica
+    int tag;                   // the view's entry index
+    std::string what;          // for a wait that times out (made once: no step allocates)
   };
   struct TiedSpan {
     int layer;                 // final when this layer's last backward is done
@@ -110,6 +129,9 @@ class Reducer {
   std::vector<Progress::Ticket> bucket_tickets_;   // [bucket]; none: not started this step
   std::vector<int> bucket_of_;                     // [layer] -> its bucket, or -1
   std::vector<TiedSpan> tied_spans_;
+  std::vector<Exchange> sends_, receives_;          // --shard-optimizer's gather
+  std::vector<Progress::Ticket> gather_tickets_;    // [sends, then receives]
+  bool gathering_ = false;
   bool tied_early_ = false;  // tied sums start in the backward (one replica, on the CPU)
   cuda::PinnedBuffer grad_staging_;                // replica sums when MPI is not CUDA-aware
   std::vector<Done> done_;                         // reserved once

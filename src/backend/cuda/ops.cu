@@ -218,15 +218,15 @@ __global__ void adamw_kernel(float* params, const float* grads, float* m, float*
   for (int view = blockIdx.y; view < views.count; view += gridDim.y) {
     const int64_t size = views.sizes[view];
     float* p = params + views.param_offsets[view];
-    const int64_t at = views.offsets[view];
+    const int64_t at = views.offsets[view], state = views.state_offsets[view];
     const float decay = views.weight_decay[view];
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
       const float g = grads[at + i];
-      const float mi = beta1 * m[at + i] + (1.0f - beta1) * g;
-      const float vi = beta2 * v[at + i] + (1.0f - beta2) * g * g;
-      m[at + i] = mi;
-      v[at + i] = vi;
+      const float mi = beta1 * m[state + i] + (1.0f - beta1) * g;
+      const float vi = beta2 * v[state + i] + (1.0f - beta2) * g * g;
+      m[state + i] = mi;
+      v[state + i] = vi;
       p[i] -= lr * (mi * inv_bias1 / (sqrtf(vi * inv_bias2) + eps) + decay * p[i]);
     }
   }
@@ -237,12 +237,12 @@ __global__ void sgd_kernel(float* params, const float* grads, float* velocity, V
   for (int view = blockIdx.y; view < views.count; view += gridDim.y) {
     const int64_t size = views.sizes[view];
     float* p = params + views.param_offsets[view];
-    const int64_t at = views.offsets[view];
+    const int64_t at = views.offsets[view], state = views.state_offsets[view];
     const float decay = views.weight_decay[view];
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
     for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < size; i += stride) {
-      const float vel = momentum * velocity[at + i] + grads[at + i];
-      velocity[at + i] = vel;
+      const float vel = momentum * velocity[state + i] + grads[at + i];
+      velocity[state + i] = vel;
       p[i] -= lr * (vel + decay * p[i]);
     }
   }

@@ -167,11 +167,12 @@ void convert(float* y, const bf16* x, int64_t n);
 void sum_squares(double* out, const float* x, const int64_t* offsets, const int64_t* sizes, int count);
 
 // AdamW and SGD over many parameter views in one launch each. Views are described by
-// device arrays: param_offsets (into params), offsets (into grads and state), sizes and
+// device arrays: param_offsets (into params), offsets (into grads), state_offsets, sizes and
 // per-view weight decay. The update math is the CPU op's, in fp32.
 struct ViewTable {
   const int64_t* param_offsets = nullptr;
   const int64_t* offsets = nullptr;
+  const int64_t* state_offsets = nullptr;  // into the optimizer state (packed when sharded)
   const int64_t* sizes = nullptr;
   const float* weight_decay = nullptr;
   int count = 0;
