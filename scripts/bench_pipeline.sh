@@ -28,6 +28,10 @@
 #   4 x 128 at T 512, batch 8, M = 4; ROUNDS6=2 rounds, interleaved; tokens/s and peak activation memory per rank
 #   against never's; auto with --memory-per-rank the weights plus half of never's peak: AUTO_Q=16.3MiB, AUTO_L=47.5MiB).
 #   BASELINE=PATH adds that binary's never and always rows (an older build) to the same rounds.
+#   SHARD=0: skip table 7 (--shard-optimizer: resident memory per rank after the last step at D = 4 x K = 1 with AdamW and SGD,
+#   sharded and not, for the quickstart GPT, a GPT 4 x 512 and a ResNet-18 (width 128, 32x32), STEPS7M=3 steps,
+#   and the optimizer state that memory shows: 2 x (AdamW's - SGD's), one state vector each; then the median step
+#   of STEPS7=20 at D = 2 x K = 1 sharded against unsharded, the two GPTs; ROUNDS7=4 rounds, interleaved).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
@@ -324,5 +328,85 @@ for (model, mode), vs in runs.items():
     p0, p1 = max(float(v[4]) for v in vs), max(float(v[5]) for v in vs)
     print(f"{names[model]:<22} {mode:<16} {tps:9.0f} {tps / base_tps:8.2f}x {p0 / 2**20:8.1f} / {p1 / 2**20:5.1f} MiB "
           f"{peak / base_peak:8.2f}x {'/'.join(sorted({v[6] for v in vs})):>12}")
+PY
+fi
+
+# ---- 7. the optimizer sharded over replicas (ZeRO-1) -------------------------------------
+if [[ "${SHARD:-1}" != 0 ]]; then
+  rounds7=${ROUNDS7:-4}
+  echo
+  echo "7. --shard-optimizer: resident memory per rank after the last step at D = 4 x K = 1 (4 ranks; least / most over ranks and"
+  echo "   $rounds7 rounds), the optimizer state it shows (2 x (AdamW - SGD): AdamW keeps two vectors, SGD one) against"
+  echo "   the allocated figure, and the median step at D = 2 x K = 1 (2 ranks, a core each), sharded against not"
+  quick7=(--config inputs/quickstart.toml --micro-batches 1)
+  wide7=(--model gpt --layers 4 --d-model 512 --heads 8 --seq-len 64 --vocab 256 --batch-size 8 --micro-batches 1)
+  resnet7=(--model resnet --layers 18 --width 128 --image 32 --batch-size 16 --micro-batches 1)
+  rows7=()
+  for ((round = 0; round < rounds7; ++round)); do
+    for model in quick7 wide7 resnet7; do
+      declare -n args7=$model
+      for optimizer in adamw sgd; do
+        for shard in no yes; do
+          flag=()
+          [[ $shard == yes ]] && flag=(--shard-optimizer)
+          mpirun -n 4 --oversubscribe build/release/mpipe train "${args7[@]}" --replicas 4 --steps "${STEPS7M:-3}" \
+            --threads 1 --log-every 1000000 --resume never --optimizer "$optimizer" "${flag[@]}" > "$tmp/log" 2>&1
+          # (the run's own line: each rank's resident memory after its last step, /proc/self/statm, without a
+          # step's transient buffers: Open MPI's non-blocking allreduce allocates its own, a gradient's worth at
+          # once, which made peak figures of the same run differ by a whole state vector) -> least and most, KiB
+          rss=$(grep '^resident memory per rank after the last step:' "$tmp/log" |
+                awk -F: '{n = split($2, a, " "); for (i = 1; i < n; i += 2) print a[i] * (a[i+1] == "GiB" ? 1048576 : a[i+1] == "MiB" ? 1024 : 1)}' |
+                sort -n | awk 'NR == 1 {l = $1} {h = $1} END {printf "%d %d", l, h}')
+          state=$(grep -o 'gradients + [a-z]* state[^:]*: [0-9.]* [KMG]i*B + [0-9.]* [KMG]i*B' "$tmp/log" | awk '{print $(NF-1), $NF}')
+          rows7+=("mem $model $optimizer $shard $rss $state")
+        done
+      done
+      [[ $model == resnet7 ]] && { unset -n args7; continue; }
+      for shard in no yes; do
+        flag=()
+        [[ $shard == yes ]] && flag=(--shard-optimizer)
+        mpirun -n 2 --bind-to core build/release/mpipe train "${args7[@]}" --replicas 2 --micro-batches 2 --threads 1 \
+          --steps "${STEPS7:-20}" \
+          --log-every 1000000 --resume never "${flag[@]}" --summary "$tmp/s.json" > "$tmp/log"
+        rows7+=("time $model x $shard $(/usr/bin/python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["step_time_s"])' "$tmp/s.json")")
+      done
+      unset -n args7
+    done
+  done
+  /usr/bin/python3 - "${rows7[@]}" <<'PY'
+import statistics, sys
+names = {"quick7": "quickstart GPT", "wide7": "GPT 4x512, T 64", "resnet7": "ResNet-18 w128 32x32"}
+units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+mem, time = {}, {}
+for row in sys.argv[1:]:
+    kind, model, optimizer, shard, *v = row.split()
+    if kind == "mem":
+        mem.setdefault((model, optimizer, shard), []).append((float(v[0]) * 1024, float(v[1]) * 1024, float(v[2]) * units[v[3]]))
+    else:
+        time.setdefault((model, shard), []).append(float(v[0]))
+print(f"{'model':<21} {'sharded':<8} {'AdamW RSS least/most':>22} {'SGD RSS least/most':>20} {'state (RSS)':>12} "
+      f"{'of unsharded':>13} {'allocated':>10} {'of unsharded':>13}")
+for model in names:
+    if (model, "adamw", "no") not in mem:
+        continue
+    base = None
+    for shard in ("no", "yes"):
+        a, s = mem[(model, "adamw", shard)], mem[(model, "sgd", shard)]
+        least = lambda runs: min(r[0] for r in runs)
+        most = lambda runs: max(r[1] for r in runs)
+        state = 2 * (least(a) - least(s))
+        allocated = a[0][2]
+        if shard == "no":
+            base = (state, allocated)
+        print(f"{names[model]:<21} {shard:<8} {least(a) / 2**20:10.1f} / {most(a) / 2**20:6.1f} MiB {least(s) / 2**20:8.1f} / "
+              f"{most(s) / 2**20:6.1f} MiB {state / 2**20:8.1f} MiB {state / base[0]:12.3f}x {allocated / 2**20:6.1f} MiB "
+              f"{allocated / base[1]:12.3f}x")
+print()
+print(f"{'model (D = 2 x K = 1)':<22} {'unsharded step':>15} {'sharded step':>13} {'ratio':>7}")
+for model in names:
+    if (model, "no") not in time:
+        continue
+    plain, sharded = statistics.median(time[(model, "no")]), statistics.median(time[(model, "yes")])
+    print(f"{names[model]:<22} {plain * 1e3:12.1f} ms {sharded * 1e3:10.1f} ms {sharded / plain:6.3f}x")
 PY
 fi

@@ -43,9 +43,13 @@ void print_plan(const Plan& plan, const Model& model) {
     std::printf("links (%s): %s; per micro-batch, ms by stage: compute %s, links %s\n",
                 plan.links_measured ? "measured" : "configured", links.c_str(), work.c_str(), comm.c_str());
   }
-  const double states = plan.state_copies();
-  std::printf("%-6s %-9s %-28s %10s %12s %14s %16s %16s %16s\n", "stage", "layers", "kinds", "params", "GFLOP/mb",
-              "weights+state", "act. no remat", "act. selective", "act. remat");
+  // The optimizer's state per rank whole, and with replicas also 1/D of it
+  // (--shard-optimizer; "*" marks the one this run keeps).
+  const bool shards = D > 1, sharded = shards && o.shard_optimizer;
+  std::printf("%-6s %-9s %-28s %10s %12s %11s %11s %11s", "stage", "layers", "kinds", "params", "GFLOP/mb", "weights",
+              "grads", sharded ? "optimizer" : shards ? "optimizer*" : "optimizer");
+  if (shards) std::printf(" %12s", cat("opt. 1/", D, sharded ? "*" : "").c_str());
+  std::printf(" %16s %16s %16s\n", "act. no remat", "act. selective", "act. remat");
   for (int s = 0; s < part.stages(); ++s) {
     std::string kinds;
     for (int i = part.begin(s); i < part.end(s); ++i) {
@@ -57,10 +61,19 @@ void print_plan(const Plan& plan, const Model& model) {
     const bool split = schedule.splits(schedule.list_of(s));
     const StageMemory& f = plan.memory[static_cast<std::size_t>(s)];
     const auto at = static_cast<std::size_t>(s);
-    std::printf("%-6s %-9s %-28s %10s %12.3f %14s %16s %16s %16s\n",
+    // Per model stage: its share of its rank's weights.
+    const int p = schedule.list_of(s);
+    double rank_params = 0;
+    for (const int m : schedule.stages_of(p)) rank_params += plan.memory[static_cast<std::size_t>(m)].params;
+    const double share = rank_params > 0 ? f.params / rank_params : 0.0;
+    const Plan::WeightMemory whole = plan.weight_memory(p, false), piece = plan.weight_memory(p, true);
+    std::printf("%-6s %-9s %-28s %10s %12.3f %11s %11s %11s",
                 (v > 1 ? cat(s, " p", schedule.list_of(s)) : cat(s)).c_str(), cat(part.begin(s), "-", part.end(s) - 1).c_str(),
                 kinds.c_str(), human_count(f.params).c_str(), (plan.flops.forward[at] + plan.flops.backward[at]) / 1e9,
-                human_bytes(f32_bytes(f.params * states)).c_str(), human_bytes(f.held(live, false, split)).c_str(),
+                human_bytes(share * whole.values).c_str(), human_bytes(share * whole.gradients).c_str(),
+                human_bytes(share * whole.state).c_str());
+    if (shards) std::printf(" %12s", human_bytes(share * piece.state).c_str());
+    std::printf(" %16s %16s %16s\n", human_bytes(f.held(live, false, split)).c_str(),
                 human_bytes(f.held(live, false, split, true)).c_str(), human_bytes(f.held(live, true, split)).c_str());
   }
   if (!plan.stage_remat.empty()) {
@@ -107,6 +120,71 @@ void print_schedule_grid(const Schedule& lowered) {
               render(lowered, StageCosts::unit(lowered)).c_str());
 }
 
+namespace {
+
+// --memory-per-rank: the largest model of a preset's family that fits it on `ranks`
+// ranks with this grid, schedule and remat (--remat auto choosing per stage), each rank's
+// weights, gradients, optimizer state, activations and inputs counted as the plan counts
+// them (the FLOPs partition): a GPT by its blocks at this width, a ResNet by its width
+// at this depth. Unsharded, and with replicas also with --shard-optimizer.
+void print_largest(const RunOptions& options, int ranks) {
+  const bool gpt = options.model.kind == "gpt", resnet = options.model.kind == "resnet";
+  if (options.memory_per_rank <= 0 || (!gpt && !resnet)) return;
+  struct Fit {
+    int size = 0;
+    double params = 0;
+  };
+  const auto largest = [&](bool shard) {
+    const auto fits = [&](int size, Fit* fit) {
+      RunOptions o = options;
+      (gpt ? o.model.layers : o.model.width) = size;
+      o.shard_optimizer = shard;
+      o.partition = PartitionBy::flops;
+      try {
+        validate(o.model);
+        const Model model(o.model);
+        const Plan plan = make_plan(o, ranks, model);
+        for (int s = 0; s < plan.grid.stages; ++s)
+          if (plan.rank_bytes(s) > o.memory_per_rank) return false;
+        *fit = {size, static_cast<double>(model.parameter_count())};
+        return true;
+      } catch (const UserError&) {
+        return false;  // too small for the grid, or a size the preset does not take
+      }
+    };
+    Fit best;
+    constexpr int most = 1 << 16;
+    int low = 0, high = 1;  // low fits (0: none found yet), high is the next to try
+    while (high <= most && fits(high, &best)) low = high, high *= 2;
+    if (low == 0) {  // 1 does not fit or is refused: the first size that fits at all, up to 64
+      for (int size = 2; size <= 64 && low == 0; ++size)
+        if (fits(size, &best)) low = size;
+      if (low == 0) return Fit{};
+      high = low * 2;
+      while (high <= most && fits(high, &best)) low = high, high *= 2;
+    }
+    while (high - low > 1) {  // low fits, high does not
+      const int middle = low + (high - low) / 2;
+      Fit f;
+      if (fits(middle, &f)) low = middle, best = f;
+      else high = middle;
+    }
+    if (best.size != low) fits(low, &best);
+    return best;
+  };
+  const auto text = [&](const Fit& f) {
+    if (f.size == 0) return std::string("none (not even the smallest)");
+    return cat(gpt ? "--layers " : "--width ", f.size, " (", human_count(f.params), " parameters)");
+  };
+  const int replicas = resolve_grid(options.grid, ranks).replicas;
+  std::printf("largest %s within --memory-per-rank %s: %s", gpt ? "GPT of this width" : "ResNet of this depth",
+              human_bytes(options.memory_per_rank).c_str(), text(largest(false)).c_str());
+  if (replicas > 1) std::printf("; with --shard-optimizer over %d replicas: %s", replicas, text(largest(true)).c_str());
+  std::printf("\n");
+}
+
+}  // namespace
+
 int run_plan(const TrainConfig& config, int ranks, const std::string& write_schedule) {
   MPIPE_REQUIRE(ranks > 0, "e.g. --ranks 4", "--ranks must be positive, got ", ranks);
   validate(config, ranks);
@@ -124,6 +202,7 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
   std::printf("\n");
   print_plan(plan, model);
+  print_largest(options, ranks);
   if (needs_measurement(options) && plan.grid.stages > 1 && plan.partition.link_cost_per_byte.empty())
     std::printf("links: not counted (%s)\n", options.link_seconds_per_byte == 0
                                                   ? "--link-bandwidth off"

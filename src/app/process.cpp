@@ -118,6 +118,15 @@ int default_threads(const Communicator& world) {
   return std::max(1, visible / local);
 }
 
+double resident_bytes() {
+  double pages = 0, resident = 0;
+  if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(f, "%lf %lf", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * static_cast<double>(sysconf(_SC_PAGESIZE));
+}
+
 // Bytes of memory this process may still take: MemAvailable, or less where a cgroup
 // (a Slurm job, a container) limits it. 0 when neither can be read.
 double available_memory() {

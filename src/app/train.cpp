@@ -3,9 +3,12 @@
 // closing report.
 #include "mpipe/app/train.hpp"
 
+#include <malloc.h>
 #include <mpi.h>
+#include <sys/resource.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -106,21 +109,19 @@ void check_memory(const Plan& plan, int world_rank, int node_ranks) {
   const int stage = plan.grid.stage_of(world_rank);
   const int live = in_flight(plan.schedule, stage);
   bool remat = false;
-  const double weights = plan.weight_bytes(stage), activations = plan.activation_bytes(stage);
-  double inputs = 0;
-  for (const int m : plan.schedule.stages_of(stage)) {
-    remat = remat || plan.remat_stage(stage, m);
-    inputs += plan.input_bytes(stage, m, plan.remat_of(m));
-  }
-  const double need = weights + activations + inputs, node_share = available_memory() / std::max(1, node_ranks);
+  for (const int m : plan.schedule.stages_of(stage)) remat = remat || plan.remat_stage(stage, m);
+  const double weights = plan.weight_bytes(stage), activations = plan.activation_bytes(stage),
+               inputs = plan.inputs_bytes(stage);
+  const double need = plan.rank_bytes(stage), node_share = available_memory() / std::max(1, node_ranks);
   // --memory-per-rank, where given and smaller, is the limit (what --remat auto planned for).
   const double limit = plan.options.memory_per_rank;
   const bool given = limit > 0 && (node_share <= 0 || limit < node_share);
   const double have = given ? limit : node_share;
   if (have <= 0) return;  // nothing to go by
   MPIPE_REQUIRE(need <= have,
-                "use more stages (--stages), --remat always, a smaller --batch-size or more --micro-batches, or a "
-                "smaller model",
+                cat("use more stages (--stages), ", remat ? "" : "--remat always, ",
+                    "a smaller --batch-size or more --micro-batches, ",
+                    plan.grid.replicas > 1 && !plan.options.shard_optimizer ? "--shard-optimizer, " : "", "or a smaller model"),
                 "rank ", world_rank, " (stage ", stage, ") needs about ", human_bytes(need),
                 " (parameters, gradients and ", plan.options.optimizer.kind, " state ", human_bytes(weights),
                 ", activations of ", remat ? 1 : live, " micro-batch", (remat ? 1 : live) > 1 ? "es " : " ",
@@ -354,6 +355,27 @@ int Training::finish() {
   const std::vector<double> peaks = world_.gather(static_cast<double>(exec_.peak_activation_bytes()), 0);
   const bool gpu = exec_.device() == Device::cuda;
   const std::vector<double> device_peaks = world_.gather(static_cast<double>(gpu ? cuda::device_bytes_peak() : 0), 0);
+  // The weights as allocated, the optimizer's state apart (1/D of it with
+  // --shard-optimizer), against the plan's figures (without --overlap-steps' copies), and
+  // the process's peak resident memory (Linux: KiB).
+  const Optimizer& optimizer = exec_.optimizer();
+  const ParamStore& store = exec_.params();
+  const double copies = plan.options.overlap_steps ? 2.0 : 1.0;
+  const Plan::WeightMemory planned = plan.weight_memory(exec_.grid().stage(), optimizer.sharded());
+  const double weights[4] = {
+      static_cast<double>((store.params().size() + store.grads().size()) * sizeof(float) +
+                          (store.compute_dtype() == DType::bf16 ? store.params().size() * 2 : 0)),
+      static_cast<double>((optimizer.state(0).size() + optimizer.state(1).size()) * sizeof(float)),
+      (planned.values + planned.gradients) / copies, planned.state / copies};
+  const std::vector<std::array<double, 4>> allocated = world_.gather(std::array<double, 4>{weights[0], weights[1], weights[2], weights[3]}, 0);
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const std::vector<double> resident = world_.gather(1024.0 * static_cast<double>(usage.ru_maxrss), 0);
+  // And now, after the last step: what the rank keeps, without the transient buffers of
+  // a step (MPI's non-blocking reductions allocate their own, freed when they end; the
+  // heap's free memory handed back first).
+  malloc_trim(0);
+  const std::vector<double> resident_now = world_.gather(resident_bytes(), 0);
   if (!config_.trace.empty()) {
     if (const int code = agree(world_, [&] { write_trace(exec_, config_.trace); })) return code;
     if (root_)
@@ -362,6 +384,16 @@ int Training::finish() {
   if (root_) {
     std::printf("peak activation memory per rank:");
     for (double p : peaks) std::printf(" %s", human_bytes(p).c_str());
+    std::printf("\n");
+    std::printf("weights per rank, values and gradients + %s state%s, as allocated (plan):", plan.options.optimizer.kind.c_str(),
+                optimizer.sharded() ? " (sharded)" : "");
+    for (const auto& w : allocated)
+      std::printf(" %s + %s (%s + %s)", human_bytes(w[0]).c_str(), human_bytes(w[1]).c_str(), human_bytes(w[2]).c_str(),
+                  human_bytes(w[3]).c_str());
+    std::printf("\npeak resident memory per rank:");
+    for (double p : resident) std::printf(" %s", human_bytes(p).c_str());
+    std::printf("\nresident memory per rank after the last step:");
+    for (double p : resident_now) std::printf(" %s", human_bytes(p).c_str());
     std::printf("\n");
     if (gpu) {
       std::printf("peak GPU memory per rank (all mpipe allocated: weights, state, activations, scratch):");
@@ -417,7 +449,9 @@ void print_header(const TrainConfig& config, const Executor& exec, const std::st
   if (const Dataset* data = exec.eval_dataset()) std::printf("eval data: %s\n", data->describe().c_str());
   print_plan(exec.plan(), exec.model());
   if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(exec.schedule());
-  std::printf("%s, lr %g, %d steps\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps);
+  std::printf("%s, lr %g, %d steps%s\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps,
+              exec.optimizer().sharded() ? cat(", state sharded over ", grid.replicas(), " replicas").c_str()
+              : config.pipeline.shard_optimizer ? " (--shard-optimizer: one replica, nothing to shard)" : "");
   if (!resumed_from.empty())
     std::printf("resumed from %s: %lld steps done (checked and loaded in %.2f s)\n", resumed_from.c_str(),
                 static_cast<long long>(first_step), load_seconds);

@@ -360,7 +360,7 @@ void Executor::update(StepResult& r) {
   if (fail_gather_ && world_.rank() == fail_rank_ && r.step == fail_step_) std::raise(SIGSTOP);
   reducer_->start_gather(updates_);  // --shard-optimizer: the other replicas' pieces
   reducer_->settle_buffers(true, updates_);
-  reducer_->finish_gather(updates_);
+  reducer_->finish_gather();
   device_ops_->synchronize();  // honest step times on a GPU
   timeline_.times().optimizer += since(opt_start);
   timeline_.record(r.step, TraceEvent::optimizer, -1, opt_start);

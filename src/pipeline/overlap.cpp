@@ -104,7 +104,7 @@ std::span<const StepResult> Executor::advance_unchecked(std::int64_t step) {
     optimizer_->update(learning_rate(plan_.options.optimizer, step, plan_.options.steps), ++updates_);
     reducer_->start_gather(updates_);
     reducer_->settle_buffers(true, updates_);
-    reducer_->finish_gather(updates_);
+    reducer_->finish_gather();
     backup_->save_statistics();
     timeline_.times().optimizer += since(opt_start);
     timeline_.record(step, TraceEvent::optimizer, -1, opt_start);

@@ -45,14 +45,23 @@ bool needs_measurement(const RunOptions& options) {
   return options.balance.empty() && options.partition == PartitionBy::time;
 }
 
-double Plan::state_copies() const {
-  return (2.0 + static_cast<double>(Optimizer::state_names(options.optimizer).size())) *
-         (options.overlap_steps ? 2.0 : 1.0);
+Plan::WeightMemory Plan::weight_memory(int stage, bool sharded) const {
+  double params = 0;
+  for (const int m : schedule.stages_of(stage)) params += memory[static_cast<std::size_t>(m)].params;
+  const double copies = options.overlap_steps ? 2.0 : 1.0;  // --overlap-steps goes back to a saved copy
+  const double states = static_cast<double>(Optimizer::state_names(options.optimizer).size());
+  const int shards = sharded ? grid.replicas : 1;
+  const bool bf16 = options.device == Device::cuda && options.precision == DType::bf16;
+  WeightMemory w;
+  w.values = f32_bytes(params) * copies + (bf16 ? 2.0 * params : 0.0);
+  w.gradients = f32_bytes(params) * copies;
+  w.state = f32_bytes(params) * states / shards * copies;
+  return w;
 }
 
-double Plan::weight_bytes(int stage) const {
+double Plan::inputs_bytes(int stage) const {
   double bytes = 0;
-  for (const int m : schedule.stages_of(stage)) bytes += f32_bytes(memory[static_cast<std::size_t>(m)].params * state_copies());
+  for (const int m : schedule.stages_of(stage)) bytes += input_bytes(stage, m, remat_of(m));
   return bytes;
 }
 

@@ -120,17 +120,19 @@ int Reducer::requests() const {
 
 // The values the layers read are the master's (the CPU, fp32 on a GPU) or a compute copy
 // made from it; MPI moves the master itself where it can read device memory, else the
-// host mirror (downloaded before, uploaded after).
+// host mirror: this replica's rows copied down before, the others' up after.
 void Reducer::start_gather(std::int64_t update) {
   if (gather_tickets_.empty()) return;
   MPIPE_CHECK(!gathering_, "a gather is already in flight, update ", update);
   std::span<float> values = params_.master();
   if (device_.staged()) {
-    params_.download();
     values = params_.params();
-  } else {
-    device_.synchronize();  // MPI reads the updated values now
+    for (std::size_t i = 0; i < sends_.size(); ++i)
+      if (i == 0 || sends_[i].offset != sends_[i - 1].offset)  // each piece once (it goes to every peer)
+        cuda::copy_to_host(values.data() + sends_[i].offset, params_.master().data() + sends_[i].offset,
+                           sends_[i].count * sizeof(float));
   }
+  device_.synchronize();  // MPI reads the updated values now
   const Communicator& data = grid_.data();
   const auto bytes = [&](const Exchange& x) { return std::as_writable_bytes(values.subspan(x.offset, x.count)); };
   std::size_t t = 0;
@@ -139,7 +141,7 @@ void Reducer::start_gather(std::int64_t update) {
   gathering_ = true;
 }
 
-void Reducer::finish_gather(std::int64_t update) {
+void Reducer::finish_gather() {
   if (!gathering_) return;
   gathering_ = false;
   std::size_t t = 0;
@@ -151,9 +153,10 @@ void Reducer::finish_gather(std::int64_t update) {
     Progress::Ticket& ticket = gather_tickets_[t++];
     progress_->wait(ticket, timeout_, x.what.c_str(), x.layer);
   }
-  if (device_.staged()) params_.upload();  // and the compute copy from it
-  else if (device_.kind() == Device::cuda) params_.refresh_compute_copy();
-  (void)update;
+  if (device_.staged())
+    for (const Exchange& x : receives_)
+      cuda::copy_to_device(params_.master().data() + x.offset, params_.params().data() + x.offset, x.count * sizeof(float));
+  if (device_.kind() == Device::cuda) params_.refresh_compute_copy();  // bf16: from the gathered master
 }
 
 void Reducer::connect(Progress& progress) {

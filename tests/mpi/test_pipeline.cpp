@@ -441,6 +441,10 @@ TEST_CASE("--shard-optimizer: each replica keeps 1/D of the optimizer state and 
   ahead.steps = 6;
   ahead.optimizer.clip_grad = 0.8f;  // bets won and lost
   check(ahead, 4, "--overlap-steps");
+  TrainConfig chunks = tiny_gpt("1f1b", "never", 2);
+  chunks.pipeline.grid.replicas = 2;
+  chunks.model.head_chunks = 3;  // the head's vocabulary chunks: rows of the tied table on two stages
+  check(chunks, 4, "head in chunks");
   TrainConfig four = tiny_gpt("gpipe", "never", 1);
   four.pipeline.grid.replicas = 4;
   four.model.vocab = 30;  // uneven pieces: 30 rows of the embedding over 4 replicas

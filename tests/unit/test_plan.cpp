@@ -61,7 +61,8 @@ TEST_CASE("a plan over a grid of (K, D, M, schedule): its facts agree") {
           double params = 0, weights = 0;
           for (const StageMemory& m : plan.memory) params += m.params;
           for (int s = 0; s < K; ++s) weights += plan.weight_bytes(s);
-          CHECK(weights == doctest::Approx(4.0 * params * plan.state_copies()));
+          // AdamW: values, gradients and two moments, four floats per parameter.
+          CHECK(weights == doctest::Approx(4.0 * params * 4.0));
           CHECK(params >= static_cast<double>(model.parameter_count()));  // the tied table is on two stages
           for (int s = 0; s < K; ++s) CHECK(plan.activation_bytes(s) > 0);
           // Bubbles: fractions, none for one stage, and the formula's where the table has one.
@@ -104,6 +105,31 @@ TEST_CASE("a plan follows its options: remat, --balance, the zero-bubble order f
   CHECK(plan.bubble_formula == "(K-1)/(3M+K-1)");
   const Schedule unit = lower(make_schedule("zb-h1", 2, 4));
   CHECK(plan.predicted_bubble <= simulate(unit, plan.flops).bubble_fraction + 1e-12);
+}
+
+TEST_CASE("a plan's weights per rank: --shard-optimizer keeps 1/D of the state, --overlap-steps a copy, bf16 a compute copy") {
+  TrainConfig c = test::tiny_gpt({.layers = 4, .batch_size = 16});
+  c.pipeline.grid.replicas = 4;
+  const Model model(options_of(c).model);
+  auto weights = [&](const TrainConfig& config) { return make_plan(options_of(config), 8, model).weight_memory(1, config.pipeline.shard_optimizer); };
+  const Plan plan = make_plan(options_of(c), 8, model);
+  const double params = plan.memory[1].params;  // stage 1 of K = 2: blocks only
+  const Plan::WeightMemory plain = weights(c);
+  CHECK(plain.values == doctest::Approx(4.0 * params));
+  CHECK(plain.gradients == doctest::Approx(4.0 * params));
+  CHECK(plain.state == doctest::Approx(8.0 * params));  // AdamW's two moments
+  CHECK(plan.weight_bytes(1) == doctest::Approx(plain.total()));
+  c.pipeline.shard_optimizer = true;
+  const Plan::WeightMemory sharded = weights(c);
+  CHECK(sharded.state == doctest::Approx(plain.state / 4));
+  CHECK(sharded.values == doctest::Approx(plain.values));
+  CHECK(make_plan(options_of(c), 8, model).weight_bytes(1) == doctest::Approx(sharded.total()));
+  CHECK(make_plan(options_of(c), 8, model).rank_bytes(1) > sharded.total());  // and activations
+  c.optimizer.kind = "sgd";
+  CHECK(weights(c).state == doctest::Approx(plain.state / 8));  // one state, 1/4 of it
+  c.optimizer.kind = "adamw";
+  c.pipeline.overlap_steps = true;
+  CHECK(weights(c).total() == doctest::Approx(2 * sharded.total()));
 }
 
 TEST_CASE("make_plan's problems are user errors that name the option") {

@@ -36,6 +36,8 @@ int default_threads(const Communicator& world);
 // Bytes of memory this process may still take: MemAvailable, or less where a cgroup
 // (a Slurm job, a container) limits it. 0 when neither can be read.
 double available_memory();
+// Bytes of this process resident in memory now (/proc/self/statm); 0 where unreadable.
+double resident_bytes();
 
 // Whether a person watches rank 0's standard output (--progress auto), or on / off.
 bool show_progress(const std::string& mode);

@@ -133,6 +133,7 @@ class Executor : StageHooks {
   const Model& model() const { return model_; }
   ParamStore& params() { return *params_; }
   Optimizer& optimizer() { return *optimizer_; }
+  const Optimizer& optimizer() const { return *optimizer_; }
   // Optimizer updates made so far (Adam's t); a checkpoint carries it.
   std::int64_t updates() const { return updates_; }
   void set_updates(std::int64_t updates) { updates_ = updates; }

@@ -192,13 +192,23 @@ struct Plan {
   // Beyond its activations: each micro-batch in flight keeps its input until its backward
   // (remat counts them already), and the first model stage holds the step's batch.
   double input_bytes(int stage, int model_stage, Remat mode) const;
-  // fp32 floats per parameter a rank keeps: values, gradients and optimizer state, and
-  // with --overlap-steps a second copy of each to go back to.
-  double state_copies() const;
-  // Bytes pipeline stage `stage` needs: its parameters with their gradients and state,
-  // and the activations its model stages hold at the schedule's peak.
-  double weight_bytes(int stage) const;
+  // Bytes the rank of pipeline stage `stage` keeps for its parameters: their values
+  // (fp32, and on a GPU in bf16 the compute copy too), their gradients, and the
+  // optimizer's state, 1/D of it when `sharded` (--shard-optimizer, D > 1); with
+  // --overlap-steps a second copy of each fp32 one to go back to.
+  struct WeightMemory {
+    double values = 0, gradients = 0, state = 0;
+    double total() const { return values + gradients + state; }
+  };
+  WeightMemory weight_memory(int stage, bool sharded) const;
+  // As this run keeps them (--shard-optimizer or not).
+  double weight_bytes(int stage) const { return weight_memory(stage, options.shard_optimizer).total(); }
+  // The activations its model stages hold at the schedule's peak.
   double activation_bytes(int stage) const;
+  // Beyond them: each model stage's inputs (input_bytes).
+  double inputs_bytes(int stage) const;
+  // All the rank of pipeline stage `stage` needs: weights, activations and inputs.
+  double rank_bytes(int stage) const { return weight_bytes(stage) + activation_bytes(stage) + inputs_bytes(stage); }
 };
 
 // Samples per micro-batch for `options` on a grid of `replicas`: batch / (M · D).

@@ -92,7 +92,7 @@ class Reducer {
   // finish_gather() waits, within --p2p-timeout, and on a GPU refreshes what the layers
   // read). Nothing without sharding or replicas. `update`: the optimizer's count.
   void start_gather(std::int64_t update);
-  void finish_gather(std::int64_t update);
+  void finish_gather();
   bool gathering() const { return gathering_; }
 
  private:
