@@ -472,25 +472,34 @@ TEST_CASE("--shard-optimizer checkpoints: each replica writes its rows, the file
   c.pipeline.shard_optimizer = true;
   c.checkpoint_dir = sharded_dir;
   const std::vector<float> written = train_and_save(c, 2);
+  // The pieces through HDF5's MPI-IO driver (hyperslabs of rows), not direct I/O.
+  const std::string buffered_dir = temp_dir("mpipe-shard-buffered");
+  c.checkpoint_dir = buffered_dir;
+  setenv("MPIPE_CHECKPOINT_BUFFERED", "1", 1);
+  train_and_save(c, 2);
+  unsetenv("MPIPE_CHECKPOINT_BUFFERED");
   c.pipeline.shard_optimizer = false;
   c.checkpoint_dir = plain_dir;
   train_and_save(c, 2);
   const Model model(c.model);
   const std::vector<std::string> states{"exp_avg", "exp_avg_sq"};
   if (world().rank() == 0) {
-    const auto a = checkpoint_datasets(checkpoint_path(sharded_dir, 2), model, states);
     const auto b = checkpoint_datasets(checkpoint_path(plain_dir, 2), model, states);
-    REQUIRE(a.size() == b.size());
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      CAPTURE(i);
-      REQUIRE(a[i].size() == b[i].size());
-      CHECK(std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) == 0);
+    for (const std::string& dir : {sharded_dir, buffered_dir}) {
+      CAPTURE(dir);
+      const auto a = checkpoint_datasets(checkpoint_path(dir, 2), model, states);
+      REQUIRE(a.size() == b.size());
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        CAPTURE(i);
+        REQUIRE(a[i].size() == b[i].size());
+        CHECK(std::memcmp(a[i].data(), b[i].data(), a[i].size() * sizeof(float)) == 0);
+      }
     }
   }
+  TrainConfig k4 = c;  // one replica (nothing to shard), four stages
+  k4.pipeline.grid.replicas = 1;
+  k4.micro_batches = 4;
   {  // D = 4 sharded -> D = 1 x K = 4
-    TrainConfig k4 = c;
-    k4.pipeline.grid.replicas = 1;
-    k4.micro_batches = 4;
     Executor reader(plan_run(k4, world()), world());
     reader.connect();
     reader.allocate();
@@ -498,11 +507,7 @@ TEST_CASE("--shard-optimizer checkpoints: each replica writes its rows, the file
     const std::vector<float> loaded = gather_params(reader, world(), 0);
     if (world().rank() == 0) CHECK(std::memcmp(loaded.data(), written.data(), loaded.size() * sizeof(float)) == 0);
   }
-  // K = 4 (unsharded: one replica) -> D = 2 x K = 2, sharded and not, two more steps each.
-  TrainConfig k4 = c;
-  k4.pipeline.grid.replicas = 1;
-  k4.micro_batches = 4;
-  k4.checkpoint_dir = plain_dir;
+  // K = 4 -> D = 2 x K = 2, sharded and not, two more steps each.
   const std::string from_k4 = temp_dir("mpipe-k4");
   k4.checkpoint_dir = from_k4;
   train_and_save(k4, 2);
@@ -524,7 +529,7 @@ TEST_CASE("--shard-optimizer checkpoints: each replica writes its rows, the file
     REQUIRE(continued[0].size() == continued[1].size());
     CHECK(std::memcmp(continued[0].data(), continued[1].data(), continued[0].size() * sizeof(float)) == 0);
     CHECK(continued[0] != written);
-    for (const std::string& dir : {sharded_dir, plain_dir, from_k4}) std::filesystem::remove_all(dir);
+    for (const std::string& dir : {sharded_dir, buffered_dir, plain_dir, from_k4}) std::filesystem::remove_all(dir);
   }
 }
 

@@ -272,38 +272,53 @@ struct BlockCase {
     c.dropout = 0.1f;
     return c;
   }
-};
-
-TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forward buffers, bitwise the fused one, in the fused one's scratch") {
-  BlockCase block;
-  Model& m = block.m;
-  ParamStore& store = block.store;
-  const Shape in = block.in;
-  std::vector<float>&x = block.x, &dy = block.dy;
-  auto gradients = [&](bool split, std::size_t* stash_bytes, std::size_t* scratch_bytes) {
-    Arena slot, scratch, stash;
+  // One forward and backward of the block: its gradients with dx after them, and what
+  // the arenas held. `selective`: the forward's recomputable part goes to a transient
+  // arena, poisoned once the forward returns, so that a backward reading it instead of
+  // its recomputation fails a comparison. `split`: W after B, its dy in a stash.
+  struct Run {
+    std::vector<float> gradients;
+    std::size_t kept = 0, stash = 0, scratch = 0;
+  };
+  Run run(bool selective, bool split) {
+    Arena slot, transient, scratch, stash;
     Pass pass;
     pass.seed = 3;
     pass.step = 1;
     pass.arena = &slot;
+    if (selective) pass.transient = &transient;
     store.zero_grads();
     Context ctx;
     m.layer(1).forward(make_tensor(x.data(), in), ctx, pass);
+    Run r;
+    r.kept = slot.high_water();
+    const std::size_t dead = transient.high_water();
+    transient.reset();
+    if (dead > 0) {
+      const Tensor poison = transient.tensor(Shape{static_cast<int64_t>(dead / sizeof(float))});
+      std::fill_n(static_cast<float*>(poison.data), poison.numel(), std::numeric_limits<float>::quiet_NaN());
+    }
+    pass.transient = nullptr;
     pass.arena = &scratch;
     if (split) pass.stash = &stash;
     Tensor dx = scratch.tensor(in);
     m.layer(1).backward(ctx, make_tensor(dy.data(), in), dx, GradMode::overwrite, pass);
     if (split) m.layer(1).backward_weight(ctx, pass);
-    if (stash_bytes) *stash_bytes = stash.high_water();
-    *scratch_bytes = scratch.high_water();
-    std::vector<float> out(store.grads().begin(), store.grads().end());
+    r.stash = stash.high_water();
+    r.scratch = scratch.high_water();
+    r.gradients.assign(store.grads().begin(), store.grads().end());
     const float* d = static_cast<const float*>(dx.data);
-    out.insert(out.end(), d, d + in.numel());
-    return out;
-  };
-  std::size_t stash_bytes = 0, fused_scratch = 0, split_scratch = 0;
-  const std::vector<float> fused = gradients(false, nullptr, &fused_scratch),
-                           split = gradients(true, &stash_bytes, &split_scratch);
+    r.gradients.insert(r.gradients.end(), d, d + in.numel());
+    return r;
+  }
+};
+
+TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forward buffers, bitwise the fused one, in the fused one's scratch") {
+  BlockCase block;
+  const Shape in = block.in;
+  const BlockCase::Run fused_run = block.run(false, false), split_run = block.run(false, true);
+  const std::vector<float>&fused = fused_run.gradients, &split = split_run.gradients;
+  const std::size_t stash_bytes = split_run.stash, fused_scratch = fused_run.scratch, split_scratch = split_run.scratch;
   REQUIRE(fused.size() == split.size());
   CHECK(std::memcmp(fused.data(), split.data(), fused.size() * sizeof(float)) == 0);
   // Only fc_proj's (B, T, C): every other W's output gradient is in a buffer of the
@@ -317,47 +332,16 @@ TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forwa
 TEST_CASE("--remat selective: a GPT block keeps 6 (B, T, C) fewer, recomputes them in backward, bitwise never's gradients, fused and split") {
   BlockCase block;
   Model& m = block.m;
-  ParamStore& store = block.store;
   const Shape in = block.in;
-  std::vector<float>&x = block.x, &dy = block.dy;
-  // Gradients (and dx) of one forward and backward; the forward's kept bytes.
-  auto gradients = [&](bool selective, bool split, std::size_t* kept_bytes) {
-    Arena slot, transient, scratch, stash;
-    Pass pass;
-    pass.seed = 3;
-    pass.step = 1;
-    pass.arena = &slot;
-    if (selective) pass.transient = &transient;
-    store.zero_grads();
-    Context ctx;
-    m.layer(1).forward(make_tensor(x.data(), in), ctx, pass);
-    *kept_bytes = slot.high_water();
-    // Dead once the forward has returned: poisoned, so that a backward reading it, not
-    // its recomputation, fails the comparison below.
-    const std::size_t dead = transient.high_water();
-    transient.reset();
-    if (dead > 0) {
-      const Tensor poison = transient.tensor(Shape{static_cast<int64_t>(dead / sizeof(float))});
-      std::fill_n(static_cast<float*>(poison.data), poison.numel(), std::numeric_limits<float>::quiet_NaN());
-    }
-    pass.transient = nullptr;
-    pass.arena = &scratch;
-    if (split) pass.stash = &stash;
-    Tensor dx = scratch.tensor(in);
-    m.layer(1).backward(ctx, make_tensor(dy.data(), in), dx, GradMode::overwrite, pass);
-    if (split) m.layer(1).backward_weight(ctx, pass);
-    std::vector<float> out(store.grads().begin(), store.grads().end());
-    const float* d = static_cast<const float*>(dx.data);
-    out.insert(out.end(), d, d + in.numel());
-    return out;
-  };
-  std::size_t never_kept = 0, selective_kept = 0, unused = 0;
-  const std::vector<float> never = gradients(false, false, &never_kept);
+  const BlockCase::Run never = block.run(false, false);
+  const std::size_t never_kept = never.kept;
+  std::size_t selective_kept = 0;
   for (const bool split : {false, true}) {
     CAPTURE(split);
-    const std::vector<float> selective = gradients(true, split, split ? &unused : &selective_kept);
-    REQUIRE(selective.size() == never.size());
-    CHECK(std::memcmp(selective.data(), never.data(), never.size() * sizeof(float)) == 0);
+    const BlockCase::Run selective = block.run(true, split);
+    if (!split) selective_kept = selective.kept;
+    REQUIRE(selective.gradients.size() == never.gradients.size());
+    CHECK(std::memcmp(selective.gradients.data(), never.gradients.data(), never.gradients.size() * sizeof(float)) == 0);
   }
   // LayerNorm's two outputs and GELU's (B, T, 4C), LayerNorm's statistics with them.
   const std::size_t btc = static_cast<std::size_t>(in.numel()) * sizeof(float);
