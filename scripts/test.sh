@@ -2,7 +2,7 @@
 # Installs what is missing (build and test dependencies), builds, and runs every test:
 # the release build's whole ctest suite, then the unit tests again under ASan+UBSan.
 #   MPIPE_TEST_ASAN=0   skip the sanitizer pass
-#   MPIPE_TEST_LABEL=L  run only tests labelled L (unit, mpi, reference, slurm, cuda, faults)
+#   MPIPE_TEST_LABEL=L  run only tests labelled L (unit, mpi, reference, slurm, multinode, cuda, faults)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -30,6 +30,7 @@
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/io/trace.hpp"
+#include "mpipe/pipeline/hosts.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
 namespace mpipe {
@@ -52,7 +53,7 @@ int agree(const Communicator& world, const std::function<void()>& phase) {
     message = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
   } catch (const std::exception& e) {
     code = exit_internal_error;
-    message = cat("mpipe: internal error on rank ", world.rank(), ": ", e.what());
+    message = cat("mpipe: internal error on rank ", world.rank(), on_host(world.rank()), ": ", e.what());
   }
   // The worst code wins (internal over user error); the lowest rank with it speaks.
   int worst = code;
@@ -122,7 +123,7 @@ void check_memory(const Plan& plan, int world_rank, int node_ranks) {
                 cat("use more stages (--stages), ", remat ? "" : "--remat always, ",
                     "a smaller --batch-size or more --micro-batches, ",
                     plan.grid.replicas > 1 && !plan.options.shard_optimizer ? "--shard-optimizer, " : "", "or a smaller model"),
-                "rank ", world_rank, " (stage ", stage, ") needs about ", human_bytes(need),
+                "rank ", world_rank, " (stage ", stage, ")", on_host(world_rank), " needs about ", human_bytes(need),
                 " (parameters, gradients and ", plan.options.optimizer.kind, " state ", human_bytes(weights),
                 ", activations of ", remat ? 1 : live, " micro-batch", (remat ? 1 : live) > 1 ? "es " : " ",
                 human_bytes(activations), ", inputs ", human_bytes(inputs), "), ",
@@ -448,6 +449,7 @@ void print_header(const TrainConfig& config, const Executor& exec, const std::st
   if (const Dataset* data = exec.dataset()) std::printf("data: %s\n", data->describe().c_str());
   if (const Dataset* data = exec.eval_dataset()) std::printf("eval data: %s\n", data->describe().c_str());
   print_plan(exec.plan(), exec.model());
+  if (host_count() > 1) std::printf("%s\n", describe_hosts().c_str());
   if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(exec.schedule());
   std::printf("%s, lr %g, %d steps%s\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps,
               exec.optimizer().sharded() ? cat(", state sharded over ", grid.replicas(), " replicas").c_str()
@@ -469,7 +471,9 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   // checkpoint or before the end of training is named within --p2p-timeout (an invalid
   // timeout, refused below, runs no heartbeats until then). The ranks come to it
   // together, out of MPI_Init.
-  Watchdog watchdog(world, cat("rank ", world.rank()), options.pipeline.p2p_timeout);
+  // The hosts first (a collective): the lines that name a rank name its node.
+  learn_hosts(world);
+  Watchdog watchdog(world, cat("rank ", world.rank(), on_host(world.rank())), options.pipeline.p2p_timeout);
   std::optional<StartUp> start_up(std::in_place, world, watchdog);
   // The plan, made by each rank alone: a bad schedule, --balance or model is said before
   // anything is created or locked. It stands unless --partition time measures (below).

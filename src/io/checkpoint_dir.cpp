@@ -18,18 +18,13 @@
 #include <sstream>
 
 #include "mpipe/io/checkpoint.hpp"
+#include "mpipe/pipeline/hosts.hpp"
 
 namespace mpipe {
 
 namespace fs = std::filesystem;
 
 namespace {
-
-std::string host_name() {
-  char host[256] = {};
-  if (::gethostname(host, sizeof host - 1) != 0) return "?";
-  return host;
-}
 
 std::string env_or(const char* name, const char* fallback) {
   const char* v = std::getenv(name);
@@ -78,7 +73,7 @@ std::string stale_reason(const std::string& text, double age) {
   if (job != "-" && job == my_job && restart != env_or("SLURM_RESTART_COUNT", "0"))
     return cat("it is this Slurm job ", job, " before its requeue");
   const std::string host = field(text, "host");
-  if (host == host_name()) {
+  if (host == this_host()) {
     const long pid = std::strtol(field(text, "pid").c_str(), nullptr, 10);
     if (pid > 0 && process_ended(pid))
       return cat("process ", pid, " on this host has ended");
@@ -119,7 +114,7 @@ void CheckpointDir::lock() {
   char started[32];
   const std::time_t now = std::time(nullptr);
   std::strftime(started, sizeof started, "%Y-%m-%dT%H:%M:%S", std::localtime(&now));
-  lock_text_ = cat("host=", host_name(), " pid=", ::getpid(), " job=", env_or("SLURM_JOB_ID", "-"),
+  lock_text_ = cat("host=", this_host(), " pid=", ::getpid(), " job=", env_or("SLURM_JOB_ID", "-"),
                    " restart=", env_or("SLURM_RESTART_COUNT", "0"), " started=", started, "\n");
   const std::string in_use_hint =
       cat("wait for that job, choose another --checkpoint-dir, or delete ", lock_path_, " if that job is gone");

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "mpipe/pipeline/hosts.hpp"
+
 namespace mpipe {
 
 GridShape resolve_grid(GridShape g, int world) {
@@ -31,6 +33,10 @@ Grid::Grid(const Communicator& world, const GridShape& shape) : world_(&world), 
   replica_ = shape.replica_of(world.rank());
   pipeline_ = Communicator::split(world, replica_, stage_);
   data_ = Communicator::split(world, stage_, replica_);
+}
+
+std::string Grid::name() const {
+  return cat("rank ", world_rank(), " (stage ", stage_, ", replica ", replica_, ")", on_host(world_rank()));
 }
 
 void Grid::connect_tied(std::vector<int> stages) {

@@ -2,6 +2,8 @@
 // buffers (backend/message.hpp).
 #include "mpipe/pipeline/transport.hpp"
 
+#include "mpipe/pipeline/hosts.hpp"
+
 namespace mpipe {
 
 Transport::Transport(const Grid& grid, Progress& progress, MessagePath path, DType dtype, int micro_batches,
@@ -71,7 +73,8 @@ double Transport::receive(Direction direction, int c, int mb) {
   } catch (const Error& e) {
     // Name the rank that did not send: the first of a chain of waiting ranks is stuck.
     const int from = source(direction, c);
-    rethrow_as(e, cat(e.what(), "; it comes from rank ", grid_.shape().rank_of(from, grid_.replica()), " (stage ", from, ")"));
+    const int rank = grid_.shape().rank_of(from, grid_.replica());
+    rethrow_as(e, cat(e.what(), "; it comes from rank ", rank, " (stage ", from, ")", on_host(rank)));
   }
   m.arrived();
   return waited;

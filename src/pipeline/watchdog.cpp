@@ -2,6 +2,8 @@
 // thread that ends the job when guarded work outlives its deadline.
 #include "mpipe/pipeline/watchdog.hpp"
 
+#include "mpipe/pipeline/hosts.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -44,10 +46,11 @@ Clock::time_point after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
-// "rank 3" or "ranks 3, 5, …" (at most 8 named).
+// "rank 3" or "ranks 3, 5, …" (at most 8 named), each with its host in a job on several
+// ("rank 3 on node7").
 std::string rank_list(const std::vector<int>& ranks) {
   std::string s = ranks.size() > 1 ? "ranks " : "rank ";
-  for (std::size_t i = 0; i < ranks.size() && i < 8; ++i) s += cat(i ? ", " : "", ranks[i]);
+  for (std::size_t i = 0; i < ranks.size() && i < 8; ++i) s += cat(i ? ", " : "", ranks[i], on_host(ranks[i]));
   return ranks.size() > 8 ? s + ", …" : s;
 }
 
@@ -108,11 +111,11 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
       // Resumed after being stopped past the deadlines: named already, by rank 0.
       if (liveness && liveness->was_stopped()) stay_quiet(world.get(), std::min(timeout_s, 3.0));
       if (heartbeats && liveness->silent_s(0) >= timeout_s)
-        roll_call(world.get(), cat("rank ", world.rank(), ": waiting for rank 0 at ", what, " (no heartbeat for ", timeout_s,
+        roll_call(world.get(), cat("rank ", world.rank(), on_host(world.rank()), ": waiting for rank 0", on_host(0), " at ", what, " (no heartbeat for ", timeout_s,
                                    " s, --p2p-timeout)"),
                   std::min(timeout_s, 3.0), liveness);
       if (Clock::now() > deadline)
-        end_job(world.get(), cat("rank ", world.rank(), ": rank 0 did not answer at ", what, " within ", 2 * timeout_s + 5,
+        end_job(world.get(), cat("rank ", world.rank(), on_host(world.rank()), ": rank 0", on_host(0), " did not answer at ", what, " within ", 2 * timeout_s + 5,
                                  " s: stopped or hung; ending the job"));
     }
   }
@@ -277,7 +280,7 @@ void Watchdog::run() {
         stay_quiet(world_, std::min(liveness_s_, 3.0));
       }
       if (rank_ == 0)  // it hears every rank: it names the silent one
-        end_job(world_, cat("rank ", p.rank, " stopped answering (no heartbeat for ", liveness_s_, " s, --p2p-timeout). Seen by ",
+        end_job(world_, cat(rank_list({p.rank}), " stopped answering (no heartbeat for ", liveness_s_, " s, --p2p-timeout). Seen by ",
                             context, "; ending the job"));
       lock.unlock();  // roll_call asks this watchdog who is alive
       roll_call(world_, context, std::min(liveness_s_, 3.0), this);  // rank 0 is silent: the others name it

@@ -38,8 +38,9 @@ class Grid {
   int stage() const { return stage_; }
   int replica() const { return replica_; }
   int world_rank() const { return world_->rank(); }
-  // "rank 3 (stage 1, replica 0)": how messages name this rank.
-  std::string name() const { return cat("rank ", world_rank(), " (stage ", stage_, ", replica ", replica_, ")"); }
+  // "rank 3 (stage 1, replica 0)": how messages name this rank; "... on node7" in a job
+  // on several hosts.
+  std::string name() const;
   bool first_stage() const { return stage_ == 0; }
   bool last_stage() const { return stage_ == shape_.stages - 1; }
 

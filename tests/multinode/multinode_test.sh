@@ -1,0 +1,159 @@
+#!/usr/bin/env bash
+# Runs across two hosts (hosts.sh: network namespaces with their own hostnames and
+# cores, Open MPI over TCP between them), against the same runs on one host.
+# Usage: multinode_test.sh MPIPE CASE    (CASE: setup cleanup bitwise grid resume host-lost lock threads)
+# Exit 77 (skipped) where network namespaces cannot be made (not root, no CAP_NET_ADMIN).
+set -euo pipefail
+mpipe=$(readlink -f "$1")
+case_name=$2
+here=$(cd "$(dirname "$0")" && pwd)
+hosts=$here/hosts.sh
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+work=$(mktemp -d /tmp/mpipe-multinode-XXXXXX)
+trap 'rm -rf "$work"' EXIT
+fail() { echo "FAIL ($case_name): $*"; exit 1; }
+
+if [[ $case_name == setup ]]; then
+  if ! bash "$hosts" up 2 > "$work/up.log" 2>&1; then
+    echo "SKIP: cannot make test hosts: $(tail -1 "$work/up.log")"
+    bash "$hosts" down > /dev/null 2>&1 || true
+    exit 77
+  fi
+  echo "hosts: $(bash "$hosts" names | tr '\n' ' ')"
+  exit 0
+fi
+if [[ $case_name == cleanup ]]; then
+  bash "$hosts" down
+  exit 0
+fi
+[[ $(bash "$hosts" names 2>/dev/null | wc -l) -ge 2 ]] || { echo "SKIP: no test hosts (the setup test was skipped)"; exit 77; }
+mapfile -t names < <(bash "$hosts" names)
+h1=${names[0]} h2=${names[1]}
+
+mapfile -t across < <(bash "$hosts" mpirun-args)
+# A small GPT: embedding and head tied across the first and last stage.
+model=(--layers 4 --d-model 32 --heads 2 --seq-len 16 --vocab 64 --batch-size 8 --micro-batches 4 --threads 1
+       --seed 7 --log-every 1)
+# try NAME WHERE RANKS [options]: WHERE is "one" (this host) or "two" (h1 and h2, RANKS/2
+# each); the log in $work/NAME.log. run: the same, which must succeed.
+try() {
+  local name=$1 where=$2 ranks=$3; shift 3
+  local launch=(mpirun -n "$ranks" --oversubscribe -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS)
+  [[ $where == two ]] && launch+=("${across[@]}" --host "$h1:$((ranks / 2)),$h2:$((ranks / 2))")
+  timeout 120 "${launch[@]}" "$mpipe" train "${model[@]}" --p2p-timeout 5 "$@" > "$work/$name.log" 2>&1
+}
+run() { try "$@" || fail "$1 exited $?: $(grep -m3 "error" "$work/$1.log")"; }
+same() {  # two checkpoints' parameters and optimizer state, bitwise
+  h5diff "$1" "$2" /model /model > /dev/null || fail "/model of $(basename "$(dirname "$1")") and $(basename "$(dirname "$2")") differ"
+  h5diff "$1" "$2" /optimizer /optimizer > /dev/null || fail "/optimizer of $1 and $2 differ"
+}
+on_hosts() {  # the run's log says its ranks ran on both hosts
+  grep -q "^2 hosts: $h1 rank" "$work/$1.log" && grep -q ", $h2 rank" "$work/$1.log" \
+    || fail "$1 did not run on $h1 and $h2: $(grep -m1 hosts "$work/$1.log" || echo no hosts line)"
+}
+
+case $case_name in
+  bitwise)  # K = 2 over two hosts, bitwise K = 1 on one
+    run k1 one 1 --steps 4 --checkpoint-dir "$work/k1" --checkpoint-every 4
+    run k2 two 2 --steps 4 --checkpoint-dir "$work/k2" --checkpoint-every 4
+    on_hosts k2
+    grep -q "^grid: 1 replica x 2 stages" "$work/k2.log" || fail "k2 is not 2 stages"
+    same "$work/k1/ckpt-00000004.h5" "$work/k2/ckpt-00000004.h5"
+    echo "ok: K=2 over $h1 and $h2 is bitwise K=1 on one host" ;;
+
+  grid)  # D = 2 x K = 2: replicas across hosts, stages across hosts, one host
+    run one one 4 --replicas 2 --steps 3 --checkpoint-dir "$work/one" --checkpoint-every 3
+    run pipe two 4 --replicas 2 --rank-order pipeline --steps 3 --checkpoint-dir "$work/pipe" --checkpoint-every 3
+    run data two 4 --replicas 2 --rank-order data --steps 3 --checkpoint-dir "$work/data" --checkpoint-every 3
+    on_hosts pipe && on_hosts data
+    # pipeline order: a replica's two stages on one host, its replica on the other; data
+    # order: a stage's two replicas on one host, the next stage on the other.
+    grep -q "rank order pipeline" "$work/pipe.log" && grep -q "rank order data" "$work/data.log" || fail "rank orders"
+    same "$work/one/ckpt-00000003.h5" "$work/pipe/ckpt-00000003.h5"
+    same "$work/one/ckpt-00000003.h5" "$work/data/ckpt-00000003.h5"
+    echo "ok: D=2 x K=2 across hosts, both rank orders, bitwise one host" ;;
+
+  resume)  # a host killed mid-run; resumed across the hosts; bitwise an uninterrupted run
+    # A constant learning rate after the warm-up: the cut run's --steps leaves no mark.
+    model+=(--lr-schedule constant --warmup 2)
+    launch=(mpirun -n 2 -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS "${across[@]}" --host "$h1:1,$h2:1")
+    "${launch[@]}" "$mpipe" train "${model[@]}" --p2p-timeout 5 --steps 100000 --d-model 64 --seq-len 64 \
+      --checkpoint-dir "$work/cut" --checkpoint-every 2 > "$work/cut.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 300); do [[ -f $work/cut/ckpt-00000004.h5 ]] && break; sleep 0.1; done
+    [[ -f $work/cut/ckpt-00000004.h5 ]] || { kill -9 $pid; fail "no checkpoint at step 4: $(tail -3 "$work/cut.log")"; }
+    bash "$hosts" kill "$h2"
+    rc=0; timeout 30 tail --pid=$pid -f /dev/null || rc=$?
+    wait $pid && fail "the job went on after $h2 was killed" || true
+    ((rc == 0)) || fail "mpirun did not end within 30 s of losing $h2"
+    for f in "$work"/cut/ckpt-*.h5; do "$mpipe" inspect --verify "$f" > /dev/null || fail "$f does not verify"; done
+    # Resumed to step 12 on the two hosts, against 12 uninterrupted steps on one.
+    newest=$(ls "$work"/cut/ckpt-*.h5 | tail -1)
+    run ref one 1 --steps 12 --d-model 64 --seq-len 64 --checkpoint-dir "$work/ref" --checkpoint-every 12
+    run again two 2 --steps 12 --d-model 64 --seq-len 64 --checkpoint-dir "$work/cut" --checkpoint-every 12 --resume auto
+    on_hosts again
+    grep -q "resumed from $newest" "$work/again.log" || fail "did not resume from $newest: $(grep -m1 resumed "$work/again.log")"
+    same "$work/ref/ckpt-00000012.h5" "$work/cut/ckpt-00000012.h5"
+    echo "ok: $h2 killed after step $(basename "$newest" .h5 | sed 's/ckpt-0*//'), resumed across hosts, bitwise an uninterrupted run" ;;
+
+  host-lost)  # a host's link down mid-step: one line naming the rank and its host, promptly
+    timeout_s=3
+    for trial in 1 2; do
+      dir=$work/lost$trial
+      launch=(mpirun -n 2 -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS "${across[@]}" --host "$h1:1,$h2:1")
+      "${launch[@]}" "$mpipe" train "${model[@]}" --p2p-timeout $timeout_s --steps 100000 --log-every 1000 \
+        --checkpoint-dir "$dir" --checkpoint-every 20 > "$work/lost.out" 2> "$work/lost.err" &
+      pid=$!
+      for _ in $(seq 300); do [[ -f $dir/ckpt-00000040.h5 ]] && break; sleep 0.1; done
+      [[ -f $dir/ckpt-00000040.h5 ]] || { kill -9 $pid; fail "no checkpoint at step 40: $(tail -3 "$work/lost.err")"; }
+      sleep 0.$((RANDOM % 10))
+      start=$(date +%s.%N)
+      bash "$hosts" link "$h2" down
+      rc=0; timeout 30 tail --pid=$pid -f /dev/null || rc=$?
+      took=$(echo "$(date +%s.%N) - $start" | bc)
+      bash "$hosts" link "$h2" up
+      wait $pid && fail "the job went on after $h2's link went down" || true
+      ((rc == 0)) || fail "mpirun did not end within 30 s of $h2's link going down"
+      (($(echo "$took <= $timeout_s + 5" | bc))) || fail "ended after $took s (--p2p-timeout $timeout_s)"
+      [[ $(grep -c "^mpipe: error" "$work/lost.err") -eq 1 ]] || fail "not one error line: $(grep "mpipe: error" "$work/lost.err")"
+      grep -Eq "^mpipe: error: rank 1 on $h2 stopped answering" "$work/lost.err" \
+        || fail "rank 1 on $h2 not named: $(grep -m1 "mpipe: error" "$work/lost.err")"
+      for f in "$dir"/ckpt-*.h5; do "$mpipe" inspect --verify "$f" > /dev/null || fail "$f does not verify"; done
+      echo "ok: trial $trial: $h2's link down, ended in $took s: $(grep -m1 "mpipe: error" "$work/lost.err" | cut -c1-70)"
+    done ;;
+
+  lock)  # the lock names rank 0's host; a dead job's lock there is taken over
+    launch=(mpirun -n 2 -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS "${across[@]}" --host "$h1:1,$h2:1")
+    "${launch[@]}" "$mpipe" train "${model[@]}" --p2p-timeout 5 --steps 100000 --checkpoint-dir "$work/lk" \
+      --checkpoint-every 50 > "$work/lk.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 300); do [[ -f $work/lk/ckpt-00000050.h5 ]] && break; sleep 0.1; done
+    lock=$(cat "$work/lk/.mpipe.lock" 2>/dev/null) || { kill -9 $pid; fail "no lock file"; }
+    grep -q "^host=$h1 pid=" <<<"$lock" || { kill -9 $pid; fail "the lock does not name $h1: $lock"; }
+    # Another job on the same directory is refused, naming the holder's host.
+    try other two 2 --steps 1 --checkpoint-dir "$work/lk" && fail "a second job took a live lock"
+    grep -q "in use by another job (host $h1, pid" "$work/other.log" || fail "refusal: $(grep -m1 error "$work/other.log")"
+    bash "$hosts" kill "$h1"
+    timeout 30 tail --pid=$pid -f /dev/null || fail "mpirun did not end after $h1 was killed"
+    wait $pid || true
+    [[ -f $work/lk/.mpipe.lock ]] || fail "a killed job left no lock (test expects one)"
+    done_steps=$(ls "$work"/lk/ckpt-*.h5 | tail -1 | sed 's/.*ckpt-0*//; s/\.h5//')
+    run after two 2 --steps $((done_steps + 2)) --checkpoint-dir "$work/lk" --resume auto
+    grep -q "taking over the lock of a job that is gone (host $h1, pid" "$work/after.log" \
+      || fail "the dead job's lock was not taken over: $(grep -m1 -E "lock|error" "$work/after.log")"
+    echo "ok: the lock names $h1; refused while live, taken over once that host's job is gone" ;;
+
+  threads)  # threads per rank from the node-local rank count (hosts not pinned: all cores)
+    export MPIPE_HOSTS_NO_PIN=1
+    cores=$(nproc --all)
+    model=(--layers 2 --d-model 32 --heads 2 --seq-len 16 --vocab 64 --batch-size 8 --micro-batches 2 --threads 0)
+    run two_one two 2 --steps 1
+    grep -q "$cores thread" "$work/two_one.log" || fail "one rank per host should use its $cores cores: $(grep -m1 "per rank" "$work/two_one.log")"
+    launch=(mpirun -n 2 -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS "${across[@]}" --host "$h1:2")
+    timeout 60 "${launch[@]}" "$mpipe" train "${model[@]}" --steps 1 > "$work/one_two.log" 2>&1 || fail "one_two: $(tail -2 "$work/one_two.log")"
+    want=$((cores / 2 > 0 ? cores / 2 : 1))
+    grep -q " $want thread" "$work/one_two.log" || fail "two ranks on one host should share its cores: $(grep -m1 "per rank" "$work/one_two.log")"
+    echo "ok: $cores threads per rank with one rank per host, $want with two on one host" ;;
+
+  *) fail "unknown case" ;;
+esac
