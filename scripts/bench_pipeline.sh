@@ -16,6 +16,11 @@
 #     --in-flight 1f1b, row @1f1b; zb-h2 and zbv
 #     again with --overlap-steps, rows +ov): tokens/s, measured against simulated bubble (+ov: of steps back to back),
 #     peak activation memory of each rank, and the last loss (bitwise the same).
+#  8. Across hosts (tests/multinode/hosts.sh: two network namespaces on this machine, a core
+#     each, Open MPI over TCP between them): a K = 2 speed-up across the two hosts against
+#     the same on one host, and, with the link shaped (RATE8=1gbit), D = 2 x K = 2 in both
+#     rank orders and --rank-order auto for a model whose replica sums outweigh its
+#     boundaries and one the other way round.
 # Environment:
 #   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
 #   STEPS=5  steps per run (the first excluded: it sizes the arenas)   REPEAT=2  rounds of the ladder
@@ -28,6 +33,7 @@
 #   4 x 128 at T 512, batch 8, M = 4; ROUNDS6=2 rounds, interleaved; tokens/s and peak activation memory per rank
 #   against never's; auto with --memory-per-rank the weights plus half of never's peak: AUTO_Q=16.3MiB, AUTO_L=47.5MiB).
 #   BASELINE=PATH adds that binary's never and always rows (an older build) to the same rounds.
+#   HOSTS=0: skip table 8 (ROUNDS8=6 rounds of STEPS8=12 steps, interleaved; RATE8=1gbit; needs root)
 #   SHARD=0: skip table 7 (--shard-optimizer: resident memory per rank after the last step at D = 4 x K = 1 with AdamW and SGD,
 #   sharded and not, for the quickstart GPT, a GPT 4 x 512 and a ResNet-18 (width 128, 32x32), STEPS7M=3 steps,
 #   and the optimizer state that memory shows: 2 x (AdamW's - SGD's), one state vector each; then the median step
@@ -409,4 +415,106 @@ for model in names:
     plain, sharded = statistics.median(time[(model, "no")]), statistics.median(time[(model, "yes")])
     print(f"{names[model]:<22} {plain * 1e3:12.1f} ms {sharded * 1e3:10.1f} ms {sharded / plain:6.3f}x")
 PY
+fi
+
+# ---- 8. across hosts --------------------------------------------------------------------
+if [[ "${HOSTS:-1}" != 0 ]]; then
+  echo
+  hosts8=tests/multinode/hosts.sh
+  if ! bash "$hosts8" up 2 > "$tmp/hosts.log" 2>&1; then
+    echo "8. across hosts: skipped ($(tail -1 "$tmp/hosts.log"))"
+  else
+  rounds8=${ROUNDS8:-6}
+  steps8=${STEPS8:-12}
+  mapfile -t across8 < <(bash "$hosts8" mpirun-args)
+  mapfile -t names8 < <(bash "$hosts8" names)
+  two8=(--host "${names8[0]}:1,${names8[1]}:1")
+  ladder8=(--model gpt --layers 8 --d-model 128 --heads 4 --seq-len 128 --vocab 256 --batch-size 16 --micro-batches 8
+           --threads 1 --steps "$steps8" --log-every 1000000 --resume never --partition flops)
+  echo "8. across hosts: two test hosts (network namespaces, a core each, TCP over a veth link), $rounds8 rounds, interleaved;"
+  echo "   the median step of $((steps8 - 1)) (the first excluded)"
+  echo "8a. K = 2 across the hosts against K = 2 on one (GPT 8 x 128, seq 128, batch 16, M = 8): speed-up over K = 1 and"
+  echo "    its ratio; per round, across / one host, whose median is the figure (K = 1 cancels in the round)"
+  run8() {  # run8 NAME LAUNCHER... -- MPIPE_ARGS... -> a row "NAME tokens/s"
+    local name=$1; shift
+    local launcher=()
+    while [[ $1 != -- ]]; do launcher+=("$1"); shift; done
+    shift
+    timeout 600 mpirun "${launcher[@]}" build/release/mpipe train "$@" --summary "$tmp/s8.json" > "$tmp/log8" 2>&1 \
+      || { echo "   $name failed: $(grep -m1 error "$tmp/log8")" >&2; return; }
+    /usr/bin/python3 -c "import json; print('$name', json.load(open('$tmp/s8.json'))['tokens_per_s'])"
+  }
+  rows8=()
+  for ((round = 0; round < rounds8; ++round)); do
+    rows8+=("$(run8 k1 -n 1 --bind-to core -- "${ladder8[@]}")")
+    rows8+=("$(run8 one -n 2 --bind-to core -- "${ladder8[@]}" --stages 2)")
+    rows8+=("$(run8 across -n 2 "${across8[@]}" "${two8[@]}" -- "${ladder8[@]}" --stages 2)")
+    rows8+=("$(run8 across-waits -n 2 "${across8[@]}" "${two8[@]}" -- "${ladder8[@]}" --stages 2 --comm-progress waits)")
+  done
+  /usr/bin/python3 - "${rows8[@]}" <<'PY'
+import statistics, sys
+runs = {}
+for row in sys.argv[1:]:
+    if row:
+        name, tps = row.split()
+        runs.setdefault(name, []).append(float(tps))
+k1 = statistics.median(runs["k1"])
+print(f"{'':>4}{'run':<34} {'tokens/s':>9} {'speed-up':>9} {'across / one host':>18}")
+names = {"k1": "K = 1", "one": "K = 2, one host", "across": "K = 2 across hosts",
+         "across-waits": "K = 2 across hosts, --comm-progress waits"}
+for name in ("k1", "one", "across", "across-waits"):
+    t = runs.get(name, [])
+    if not t:
+        continue
+    ratio = ""
+    if name.startswith("across") and len(t) == len(runs["one"]):
+        r = [a / b for a, b in zip(t, runs["one"])]
+        ratio = f"{statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]"
+    print(f"{'':>4}{names[name]:<34} {statistics.median(t):9.0f} {statistics.median(t) / k1:8.2f}x {ratio:>18}")
+PY
+  rate8=${RATE8:-1gbit}
+  echo "8b. D = 2 x K = 2 on the two hosts (two ranks each, sharing its core), the link shaped to $rate8 each way (tc tbf):"
+  echo "    median step per rank order, against the better of the two; auto's choice and the bytes it predicted"
+  wide8=(--model gpt --layers 4 --d-model 256 --heads 4 --seq-len 16 --vocab 256 --batch-size 8 --micro-batches 4)
+  long8=(--model gpt --layers 4 --d-model 32 --heads 4 --seq-len 512 --vocab 64 --batch-size 32 --micro-batches 4)
+  bash "$hosts8" shape "$rate8"
+  rows8=()
+  for ((round = 0; round < rounds8; ++round)); do
+    for model in wide8 long8; do
+      declare -n args8=$model
+      for order in pipeline data auto; do
+        timeout 600 mpirun -n 4 --oversubscribe "${across8[@]}" --host "${names8[0]}:2,${names8[1]}:2" build/release/mpipe train \
+          "${args8[@]}" --replicas 2 --rank-order "$order" --threads 1 --steps "$steps8" --log-every 1000000 --resume never \
+          --summary "$tmp/s8.json" > "$tmp/log8" 2>&1 || { echo "   $model $order failed: $(grep -m1 error "$tmp/log8")" >&2; continue; }
+        chosen=$(grep -o "^grid: .*rank order [a-z]*" "$tmp/log8" | awk '{print $NF}')
+        rows8+=("$model $order $chosen $(/usr/bin/python3 -c "import json; print(json.load(open('$tmp/s8.json'))['step_time_s'])")")
+        [[ $order == auto ]] && grep "^rank order" "$tmp/log8" > "$tmp/why-$model" || true
+      done
+    done
+  done
+  bash "$hosts8" unshape
+  /usr/bin/python3 - "$tmp" "${rows8[@]}" <<'PY'
+import statistics, sys
+tmp = sys.argv[1]
+runs, chosen = {}, {}
+for row in sys.argv[2:]:
+    model, order, got, step = row.split()
+    runs.setdefault((model, order), []).append(float(step))
+    if order == "auto":
+        chosen[model] = got
+names = {"wide8": "GPT 4 x 256, seq 16 (sums large)", "long8": "GPT 4 x 32, seq 512 (boundaries large)"}
+print(f"{'':>4}{'model':<40} {'pipeline':>10} {'data':>10} {'auto':>16} {'auto / best':>12}")
+for model in ("wide8", "long8"):
+    med = {o: statistics.median(runs[(model, o)]) for o in ("pipeline", "data", "auto") if (model, o) in runs}
+    if len(med) < 3:
+        continue
+    best = min(med["pipeline"], med["data"])
+    print(f"{'':>4}{names[model]:<40} {med['pipeline'] * 1e3:8.1f}ms {med['data'] * 1e3:8.1f}ms "
+          f"{med['auto'] * 1e3:7.1f}ms ({chosen.get(model, '?'):>8}) {med['auto'] / best:11.3f}x")
+    try:
+        print(f"{'':>8}{open(f'{tmp}/why-{model}').read().strip()}")
+    except OSError:
+        pass
+PY
+  fi
 fi

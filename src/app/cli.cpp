@@ -99,7 +99,8 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--trace-steps", c.trace_steps, "Steps traced, after the first")->capture_default_str();
   cmd.add_option("--stages", p.grid.stages, "Pipeline stages K (0: world size / replicas)")->capture_default_str();
   cmd.add_option("--replicas", p.grid.replicas, "Data-parallel replicas D (0: world size / stages)")->capture_default_str();
-  cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks) or data")
+  cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks), data (a stage's replicas), or auto: on "
+                 "several hosts the one sending fewer bytes between them per step, else pipeline")
       ->capture_default_str();
   std::string schedules;  // the table's, each with its note
   for (const ScheduleKind& kind : schedule_kinds())

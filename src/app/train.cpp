@@ -433,7 +433,8 @@ int Training::finish() {
 }
 
 // Rank 0's opening lines: the program, the model, the device, the plan.
-void print_header(const TrainConfig& config, const Executor& exec, const std::string& device_line, double time_limit_s,
+void print_header(const TrainConfig& config, const Executor& exec, const std::string& device_line,
+                  const std::string& order_line, double time_limit_s,
                   const std::string& resumed_from, std::int64_t first_step, double load_seconds) {
   const Grid& grid = exec.grid();
   std::printf("mpipe %s (git %s): %s model, %d layers, %lld parameters, %d thread%s per rank\n", version(), git_hash(),
@@ -450,6 +451,7 @@ void print_header(const TrainConfig& config, const Executor& exec, const std::st
   if (const Dataset* data = exec.eval_dataset()) std::printf("eval data: %s\n", data->describe().c_str());
   print_plan(exec.plan(), exec.model());
   if (host_count() > 1) std::printf("%s\n", describe_hosts().c_str());
+  if (!order_line.empty()) std::printf("%s\n", order_line.c_str());
   if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(exec.schedule());
   std::printf("%s, lr %g, %d steps%s\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps,
               exec.optimizer().sharded() ? cat(", state sharded over ", grid.replicas(), " replicas").c_str()
@@ -487,6 +489,18 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     if (root) check_output_files(config);
   });
   if (code) return code;
+  // --rank-order auto on several hosts: the order that sends fewer bytes between them.
+  std::string order_line;
+  if (config.pipeline.grid.rank_order == "auto" && host_count() > 1 && plan.grid.stages > 1 && plan.grid.replicas > 1 &&
+      (code = start_up->phase("rank order", [&] {
+         std::string why;
+         config.pipeline.grid.rank_order = choose_rank_order(plan, Model(plan.options.model), hosts(), &why);
+         const RunOptions run = run_options(config);
+         plan = make_plan(run, world.size(), Model(run.model));
+         order_line = cat("rank order ", plan.grid.rank_order, " (--rank-order auto; bytes a step sends out of its busiest host: ",
+                          why, ")");
+       })))
+    return code;
   // Every rank sees the directory rank 0 made (a shared file system), or says it does not.
   if ((code = start_up->phase("directory", [&] { check_checkpoint_options(config); }))) return code;
   // One job per checkpoint directory, and a run id for the checkpoints this run writes.
@@ -548,7 +562,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     return code;
   start_up.reset();  // from here the steps' waits have --p2p-timeout, checkpoints their own guard
   if (!config.trace.empty()) exec->start_trace_clock();
-  if (root) print_header(config, *exec, device_line, time_limit_s, resumed_from, first_step, load_seconds);
+  if (root) print_header(config, *exec, device_line, order_line, time_limit_s, resumed_from, first_step, load_seconds);
   Training training(config, world, *exec, checkpoint_dir, watchdog, metrics.get(), started, time_limit_s, first_step,
                     !resumed_from.empty());
   if ((code = training.run())) return code;

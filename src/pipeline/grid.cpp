@@ -8,8 +8,9 @@
 namespace mpipe {
 
 GridShape resolve_grid(GridShape g, int world) {
-  MPIPE_REQUIRE(g.rank_order == "pipeline" || g.rank_order == "data", "use --rank-order pipeline or data",
-                "unknown rank order '", g.rank_order, "'");
+  MPIPE_REQUIRE(g.rank_order == "pipeline" || g.rank_order == "data" || g.rank_order == "auto",
+                "use --rank-order pipeline, data or auto", "unknown rank order '", g.rank_order, "'");
+  if (g.rank_order == "auto") g.rank_order = "pipeline";  // train chooses on several hosts, before this
   MPIPE_REQUIRE(g.stages >= 0 && g.replicas >= 0, "use positive counts", "--stages and --replicas must not be negative");
   if (g.stages == 0 && g.replicas == 0) g.replicas = 1;
   if (g.stages == 0) {

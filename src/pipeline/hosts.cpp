@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <map>
 #include <vector>
 
 namespace mpipe {
@@ -41,6 +43,63 @@ void learn_hosts(const Communicator& world) {
 }
 
 int host_count() { return g_host_count; }
+
+const std::vector<std::string>& hosts() { return g_hosts; }
+
+HostTraffic host_traffic(const Plan& plan, const Model& model, const std::vector<std::string>& hosts) {
+  const GridShape& grid = plan.grid;
+  const Partition& part = plan.partition;
+  MPIPE_CHECK(static_cast<int>(hosts.size()) == grid.stages * grid.replicas, hosts.size(), " hosts for a grid of ",
+              grid.stages * grid.replicas, " ranks");
+  std::map<std::string, HostTraffic> out;  // by host: what leaves it
+  const auto host = [&](int rank) { return hosts[static_cast<std::size_t>(rank)]; };
+  const std::vector<double> cut_bytes = boundary_bytes(model, plan.micro_batch_size);  // activation + gradient
+  const double M = plan.options.micro_batches;
+  for (int s = 0; s + 1 < part.stages(); ++s) {
+    const double each_way = M * cut_bytes[static_cast<std::size_t>(part.end(s))] / 2;
+    for (int r = 0; r < grid.replicas; ++r) {
+      const int a = grid.rank_of(part.pipeline_stage(s), r), b = grid.rank_of(part.pipeline_stage(s + 1), r);
+      if (host(a) == host(b)) continue;
+      out[host(a)].boundary += each_way;  // activations on, and
+      out[host(b)].boundary += each_way;  // gradients back
+    }
+  }
+  const int D = grid.replicas;
+  for (int p = 0; p < grid.stages && D > 1; ++p) {
+    const double ring = 2.0 * (D - 1) / D * plan.weight_memory(p, false).gradients;
+    for (int r = 0; r < D; ++r) {
+      const int a = grid.rank_of(p, r), b = grid.rank_of(p, (r + 1) % D);
+      if (host(a) != host(b)) out[host(a)].sums += ring;
+    }
+  }
+  HostTraffic busiest;
+  for (auto& [name, traffic] : out)
+    if (traffic.total() > busiest.total()) {
+      busiest = traffic;
+      busiest.host = name;
+    }
+  return busiest;
+}
+
+std::string choose_rank_order(const Plan& plan, const Model& model, const std::vector<std::string>& hosts,
+                              std::string* why) {
+  Plan other = plan;
+  std::array<HostTraffic, 2> traffic;
+  const std::array<const char*, 2> orders{"pipeline", "data"};
+  for (std::size_t i = 0; i < orders.size(); ++i) {
+    other.grid.rank_order = orders[i];
+    traffic[i] = host_traffic(other, model, hosts);
+  }
+  const bool data = traffic[1].total() < traffic[0].total() * (1 - 0.01);
+  if (why) {
+    const auto mb = [](double bytes) { return cat(std::round(bytes / 1e5) / 10, " MB"); };
+    *why = "";
+    for (std::size_t i = 0; i < orders.size(); ++i)
+      *why += cat(i ? "; " : "", orders[i], " order ", mb(traffic[i].total()), " (boundaries ", mb(traffic[i].boundary),
+                  ", replica sums ", mb(traffic[i].sums), ")");
+  }
+  return data ? "data" : "pipeline";
+}
 
 std::string host_of(int rank) {
   return rank >= 0 && static_cast<std::size_t>(rank) < g_hosts.size() ? g_hosts[static_cast<std::size_t>(rank)] : "";

@@ -65,13 +65,18 @@ case $case_name in
     run one one 4 --replicas 2 --steps 3 --checkpoint-dir "$work/one" --checkpoint-every 3
     run pipe two 4 --replicas 2 --rank-order pipeline --steps 3 --checkpoint-dir "$work/pipe" --checkpoint-every 3
     run data two 4 --replicas 2 --rank-order data --steps 3 --checkpoint-dir "$work/data" --checkpoint-every 3
+    run auto two 4 --replicas 2 --steps 3 --checkpoint-dir "$work/auto" --checkpoint-every 3
     on_hosts pipe && on_hosts data
+    # This model's replica sums outweigh its boundaries: auto puts the stages across hosts.
+    grep -q "^rank order data (--rank-order auto; bytes a step sends out of its busiest host: pipeline order" "$work/auto.log" \
+      || fail "auto did not choose the data order: $(grep -m1 "rank order" "$work/auto.log")"
+    same "$work/one/ckpt-00000003.h5" "$work/auto/ckpt-00000003.h5"
     # pipeline order: a replica's two stages on one host, its replica on the other; data
     # order: a stage's two replicas on one host, the next stage on the other.
     grep -q "rank order pipeline" "$work/pipe.log" && grep -q "rank order data" "$work/data.log" || fail "rank orders"
     same "$work/one/ckpt-00000003.h5" "$work/pipe/ckpt-00000003.h5"
     same "$work/one/ckpt-00000003.h5" "$work/data/ckpt-00000003.h5"
-    echo "ok: D=2 x K=2 across hosts, both rank orders, bitwise one host" ;;
+    echo "ok: D=2 x K=2 across hosts, both rank orders and auto (data), bitwise one host" ;;
 
   resume)  # a host killed mid-run; resumed across the hosts; bitwise an uninterrupted run
     # A constant learning rate after the warm-up: the cut run's --steps leaves no mark.

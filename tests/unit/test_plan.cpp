@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "mpipe/app/config.hpp"
+#include "mpipe/pipeline/hosts.hpp"
 #include "mpipe/pipeline/plan.hpp"
 #include "tiny_gpt.hpp"
 
@@ -179,4 +180,43 @@ TEST_CASE("options as enums: each word of an option parses to its value and prin
   CHECK(options_of(c).trace_steps == 0);
   c.pipeline.comm_poll_us = 250;
   CHECK(options_of(c).comm_poll_s == doctest::Approx(250e-6));
+}
+
+TEST_CASE("traffic between hosts: each rank order's bytes out of the busiest host, and --rank-order auto's choice") {
+  // D = 2 x K = 2 on two hosts of two ranks each: pipeline order keeps each replica's
+  // stages on one host (its sums cross), data order each stage's replicas (its cuts cross).
+  TrainConfig c = test::tiny_gpt({.layers = 4, .batch_size = 16});
+  c.micro_batches = 4;
+  c.pipeline.grid = GridShape{.stages = 2, .replicas = 2, .rank_order = "auto"};
+  const Model model(options_of(c).model);
+  const Plan plan = make_plan(options_of(c), 4, model);
+  CHECK(plan.grid.rank_order == "pipeline");  // auto without hosts
+  const std::vector<std::string> two{"a", "a", "b", "b"};
+  const HostTraffic pipe = host_traffic(plan, model, two);
+  CHECK(pipe.boundary == 0);
+  // A ring of two: each rank sends 2 (D - 1) / D = 1 of its stage's gradients; the
+  // busiest host holds stage 0 of one replica and stage 1 of it: both stages' sums.
+  CHECK(pipe.sums == doctest::Approx(plan.weight_memory(0, false).gradients + plan.weight_memory(1, false).gradients));
+  Plan data = plan;
+  data.grid.rank_order = "data";
+  const HostTraffic cut = host_traffic(data, model, two);
+  CHECK(cut.sums == 0);
+  const std::vector<double> bytes = boundary_bytes(model, plan.micro_batch_size);
+  // Both replicas' cuts leave host a (stage 0): activations on, half of each cut's bytes.
+  CHECK(cut.boundary == doctest::Approx(2 * 4 * bytes[static_cast<std::size_t>(plan.partition.end(0))] / 2));
+  // This model's weights outweigh its activations: stages across hosts (data order).
+  REQUIRE(cut.total() < pipe.total());
+  std::string why;
+  CHECK(choose_rank_order(plan, model, two, &why) == "data");
+  CHECK(why.find("pipeline order") != std::string::npos);
+  // One host: nothing crosses, nothing to choose.
+  CHECK(host_traffic(plan, model, {"a", "a", "a", "a"}).total() == 0);
+  CHECK(choose_rank_order(plan, model, {"a", "a", "a", "a"}) == "pipeline");
+  // Long sequences of a narrow model: activations outweigh weights, the pipeline order.
+  c = test::tiny_gpt({.layers = 4, .batch_size = 64});
+  c.model.seq_len = 256;
+  c.micro_batches = 4;
+  c.pipeline.grid = GridShape{.stages = 2, .replicas = 2, .rank_order = "auto"};
+  const Model narrow(options_of(c).model);
+  CHECK(choose_rank_order(make_plan(options_of(c), 4, narrow), narrow, two) == "pipeline");
 }

@@ -14,7 +14,7 @@
 namespace mpipe {
 
 struct PipelineConfig {
-  GridShape grid;                  // --stages, --replicas (0: inferred), --rank-order
+  GridShape grid{0, 0, "auto"};    // --stages, --replicas (0: inferred), --rank-order
   std::string schedule = "gpipe";  // a name of schedule_kinds(), or file:PATH
   int virtual_stages = 1;          // model stages per rank (interleaved; 2 for zbv)
   std::string remat = "never";     // remat_names
