@@ -33,7 +33,7 @@
 #   4 x 128 at T 512, batch 8, M = 4; ROUNDS6=2 rounds, interleaved; tokens/s and peak activation memory per rank
 #   against never's; auto with --memory-per-rank the weights plus half of never's peak: AUTO_Q=16.3MiB, AUTO_L=47.5MiB).
 #   BASELINE=PATH adds that binary's never and always rows (an older build) to the same rounds.
-#   HOSTS=0: skip table 8 (ROUNDS8=6 rounds of STEPS8=12 steps, interleaved; RATE8=1gbit; needs root)
+#   HOSTS=0: skip table 8 (ROUNDS8=6 rounds of STEPS8=12 steps, interleaved; RATE8=1gbit; ORDERS8=0 skips 8b; needs root)
 #   SHARD=0: skip table 7 (--shard-optimizer: resident memory per rank after the last step at D = 4 x K = 1 with AdamW and SGD,
 #   sharded and not, for the quickstart GPT, a GPT 4 x 512 and a ResNet-18 (width 128, 32x32), STEPS7M=3 steps,
 #   and the optimizer state that memory shows: 2 x (AdamW's - SGD's), one state vector each; then the median step
@@ -472,6 +472,7 @@ for name in ("k1", "one", "across", "across-waits"):
         ratio = f"{statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]"
     print(f"{'':>4}{names[name]:<34} {statistics.median(t):9.0f} {statistics.median(t) / k1:8.2f}x {ratio:>18}")
 PY
+  if [[ "${ORDERS8:-1}" != 0 ]]; then
   rate8=${RATE8:-1gbit}
   echo "8b. D = 2 x K = 2 on the two hosts (two ranks each, sharing its core), the link shaped to $rate8 each way (tc tbf):"
   echo "    median step per rank order, against the better of the two; auto's choice and the bytes it predicted"
@@ -516,5 +517,6 @@ for model in ("wide8", "long8"):
     except OSError:
         pass
 PY
+  fi
   fi
 fi

@@ -115,11 +115,11 @@ std::string describe_hosts() {
     s += cat(i ? ", " : " ", order[i], " rank");
     std::string ranks;
     int count = 0;
-    for (int r = 0; r < static_cast<int>(g_hosts.size());) {  // runs of consecutive ranks: "0-3, 8"
+    for (int r = 0; r < static_cast<int>(g_hosts.size());) {  // runs of consecutive ranks: "0-3,8"
       if (g_hosts[static_cast<std::size_t>(r)] != order[i]) { ++r; continue; }
       int end = r;
       while (end + 1 < static_cast<int>(g_hosts.size()) && g_hosts[static_cast<std::size_t>(end + 1)] == order[i]) ++end;
-      ranks += cat(ranks.empty() ? "" : " ", r, end > r ? cat("-", end) : "");
+      ranks += cat(ranks.empty() ? "" : ",", r, end > r ? cat("-", end) : "");
       count += end - r + 1;
       r = end + 1;
     }

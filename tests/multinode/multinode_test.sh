@@ -101,9 +101,11 @@ case $case_name in
     same "$work/ref/ckpt-00000012.h5" "$work/cut/ckpt-00000012.h5"
     echo "ok: $h2 killed after step $(basename "$newest" .h5 | sed 's/ckpt-0*//'), resumed across hosts, bitwise an uninterrupted run" ;;
 
-  host-lost)  # a host's link down mid-step: one line naming the rank and its host, promptly
+  host-lost)  # a host's link down mid-step: one line naming the rank and its host, promptly;
+    # its processes killed (its Open MPI daemon too): Open MPI names the host, as promptly.
+    # HOST_LOST_TRIALS=N: N trials of the link (2), then one of the kill.
     timeout_s=3
-    for trial in 1 2; do
+    for trial in $(seq "${HOST_LOST_TRIALS:-2}") kill; do
       dir=$work/lost$trial
       launch=(mpirun -n 2 -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS "${across[@]}" --host "$h1:1,$h2:1")
       "${launch[@]}" "$mpipe" train "${model[@]}" --p2p-timeout $timeout_s --steps 100000 --log-every 1000 \
@@ -113,17 +115,23 @@ case $case_name in
       [[ -f $dir/ckpt-00000040.h5 ]] || { kill -9 $pid; fail "no checkpoint at step 40: $(tail -3 "$work/lost.err")"; }
       sleep 0.$((RANDOM % 10))
       start=$(date +%s.%N)
-      bash "$hosts" link "$h2" down
+      if [[ $trial == kill ]]; then bash "$hosts" kill "$h2"; else bash "$hosts" link "$h2" down; fi
       rc=0; timeout 30 tail --pid=$pid -f /dev/null || rc=$?
       took=$(echo "$(date +%s.%N) - $start" | bc)
       bash "$hosts" link "$h2" up
-      wait $pid && fail "the job went on after $h2's link went down" || true
-      ((rc == 0)) || fail "mpirun did not end within 30 s of $h2's link going down"
+      wait $pid && fail "the job went on after losing $h2 ($trial)" || true
+      ((rc == 0)) || fail "mpirun did not end within 30 s of losing $h2 ($trial)"
       (($(echo "$took <= $timeout_s + 5" | bc))) || fail "ended after $took s (--p2p-timeout $timeout_s)"
+      for f in "$dir"/ckpt-*.h5; do "$mpipe" inspect --verify "$f" > /dev/null || fail "$f does not verify"; done
+      if [[ $trial == kill ]]; then
+        grep -q "lost communication with a remote daemon" "$work/lost.err" && grep -Eq "on node +$h2$" "$work/lost.err" \
+          || fail "Open MPI did not name $h2: $(head -5 "$work/lost.err")"
+        echo "ok: $h2's processes killed, ended in $took s, Open MPI names $h2"
+        continue
+      fi
       [[ $(grep -c "^mpipe: error" "$work/lost.err") -eq 1 ]] || fail "not one error line: $(grep "mpipe: error" "$work/lost.err")"
       grep -Eq "^mpipe: error: rank 1 on $h2 stopped answering" "$work/lost.err" \
         || fail "rank 1 on $h2 not named: $(grep -m1 "mpipe: error" "$work/lost.err")"
-      for f in "$dir"/ckpt-*.h5; do "$mpipe" inspect --verify "$f" > /dev/null || fail "$f does not verify"; done
       echo "ok: trial $trial: $h2's link down, ended in $took s: $(grep -m1 "mpipe: error" "$work/lost.err" | cut -c1-70)"
     done ;;
 

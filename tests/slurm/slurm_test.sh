@@ -10,15 +10,8 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 work=
 fail() { echo "FAIL: $*"; for f in "${work:-/nonexistent}"/*.log; do [[ -f $f ]] && { echo "--- $f"; tail -20 "$f"; }; done; exit 1; }
 
-# Debian's Slurm and munge, if missing (scripts/setup.sh --test installs them too).
-missing=()
-for pkg in slurmctld slurmd slurm-client munge; do
-  [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" == "install ok installed" ]] || missing+=("$pkg")
-done
-if ((${#missing[@]})); then
-  DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-fi
+source "$(dirname "$0")/slurm_common.sh"
+slurm_install
 
 work=$(mktemp -d /tmp/mpipe-slurm-XXXXXX)
 chmod 755 "$work"
@@ -31,17 +24,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-# munge: the key exists after Debian's install; /run/munge must belong to munge.
-if ! munge -n >/dev/null 2>&1; then  # no working munged (a dying one does not count)
-  mkdir -p /run/munge /var/log/munge /var/lib/munge
-  chown munge:munge /run/munge /var/log/munge /var/lib/munge
-  [[ -s /etc/munge/munge.key ]] || runuser -u munge -- /usr/sbin/mungekey --create
-  rm -f /run/munge/munged.pid
-  runuser -u munge -- /usr/sbin/munged
-  for _ in $(seq 100); do munge -n >/dev/null 2>&1 && break; sleep 0.1; done
-  munge -n >/dev/null 2>&1 || fail "munged did not start"
-  started+=("$(cat /run/munge/munged.pid)")  # the daemon's own pid, not runuser's
-fi
+munged=$(slurm_munge) || fail "munged did not start"
+[[ -z $munged ]] || started+=("$munged")
 
 host=$(hostname -s)
 mkdir -p "$work/state" "$work/spool"
@@ -133,11 +117,7 @@ grep -q "step      3/500" "$work/pre.log" || fail "the job never started trainin
 scancel --signal=TERM "$job"
 for _ in $(seq 240); do grep -q "requeueing job" "$work/pre.log" 2>/dev/null && break; sleep 0.25; done
 grep -q "requeueing job" "$work/pre.log" || fail "the job was not requeued"
-# Slurm refuses to start the job again within the second its credential was revoked
-# ("Job credential revoked"): let that second pass first.
-sleep 2
-# A requeued job waits a while before it may start again; let it start now.
-for _ in $(seq 40); do scontrol update jobid="$job" StartTime=now 2>/dev/null && break; sleep 0.25; done
+slurm_release_requeued "$job"
 for _ in $(seq 600); do squeue -h -j "$job" 2>/dev/null | grep -q . || break; sleep 0.5; done
 squeue -h -j "$job" 2>/dev/null | grep -q . && fail "the requeued job did not finish"
 grep -q "stop signal received" "$work/pre.log" || fail "mpipe did not see the signal"

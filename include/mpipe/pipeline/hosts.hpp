@@ -22,7 +22,8 @@ int host_count();
 // The host of world rank `rank`, or "" when not learned.
 std::string host_of(int rank);
 
-// "2 hosts: node1 ranks 0-1, node2 ranks 2-3" (at most 8 hosts named), "" on one host.
+// "2 hosts: node1 ranks 0-1, node2 ranks 2-3" ("ranks 0,2" where not consecutive; at most 8
+// hosts named), "" on one host.
 std::string describe_hosts();
 
 // Every rank's host, by world rank (empty until learn_hosts).

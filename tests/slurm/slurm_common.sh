@@ -1,0 +1,37 @@
+# Shared by the Slurm tests (sourced): Debian's packages, munged, and the requeue's start.
+
+# Debian's Slurm and munge (and any further packages named), if missing (scripts/setup.sh
+# --test installs them too).
+slurm_install() {
+  local missing=() pkg
+  for pkg in slurmctld slurmd slurm-client munge "$@"; do
+    [[ "$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null)" == "install ok installed" ]] || missing+=("$pkg")
+  done
+  if ((${#missing[@]})); then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  fi
+}
+
+# A working munged: the one running, or one started here, whose pid goes to stdout (the
+# daemon's own, not runuser's), for the caller to stop. The key exists after Debian's
+# install; /run/munge must belong to munge. Returns 1 when it does not start.
+slurm_munge() {
+  munge -n >/dev/null 2>&1 && return 0  # a working munged (a dying one does not count)
+  mkdir -p /run/munge /var/log/munge /var/lib/munge
+  chown munge:munge /run/munge /var/log/munge /var/lib/munge
+  [[ -s /etc/munge/munge.key ]] || runuser -u munge -- /usr/sbin/mungekey --create
+  rm -f /run/munge/munged.pid
+  runuser -u munge -- /usr/sbin/munged > /dev/null 2>&1 < /dev/null  # not holding $(...) open
+  for _ in $(seq 100); do munge -n >/dev/null 2>&1 && break; sleep 0.1; done
+  munge -n >/dev/null 2>&1 || return 1
+  cat /run/munge/munged.pid
+}
+
+# A requeued JOB may start again: Slurm refuses within the second its credential was
+# revoked ("Job credential revoked"), then holds it a while; let that second pass, then
+# let it start now.
+slurm_release_requeued() {
+  sleep 2
+  for _ in $(seq 40); do scontrol update jobid="$1" StartTime=now 2>/dev/null && break; sleep 0.25; done
+}
