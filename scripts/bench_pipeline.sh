@@ -18,7 +18,8 @@
 #     peak activation memory of each rank, and the last loss (bitwise the same).
 #  8. Across hosts (tests/multinode/hosts.sh: two network namespaces on this machine, a core
 #     each, Open MPI over TCP between them): a K = 2 speed-up across the two hosts against
-#     the same on one host, and, with the link shaped (RATE8=1gbit), D = 2 x K = 2 in both
+#     the same on one host (and across with the link shaped to RATE8=1gbit), and, with the
+#     link shaped, D = 2 x K = 2 in both
 #     rank orders and --rank-order auto for a model whose replica sums outweigh its
 #     boundaries and one the other way round.
 # Environment:
@@ -450,6 +451,9 @@ if [[ "${HOSTS:-1}" != 0 ]]; then
     rows8+=("$(run8 one -n 2 --bind-to core -- "${ladder8[@]}" --stages 2)")
     rows8+=("$(run8 across -n 2 "${across8[@]}" "${two8[@]}" -- "${ladder8[@]}" --stages 2)")
     rows8+=("$(run8 across-waits -n 2 "${across8[@]}" "${two8[@]}" -- "${ladder8[@]}" --stages 2 --comm-progress waits)")
+    bash "$hosts8" shape "${RATE8:-1gbit}"
+    rows8+=("$(run8 across-shaped -n 2 "${across8[@]}" "${two8[@]}" -- "${ladder8[@]}" --stages 2)")
+    bash "$hosts8" unshape
   done
   /usr/bin/python3 - "${rows8[@]}" <<'PY'
 import statistics, sys
@@ -459,10 +463,10 @@ for row in sys.argv[1:]:
         name, tps = row.split()
         runs.setdefault(name, []).append(float(tps))
 k1 = statistics.median(runs["k1"])
-print(f"{'':>4}{'run':<34} {'tokens/s':>9} {'speed-up':>9} {'across / one host':>18}")
+print(f"{'':>4}{'run':<42} {'tokens/s':>9} {'speed-up':>9} {'across / one host':>18}")
 names = {"k1": "K = 1", "one": "K = 2, one host", "across": "K = 2 across hosts",
-         "across-waits": "K = 2 across hosts, --comm-progress waits"}
-for name in ("k1", "one", "across", "across-waits"):
+         "across-waits": "K = 2 across hosts, --comm-progress waits", "across-shaped": "K = 2 across hosts, link shaped"}
+for name in ("k1", "one", "across", "across-waits", "across-shaped"):
     t = runs.get(name, [])
     if not t:
         continue
@@ -470,7 +474,7 @@ for name in ("k1", "one", "across", "across-waits"):
     if name.startswith("across") and len(t) == len(runs["one"]):
         r = [a / b for a, b in zip(t, runs["one"])]
         ratio = f"{statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]"
-    print(f"{'':>4}{names[name]:<34} {statistics.median(t):9.0f} {statistics.median(t) / k1:8.2f}x {ratio:>18}")
+    print(f"{'':>4}{names[name]:<42} {statistics.median(t):9.0f} {statistics.median(t) / k1:8.2f}x {ratio:>18}")
 PY
   if [[ "${ORDERS8:-1}" != 0 ]]; then
   rate8=${RATE8:-1gbit}

@@ -213,6 +213,11 @@ int run_main(int argc, char** argv) {
   add_train_options(*plan, plan_config);
   int plan_ranks = 1;
   plan->add_option("--ranks", plan_ranks, "Number of ranks to plan for")->capture_default_str();
+  int plan_ranks_per_node = 0;
+  plan->add_option("--ranks-per-node", plan_ranks_per_node,
+                   "Ranks per node, placed in blocks (mpirun by slot, srun's block distribution): with replicas and "
+                   "stages across nodes, each rank order's bytes between nodes and --rank-order auto's choice (0: one node)")
+      ->capture_default_str();
   std::string write_schedule;
   plan->add_option("--write-schedule", write_schedule,
                    "Also write the schedule's actions per stage to this file, for editing and --schedule file:PATH");
@@ -300,7 +305,7 @@ int run_main(int argc, char** argv) {
       std::fputs(model_spec(plan_config.model).to_toml().c_str(), stdout);
       return 0;
     }
-    return run_plan(plan_config, plan_ranks, write_schedule);
+    return run_plan(plan_config, plan_ranks, write_schedule, plan_ranks_per_node);
   } catch (const UserError& e) {
     std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
     return exit_user_error;

@@ -10,6 +10,7 @@
 #include "mpipe/core/toml_text.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/nn/registry.hpp"
+#include "mpipe/pipeline/hosts.hpp"
 
 namespace mpipe {
 
@@ -185,8 +186,10 @@ void print_largest(const RunOptions& options, int ranks) {
 
 }  // namespace
 
-int run_plan(const TrainConfig& config, int ranks, const std::string& write_schedule) {
+int run_plan(const TrainConfig& config, int ranks, const std::string& write_schedule, int ranks_per_node) {
   MPIPE_REQUIRE(ranks > 0, "e.g. --ranks 4", "--ranks must be positive, got ", ranks);
+  MPIPE_REQUIRE(ranks_per_node >= 0, "e.g. --ranks-per-node 4", "--ranks-per-node must not be negative, got ",
+                ranks_per_node);
   validate(config, ranks);
   const RunOptions options = run_options(config);
   Model model(options.model);
@@ -196,12 +199,30 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
     measured.layer_seconds =
         measure_layer_times(model, micro_batch_size(options, resolve_grid(options.grid, ranks).replicas), options.seed);
   }
-  const Plan plan = make_plan(options, ranks, model, measured);
+  Plan plan = make_plan(options, ranks, model, measured);
+  // On nodes of ranks_per_node ranks (block placement): the rank order train would choose.
+  std::string order_line;
+  if (ranks_per_node > 0 && ranks_per_node < ranks) {
+    std::vector<std::string> hosts(static_cast<std::size_t>(ranks));
+    for (int r = 0; r < ranks; ++r) hosts[static_cast<std::size_t>(r)] = cat("node", r / ranks_per_node);
+    std::string why;
+    const std::string order = choose_rank_order(plan, model, hosts, &why, std::max(0.0, options.link_seconds_per_byte));
+    const bool choosing = config.pipeline.grid.rank_order == "auto" && plan.grid.stages > 1 && plan.grid.replicas > 1;
+    if (choosing && order != plan.grid.rank_order) {
+      RunOptions chosen = options;
+      chosen.grid.rank_order = order;
+      plan = make_plan(chosen, ranks, model, measured);
+    }
+    order_line = cat("nodes: ", (ranks + ranks_per_node - 1) / ranks_per_node, " of ", ranks_per_node,
+                     " ranks; bytes a step sends out of its busiest node: ", why,
+                     choosing ? cat("; --rank-order auto chooses ", plan.grid.rank_order) : std::string());
+  }
   std::printf("mpipe %s (git %s) plan for %d ranks\n", version(), git_hash(), ranks);
   std::printf("layers (%d):", model.size());
   for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
   std::printf("\n");
   print_plan(plan, model);
+  if (!order_line.empty()) std::printf("%s\n", order_line.c_str());
   print_largest(options, ranks);
   if (needs_measurement(options) && plan.grid.stages > 1 && plan.partition.link_cost_per_byte.empty())
     std::printf("links: not counted (%s)\n", options.link_seconds_per_byte == 0

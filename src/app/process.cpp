@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <string_view>
 
 #include "mpipe/backend/cuda/runtime.hpp"
@@ -63,10 +64,10 @@ bool environment_has(char** environment, std::string_view name) {
 
 bool stop_signalled() { return g_stop_signal != 0; }
 
-double mpirun_kill_grace() {
-  if (!std::getenv("OMPI_MCA_orte_hnp_uri")) return -1;  // mpirun (ORTE) sets it for its ranks
-  constexpr const char* name = "odls_base_sigkill_timeout";
-  if (const char* value = std::getenv("OMPI_MCA_odls_base_sigkill_timeout")) return std::atof(value);
+bool under_mpirun() { return std::getenv("OMPI_MCA_orte_hnp_uri") != nullptr; }  // mpirun (ORTE) sets it for its ranks
+
+double mpirun_param(const std::string& name, double fallback) {
+  if (const char* value = std::getenv(("OMPI_MCA_" + name).c_str())) return std::atof(value);
   // The files mpirun reads, the user's before the system's: "name = value" lines.
   const char* home = std::getenv("HOME");
   for (const std::string& path : {std::string(home ? home : "") + "/.openmpi/mca-params.conf",
@@ -80,7 +81,16 @@ double mpirun_kill_grace() {
       if (key == name) return std::atof(line.c_str() + equals + 1);
     }
   }
-  return 1;
+  return fallback;
+}
+
+double mpirun_kill_grace() { return under_mpirun() ? mpirun_param("odls_base_sigkill_timeout", 1) : -1; }
+
+double mpirun_lost_node_s() {
+  if (!under_mpirun()) return -1;
+  const double idle = mpirun_param("oob_tcp_keepalive_time", 300);
+  if (idle <= 0) return std::numeric_limits<double>::infinity();  // keepalives off
+  return idle + mpirun_param("oob_tcp_keepalive_intvl", 20) * mpirun_param("oob_tcp_keepalive_probes", 9);
 }
 
 // Without SA_RESTART: a write already blocked on a full pipe returns. Output may be

@@ -452,6 +452,14 @@ void print_header(const TrainConfig& config, const Executor& exec, const std::st
   print_plan(exec.plan(), exec.model());
   if (host_count() > 1) std::printf("%s\n", describe_hosts().c_str());
   if (!order_line.empty()) std::printf("%s\n", order_line.c_str());
+  // A node gone silent is named within --p2p-timeout, but the job ends only when mpirun
+  // gives up on that node's daemon: say so where that takes much longer.
+  if (const double lost = mpirun_lost_node_s(); host_count() > 1 && lost > config.pipeline.p2p_timeout + 5)
+    std::printf("note: across hosts, mpirun ends a job that lost a node (its link or power) only when its TCP keepalives "
+                "give up on the node's daemon, %s here, whatever --p2p-timeout; launch with 'mpirun --mca "
+                "oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1 --mca oob_tcp_keepalive_probes 2' to end it "
+                "within seconds\n",
+                std::isinf(lost) ? "never (oob_tcp_keepalive_time 0)" : cat(lost, " s after it goes silent").c_str());
   if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(exec.schedule());
   std::printf("%s, lr %g, %d steps%s\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps,
               exec.optimizer().sharded() ? cat(", state sharded over ", grid.replicas(), " replicas").c_str()
@@ -494,7 +502,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   if (config.pipeline.grid.rank_order == "auto" && host_count() > 1 && plan.grid.stages > 1 && plan.grid.replicas > 1 &&
       (code = start_up->phase("rank order", [&] {
          std::string why;
-         config.pipeline.grid.rank_order = choose_rank_order(plan, Model(plan.options.model), hosts(), &why);
+         // The link between hosts as --link-bandwidth gives it, or measured (auto).
+         double link = plan.options.link_seconds_per_byte;
+         if (link < 0) link = measure_host_link(world);
+         config.pipeline.grid.rank_order = choose_rank_order(plan, Model(plan.options.model), hosts(), &why, link);
          const RunOptions run = run_options(config);
          plan = make_plan(run, world.size(), Model(run.model));
          order_line = cat("rank order ", plan.grid.rank_order, " (--rank-order auto; bytes a step sends out of its busiest host: ",

@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <map>
+#include <span>
 #include <vector>
 
 namespace mpipe {
@@ -82,7 +83,7 @@ HostTraffic host_traffic(const Plan& plan, const Model& model, const std::vector
 }
 
 std::string choose_rank_order(const Plan& plan, const Model& model, const std::vector<std::string>& hosts,
-                              std::string* why) {
+                              std::string* why, double seconds_per_byte) {
   Plan other = plan;
   std::array<HostTraffic, 2> traffic;
   const std::array<const char*, 2> orders{"pipeline", "data"};
@@ -97,8 +98,26 @@ std::string choose_rank_order(const Plan& plan, const Model& model, const std::v
     for (std::size_t i = 0; i < orders.size(); ++i)
       *why += cat(i ? "; " : "", orders[i], " order ", mb(traffic[i].total()), " (boundaries ", mb(traffic[i].boundary),
                   ", replica sums ", mb(traffic[i].sums), ")");
+    if (seconds_per_byte > 0) {
+      const auto ms = [&](const HostTraffic& t) { return cat(std::round(t.total() * seconds_per_byte * 1e4) / 10, " ms"); };
+      *why += cat("; at ", std::round(1e-6 / seconds_per_byte) / 1e3, " GB/s between hosts ", ms(traffic[0]), " against ",
+                  ms(traffic[1]), " a step");
+    }
   }
   return data ? "data" : "pipeline";
+}
+
+double measure_host_link(const Communicator& world) {
+  int peer = 0;
+  while (peer < world.size() && host_of(peer) == host_of(0)) ++peer;
+  double seconds_per_byte[1] = {0};
+  if (peer < world.size()) {
+    constexpr std::size_t bytes = std::size_t{1} << 20;
+    if (world.rank() == 0) seconds_per_byte[0] = world.ping_pong(peer, bytes, true) / static_cast<double>(bytes);
+    if (world.rank() == peer) world.ping_pong(0, bytes, false);
+  }
+  world.broadcast(std::span<double>(seconds_per_byte), 0);
+  return seconds_per_byte[0];
 }
 
 std::string host_of(int rank) {

@@ -165,3 +165,12 @@ mpipe_cli_test(help_data_hdf5 0 "hdf5:PATH \\(/inputs and /labels" train --help)
 # sharded (docs/memory.md: trained at 18 blocks sharded it reports 31.5-31.8 MiB per rank; at 19 it is refused).
 mpipe_cli_test(plan_largest 0 "largest GPT of this width within --memory-per-rank 32.0 MiB: --layers 14 \\(2.82M parameters\\); with --shard-optimizer over 2 replicas: --layers 18 \\(3.61M parameters\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --remat always --memory-per-rank 32MiB)
 mpipe_cli_test(plan_sharded_columns 0 "grads +optimizer +opt. 1/2\\* +act" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --shard-optimizer)
+# On nodes of 2 ranks: each rank order's bytes between nodes, and auto's choice (the
+# wide model's replica sums outweigh its boundaries; the long one's the reverse), which
+# the plan then follows (the ranks' line).
+set(WIDE_GPT --model gpt --layers 4 --d-model 256 --heads 4 --seq-len 16 --vocab 256 --batch-size 8 --micro-batches 4)
+set(LONG_GPT --model gpt --layers 4 --d-model 32 --heads 4 --seq-len 512 --vocab 64 --batch-size 32 --micro-batches 4)
+mpipe_cli_test(plan_nodes_data 0 "^nodes: 2 of 2 ranks; bytes a step sends out of its busiest node: pipeline order 13.2 MB \\(boundaries 0 MB, replica sums 13.2 MB\\); data order 0.1 MB .*; --rank-order auto chooses data$" plan ${WIDE_GPT} --ranks 4 --replicas 2 --ranks-per-node 2)
+mpipe_cli_test(plan_nodes_data_ranks 0 "^ranks: 0=s0/r0 1=s0/r1 2=s1/r0 3=s1/r1$" plan ${WIDE_GPT} --ranks 4 --replicas 2 --ranks-per-node 2)
+mpipe_cli_test(plan_nodes_pipeline_ranks 0 "^ranks: 0=s0/r0 1=s1/r0 2=s0/r1 3=s1/r1$" plan ${LONG_GPT} --ranks 4 --replicas 2 --ranks-per-node 2)
+mpipe_cli_test(plan_nodes_given 0 "^nodes: 2 of 2 ranks; .*data order 0.1 MB[^;]*\\)$" plan ${WIDE_GPT} --ranks 4 --replicas 2 --ranks-per-node 2 --rank-order pipeline)

@@ -27,6 +27,14 @@ bool stop_signalled();
 // file; 1, Open MPI's default, where none sets it. -1 when not under mpirun (srun: the
 // cluster's KillWait, Slurm's --signal).
 double mpirun_kill_grace();
+// Under mpirun: an MCA parameter as mpirun has it (--mca sets OMPI_MCA_NAME in the ranks;
+// else the user's and the system's parameter files), or `fallback`, Open MPI's default.
+double mpirun_param(const std::string& name, double fallback);
+// Under mpirun: the seconds after a node goes silent (its link or power gone) before
+// mpirun gives up on its daemon, and so before a job that mpipe aborted for it ends: the
+// TCP keepalives on mpirun's links (oob_tcp_keepalive_time + _intvl x _probes; Open MPI's
+// defaults 300 + 20 x 9); infinity with keepalives off; -1 when not under mpirun.
+double mpirun_lost_node_s();
 
 // Threads per rank when --threads is 0: the cores the launcher bound this rank to, or,
 // when it did not bind (all cores visible), the node's cores shared by its ranks.

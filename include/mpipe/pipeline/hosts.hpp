@@ -45,9 +45,15 @@ HostTraffic host_traffic(const Plan& plan, const Model& model, const std::vector
 
 // --rank-order auto on several hosts: the order whose busiest host sends fewer bytes per
 // step (pipeline on a tie within 1%, and wherever one host, one replica or one stage
-// leaves nothing to choose). `why` gets both orders' figures.
+// leaves nothing to choose). `why` gets both orders' figures, and with
+// `seconds_per_byte` > 0 (the link between hosts) the time each takes on that link.
 std::string choose_rank_order(const Plan& plan, const Model& model, const std::vector<std::string>& hosts,
-                              std::string* why = nullptr);
+                              std::string* why = nullptr, double seconds_per_byte = 0);
+
+// Collective over `world` (after learn_hosts, on several hosts): the seconds per byte
+// between world rank 0 and the first rank on another host, by a ping-pong of 1 MiB
+// (the best of 5), on every rank.
+double measure_host_link(const Communicator& world);
 
 // " on HOST" for a rank of a job on several hosts, else "" (one node: the host adds
 // nothing). `rank` is a world rank.
