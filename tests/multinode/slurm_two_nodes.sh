@@ -65,6 +65,13 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 1' INT TERM
 
+# Skipped (77) where network namespaces cannot be made at all (not root, no CAP_NET_ADMIN).
+probe=mpipe-probe-$$
+if [[ $(id -u) != 0 ]] || ! ip netns add "$probe" 2>/dev/null; then
+  echo "SKIP: no network namespaces here (root and CAP_NET_ADMIN needed) for the two nodes"
+  exit 77
+fi
+ip netns del "$probe"
 # The hosts; a set left by an earlier run that was killed goes first (and any slurmd in it).
 hosts_up=1
 bash "$here/hosts.sh" down
