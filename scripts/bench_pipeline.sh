@@ -16,8 +16,8 @@
 #     --in-flight 1f1b, row @1f1b; zb-h2 and zbv
 #     again with --overlap-steps, rows +ov): tokens/s, measured against simulated bubble (+ov: of steps back to back),
 #     peak activation memory of each rank, and the last loss (bitwise the same).
-#  8. Across hosts (tests/multinode/hosts.sh: two network namespaces on this machine, a core
-#     each, Open MPI over TCP between them): a K = 2 speed-up across the two hosts against
+#  8. Across hosts (tests/multinode/hosts.sh: two network namespaces on this machine, half the
+#     cores each, Open MPI over TCP between them): a K = 2 speed-up across the two hosts against
 #     the same on one host (and across with the link shaped to RATE8=1gbit), and, with the
 #     link shaped, D = 2 x K = 2 in both
 #     rank orders and --rank-order auto for a model whose replica sums outweigh its
@@ -422,6 +422,8 @@ fi
 if [[ "${HOSTS:-1}" != 0 ]]; then
   echo
   hosts8=tests/multinode/hosts.sh
+  # The hosts go when the script ends, however it ends (shaped links with them).
+  trap 'bash "$hosts8" down > /dev/null 2>&1; rm -rf "$tmp"' EXIT
   if ! bash "$hosts8" up 2 > "$tmp/hosts.log" 2>&1; then
     echo "8. across hosts: skipped ($(tail -1 "$tmp/hosts.log"))"
   else
@@ -432,7 +434,7 @@ if [[ "${HOSTS:-1}" != 0 ]]; then
   two8=(--host "${names8[0]}:1,${names8[1]}:1")
   ladder8=(--model gpt --layers 8 --d-model 128 --heads 4 --seq-len 128 --vocab 256 --batch-size 16 --micro-batches 8
            --threads 1 --steps "$steps8" --log-every 1000000 --resume never --partition flops)
-  echo "8. across hosts: two test hosts (network namespaces, a core each, TCP over a veth link), $rounds8 rounds, interleaved;"
+  echo "8. across hosts: two test hosts (network namespaces, $(($(nproc --all) / 2)) core(s) each, TCP over a veth link), $rounds8 rounds, interleaved;"
   echo "   the median step of $((steps8 - 1)) (the first excluded)"
   echo "8a. K = 2 across the hosts against K = 2 on one (GPT 8 x 128, seq 128, batch 16, M = 8): speed-up over K = 1 and"
   echo "    its ratio; per round, across / one host, whose median is the figure (K = 1 cancels in the round)"

@@ -64,7 +64,9 @@ bool environment_has(char** environment, std::string_view name) {
 
 bool stop_signalled() { return g_stop_signal != 0; }
 
+namespace {
 bool under_mpirun() { return std::getenv("OMPI_MCA_orte_hnp_uri") != nullptr; }  // mpirun (ORTE) sets it for its ranks
+}  // namespace
 
 double mpirun_param(const std::string& name, double fallback) {
   if (const char* value = std::getenv(("OMPI_MCA_" + name).c_str())) return std::atof(value);

@@ -66,8 +66,10 @@ HostTraffic host_traffic(const Plan& plan, const Model& model, const std::vector
     }
   }
   const int D = grid.replicas;
+  Plan one_copy = plan;  // the gradients summed: one buffer, whatever --overlap-steps keeps besides
+  one_copy.options.overlap_steps = false;
   for (int p = 0; p < grid.stages && D > 1; ++p) {
-    const double ring = 2.0 * (D - 1) / D * plan.weight_memory(p, false).gradients;
+    const double ring = 2.0 * (D - 1) / D * one_copy.weight_memory(p, false).gradients;
     for (int r = 0; r < D; ++r) {
       const int a = grid.rank_of(p, r), b = grid.rank_of(p, (r + 1) % D);
       if (host(a) != host(b)) out[host(a)].sums += ring;

@@ -42,8 +42,13 @@ up() {
   # (Tests on the text, not grep -q in a pipe: under pipefail its early exit fails the pipe.)
   [[ $(ip addr show dev "$bridge") == *"inet $net.254/"* ]] || ip addr add "$net.254/24" dev "$bridge"
   ip link set "$bridge" up
-  # Bridged frames skip the host's packet filter (br_netfilter), as a switch would.
-  [[ -e /proc/sys/net/bridge/bridge-nf-call-iptables ]] && echo 0 > /proc/sys/net/bridge/bridge-nf-call-iptables
+  # Bridged frames skip the host's packet filter (br_netfilter), as a switch would; the
+  # setting is the machine's, kept and given back by down.
+  local nf=/proc/sys/net/bridge/bridge-nf-call-iptables
+  if [[ -w $nf && ! -e $state/bridge-nf-call-iptables ]]; then
+    cat "$nf" > "$state/bridge-nf-call-iptables"
+    echo 0 > "$nf" || true
+  fi
   cores=$(nproc --all)
   for ((i = 1; i <= n; i++)); do
     h=$prefix$i veth=${prefix}v$i
@@ -83,6 +88,8 @@ down() {
     ip netns del "$h" 2>/dev/null || true
   done
   ip link del "$bridge" 2>/dev/null || true
+  local nf=/proc/sys/net/bridge/bridge-nf-call-iptables
+  [[ -f $state/bridge-nf-call-iptables && -w $nf ]] && { cat "$state/bridge-nf-call-iptables" > "$nf" || true; }
   rm -rf "$state"
 }
 
@@ -115,7 +122,7 @@ case ${1:-} in
     h=${2:?link HOST up|down}
     [[ ${3:-} == up || ${3:-} == down ]] || die "link HOST up|down"
     ip link set "${h/$prefix/${prefix}v}" "$3" ;;
-  kill) ip netns pids "${2:?kill HOST}" | xargs -r kill -9 ;;
+  kill) ip netns pids "${2:?kill HOST}" | xargs -r kill -9 2>/dev/null || true ;;  # some may end first
   names) names ;;
   mpirun-args)
     printf '%s\n' --bind-to none --mca plm_rsh_agent "$here/netns-rsh.sh" --mca plm_rsh_no_tree_spawn 1 \

@@ -10,7 +10,15 @@ here=$(cd "$(dirname "$0")" && pwd)
 hosts=$here/hosts.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 work=$(mktemp -d /tmp/mpipe-multinode-XXXXXX)
-trap 'rm -rf "$work"' EXIT
+pid=  # a job in the background, ended with what it started in the hosts if the test stops early
+cleanup() {
+  if [[ -n $pid ]] && kill -0 "$pid" 2>/dev/null; then
+    kill -9 "$pid" 2>/dev/null
+    for h in $(bash "$hosts" names 2>/dev/null); do bash "$hosts" kill "$h" 2>/dev/null; done
+  fi
+  rm -rf "$work"
+}
+trap cleanup EXIT
 fail() { echo "FAIL ($case_name): $*"; exit 1; }
 
 if [[ $case_name == setup ]]; then
@@ -27,6 +35,7 @@ if [[ $case_name == setup ]]; then
   exit 0
 fi
 if [[ $case_name == cleanup ]]; then
+  [[ $(id -u) == 0 ]] && command -v ip > /dev/null || { echo "SKIP: no hosts to remove (not root)"; exit 77; }
   bash "$hosts" down
   exit 0
 fi
@@ -103,7 +112,7 @@ case $case_name in
       --checkpoint-dir "$work/cut" --checkpoint-every 2 > "$work/cut.log" 2>&1 &
     pid=$!
     for _ in $(seq 300); do [[ -f $work/cut/ckpt-00000004.h5 ]] && break; sleep 0.1; done
-    [[ -f $work/cut/ckpt-00000004.h5 ]] || { kill -9 $pid; fail "no checkpoint at step 4: $(tail -3 "$work/cut.log")"; }
+    [[ -f $work/cut/ckpt-00000004.h5 ]] || { fail "no checkpoint at step 4: $(tail -3 "$work/cut.log")"; }
     bash "$hosts" kill "$h2"
     rc=0; timeout 30 tail --pid=$pid -f /dev/null || rc=$?
     wait $pid && fail "the job went on after $h2 was killed" || true
@@ -129,7 +138,7 @@ case $case_name in
         --checkpoint-dir "$dir" --checkpoint-every 20 > "$work/lost.out" 2> "$work/lost.err" &
       pid=$!
       for _ in $(seq 300); do [[ -f $dir/ckpt-00000040.h5 ]] && break; sleep 0.1; done
-      [[ -f $dir/ckpt-00000040.h5 ]] || { kill -9 $pid; fail "no checkpoint at step 40: $(tail -3 "$work/lost.err")"; }
+      [[ -f $dir/ckpt-00000040.h5 ]] || { fail "no checkpoint at step 40: $(tail -3 "$work/lost.err")"; }
       sleep 0.$((RANDOM % 10))
       start=$(date +%s.%N)
       if [[ $trial == kill ]]; then bash "$hosts" kill "$h2"; else bash "$hosts" link "$h2" down; fi
@@ -158,8 +167,8 @@ case $case_name in
       --checkpoint-every 50 > "$work/lk.log" 2>&1 &
     pid=$!
     for _ in $(seq 300); do [[ -f $work/lk/ckpt-00000050.h5 ]] && break; sleep 0.1; done
-    lock=$(cat "$work/lk/.mpipe.lock" 2>/dev/null) || { kill -9 $pid; fail "no lock file"; }
-    grep -q "^host=$h1 pid=" <<<"$lock" || { kill -9 $pid; fail "the lock does not name $h1: $lock"; }
+    lock=$(cat "$work/lk/.mpipe.lock" 2>/dev/null) || { fail "no lock file"; }
+    grep -q "^host=$h1 pid=" <<<"$lock" || { fail "the lock does not name $h1: $lock"; }
     # Another job on the same directory is refused, naming the holder's host.
     try other two 2 --steps 1 --checkpoint-dir "$work/lk" && fail "a second job took a live lock"
     grep -q "in use by another job (host $h1, pid" "$work/other.log" || fail "refusal: $(grep -m1 error "$work/other.log")"

@@ -197,6 +197,11 @@ TEST_CASE("traffic between hosts: each rank order's bytes out of the busiest hos
   // A ring of two: each rank sends 2 (D - 1) / D = 1 of its stage's gradients; the
   // busiest host holds stage 0 of one replica and stage 1 of it: both stages' sums.
   CHECK(pipe.sums == doctest::Approx(plan.weight_memory(0, false).gradients + plan.weight_memory(1, false).gradients));
+  // --overlap-steps keeps a second copy of the weights, but sums one gradient buffer.
+  Plan overlap = plan;
+  overlap.options.overlap_steps = true;
+  REQUIRE(overlap.weight_memory(0, false).gradients > plan.weight_memory(0, false).gradients);
+  CHECK(host_traffic(overlap, model, two).sums == doctest::Approx(pipe.sums));
   Plan data = plan;
   data.grid.rank_order = "data";
   const HostTraffic cut = host_traffic(data, model, two);
