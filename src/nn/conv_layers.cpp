@@ -47,11 +47,14 @@ Cost Conv2d::cost(const Shape& in) const {
   const Window2d w = window(in);
   const double macs = static_cast<double>(w.N * w.OC * w.OH * w.OW) * static_cast<double>(w.C / w.groups * w.KH * w.KW);
   const double params = static_cast<double>(w.OC * (w.C / w.groups) * w.KH * w.KW + (has_bias_ ? w.OC : 0));
-  // Held until the step ends: the output, and the im2col scratch of the forward and of
-  // the backward (arena memory lives for the step). W keeps the output's gradient.
+  // Held until the micro-batch's backward: the output, and the forward's im2col scratch
+  // (from the micro-batch's arena). The backward's, and W's, come from the stage's scratch
+  // arena, reset after each: one layer's at a time. W keeps the output's gradient.
   const double output = 4.0 * static_cast<double>(w.N * w.OC * w.OH * w.OW);
-  const double held = output + 2 * 4.0 * static_cast<double>(ops::conv2d_scratch(w, Device::cpu));
-  return {2 * macs, 4 * macs, 4 * params, held, 2 * macs, output};
+  const double cols = 4.0 * static_cast<double>(ops::conv2d_scratch(w, Device::cpu));
+  Cost c{2 * macs, 4 * macs, 4 * params, output + cols, 2 * macs, output};
+  c.backward_scratch_bytes = cols;
+  return c;
 }
 
 std::vector<ParamSpec> Conv2d::param_specs() const {

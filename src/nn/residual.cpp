@@ -28,16 +28,22 @@ Shape Residual::output_shape(const Shape& in) const {
 
 Cost Residual::cost(const Shape& in) const {
   Cost total;
-  Shape s = in;
-  for (const auto& part : inner_) {
-    total += part->cost(s);
-    s = part->output_shape(s);
-  }
-  Shape k = in;
-  for (const auto& part : skip_) {
-    total += part->cost(k);
-    k = part->output_shape(k);
-  }
+  // Its backward takes from the scratch arena, all kept until it returns (backward_chain),
+  // each part's input gradient but the first's and each part's own temporaries.
+  double scratch = 0;
+  const auto chain = [&](const std::vector<std::unique_ptr<Layer>>& parts) {
+    Shape s = in;
+    for (std::size_t i = 0; i < parts.size(); ++i) {
+      const Cost c = parts[i]->cost(s);
+      total += c;
+      scratch += c.backward_scratch_bytes + (i > 0 ? 4.0 * static_cast<double>(s.numel()) : 0.0);
+      s = parts[i]->output_shape(s);
+    }
+    return s;
+  };
+  const Shape s = chain(inner_);
+  chain(skip_);
+  total.backward_scratch_bytes = scratch;
   const double out = static_cast<double>(s.numel());
   total.forward_flops += out;
   total.backward_flops += out;
