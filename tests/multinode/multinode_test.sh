@@ -83,7 +83,7 @@ case $case_name in
     done
     timeout 60 mpirun -n 2 -x OMP_NUM_THREADS -x OPENBLAS_NUM_THREADS "${plain[@]}" --host "$h1:1,$h2:1" "$mpipe" train \
       "${model[@]}" --p2p-timeout 5 --steps 1 > "$work/plain.log" 2>&1 || fail "plain: $(tail -2 "$work/plain.log")"
-    grep -q "^note: across hosts, mpirun ends a job that lost a node .* 480 s after it goes silent" "$work/plain.log" \
+    grep -q "^note: across hosts, a node that goes silent .* 480 s after it goes silent here" "$work/plain.log" \
       || fail "no note about mpirun's keepalives: $(grep -m1 "^note" "$work/plain.log")"
     echo "ok: K=2 over $h1 and $h2 is bitwise K=1 on one host; the keepalive note where they are not given" ;;
 
@@ -127,7 +127,7 @@ case $case_name in
     same "$work/ref/ckpt-00000012.h5" "$work/cut/ckpt-00000012.h5"
     echo "ok: $h2 killed after step $(basename "$newest" .h5 | sed 's/ckpt-0*//'), resumed across hosts, bitwise an uninterrupted run" ;;
 
-  host-lost)  # a host's link down mid-step: one line naming the rank and its host, promptly;
+  host-lost)  # a host's link down mid-step: a line naming the rank and its host, promptly;
     # its processes killed (its Open MPI daemon too): Open MPI names the host, as promptly.
     # HOST_LOST_TRIALS=N: N trials of the link (2), then one of the kill.
     timeout_s=3
@@ -155,10 +155,20 @@ case $case_name in
         echo "ok: $h2's processes killed, ended in $took s, Open MPI names $h2"
         continue
       fi
-      [[ $(grep -c "^mpipe: error" "$work/lost.err") -eq 1 ]] || fail "not one error line: $(grep "mpipe: error" "$work/lost.err")"
-      grep -Eq "^mpipe: error: rank 1 on $h2 stopped answering" "$work/lost.err" \
-        || fail "rank 1 on $h2 not named: $(grep -m1 "mpipe: error" "$work/lost.err")"
-      echo "ok: trial $trial: $h2's link down, ended in $took s: $(grep -m1 "mpipe: error" "$work/lost.err" | cut -c1-70)"
+      # Who speaks first: mpipe's heartbeats (--p2p-timeout) name the rank and its host,
+      # or mpirun's keepalives (~2 s, hosts.sh) find the daemon gone and name the host;
+      # usually both. Never a second mpipe line, and never a line naming another host.
+      [[ $(grep -c "^mpipe: error" "$work/lost.err") -le 1 ]] || fail "more than one error line: $(grep "mpipe: error" "$work/lost.err")"
+      if grep -q "^mpipe: error" "$work/lost.err"; then
+        grep -Eq "^mpipe: error: rank 1 on $h2 stopped answering" "$work/lost.err" \
+          || fail "rank 1 on $h2 not named: $(grep -m1 "mpipe: error" "$work/lost.err")"
+        said=$(grep -m1 "mpipe: error" "$work/lost.err" | cut -c1-70)
+      else
+        grep -q "lost communication with a remote daemon" "$work/lost.err" && grep -Eq "on node +$h2$" "$work/lost.err" \
+          || fail "neither mpipe nor Open MPI named $h2: $(head -5 "$work/lost.err")"
+        said="Open MPI: lost communication with the daemon on $h2"
+      fi
+      echo "ok: trial $trial: $h2's link down, ended in $took s: $said"
     done ;;
 
   lock)  # the lock names rank 0's host; a dead job's lock there is taken over
