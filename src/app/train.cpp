@@ -453,16 +453,17 @@ void print_header(const TrainConfig& config, const Executor& exec, const std::st
   if (host_count() > 1) std::printf("%s\n", describe_hosts().c_str());
   if (!order_line.empty()) std::printf("%s\n", order_line.c_str());
   // A node gone silent is named within --p2p-timeout, but the job ends only when mpirun
-  // gives up on that node's daemon. Its keepalives must do so first: once mpipe's abort
-  // has sent mpirun's kill towards that node, keepalives no longer apply (data waits
-  // unacknowledged) and TCP's retransmissions take about 15 minutes.
-  if (const double lost = mpirun_lost_node_s(); host_count() > 1 && lost >= config.pipeline.p2p_timeout)
+  // gives up on that node's daemon. Its keepalives must do so before mpipe's abort (3 s
+  // after naming it, across hosts): once the abort has sent mpirun's kill towards that
+  // node, keepalives no longer apply (data waits unacknowledged) and TCP's
+  // retransmissions take about 15 minutes.
+  if (const double lost = mpirun_lost_node_s(); host_count() > 1 && lost >= config.pipeline.p2p_timeout + 3)
     std::printf("note: across hosts, a node that goes silent (its link or power) ends the job only once mpirun's TCP "
-                "keepalives give up on its daemon, %s here, and only if that comes before --p2p-timeout (%g s; else "
-                "about 15 minutes); launch with 'mpirun --mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1 "
-                "--mca oob_tcp_keepalive_probes 1' (2 s)\n",
+                "keepalives give up on its daemon, %s here, and only if that comes within --p2p-timeout + 3 s (%g s; "
+                "else about 15 minutes); launch with 'mpirun --mca oob_tcp_keepalive_time 1 --mca "
+                "oob_tcp_keepalive_intvl 1 --mca oob_tcp_keepalive_probes 2' (3 s)\n",
                 std::isinf(lost) ? "never (oob_tcp_keepalive_time 0)" : cat(lost, " s after it goes silent").c_str(),
-                config.pipeline.p2p_timeout);
+                config.pipeline.p2p_timeout + 3);
   if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(exec.schedule());
   std::printf("%s, lr %g, %d steps%s\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps,
               exec.optimizer().sharded() ? cat(", state sharded over ", grid.replicas(), " replicas").c_str()

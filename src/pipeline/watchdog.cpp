@@ -19,6 +19,11 @@ constexpr int rendezvous_tag = 32001;  // on the world communicator, where stage
 constexpr int roll_call_tag = 32002;
 constexpr int heartbeat_tag = 32003;
 
+// The time an abort waits, in a job on several hosts, for mpirun to find a lost node
+// itself (end_job); mpirun's keepalives are to give up on a silent node within
+// --p2p-timeout plus this (process.hpp: mpirun_lost_node_s).
+constexpr double abort_delay_across_hosts_s = 3;
+
 // Another rank names the failure and ends the job (or has): this one says nothing and
 // waits long enough for that to happen (the grace of a roll call, and 5 s for mpirun),
 // ending the job itself only if it has not.
@@ -32,6 +37,11 @@ constexpr int heartbeat_tag = 32003;
   std::fflush(stdout);
   std::fprintf(stderr, "mpipe: error: %s\n", line.c_str());
   std::fflush(stderr);
+  // Across hosts the silent rank may be a whole node gone. mpirun must give up on that
+  // node's daemon (its TCP keepalives) before it is asked to kill the ranks there: a kill
+  // sent towards it first waits on TCP's retransmissions, minutes. So the abort waits a
+  // little for mpirun to find the node itself (it then ends the job, this rank with it).
+  if (host_count() > 1) std::this_thread::sleep_for(std::chrono::duration<double>(abort_delay_across_hosts_s));
   MPI_Abort(world, 1);
   std::abort();  // not reached
 }

@@ -18,9 +18,10 @@
 #        hosts.sh mpirun-args   Open MPI options for runs on these hosts (one per line): the
 #                               agent, TCP on these links alone, no binding (each host's
 #                               cpuset binds), and TCP keepalives on mpirun's links to its
-#                               daemons, so that mpirun notices a lost host in ~2 s, before
-#                               mpipe's --p2p-timeout (by default it takes ~8 minutes, and
-#                               once an abort has sent it data for that host, TCP's
+#                               daemons, so that mpirun notices a lost host in ~3 s: about as
+#                               mpipe names it (--p2p-timeout 3 in the tests), before
+#                               mpipe's abort 3 s later (by default it takes ~8 minutes,
+#                               and once an abort has sent it data for that host, TCP's
 #                               retransmissions rule instead: ~15 minutes)
 # Environment: MPIPE_HOSTS_PREFIX (mpn: hosts mpn1, mpn2, ...), MPIPE_HOSTS_NET (10.213.0).
 set -euo pipefail
@@ -129,6 +130,6 @@ case ${1:-} in
   mpirun-args)
     printf '%s\n' --bind-to none --mca plm_rsh_agent "$here/netns-rsh.sh" --mca plm_rsh_no_tree_spawn 1 \
       --mca oob_tcp_if_include "$net.0/24" --mca btl_tcp_if_include "$net.0/24" \
-      --mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1 --mca oob_tcp_keepalive_probes 1 ;;
+      --mca oob_tcp_keepalive_time 1 --mca oob_tcp_keepalive_intvl 1 --mca oob_tcp_keepalive_probes 2 ;;
   *) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2 ;;
 esac

@@ -145,6 +145,9 @@ case $case_name in
       rc=0; timeout 30 tail --pid=$pid -f /dev/null || rc=$?
       took=$(echo "$(date +%s.%N) - $start" | bc)
       bash "$hosts" link "$h2" up
+      # What the lost host still runs (its daemon and rank, cut off) goes, as a rebooted
+      # node's would, before the next trial.
+      bash "$hosts" kill "$h2"
       wait $pid && fail "the job went on after losing $h2 ($trial)" || true
       ((rc == 0)) || fail "mpirun did not end within 30 s of losing $h2 ($trial)"
       (($(echo "$took <= $timeout_s + 5" | bc))) || fail "ended after $took s (--p2p-timeout $timeout_s)"
