@@ -378,8 +378,13 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
     (quiet >= 0 && quiet < alive_within ? running : silent).push_back(r);
   }
   if (ended_early) silent = stopped;
+  // Across hosts, ranks proven silent on other hosts are a node gone: mpirun's keepalives
+  // may have found it first and begun the teardown (its SIGTERM), but no rank has named
+  // them; this one still does, within the second mpirun gives before its SIGKILL.
+  const bool lost_node = ended_early && host_count() > 1 && !silent.empty() &&
+                         std::all_of(silent.begin(), silent.end(), [&](int r) { return host_of(r) != host_of(me); });
   // Another rank speaks and ends the job; or it has (mpirun's SIGTERM of the teardown).
-  if (lowest_alive != me || named || stop_signals_received.load() != signals_at_entry ||
+  if (lowest_alive != me || named || (stop_signals_received.load() != signals_at_entry && !lost_node) ||
       (liveness && liveness->was_stopped()))
     stay_quiet(world, grace_s);
   // Stopped ranks first; a rank whose heartbeats go on is named only when no rank stopped
