@@ -53,7 +53,7 @@ int agree(const Communicator& world, const std::function<void()>& phase) {
     message = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
   } catch (const std::exception& e) {
     code = exit_internal_error;
-    message = cat("mpipe: internal error on rank ", world.rank(), on_host(world.rank()), ": ", e.what());
+    message = cat("mpipe: internal error on ", rank_on_host(world.rank()), ": ", e.what());
   }
   // The worst code wins (internal over user error); the lowest rank with it speaks.
   int worst = code;
@@ -487,7 +487,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   // together, out of MPI_Init.
   // The hosts first (a collective): the lines that name a rank name its node.
   learn_hosts(world);
-  Watchdog watchdog(world, cat("rank ", world.rank(), on_host(world.rank())), options.pipeline.p2p_timeout);
+  Watchdog watchdog(world, rank_on_host(world.rank()), options.pipeline.p2p_timeout);
   std::optional<StartUp> start_up(std::in_place, world, watchdog);
   // The plan, made by each rank alone: a bad schedule, --balance or model is said before
   // anything is created or locked. It stands unless --partition time measures (below).

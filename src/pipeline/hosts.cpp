@@ -149,6 +149,8 @@ std::string describe_hosts() {
   return order.size() > 8 ? s + ", …" : s;
 }
 
+std::string rank_on_host(int rank) { return cat("rank ", rank, on_host(rank)); }
+
 std::string on_host(int rank) {
   if (g_host_count < 2) return "";
   const std::string host = host_of(rank);

@@ -121,11 +121,11 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
       // Resumed after being stopped past the deadlines: named already, by rank 0.
       if (liveness && liveness->was_stopped()) stay_quiet(world.get(), std::min(timeout_s, 3.0));
       if (heartbeats && liveness->silent_s(0) >= timeout_s)
-        roll_call(world.get(), cat("rank ", world.rank(), on_host(world.rank()), ": waiting for rank 0", on_host(0), " at ", what, " (no heartbeat for ", timeout_s,
+        roll_call(world.get(), cat(rank_on_host(world.rank()), ": waiting for ", rank_on_host(0), " at ", what, " (no heartbeat for ", timeout_s,
                                    " s, --p2p-timeout)"),
                   std::min(timeout_s, 3.0), liveness);
       if (Clock::now() > deadline)
-        end_job(world.get(), cat("rank ", world.rank(), on_host(world.rank()), ": rank 0", on_host(0), " did not answer at ", what, " within ", 2 * timeout_s + 5,
+        end_job(world.get(), cat(rank_on_host(world.rank()), ": ", rank_on_host(0), " did not answer at ", what, " within ", 2 * timeout_s + 5,
                                  " s: stopped or hung; ending the job"));
     }
   }

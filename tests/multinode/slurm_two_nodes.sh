@@ -93,20 +93,6 @@ ClusterName=mpipetest2
 SlurmctldHost=$(hostname -s)($net.254)
 SlurmctldPort=$ctld_port
 SlurmdPort=$slurmd_port
-SlurmUser=root
-AuthType=auth/munge
-MpiDefault=pmix
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-MailProg=/bin/true
-ReturnToService=2
-JobRequeue=1
-SchedulerType=sched/backfill
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SlurmdParameters=config_overrides
-StateSaveLocation=$work/state
 SlurmdSpoolDir=$work/spool-%n
 TmpFS=$work/nodetmp
 SlurmctldPidFile=$work/slurmctld.pid
@@ -114,7 +100,7 @@ SlurmdPidFile=$work/slurmd-%n.pid
 SlurmctldLogFile=$work/slurmctld.log
 SlurmdLogFile=$work/slurmd-%n.log
 NodeName=${prefix}[1-2] NodeAddr=$net.[1-2] CPUs=1 State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+$(slurm_conf_common "$work")
 CONF
 export SLURM_CONF=$work/slurm.conf
 /usr/sbin/slurmctld -D -i -f "$SLURM_CONF" > "$work/slurmctld.out.log" 2>&1 < /dev/null &

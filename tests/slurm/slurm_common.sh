@@ -28,6 +28,29 @@ slurm_munge() {
   cat /run/munge/munged.pid
 }
 
+# The settings every test cluster shares, for slurm.conf (WORK: its state directory's
+# parent): root, munge, PMIx, no cgroups, requeue, one partition of every node.
+slurm_conf_common() {
+  local work=$1
+  cat <<CONF
+SlurmUser=root
+AuthType=auth/munge
+MpiDefault=pmix
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+MailProg=/bin/true
+ReturnToService=2
+JobRequeue=1
+SchedulerType=sched/backfill
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SlurmdParameters=config_overrides
+StateSaveLocation=$work/state
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+CONF
+}
+
 # A requeued JOB may start again: Slurm refuses within the second its credential was
 # revoked ("Job credential revoked"), then holds it a while; let that second pass, then
 # let it start now.

@@ -55,6 +55,9 @@ std::string choose_rank_order(const Plan& plan, const Model& model, const std::v
 // (the best of 5), on every rank.
 double measure_host_link(const Communicator& world);
 
+// "rank 3", or "rank 3 on node7" in a job on several hosts: how lines name a world rank.
+std::string rank_on_host(int rank);
+
 // " on HOST" for a rank of a job on several hosts, else "" (one node: the host adds
 // nothing). `rank` is a world rank.
 std::string on_host(int rank);
