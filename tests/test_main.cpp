@@ -5,9 +5,11 @@
 #include <doctest/doctest.h>
 #include <mpi.h>
 
+#include "mpipe/backend/cpu/blas_core.hpp"
 #include "mpipe/core/sanitizer.hpp"
 
 int main(int argc, char** argv) {
+  mpipe::cpu::choose_blas_core(argv);  // the kernels mpipe itself runs, so results compare bitwise
   int provided = 0;  // MULTIPLE: the executor's communication progress thread
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   doctest::Context context(argc, argv);

@@ -3,6 +3,7 @@
 
 #include "mpipe/app/cli.hpp"
 #include "mpipe/app/process.hpp"
+#include "mpipe/backend/cpu/blas_core.hpp"
 #include "mpipe/core/sanitizer.hpp"
 
 namespace {
@@ -15,4 +16,7 @@ void early_stop_handlers(int argc, char** argv, char** envp) {
 [[gnu::section(".preinit_array"), gnu::used]] void (*const preinit_entry)(int, char**, char**) = early_stop_handlers;
 }  // namespace
 
-int main(int argc, char** argv) { return mpipe::run_main(argc, argv); }
+int main(int argc, char** argv) {
+  mpipe::cpu::choose_blas_core(argv);  // may re-execute this program with OpenBLAS's better kernels
+  return mpipe::run_main(argc, argv);
+}

@@ -20,6 +20,7 @@
 #include <limits>
 #include <string_view>
 
+#include "mpipe/backend/cpu/blas_core.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
@@ -209,7 +210,7 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
                 "use --precision fp32 on the CPU, or run on GPU nodes",
                 "--precision bf16 needs a GPU, and --device ", config.device == "cpu" ? "cpu" : "auto",
                 " chose the CPU");
-  if (config.device == "cpu") return "device: cpu";
+  if (config.device == "cpu") return "device: cpu; BLAS " + cpu::blas_description();
   // Node-local rank modulo the GPUs this rank sees: one GPU per rank with one rank per
   // GPU, or ranks sharing GPUs round-robin when there are more ranks than GPUs.
   const Communicator node = Communicator::node(world);

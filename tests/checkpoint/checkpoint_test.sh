@@ -7,7 +7,8 @@ set -euo pipefail
 mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 work=$(mktemp -d)
-trap 'chattr -i "$work"/* 2>/dev/null || true; rm -rf "$work"' EXIT
+# On any exit: the jobs this script left in the background (a failed check mid-trial) go first.
+trap 'for j in $(jobs -p); do pkill -9 -P "$j" 2>/dev/null; kill -9 "$j" 2>/dev/null; done; chattr -i "$work"/* 2>/dev/null || true; rm -rf "$work"' EXIT
 model=(train --model gpt --layers 3 --d-model 32 --heads 4 --seq-len 16 --vocab 64 --dropout 0.1
        --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1)
 run() { local n=$1; shift; mpiexec -n "$n" --oversubscribe "$mpipe" "$@"; }
@@ -147,7 +148,7 @@ slow-term)
   # (once, after its first step), and launched with the setting it names, a SIGTERM to
   # mpirun leaves a new checkpoint that verifies. (Without it the checkpoint is lost:
   # SIGKILL 1 s after the ranks' SIGTERM, mid-step.)
-  slow=(train --model mlp --layers 4 --hidden 1024 --batch-size 4096 --micro-batches 2 --threads 1 --log-every 1
+  slow=(train --model mlp --layers 4 --hidden 1024 --batch-size 8192 --micro-batches 2 --threads 1 --log-every 1
         --checkpoint-dir "$work/slow")
   out=$(run 2 "${slow[@]}" --steps 1 2>&1) || fail "the 1-step run failed: $out"
   step_ms=$(sed -n 's/^step .* | *\([0-9.]*\) ms | .*/\1/p' <<<"$out")

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "tiny_gpt.hpp"
+#include "mpipe/backend/cpu/blas_core.hpp"
 #include "mpipe/app/config.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/sanitizer.hpp"
@@ -39,6 +40,7 @@ std::vector<hsize_t> dims_of(const Shape& s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  mpipe::cpu::choose_blas_core(argv);  // mpipe's kernels
   std::string model = "gpt", out = "reference.h5", batchnorm = "micro";
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--model") == 0) model = argv[i + 1];
