@@ -1,11 +1,15 @@
 // Ops whose contract is more than their gradient: RNG, reductions, optimizers, schedule.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 #include <limits>
 #include <vector>
 
 #include "mpipe/app/config.hpp"
+#include "mpipe/backend/cpu/blas_core.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/ops.hpp"
 #include "mpipe/backend/cpu/vmath.hpp"
@@ -341,4 +345,171 @@ TEST_CASE("attention: the tiled CPU kernel (no T x T stored) meets float64 atten
     CHECK(std::equal(lse1.begin(), lse1.end(), lse.begin() + H * T));
     CHECK(std::equal(dqkv1.begin(), dqkv1.end(), dqkv.begin() + T * 3 * C));
   }
+}
+
+// ---- convolution and BatchNorm on the CPU against plain loops in double --------------
+
+namespace {
+std::vector<float> normals(std::size_t n, std::uint32_t key) {
+  std::vector<float> v(n);
+  const RandomStream s = make_stream(7, Stream::init, key, 0, 0);
+  for (std::size_t i = 0; i < n; ++i) v[i] = s.normal(i);
+  return v;
+}
+
+// The direct sums of a grouped convolution, and of its gradients, in double.
+struct DirectConv {
+  Window2d w;
+  std::vector<double> out, dinp, dweight, dbias;
+  DirectConv(const Window2d& win, const std::vector<float>& x, const std::vector<float>& k, const std::vector<float>& b,
+             const std::vector<float>& dy)
+      : w(win) {
+    const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups;
+    out.assign(static_cast<std::size_t>(w.N * w.OC * w.OH * w.OW), 0.0);
+    dinp.assign(x.size(), 0.0);
+    dweight.assign(k.size(), 0.0);
+    dbias.assign(static_cast<std::size_t>(w.OC), 0.0);
+    for (int64_t n = 0; n < w.N; ++n)
+      for (int64_t oc = 0; oc < w.OC; ++oc)
+        for (int64_t oh = 0; oh < w.OH; ++oh)
+          for (int64_t ow = 0; ow < w.OW; ++ow) {
+            const std::size_t o = static_cast<std::size_t>(((n * w.OC + oc) * w.OH + oh) * w.OW + ow);
+            double sum = b[static_cast<std::size_t>(oc)];
+            dbias[static_cast<std::size_t>(oc)] += dy[o];
+            for (int64_t c = 0; c < Cg; ++c)
+              for (int64_t kh = 0; kh < w.KH; ++kh)
+                for (int64_t kw = 0; kw < w.KW; ++kw) {
+                  const int64_t h = oh * w.stride - w.padding + kh, x_at = ow * w.stride - w.padding + kw;
+                  if (h < 0 || h >= w.H || x_at < 0 || x_at >= w.W) continue;
+                  const int64_t ic = oc / OCg * Cg + c;
+                  const std::size_t xi = static_cast<std::size_t>(((n * w.C + ic) * w.H + h) * w.W + x_at);
+                  const std::size_t ki = static_cast<std::size_t>(((oc * Cg + c) * w.KH + kh) * w.KW + kw);
+                  sum += static_cast<double>(x[xi]) * k[ki];
+                  dinp[xi] += static_cast<double>(dy[o]) * k[ki];
+                  dweight[ki] += static_cast<double>(dy[o]) * x[xi];
+                }
+            out[o] = sum;
+          }
+  }
+};
+
+void check_close(const std::vector<float>& got, const std::vector<double>& want, const char* what) {
+  REQUIRE(got.size() == want.size());
+  double worst = 0, scale = 1e-6;
+  for (double v : want) scale = std::max(scale, std::abs(v));
+  for (std::size_t i = 0; i < got.size(); ++i) worst = std::max(worst, std::abs(got[i] - want[i]));
+  INFO(what, ": worst error ", worst, " at scale ", scale);
+  CHECK(worst <= 2e-5 * scale);
+}
+}  // namespace
+
+TEST_CASE("conv2d on the CPU: the direct sums, forward and backward, for every window im2col treats apart") {
+  struct Case {
+    int64_t C, OC, H, W, K, stride, padding, groups;
+  };
+  // 3x3 s1 p1 (stride 1's copies), s2 (strided), 1x1 s1 p0 (the pointwise path: no columns),
+  // 1x1 s2 (a projection), 7x7 s2 p3 (a stem), 3x3 p0, grouped 5x5, and planes narrower than the kernel.
+  for (const Case k : {Case{3, 4, 9, 7, 3, 1, 1, 1}, Case{4, 6, 9, 8, 3, 2, 1, 1}, Case{5, 3, 6, 7, 1, 1, 0, 1},
+                       Case{4, 8, 7, 7, 1, 2, 0, 1}, Case{3, 4, 13, 12, 7, 2, 3, 1}, Case{2, 3, 6, 5, 3, 1, 0, 1},
+                       Case{4, 6, 9, 9, 5, 2, 2, 2}, Case{2, 2, 2, 3, 3, 1, 1, 1}}) {
+    Window2d w;
+    w.N = 3, w.C = k.C, w.H = k.H, w.W = k.W, w.OC = k.OC, w.KH = w.KW = k.K, w.stride = k.stride, w.padding = k.padding;
+    w.groups = k.groups;
+    w.OH = (w.H + 2 * w.padding - w.KH) / w.stride + 1;
+    w.OW = (w.W + 2 * w.padding - w.KW) / w.stride + 1;
+    CAPTURE(k.K);
+    CAPTURE(k.stride);
+    CAPTURE(k.padding);
+    CAPTURE(k.groups);
+    const auto x = normals(static_cast<std::size_t>(w.N * w.C * w.H * w.W), 1);
+    const auto kernel = normals(static_cast<std::size_t>(w.OC * (w.C / w.groups) * w.KH * w.KW), 2);
+    const auto bias = normals(static_cast<std::size_t>(w.OC), 3);
+    const auto dy = normals(static_cast<std::size_t>(w.N * w.OC * w.OH * w.OW), 4);
+    const DirectConv want(w, x, kernel, bias, dy);
+    std::vector<float> cols(static_cast<std::size_t>(std::max<int64_t>(1, cpu::conv2d_cols(w))));
+    std::vector<float> out(want.out.size());
+    cpu::conv2d_forward(out.data(), x.data(), kernel.data(), bias.data(), cols.data(), w);
+    check_close(out, want.out, "out");
+    // Input gradient overwritten, then accumulated; parameter gradients accumulate.
+    std::vector<float> dinp(x.size(), 7.0f), dweight(kernel.size(), 0.0f), dbias(bias.size(), 0.0f);
+    cpu::conv2d_backward(dinp.data(), dweight.data(), dbias.data(), dy.data(), x.data(), kernel.data(), cols.data(), w,
+                         GradMode::overwrite);
+    check_close(dinp, want.dinp, "dinp");
+    check_close(dweight, want.dweight, "dweight");
+    check_close(dbias, want.dbias, "dbias");
+    cpu::conv2d_backward(dinp.data(), nullptr, nullptr, dy.data(), x.data(), kernel.data(), cols.data(), w,
+                         GradMode::accumulate);
+    std::vector<double> twice = want.dinp;
+    for (double& v : twice) v *= 2;
+    check_close(dinp, twice, "dinp accumulated");
+  }
+}
+
+TEST_CASE("batchnorm on the CPU: statistics and gradients in double, and the same bits for 1 and 2 threads") {
+  const int64_t N = 3, C = 5, plane = 37;  // a plane that is not a multiple of the lanes
+  const auto x = normals(static_cast<std::size_t>(N * C * plane), 5);
+  const auto dy = normals(x.size(), 6);
+  std::vector<float> weight(C), bias(C);
+  for (int64_t c = 0; c < C; ++c) weight[c] = 0.5f + 0.25f * static_cast<float>(c), bias[c] = 0.1f * static_cast<float>(c);
+  const auto run = [&](int threads, std::vector<float>& out, std::vector<float>& dx, std::vector<float>& dw) {
+    cpu::set_threads(threads);
+    std::vector<float> mean(C), rstd(C), db(C, 0.0f);
+    out.assign(x.size(), 0.0f);
+    dx.assign(x.size(), 0.0f);
+    dw.assign(C, 0.0f);
+    cpu::batchnorm_forward_train(out.data(), mean.data(), rstd.data(), nullptr, nullptr, nullptr, x.data(), weight.data(),
+                                 bias.data(), N, C, plane, 1e-5f, 0.1f);
+    cpu::batchnorm_backward(dx.data(), dw.data(), db.data(), dy.data(), x.data(), weight.data(), mean.data(), rstd.data(),
+                            N, C, plane, GradMode::overwrite);
+    cpu::set_threads(1);
+  };
+  std::vector<float> out1, dx1, dw1, out2, dx2, dw2;
+  run(1, out1, dx1, dw1);
+  run(2, out2, dx2, dw2);
+  CHECK(out1 == out2);
+  CHECK(dx1 == dx2);
+  CHECK(dw1 == dw2);
+  // The same in double: y = w (x - m) / sqrt(v + eps) + b; dx = w rstd (dy - mean(dy) - xhat mean(dy xhat)).
+  std::vector<double> want_out(x.size()), want_dx(x.size()), want_dw(C);
+  const double count = static_cast<double>(N * plane);
+  for (int64_t c = 0; c < C; ++c) {
+    double m = 0, v = 0, sdy = 0, sdyx = 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < plane; ++i) m += x[static_cast<std::size_t>((n * C + c) * plane + i)];
+    m /= count;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < plane; ++i) v += std::pow(x[static_cast<std::size_t>((n * C + c) * plane + i)] - m, 2);
+    const double r = 1 / std::sqrt(v / count + 1e-5);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < plane; ++i) {
+        const std::size_t at = static_cast<std::size_t>((n * C + c) * plane + i);
+        want_out[at] = weight[c] * (x[at] - m) * r + bias[c];
+        sdy += dy[at];
+        sdyx += dy[at] * (x[at] - m) * r;
+      }
+    want_dw[c] = sdyx;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t i = 0; i < plane; ++i) {
+        const std::size_t at = static_cast<std::size_t>((n * C + c) * plane + i);
+        want_dx[at] = weight[c] * r * (dy[at] - sdy / count - (x[at] - m) * r * sdyx / count);
+      }
+  }
+  check_close(out1, want_out, "out");
+  check_close(dx1, want_dx, "dx");
+  check_close(dw1, want_dw, "dweight");
+}
+
+TEST_CASE("OpenBLAS runs AVX2 or AVX-512 kernels where the CPU has them (the test's main chose them as mpipe's does)") {
+  const std::string line = cpu::blas_description();
+  INFO(line);
+  CHECK(line.rfind("OpenBLAS ", 0) == 0);
+  const char* keep = std::getenv("MPIPE_BLAS_CORE");
+  const bool users = std::getenv("OPENBLAS_CORETYPE") && !std::getenv("MPIPE_BLAS_CORE_WAS");
+  if (users || (keep && std::string(keep) == "keep")) return;  // the user's choice stands
+  CHECK(cpu::vector_core("SkylakeX"));
+  CHECK_FALSE(cpu::vector_core("Prescott"));
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) CHECK(cpu::vector_core(cpu::blas_core()));
+#endif
 }

@@ -13,6 +13,22 @@ namespace mpipe::cpu {
 
 namespace {
 
+// The outputs ow of a row whose input column x = ow * stride - padding + kw falls inside
+// [0, W): [lo, hi). Outside it the row reads padding.
+struct Span {
+  int64_t lo, hi;
+};
+Span inside(int64_t kw, const Window2d& w) {
+  const int64_t first = w.padding - kw;  // ow * stride >= first
+  const int64_t lo = first <= 0 ? 0 : (first + w.stride - 1) / w.stride;
+  const int64_t last = w.W - 1 + w.padding - kw;  // ow * stride <= last
+  const int64_t hi = last < 0 ? 0 : std::min(w.OW, last / w.stride + 1);
+  return {std::min(lo, hi), hi};
+}
+
+// A 1x1 window with stride 1 and no padding: the columns are the input plane itself.
+bool pointwise(const Window2d& w) { return w.KH == 1 && w.KW == 1 && w.stride == 1 && w.padding == 0; }
+
 // The columns of one sample's group: rows (c, kh, kw) of Cg*KH*KW, columns (oh, ow).
 void im2col(float* cols, const float* plane, int64_t Cg, const Window2d& w) {
   const int64_t P = w.OH * w.OW;
@@ -21,12 +37,20 @@ void im2col(float* cols, const float* plane, int64_t Cg, const Window2d& w) {
     const int64_t c = row / (w.KH * w.KW), kh = row / w.KW % w.KH, kw = row % w.KW;
     const float* in = plane + c * w.H * w.W;
     float* dst = cols + row * P;
+    const Span s = inside(kw, w);
     for (int64_t oh = 0; oh < w.OH; ++oh) {
       const int64_t h = oh * w.stride - w.padding + kh;
-      for (int64_t ow = 0; ow < w.OW; ++ow) {
-        const int64_t x = ow * w.stride - w.padding + kw;
-        dst[oh * w.OW + ow] = (h >= 0 && h < w.H && x >= 0 && x < w.W) ? in[h * w.W + x] : 0.0f;
+      float* d = dst + oh * w.OW;
+      if (h < 0 || h >= w.H) {
+        std::fill(d, d + w.OW, 0.0f);
+        continue;
       }
+      std::fill(d, d + s.lo, 0.0f);
+      const float* src = in + h * w.W - w.padding + kw;  // src[ow * stride] is column ow
+      if (w.stride == 1) std::copy(src + s.lo, src + s.hi, d + s.lo);
+      else
+        for (int64_t ow = s.lo; ow < s.hi; ++ow) d[ow] = src[ow * w.stride];
+      std::fill(d + s.hi, d + w.OW, 0.0f);
     }
   }
 }
@@ -41,12 +65,17 @@ void col2im_add(float* plane, const float* cols, int64_t Cg, const Window2d& w) 
     for (int64_t k = 0; k < w.KH * w.KW; ++k) {
       const int64_t kh = k / w.KW, kw = k % w.KW;
       const float* src = cols + (c * w.KH * w.KW + k) * P;
+      const Span s = inside(kw, w);
       for (int64_t oh = 0; oh < w.OH; ++oh) {
         const int64_t h = oh * w.stride - w.padding + kh;
         if (h < 0 || h >= w.H) continue;
-        for (int64_t ow = 0; ow < w.OW; ++ow) {
-          const int64_t x = ow * w.stride - w.padding + kw;
-          if (x >= 0 && x < w.W) in[h * w.W + x] += src[oh * w.OW + ow];
+        float* d = in + h * w.W - w.padding + kw;  // d[ow * stride] takes column ow
+        const float* from = src + oh * w.OW;
+        if (w.stride == 1) {
+#pragma omp simd
+          for (int64_t ow = s.lo; ow < s.hi; ++ow) d[ow] += from[ow];
+        } else {
+          for (int64_t ow = s.lo; ow < s.hi; ++ow) d[ow * w.stride] += from[ow];
         }
       }
     }
@@ -55,19 +84,21 @@ void col2im_add(float* plane, const float* cols, int64_t Cg, const Window2d& w) 
 
 }  // namespace
 
-int64_t conv2d_cols(const Window2d& w) { return w.C / w.groups * w.KH * w.KW * w.OH * w.OW; }
+int64_t conv2d_cols(const Window2d& w) { return pointwise(w) ? 0 : w.C / w.groups * w.KH * w.KW * w.OH * w.OW; }
 
 void conv2d_forward(float* out, const float* inp, const float* weight, const float* bias, float* cols,
                     const Window2d& w) {
   const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups, K = Cg * w.KH * w.KW, P = w.OH * w.OW;
   for (int64_t n = 0; n < w.N; ++n)
     for (int64_t g = 0; g < w.groups; ++g) {
-      im2col(cols, inp + (n * w.C + g * Cg) * w.H * w.W, Cg, w);
+      const float* x = inp + (n * w.C + g * Cg) * w.H * w.W;
+      if (!pointwise(w)) im2col(cols, x, Cg, w);
+      const float* c = pointwise(w) ? x : cols;
       float* o = out + (n * w.OC + g * OCg) * P;
       if (bias) {
         for (int64_t oc = 0; oc < OCg; ++oc) std::fill(o + oc * P, o + (oc + 1) * P, bias[g * OCg + oc]);
       }
-      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, OCg, P, K, 1.0f, weight + g * OCg * K, K, cols, P,
+      cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, OCg, P, K, 1.0f, weight + g * OCg * K, K, c, P,
                   bias ? 1.0f : 0.0f, o, P);
     }
 }
@@ -86,16 +117,19 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
             for (int64_t p = 0; p < P; ++p) sum += d[oc * P + p];
             dbias[g * OCg + oc] += static_cast<float>(sum);
           }
-        im2col(cols, inp + (n * w.C + g * Cg) * w.H * w.W, Cg, w);
+        const float* x = inp + (n * w.C + g * Cg) * w.H * w.W;
+        if (!pointwise(w)) im2col(cols, x, Cg, w);
         // dW_g (OCg, K) += dout_g (OCg, P) . cols^T (P, K)
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, OCg, K, P, 1.0f, d, P, cols, P, 1.0f,
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, OCg, K, P, 1.0f, d, P, pointwise(w) ? x : cols, P, 1.0f,
                     dweight + g * OCg * K, K);
       }
       if (!dinp) continue;
-      // dcols (K, P) = W_g^T (K, OCg) . dout_g (OCg, P), added back to the input plane.
-      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, K, P, OCg, 1.0f, weight + g * OCg * K, K, d, P, 0.0f,
-                  cols, P);
-      col2im_add(dinp + (n * w.C + g * Cg) * w.H * w.W, cols, Cg, w);
+      // dcols (K, P) = W_g^T (K, OCg) . dout_g (OCg, P), added back to the input plane
+      // (a pointwise window's columns are the plane: the GEMM adds to it).
+      float* dx = dinp + (n * w.C + g * Cg) * w.H * w.W;
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, K, P, OCg, 1.0f, weight + g * OCg * K, K, d, P,
+                  pointwise(w) ? 1.0f : 0.0f, pointwise(w) ? dx : cols, P);
+      if (!pointwise(w)) col2im_add(dx, cols, Cg, w);
     }
 }
 
@@ -180,14 +214,36 @@ void avgpool2d_backward(float* dinp, const float* dout, const Window2d& w, GradM
   }
 }
 
-// ---- BatchNorm: channels split among threads; each channel's sums in double, in order --
+// ---- BatchNorm: channels split among threads; each channel's sums in double, in a fixed
+// order of kLanes interleaved partial sums added up in lane order (the same for any thread
+// count, and vectorised) --
 
 namespace {
-// Channel c of (N, C, plane): y = x * scale + shift.
+constexpr int kLanes = 16;
+
+// Sums of f(x[i]) (and of g(x[i], y[i])) over a channel's N planes, in double.
+template <class F>
+double channel_sum(const float* inp, int64_t c, int64_t N, int64_t C, int64_t plane, F f) {
+  double lane[kLanes] = {};
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + (n * C + c) * plane;
+    int64_t i = 0;
+    for (; i + kLanes <= plane; i += kLanes)
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j) lane[j] += f(x[i + j]);
+    for (int j = 0; i < plane; ++i, ++j) lane[j] += f(x[i]);
+  }
+  double sum = 0;
+  for (double v : lane) sum += v;
+  return sum;
+}
+
+// y = x * scale + shift over channel c of (N, C, plane).
 void affine_channel(float* out, const float* inp, int64_t c, float scale, float shift, int64_t N, int64_t C, int64_t plane) {
   for (int64_t n = 0; n < N; ++n) {
     const float* x = inp + (n * C + c) * plane;
     float* y = out + (n * C + c) * plane;
+#pragma omp simd
     for (int64_t i = 0; i < plane; ++i) y[i] = x[i] * scale + shift;
   }
 }
@@ -200,16 +256,12 @@ void batchnorm_forward_train(float* out, float* mean, float* rstd, float* runnin
   if (sums) sums[0] += count;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < C; ++c) {
-    double sum = 0, squares = 0;
-    for (int64_t n = 0; n < N; ++n) {
-      const float* x = inp + (n * C + c) * plane;
-      for (int64_t i = 0; i < plane; ++i) sum += x[i];
-    }
+    const double sum = channel_sum(inp, c, N, C, plane, [](float v) { return static_cast<double>(v); });
     const double m = sum / count;
-    for (int64_t n = 0; n < N; ++n) {
-      const float* x = inp + (n * C + c) * plane;
-      for (int64_t i = 0; i < plane; ++i) squares += (x[i] - m) * (x[i] - m);
-    }
+    const double squares = channel_sum(inp, c, N, C, plane, [m](float v) {
+      const double d = static_cast<double>(v) - m;
+      return d * d;
+    });
     const double var = squares / count;
     const float r = static_cast<float>(1.0 / std::sqrt(var + eps));
     mean[c] = static_cast<float>(m);
@@ -256,27 +308,44 @@ void batchnorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   const double count = static_cast<double>(N * plane);
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < C; ++c) {
-    double sum_dy = 0, sum_dy_xhat = 0;
+    const float mc = mean[c], rc = rstd[c];
+    // sum(dy) and sum(dy * xhat), each in kLanes interleaved double partial sums.
+    double lane_dy[kLanes] = {}, lane_dyx[kLanes] = {};
     for (int64_t n = 0; n < N; ++n) {
       const float* x = inp + (n * C + c) * plane;
       const float* dy = dout + (n * C + c) * plane;
-      for (int64_t i = 0; i < plane; ++i) {
-        sum_dy += dy[i];
-        sum_dy_xhat += dy[i] * (x[i] - mean[c]) * rstd[c];
+      int64_t i = 0;
+      for (; i + kLanes <= plane; i += kLanes)
+#pragma omp simd
+        for (int j = 0; j < kLanes; ++j) {
+          lane_dy[j] += dy[i + j];
+          lane_dyx[j] += dy[i + j] * (x[i + j] - mc) * rc;
+        }
+      for (int j = 0; i < plane; ++i, ++j) {
+        lane_dy[j] += dy[i];
+        lane_dyx[j] += dy[i] * (x[i] - mc) * rc;
       }
+    }
+    double sum_dy = 0, sum_dy_xhat = 0;
+    for (int j = 0; j < kLanes; ++j) {
+      sum_dy += lane_dy[j];
+      sum_dy_xhat += lane_dyx[j];
     }
     dweight[c] += static_cast<float>(sum_dy_xhat);
     dbias[c] += static_cast<float>(sum_dy);
     if (!dinp) continue;
     // dx = w * rstd * (dy - mean(dy) - xhat * mean(dy * xhat))
-    const float k = weight[c] * rstd[c], a = static_cast<float>(sum_dy / count), b = static_cast<float>(sum_dy_xhat / count);
+    const float k = weight[c] * rc, a = static_cast<float>(sum_dy / count), b = static_cast<float>(sum_dy_xhat / count);
     for (int64_t n = 0; n < N; ++n) {
       const float* x = inp + (n * C + c) * plane;
       const float* dy = dout + (n * C + c) * plane;
       float* dx = dinp + (n * C + c) * plane;
-      for (int64_t i = 0; i < plane; ++i) {
-        const float g = k * (dy[i] - a - (x[i] - mean[c]) * rstd[c] * b);
-        dx[i] = mode == GradMode::overwrite ? g : dx[i] + g;
+      if (mode == GradMode::overwrite) {
+#pragma omp simd
+        for (int64_t i = 0; i < plane; ++i) dx[i] = k * (dy[i] - a - (x[i] - mc) * rc * b);
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < plane; ++i) dx[i] += k * (dy[i] - a - (x[i] - mc) * rc * b);
       }
     }
   }
