@@ -85,11 +85,12 @@ void Linear::backward_weight_impl(Context& ctx, const Pass& pass) {
 
 Cost ReLU::cost(const Shape& in) const {
   const double n = static_cast<double>(in.numel());
-  return {n, n, 0, f32_bytes(n)};
+  return {n, n, 0, in_place_ ? 0.0 : f32_bytes(n)};  // in place: the first of a stage is Plan's
 }
 
 Tensor ReLU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  const bool over = in_place_ && x.data != pass.stage_input && x.dtype == pass.dtype;
+  Tensor y = over ? x : pass.arena->tensor(x.shape, pass.dtype);
   ops::relu_forward(y, x);
   ctx.saved[0] = y;  // backward needs only the sign of the output
   return y;

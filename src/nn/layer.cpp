@@ -56,4 +56,8 @@ void Layer::backward(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode 
   backward_impl(ctx, dy, dx, mode, pass);
 }
 
+void mark_in_place(std::span<const std::unique_ptr<Layer>> chain) {
+  for (std::size_t i = 1; i < chain.size(); ++i) chain[i]->allow_in_place(chain[i - 1]->output_reusable());
+}
+
 }  // namespace mpipe

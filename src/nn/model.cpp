@@ -160,6 +160,7 @@ Model::Model(const ModelConfig& config) : config_(config), spec_(model_spec(conf
     shape = layers_.back()->output_shape(shape);
   }
   check_loss_input(file);
+  mark_in_place(layers_);
   for (int i = 0; i < size(); ++i) {
     layers_[i]->set_global_index(i);
     for (const ParamSpec& spec : layers_[i]->param_specs())

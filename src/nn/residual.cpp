@@ -12,7 +12,13 @@ namespace mpipe {
 // ---- Residual ------------------------------------------------------------------------
 
 Residual::Residual(std::vector<std::unique_ptr<Layer>> inner, std::vector<std::unique_ptr<Layer>> skip)
-    : inner_(std::move(inner)), skip_(std::move(skip)) {}
+    : inner_(std::move(inner)), skip_(std::move(skip)) {
+  mark_in_place(inner_);
+  mark_in_place(skip_);
+}
+
+// The sum goes into the last inner layer's output where that output is dead to it.
+bool Residual::sums_in_place() const { return inner_.back()->output_reusable(); }
 
 void Residual::set_global_index(int index) {
   Layer::set_global_index(index);
@@ -28,17 +34,21 @@ Shape Residual::output_shape(const Shape& in) const {
 
 Cost Residual::cost(const Shape& in) const {
   Cost total;
-  // Its backward takes from the scratch arena, all kept until it returns (backward_chain),
-  // each part's input gradient but the first's and each part's own temporaries.
+  // Its backward takes from the scratch arena, all kept until it returns (backward_chain):
+  // per path, two buffers of its largest part input gradient (but the first's), which the
+  // parts take in turns, and each part's own temporaries.
   double scratch = 0;
   const auto chain = [&](const std::vector<std::unique_ptr<Layer>>& parts) {
     Shape s = in;
+    double largest = 0;
     for (std::size_t i = 0; i < parts.size(); ++i) {
       const Cost c = parts[i]->cost(s);
       total += c;
-      scratch += c.backward_scratch_bytes + (i > 0 ? 4.0 * static_cast<double>(s.numel()) : 0.0);
+      scratch += c.backward_scratch_bytes;
+      if (i > 0) largest = std::max(largest, 4.0 * static_cast<double>(s.numel()));
       s = parts[i]->output_shape(s);
     }
+    scratch += largest * static_cast<double>(std::min<std::size_t>(2, parts.empty() ? 0 : parts.size() - 1));
     return s;
   };
   const Shape s = chain(inner_);
@@ -47,7 +57,7 @@ Cost Residual::cost(const Shape& in) const {
   const double out = static_cast<double>(s.numel());
   total.forward_flops += out;
   total.backward_flops += out;
-  total.activation_bytes += 4 * out;  // the sum
+  if (!sums_in_place()) total.activation_bytes += 4 * out;  // the sum, unless over the last part's output
   return total;
 }
 
@@ -79,19 +89,29 @@ Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   for (std::size_t i = 0; i < n; ++i) h = inner_[i]->forward(h, c[i], pass);
   Tensor skip = x;
   for (std::size_t j = 0; j < skip_.size(); ++j) skip = skip_[j]->forward(skip, c[n + j], pass);
-  // A fresh sum: an inner layer's context may keep its own output (ReLU does).
+  // Over the last inner layer's output where that is dead to it (a BatchNorm's); else a
+  // fresh sum: a layer may keep its own output (ReLU does) or pass its input on.
+  if (sums_in_place() && h.data != x.data && h.dtype == pass.dtype) {
+    ops::add(h, skip);
+    return h;
+  }
   Tensor y = pass.arena->tensor(h.shape, pass.dtype);
   ops::copy(y, h);
   ops::add(y, skip);
   return y;
 }
 
-// Runs layers[count-1] .. layers[0] backward from dy, the first into dx by `mode`.
+// Runs layers[count-1] .. layers[0] backward from dy, the first into dx by `mode`. The
+// parts' input gradients take turns in two buffers (a dy is dead once its backward returns).
 static void backward_chain(std::span<const std::unique_ptr<Layer>> layers, Context* c, const Tensor& dy, const Tensor& dx,
                     GradMode mode, const Pass& pass) {
+  std::int64_t largest = 0;
+  for (std::size_t i = 1; i < layers.size(); ++i) largest = std::max(largest, c[i].input.numel());
+  Tensor turns[2];
+  for (std::size_t t = 0; t < std::min<std::size_t>(2, layers.size() - 1); ++t) turns[t] = pass.arena->tensor(Shape{largest}, pass.dtype);
   Tensor g = dy;
   for (std::size_t i = layers.size(); i-- > 1;) {
-    Tensor d = pass.arena->tensor(c[i].input.shape, pass.dtype);
+    Tensor d = turns[(layers.size() - 1 - i) % 2].head(c[i].input.shape);
     layers[i]->backward(c[i], g, d, GradMode::overwrite, pass);
     g = d;
   }

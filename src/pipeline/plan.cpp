@@ -19,6 +19,9 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       const Cost c = model.layer(i).cost(shapes[static_cast<std::size_t>(i)]);
       m.params += static_cast<double>(c.param_bytes) / word_bytes;
       m.activation += static_cast<double>(c.activation_bytes);
+      // A layer that writes over its input does not over the stage's input (Pass::stage_input).
+      if (i == part.begin(s) && model.layer(i).writes_over_input())
+        m.activation += f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
       m.recomputable += static_cast<double>(c.recomputable_bytes);
       m.recompute_flops += c.recompute_flops;
       // A Linear whose next layer on the stage has no W keeps its dy in its own output's

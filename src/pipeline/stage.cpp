@@ -2,6 +2,8 @@
 // actions; the pool of activation slots.
 #include "mpipe/pipeline/stage.hpp"
 
+#include <algorithm>
+
 #include "mpipe/backend/ops.hpp"
 
 namespace mpipe {
@@ -220,8 +222,10 @@ void Stage::weight(std::int64_t step, int mb) {
 Context* Stage::run_forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress) const {
   const int n = end_ - begin_;
   Context* contexts = pass.arena->objects<Context>(static_cast<std::size_t>(n));
+  Pass kept = pass;  // the stage's input stays as it came (remat runs the forward from it again)
+  kept.stage_input = x.data;
   for (int i = 0; i < n; ++i) {
-    x = model_.layer(begin_ + i).forward(x, contexts[i], pass);
+    x = model_.layer(begin_ + i).forward(x, contexts[i], kept);
     progress.poll();  // messages keep moving between layers
   }
   *output = x;
@@ -231,9 +235,16 @@ Context* Stage::run_forward(const Pass& pass, Tensor x, Tensor* output, Progress
 void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, const Pass& pass, Arena& scratch,
                          const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress) const {
   const int n = end_ - begin_;
+  // The layers' input gradients take turns in two buffers: a layer's dy is dead once its
+  // backward returns (what W needs it keeps in the stash), so two live at a time, the
+  // plan's dx + dy, not one per layer.
+  std::int64_t largest = 0;
+  for (int i = 1; i < n; ++i) largest = std::max(largest, shapes[static_cast<std::size_t>(begin_ + i)].numel());
+  Tensor turns[2];
+  for (int t = 0; t < (n > 2 ? 2 : n - 1); ++t) turns[t] = scratch.tensor(Shape{largest}, dtype);
   for (int i = n - 1; i >= 0; --i) {
     Tensor dx;
-    if (i > 0) dx = scratch.tensor(shapes[static_cast<std::size_t>(begin_ + i)], dtype);
+    if (i > 0) dx = turns[(n - 1 - i) % 2].head(shapes[static_cast<std::size_t>(begin_ + i)]);
     else dx = dx_first;
     Layer& layer = model_.layer(begin_ + i);
     // What the layer's backward allocates beyond dx is dead when it returns (its dy, below

@@ -420,7 +420,7 @@ kind = "cross_entropy"
   }
 }
 
-TEST_CASE("a stage's backward reuses each layer's temporaries for the next: more blocks add only their input gradients") {
+TEST_CASE("a stage's backward reuses each layer's temporaries for the next, and holds two input gradients in turns: more blocks add nothing") {
   Progress progress(ProgressMode::layers, 1e-3, 1, false);
   const auto scratch_bytes = [&](int blocks) {
     ModelConfig c = one_block_gpt();
@@ -443,7 +443,109 @@ TEST_CASE("a stage's backward reuses each layer's temporaries for the next: more
                    progress);
     return scratch.high_water();
   };
-  // Each further block's input gradient, (2, 8, 16) floats: 1 KiB, a multiple of 64 bytes.
-  const std::size_t gradient = 2 * 8 * 16 * sizeof(float);
-  CHECK(scratch_bytes(3) == scratch_bytes(1) + 2 * gradient);
+  // Before the turns, each further block's input gradient added (2, 8, 16) floats.
+  CHECK(scratch_bytes(3) == scratch_bytes(1));
+}
+
+TEST_CASE("a ReLU after a layer whose output is dead to it runs in place, bitwise; never over a stage's input") {
+  // conv -> batchnorm -> relu (in place), a block whose inner relu runs in place and whose
+  // sum goes over its last batchnorm's output, a relu after the block (in place), and a
+  // relu after a relu (not in place: the first one's backward reads its output).
+  const std::string file = write_temp("mpipe_in_place.toml", R"(input = [2, 6, 6]
+[[layer]]
+kind = "conv2d"
+out = 4
+kernel = 3
+padding = 1
+[[layer]]
+kind = "batchnorm2d"
+[[layer]]
+kind = "relu"
+[[layer]]
+kind = "residual"
+  [[layer.layer]]
+  kind = "conv2d"
+  out = 4
+  kernel = 3
+  padding = 1
+  [[layer.layer]]
+  kind = "batchnorm2d"
+  [[layer.layer]]
+  kind = "relu"
+  [[layer.layer]]
+  kind = "conv2d"
+  out = 4
+  kernel = 3
+  padding = 1
+  [[layer.layer]]
+  kind = "batchnorm2d"
+[[layer]]
+kind = "relu"
+[[layer]]
+kind = "relu"
+[[layer]]
+kind = "global-avgpool"
+[[layer]]
+kind = "linear"
+out = 3
+[[layer]]
+kind = "cross_entropy"
+)");
+  ModelConfig config;
+  config.kind = file;
+  Model m(config);
+  const int n = m.size();
+  CHECK(m.layer(2).writes_over_input());
+  CHECK(m.layer(4).writes_over_input());
+  CHECK_FALSE(m.layer(5).writes_over_input());
+  ParamStore store(m, every_layer(m), 5);
+  const int64_t batch = 3;
+  const std::vector<Shape> shapes = m.shapes(batch);
+  std::vector<float> image(static_cast<std::size_t>(m.input_shape(batch).numel()));
+  for (std::size_t i = 0; i < image.size(); ++i) image[i] = std::sin(0.37f * static_cast<float>(i));
+  std::vector<std::int32_t> targets{0, 2, 1};
+  Progress progress(ProgressMode::layers, 1e-3, 1, false);
+  const Stage stage(m, 0, 0, 0, n, 1, 1);
+  auto run = [&](std::size_t* kept) {
+    Arena slot, scratch;
+    Pass pass;
+    pass.arena = &slot;
+    pass.targets = {targets.data(), m.target_shape(batch), DType::i32, Device::cpu};
+    pass.loss_scale = 1.0f / 3;
+    store.zero_grads();
+    Tensor out;
+    Context* contexts = stage.run_forward(pass, make_tensor(image.data(), m.input_shape(batch)), &out, progress);
+    *kept = slot.high_water();
+    pass.arena = &scratch;
+    static float one = 1.0f;
+    stage.run_backward(contexts, make_tensor(&one, Shape{1}), Tensor{}, pass, scratch, shapes, DType::f32, nullptr, progress);
+    return std::vector<float>(store.grads().begin(), store.grads().end());
+  };
+  std::size_t in_place = 0, apart = 0;
+  const std::vector<float> with = run(&in_place);
+  std::vector<Layer*> parts;
+  for (int i = 0; i < n; ++i) m.layer(i).parts(parts);
+  for (Layer* part : parts) part->allow_in_place(false);
+  const std::vector<float> without = run(&apart);
+  REQUIRE(with.size() == without.size());
+  CHECK(std::memcmp(with.data(), without.data(), with.size() * sizeof(float)) == 0);
+  // Three ReLU outputs of (3, 4, 6, 6) floats fewer (each a multiple of 64 bytes after rounding).
+  const std::size_t activation = (3 * 4 * 6 * 6 * sizeof(float) + 63) / 64 * 64;
+  CHECK(apart - in_place == 3 * activation);
+  // The plan counts what the run keeps: its ReLUs cost nothing, but a stage that begins
+  // with one keeps its own output (the stage's input is not written over).
+  m.layer(2).allow_in_place(true);
+  m.layer(4).allow_in_place(true);
+  CHECK(m.layer(2).cost(shapes[2]).activation_bytes == 0);
+  const Stage from_relu(m, 1, 1, 4, n, 2, 1);
+  std::vector<float> input(static_cast<std::size_t>(shapes[4].numel()));
+  for (std::size_t i = 0; i < input.size(); ++i) input[i] = std::cos(0.3f * static_cast<float>(i));
+  const std::vector<float> before = input;
+  Arena slot;
+  Pass pass;
+  pass.arena = &slot;
+  pass.targets = {targets.data(), m.target_shape(batch), DType::i32, Device::cpu};
+  Tensor out;
+  from_relu.run_forward(pass, make_tensor(input.data(), shapes[4]), &out, progress);
+  CHECK(input == before);
 }

@@ -79,6 +79,13 @@ struct Tensor {
     t.shape = new_shape;
     return t;
   }
+  // Its first new_shape.numel() elements seen with that shape.
+  Tensor head(Shape new_shape) const {
+    MPIPE_CHECK(new_shape.numel() <= numel(), "head ", new_shape.str(), " of ", shape.str());
+    Tensor t = *this;
+    t.shape = new_shape;
+    return t;
+  }
 };
 
 inline Tensor make_tensor(float* data, Shape shape) { return {data, shape, DType::f32, Device::cpu}; }

@@ -14,6 +14,7 @@ class Conv2d final : public Layer {
   Conv2d(int64_t channels, int64_t out, int64_t kernel, int64_t stride, int64_t padding, int64_t groups, bool bias,
          float init_std);
   std::string kind() const override { return "conv2d"; }
+  bool output_reusable() const override { return true; }  // its backward reads its input
   bool defers_weight() const override { return true; }
   Shape output_shape(const Shape& in) const override;
   Cost cost(const Shape& in) const override;
@@ -42,6 +43,7 @@ class Pool2d final : public Layer {
   Pool2d(Op op, int64_t kernel, int64_t stride, int64_t padding)
       : op_(op), kernel_(kernel), stride_(stride), padding_(padding) {}
   std::string kind() const override;
+  bool output_reusable() const override { return true; }  // the max pool keeps its argmax apart
   Shape output_shape(const Shape& in) const override;
   Cost cost(const Shape& in) const override;
 
@@ -68,6 +70,7 @@ class BatchNorm2d final : public Layer {
       : channels_(channels), eps_(eps), momentum_(momentum), zero_weight_(zero_weight),
         sums_(static_cast<std::size_t>(1 + 2 * channels), 0.0) {}
   std::string kind() const override { return "batchnorm2d"; }
+  bool output_reusable() const override { return true; }  // its backward reads its input and statistics
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;

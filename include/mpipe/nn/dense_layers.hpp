@@ -46,11 +46,16 @@ class ReLU final : public Layer {
   std::string kind() const override { return "relu"; }
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
+  // Its backward reads only its output: over its input, it keeps no memory of its own.
+  void allow_in_place(bool allowed) override { in_place_ = allowed; }
+  bool writes_over_input() const override { return in_place_; }
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
   void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
                      const Pass& pass) override;
+ private:
+  bool in_place_ = false;
 };
 
 class GELU final : public Layer {

@@ -104,6 +104,9 @@ struct Pass {
   // --remat selective, in a training forward: where a layer that supports it puts what
   // its backward recomputes (dead once the forward returns); null: keep everything.
   Arena* transient = nullptr;
+  // The stage's input (a received message, the data, or what remat keeps to run the
+  // forward again): no layer writes its output over it (Layer::allow_in_place).
+  const void* stage_input = nullptr;
 };
 
 // What backward needs from one forward call. Trivially destructible: it lives in the
@@ -147,6 +150,14 @@ class Layer {
   // Whether a split backward keeps this layer's own dy for its W (a Linear; composite
   // layers keep their parts'): keeps_dy_in_output() may then lend it its output's buffer.
   virtual bool keeps_dy() const { return false; }
+  // Whether this layer's output is dead to it once the next layer has read it: its
+  // backward reads neither the output nor memory the output shares. The next layer may
+  // then write its own output over it (mark_in_place).
+  virtual bool output_reusable() const { return false; }
+  // Told by mark_in_place that it may write its output over its input (where that input
+  // is not Pass::stage_input); writes_over_input() says whether it does. A ReLU does.
+  virtual void allow_in_place(bool allowed) {}
+  virtual bool writes_over_input() const { return false; }
 
   int global_index() const { return global_index_; }
   // Composite layers pass the index on to their parts (it keys dropout masks).
@@ -171,6 +182,11 @@ class Layer {
  private:
   int global_index_ = -1;
 };
+
+// A chain of layers each feeding the next (a model's, a residual block's inner ones):
+// each layer after the first may write its output over its input where the layer before
+// it has output_reusable(). Activations then hold one buffer where they held two.
+void mark_in_place(std::span<const std::unique_ptr<Layer>> chain);
 
 // For layers of a weight and an optional bias (param_specs in that order).
 void bind_weight_bias(std::span<const Tensor> params, std::span<const Tensor> grads, Tensor& weight, Tensor& dweight,

@@ -21,6 +21,7 @@ class Residual final : public Layer {
   Residual(std::vector<std::unique_ptr<Layer>> inner, std::vector<std::unique_ptr<Layer>> skip);
   std::string kind() const override { return "residual"; }
   bool defers_weight() const override { return true; }
+  bool output_reusable() const override { return true; }  // its backward reads its parts' contexts
   void set_global_index(int index) override;
   Shape output_shape(const Shape& in) const override;
   Cost cost(const Shape& in) const override;
@@ -37,6 +38,7 @@ class Residual final : public Layer {
  private:
   std::vector<std::unique_ptr<Layer>> inner_;
   std::vector<std::unique_ptr<Layer>> skip_;  // empty: the identity
+  bool sums_in_place() const;
 };
 
 // This file's layer kinds, for the registry (nn/registry.hpp).
