@@ -1,42 +1,82 @@
 #!/usr/bin/env bash
-# mpipe against PyTorch (Debian's python3-torch) on this machine: median training-step
-# time of the same model with the same threads, micro-batches, AdamW and clipping.
-# Prints a table; the target is mpipe <= 0.9x PyTorch's step time.
-#   STEPS=N  steps per measurement (default 30; the first 3 are excluded)
+# mpipe against PyTorch (Debian's python3-torch, oneDNN) on this machine: the median
+# training-step time and the peak activation memory of the same model, with the same
+# threads, micro-batches, AdamW and clipping. Prints one table; ratios are mpipe / PyTorch.
+#   STEPS=N   steps per measurement (default 30; the first 3 are excluded)
+#   ROUNDS=N  measurements of each row, alternating mpipe and PyTorch (default 1); the
+#             median step of each side over its rounds is reported
+#   THREADS="1 2"  thread counts (default: 1 and 2)
+# Memory: mpipe's own "peak activation memory" line (its arenas' high-water mark: what a
+# step keeps for backward, plus its scratch); PyTorch's, the most its C heap grew during
+# one step (scripts/heap_peak.c, preloaded, counts every malloc), i.e. the step's
+# activations and temporaries above the parameters, gradients and optimizer state.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 [[ -f build/release/CMakeCache.txt ]] || cmake --preset release >/dev/null
 cmake --build --preset release --target mpipe >/dev/null
 steps=${STEPS:-30}
+rounds=${ROUNDS:-1}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+gcc -O2 -shared -fPIC scripts/heap_peak.c -o "$tmp/heap_peak.so"
 
-# Median step time (s) of an mpipe run, from its metrics file, first 3 steps excluded.
-mpipe_median() {
-  build/release/mpipe train --steps "$steps" --log-every 1000000 --metrics "$tmp/m.jsonl" "$@" >/dev/null
-  /usr/bin/python3 - "$tmp/m.jsonl" <<'PY'
-import json, statistics, sys
+# mpipe ARGS...: "median_step_s peak_bytes" of an mpipe run, from its metrics file
+# (first 3 steps excluded) and its peak activation memory line.
+mpipe_run() {
+  build/release/mpipe train --steps "$steps" --log-every 1000000 --weight-decay 0.01 --metrics "$tmp/m.jsonl" "$@" > "$tmp/out"
+  /usr/bin/python3 - "$tmp/m.jsonl" "$tmp/out" <<'PY'
+import json, re, statistics, sys
 t = [r["step_time_s"] for r in map(json.loads, open(sys.argv[1])) if "step" in r][3:]  # not the summary line
-print(f"{statistics.median(t):.6f}")
+m = re.search(r"peak activation memory per rank: ([0-9.]+) (B|KiB|MiB|GiB)", open(sys.argv[2]).read())
+unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
+print(f"{statistics.median(t):.6f} {float(m.group(1)) * unit:.0f}")
+PY
+}
+# PyTorch's GEMMs go through the same OpenBLAS: its kernels are set to those mpipe runs
+# (mpipe may have chosen them over the library's own choice; blas_core.hpp).
+blas_core=$(build/release/mpipe train --model mlp --layers 1 --hidden 8 --inputs 8 --batch-size 8 --steps 1 2>&1 |
+  sed -n 's/.*BLAS OpenBLAS [^,]*, \([A-Za-z0-9]*\) kernels.*/\1/p')
+torch_run() {
+  OPENBLAS_CORETYPE=$blas_core LD_PRELOAD="$tmp/heap_peak.so" /usr/bin/python3 scripts/bench_cpu.py --steps "$steps" --memory "$@"
+}
+
+echo "OpenBLAS kernels: $blas_core (mpipe and PyTorch)"
+printf '%-40s %7s %10s %10s %7s %11s %11s %7s\n' model threads "mpipe ms" "torch ms" ratio "mpipe MiB" "torch MiB" ratio
+# row NAME THREADS MPIPE_ARGS... -- TORCH_ARGS...: ROUNDS alternating runs of each side.
+row() {
+  local name=$1 threads=$2
+  shift 2
+  local mp=() pt=() seen=0
+  for a in "$@"; do
+    if [[ $a == -- ]]; then seen=1; elif ((seen)); then pt+=("$a"); else mp+=("$a"); fi
+  done
+  export OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
+  : > "$tmp/rounds"
+  for _ in $(seq "$rounds"); do
+    echo "$(mpipe_run "${mp[@]}" --threads "$threads") $(torch_run "${pt[@]}" --threads "$threads")" >> "$tmp/rounds"
+  done
+  /usr/bin/python3 - "$name" "$threads" "$tmp/rounds" <<'PY'
+import statistics, sys
+rows = [list(map(float, line.split())) for line in open(sys.argv[3])]
+med = [statistics.median(r[i] for r in rows) for i in range(4)]
+mp_s, mp_b, pt_s, pt_b = med[0], max(r[1] for r in rows), med[2], max(r[3] for r in rows)
+print("%-40s %7s %10.1f %10.1f %7.3f %11.1f %11.1f %7.3f" % (sys.argv[1], sys.argv[2], mp_s * 1e3, pt_s * 1e3, mp_s / pt_s,
+      mp_b / 2**20, pt_b / 2**20, mp_b / pt_b))
 PY
 }
 
-printf '%-34s %7s %12s %12s %8s\n' "model" threads "mpipe ms" "pytorch ms" ratio
-row() {
-  local name=$1 threads=$2 mp=$3 pt=$4
-  /usr/bin/python3 -c "print(f'%-34s %7s %12.2f %12.2f %8.3f' % ('$name', $threads, $mp*1e3, $pt*1e3, $mp/$pt))"
-}
+build/release/mpipe plan --model resnet --layers 18 --image 64 --width 16 --print-model > "$tmp/resnet18.toml"
 mlp=(--model mlp --layers 4 --hidden 1024 --inputs 1024 --classes 16 --batch-size 256 --micro-batches 1)
-for threads in 1 2; do
-  export OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
-  mp=$(mpipe_median "${mlp[@]}" --threads "$threads" --weight-decay 0.01)
-  pt=$(/usr/bin/python3 scripts/bench_cpu.py "${mlp[@]}" --threads "$threads" --steps "$steps")
-  row "mlp 4x1024, batch 256" "$threads" "$mp" "$pt"
-done
 gpt=(--model gpt --layers 4 --d-model 128 --heads 4 --seq-len 64 --vocab 256 --batch-size 16 --micro-batches 4)
-threads=$(nproc)
-export OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
-mp=$(mpipe_median --config inputs/quickstart.toml --threads "$threads")
-pt=$(/usr/bin/python3 scripts/bench_cpu.py "${gpt[@]}" --threads "$threads" --steps "$steps")
-row "gpt quickstart (4x128, 16x64 tok)" "$threads" "$mp" "$pt"
+resnet=(--model inputs/resnet-small.toml --batch-size 64 --micro-batches 1)
+cnn=(--model inputs/cnn.toml --batch-size 32 --micro-batches 4)
+resnet18=(--model "$tmp/resnet18.toml" --batch-size 32 --micro-batches 1)
+for threads in ${THREADS:-1 2}; do
+  row "mlp 4x1024, batch 256" "$threads" "${mlp[@]}" -- "${mlp[@]}"
+  # PyTorch runs each micro-batch's backward after its forward: 1F1B's order on one rank.
+  row "gpt quickstart (4x128, 16x64 tok, M 4)" "$threads" "${gpt[@]}" --schedule 1f1b -- "${gpt[@]}"
+  row "resnet-small (97k), 32x32, batch 64" "$threads" "${resnet[@]}" -- "${resnet[@]}"
+  row "inputs/cnn.toml, 32x32, batch 32, M 4" "$threads" "${cnn[@]}" -- "${cnn[@]}"
+  row "resnet-18 width 16, 64x64, batch 32" "$threads" "${resnet18[@]}" -- "${resnet18[@]}"
+done
