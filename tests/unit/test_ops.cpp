@@ -426,22 +426,36 @@ TEST_CASE("conv2d on the CPU: the direct sums, forward and backward, for every w
     const auto bias = normals(static_cast<std::size_t>(w.OC), 3);
     const auto dy = normals(static_cast<std::size_t>(w.N * w.OC * w.OH * w.OW), 4);
     const DirectConv want(w, x, kernel, bias, dy);
-    std::vector<float> cols(static_cast<std::size_t>(std::max<int64_t>(1, cpu::conv2d_cols(w))));
-    std::vector<float> out(want.out.size());
-    cpu::conv2d_forward(out.data(), x.data(), kernel.data(), bias.data(), cols.data(), w);
-    check_close(out, want.out, "out");
-    // Input gradient overwritten, then accumulated; parameter gradients accumulate.
-    std::vector<float> dinp(x.size(), 7.0f), dweight(kernel.size(), 0.0f), dbias(bias.size(), 0.0f);
-    cpu::conv2d_backward(dinp.data(), dweight.data(), dbias.data(), dy.data(), x.data(), kernel.data(), cols.data(), w,
-                         GradMode::overwrite);
-    check_close(dinp, want.dinp, "dinp");
-    check_close(dweight, want.dweight, "dweight");
-    check_close(dbias, want.dbias, "dbias");
-    cpu::conv2d_backward(dinp.data(), nullptr, nullptr, dy.data(), x.data(), kernel.data(), cols.data(), w,
-                         GradMode::accumulate);
-    std::vector<double> twice = want.dinp;
-    for (double& v : twice) v *= 2;
-    check_close(dinp, twice, "dinp accumulated");
+    // One thread, then two (samples side by side): the same bits.
+    std::vector<float> first_out, first_dinp, first_dweight;
+    for (const int threads : {1, 2}) {
+      CAPTURE(threads);
+      cpu::set_threads(threads);
+      std::vector<float> cols(static_cast<std::size_t>(std::max<int64_t>(1, cpu::conv2d_cols(w))));
+      std::vector<float> out(want.out.size());
+      cpu::conv2d_forward(out.data(), x.data(), kernel.data(), bias.data(), cols.data(), w);
+      check_close(out, want.out, "out");
+      // Input gradient overwritten, then accumulated; parameter gradients accumulate.
+      std::vector<float> dinp(x.size(), 7.0f), dweight(kernel.size(), 0.0f), dbias(bias.size(), 0.0f);
+      cpu::conv2d_backward(dinp.data(), dweight.data(), dbias.data(), dy.data(), x.data(), kernel.data(), cols.data(), w,
+                           GradMode::overwrite);
+      check_close(dinp, want.dinp, "dinp");
+      check_close(dweight, want.dweight, "dweight");
+      check_close(dbias, want.dbias, "dbias");
+      if (threads == 1) {
+        first_out = out, first_dinp = dinp, first_dweight = dweight;
+      } else {
+        CHECK(out == first_out);
+        CHECK(dinp == first_dinp);
+        CHECK(dweight == first_dweight);
+      }
+      cpu::conv2d_backward(dinp.data(), nullptr, nullptr, dy.data(), x.data(), kernel.data(), cols.data(), w,
+                           GradMode::accumulate);
+      std::vector<double> twice = want.dinp;
+      for (double& v : twice) v *= 2;
+      check_close(dinp, twice, "dinp accumulated");
+    }
+    cpu::set_threads(1);
   }
 }
 

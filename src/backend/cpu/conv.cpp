@@ -1,6 +1,7 @@
 // CPU convolution (im2col + BLAS) and pooling over NCHW tensors. Deterministic for any
 // thread count: the samples run in order, threads split channels or output planes.
 #include <cblas.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -84,16 +85,26 @@ void col2im_add(float* plane, const float* cols, int64_t Cg, const Window2d& w) 
 
 }  // namespace
 
-int64_t conv2d_cols(const Window2d& w) { return pointwise(w) ? 0 : w.C / w.groups * w.KH * w.KW * w.OH * w.OW; }
+// Samples run side by side, one per thread, each with its own columns (a sample's output
+// and input gradient are its own: the same bits for any thread count); one sample, or one
+// thread, runs its im2col and GEMMs on every thread instead.
+int64_t conv_lanes(const Window2d& w) { return std::max<int64_t>(1, std::min<int64_t>(threads(), w.N)); }
+
+int64_t conv2d_cols(const Window2d& w) {
+  return pointwise(w) ? 0 : conv_lanes(w) * (w.C / w.groups * w.KH * w.KW * w.OH * w.OW);
+}
 
 void conv2d_forward(float* out, const float* inp, const float* weight, const float* bias, float* cols,
                     const Window2d& w) {
   const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups, K = Cg * w.KH * w.KW, P = w.OH * w.OW;
-  for (int64_t n = 0; n < w.N; ++n)
+  const int64_t lanes = conv_lanes(w);
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(lanes)) if (lanes > 1)
+  for (int64_t n = 0; n < w.N; ++n) {
+    float* lane = pointwise(w) ? nullptr : cols + (lanes > 1 ? omp_get_thread_num() : 0) * K * P;
     for (int64_t g = 0; g < w.groups; ++g) {
       const float* x = inp + (n * w.C + g * Cg) * w.H * w.W;
-      if (!pointwise(w)) im2col(cols, x, Cg, w);
-      const float* c = pointwise(w) ? x : cols;
+      if (!pointwise(w)) im2col(lane, x, Cg, w);
+      const float* c = pointwise(w) ? x : lane;
       float* o = out + (n * w.OC + g * OCg) * P;
       if (bias) {
         for (int64_t oc = 0; oc < OCg; ++oc) std::fill(o + oc * P, o + (oc + 1) * P, bias[g * OCg + oc]);
@@ -101,16 +112,18 @@ void conv2d_forward(float* out, const float* inp, const float* weight, const flo
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, OCg, P, K, 1.0f, weight + g * OCg * K, K, c, P,
                   bias ? 1.0f : 0.0f, o, P);
     }
+  }
 }
 
 void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
                      const float* weight, float* cols, const Window2d& w, GradMode mode) {
   const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups, K = Cg * w.KH * w.KW, P = w.OH * w.OW;
-  if (dinp && mode == GradMode::overwrite) std::memset(dinp, 0, sizeof(float) * static_cast<size_t>(w.N * w.C * w.H * w.W));
-  for (int64_t n = 0; n < w.N; ++n)
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const float* d = dout + (n * w.OC + g * OCg) * P;
-      if (dweight) {
+  // Parameter gradients: the samples in order (the order of every sum), threads inside
+  // each sample's im2col and GEMM.
+  if (dweight)
+    for (int64_t n = 0; n < w.N; ++n)
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const float* d = dout + (n * w.OC + g * OCg) * P;
         if (dbias)
           for (int64_t oc = 0; oc < OCg; ++oc) {
             double sum = 0;
@@ -123,14 +136,23 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
         cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, OCg, K, P, 1.0f, d, P, pointwise(w) ? x : cols, P, 1.0f,
                     dweight + g * OCg * K, K);
       }
-      if (!dinp) continue;
+  if (!dinp) return;
+  // The input gradient: each sample's own, side by side as the forward.
+  const int64_t lanes = conv_lanes(w);
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(lanes)) if (lanes > 1)
+  for (int64_t n = 0; n < w.N; ++n) {
+    float* lane = pointwise(w) ? nullptr : cols + (lanes > 1 ? omp_get_thread_num() : 0) * K * P;
+    if (mode == GradMode::overwrite) std::fill_n(dinp + n * w.C * w.H * w.W, w.C * w.H * w.W, 0.0f);
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float* d = dout + (n * w.OC + g * OCg) * P;
       // dcols (K, P) = W_g^T (K, OCg) . dout_g (OCg, P), added back to the input plane
       // (a pointwise window's columns are the plane: the GEMM adds to it).
       float* dx = dinp + (n * w.C + g * Cg) * w.H * w.W;
       cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, K, P, OCg, 1.0f, weight + g * OCg * K, K, d, P,
-                  pointwise(w) ? 1.0f : 0.0f, pointwise(w) ? dx : cols, P);
-      if (!pointwise(w)) col2im_add(dx, cols, Cg, w);
+                  pointwise(w) ? 1.0f : 0.0f, pointwise(w) ? dx : lane, P);
+      if (!pointwise(w)) col2im_add(dx, lane, Cg, w);
     }
+  }
 }
 
 void maxpool2d_forward(float* out, int32_t* argmax, const float* inp, const Window2d& w) {

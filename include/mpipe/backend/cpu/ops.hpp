@@ -102,8 +102,9 @@ void dropout_apply(float* out, const float* inp, int64_t B, int64_t per_sample, 
 // ---- convolution and pooling over NCHW (conv.cpp) ------------------------------------
 using mpipe::Window2d;
 // out (N, OC, OH, OW) = conv(inp, weight (OC, C/g, KH, KW)) + bias (OC; may be null),
-// through im2col and one GEMM per sample and group. `cols` is scratch of
-// conv2d_cols(w) floats. Overwrites out.
+// through im2col and one GEMM per sample and group; with threads, samples side by side
+// (one per thread, each its own columns). `cols` is scratch of conv2d_cols(w) floats (it
+// grows with threads()). Overwrites out.
 int64_t conv2d_cols(const Window2d& w);
 void conv2d_forward(float* out, const float* inp, const float* weight, const float* bias, float* cols,
                     const Window2d& w);
