@@ -6,6 +6,8 @@
 #   ROUNDS=N  measurements of each row, alternating mpipe and PyTorch (default 1); the
 #             median step of each side over its rounds is reported
 #   THREADS="1 2"  thread counts (default: 1 and 2)
+#   BASELINE=PATH  an older mpipe binary: its step time and memory in the same rounds, and
+#             this build's as a ratio of them
 # Memory: mpipe's own "peak activation memory" line (its arenas' high-water mark: what a
 # step keeps for backward, plus its scratch); PyTorch's, the most its C heap grew during
 # one step (scripts/heap_peak.c, preloaded, counts every malloc), i.e. the step's
@@ -24,7 +26,7 @@ gcc -O2 -shared -fPIC scripts/heap_peak.c -o "$tmp/heap_peak.so"
 # mpipe ARGS...: "median_step_s peak_bytes" of an mpipe run, from its metrics file
 # (first 3 steps excluded) and its peak activation memory line.
 mpipe_run() {
-  build/release/mpipe train --steps "$steps" --log-every 1000000 --weight-decay 0.01 --metrics "$tmp/m.jsonl" "$@" > "$tmp/out"
+  "${MPIPE:-build/release/mpipe}" train --steps "$steps" --log-every 1000000 --weight-decay 0.01 --metrics "$tmp/m.jsonl" "$@" > "$tmp/out"
   /usr/bin/python3 - "$tmp/m.jsonl" "$tmp/out" <<'PY'
 import json, re, statistics, sys
 t = [r["step_time_s"] for r in map(json.loads, open(sys.argv[1])) if "step" in r][3:]  # not the summary line
@@ -42,7 +44,8 @@ torch_run() {
 }
 
 echo "OpenBLAS kernels: $blas_core (mpipe and PyTorch)"
-printf '%-40s %7s %10s %10s %7s %11s %11s %7s\n' model threads "mpipe ms" "torch ms" ratio "mpipe MiB" "torch MiB" ratio
+printf '%-40s %7s %10s %10s %7s %11s %11s %7s' model threads "mpipe ms" "torch ms" ratio "mpipe MiB" "torch MiB" ratio
+[[ -z ${BASELINE:-} ]] && echo || printf ' %10s %7s %10s %7s\n' "base ms" "/ base" "base MiB" "/ base"
 # row NAME THREADS MPIPE_ARGS... -- TORCH_ARGS...: ROUNDS alternating runs of each side.
 row() {
   local name=$1 threads=$2
@@ -54,15 +57,21 @@ row() {
   export OMP_NUM_THREADS=$threads OPENBLAS_NUM_THREADS=$threads
   : > "$tmp/rounds"
   for _ in $(seq "$rounds"); do
-    echo "$(mpipe_run "${mp[@]}" --threads "$threads") $(torch_run "${pt[@]}" --threads "$threads")" >> "$tmp/rounds"
+    local base=""
+    [[ -z ${BASELINE:-} ]] || base=$(MPIPE=$BASELINE mpipe_run "${mp[@]}" --threads "$threads")
+    echo "$(mpipe_run "${mp[@]}" --threads "$threads") $(torch_run "${pt[@]}" --threads "$threads") $base" >> "$tmp/rounds"
   done
   /usr/bin/python3 - "$name" "$threads" "$tmp/rounds" <<'PY'
 import statistics, sys
 rows = [list(map(float, line.split())) for line in open(sys.argv[3])]
-med = [statistics.median(r[i] for r in rows) for i in range(4)]
+med = [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
 mp_s, mp_b, pt_s, pt_b = med[0], max(r[1] for r in rows), med[2], max(r[3] for r in rows)
-print("%-40s %7s %10.1f %10.1f %7.3f %11.1f %11.1f %7.3f" % (sys.argv[1], sys.argv[2], mp_s * 1e3, pt_s * 1e3, mp_s / pt_s,
-      mp_b / 2**20, pt_b / 2**20, mp_b / pt_b))
+line = "%-40s %7s %10.1f %10.1f %7.3f %11.1f %11.1f %7.3f" % (sys.argv[1], sys.argv[2], mp_s * 1e3, pt_s * 1e3, mp_s / pt_s,
+       mp_b / 2**20, pt_b / 2**20, mp_b / pt_b)
+if len(med) > 4:  # the baseline's: the ratios are this build's over it
+    base_s, base_b = med[4], max(r[5] for r in rows)
+    line += " %10.1f %7.3f %10.1f %7.3f" % (base_s * 1e3, mp_s / base_s, base_b / 2**20, mp_b / base_b)
+print(line)
 PY
 }
 
