@@ -23,16 +23,16 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 gcc -O2 -shared -fPIC scripts/heap_peak.c -o "$tmp/heap_peak.so"
 
-# mpipe ARGS...: "median_step_s peak_bytes" of an mpipe run, from its metrics file
-# (first 3 steps excluded) and its peak activation memory line.
+# mpipe ARGS...: "median_step_s peak_bytes" of an mpipe run, from its metrics file (first
+# 3 steps excluded; the summary record's peak activation bytes).
 mpipe_run() {
-  "${MPIPE:-build/release/mpipe}" train --steps "$steps" --log-every 1000000 --weight-decay 0.01 --metrics "$tmp/m.jsonl" "$@" > "$tmp/out"
-  /usr/bin/python3 - "$tmp/m.jsonl" "$tmp/out" <<'PY'
-import json, re, statistics, sys
-t = [r["step_time_s"] for r in map(json.loads, open(sys.argv[1])) if "step" in r][3:]  # not the summary line
-m = re.search(r"peak activation memory per rank: ([0-9.]+) (B|KiB|MiB|GiB)", open(sys.argv[2]).read())
-unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m.group(2)]
-print(f"{statistics.median(t):.6f} {float(m.group(1)) * unit:.0f}")
+  "${MPIPE:-build/release/mpipe}" train --steps "$steps" --log-every 1000000 --weight-decay 0.01 --metrics "$tmp/m.jsonl" "$@" > /dev/null
+  /usr/bin/python3 - "$tmp/m.jsonl" <<'PY'
+import json, statistics, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+t = [r["step_time_s"] for r in records if "step" in r][3:]
+peak = max(next(r for r in records if "peak_activation_bytes_per_rank" in r)["peak_activation_bytes_per_rank"])
+print(f"{statistics.median(t):.6f} {peak:.0f}")
 PY
 }
 # PyTorch's GEMMs go through the same OpenBLAS: its kernels are set to those mpipe runs

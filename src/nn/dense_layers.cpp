@@ -89,7 +89,7 @@ Cost ReLU::cost(const Shape& in) const {
 }
 
 Tensor ReLU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  const bool over = in_place_ && x.data != pass.stage_input && x.dtype == pass.dtype;
+  const bool over = in_place_ && x.data != pass.stage_input;
   Tensor y = over ? x : pass.arena->tensor(x.shape, pass.dtype);
   ops::relu_forward(y, x);
   ctx.saved[0] = y;  // backward needs only the sign of the output

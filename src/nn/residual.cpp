@@ -91,7 +91,7 @@ Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   for (std::size_t j = 0; j < skip_.size(); ++j) skip = skip_[j]->forward(skip, c[n + j], pass);
   // Over the last inner layer's output where that is dead to it (a BatchNorm's); else a
   // fresh sum: a layer may keep its own output (ReLU does) or pass its input on.
-  if (sums_in_place() && h.data != x.data && h.dtype == pass.dtype) {
+  if (sums_in_place() && h.data != x.data) {
     ops::add(h, skip);
     return h;
   }

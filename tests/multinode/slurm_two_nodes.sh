@@ -126,18 +126,7 @@ cd "$root"
 # What sbatch passes on (it exports this environment): Open MPI on the bridge.
 export MPIPE=$mpipe OMPI_MCA_btl_tcp_if_include=$net.0/24 OMPI_MCA_oob_tcp_if_include=$net.0/24 \
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-cat > "$work/small.toml" <<TOML
-model = "gpt"
-layers = 2
-d-model = 128
-heads = 4
-seq-len = 64
-vocab = 64
-batch-size = 8
-micro-batches = 4
-log-every = 1
-lr = 0.003
-TOML
+slurm_small_config "$work/small.toml" 128 64
 steps=150
 # train.sbatch's GPU shape, made what these nodes have: one task of one CPU a node, no GPUs.
 shape=(-N 2 --ntasks-per-node=1 --cpus-per-task=1 --gpus-per-task=0)

@@ -13,6 +13,23 @@ slurm_install() {
   fi
 }
 
+# slurm_small_config FILE D_MODEL SEQ_LEN: the jobs' options file, a 2-layer GPT of that width
+# and context (batch 8 in 4 micro-batches, a loss line every step).
+slurm_small_config() {
+  cat > "$1" <<TOML
+model = "gpt"
+layers = 2
+d-model = $2
+heads = 4
+seq-len = $3
+vocab = 64
+batch-size = 8
+micro-batches = 4
+log-every = 1
+lr = 0.003
+TOML
+}
+
 # A working munged: the one running, or one started here, whose pid goes to stdout (the
 # daemon's own, not runuser's), for the caller to stop. The key exists after Debian's
 # install; /run/munge must belong to munge. Returns 1 when it does not start.

@@ -56,18 +56,7 @@ echo "slurm: node $host idle"
 
 cd "$root"
 export MPIPE=$mpipe OMPI_MCA_rmaps_base_oversubscribe=1
-cat > "$work/small.toml" <<TOML
-model = "gpt"
-layers = 2
-d-model = 32
-heads = 4
-seq-len = 16
-vocab = 64
-batch-size = 8
-micro-batches = 4
-log-every = 1
-lr = 0.003
-TOML
+slurm_small_config "$work/small.toml" 32 16
 
 # 1. The CPU training script, two stages.
 CHECKPOINT_DIR=$work/ckpt-cpu sbatch --wait -o "$work/cpu.log" slurm/train-cpu.sbatch "$work/small.toml" --steps 6 \

@@ -4,6 +4,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -90,6 +91,12 @@ void col2im_add(float* plane, const float* cols, int64_t Cg, const Window2d& w) 
 // thread, runs its im2col and GEMMs on every thread instead.
 int64_t conv_lanes(const Window2d& w) { return std::max<int64_t>(1, std::min<int64_t>(threads(), w.N)); }
 
+// This thread's columns among `lanes` (none for a pointwise window), inside the samples' loop.
+float* lane_cols(float* cols, int64_t lanes, const Window2d& w) {
+  if (pointwise(w)) return nullptr;
+  return cols + (lanes > 1 ? omp_get_thread_num() : 0) * (w.C / w.groups * w.KH * w.KW * w.OH * w.OW);
+}
+
 int64_t conv2d_cols(const Window2d& w) {
   return pointwise(w) ? 0 : conv_lanes(w) * (w.C / w.groups * w.KH * w.KW * w.OH * w.OW);
 }
@@ -100,7 +107,7 @@ void conv2d_forward(float* out, const float* inp, const float* weight, const flo
   const int64_t lanes = conv_lanes(w);
 #pragma omp parallel for schedule(static) num_threads(static_cast<int>(lanes)) if (lanes > 1)
   for (int64_t n = 0; n < w.N; ++n) {
-    float* lane = pointwise(w) ? nullptr : cols + (lanes > 1 ? omp_get_thread_num() : 0) * K * P;
+    float* lane = lane_cols(cols, lanes, w);
     for (int64_t g = 0; g < w.groups; ++g) {
       const float* x = inp + (n * w.C + g * Cg) * w.H * w.W;
       if (!pointwise(w)) im2col(lane, x, Cg, w);
@@ -141,7 +148,7 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
   const int64_t lanes = conv_lanes(w);
 #pragma omp parallel for schedule(static) num_threads(static_cast<int>(lanes)) if (lanes > 1)
   for (int64_t n = 0; n < w.N; ++n) {
-    float* lane = pointwise(w) ? nullptr : cols + (lanes > 1 ? omp_get_thread_num() : 0) * K * P;
+    float* lane = lane_cols(cols, lanes, w);
     if (mode == GradMode::overwrite) std::fill_n(dinp + n * w.C * w.H * w.W, w.C * w.H * w.W, 0.0f);
     for (int64_t g = 0; g < w.groups; ++g) {
       const float* d = dout + (n * w.OC + g * OCg) * P;
@@ -243,21 +250,29 @@ void avgpool2d_backward(float* dinp, const float* dout, const Window2d& w, GradM
 namespace {
 constexpr int kLanes = 16;
 
-// Sums of f(x[i]) (and of g(x[i], y[i])) over a channel's N planes, in double.
-template <class F>
-double channel_sum(const float* inp, int64_t c, int64_t N, int64_t C, int64_t plane, F f) {
-  double lane[kLanes] = {};
+// The S sums of f(at) over the flat indices `at` of channel c of (N, C, plane), each in
+// kLanes interleaved double partial sums, added up in lane order.
+template <std::size_t S, class F>
+std::array<double, S> channel_sums(int64_t c, int64_t N, int64_t C, int64_t plane, F f) {
+  double lane[S][kLanes] = {};
   for (int64_t n = 0; n < N; ++n) {
-    const float* x = inp + (n * C + c) * plane;
+    const int64_t base = (n * C + c) * plane;
     int64_t i = 0;
     for (; i + kLanes <= plane; i += kLanes)
 #pragma omp simd
-      for (int j = 0; j < kLanes; ++j) lane[j] += f(x[i + j]);
-    for (int j = 0; i < plane; ++i, ++j) lane[j] += f(x[i]);
+      for (int j = 0; j < kLanes; ++j) {
+        const std::array<double, S> v = f(base + i + j);
+        for (std::size_t k = 0; k < S; ++k) lane[k][j] += v[k];
+      }
+    for (int j = 0; i < plane; ++i, ++j) {
+      const std::array<double, S> v = f(base + i);
+      for (std::size_t k = 0; k < S; ++k) lane[k][j] += v[k];
+    }
   }
-  double sum = 0;
-  for (double v : lane) sum += v;
-  return sum;
+  std::array<double, S> sums{};
+  for (std::size_t k = 0; k < S; ++k)
+    for (double v : lane[k]) sums[k] += v;
+  return sums;
 }
 
 // y = x * scale + shift over channel c of (N, C, plane).
@@ -278,12 +293,12 @@ void batchnorm_forward_train(float* out, float* mean, float* rstd, float* runnin
   if (sums) sums[0] += count;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < C; ++c) {
-    const double sum = channel_sum(inp, c, N, C, plane, [](float v) { return static_cast<double>(v); });
+    const double sum = channel_sums<1>(c, N, C, plane, [inp](int64_t at) { return std::array{static_cast<double>(inp[at])}; })[0];
     const double m = sum / count;
-    const double squares = channel_sum(inp, c, N, C, plane, [m](float v) {
-      const double d = static_cast<double>(v) - m;
-      return d * d;
-    });
+    const double squares = channel_sums<1>(c, N, C, plane, [inp, m](int64_t at) {
+      const double d = static_cast<double>(inp[at]) - m;
+      return std::array{d * d};
+    })[0];
     const double var = squares / count;
     const float r = static_cast<float>(1.0 / std::sqrt(var + eps));
     mean[c] = static_cast<float>(m);
@@ -331,28 +346,10 @@ void batchnorm_backward(float* dinp, float* dweight, float* dbias, const float* 
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < C; ++c) {
     const float mc = mean[c], rc = rstd[c];
-    // sum(dy) and sum(dy * xhat), each in kLanes interleaved double partial sums.
-    double lane_dy[kLanes] = {}, lane_dyx[kLanes] = {};
-    for (int64_t n = 0; n < N; ++n) {
-      const float* x = inp + (n * C + c) * plane;
-      const float* dy = dout + (n * C + c) * plane;
-      int64_t i = 0;
-      for (; i + kLanes <= plane; i += kLanes)
-#pragma omp simd
-        for (int j = 0; j < kLanes; ++j) {
-          lane_dy[j] += dy[i + j];
-          lane_dyx[j] += dy[i + j] * (x[i + j] - mc) * rc;
-        }
-      for (int j = 0; i < plane; ++i, ++j) {
-        lane_dy[j] += dy[i];
-        lane_dyx[j] += dy[i] * (x[i] - mc) * rc;
-      }
-    }
-    double sum_dy = 0, sum_dy_xhat = 0;
-    for (int j = 0; j < kLanes; ++j) {
-      sum_dy += lane_dy[j];
-      sum_dy_xhat += lane_dyx[j];
-    }
+    // sum(dy) and sum(dy * xhat), in one pass.
+    const auto [sum_dy, sum_dy_xhat] = channel_sums<2>(c, N, C, plane, [=](int64_t at) {
+      return std::array{static_cast<double>(dout[at]), static_cast<double>(dout[at] * (inp[at] - mc) * rc)};
+    });
     dweight[c] += static_cast<float>(sum_dy_xhat);
     dbias[c] += static_cast<float>(sum_dy);
     if (!dinp) continue;
