@@ -55,6 +55,12 @@ TEST_CASE("sum_squares does not depend on the thread count") {
   double exact = 0;
   for (float v : x) exact += static_cast<double>(v) * v;
   CHECK(one == doctest::Approx(exact).epsilon(1e-12));
+  // Every length the chunks and lanes split unevenly, and the empty one.
+  for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{15}, int64_t{16}, int64_t{17}, int64_t{64 * 16 + 5}, int64_t{100003}}) {
+    long double direct = 0;
+    for (int64_t i = 0; i < n; ++i) direct += static_cast<long double>(x[static_cast<std::size_t>(i)]) * x[static_cast<std::size_t>(i)];
+    CHECK(cpu::sum_squares(x.data(), n) == doctest::Approx(static_cast<double>(direct)).epsilon(1e-13));
+  }
 }
 
 TEST_CASE("matmul matches a naive triple loop, bias included") {

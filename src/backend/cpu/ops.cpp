@@ -486,16 +486,25 @@ void scale(float* y, float factor, int64_t n) {
 }
 
 double sum_squares(const float* x, int64_t n) {
-  // A fixed number of chunks, each summed in order, then the chunks in order: the
-  // result depends on n alone, not on the thread count.
+  // A fixed number of chunks, each summed in `lanes` interleaved partial sums (one
+  // dependency chain per element was latency bound: 70 ms for a GPT's 53M gradients on
+  // one core), the lanes in order, then the chunks in order: the result depends on n
+  // alone, not on the thread count.
   constexpr int64_t chunks = 64;
+  constexpr int lanes = 16;
   double partial[chunks];
   const int64_t per = (n + chunks - 1) / chunks;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < chunks; ++c) {
-    double acc = 0.0;
+    double lane[lanes] = {};
+    int64_t i = std::min(n, c * per);
     const int64_t end = std::min(n, (c + 1) * per);
-    for (int64_t i = c * per; i < end; ++i) acc += static_cast<double>(x[i]) * x[i];
+    for (; i + lanes <= end; i += lanes)
+#pragma omp simd
+      for (int j = 0; j < lanes; ++j) lane[j] += static_cast<double>(x[i + j]) * x[i + j];
+    for (int j = 0; i < end; ++i, ++j) lane[j] += static_cast<double>(x[i]) * x[i];
+    double acc = 0.0;
+    for (const double v : lane) acc += v;
     partial[c] = acc;
   }
   double total = 0.0;
