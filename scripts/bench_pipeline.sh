@@ -12,6 +12,10 @@
 #  3. bench_comm: blocking MPI_Allreduce and point-to-point against what the executor
 #     does with the same bytes (an activation of the ladder's model, and a GPT-2 tied
 #     embedding's 154 MB), with and without single-copy.
+#  3b. The sums in training (a GPT-2 sized embedding: 2 blocks x 768, vocab 50257): the tied sum at
+#     K = 2 (from the later rank's start to the end, and the first stage's whole allreduce phase)
+#     and the embedding's replica sum at D = 2 x K = 1 (later start to end), from the run's trace,
+#     against a blocking MPI_Allreduce of the same bytes (bench_comm) in the same run.
 #  4. Schedules at K = 2 (gpipe, 1f1b, zb-h1, zb-h2, interleaved with v = 2, zbv, a schedule file; zb-h1 again with
 #     --in-flight 1f1b, row @1f1b; zb-h2 and zbv
 #     again with --overlap-steps, rows +ov): tokens/s, measured against simulated bubble (+ov: of steps back to back),
@@ -26,6 +30,7 @@
 #   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
 #   STEPS=5  steps per run (the first excluded: it sizes the arenas)   REPEAT=2  rounds of the ladder
 #   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm   LADDER=0: skip the K ladder
+#   SUMS=0: skip table 3b (STEPS3B=6 steps, the first excluded)
 #   SCHEDULES=0: skip table 4 (gpipe, 1f1b, zb-h1, zb-h2, interleaved, zbv and a schedule file at K = 2, MS4="4 8",
 #   ROUNDS4=1 rounds, each schedule once per round, interleaved)
 #   ZB=0: skip table 5 (the quickstart GPT at K = 2, M = 4: 1f1b, zb-h1 and zb-h1 --in-flight 1f1b, ROUNDS5=3 rounds
@@ -205,6 +210,55 @@ if [[ "${COMM:-1}" != 0 ]]; then
     echo
     echo "3. bench_comm, 2 ranks, shared memory $transport"
     mpirun -n 2 --bind-to core "${launcher[@]}" build/release/tests/bench_comm --sizes-mb "$act_mb,154"
+  done
+fi
+
+# ---- 3b. the sums in training against blocking MPI ------------------------------------------
+if [[ "${SUMS:-1}" != 0 ]]; then
+  steps3b=${STEPS3B:-6}
+  sums_model=(--model gpt --layers 2 --d-model 768 --heads 12 --seq-len 64 --vocab 50257 --batch-size 8
+              --micro-batches 4 --threads 1 --steps "$steps3b" --log-every 1000000 --resume never --lr 1e-4)
+  # The embedding's bytes: its table (vocab x 768) and positions (64 x 768), fp32.
+  emb_mb=$(/usr/bin/python3 -c "print((50257 + 64) * 768 * 4 / 1e6)")
+  # sums_of TRACE CATEGORY [LAYER] -> "later_start_to_end_ms" (median over the traced steps): the
+  # sum (of LAYER; any layer: the tie's two ends are two layers) from the later rank's post to
+  # the later rank's completion
+  sums_of() {
+    /usr/bin/python3 - "$@" <<'PY'
+import json, statistics, sys
+events = json.load(open(sys.argv[1]))["traceEvents"]
+steps = {}
+for e in events:
+    if e.get("cat") == sys.argv[2] and (len(sys.argv) < 4 or e["args"].get("layer") == int(sys.argv[3])):
+        steps.setdefault(e["args"]["step"], []).append((e["ts"], e["ts"] + e["dur"]))
+spans = [(max(s for s, _ in v), max(t for _, t in v)) for v in steps.values() if len(v) == 2]
+print(round(statistics.median((t - s) / 1e3 for s, t in spans), 2))
+PY
+  }
+  for transport in single-copy none; do
+    launcher=()
+    [[ $transport == none ]] && launcher=("${nocma[@]}")
+    blocking=$(mpirun -n 2 --bind-to core "${launcher[@]}" build/release/tests/bench_comm --sizes-mb "$emb_mb" --reps 5 |
+               awk '$1 == "allreduce" { print $3 }')
+    mpirun -n 2 --bind-to core "${launcher[@]}" build/release/mpipe train "${sums_model[@]}" --stages 2 \
+      --trace "$tmp/tied.json" --summary "$tmp/s.json" > "$tmp/log"
+    tied=$(sums_of "$tmp/tied.json" "tied-weight sum")
+    phase=$(/usr/bin/python3 -c "import json; print(json.load(open('$tmp/s.json'))['phase_s'][0]['allreduce'][1] * 1e3)")
+    mpirun -n 2 --bind-to core "${launcher[@]}" build/release/mpipe train "${sums_model[@]}" --replicas 2 --stages 1 \
+      --trace "$tmp/replica.json" --summary "$tmp/s.json" > "$tmp/log"
+    replica=$(sums_of "$tmp/replica.json" "gradient sum" 0)
+    echo
+    echo "3b. the sums in training, GPT 2 blocks x 768, vocab 50257 (the embedding: $emb_mb MB), shared memory $transport;"
+    echo "    medians over steps 2-$steps3b; ratio = time / a blocking MPI_Allreduce of the embedding's bytes ($blocking ms, bench_comm, same run)"
+    /usr/bin/python3 - "$blocking" "$tied" "$phase" "$replica" <<'PY'
+import sys
+blocking, tied, phase, replica = map(float, sys.argv[1:])
+print(f"{'sum':<58} {'ms':>9} {'ratio':>7}")
+for name, ms in (("tied sum at K = 2: later rank's start to end", tied),
+                 ("  the first stage's allreduce phase (tied sum, norms, agreement)", phase),
+                 ("replica sum of the embedding at D = 2: later start to end", replica)):
+    print(f"{name:<58} {ms:9.2f} {ms / blocking:6.2f}x")
+PY
   done
 fi
 

@@ -7,17 +7,29 @@
 
 namespace mpipe {
 
+int PairSum::pieces(std::size_t floats) {
+  return static_cast<int>(std::clamp<std::size_t>(floats / min_piece_floats, 1, max_pieces));
+}
+
 PairSum::PairSum(const Communicator& group, int partner, Progress& progress, MessagePath path, std::span<float> span,
                  int tag)
     : group_(group), partner_(partner), progress_(progress), device_(path.device), span_(span), tag_(tag),
-      incoming_(Shape{static_cast<std::int64_t>(span.size())}, DType::f32, path), outgoing_(span.size_bytes(), path) {
+      outgoing_(span.size_bytes(), path) {
   MPIPE_CHECK(partner >= 0 && partner < group.size() && partner != group.rank(), "a pair sum with rank ", partner,
               " of ", group.size());
+  const auto n = static_cast<std::size_t>(pieces(span.size()));
+  pieces_.reserve(n);
+  for (std::size_t p = 0; p < n; ++p) {
+    const std::size_t begin = span.size() * p / n, end = span.size() * (p + 1) / n;
+    pieces_.push_back({begin, end - begin, Inbox(Shape{static_cast<std::int64_t>(end - begin)}, DType::f32, path)});
+  }
 }
 
 void PairSum::post_receive() {
-  MPIPE_CHECK(receive_ == Progress::none && send_ == Progress::none, "a pair sum posted twice");
-  receive_ = progress_.track(group_.irecv(incoming_.wire(), partner_, tag_), true);
+  for (Piece& p : pieces_) {
+    MPIPE_CHECK(p.receive == Progress::none && p.send == Progress::none, "a pair sum posted twice");
+    p.receive = progress_.track(group_.irecv(p.incoming.wire(), partner_, tag_), true);
+  }
 }
 
 void PairSum::start() {
@@ -25,20 +37,24 @@ void PairSum::start() {
   const std::span<const std::byte> wire =
       outgoing_.leave(Tensor{span_.data(), Shape{static_cast<std::int64_t>(span_.size())}, DType::f32, device_});
   outgoing_.wait();
-  send_ = progress_.track(group_.isend(wire, partner_, tag_), true);
+  for (Piece& p : pieces_)
+    p.send = progress_.track(group_.isend(wire.subspan(p.offset * sizeof(float), p.count * sizeof(float)), partner_, tag_), true);
 }
 
 Progress::Completion PairSum::finish(double timeout_s, const char* what, int index) {
   MPIPE_CHECK(started(), "a pair sum finished before it started");
-  const Progress::Completion sent = progress_.wait(send_, timeout_s, what, index);
-  const Progress::Completion received =
-      progress_.wait(receive_, timeout_s, what, index, static_cast<long>(incoming_.wire().size()));
-  incoming_.arrived();  // the add below runs after it in compute order
-  ops::add(Tensor{span_.data(), incoming_.tensor().shape, DType::f32, device_}, incoming_.tensor());
   Progress::Completion c;
-  c.posted = sent.posted;
-  c.completed = std::max(sent.completed, received.completed);
-  c.waited = sent.waited + received.waited;
+  for (Piece& p : pieces_) {
+    // The add writes over the piece this rank sends: its send must have left.
+    const Progress::Completion sent = progress_.wait(p.send, timeout_s, what, index);
+    const Progress::Completion received =
+        progress_.wait(p.receive, timeout_s, what, index, static_cast<long>(p.incoming.wire().size()));
+    p.incoming.arrived();  // the add below runs after it in compute order
+    ops::add(Tensor{span_.data() + p.offset, p.incoming.tensor().shape, DType::f32, device_}, p.incoming.tensor());
+    if (&p == &pieces_.front()) c.posted = sent.posted;
+    c.completed = std::max({c.completed, sent.completed, received.completed});
+    c.waited += sent.waited + received.waited;
+  }
   return c;
 }
 

@@ -59,6 +59,8 @@ Plan::WeightMemory Plan::weight_memory(int stage, bool sharded) const {
   w.values = f32_bytes(params) * copies + (bf16 ? 2.0 * params : 0.0);
   w.gradients = f32_bytes(params) * copies;
   w.state = f32_bytes(params) * states / shards * copies;
+  const int D = grid.replicas;
+  if (D > 1) w.sums = f32_bytes(params) * (D - 1) / D;
   return w;
 }
 

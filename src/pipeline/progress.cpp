@@ -180,9 +180,15 @@ bool Progress::sweep(bool try_only) {
   return moved;
 }
 
-int Progress::sweep_while_moving(bool try_only) {
+int Progress::sweep_while_moving(bool try_only, bool for_thread) {
   int busy = 0;
-  while (busy < 64 && sweep(try_only)) ++busy;
+  while (busy < 64 && sweep(try_only)) {
+    ++busy;
+    if (for_thread) {
+      std::lock_guard lock(mutex_);
+      if (waiters_ > 0) break;
+    }
+  }
   return busy;
 }
 
@@ -208,7 +214,7 @@ void Progress::run() {
     posted_ = false;
     lock.unlock();
     // One slow sweep may be MPI's periodic housekeeping; two in a row are data moving.
-    hurry |= sweep_while_moving() >= 2;
+    hurry |= sweep_while_moving(false, true) >= 2;
     lock.lock();
     if (hurry) pause = std::min(quick, interval_);
     if (interval_.count() == 0) continue;
@@ -278,6 +284,27 @@ Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char
     throw Error(cat("received ", bytes, " bytes for ", what, " ", index, ", expected ", expected_bytes,
                     " (the stages disagree on the boundary shape)"));
   return c;
+}
+
+Progress::Attending::Attending(Progress& progress) : progress_(progress) {
+  std::lock_guard lock(progress_.mutex_);
+  ++progress_.waiters_;
+}
+
+Progress::Attending::~Attending() {
+  {
+    std::lock_guard lock(progress_.mutex_);
+    --progress_.waiters_;
+  }
+  progress_.work_.notify_one();
+}
+
+bool Progress::complete(Ticket ticket) {
+  if (ticket == none) return true;
+  std::lock_guard lock(mutex_);
+  const Slot& s = slots_[static_cast<std::size_t>(ticket)];
+  MPIPE_CHECK(s.in_use, "a test of ticket ", ticket, ", which is not tracked");
+  return s.done;
 }
 
 void Progress::adopt_incoming() {

@@ -33,7 +33,7 @@ Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, Par
       }
     }
   }
-  bucket_tickets_.assign(buckets_.size(), Progress::none);
+  MPIPE_CHECK(2 * buckets_.size() < 32767, "more gradient buckets than MPI tags: ", buckets_.size());
   // The sharded optimizer's pieces (as Optimizer's: trained views, not aliases), each
   // sent to every other replica and received from its owner.
   if (shard_optimizer && D > 1) {
@@ -115,7 +115,10 @@ Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, Par
 int Reducer::requests() const {
   // The buckets, the tied sums' two messages each, the closing allreduce and the
   // running statistics' sum.
-  return static_cast<int>(buckets_.size() + 2 * tied_spans_.size() + gather_tickets_.size()) + 2;
+  int pieces = 0;
+  for (const TiedSpan& t : tied_spans_) pieces += PairSum::pieces(t.count);
+  return static_cast<int>(buckets_.size()) * GroupSum::requests(grid_.replicas()) + 2 * pieces +
+         static_cast<int>(gather_tickets_.size()) + 2;
 }
 
 // The values the layers read are the master's (the CPU, fp32 on a GPU) or a compute copy
@@ -161,6 +164,16 @@ void Reducer::finish_gather() {
 
 void Reducer::connect(Progress& progress) {
   progress_ = &progress;
+  // Each bucket's sum over the gradients themselves, or over their pinned host copy
+  // (reduced there, all at once, in reduce()).
+  const std::span<float> grads =
+      device_.staged() && !buckets_.empty() ? std::span<float>(grad_staging_.as<float>(), params_.grads().size()) : params_.grads();
+  const MessagePath path = device_.staged() ? MessagePath{} : device_.path();
+  bucket_sums_.clear();
+  for (std::size_t b = 0; b < buckets_.size(); ++b)
+    bucket_sums_.push_back(std::make_unique<GroupSum>(grid_.data(), progress, path,
+                                                      grads.subspan(buckets_[b].begin, buckets_[b].end - buckets_[b].begin),
+                                                      2 * static_cast<int>(b)));
   for (TiedSpan& t : tied_spans_)
     t.sum = std::make_unique<PairSum>(grid_.tied(), grid_.tied_rank(t.partner_stage), progress, device_.path(),
                                       params_.grads().subspan(t.offset, t.count), t.tag);
@@ -182,45 +195,44 @@ void Reducer::clear_step_sums() {
 // together, from a host copy, in reduce().
 void Reducer::gradients_final(int layer) {
   const int b = bucket_of_[static_cast<std::size_t>(layer)];
-  if (b >= 0 && !device_.staged() && bucket_tickets_[static_cast<std::size_t>(b)] == Progress::none) {
+  if (b >= 0 && !device_.staged() && !bucket_sums_[static_cast<std::size_t>(b)]->started()) {
     device_.synchronize();  // MPI reads the gradients now
-    start_bucket(static_cast<std::size_t>(b), params_.grads());
+    bucket_sums_[static_cast<std::size_t>(b)]->start();
   }
+  // Sums whose first phase has arrived send their chunks' totals.
+  for (const auto& sum : bucket_sums_) sum->advance();
   if (!tied_early_) return;
   for (TiedSpan& t : tied_spans_)
     if (t.layer == layer) t.sum->start();
-}
-
-void Reducer::start_bucket(std::size_t bucket, std::span<float> grads) {
-  const Bucket& b = buckets_[bucket];
-  bucket_tickets_[bucket] = progress_->track(grid_.data().iallreduce(grads.subspan(b.begin, b.end - b.begin), Reduce::sum), false);
 }
 
 void Reducer::reduce() {
   done_.clear();
   const std::span<float> grads = params_.grads();
   auto wait_buckets = [&] {
-    for (std::size_t i = 0; i < buckets_.size(); ++i)
+    for (std::size_t i = 0; i < buckets_.size(); ++i) {
+      for (std::size_t j = i + 1; j < buckets_.size(); ++j) bucket_sums_[j]->advance();  // theirs move meanwhile
       done_.push_back({Sum::replicas, buckets_[i].lowest_layer,
-                       progress_->wait(bucket_tickets_[i], timeout_, "the gradient sum over replicas of layer",
-                                       buckets_[i].lowest_layer)});
+                       bucket_sums_[i]->finish(timeout_, "the gradient sum over replicas of layer",
+                                               buckets_[i].lowest_layer)});
+    }
   };
   if (device_.staged() && !buckets_.empty()) {
     // The same buckets as everywhere else (promise 1), reduced from a pinned copy.
     const std::span<float> host(grad_staging_.as<float>(), grads.size());
     cuda::copy_to_host(host.data(), grads.data(), grads.size_bytes());
     device_.synchronize();
-    for (std::size_t i = 0; i < buckets_.size(); ++i) start_bucket(i, host);
+    for (const auto& sum : bucket_sums_) sum->start();
     wait_buckets();
     cuda::copy_to_device(grads.data(), host.data(), grads.size_bytes());
   } else {
     // A layer that no gradients_final() named (none today) is summed now, never skipped.
     bool synchronized = false;
     for (std::size_t i = 0; i < buckets_.size(); ++i)
-      if (bucket_tickets_[i] == Progress::none) {
+      if (!bucket_sums_[i]->started()) {
         if (!synchronized) device_.synchronize();
         synchronized = true;
-        start_bucket(i, grads);
+        bucket_sums_[i]->start();
       }
     wait_buckets();
   }

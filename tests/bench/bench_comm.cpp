@@ -3,6 +3,9 @@
 // one run so that the ratios compare like with like:
 //   allreduce   blocking MPI_Allreduce, then MPI_Iallreduce waited on through Progress in
 //               each mode, every rank starting together (a barrier before each);
+//   bucket sum  a replica bucket's sum (GroupSum: our reduce-scatter and all-gather over
+//               Progress) over all the ranks, every rank starting together, against a
+//               blocking MPI_Allreduce over all the ranks (its own blocking column);
 //   tied sum    the executor's tied-weight sum (PairSum: the spans exchanged and added),
 //               in its case: one rank starts its sum, the other joins after computing
 //               for a while; timed from the later rank's start to the end;
@@ -21,6 +24,7 @@
 #include <vector>
 
 #include "mpipe/pipeline/comm.hpp"
+#include "mpipe/pipeline/group_sum.hpp"
 #include "mpipe/pipeline/pair_sum.hpp"
 #include "mpipe/pipeline/progress.hpp"
 
@@ -96,13 +100,15 @@ int main(int argc, char** argv) {
                 "compute %g ms between posts in the overlapped rows; ratio = time / blocking time\n",
                 world.size(), provided == MPI_THREAD_MULTIPLE ? "MULTIPLE" : "below MULTIPLE", o.reps, o.poll_us,
                 o.compute_ms);
-    std::printf("%-10s %10s %14s", "operation", "MB", "blocking ms");
+    if (world.size() > 2)
+      std::printf("*: over all %d ranks, against a blocking MPI_Allreduce over all of them; other rows: over pairs\n", world.size());
+    std::printf("%-11s %10s %14s", "operation", "MB", "blocking ms");
     for (ProgressMode m : modes) std::printf(" %12s %7s", (std::string(to_string(m)) + " ms").c_str(), "ratio");
     std::printf("\n");
   }
   auto row = [&](const char* name, double mb, double blocking, const std::vector<double>& by_mode) {
     if (!root) return;
-    std::printf("%-10s %10.2f %14.2f", name, mb, blocking * 1e3);
+    std::printf("%-11s %10.2f %14.2f", name, mb, blocking * 1e3);
     for (double t : by_mode) std::printf(" %12.2f %6.2fx", t * 1e3, t / blocking);
     std::printf("\n");
     std::fflush(stdout);
@@ -124,7 +130,7 @@ int main(int argc, char** argv) {
     const double blocking = median(t);
     std::vector<double> by_mode, tied_by_mode;
     for (ProgressMode m : modes) {
-      Progress progress(m, o.poll_us * 1e-6, 4, spin_waits);
+      Progress progress(m, o.poll_us * 1e-6, std::max(4, 2 * PairSum::pieces(count)), spin_waits);
       t.clear();
       for (int r = 0; r < o.reps; ++r) {
         world.barrier();
@@ -153,6 +159,31 @@ int main(int argc, char** argv) {
       tied_by_mode.push_back(median(t));
     }
     row("allreduce", mb, blocking, by_mode);
+
+    // bucket sum over every rank, against the blocking allreduce over every rank
+    t.clear();
+    for (int r = 0; r < o.reps; ++r) {
+      world.barrier();
+      const auto a = Clock::now();
+      world.allreduce(span, Reduce::sum);
+      t.push_back(seconds(a, Clock::now()));
+    }
+    const double world_blocking = median(t);
+    std::vector<double> bucket_by_mode;
+    for (ProgressMode m : modes) {
+      Progress progress(m, o.poll_us * 1e-6, GroupSum::requests(world.size()), spin_waits);
+      GroupSum sum(world, progress, MessagePath{}, span, 20);
+      t.clear();
+      for (int r = 0; r < o.reps; ++r) {
+        world.barrier();
+        const auto a = Clock::now();
+        sum.start();
+        sum.finish(600, "bucket sum", r);
+        t.push_back(seconds(a, Clock::now()));
+      }
+      bucket_by_mode.push_back(median(t));
+    }
+    row(world.size() == 2 ? "bucket sum" : "bucket sum*", mb, world_blocking, bucket_by_mode);
     row("tied sum", mb, blocking, tied_by_mode);
 
     // point to point: blocking, then posted by a sender that computes

@@ -163,7 +163,7 @@ mpipe_cli_test(memory_classes 2 "error: rank 0 \\(stage 0\\) needs about [0-9.]+
 mpipe_cli_test(help_data_hdf5 0 "hdf5:PATH \\(/inputs and /labels" train --help)
 # --memory-per-rank: the largest GPT of the quickstart's width on D = 2 x K = 2 under remat always, unsharded and
 # sharded (docs/memory.md: trained at 18 blocks sharded it reports 31.5-31.8 MiB per rank; at 19 it is refused).
-mpipe_cli_test(plan_largest 0 "largest GPT of this width within --memory-per-rank 32.0 MiB: --layers 14 \\(2.82M parameters\\); with --shard-optimizer over 2 replicas: --layers 18 \\(3.61M parameters\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --remat always --memory-per-rank 32MiB)
+mpipe_cli_test(plan_largest 0 "largest GPT of this width within --memory-per-rank 32.0 MiB: --layers 12 \\(2.42M parameters\\); with --shard-optimizer over 2 replicas: --layers 16 \\(3.21M parameters\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --remat always --memory-per-rank 32MiB)
 mpipe_cli_test(plan_sharded_columns 0 "grads +optimizer +opt. 1/2\\* +act" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --shard-optimizer)
 # On nodes of 2 ranks: each rank order's bytes between nodes, and auto's choice (the
 # wide model's replica sums outweigh its boundaries; the long one's the reverse), which

@@ -25,6 +25,8 @@
 
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/group_sum.hpp"
+#include "mpipe/pipeline/pair_sum.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
@@ -625,6 +627,79 @@ TEST_CASE("a message moves while its sender computes, with a progress thread or 
     INFO("mode ", std::string(to_string(mode)), ", arrived after ", arrived, " s of the sender's 1 s of compute");
     if (mode != ProgressMode::waits) CHECK(arrived < 0.5);
     else if (needs_sender) CHECK(arrived >= 1.0);
+  }
+}
+
+namespace {
+// Rank r's value at i: magnitudes far apart across ranks, so that another order of the
+// sum gives other bits. Not inlined: the compiler would fuse its product with the add of
+// an expected sum (an FMA), which the sums under test never see.
+[[gnu::noinline]] float group_value(int r, std::size_t i) {
+  const auto h = static_cast<std::uint32_t>(i * 2654435761u + static_cast<std::uint32_t>(r) * 40503u);
+  return (static_cast<float>(h % 20011) / 20011.0f - 0.37f) * std::pow(10.0f, static_cast<float>((r * 3 + i) % 7) - 3.0f);
+}
+}  // namespace
+
+TEST_CASE("a group sum over 2, 3 and 4 ranks: every rank ends with x0 + x1 + ... in rank order, bitwise, in every progress mode") {
+  if (world().size() != 4) return;
+  for (const int D : {4, 3, 2}) {
+    const Communicator group = Communicator::split(world(), world().rank() < D ? 0 : MPI_UNDEFINED, world().rank());
+    if (group.null()) continue;
+    for (const std::size_t n : {std::size_t{1}, std::size_t{3}, std::size_t{1001}, std::size_t{262147}}) {
+      std::vector<float> expected(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        float acc = group_value(0, i);
+        for (int r = 1; r < D; ++r) acc += group_value(r, i);
+        expected[i] = acc;
+      }
+      for (ProgressMode mode : {ProgressMode::thread, ProgressMode::layers, ProgressMode::waits}) {
+        CAPTURE(D);
+        CAPTURE(n);
+        CAPTURE(std::string(to_string(mode)));
+        Progress progress(mode, 1e-3, GroupSum::requests(D), false);
+        std::vector<float> values(n);
+        GroupSum sum(group, progress, MessagePath{}, values, 10);
+        for (int round = 0; round < 2; ++round) {  // the same object again, as every step
+          for (std::size_t i = 0; i < n; ++i) values[i] = group_value(group.rank(), i);
+          if (group.rank() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(5));  // a late rank
+          sum.start();
+          CHECK(sum.started());
+          for (int k = 0; k < 20; ++k) {  // as between layers: the second phase may begin here
+            progress.poll();
+            sum.advance();
+          }
+          sum.finish(60, "the group sum", round);
+          CHECK(!sum.started());
+          CHECK(std::memcmp(values.data(), expected.data(), n * sizeof(float)) == 0);
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("a pair sum moves a large span in pieces, each added as it arrives: both ranks end with a + b, bitwise") {
+  if (world().size() != 4) return;
+  CHECK(PairSum::pieces(1) == 1);
+  CHECK(PairSum::pieces(PairSum::min_piece_floats * 5 / 2) == 2);
+  CHECK(PairSum::pieces(PairSum::min_piece_floats * 100) == PairSum::max_pieces);
+  const Communicator pair = Communicator::split(world(), world().rank() / 2, world().rank());
+  for (const std::size_t n : {std::size_t{1001}, PairSum::min_piece_floats * 5 / 2 + 3}) {
+    for (ProgressMode mode : {ProgressMode::thread, ProgressMode::waits}) {
+      CAPTURE(n);
+      CAPTURE(std::string(to_string(mode)));
+      std::vector<float> values(n), expected(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        values[i] = group_value(pair.rank(), i);
+        expected[i] = group_value(0, i) + group_value(1, i);
+      }
+      Progress progress(mode, 1e-3, 2 * PairSum::pieces(n), false);
+      PairSum sum(pair, 1 - pair.rank(), progress, MessagePath{}, values, 4);
+      sum.post_receive();
+      pair.barrier();
+      sum.start();
+      sum.finish(60, "the pair sum", 0);
+      CHECK(std::memcmp(values.data(), expected.data(), n * sizeof(float)) == 0);
+    }
   }
 }
 

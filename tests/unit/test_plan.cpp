@@ -62,8 +62,9 @@ TEST_CASE("a plan over a grid of (K, D, M, schedule): its facts agree") {
           double params = 0, weights = 0;
           for (const StageMemory& m : plan.memory) params += m.params;
           for (int s = 0; s < K; ++s) weights += plan.weight_bytes(s);
-          // AdamW: values, gradients and two moments, four floats per parameter.
-          CHECK(weights == doctest::Approx(4.0 * params * 4.0));
+          // AdamW: values, gradients and two moments, four floats per parameter, and with
+          // replicas the sums' buffers, (D-1)/D of the gradients.
+          CHECK(weights == doctest::Approx(4.0 * params * (4.0 + (D - 1.0) / D)));
           CHECK(params >= static_cast<double>(model.parameter_count()));  // the tied table is on two stages
           for (int s = 0; s < K; ++s) CHECK(plan.activation_bytes(s) > 0);
           // Bubbles: fractions, none for one stage, and the formula's where the table has one.
@@ -119,6 +120,7 @@ TEST_CASE("a plan's weights per rank: --shard-optimizer keeps 1/D of the state, 
   CHECK(plain.values == doctest::Approx(4.0 * params));
   CHECK(plain.gradients == doctest::Approx(4.0 * params));
   CHECK(plain.state == doctest::Approx(8.0 * params));  // AdamW's two moments
+  CHECK(plain.sums == doctest::Approx(4.0 * params * 3 / 4));  // each replica sum receives 3 chunks of 4
   CHECK(plan.weight_bytes(1) == doctest::Approx(plain.total()));
   c.pipeline.shard_optimizer = true;
   const Plan::WeightMemory sharded = weights(c);
@@ -130,7 +132,7 @@ TEST_CASE("a plan's weights per rank: --shard-optimizer keeps 1/D of the state, 
   CHECK(weights(c).state == doctest::Approx(plain.state / 8));  // one state, 1/4 of it
   c.optimizer.kind = "adamw";
   c.pipeline.overlap_steps = true;
-  CHECK(weights(c).total() == doctest::Approx(2 * sharded.total()));
+  CHECK(weights(c).total() == doctest::Approx(2 * (sharded.total() - sharded.sums) + sharded.sums));  // one set of sum buffers
 }
 
 TEST_CASE("make_plan's problems are user errors that name the option") {

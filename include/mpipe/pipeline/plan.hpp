@@ -198,7 +198,8 @@ struct Plan {
   // --overlap-steps a second copy of each fp32 one to go back to.
   struct WeightMemory {
     double values = 0, gradients = 0, state = 0;
-    double total() const { return values + gradients + state; }
+    double sums = 0;  // with replicas: the gradient sums' receive buffers, (D-1)/D of the gradients (GroupSum)
+    double total() const { return values + gradients + state + sums; }
   };
   WeightMemory weight_memory(int stage, bool sharded) const;
   // As this run keeps them (--shard-optimizer or not).

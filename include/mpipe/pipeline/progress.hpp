@@ -74,6 +74,21 @@ class Progress {
   // timeout_s seconds throws Error naming `what` and `index` ("the activation of
   // micro-batch", 3). For a receive, expected_bytes >= 0 is checked against what arrived.
   Completion wait(Ticket& ticket, double timeout_s, const char* what, int index, long expected_bytes = -1);
+  // While one lives, the progress thread steps aside as during a wait: for a caller that
+  // waits, posts what follows and waits again (a sum's phases), whose posts would
+  // otherwise wake the thread between its waits to compete for the sweeps.
+  class Attending {
+   public:
+    explicit Attending(Progress& progress);
+    ~Attending();
+    Attending(const Attending&) = delete;
+    Attending& operator=(const Attending&) = delete;
+
+   private:
+    Progress& progress_;
+  };
+  // Whether the request has completed (none: true), without waiting or releasing it.
+  bool complete(Ticket ticket);
   // Between layers (thread and layers modes): tests every tracked request, again while
   // data moves; nothing if the progress thread is testing them right now. Waits mode:
   // nothing.
@@ -93,7 +108,9 @@ class Progress {
   // true when it took long enough to have moved data.
   bool sweep(bool try_only = false);
   // Sweeps again while data moves (at most 64 times); returns the sweeps that moved data.
-  int sweep_while_moving(bool try_only = false);
+  // `for_thread`: stops as soon as a caller waits (it sweeps itself; the thread, holding
+  // the sweeps, would make it queue behind them).
+  int sweep_while_moving(bool try_only = false, bool for_thread = false);
   void adopt_incoming();  // tracked since the last sweep into the live arrays; under both mutexes
   void cancel_remaining();
   std::string waits() const;  // how waits behave, for describe()

@@ -1,8 +1,9 @@
 // The reducer: every sum a step needs beside the pipeline's own messages.
 //
 // - Gradients over replicas, in buckets of one layer each (the same messages for every K,
-//   so MPI's reduction order never depends on the partition), each started as soon as its
-//   layer's last backward (or W) is done, so the sums move while the backward runs.
+//   so the reduction order never depends on the partition), each started as soon as its
+//   layer's last backward (or W) is done, so the sums move while the backward runs: a
+//   GroupSum each (a reduce-scatter and an all-gather of our own, over Progress).
 // - Tied weights (GPT's embedding and head, or each vocabulary chunk's rows of the table)
 //   between the two stages holding an owner and a copy: one PairSum each, started early
 //   with one replica on the CPU, after the replica sums otherwise (one summation order
@@ -24,6 +25,7 @@
 #include "mpipe/nn/model.hpp"
 #include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/grid.hpp"
+#include "mpipe/pipeline/group_sum.hpp"
 #include "mpipe/pipeline/pair_sum.hpp"
 #include "mpipe/pipeline/partition.hpp"
 #include "mpipe/pipeline/progress.hpp"
@@ -116,7 +118,6 @@ class Reducer {
   };
   template <class T>
   void sum_over_replicas(std::span<T> values, std::int64_t update);
-  void start_bucket(std::size_t bucket, std::span<float> grads);  // its iallreduce over `grads`
 
   const Grid& grid_;
   Model& model_;
@@ -126,7 +127,7 @@ class Reducer {
   double timeout_;
   Progress* progress_ = nullptr;
   std::vector<Bucket> buckets_;
-  std::vector<Progress::Ticket> bucket_tickets_;   // [bucket]; none: not started this step
+  std::vector<std::unique_ptr<GroupSum>> bucket_sums_;  // [bucket], made by connect()
   std::vector<int> bucket_of_;                     // [layer] -> its bucket, or -1
   std::vector<TiedSpan> tied_spans_;
   std::vector<Exchange> sends_, receives_;          // --shard-optimizer's gather
