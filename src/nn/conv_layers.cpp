@@ -47,12 +47,15 @@ Cost Conv2d::cost(const Shape& in) const {
   const Window2d w = window(in);
   const double macs = static_cast<double>(w.N * w.OC * w.OH * w.OW) * static_cast<double>(w.C / w.groups * w.KH * w.KW);
   const double params = static_cast<double>(w.OC * (w.C / w.groups) * w.KH * w.KW + (has_bias_ ? w.OC : 0));
-  // Held until the micro-batch's backward: the output, and the forward's im2col scratch
-  // (from the micro-batch's arena). The backward's, and W's, come from the stage's scratch
-  // arena, reset after each: one layer's at a time. W keeps the output's gradient.
+  // Held until the micro-batch's backward: the output. The forward's im2col scratch is
+  // given back as the forward returns (the next layer's output takes its place), so it
+  // adds to a peak only while the backward's, no smaller, is not there. The backward's,
+  // and W's, come from the stage's scratch arena, reset after each: one layer's at a
+  // time. W keeps the output's gradient.
   const double output = 4.0 * static_cast<double>(w.N * w.OC * w.OH * w.OW);
   const double cols = 4.0 * static_cast<double>(ops::conv2d_scratch(w, Device::cpu));
-  Cost c{2 * macs, 4 * macs, 4 * params, output + cols, 2 * macs, output};
+  Cost c{2 * macs, 4 * macs, 4 * params, output, 2 * macs, output};
+  c.forward_peak_bytes = output + cols;
   c.backward_scratch_bytes = cols;
   return c;
 }
@@ -71,7 +74,11 @@ void Conv2d::bind(std::span<const Tensor> params, std::span<const Tensor> grads)
 Tensor Conv2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   const Window2d w = window(x.shape);
   Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);
+  // The columns are dead once the forward returns: the arena takes them back (on a GPU
+  // the next allocations reuse them in stream order, after this kernel).
+  const Arena::Mark columns = pass.arena->mark();
   ops::conv2d_forward(y, x, weight_, bias_, pass.arena->tensor(Shape{ops::conv2d_scratch(w, x.device)}), w);
+  pass.arena->rewind(columns);
   return y;
 }
 

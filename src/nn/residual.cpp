@@ -38,11 +38,16 @@ Cost Residual::cost(const Shape& in) const {
   // per path, two buffers of its largest part input gradient (but the first's), which the
   // parts take in turns, and each part's own temporaries.
   double scratch = 0;
+  // Its forward's peak: the parts in forward order (the inner path, then the skip path),
+  // each's own peak above what the parts before it keep.
+  double kept = 0, peak = 0;
   const auto chain = [&](const std::vector<std::unique_ptr<Layer>>& parts) {
     Shape s = in;
     double largest = 0;
     for (std::size_t i = 0; i < parts.size(); ++i) {
       const Cost c = parts[i]->cost(s);
+      peak = std::max(peak, kept + c.forward_peak());
+      kept += c.activation_bytes;
       total += c;
       scratch += c.backward_scratch_bytes;
       if (i > 0) largest = std::max(largest, 4.0 * static_cast<double>(s.numel()));
@@ -58,6 +63,7 @@ Cost Residual::cost(const Shape& in) const {
   total.forward_flops += out;
   total.backward_flops += out;
   if (!sums_in_place()) total.activation_bytes += 4 * out;  // the sum, unless over the last part's output
+  total.forward_peak_bytes = peak;
   return total;
 }
 

@@ -15,9 +15,12 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
   std::vector<StageMemory> out(static_cast<std::size_t>(part.stages()));
   for (int s = 0; s < part.stages(); ++s) {
     StageMemory& m = out[static_cast<std::size_t>(s)];
+    double peak = 0;  // the forward's: a micro-batch's arena grows to it (temporaries given back)
     for (int i = part.begin(s); i < part.end(s); ++i) {
       const Cost c = model.layer(i).cost(shapes[static_cast<std::size_t>(i)]);
       m.params += static_cast<double>(c.param_bytes) / word_bytes;
+      m.activation += c.contexts * static_cast<double>(sizeof(Context));
+      peak = std::max(peak, m.activation + c.forward_peak());
       m.activation += static_cast<double>(c.activation_bytes);
       // A layer that writes over its input does not over the stage's input (Pass::stage_input).
       if (i == part.begin(s) && model.layer(i).writes_over_input())
@@ -32,6 +35,7 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       m.scratch = std::max(m.scratch, dx + dy + c.backward_scratch_bytes);
       m.selective_scratch = std::max(m.selective_scratch, dx + dy + c.backward_scratch_bytes + c.recomputable_bytes);
     }
+    m.forward_peak = std::max(m.activation, peak);
     m.boundary = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()));
     if (s + 1 < part.stages()) m.output = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.end(s))].numel()));
   }

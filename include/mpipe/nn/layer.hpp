@@ -15,6 +15,7 @@
 // (nn/registry.hpp): dense_layers (linear, activations, layernorm, dropout, the loss),
 // transformer_layers (embedding, attention, block), conv_layers, residual, vocab_layers.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -65,6 +66,16 @@ struct Cost {
   // The temporaries its backward allocates beyond its dx (for the plan's peak: the
   // stage's backward scratch holds one layer's at a time). Composites set their own.
   double backward_scratch_bytes = 0;
+  // The most its forward holds at once above what came before it: what it keeps so far
+  // and the temporaries it gives back as it returns (a conv's im2col columns); 0: its
+  // activation_bytes. A micro-batch's arena grows to the largest such moment. Composites
+  // set their own (not a sum).
+  double forward_peak_bytes = 0;
+  double forward_peak() const { return std::max(forward_peak_bytes, activation_bytes); }
+  // Contexts its forward takes from the micro-batch's arena (its own, and a composite's
+  // for its parts: the sum), each sizeof(Context), which a small layer's activations
+  // may not outweigh.
+  double contexts = 1;
   Cost& operator+=(const Cost& c) {  // composite layers: the sum of their parts
     forward_flops += c.forward_flops;
     backward_flops += c.backward_flops;
@@ -74,6 +85,7 @@ struct Cost {
     weight_stash_bytes += c.weight_stash_bytes;
     recomputable_bytes += c.recomputable_bytes;
     recompute_flops += c.recompute_flops;
+    contexts += c.contexts;
     return *this;
   }
 };

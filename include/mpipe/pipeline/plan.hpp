@@ -95,6 +95,9 @@ struct MeasuredCosts {
 struct StageMemory {
   double params = 0;      // parameters (floats)
   double activation = 0;  // bytes a forward keeps for its backward
+  // The most its forward holds at once (its temporaries given back: a conv's columns):
+  // what a micro-batch's arena grows to.
+  double forward_peak = 0;
   double boundary = 0;    // bytes of the stage's input: all a rematerialized micro-batch keeps
   double output = 0;      // bytes of what it sends on (0 on the model's last stage): under remat kept until B
   double stash = 0;       // bytes a split backward keeps from B to W (the dy of each weight layer)
@@ -112,18 +115,23 @@ struct StageMemory {
   // Under --remat selective each keeps its activations less the recomputable part; the
   // scratch holds the forward's recomputable part whole (it dies with the forward), or one
   // layer's recomputation in a backward (until W where split).
+  // A rematerialized forward runs in the scratch arena, its backward's temporaries after
+  // it: that arena grows to the larger of the two moments.
+  double peak() const { return std::max(forward_peak, activation); }  // 0: no temporaries
   double held(int live, bool remat, bool split = false, bool selective = false) const {
+    const double transient = peak() - activation;  // a slot's arena beyond what it keeps
     if (selective)
-      return live * (activation - recomputable + (split ? stash + recomputable : 0)) + std::max(recomputable, selective_scratch);
-    const double each = activation + (split ? stash : 0);
-    return (remat && !split ? live * (boundary + output) + activation : live * each) + scratch;
+      return live * (activation - recomputable + transient + (split ? stash + recomputable : 0)) +
+             std::max(recomputable, selective_scratch);
+    if (remat && !split) return live * (boundary + output) + std::max(peak(), activation + scratch);
+    return live * (peak() + (split ? stash : 0)) + scratch;
   }
   // --remat auto between selective and always (not split): of every `live` consecutive
   // micro-batches, `whole` are rematerialized wholly (their input and output kept, their
   // forward run again in backward) and the others kept selectively.
   double held_mixed(int live, int whole) const {
-    return (live - whole) * (activation - recomputable) + whole * (boundary + output) +
-           std::max({recomputable, selective_scratch, whole > 0 ? activation + scratch : 0.0});
+    return (live - whole) * (peak() - recomputable) + whole * (boundary + output) +
+           std::max({recomputable, selective_scratch, whole > 0 ? std::max(peak(), activation + scratch) : 0.0});
   }
 };
 
