@@ -275,6 +275,33 @@ std::array<double, S> channel_sums(int64_t c, int64_t N, int64_t C, int64_t plan
   return sums;
 }
 
+// BatchNorm's backward sums of channel c: sum(dy) and sum(dy * xhat), xhat = (x - mean) * rstd,
+// as channel_sums<2> would add them (the same lanes, the same order), written out: a
+// lambda returning both did not vectorise (2 ns an element).
+std::array<double, 2> dy_sums(int64_t c, int64_t N, int64_t C, int64_t plane, const float* dout, const float* inp,
+                              float mean, float rstd) {
+  double l0[kLanes] = {}, l1[kLanes] = {};
+  for (int64_t n = 0; n < N; ++n) {
+    const float* dy = dout + (n * C + c) * plane;
+    const float* x = inp + (n * C + c) * plane;
+    int64_t i = 0;
+    for (; i + kLanes <= plane; i += kLanes)
+#pragma omp simd
+      for (int j = 0; j < kLanes; ++j) {
+        l0[j] += static_cast<double>(dy[i + j]);
+        l1[j] += static_cast<double>(dy[i + j] * (x[i + j] - mean) * rstd);
+      }
+    for (int j = 0; i < plane; ++i, ++j) {
+      l0[j] += static_cast<double>(dy[i]);
+      l1[j] += static_cast<double>(dy[i] * (x[i] - mean) * rstd);
+    }
+  }
+  std::array<double, 2> sums{};
+  for (int j = 0; j < kLanes; ++j) sums[0] += l0[j];
+  for (int j = 0; j < kLanes; ++j) sums[1] += l1[j];
+  return sums;
+}
+
 // y = x * scale + shift over channel c of (N, C, plane).
 void affine_channel(float* out, const float* inp, int64_t c, float scale, float shift, int64_t N, int64_t C, int64_t plane) {
   for (int64_t n = 0; n < N; ++n) {
@@ -347,9 +374,7 @@ void batchnorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   for (int64_t c = 0; c < C; ++c) {
     const float mc = mean[c], rc = rstd[c];
     // sum(dy) and sum(dy * xhat), in one pass.
-    const auto [sum_dy, sum_dy_xhat] = channel_sums<2>(c, N, C, plane, [=](int64_t at) {
-      return std::array{static_cast<double>(dout[at]), static_cast<double>(dout[at] * (inp[at] - mc) * rc)};
-    });
+    const auto [sum_dy, sum_dy_xhat] = dy_sums(c, N, C, plane, dout, inp, mc, rc);
     dweight[c] += static_cast<float>(sum_dy_xhat);
     dbias[c] += static_cast<float>(sum_dy);
     if (!dinp) continue;
