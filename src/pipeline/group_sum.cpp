@@ -38,13 +38,13 @@ void GroupSum::start() {
     if (r == rank_) continue;
     expected_[t] = static_cast<long>(mine * sizeof(float));
     tickets_[t++] = mine == 0 ? Progress::none
-                              : progress_.track(group_.irecv(incoming_[static_cast<std::size_t>(r)].wire(), r, tag_), true);
+                              : progress_.track(group_.irecv(incoming_[static_cast<std::size_t>(r)].wire(), r, tag_), true, false);
   }
   for (int r = 0; r < ranks_; ++r) {
     if (r == rank_) continue;
     const std::span<float> theirs = chunk(r);
     tickets_[t++] = theirs.empty() ? Progress::none
-                                   : progress_.track(group_.isend(std::as_bytes(theirs), r, tag_), true);
+                                   : progress_.track(group_.isend(std::as_bytes(theirs), r, tag_), true, false);
   }
   phase_ = Phase::scatter;
 }
@@ -82,11 +82,11 @@ void GroupSum::begin_gather() {
     const std::span<float> theirs = chunk(r);
     expected_[t] = static_cast<long>(theirs.size_bytes());
     tickets_[t++] = theirs.empty() ? Progress::none
-                                   : progress_.track(group_.irecv(std::as_writable_bytes(theirs), r, tag_ + 1), true);
+                                   : progress_.track(group_.irecv(std::as_writable_bytes(theirs), r, tag_ + 1), true, false);
   }
   for (int r = 0; r < ranks_; ++r) {
     if (r == rank_) continue;
-    tickets_[t++] = mine.empty() ? Progress::none : progress_.track(group_.isend(wire, r, tag_ + 1), true);
+    tickets_[t++] = mine.empty() ? Progress::none : progress_.track(group_.isend(wire, r, tag_ + 1), true, false);
   }
   phase_ = Phase::gather;
 }

@@ -104,7 +104,7 @@ std::string Progress::describe() const {
   return "";
 }
 
-Progress::Ticket Progress::track(MPI_Request request, bool cancellable) {
+Progress::Ticket Progress::track(MPI_Request request, bool cancellable, bool wake) {
   std::unique_lock lock(mutex_);
   MPIPE_CHECK(!free_.empty(), "more than ", slots_.size(), " requests in flight");
   const Ticket id = free_.back();
@@ -123,10 +123,11 @@ Progress::Ticket Progress::track(MPI_Request request, bool cancellable) {
   incoming_.push_back(id);
   ++pending_;
   posted_ = true;
-  if (mode_ == ProgressMode::thread) {
-    lock.unlock();
-    work_.notify_one();
-  }
+  // While a caller waits the thread stays aside (and the waiter sweeps): waking it would
+  // only cost two context switches on the rank's core, several per sum.
+  wake = wake && mode_ == ProgressMode::thread && waiters_ == 0;
+  lock.unlock();
+  if (wake) work_.notify_one();
   return id;
 }
 
@@ -242,9 +243,9 @@ Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char
     std::unique_lock<std::mutex>& lock;
     ~Leave() {
       if (!lock.owns_lock()) lock.lock();
-      --p.waiters_;
+      const bool wake = --p.waiters_ == 0 && p.pending_ > 0;  // only then can the thread have work
       lock.unlock();
-      p.work_.notify_one();
+      if (wake) p.work_.notify_one();
     }
   } leave{*this, lock};
   // Sweep without pause (yielding the core) while data moves or the wait is fresh: the
@@ -292,11 +293,12 @@ Progress::Attending::Attending(Progress& progress) : progress_(progress) {
 }
 
 Progress::Attending::~Attending() {
+  bool wake = false;
   {
     std::lock_guard lock(progress_.mutex_);
-    --progress_.waiters_;
+    wake = --progress_.waiters_ == 0 && progress_.pending_ > 0;  // only then can the thread have work
   }
-  progress_.work_.notify_one();
+  if (wake) progress_.work_.notify_one();
 }
 
 bool Progress::complete(Ticket ticket) {

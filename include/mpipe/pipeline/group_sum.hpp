@@ -13,7 +13,10 @@
 // replaces, measured 1.3x-2.6x its blocking MPI_Allreduce on large spans; this exchange
 // is measured by bench_comm ("bucket sum") against the blocking call of the same bytes.
 // The second phase begins once the first has arrived: advance() starts it without
-// waiting (the reducer calls it between layers), finish() waits for what is left.
+// waiting (the reducer calls it between layers), finish() waits for what is left. Its
+// messages do not wake the progress thread: the compute loop's sweeps between layers and
+// the thread's own poll move them, and the final wait drives them (a woken thread only
+// costs context switches on the rank's core: 1.7x a blocking call on a 0.5 MB sum).
 #pragma once
 #include <span>
 #include <string>
