@@ -208,8 +208,11 @@ void Progress::run() {
   std::chrono::nanoseconds pause = interval_;
   std::unique_lock lock(mutex_);
   for (;;) {
-    // While a caller waits, it sweeps itself: it has nothing else to do.
-    work_.wait(lock, [&] { return stop_ || (pending_ > 0 && waiters_ == 0); });
+    // While a caller waits, it sweeps itself: it has nothing else to do. A post that does
+    // not wake the thread (track(..., wake = false)) is seen within one interval.
+    const auto idle = interval_.count() > 0 ? interval_ : std::chrono::nanoseconds(std::chrono::milliseconds(5));
+    while (!work_.wait_for(lock, idle, [&] { return stop_ || (pending_ > 0 && waiters_ == 0); })) {
+    }
     if (stop_) return;
     bool hurry = posted_;
     posted_ = false;

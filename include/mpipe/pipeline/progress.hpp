@@ -69,8 +69,8 @@ class Progress {
 
   // Hands `request` over; only Progress tests it from now on. Collectives are not
   // cancellable (MPI has no cancel for them). `wake`: the progress thread looks at it
-  // soon (a rendezvous handshake wants a quick answer); false: at its next poll, or when
-  // the compute loop polls between layers (a sum whose caller soon waits or polls: waking
+  // soon (a rendezvous handshake wants a quick answer); false: within one poll interval
+  // (the idle thread looks that often), or when the compute loop polls between layers (a sum whose caller soon waits or polls: waking
   // the thread costs context switches on the rank's core, up to 1.7x a small sum).
   Ticket track(MPI_Request request, bool cancellable, bool wake = true);
   // Blocks until the request completes and releases the ticket (sets it to none). Past
