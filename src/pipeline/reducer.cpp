@@ -165,7 +165,10 @@ void Reducer::finish_gather() {
 void Reducer::connect(Progress& progress) {
   progress_ = &progress;
   // Each bucket's sum over the gradients themselves, or over their pinned host copy
-  // (reduced there, all at once, in reduce()).
+  // (reduced there, all at once, in reduce()). Bucket b's messages take tags 2b and 2b + 1
+  // on the replica group, whose only other messages, --shard-optimizer's gather (tags:
+  // entry indices), begin and end within an update, after reduce() has waited for every
+  // bucket.
   const std::span<float> grads =
       device_.staged() && !buckets_.empty() ? std::span<float>(grad_staging_.as<float>(), params_.grads().size()) : params_.grads();
   const MessagePath path = device_.staged() ? MessagePath{} : device_.path();
