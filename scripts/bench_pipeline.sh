@@ -253,11 +253,11 @@ PY
     /usr/bin/python3 - "$blocking" "$tied" "$phase" "$replica" <<'PY'
 import sys
 blocking, tied, phase, replica = map(float, sys.argv[1:])
-print(f"{'sum':<58} {'ms':>9} {'ratio':>7}")
+print(f"{'sum':<66} {'ms':>9} {'ratio':>7}")
 for name, ms in (("tied sum at K = 2: later rank's start to end", tied),
-                 ("  the first stage's allreduce phase (tied sum, norms, agreement)", phase),
+                 ("  the first stage's allreduce phase, mean (tied sum, norms, agreement)", phase),
                  ("replica sum of the embedding at D = 2: later start to end", replica)):
-    print(f"{name:<58} {ms:9.2f} {ms / blocking:6.2f}x")
+    print(f"{name:<66} {ms:9.2f} {ms / blocking:6.2f}x")
 PY
   done
 fi
