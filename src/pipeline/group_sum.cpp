@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "mpipe/backend/ops.hpp"
+#include "mpipe/nn/optimizer.hpp"
 
 namespace mpipe {
 
@@ -21,8 +22,8 @@ GroupSum::GroupSum(const Communicator& group, Progress& progress, MessagePath pa
 }
 
 std::span<float> GroupSum::chunk(int rank) const {
-  const std::size_t n = span_.size(), D = static_cast<std::size_t>(ranks_), r = static_cast<std::size_t>(rank);
-  return span_.subspan(n * r / D, n * (r + 1) / D - n * r / D);
+  const auto [first, last] = shard_elements(Shape{static_cast<std::int64_t>(span_.size())}, rank, ranks_);
+  return span_.subspan(first, last - first);
 }
 
 Tensor GroupSum::tensor(std::span<float> values) const {

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "mpipe/backend/ops.hpp"
+#include "mpipe/nn/optimizer.hpp"
 
 namespace mpipe {
 
@@ -17,11 +18,11 @@ PairSum::PairSum(const Communicator& group, int partner, Progress& progress, Mes
       outgoing_(span.size_bytes(), path) {
   MPIPE_CHECK(partner >= 0 && partner < group.size() && partner != group.rank(), "a pair sum with rank ", partner,
               " of ", group.size());
-  const auto n = static_cast<std::size_t>(pieces(span.size()));
-  pieces_.reserve(n);
-  for (std::size_t p = 0; p < n; ++p) {
-    const std::size_t begin = span.size() * p / n, end = span.size() * (p + 1) / n;
-    pieces_.push_back({begin, end - begin, Inbox(Shape{static_cast<std::int64_t>(end - begin)}, DType::f32, path)});
+  const int n = pieces(span.size());
+  pieces_.reserve(static_cast<std::size_t>(n));
+  for (int p = 0; p < n; ++p) {
+    const auto [first, last] = shard_elements(Shape{static_cast<std::int64_t>(span.size())}, p, n);
+    pieces_.push_back({first, last - first, Inbox(Shape{static_cast<std::int64_t>(last - first)}, DType::f32, path)});
   }
 }
 

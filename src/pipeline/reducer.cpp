@@ -115,9 +115,9 @@ Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, Par
 int Reducer::requests() const {
   // The buckets, the tied sums' two messages each, the closing allreduce and the
   // running statistics' sum.
-  int pieces = 0;
-  for (const TiedSpan& t : tied_spans_) pieces += PairSum::pieces(t.count);
-  return static_cast<int>(buckets_.size()) * GroupSum::requests(grid_.replicas()) + 2 * pieces +
+  int tied = 0;
+  for (const TiedSpan& t : tied_spans_) tied += PairSum::requests(t.count);
+  return static_cast<int>(buckets_.size()) * GroupSum::requests(grid_.replicas()) + tied +
          static_cast<int>(gather_tickets_.size()) + 2;
 }
 

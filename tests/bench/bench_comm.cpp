@@ -52,6 +52,19 @@ void compute_for(double s, std::vector<float>& work, Progress& progress) {
   }
 }
 
+// The median of `reps` timings of f(rep), every rank starting together (a barrier before each).
+template <class F>
+double together(const Communicator& world, int reps, F f) {
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    world.barrier();
+    const auto a = Clock::now();
+    f(r);
+    t.push_back(seconds(a, Clock::now()));
+  }
+  return median(t);
+}
+
 struct Options {
   std::vector<double> sizes_mb{0.5, 16, 154};
   int reps = 5;
@@ -120,26 +133,14 @@ int main(int argc, char** argv) {
     const std::span<std::byte> bytes(reinterpret_cast<std::byte*>(data.data()), count * sizeof(float));
 
     // allreduce, every rank together
-    std::vector<double> t;
-    for (int r = 0; r < o.reps; ++r) {
-      world.barrier();
-      const auto a = Clock::now();
-      pair.allreduce(span, Reduce::sum);
-      t.push_back(seconds(a, Clock::now()));
-    }
-    const double blocking = median(t);
-    std::vector<double> by_mode, tied_by_mode;
+    const double blocking = together(world, o.reps, [&](int) { pair.allreduce(span, Reduce::sum); });
+    std::vector<double> t, by_mode, tied_by_mode;
     for (ProgressMode m : modes) {
-      Progress progress(m, o.poll_us * 1e-6, std::max(4, 2 * PairSum::pieces(count)), spin_waits);
-      t.clear();
-      for (int r = 0; r < o.reps; ++r) {
-        world.barrier();
-        const auto a = Clock::now();
+      Progress progress(m, o.poll_us * 1e-6, std::max(4, PairSum::requests(count)), spin_waits);
+      by_mode.push_back(together(world, o.reps, [&](int r) {
         Progress::Ticket ticket = progress.track(pair.iallreduce(span, Reduce::sum), false);
         progress.wait(ticket, 600, "allreduce", r);
-        t.push_back(seconds(a, Clock::now()));
-      }
-      by_mode.push_back(median(t));
+      }));
       // tied sum: the pair's second rank starts at once and waits; the first computes,
       // then starts; the time counts from the first rank's start
       t.clear();
@@ -161,41 +162,24 @@ int main(int argc, char** argv) {
     row("allreduce", mb, blocking, by_mode);
 
     // bucket sum over every rank, against the blocking allreduce over every rank
-    t.clear();
-    for (int r = 0; r < o.reps; ++r) {
-      world.barrier();
-      const auto a = Clock::now();
-      world.allreduce(span, Reduce::sum);
-      t.push_back(seconds(a, Clock::now()));
-    }
-    const double world_blocking = median(t);
+    const double world_blocking = together(world, o.reps, [&](int) { world.allreduce(span, Reduce::sum); });
     std::vector<double> bucket_by_mode;
     for (ProgressMode m : modes) {
       Progress progress(m, o.poll_us * 1e-6, GroupSum::requests(world.size()), spin_waits);
       GroupSum sum(world, progress, MessagePath{}, span, 20);
-      t.clear();
-      for (int r = 0; r < o.reps; ++r) {
-        world.barrier();
-        const auto a = Clock::now();
+      bucket_by_mode.push_back(together(world, o.reps, [&](int r) {
         sum.start();
         sum.finish(600, "bucket sum", r);
-        t.push_back(seconds(a, Clock::now()));
-      }
-      bucket_by_mode.push_back(median(t));
+      }));
     }
     row(world.size() == 2 ? "bucket sum" : "bucket sum*", mb, world_blocking, bucket_by_mode);
     row("tied sum", mb, blocking, tied_by_mode);
 
     // point to point: blocking, then posted by a sender that computes
-    t.clear();
-    for (int r = 0; r < o.reps; ++r) {
-      world.barrier();
-      const auto a = Clock::now();
+    const double p2p = together(world, o.reps, [&](int) {
       if (pair.rank() == 0) MPI_CHECK(MPI_Send(bytes.data(), mpi_count(bytes.size()), MPI_BYTE, partner, 7, pair.get()));
       else MPI_CHECK(MPI_Recv(bytes.data(), mpi_count(bytes.size()), MPI_BYTE, partner, 7, pair.get(), MPI_STATUS_IGNORE));
-      t.push_back(seconds(a, Clock::now()));
-    }
-    const double p2p = median(t);
+    });
     by_mode.clear();
     for (ProgressMode m : modes) {
       Progress progress(m, o.poll_us * 1e-6, 4, spin_waits);

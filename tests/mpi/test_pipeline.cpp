@@ -692,7 +692,7 @@ TEST_CASE("a pair sum moves a large span in pieces, each added as it arrives: bo
         values[i] = group_value(pair.rank(), i);
         expected[i] = group_value(0, i) + group_value(1, i);
       }
-      Progress progress(mode, 1e-3, 2 * PairSum::pieces(n), false);
+      Progress progress(mode, 1e-3, PairSum::requests(n), false);
       PairSum sum(pair, 1 - pair.rank(), progress, MessagePath{}, values, 4);
       sum.post_receive();
       pair.barrier();

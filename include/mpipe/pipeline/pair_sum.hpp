@@ -33,8 +33,8 @@ class PairSum {
   // otherwise through pinned host buffers. `tag` tells this span's messages apart (its
   // pieces go in order under the same tag: MPI keeps their order).
   PairSum(const Communicator& group, int partner, Progress& progress, MessagePath path, std::span<float> span, int tag);
-  // Requests in flight at once, at most.
-  int requests() const { return 2 * static_cast<int>(pieces_.size()); }
+  // Requests in flight at once, at most, for a span of `floats`.
+  static int requests(std::size_t floats) { return 2 * pieces(floats); }
   // At the step's start, before any compute: the partner's part may arrive early.
   void post_receive();
   // This rank's part is final (on a GPU: once the compute stream has run so far).

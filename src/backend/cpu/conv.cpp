@@ -250,56 +250,24 @@ void avgpool2d_backward(float* dinp, const float* dout, const Window2d& w, GradM
 namespace {
 constexpr int kLanes = 16;
 
-// The S sums of f(at) over the flat indices `at` of channel c of (N, C, plane), each in
-// kLanes interleaved double partial sums, added up in lane order.
-template <std::size_t S, class F>
-std::array<double, S> channel_sums(int64_t c, int64_t N, int64_t C, int64_t plane, F f) {
-  double lane[S][kLanes] = {};
+// The sum of f(at) (a double) over the flat indices `at` of channel c of (N, C, plane), in
+// kLanes interleaved double partial sums added up in lane order. One sum per call: a
+// lambda returning two (BatchNorm's backward) compiled to scalar code, 2 ns an element; a
+// second pass over a channel's plane finds it in cache.
+template <class F>
+double channel_sum(int64_t c, int64_t N, int64_t C, int64_t plane, F f) {
+  double lane[kLanes] = {};
   for (int64_t n = 0; n < N; ++n) {
     const int64_t base = (n * C + c) * plane;
     int64_t i = 0;
     for (; i + kLanes <= plane; i += kLanes)
 #pragma omp simd
-      for (int j = 0; j < kLanes; ++j) {
-        const std::array<double, S> v = f(base + i + j);
-        for (std::size_t k = 0; k < S; ++k) lane[k][j] += v[k];
-      }
-    for (int j = 0; i < plane; ++i, ++j) {
-      const std::array<double, S> v = f(base + i);
-      for (std::size_t k = 0; k < S; ++k) lane[k][j] += v[k];
-    }
+      for (int j = 0; j < kLanes; ++j) lane[j] += f(base + i + j);
+    for (int j = 0; i < plane; ++i, ++j) lane[j] += f(base + i);
   }
-  std::array<double, S> sums{};
-  for (std::size_t k = 0; k < S; ++k)
-    for (double v : lane[k]) sums[k] += v;
-  return sums;
-}
-
-// BatchNorm's backward sums of channel c: sum(dy) and sum(dy * xhat), xhat = (x - mean) * rstd,
-// as channel_sums<2> would add them (the same lanes, the same order), written out: a
-// lambda returning both did not vectorise (2 ns an element).
-std::array<double, 2> dy_sums(int64_t c, int64_t N, int64_t C, int64_t plane, const float* dout, const float* inp,
-                              float mean, float rstd) {
-  double l0[kLanes] = {}, l1[kLanes] = {};
-  for (int64_t n = 0; n < N; ++n) {
-    const float* dy = dout + (n * C + c) * plane;
-    const float* x = inp + (n * C + c) * plane;
-    int64_t i = 0;
-    for (; i + kLanes <= plane; i += kLanes)
-#pragma omp simd
-      for (int j = 0; j < kLanes; ++j) {
-        l0[j] += static_cast<double>(dy[i + j]);
-        l1[j] += static_cast<double>(dy[i + j] * (x[i + j] - mean) * rstd);
-      }
-    for (int j = 0; i < plane; ++i, ++j) {
-      l0[j] += static_cast<double>(dy[i]);
-      l1[j] += static_cast<double>(dy[i] * (x[i] - mean) * rstd);
-    }
-  }
-  std::array<double, 2> sums{};
-  for (int j = 0; j < kLanes; ++j) sums[0] += l0[j];
-  for (int j = 0; j < kLanes; ++j) sums[1] += l1[j];
-  return sums;
+  double sum = 0;
+  for (const double v : lane) sum += v;
+  return sum;
 }
 
 // y = x * scale + shift over channel c of (N, C, plane).
@@ -320,12 +288,12 @@ void batchnorm_forward_train(float* out, float* mean, float* rstd, float* runnin
   if (sums) sums[0] += count;
 #pragma omp parallel for schedule(static)
   for (int64_t c = 0; c < C; ++c) {
-    const double sum = channel_sums<1>(c, N, C, plane, [inp](int64_t at) { return std::array{static_cast<double>(inp[at])}; })[0];
+    const double sum = channel_sum(c, N, C, plane, [inp](int64_t at) { return static_cast<double>(inp[at]); });
     const double m = sum / count;
-    const double squares = channel_sums<1>(c, N, C, plane, [inp, m](int64_t at) {
+    const double squares = channel_sum(c, N, C, plane, [inp, m](int64_t at) {
       const double d = static_cast<double>(inp[at]) - m;
-      return std::array{d * d};
-    })[0];
+      return d * d;
+    });
     const double var = squares / count;
     const float r = static_cast<float>(1.0 / std::sqrt(var + eps));
     mean[c] = static_cast<float>(m);
@@ -374,7 +342,10 @@ void batchnorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   for (int64_t c = 0; c < C; ++c) {
     const float mc = mean[c], rc = rstd[c];
     // sum(dy) and sum(dy * xhat), in one pass.
-    const auto [sum_dy, sum_dy_xhat] = dy_sums(c, N, C, plane, dout, inp, mc, rc);
+    const double sum_dy = channel_sum(c, N, C, plane, [dout](int64_t at) { return static_cast<double>(dout[at]); });
+    const double sum_dy_xhat = channel_sum(c, N, C, plane, [=](int64_t at) {
+      return static_cast<double>(dout[at] * (inp[at] - mc) * rc);
+    });
     dweight[c] += static_cast<float>(sum_dy_xhat);
     dbias[c] += static_cast<float>(sum_dy);
     if (!dinp) continue;
