@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstdint>
 #include <cstring>
 
 namespace mpipe {
@@ -23,7 +24,10 @@ Arena::Arena(const DeviceMemory& memory) : memory_(memory) {
   }
 }
 
-Arena::~Arena() { release_blocks(); }
+Arena::~Arena() {
+  if (gauge_) gauge_->used -= used_total_;
+  release_blocks();
+}
 
 void Arena::release_blocks() {
   for (Block& b : blocks_) {
@@ -61,7 +65,30 @@ void* Arena::allocate(std::size_t bytes) {
   offset_ += bytes;
   used_total_ += bytes;
   high_water_ = std::max(high_water_, used_total_);
+  if (gauge_) gauge_->add(bytes);
   return p;
+}
+
+void* Arena::spent(const Mark& from, const Mark& to, std::size_t bytes, std::span<const Tensor> live) const {
+  bytes = round_up(std::max<std::size_t>(bytes, 1));
+  for (std::size_t b = from.block; b <= to.block && b < blocks_.size(); ++b) {
+    const Block& block = blocks_[b];
+    const auto base = reinterpret_cast<std::uintptr_t>(block.memory);
+    std::uintptr_t lo = base + (b == from.block ? from.offset : 0);
+    const std::uintptr_t hi = base + (b == to.block ? to.offset : block.size);
+    // First fit: past every live tensor the run would overlap, until none does.
+    for (bool moved = true; moved && lo + bytes <= hi;) {
+      moved = false;
+      for (const Tensor& t : live) {
+        const auto at = reinterpret_cast<std::uintptr_t>(t.data);
+        if (!t.data || at >= lo + bytes || at + t.bytes() <= lo) continue;
+        lo = base + round_up(at + t.bytes() - base);
+        moved = true;
+      }
+    }
+    if (lo + bytes <= hi) return block.memory + (lo - base);
+  }
+  return nullptr;
 }
 
 Tensor Arena::tensor(Shape shape, DType dtype) {
@@ -99,6 +126,7 @@ void Arena::reset() {
     if (memory_.device == Device::cpu) std::memset(blocks_.front().memory, 0, blocks_.front().size);
   }
   if (host_objects_) host_objects_->reset();
+  if (gauge_) gauge_->used -= used_total_;
   current_ = 0;
   offset_ = 0;
   used_total_ = 0;

@@ -36,11 +36,29 @@ void bind_weight_bias(std::span<const Tensor> params, std::span<const Tensor> gr
   }
 }
 
+Tensor Spent::take(Shape shape, DType dtype, std::initializer_list<Tensor> also) const {
+  if (!arena) return {};
+  Tensor live_all[max_live + 2];
+  std::size_t n = 0;
+  for (const Tensor& t : live) live_all[n++] = t;
+  for (const Tensor& t : also) {
+    MPIPE_CHECK(n < std::size(live_all), "more live tensors than Spent::take holds");
+    live_all[n++] = t;
+  }
+  Tensor t;
+  t.shape = shape;
+  t.dtype = dtype;
+  t.device = arena->device();
+  t.data = arena->spent(from, to, t.bytes(), std::span<const Tensor>(live_all, n));
+  return t;
+}
+
 Tensor Layer::forward(const Tensor& x, Context& ctx, const Pass& pass) {
   const DType expected = input_dtype() == DType::i32 ? DType::i32 : pass.dtype;
   MPIPE_CHECK(x.dtype == expected, kind(), " layer ", global_index_, ": input is ", to_string(x.dtype), ", expected ",
               to_string(expected));
   ctx.input = x;
+  if (pass.arena) ctx.begin = pass.arena->mark();
   Tensor y = forward_impl(x, ctx, pass);
   MPIPE_CHECK(y.shape == output_shape(x.shape), kind(), " layer ", global_index_, ": output ",
               y.shape.str(), " expected ", output_shape(x.shape).str());

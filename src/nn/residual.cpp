@@ -2,6 +2,7 @@
 #include "mpipe/nn/residual.hpp"
 
 #include <cmath>
+#include <cstdint>
 
 #include "mpipe/nn/conv_layers.hpp"
 #include "mpipe/nn/dense_layers.hpp"
@@ -37,28 +38,52 @@ Cost Residual::cost(const Shape& in) const {
   // Its backward takes from the scratch arena, all kept until it returns (backward_chain):
   // per path, two buffers of its largest part input gradient (but the first's), which the
   // parts take in turns, and each part's own temporaries.
-  double scratch = 0;
+  double scratch = 0, gradients = 0;
   // Its forward's peak: the parts in forward order (the inner path, then the skip path),
   // each's own peak above what the parts before it keep.
-  double kept = 0, peak = 0;
-  const auto chain = [&](const std::vector<std::unique_ptr<Layer>>& parts) {
+  double kept = 0, peak = 0, last = 0;
+  // Its parts' input gradients (backward_chain), modelled with its own memory alone: part
+  // i's first-fit in what the parts after it on the path allocated, the last inner part's
+  // in the block's output (`spare` bytes), beside the one it reads; the rest in two turns.
+  const auto turns = [&](const std::vector<double>& region, const std::vector<double>& grad, double spare) {
+    const std::size_t n = grad.size();
+    std::vector<double> start(n + 1, 0.0);
+    for (std::size_t i = 0; i < n; ++i) start[i + 1] = start[i] + region[i];
+    double need[2] = {0, 0}, above_at = -1, above_size = 0;
+    for (std::size_t i = n; i-- > 1;) {
+      double at = start[i + 1];
+      if (above_at >= 0 && at < above_at + above_size && above_at < at + grad[i]) at = above_at + above_size;
+      if (at + grad[i] > start[n]) at = i + 1 == n && grad[i] <= spare && above_at != start[n] ? start[n] : -1;
+      if (at < 0) need[(n - 1 - i) % 2] = std::max(need[(n - 1 - i) % 2], grad[i]);
+      above_at = at;
+      above_size = grad[i];
+    }
+    return need[0] + need[1];
+  };
+  const auto chain = [&](const std::vector<std::unique_ptr<Layer>>& parts, double spare) {
     Shape s = in;
-    double largest = 0;
+    std::vector<double> region, grad;
     for (std::size_t i = 0; i < parts.size(); ++i) {
       const Cost c = parts[i]->cost(s);
+      last = c.activation_bytes;
       peak = std::max(peak, kept + c.forward_peak());
       kept += c.activation_bytes;
       total += c;
       scratch += c.backward_scratch_bytes;
-      if (i > 0) largest = std::max(largest, 4.0 * static_cast<double>(s.numel()));
+      region.push_back(c.activation_bytes + c.contexts * sizeof(Context));
+      grad.push_back(4.0 * static_cast<double>(s.numel()));
       s = parts[i]->output_shape(s);
     }
-    scratch += largest * static_cast<double>(std::min<std::size_t>(2, parts.empty() ? 0 : parts.size() - 1));
+    gradients += turns(region, grad, spare);
     return s;
   };
-  const Shape s = chain(inner_);
-  chain(skip_);
-  total.backward_scratch_bytes = scratch;
+  const Shape s = chain(inner_, 4.0 * static_cast<double>(output_shape(in).numel()));
+  chain(skip_, 0.0);
+  // The skip path's output, given back after the sum where its last part keeps nothing
+  // else (forward_impl): the sum's peak had it, the backward does not.
+  if (gives_back_skip() && last == 4.0 * static_cast<double>(s.numel())) total.activation_bytes -= last;
+  total.backward_scratch_bytes = scratch + gradients;
+  total.backward_gradient_bytes = gradients;
   const double out = static_cast<double>(s.numel());
   total.forward_flops += out;
   total.backward_flops += out;
@@ -96,34 +121,87 @@ Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   Tensor skip = x;
   for (std::size_t j = 0; j < skip_.size(); ++j) skip = skip_[j]->forward(skip, c[n + j], pass);
   // Over the last inner layer's output where that is dead to it (a BatchNorm's); else a
-  // fresh sum: a layer may keep its own output (ReLU does) or pass its input on.
+  // fresh sum: a layer may keep its own output (ReLU does) or pass its input on. Either is
+  // dead in the block's backward (ctx.saved[0]), the layers after it having run theirs.
   if (sums_in_place() && h.data != x.data) {
     ops::add(h, skip);
+    // The skip path's output is dead now: where it is all its last part allocated (a
+    // projection's), and nothing keeps it, the arena takes it back (a GPU stream reuses
+    // it after the sum, in stream order).
+    if (gives_back_skip()) {
+      const Context& last = c[n + skip_.size() - 1];
+      if (pass.arena->at(last.begin) == skip.data && pass.arena->used() == last.begin.used + Arena::rounded(skip.bytes()))
+        pass.arena->rewind(last.begin);
+    }
+    ctx.saved[0] = h;
     return h;
   }
   Tensor y = pass.arena->tensor(h.shape, pass.dtype);
   ops::copy(y, h);
   ops::add(y, skip);
+  ctx.saved[0] = y;
   return y;
 }
 
-// Runs layers[count-1] .. layers[0] backward from dy, the first into dx by `mode`. The
-// parts' input gradients take turns in two buffers (a dy is dead once its backward returns).
-static void backward_chain(std::span<const std::unique_ptr<Layer>> layers, Context* c, const Tensor& dy, const Tensor& dx,
-                    GradMode mode, const Pass& pass) {
-  std::int64_t largest = 0;
-  for (std::size_t i = 1; i < layers.size(); ++i) largest = std::max(largest, c[i].input.numel());
-  Tensor turns[2];
-  for (std::size_t t = 0; t < std::min<std::size_t>(2, layers.size() - 1); ++t) turns[t] = pass.arena->tensor(Shape{largest}, pass.dtype);
-  Tensor g = dy;
-  for (std::size_t i = layers.size(); i-- > 1;) {
-    Tensor d = turns[(layers.size() - 1 - i) % 2].head(c[i].input.shape);
-    layers[i]->backward(c[i], g, d, GradMode::overwrite, pass);
-    g = d;
-  }
-  layers[0]->backward(c[0], g, dx, mode, pass);  // dx may be empty: weight gradients only
+// A projection (a convolution) that keeps nothing but its output, which the sum reads
+// last: Residual::forward gives it back.
+bool Residual::gives_back_skip() const {
+  return sums_in_place() && !skip_.empty() && skip_.back()->output_reusable();
 }
 
+namespace {
+bool overlaps(const Tensor& a, const Tensor& b) {
+  if (a.empty() || b.empty()) return false;
+  const auto x = reinterpret_cast<std::uintptr_t>(a.data), y = reinterpret_cast<std::uintptr_t>(b.data);
+  return x < y + b.bytes() && y < x + a.bytes();
+}
+}  // namespace
+
+// Runs layers[count-1] .. layers[0] backward from dy, the first into dx by `mode`. Part
+// i's input gradient goes into spent memory where there is room for it: what the parts
+// after it on its path allocated (from c[i + 1].begin up to `end`; none where `end` is
+// null), else `also`, where the block's caller has room (pass.spent: the layers after it);
+// else into two scratch buffers the parts take in turns (a dy is dead once its backward
+// returns). The caller's live tensors (the block's dy, dx) stay untouched.
+static void backward_chain(std::span<const std::unique_ptr<Layer>> layers, Context* c, const Tensor& dy, const Tensor& dx,
+                           GradMode mode, const Pass& pass, const Arena::Mark* end, const Spent* also,
+                           const Tensor& spare = {}) {
+  const std::size_t n = layers.size();
+  // dx (the caller's live[1]) is written last, from grads[1]: while the chain overwrites
+  // it, the gradients before that may lie in it.
+  const auto live = [&](const Spent& s, std::size_t i) {
+    Spent r = s;
+    if (i >= 2 && mode == GradMode::overwrite) r.live[1] = Tensor{};
+    return r;
+  };
+  ChainGradients grads(
+      n, dy, pass.dtype, *pass.arena, [&](std::size_t i) { return c[i].input.shape; },
+      [&](std::size_t i, Shape shape, const Tensor& above) -> Tensor {
+        if (!pass.spent) return {};
+        Tensor t;
+        if (end && i + 1 < n) {
+          Spent own = live(*pass.spent, i);
+          own.from = c[i + 1].begin;
+          own.to = *end;
+          t = own.take(shape, pass.dtype, {above});
+        }
+        if (t.empty() && !spare.empty() && i + 1 == n && shape.numel() * dtype_size(pass.dtype) <= spare.bytes()) {
+          t = spare.head(shape);
+          for (const Tensor& other : live(*pass.spent, i).live) t = overlaps(t, other) ? Tensor{} : t;
+          if (overlaps(t, above)) t = Tensor{};
+        }
+        return t.empty() && also ? live(*also, i).take(shape, pass.dtype, {above}) : t;
+      });
+  Tensor g = dy;
+  Pass part = pass;
+  part.spent = nullptr;
+  for (std::size_t i = n; i-- > 1;) {
+    const Tensor d = grads(i, g);
+    layers[i]->backward(c[i], g, d, GradMode::overwrite, part);
+    g = d;
+  }
+  layers[0]->backward(c[0], g, dx, mode, part);  // dx may be empty: weight gradients only
+}
 void Residual::backward_weight_impl(Context& ctx, const Pass& pass) {
   for (std::size_t i = inner_.size(); i-- > 0;) inner_[i]->backward_weight(ctx.children[i], pass);
   for (std::size_t j = skip_.size(); j-- > 0;) skip_[j]->backward_weight(ctx.children[inner_.size() + j], pass);
@@ -131,9 +209,27 @@ void Residual::backward_weight_impl(Context& ctx, const Pass& pass) {
 
 void Residual::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   Context* c = ctx.children;
-  backward_chain(inner_, c, dy, dx, mode, pass);
-  if (!skip_.empty()) backward_chain(skip_, c + inner_.size(), dy, dx, GradMode::accumulate, pass);
-  else if (!dx.empty()) ops::add(dx, dy);
+  const std::size_t n = inner_.size();
+  // Spent memory (unsplit, pass.spent): the inner path's parts after each, up to the skip
+  // path's (which its backward reads next) or, without one, through what the layers after
+  // the block allocated; then, for the skip path, the whole inner path's.
+  const Spent* after = pass.spent;
+  Arena::Mark inner_end;
+  if (after) inner_end = skip_.empty() ? after->to : c[n].begin;
+  // The block's output (ctx.saved[0]), which its forward allocated and no one reads now,
+  // takes the last inner part's input gradient, which no part's region after it can.
+  backward_chain(inner_, c, dy, dx, mode, pass, after ? &inner_end : nullptr, after, after ? ctx.saved[0] : Tensor{});
+  if (skip_.empty()) {
+    if (!dx.empty()) ops::add(dx, dy);
+    return;
+  }
+  Spent inner;
+  if (after) {
+    inner = *after;
+    inner.from = c[0].begin;
+    inner.to = c[n].begin;
+  }
+  backward_chain(skip_, c + n, dy, dx, GradMode::accumulate, pass, nullptr, after ? &inner : nullptr);
 }
 
 // ---- registry entries ----------------------------------------------------------------

@@ -40,6 +40,8 @@ Executor::Executor(const Plan& plan, const Communicator& world)
   }
   persistent_ = std::make_unique<Arena>(ops::device_memory(device_));
   scratch_ = std::make_unique<Arena>(ops::device_memory(device_));
+  persistent_->count_in(&activations_);
+  scratch_->count_in(&activations_);
 }
 
 // Requests a failed step left behind are cancelled by Progress.
@@ -98,7 +100,7 @@ void Executor::allocate() {
     const int share = plan_.replica_batch();
     device_ops_->allocate_batch(model_.input_shape(share), model_.input_dtype(), model_.target_shape(share));
   }
-  slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_);
+  slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_, &activations_);
   reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,
                                        plan_.options.batchnorm == BatchNormRule::deferred, shard,
                                        plan_.options.p2p_timeout);
@@ -160,7 +162,7 @@ void Executor::upload_state() {
 }
 
 std::size_t Executor::peak_activation_bytes() const {
-  return persistent_->high_water() + scratch_->high_water() + slots_->high_water();
+  return activations_.peak;
 }
 
 bool Executor::needs_batch() const {
@@ -269,7 +271,7 @@ void Executor::run_actions(std::int64_t step, bool training) {
               for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
             throw Error("injected failure (MPIPE_TEST_FAIL)");
           }
-          stage.forward(step, mb, training);
+          stage.forward(step, mb, training, training && backward_next(at, schedule_.stage_of(list, action), mb));
           break;
         case ActionKind::backward: stage.backward(step, mb); break;
         case ActionKind::weight: stage.weight(step, mb); break;

@@ -10,6 +10,44 @@ namespace mpipe {
 
 namespace {
 
+// An unsplit backward's scratch on layers [begin, end) (Stage::run_backward): each
+// layer's input gradient first-fit in what the forwards of the layers after it allocated
+// (their contexts and activations, in order), beside the gradient it reads; those that do
+// not fit take two buffers in turns, held through the backward. Beside them, one layer's
+// temporaries at a time, and of a composite's parts' gradients what the spent memory
+// left beside the layer's own two has no room for.
+double unsplit_scratch(const Model& model, const std::vector<Shape>& shapes, int begin, int end) {
+  const int n = end - begin;
+  std::vector<double> start(static_cast<std::size_t>(n) + 1, 0.0);
+  std::vector<Cost> costs;
+  for (int i = 0; i < n; ++i) {
+    costs.push_back(model.layer(begin + i).cost(shapes[static_cast<std::size_t>(begin + i)]));
+    start[static_cast<std::size_t>(i) + 1] =
+        start[static_cast<std::size_t>(i)] + costs.back().activation_bytes + costs.back().contexts * sizeof(Context);
+  }
+  const double top = start.back();
+  const auto bytes = [&](int layer) { return f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(layer)].numel())); };
+  double turns[2] = {0, 0}, beside = 0;
+  double above_at = -1, above_size = 0;  // where the gradient layer i reads lies (-1: not in spent memory)
+  for (int i = n - 1; i >= 0; --i) {
+    const Cost& c = costs[static_cast<std::size_t>(i)];
+    const double from = start[static_cast<std::size_t>(i) + 1], dx = i > 0 ? bytes(begin + i) : 0.0;
+    double at = -1;
+    if (i > 0) {
+      at = from;
+      if (above_at >= 0 && at < above_at + above_size && above_at < at + dx) at = above_at + above_size;
+      if (at + dx > top) at = -1;
+      if (at < 0) turns[(n - 1 - i) % 2] = std::max(turns[(n - 1 - i) % 2], dx);
+    }
+    const double free = top - from - (at >= 0 ? dx : 0.0) - (above_at >= 0 ? above_size : 0.0);
+    const double own = c.backward_scratch_bytes - c.backward_gradient_bytes;
+    beside = std::max(beside, own + std::max(0.0, c.backward_gradient_bytes - std::max(0.0, free)));
+    above_at = at;
+    above_size = dx;
+  }
+  return turns[0] + turns[1] + beside;
+}
+
 std::vector<StageMemory> stage_memory(const Model& model, const Partition& part, int micro) {
   const auto shapes = model.shapes(micro);
   std::vector<StageMemory> out(static_cast<std::size_t>(part.stages()));
@@ -32,9 +70,10 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       if (!keeps_dy_in_output(model, i, part.end(s))) m.stash += static_cast<double>(c.weight_stash_bytes);
       const double dx = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i)].numel()));
       const double dy = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
-      m.scratch = std::max(m.scratch, dx + dy + c.backward_scratch_bytes);
+      m.split_scratch = std::max(m.split_scratch, dx + dy + c.backward_scratch_bytes);
       m.selective_scratch = std::max(m.selective_scratch, dx + dy + c.backward_scratch_bytes + c.recomputable_bytes);
     }
+    m.scratch = unsplit_scratch(model, shapes, part.begin(s), part.end(s));
     m.forward_peak = std::max(m.activation, peak);
     m.boundary = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()));
     if (s + 1 < part.stages()) m.output = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.end(s))].numel()));

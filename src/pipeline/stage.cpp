@@ -8,8 +8,11 @@
 
 namespace mpipe {
 
-SlotPool::SlotPool(int slots, Device device) {
-  for (int s = 0; s < slots; ++s) slots_.push_back(std::make_unique<Arena>(ops::device_memory(device)));
+SlotPool::SlotPool(int slots, Device device, Gauge* gauge) {
+  for (int s = 0; s < slots; ++s) {
+    slots_.push_back(std::make_unique<Arena>(ops::device_memory(device)));
+    slots_.back()->count_in(gauge);
+  }
   free_.reserve(slots_.size());
   reset();
 }
@@ -32,12 +35,6 @@ void SlotPool::reset() {
     slots_[s]->reset();
     free_.push_back(static_cast<int>(s));
   }
-}
-
-std::size_t SlotPool::high_water() const {
-  std::size_t bytes = 0;
-  for (const auto& slot : slots_) bytes += slot->high_water();
-  return bytes;
 }
 
 Stage::Stage(Model& model, int index, int channel, int begin, int end, int model_stages, int micro_batches)
@@ -131,7 +128,7 @@ Tensor Stage::input(const Pass& pass, int mb) {
   return x;
 }
 
-void Stage::forward(std::int64_t step, int mb, bool training) {
+void Stage::forward(std::int64_t step, int mb, bool training, bool backward_next) {
   const auto start = StageHooks::Clock::now();
   shared_.hooks->begin_compute(ComputeKind::forward, mb, index_);
   const bool remat = training && shared_.plan->rematerialize(index_, mb);
@@ -151,14 +148,17 @@ void Stage::forward(std::int64_t step, int mb, bool training) {
   }
   if (remat) {
     // Keep only what leaves the stage; the contexts die with the scratch arena (whose
-    // memory the GPU stream reuses only after this copy, in stream order).
+    // memory the GPU stream reuses only after this copy, in stream order), unless B comes
+    // next: they then stay there for it, which resets the arena.
     if (!last_) {
       const Tensor kept = take_send_buffer(outputs_, Direction::forward, mb);
       shared_.device_ops->copy(kept.data, out.data, out.bytes());
       out = kept;
     }
-    shared_.scratch->reset();
-    contexts = nullptr;
+    if (!backward_next || shared_.split) {
+      shared_.scratch->reset();
+      contexts = nullptr;
+    }
   }
   MicroBatch& m = micro_batch(mb);
   m.output = out;
@@ -196,8 +196,16 @@ void Stage::backward(std::int64_t step, int mb) {
                           : shared_.transport->received(Direction::backward, channel_, mb);
   if (!first_) m.input_grad = take_send_buffer(gradients_, Direction::backward, mb);
   const bool final = mb == shared_.plan->options.micro_batches - 1 && !split;
+  // Unsplit, the forward's memory (in the slot, or the scratch arena where recomputed)
+  // holds the gradients between layers as it dies, but what is sent on from it.
+  Spent spent;
+  if (!split) {
+    spent.arena = m.slot >= 0 ? &shared_.slots->slot(m.slot) : shared_.scratch;
+    spent.to = spent.arena->mark();
+    spent.live[2] = m.output;
+  }
   run_backward(contexts, dy, m.input_grad, pass, *shared_.scratch, *shared_.shapes, shared_.dtype,
-               final ? shared_.hooks : nullptr, *shared_.progress);
+               final ? shared_.hooks : nullptr, *shared_.progress, split ? nullptr : &spent);
   shared_.scratch->reset();
   shared_.hooks->end_compute(ComputeKind::backward, mb, index_, start);
   if (!split) {
@@ -233,20 +241,35 @@ Context* Stage::run_forward(const Pass& pass, Tensor x, Tensor* output, Progress
 }
 
 void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, const Pass& pass, Arena& scratch,
-                         const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress) const {
+                         const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress,
+                         const Spent* spent) const {
   const int n = end_ - begin_;
-  // The layers' input gradients take turns in two buffers: a layer's dy is dead once its
-  // backward returns (what W needs it keeps in the stash), so two live at a time, the
-  // plan's dx + dy, not one per layer.
-  std::int64_t largest = 0;
-  for (int i = 1; i < n; ++i) largest = std::max(largest, shapes[static_cast<std::size_t>(begin_ + i)].numel());
-  Tensor turns[2];
-  for (int t = 0; t < (n > 2 ? 2 : n - 1); ++t) turns[t] = scratch.tensor(Shape{largest}, dtype);
+  // A layer's dy is dead once its backward returns (what W needs it keeps in the stash),
+  // and so is, unsplit, what the forwards of the layers after it allocated: each input
+  // gradient goes there where it has room, else the gradients take turns in two buffers,
+  // the plan's dx + dy, not one per layer.
+  const auto spent_from = [&](int i) { return i + 1 < n ? contexts[i + 1].begin : spent->to; };
+  ChainGradients grads(
+      static_cast<std::size_t>(n), dy, dtype, scratch,
+      [&](std::size_t i) { return shapes[static_cast<std::size_t>(begin_) + i]; },
+      [&](std::size_t i, Shape shape, const Tensor& above) -> Tensor {
+        if (!spent) return {};
+        Spent here = *spent;
+        here.from = spent_from(static_cast<int>(i));
+        return here.take(shape, dtype, {above});
+      });
   for (int i = n - 1; i >= 0; --i) {
-    Tensor dx;
-    if (i > 0) dx = turns[(n - 1 - i) % 2].head(shapes[static_cast<std::size_t>(begin_ + i)]);
-    else dx = dx_first;
+    const Tensor dx = i > 0 ? grads(static_cast<std::size_t>(i), dy) : dx_first;
     Layer& layer = model_.layer(begin_ + i);
+    Spent here;
+    Pass pass_here = pass;
+    if (spent) {
+      here = *spent;
+      here.from = spent_from(i);
+      here.live[0] = dy;
+      here.live[1] = dx;
+      pass_here.spent = &here;
+    }
     // What the layer's backward allocates beyond dx is dead when it returns (its dy, below
     // the mark, stays): the next layer's backward reuses that memory.
     const Arena::Mark temporaries = scratch.mark();
@@ -266,7 +289,7 @@ void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, c
       if (free) kept.stash_into = out;
       layer.backward(contexts[i], dy, dx, GradMode::overwrite, kept);
     } else {
-      layer.backward(contexts[i], dy, dx, GradMode::overwrite, pass);
+      layer.backward(contexts[i], dy, dx, GradMode::overwrite, pass_here);
     }
     scratch.rewind(temporaries);
     dy = dx;

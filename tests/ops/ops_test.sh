@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Operations output with the real binary: trace, summary, sweep CSV and the plots.
-# Usage: ops_test.sh MPIPE CASE   (CASE: trace | overlap | sweep | progress)
+# Usage: ops_test.sh MPIPE CASE   (CASE: trace | overlap | remat | sweep | progress)
 set -euo pipefail
 mpipe=$1 case=$2
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -138,6 +138,31 @@ progress)
   grep -q "ETA" "$work/on.log" || fail "--progress on shows no live line"
   set +e; out=$("$mpipe" "${run[@]}" --progress maybe 2>&1); rc=$?; set -e
   [[ $rc -eq 2 ]] && grep -q "unknown --progress 'maybe'" <<<"$out" || fail "bad --progress: rc $rc: $out"
+  ;;
+remat)
+  # --remat always recomputes a micro-batch's forward before its backward, except where
+  # that backward is the stage's next compute (its contexts are still there): under 1F1B
+  # every one of the last stage's, none of the first's; none under GPipe, whose backwards
+  # run in forward order. The losses are the same bits either way.
+  for schedule in gpipe 1f1b; do
+    mpiexec -n 2 "$mpipe" train "${small[@]}" --batch-size 8 --micro-batches 4 --steps 3 --resume never \
+      --schedule $schedule --remat always --trace "$work/$schedule.json" --trace-steps 1 > "$work/$schedule.log"
+    mpiexec -n 2 "$mpipe" train "${small[@]}" --batch-size 8 --micro-batches 4 --steps 3 --resume never \
+      --schedule $schedule --remat never > "$work/$schedule-never.log"
+    diff <(grep -o 'loss [0-9.]*' "$work/$schedule.log") <(grep -o 'loss [0-9.]*' "$work/$schedule-never.log") \
+      || fail "$schedule: --remat always and never differ in loss"
+    grep -q 'loss [0-9]' "$work/$schedule.log" || fail "$schedule: no loss in the log"
+  done
+  /usr/bin/python3 - "$work" <<'PY' || fail "recomputed micro-batches"
+import json, sys
+def recomputed(schedule, rank):
+    t = json.load(open(f"{sys.argv[1]}/{schedule}.json"))["traceEvents"]
+    boxes = [e for e in t if e.get("ph") == "X" and e["tid"] == rank and e["args"]["step"] == 2]
+    assert sorted(e["args"]["micro_batch"] for e in boxes if e["cat"] == "backward") == [0, 1, 2, 3]
+    return sorted(e["args"]["micro_batch"] for e in boxes if e["cat"] == "recompute")
+got = {(s, r): recomputed(s, r) for s in ("gpipe", "1f1b") for r in (0, 1)}
+assert got == {("gpipe", 0): [0, 1, 2, 3], ("gpipe", 1): [0, 1, 2, 3], ("1f1b", 0): [0, 1, 2, 3], ("1f1b", 1): []}, got
+PY
   ;;
 sweep)
   bash "$root/scripts/sweep_microbatches.sh" --ms "1 4" --schedules "gpipe 1f1b interleaved:2" --ranks 2 --micro-size 2 \

@@ -182,6 +182,52 @@ TEST_CASE("arena: rewind(mark()) gives what was allocated since to the next allo
   CHECK(arena.capacity() >= high);
 }
 
+TEST_CASE("arena: spent() finds the first run between two marks that no live tensor overlaps") {
+  Arena arena;
+  arena.tensor(Shape{16});
+  const Arena::Mark from = arena.mark();
+  const Tensor a = arena.tensor(Shape{256}), b = arena.tensor(Shape{256}), c = arena.tensor(Shape{256});
+  const Arena::Mark to = arena.mark();
+  arena.tensor(Shape{1024});  // after `to`: never handed out
+  const std::size_t bytes = 256 * sizeof(float);
+  CHECK(arena.spent(from, to, bytes, {}) == a.data);
+  const Tensor live_a[] = {a};
+  CHECK(arena.spent(from, to, bytes, live_a) == b.data);
+  const Tensor live_ab[] = {b, a};  // in any order
+  CHECK(arena.spent(from, to, bytes, live_ab) == c.data);
+  CHECK(arena.spent(from, to, 2 * bytes, live_ab) == nullptr);  // c alone is too short
+  const Tensor live_b[] = {b};
+  CHECK(arena.spent(from, to, 2 * bytes, live_b) == nullptr);  // a, c: room for each, not for both at once
+  CHECK(arena.spent(from, to, 3 * bytes, {}) == a.data);
+  CHECK(arena.spent(to, to, 1, {}) == nullptr);
+  // A live tensor partly inside moves the run past its end, 64-byte aligned.
+  const Tensor part = a.head(Shape{3});
+  const Tensor live_part[] = {part};
+  const void* at = arena.spent(from, to, bytes, live_part);
+  CHECK(at == static_cast<std::byte*>(a.data) + Arena::alignment);
+}
+
+TEST_CASE("arena: a gauge counts the live bytes of its arenas together, and their peak at once") {
+  Gauge gauge;
+  {
+    Arena one, two;
+    one.count_in(&gauge);
+    two.count_in(&gauge);
+    one.tensor(Shape{1024});  // 4 KiB
+    const Arena::Mark mark = one.mark();
+    one.tensor(Shape{2048});  // 8 KiB: 12 live
+    one.rewind(mark);         // 4 live
+    CHECK(gauge.used == 4096);
+    two.tensor(Shape{1024});  // 8 live: below the 12 before
+    CHECK(gauge.peak == 3 * 4096);
+    CHECK(one.high_water() + two.high_water() == 4 * 4096);  // the sum of marks is more
+    one.reset();
+    CHECK(gauge.used == 4096);
+  }
+  CHECK(gauge.used == 0);  // gone with its arenas
+  CHECK(gauge.peak == 3 * 4096);
+}
+
 TEST_CASE("vectorisable exp and GELU: within a few ulp of double precision") {
   // exp over its whole range, every 2^-12 in [-87, 87] (about 713k points).
   double worst_ulp = 0;

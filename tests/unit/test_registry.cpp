@@ -447,50 +447,107 @@ TEST_CASE("a stage's backward reuses each layer's temporaries for the next, and 
   CHECK(scratch_bytes(3) == scratch_bytes(1));
 }
 
+namespace {
+// Model-file text: a 3x3 convolution (padding 1), BatchNorm and ReLU; a residual block of
+// two 3x3 convolutions with BatchNorm and a ReLU between (a 1x1 projection on its skip
+// path where `stride` or the channels change); a global average pool, a linear layer
+// and the loss.
+std::string stem(int out) {
+  return cat("[[layer]]\nkind = \"conv2d\"\nout = ", out,
+             "\nkernel = 3\npadding = 1\n[[layer]]\nkind = \"batchnorm2d\"\n[[layer]]\nkind = \"relu\"\n");
+}
+std::string basic_block(int out, int stride = 1) {
+  return cat("[[layer]]\nkind = \"residual\"\n", "  [[layer.layer]]\n  kind = \"conv2d\"\n  out = ", out, "\n  kernel = 3\n  stride = ",
+             stride, "\n  padding = 1\n  [[layer.layer]]\n  kind = \"batchnorm2d\"\n  [[layer.layer]]\n  kind = \"relu\"\n",
+             "  [[layer.layer]]\n  kind = \"conv2d\"\n  out = ", out,
+             "\n  kernel = 3\n  padding = 1\n  [[layer.layer]]\n  kind = \"batchnorm2d\"\n");
+}
+std::string classifier(int classes) {
+  return cat("[[layer]]\nkind = \"global-avgpool\"\n[[layer]]\nkind = \"linear\"\nout = ", classes,
+             "\n[[layer]]\nkind = \"cross_entropy\"\n");
+}
+}  // namespace
+
+TEST_CASE("an unsplit backward puts input gradients in spent forward memory: bitwise the turns' gradients, less scratch; a projection's output given back") {
+  // A stem, an identity block and a strided block with a projection (its output given
+  // back after the sum), then the head: 32x32 planes, so that the gradients are large.
+  const std::string file =
+      write_temp("mpipe_spent.toml", "input = [3, 16, 16]\n" + stem(8) + basic_block(8) + "[[layer]]\nkind = \"relu\"\n" +
+                                         basic_block(16, 2) + "[[layer]]\nkind = \"relu\"\n" + classifier(3));
+  ModelConfig config;
+  config.kind = file;
+  Model m(config);
+  const int n = m.size();
+  ParamStore store(m, every_layer(m), 5);
+  const int64_t batch = 4;
+  const std::vector<Shape> shapes = m.shapes(batch);
+  std::vector<float> image(static_cast<std::size_t>(m.input_shape(batch).numel()));
+  for (std::size_t i = 0; i < image.size(); ++i) image[i] = std::sin(0.37f * static_cast<float>(i));
+  std::vector<std::int32_t> targets{0, 2, 1, 1};
+  Progress progress(ProgressMode::layers, 1e-3, 1, false);
+  const Stage stage(m, 0, 0, 0, n, 1, 1);
+  std::size_t scratch_peak = 0;
+  auto run = [&](bool spent) {
+    Arena slot, scratch;
+    Pass pass;
+    pass.arena = &slot;
+    pass.targets = {targets.data(), m.target_shape(batch), DType::i32, Device::cpu};
+    pass.loss_scale = 1.0f / 4;
+    store.zero_grads();
+    Tensor out;
+    Context* contexts = stage.run_forward(pass, make_tensor(image.data(), m.input_shape(batch)), &out, progress);
+    const std::vector<float> forward_bits(static_cast<const float*>(out.data), static_cast<const float*>(out.data) + out.numel());
+    Spent memory;
+    memory.arena = &slot;
+    memory.to = slot.mark();
+    memory.live[2] = out;
+    pass.arena = &scratch;
+    static float one = 1.0f;
+    stage.run_backward(contexts, make_tensor(&one, Shape{1}), Tensor{}, pass, scratch, shapes, DType::f32, nullptr, progress,
+                       spent ? &memory : nullptr);
+    // What leaves the stage (a live tensor) is as the forward left it.
+    CHECK(std::memcmp(out.data, forward_bits.data(), out.bytes()) == 0);
+    scratch_peak = scratch.high_water();
+    return std::vector<float>(store.grads().begin(), store.grads().end());
+  };
+  const std::vector<float> turns = run(false);
+  const std::size_t turns_peak = scratch_peak;
+  const std::vector<float> spent = run(true);
+  REQUIRE(turns.size() == spent.size());
+  CHECK(std::memcmp(turns.data(), spent.data(), turns.size() * sizeof(float)) == 0);
+  // At least one (4, 8, 16, 16) input gradient fewer in scratch.
+  CHECK(scratch_peak + 4 * 8 * 16 * 16 * sizeof(float) <= turns_peak);
+  // The strided block, last on a stage: after its forward, the next allocation takes the
+  // memory of its projection's output, given back.
+  const Stage blocks(m, 0, 0, 0, 6, 2, 1);
+  Arena slot;
+  Pass pass;
+  pass.arena = &slot;
+  Tensor out;
+  Context* contexts = blocks.run_forward(pass, make_tensor(image.data(), m.input_shape(batch)), &out, progress);
+  const Context& projection = contexts[5].children[5];
+  CHECK(slot.tensor(Shape{1}).data == slot.at(projection.begin));
+  // The plan counts it out: the block's activations are its parts' less that output.
+  const Cost block = m.layer(5).cost(shapes[5]);
+  double parts = 0;
+  std::vector<Layer*> all;
+  m.layer(5).parts(all);
+  Shape s = shapes[5];
+  for (std::size_t i = 1; i < all.size() - 1; ++i) {
+    parts += all[i]->cost(s).activation_bytes;
+    s = all[i]->output_shape(s);
+  }
+  parts += all.back()->cost(shapes[5]).activation_bytes;  // the projection
+  CHECK(block.activation_bytes == parts - 4.0 * static_cast<double>(shapes[6].numel()));
+}
+
 TEST_CASE("a ReLU after a layer whose output is dead to it runs in place, bitwise; never over a stage's input") {
   // conv -> batchnorm -> relu (in place), a block whose inner relu runs in place and whose
   // sum goes over its last batchnorm's output, a relu after the block (in place), and a
   // relu after a relu (not in place: the first one's backward reads its output).
-  const std::string file = write_temp("mpipe_in_place.toml", R"(input = [2, 6, 6]
-[[layer]]
-kind = "conv2d"
-out = 4
-kernel = 3
-padding = 1
-[[layer]]
-kind = "batchnorm2d"
-[[layer]]
-kind = "relu"
-[[layer]]
-kind = "residual"
-  [[layer.layer]]
-  kind = "conv2d"
-  out = 4
-  kernel = 3
-  padding = 1
-  [[layer.layer]]
-  kind = "batchnorm2d"
-  [[layer.layer]]
-  kind = "relu"
-  [[layer.layer]]
-  kind = "conv2d"
-  out = 4
-  kernel = 3
-  padding = 1
-  [[layer.layer]]
-  kind = "batchnorm2d"
-[[layer]]
-kind = "relu"
-[[layer]]
-kind = "relu"
-[[layer]]
-kind = "global-avgpool"
-[[layer]]
-kind = "linear"
-out = 3
-[[layer]]
-kind = "cross_entropy"
-)");
+  const std::string file = write_temp("mpipe_in_place.toml", "input = [2, 6, 6]\n" + stem(4) + basic_block(4) +
+                                                                "[[layer]]\nkind = \"relu\"\n[[layer]]\nkind = \"relu\"\n" +
+                                                                classifier(3));
   ModelConfig config;
   config.kind = file;
   Model m(config);

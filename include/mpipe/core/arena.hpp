@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstring>
 #include <memory>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -25,6 +26,17 @@ struct DeviceMemory {
   void* (*allocate)(std::size_t bytes) = nullptr;
   void (*release)(void* p) noexcept = nullptr;
   void (*zero)(void* p, std::size_t bytes) = nullptr;
+};
+
+// Bytes live in a set of arenas at once (Arena::count_in), and the most so far: a rank's
+// true activation peak, where the sum of its arenas' high-water marks adds moments apart
+// (a slot's forward peak and the scratch arena's backward one).
+struct Gauge {
+  std::size_t used = 0, peak = 0;
+  void add(std::size_t bytes) {
+    used += bytes;
+    peak = used > peak ? used : peak;
+  }
 };
 
 class Arena {
@@ -61,8 +73,21 @@ class Arena {
     std::size_t block = 0, offset = 0, used = 0;
   };
   Mark mark() const { return {current_, offset_, used_total_}; }
-  void rewind(const Mark& m) { current_ = m.block, offset_ = m.offset, used_total_ = m.used; }
+  void rewind(const Mark& m) {
+    if (gauge_) gauge_->used -= used_total_ - m.used;
+    current_ = m.block, offset_ = m.offset, used_total_ = m.used;
+  }
+  // What this arena holds counts in `gauge` from now on (its tensors, and in a host arena
+  // contexts, as high_water() counts them).
+  void count_in(Gauge* gauge) { gauge_ = gauge; }
   std::size_t used() const { return used_total_; }
+  // The address the next allocation from mark m would have taken had it fit its block.
+  const void* at(const Mark& m) const { return m.block < blocks_.size() ? blocks_[m.block].memory + m.offset : nullptr; }
+  static std::size_t rounded(std::size_t bytes) { return (bytes + alignment - 1) / alignment * alignment; }
+  // Spent memory: the first run of `bytes` (64-byte aligned) of what was allocated between
+  // marks `from` and `to` (the caller knows nothing reads it again) that overlaps none of
+  // `live`; null where none is that long. Runs do not cross the blocks of a first step.
+  void* spent(const Mark& from, const Mark& to, std::size_t bytes, std::span<const Tensor> live) const;
   // Peak bytes of tensors (and, in a host arena, contexts) between resets.
   std::size_t high_water() const { return high_water_; }
   std::size_t capacity() const;
@@ -84,6 +109,7 @@ class Arena {
   std::size_t used_total_ = 0;
   std::size_t high_water_ = 0;
   std::size_t growths_ = 0;
+  Gauge* gauge_ = nullptr;
 };
 
 }  // namespace mpipe

@@ -66,6 +66,9 @@ struct Cost {
   // The temporaries its backward allocates beyond its dx (for the plan's peak: the
   // stage's backward scratch holds one layer's at a time). Composites set their own.
   double backward_scratch_bytes = 0;
+  // Of backward_scratch_bytes: its parts' input gradients (a composite's turns), which an
+  // unsplit backward puts in spent memory where that has room (ChainGradients).
+  double backward_gradient_bytes = 0;
   // The most its forward holds at once above what came before it: what it keeps so far
   // and the temporaries it gives back as it returns (a conv's im2col columns); 0: its
   // activation_bytes. A micro-batch's arena grows to the largest such moment. Composites
@@ -88,6 +91,19 @@ struct Cost {
     contexts += c.contexts;
     return *this;
   }
+};
+
+// An unsplit backward's spent memory: what forwards allocated in `arena` between marks
+// `from` and `to` (of layers whose backward has run, so nothing reads it again) but the
+// `live` tensors, which may lie in it. The gradients between layers go there, where it has
+// room, instead of into new scratch.
+struct Spent {
+  static constexpr int max_live = 3;
+  Arena* arena = nullptr;
+  Arena::Mark from, to;
+  Tensor live[max_live];  // the layer's dy and dx, the stage's output (empty: none)
+  // A tensor of `shape` in it overlapping none of `live` and `also`; empty where none fits.
+  Tensor take(Shape shape, DType dtype, std::initializer_list<Tensor> also = {}) const;
 };
 
 // One forward or backward pass over a micro-batch: where memory comes from and where in
@@ -119,6 +135,9 @@ struct Pass {
   // The stage's input (a received message, the data, or what remat keeps to run the
   // forward again): no layer writes its output over it (Layer::allow_in_place).
   const void* stage_input = nullptr;
+  // An unsplit backward, the layer's: where a composite may put its parts' input
+  // gradients (null: none; its scratch then, in turns).
+  const Spent* spent = nullptr;
 };
 
 // What backward needs from one forward call. Trivially destructible: it lives in the
@@ -126,6 +145,7 @@ struct Pass {
 struct Context {
   static constexpr int max_saved = 8;
   Tensor input;
+  Arena::Mark begin;  // where the forward's allocations began in pass.arena (Spent)
   Tensor saved[max_saved];
   Context* children = nullptr;
   double value = 0.0;  // the loss layer's summed loss (on the CPU; see Pass)
@@ -199,6 +219,42 @@ class Layer {
 // each layer after the first may write its output over its input where the layer before
 // it has output_reusable(). Activations then hold one buffer where they held two.
 void mark_in_place(std::span<const std::unique_ptr<Layer>> chain);
+
+// The input gradients of parts 1 .. n-1 of a chain run backward (part 0 writes the
+// caller's dx): part i's, of shape_of(i), where find(i, shape, above) has room for it
+// beside `above`, the gradient part i reads (spent memory), else in one of two buffers of
+// `scratch` the parts take in turns, each as large as the largest it holds. The
+// placements depend on the marks and shapes alone: a first look sizes the buffers, and
+// operator() finds the same places again (no per-part array: more parts add nothing).
+template <class ShapeOf, class Find>
+class ChainGradients {
+ public:
+  ChainGradients(std::size_t n, const Tensor& dy, DType dtype, Arena& scratch, ShapeOf shape_of, Find find)
+      : n_(n), dtype_(dtype), shape_of_(shape_of), find_(find) {
+    std::size_t need[2] = {0, 0};
+    Tensor above = dy;
+    for (std::size_t i = n; i-- > 1;) {
+      above = find_(i, shape_of_(i), above);  // a turn's, outside the spent memory, is empty here
+      if (above.empty()) need[turn(i)] = std::max(need[turn(i)], shape_of_(i).numel() * dtype_size(dtype));
+    }
+    for (int t = 0; t < 2; ++t)
+      if (need[t] > 0) turns_[t] = scratch.tensor(Shape{static_cast<std::int64_t>(need[t] / dtype_size(dtype))}, dtype);
+  }
+  // Part i's input gradient; `above` the one part i reads (what this gave part i + 1).
+  Tensor operator()(std::size_t i, const Tensor& above) {
+    const Shape shape = shape_of_(i);
+    const Tensor t = find_(i, shape, above);
+    return t.empty() ? turns_[turn(i)].head(shape) : t;
+  }
+
+ private:
+  std::size_t turn(std::size_t i) const { return (n_ - 1 - i) % 2; }
+  std::size_t n_;
+  DType dtype_;
+  ShapeOf shape_of_;
+  Find find_;
+  Tensor turns_[2];
+};
 
 // For layers of a weight and an optional bias (param_specs in that order).
 void bind_weight_bias(std::span<const Tensor> params, std::span<const Tensor> grads, Tensor& weight, Tensor& dweight,

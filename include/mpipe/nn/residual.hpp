@@ -39,6 +39,7 @@ class Residual final : public Layer {
   std::vector<std::unique_ptr<Layer>> inner_;
   std::vector<std::unique_ptr<Layer>> skip_;  // empty: the identity
   bool sums_in_place() const;
+  bool gives_back_skip() const;
 };
 
 // This file's layer kinds, for the registry (nn/registry.hpp).

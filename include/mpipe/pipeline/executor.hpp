@@ -152,7 +152,8 @@ class Executor : StageHooks {
   const PhaseTimes& last_times() const { return timeline_.times(); }
   // How posted messages keep moving (the mode in effect, after any fallback).
   const Progress& progress() const { return *progress_; }
-  // Peak bytes of activations and scratch held by this rank so far.
+  // Peak bytes of activations and scratch held by this rank at once so far (its arenas'
+  // live bytes together: Gauge).
   std::size_t peak_activation_bytes() const;
   // The events recorded for --trace (steps 1 .. trace_steps); times from the trace clock.
   const std::vector<TraceEvent>& trace_events() const { return timeline_.events(); }
@@ -214,6 +215,7 @@ class Executor : StageHooks {
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Dataset> dataset_, eval_dataset_;
+  Gauge activations_;  // before the arenas that count in it
   std::unique_ptr<Arena> persistent_, scratch_;
   std::unique_ptr<SlotPool> slots_;
   std::unique_ptr<Progress> progress_;    // before the transport and the reducer, which use it

@@ -107,6 +107,10 @@ struct StageMemory {
   // its dx and its own temporaries (held once, whatever the micro-batches in flight);
   // under --remat selective with the layer's recomputed part beside them.
   double scratch = 0, selective_scratch = 0;
+  // Unsplit, the input gradients between layers go into memory the forwards of the layers
+  // after each allocated, where it has room (Stage::run_backward): `scratch` counts what
+  // does not fit; a split backward's (zero bubble) keep that memory until W, hence all.
+  double split_scratch = 0;
   // Activation bytes held with `live` micro-batches in flight: without remat each keeps
   // its activations; with remat only its input and output, plus one micro-batch's while
   // recomputing.
@@ -124,7 +128,10 @@ struct StageMemory {
       return live * (activation - recomputable + transient + (split ? stash + recomputable : 0)) +
              std::max(recomputable, selective_scratch);
     if (remat && !split) return live * (boundary + output) + std::max(peak(), activation + scratch);
-    return live * (peak() + (split ? stash : 0)) + scratch;
+    // Each holds its activations; one at a time its forward's temporaries (the scratch
+    // arena is empty then) or, in a backward, the scratch.
+    const double each = activation + (split ? stash : 0);
+    return (std::max(live, 1) - 1) * each + std::max(peak() + (split ? stash : 0), each + (split ? split_scratch : scratch));
   }
   // --remat auto between selective and always (not split): of every `live` consecutive
   // micro-batches, `whole` are rematerialized wholly (their input and output kept, their

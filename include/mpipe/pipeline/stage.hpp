@@ -27,12 +27,11 @@ namespace mpipe {
 // saving is real.
 class SlotPool {
  public:
-  SlotPool(int slots, Device device);
+  SlotPool(int slots, Device device, Gauge* gauge = nullptr);
   int take();  // a free slot's index; Error when the schedule holds more than there are
   Arena& slot(int index) { return *slots_[static_cast<std::size_t>(index)]; }
   void release(int index);
   void reset();  // every slot free and empty: a step begins
-  std::size_t high_water() const;  // bytes, summed over the slots
   std::size_t size() const { return slots_.size(); }
 
  private:
@@ -113,7 +112,11 @@ class Stage {
   // F of micro-batch `mb` in `step`: from its share of the batch's inputs (the model's
   // first stage) or what the previous stage sent; training keeps its activations in a
   // slot until B (under remat only its output), evaluation keeps nothing.
-  void forward(std::int64_t step, int mb, bool training);
+  // `backward_next`: this micro-batch's B is the stage's next compute (1F1B's last
+  // stage, every micro-batch; the schedule splits no backward): a
+  // rematerialized forward then keeps its contexts in the scratch arena for that B, where
+  // the recomputation would have put the same bits, instead of running again.
+  void forward(std::int64_t step, int mb, bool training, bool backward_next = false);
   // B (where the schedule splits backwards, the input gradients alone, with what W needs
   // kept in the micro-batch's slot), its forward recomputed first where rematerialized.
   void backward(std::int64_t step, int mb);
@@ -131,12 +134,15 @@ class Stage {
   // *output to the last layer's output. Messages keep moving between layers.
   Context* run_forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress) const;
   // B: from `dy`, the gradient of the stage's output (the loss layer ignores it), each
-  // layer's input gradient, in `scratch` and for the first layer in `dx` (empty on the
-  // model's first stage); with pass.stash (a split backward) each weight layer keeps what
-  // its W needs there. `hooks`: this is the step's last micro-batch and the backward
-  // fused, so each layer's gradient is final after it; null otherwise.
+  // layer's input gradient, for the first layer in `dx` (empty on the model's first
+  // stage), for the others in memory the forwards of the layers after it allocated where
+  // `spent` (its arena, top and live output; null: none) has room, else in `scratch`;
+  // with pass.stash (a split backward) each weight layer keeps what its W needs there.
+  // `hooks`: this is the step's last micro-batch and the backward fused, so each layer's
+  // gradient is final after it; null otherwise.
   void run_backward(Context* contexts, Tensor dy, const Tensor& dx, const Pass& pass, Arena& scratch,
-                    const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress) const;
+                    const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress,
+                    const Spent* spent = nullptr) const;
   // W: the weight gradients B left, in the same layer order; `hooks` as for run_backward().
   void run_weight(Context* contexts, const Pass& pass, StageHooks* hooks, Progress& progress) const;
 
