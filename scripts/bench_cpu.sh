@@ -8,7 +8,7 @@
 #   THREADS="1 2"  thread counts (default: 1 and 2)
 #   BASELINE=PATH  an older mpipe binary: its step time and memory in the same rounds, and
 #             this build's as a ratio of them
-# Memory: mpipe's own "peak activation memory" line (its arenas' high-water mark: what a
+# Memory: mpipe's own "peak activation memory" line (what its arenas hold at once at most: what a
 # step keeps for backward, plus its scratch); PyTorch's, the most its C heap grew during
 # one step (scripts/heap_peak.c, preloaded, counts every malloc), i.e. the step's
 # activations and temporaries above the parameters, gradients and optimizer state.
