@@ -84,7 +84,10 @@ Tensor Conv2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
 
 void Conv2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   const Window2d w = window(ctx.input.shape);
-  const Tensor cols = pass.arena->tensor(Shape{ops::conv2d_scratch(w, dy.device)});
+  // The columns in spent memory where it has room (an unsplit backward), else scratch.
+  const int64_t floats = ops::conv2d_scratch(w, dy.device);
+  Tensor cols = pass.spent && floats > 0 ? pass.spent->take(Shape{floats}, DType::f32) : Tensor{};
+  if (cols.empty()) cols = pass.arena->tensor(Shape{floats});
   if (!pass.stash) {
     ops::conv2d_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, cols, w, mode);
     return;
@@ -188,13 +191,15 @@ void BatchNorm2d::bind(std::span<const Tensor> params, std::span<const Tensor> g
 }
 
 Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
   if (!pass.training) {
+    Tensor y = pass.arena->tensor(x.shape, pass.dtype);
     ops::batchnorm_forward_eval(y, x, weight_, bias_, running_mean_, running_var_, eps_);
     return y;
   }
+  // The statistics before the output, which is then the last allocation (output_last).
   ctx.saved[0] = pass.arena->tensor(Shape{channels_});  // the micro-batch's mean
   ctx.saved[1] = pass.arena->tensor(Shape{channels_});  // and 1 / sqrt(var + eps)
+  Tensor y = pass.arena->tensor(x.shape, pass.dtype);
   // Micro-batch statistics move the running ones now (GPipe); deferred, the step's sums
   // gather them and move them once at its end. A recomputation does neither.
   const bool update = !pass.recompute && !pass.deferred_statistics, gather = !pass.recompute && pass.deferred_statistics;

@@ -35,13 +35,13 @@ Shape Residual::output_shape(const Shape& in) const {
 
 Cost Residual::cost(const Shape& in) const {
   Cost total;
-  // Its backward takes from the scratch arena, all kept until it returns (backward_chain):
-  // per path, two buffers of its largest part input gradient (but the first's), which the
-  // parts take in turns, and each part's own temporaries.
+  // Its backward takes from the scratch arena (backward_chain): its parts' input gradients
+  // where spent memory has no room for them (`gradients`), and one part's temporaries at
+  // a time.
   double scratch = 0, gradients = 0;
   // Its forward's peak: the parts in forward order (the inner path, then the skip path),
   // each's own peak above what the parts before it keep.
-  double kept = 0, peak = 0, last = 0;
+  double kept = 0, peak = 0;
   // Its parts' input gradients (backward_chain), modelled with its own memory alone: part
   // i's first-fit in what the parts after it on the path allocated, the last inner part's
   // in the block's output (`spare` bytes), beside the one it reads; the rest in two turns.
@@ -65,11 +65,10 @@ Cost Residual::cost(const Shape& in) const {
     std::vector<double> region, grad;
     for (std::size_t i = 0; i < parts.size(); ++i) {
       const Cost c = parts[i]->cost(s);
-      last = c.activation_bytes;
       peak = std::max(peak, kept + c.forward_peak());
       kept += c.activation_bytes;
       total += c;
-      scratch += c.backward_scratch_bytes;
+      scratch = std::max(scratch, c.backward_scratch_bytes);  // one part's at a time
       region.push_back(c.activation_bytes + c.contexts * sizeof(Context));
       grad.push_back(4.0 * static_cast<double>(s.numel()));
       s = parts[i]->output_shape(s);
@@ -79,9 +78,9 @@ Cost Residual::cost(const Shape& in) const {
   };
   const Shape s = chain(inner_, 4.0 * static_cast<double>(output_shape(in).numel()));
   chain(skip_, 0.0);
-  // The skip path's output, given back after the sum where its last part keeps nothing
-  // else (forward_impl): the sum's peak had it, the backward does not.
-  if (gives_back_skip() && last == 4.0 * static_cast<double>(s.numel())) total.activation_bytes -= last;
+  // The skip path's output, given back after the sum (forward_impl): the sum's peak had
+  // it, the backward does not.
+  if (gives_back_skip()) total.activation_bytes -= 4.0 * static_cast<double>(s.numel());
   total.backward_scratch_bytes = scratch + gradients;
   total.backward_gradient_bytes = gradients;
   const double out = static_cast<double>(s.numel());
@@ -125,14 +124,10 @@ Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   // dead in the block's backward (ctx.saved[0]), the layers after it having run theirs.
   if (sums_in_place() && h.data != x.data) {
     ops::add(h, skip);
-    // The skip path's output is dead now: where it is all its last part allocated (a
-    // projection's), and nothing keeps it, the arena takes it back (a GPU stream reuses
-    // it after the sum, in stream order).
-    if (gives_back_skip()) {
-      const Context& last = c[n + skip_.size() - 1];
-      if (pass.arena->at(last.begin) == skip.data && pass.arena->used() == last.begin.used + Arena::rounded(skip.bytes()))
-        pass.arena->rewind(last.begin);
-    }
+    // The skip path's output is dead now: its last part (a projection, or the BatchNorm
+    // after one) allocated it last and reads it no more, so the arena takes it back (a
+    // GPU stream reuses it after the sum, in stream order).
+    if (gives_back_skip()) pass.arena->give_back(skip);
     ctx.saved[0] = h;
     return h;
   }
@@ -143,10 +138,11 @@ Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   return y;
 }
 
-// A projection (a convolution) that keeps nothing but its output, which the sum reads
-// last: Residual::forward gives it back.
+// A skip path whose last part allocates its output last and does not read it (a
+// projection, or the BatchNorm after one): the sum reads it last, and Residual::forward
+// gives it back.
 bool Residual::gives_back_skip() const {
-  return sums_in_place() && !skip_.empty() && skip_.back()->output_reusable();
+  return sums_in_place() && !skip_.empty() && skip_.back()->output_reusable() && skip_.back()->output_last();
 }
 
 namespace {
@@ -192,15 +188,29 @@ static void backward_chain(std::span<const std::unique_ptr<Layer>> layers, Conte
         }
         return t.empty() && also ? live(*also, i).take(shape, pass.dtype, {above}) : t;
       });
+  // Each part's temporaries: in `also` beside the gradients it reads and writes, else in
+  // scratch, given back when it returns (what W needs it keeps in the stash).
+  const auto run = [&](std::size_t i, const Tensor& g, const Tensor& d, GradMode m) {
+    Spent room;
+    Pass part = pass;
+    part.spent = nullptr;
+    if (pass.spent && also) {
+      room = live(*also, i);
+      room.live[3] = g;
+      room.live[4] = d;
+      part.spent = &room;
+    }
+    const Arena::Mark temporaries = pass.arena->mark();
+    layers[i]->backward(c[i], g, d, m, part);
+    pass.arena->rewind(temporaries);
+  };
   Tensor g = dy;
-  Pass part = pass;
-  part.spent = nullptr;
   for (std::size_t i = n; i-- > 1;) {
     const Tensor d = grads(i, g);
-    layers[i]->backward(c[i], g, d, GradMode::overwrite, part);
+    run(i, g, d, GradMode::overwrite);
     g = d;
   }
-  layers[0]->backward(c[0], g, dx, mode, part);  // dx may be empty: weight gradients only
+  run(0, g, dx, mode);  // dx may be empty: weight gradients only
 }
 void Residual::backward_weight_impl(Context& ctx, const Pass& pass) {
   for (std::size_t i = inner_.size(); i-- > 0;) inner_[i]->backward_weight(ctx.children[i], pass);

@@ -456,8 +456,8 @@ std::string stem(int out) {
   return cat("[[layer]]\nkind = \"conv2d\"\nout = ", out,
              "\nkernel = 3\npadding = 1\n[[layer]]\nkind = \"batchnorm2d\"\n[[layer]]\nkind = \"relu\"\n");
 }
-std::string basic_block(int out, int stride = 1) {
-  return cat("[[layer]]\nkind = \"residual\"\n", "  [[layer.layer]]\n  kind = \"conv2d\"\n  out = ", out, "\n  kernel = 3\n  stride = ",
+std::string basic_block(int out, int stride = 1, bool skip_norm = false) {
+  return cat("[[layer]]\nkind = \"residual\"\n", skip_norm ? "skip-norm = true\n" : "", "  [[layer.layer]]\n  kind = \"conv2d\"\n  out = ", out, "\n  kernel = 3\n  stride = ",
              stride, "\n  padding = 1\n  [[layer.layer]]\n  kind = \"batchnorm2d\"\n  [[layer.layer]]\n  kind = \"relu\"\n",
              "  [[layer.layer]]\n  kind = \"conv2d\"\n  out = ", out,
              "\n  kernel = 3\n  padding = 1\n  [[layer.layer]]\n  kind = \"batchnorm2d\"\n");
@@ -469,11 +469,12 @@ std::string classifier(int classes) {
 }  // namespace
 
 TEST_CASE("an unsplit backward puts input gradients in spent forward memory: bitwise the turns' gradients, less scratch; a projection's output given back") {
-  // A stem, an identity block and a strided block with a projection (its output given
-  // back after the sum), then the head: 32x32 planes, so that the gradients are large.
+  // A stem, an identity block, a strided block with a projection (its output given back
+  // after the sum), one whose projection a BatchNorm follows (skip-norm), then the head.
   const std::string file =
       write_temp("mpipe_spent.toml", "input = [3, 16, 16]\n" + stem(8) + basic_block(8) + "[[layer]]\nkind = \"relu\"\n" +
-                                         basic_block(16, 2) + "[[layer]]\nkind = \"relu\"\n" + classifier(3));
+                                         basic_block(16, 2) + "[[layer]]\nkind = \"relu\"\n" + basic_block(32, 2, true) +
+                                         classifier(3));
   ModelConfig config;
   config.kind = file;
   Model m(config);
@@ -539,6 +540,17 @@ TEST_CASE("an unsplit backward puts input gradients in spent forward memory: bit
   }
   parts += all.back()->cost(shapes[5]).activation_bytes;  // the projection
   CHECK(block.activation_bytes == parts - 4.0 * static_cast<double>(shapes[6].numel()));
+  // A skip path of a projection and a BatchNorm (skip-norm): the BatchNorm's statistics
+  // come first, its output last, and that output is given back after the sum.
+  const Stage normed(m, 0, 0, 0, 8, 2, 1);
+  Arena slot2;
+  pass.arena = &slot2;
+  contexts = normed.run_forward(pass, make_tensor(image.data(), m.input_shape(batch)), &out, progress);
+  const Context& norm = contexts[7].children[6];
+  // What the BatchNorm still holds is its two statistics alone, its output given back to
+  // the next allocation.
+  CHECK(slot2.used() - norm.begin.used == 2 * Arena::rounded(norm.saved[0].bytes()));
+  CHECK(slot2.tensor(Shape{1}).data == static_cast<std::byte*>(norm.saved[1].data) + Arena::rounded(norm.saved[1].bytes()));
 }
 
 TEST_CASE("a ReLU after a layer whose output is dead to it runs in place, bitwise; never over a stage's input") {

@@ -83,6 +83,15 @@ class Arena {
   std::size_t used() const { return used_total_; }
   // The address the next allocation from mark m would have taken had it fit its block.
   const void* at(const Mark& m) const { return m.block < blocks_.size() ? blocks_[m.block].memory + m.offset : nullptr; }
+  // Where `t` is the last allocation, rewinds past it (the next allocations reuse its
+  // memory) and says so; else changes nothing.
+  bool give_back(const Tensor& t) {
+    const std::size_t bytes = rounded(t.bytes());
+    if (!t.data || current_ >= blocks_.size() || offset_ < bytes || blocks_[current_].memory + offset_ - bytes != t.data)
+      return false;
+    rewind({current_, offset_ - bytes, used_total_ - bytes});
+    return true;
+  }
   static std::size_t rounded(std::size_t bytes) { return (bytes + alignment - 1) / alignment * alignment; }
   // Spent memory: the first run of `bytes` (64-byte aligned) of what was allocated between
   // marks `from` and `to` (the caller knows nothing reads it again) that overlaps none of

@@ -15,6 +15,7 @@ class Conv2d final : public Layer {
          float init_std);
   std::string kind() const override { return "conv2d"; }
   bool output_reusable() const override { return true; }  // its backward reads its input
+  bool output_last() const override { return true; }  // its columns are given back
   bool defers_weight() const override { return true; }
   Shape output_shape(const Shape& in) const override;
   Cost cost(const Shape& in) const override;
@@ -71,6 +72,7 @@ class BatchNorm2d final : public Layer {
         sums_(static_cast<std::size_t>(1 + 2 * channels), 0.0) {}
   std::string kind() const override { return "batchnorm2d"; }
   bool output_reusable() const override { return true; }  // its backward reads its input and statistics
+  bool output_last() const override { return true; }  // its statistics come first
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;

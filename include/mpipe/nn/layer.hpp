@@ -98,10 +98,11 @@ struct Cost {
 // `live` tensors, which may lie in it. The gradients between layers go there, where it has
 // room, instead of into new scratch.
 struct Spent {
-  static constexpr int max_live = 3;
+  static constexpr int max_live = 5;
   Arena* arena = nullptr;
   Arena::Mark from, to;
-  Tensor live[max_live];  // the layer's dy and dx, the stage's output (empty: none)
+  // The layer's dy and dx, the stage's output; a composite's part's dy and dx (empty: none).
+  Tensor live[max_live];
   // A tensor of `shape` in it overlapping none of `live` and `also`; empty where none fits.
   Tensor take(Shape shape, DType dtype, std::initializer_list<Tensor> also = {}) const;
 };
@@ -136,7 +137,8 @@ struct Pass {
   // forward again): no layer writes its output over it (Layer::allow_in_place).
   const void* stage_input = nullptr;
   // An unsplit backward, the layer's: where a composite may put its parts' input
-  // gradients (null: none; its scratch then, in turns).
+  // gradients (null: none; its scratch then, in turns), and a layer its temporaries (a
+  // convolution's columns; else from `arena`).
   const Spent* spent = nullptr;
 };
 
@@ -186,6 +188,10 @@ class Layer {
   // backward reads neither the output nor memory the output shares. The next layer may
   // then write its own output over it (mark_in_place).
   virtual bool output_reusable() const { return false; }
+  // Whether its training forward allocates its output last (what else it allocates comes
+  // first, or is given back): once that output is dead, a composite may give it back
+  // (a residual block's skip path, after the sum).
+  virtual bool output_last() const { return false; }
   // Told by mark_in_place that it may write its output over its input (where that input
   // is not Pass::stage_input); writes_over_input() says whether it does. A ReLU does.
   virtual void allow_in_place(bool allowed) {}
