@@ -56,7 +56,7 @@ Cost Conv2d::cost(const Shape& in) const {
   const double cols = 4.0 * static_cast<double>(ops::conv2d_scratch(w, Device::cpu));
   Cost c{2 * macs, 4 * macs, 4 * params, output, 2 * macs, output};
   c.forward_peak_bytes = output + cols;
-  c.backward_scratch_bytes = cols;
+  c.backward_scratch_bytes = c.backward_spent_bytes = cols;
   return c;
 }
 

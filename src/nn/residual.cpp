@@ -38,7 +38,7 @@ Cost Residual::cost(const Shape& in) const {
   // Its backward takes from the scratch arena (backward_chain): its parts' input gradients
   // where spent memory has no room for them (`gradients`), and one part's temporaries at
   // a time.
-  double scratch = 0, gradients = 0;
+  double scratch = 0, spent = 0, gradients = 0;
   // Its forward's peak: the parts in forward order (the inner path, then the skip path),
   // each's own peak above what the parts before it keep.
   double kept = 0, peak = 0;
@@ -68,7 +68,10 @@ Cost Residual::cost(const Shape& in) const {
       peak = std::max(peak, kept + c.forward_peak());
       kept += c.activation_bytes;
       total += c;
-      scratch = std::max(scratch, c.backward_scratch_bytes);  // one part's at a time
+      // One part's at a time; where it takes temporaries from spent memory (a
+      // convolution's columns), from what the layers after the block allocated.
+      scratch = std::max(scratch, c.backward_scratch_bytes - c.backward_spent_bytes);
+      spent = std::max(spent, c.backward_spent_bytes);
       region.push_back(c.activation_bytes + c.contexts * sizeof(Context));
       grad.push_back(4.0 * static_cast<double>(s.numel()));
       s = parts[i]->output_shape(s);
@@ -81,8 +84,8 @@ Cost Residual::cost(const Shape& in) const {
   // The skip path's output, given back after the sum (forward_impl): the sum's peak had
   // it, the backward does not.
   if (gives_back_skip()) total.activation_bytes -= 4.0 * static_cast<double>(s.numel());
-  total.backward_scratch_bytes = scratch + gradients;
-  total.backward_gradient_bytes = gradients;
+  total.backward_scratch_bytes = scratch + spent + gradients;
+  total.backward_spent_bytes = spent + gradients;
   const double out = static_cast<double>(s.numel());
   total.forward_flops += out;
   total.backward_flops += out;

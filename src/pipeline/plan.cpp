@@ -13,9 +13,9 @@ namespace {
 // An unsplit backward's scratch on layers [begin, end) (Stage::run_backward): each
 // layer's input gradient first-fit in what the forwards of the layers after it allocated
 // (their contexts and activations, in order), beside the gradient it reads; those that do
-// not fit take two buffers in turns, held through the backward. Beside them, of one
-// layer's temporaries at a time (a composite's with its parts' gradients) what the spent
-// memory left beside the layer's own two has no room for.
+// not fit take two buffers in turns, held through the backward. Beside them, one layer's
+// temporaries at a time, less what the spent memory left beside the layer's own two holds
+// of them (a convolution's columns, a composite's parts' gradients and columns).
 double unsplit_scratch(const Model& model, const std::vector<Shape>& shapes, int begin, int end) {
   const int n = end - begin;
   std::vector<double> start(static_cast<std::size_t>(n) + 1, 0.0);
@@ -40,8 +40,10 @@ double unsplit_scratch(const Model& model, const std::vector<Shape>& shapes, int
       if (at < 0) turns[(n - 1 - i) % 2] = std::max(turns[(n - 1 - i) % 2], dx);
     }
     const double free = top - from - (at >= 0 ? dx : 0.0) - (above_at >= 0 ? above_size : 0.0);
-    // Its temporaries and a composite's parts' gradients: in the spent memory left, else scratch.
-    beside = std::max(beside, std::max(0.0, c.backward_scratch_bytes - std::max(0.0, free)));
+    // Its temporaries: what it can put in the spent memory left goes there where that has
+    // room (Cost::backward_spent_bytes), the rest in scratch.
+    const double fixed = c.backward_scratch_bytes - c.backward_spent_bytes;
+    beside = std::max(beside, fixed + std::max(0.0, c.backward_spent_bytes - std::max(0.0, free)));
     above_at = at;
     above_size = dx;
   }

@@ -66,9 +66,10 @@ struct Cost {
   // The temporaries its backward allocates beyond its dx (for the plan's peak: the
   // stage's backward scratch holds one layer's at a time). Composites set their own.
   double backward_scratch_bytes = 0;
-  // Of backward_scratch_bytes: its parts' input gradients (a composite's turns), which an
-  // unsplit backward puts in spent memory where that has room (ChainGradients).
-  double backward_gradient_bytes = 0;
+  // Of backward_scratch_bytes: what an unsplit backward puts in spent memory where that
+  // has room (Spent): a composite's parts' input gradients (ChainGradients) and their
+  // columns, a convolution's columns. The rest comes from the scratch arena.
+  double backward_spent_bytes = 0;
   // The most its forward holds at once above what came before it: what it keeps so far
   // and the temporaries it gives back as it returns (a conv's im2col columns); 0: its
   // activation_bytes. A micro-batch's arena grows to the largest such moment. Composites
