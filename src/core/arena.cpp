@@ -9,10 +9,6 @@
 
 namespace mpipe {
 
-namespace {
-std::size_t round_up(std::size_t n) { return (n + Arena::alignment - 1) / Arena::alignment * Arena::alignment; }
-}  // namespace
-
 Arena::Arena(std::size_t initial_bytes) {
   if (initial_bytes > 0) add_block(initial_bytes);
 }
@@ -38,7 +34,7 @@ void Arena::release_blocks() {
 }
 
 void Arena::add_block(std::size_t bytes) {
-  bytes = round_up(std::max<std::size_t>(bytes, 1 << 20));
+  bytes = rounded(std::max<std::size_t>(bytes, 1 << 20));
   Block block;
   if (memory_.device == Device::cpu) {
     block.memory = static_cast<std::byte*>(std::aligned_alloc(alignment, bytes));
@@ -52,7 +48,7 @@ void Arena::add_block(std::size_t bytes) {
 }
 
 void* Arena::allocate(std::size_t bytes) {
-  bytes = round_up(std::max<std::size_t>(bytes, 1));
+  bytes = rounded(std::max<std::size_t>(bytes, 1));
   while (current_ < blocks_.size() && offset_ + bytes > blocks_[current_].size) {
     ++current_;
     offset_ = 0;
@@ -70,7 +66,7 @@ void* Arena::allocate(std::size_t bytes) {
 }
 
 void* Arena::spent(const Mark& from, const Mark& to, std::size_t bytes, std::span<const Tensor> live) const {
-  bytes = round_up(std::max<std::size_t>(bytes, 1));
+  bytes = rounded(std::max<std::size_t>(bytes, 1));
   for (std::size_t b = from.block; b <= to.block && b < blocks_.size(); ++b) {
     const Block& block = blocks_[b];
     const auto base = reinterpret_cast<std::uintptr_t>(block.memory);
@@ -82,7 +78,7 @@ void* Arena::spent(const Mark& from, const Mark& to, std::size_t bytes, std::spa
       for (const Tensor& t : live) {
         const auto at = reinterpret_cast<std::uintptr_t>(t.data);
         if (!t.data || at >= lo + bytes || at + t.bytes() <= lo) continue;
-        lo = base + round_up(at + t.bytes() - base);
+        lo = base + rounded(at + t.bytes() - base);
         moved = true;
       }
     }

@@ -36,6 +36,22 @@ void bind_weight_bias(std::span<const Tensor> params, std::span<const Tensor> gr
   }
 }
 
+std::vector<double> first_fit(const std::vector<double>& start, const std::vector<double>& grad, double spare,
+                              double turns[2]) {
+  const std::size_t n = grad.size();
+  std::vector<double> at(n, -1.0);
+  turns[0] = turns[1] = 0;
+  for (std::size_t i = n; i-- > 1;) {
+    const double above = i + 1 < n ? at[i + 1] : -1, above_size = i + 1 < n ? grad[i + 1] : 0;
+    double a = start[i + 1];
+    if (above >= 0 && a < above + above_size && above < a + grad[i]) a = above + above_size;
+    if (a + grad[i] > start[n]) a = i + 1 == n && grad[i] <= spare && above != start[n] ? start[n] : -1;
+    if (a < 0) turns[(n - 1 - i) % 2] = std::max(turns[(n - 1 - i) % 2], grad[i]);
+    at[i] = a;
+  }
+  return at;
+}
+
 Tensor Spent::take(Shape shape, DType dtype, std::initializer_list<Tensor> also) const {
   if (!arena) return {};
   Tensor live_all[max_live + 2];

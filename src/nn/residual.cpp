@@ -46,18 +46,10 @@ Cost Residual::cost(const Shape& in) const {
   // i's first-fit in what the parts after it on the path allocated, the last inner part's
   // in the block's output (`spare` bytes), beside the one it reads; the rest in two turns.
   const auto turns = [&](const std::vector<double>& region, const std::vector<double>& grad, double spare) {
-    const std::size_t n = grad.size();
-    std::vector<double> start(n + 1, 0.0);
-    for (std::size_t i = 0; i < n; ++i) start[i + 1] = start[i] + region[i];
-    double need[2] = {0, 0}, above_at = -1, above_size = 0;
-    for (std::size_t i = n; i-- > 1;) {
-      double at = start[i + 1];
-      if (above_at >= 0 && at < above_at + above_size && above_at < at + grad[i]) at = above_at + above_size;
-      if (at + grad[i] > start[n]) at = i + 1 == n && grad[i] <= spare && above_at != start[n] ? start[n] : -1;
-      if (at < 0) need[(n - 1 - i) % 2] = std::max(need[(n - 1 - i) % 2], grad[i]);
-      above_at = at;
-      above_size = grad[i];
-    }
+    std::vector<double> start(grad.size() + 1, 0.0);
+    for (std::size_t i = 0; i < grad.size(); ++i) start[i + 1] = start[i] + region[i];
+    double need[2];
+    first_fit(start, grad, spare, need);
     return need[0] + need[1];
   };
   const auto chain = [&](const std::vector<std::unique_ptr<Layer>>& parts, double spare) {

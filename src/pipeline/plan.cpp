@@ -26,26 +26,21 @@ double unsplit_scratch(const Model& model, const std::vector<Shape>& shapes, int
         start[static_cast<std::size_t>(i)] + costs.back().activation_bytes + costs.back().contexts * sizeof(Context);
   }
   const double top = start.back();
-  const auto bytes = [&](int layer) { return f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(layer)].numel())); };
-  double turns[2] = {0, 0}, beside = 0;
-  double above_at = -1, above_size = 0;  // where the gradient layer i reads lies (-1: not in spent memory)
+  std::vector<double> dx(static_cast<std::size_t>(n), 0.0);
+  for (int i = 1; i < n; ++i) dx[static_cast<std::size_t>(i)] = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(begin + i)].numel()));
+  double turns[2], beside = 0;
+  const std::vector<double> at = first_fit(start, dx, 0.0, turns);
   for (int i = n - 1; i >= 0; --i) {
-    const Cost& c = costs[static_cast<std::size_t>(i)];
-    const double from = start[static_cast<std::size_t>(i) + 1], dx = i > 0 ? bytes(begin + i) : 0.0;
-    double at = -1;
-    if (i > 0) {
-      at = from;
-      if (above_at >= 0 && at < above_at + above_size && above_at < at + dx) at = above_at + above_size;
-      if (at + dx > top) at = -1;
-      if (at < 0) turns[(n - 1 - i) % 2] = std::max(turns[(n - 1 - i) % 2], dx);
-    }
-    const double free = top - from - (at >= 0 ? dx : 0.0) - (above_at >= 0 ? above_size : 0.0);
+    const auto k = static_cast<std::size_t>(i);
+    const Cost& c = costs[k];
+    // The spent memory left beside the layer's dx and the dy it reads.
+    double free = top - start[k + 1];
+    if (at[k] >= 0) free -= dx[k];
+    if (k + 1 < at.size() && at[k + 1] >= 0) free -= dx[k + 1];
     // Its temporaries: what it can put in the spent memory left goes there where that has
     // room (Cost::backward_spent_bytes), the rest in scratch.
     const double fixed = c.backward_scratch_bytes - c.backward_spent_bytes;
     beside = std::max(beside, fixed + std::max(0.0, c.backward_spent_bytes - std::max(0.0, free)));
-    above_at = at;
-    above_size = dx;
   }
   return turns[0] + turns[1] + beside;
 }

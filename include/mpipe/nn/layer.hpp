@@ -263,6 +263,15 @@ class ChainGradients {
   Tensor turns_[2];
 };
 
+// ChainGradients' placements in bytes, for the plan: part i's forward allocated from
+// offset start[i] (start[n]: where the chain's end), and part i's input gradient of
+// grad[i] bytes (i >= 1) takes the lowest offset from start[i + 1] on that fits below
+// start[n] beside the one part i reads; the last part's, where none does, `spare` bytes
+// outside (offset start[n]). Each offset, or -1 where a turn buffer takes it; and the
+// two turn buffers' bytes (`turns`).
+std::vector<double> first_fit(const std::vector<double>& start, const std::vector<double>& grad, double spare,
+                              double turns[2]);
+
 // For layers of a weight and an optional bias (param_specs in that order).
 void bind_weight_bias(std::span<const Tensor> params, std::span<const Tensor> grads, Tensor& weight, Tensor& dweight,
                       Tensor& bias, Tensor& dbias);
