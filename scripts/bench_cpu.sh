@@ -6,6 +6,7 @@
 #   ROUNDS=N  measurements of each row, alternating mpipe and PyTorch (default 1); the
 #             median step of each side over its rounds is reported
 #   THREADS="1 2"  thread counts (default: 1 and 2)
+#   ROWS=REGEX  only the rows whose model name matches (e.g. ROWS=resnet)
 #   BASELINE=PATH  an older mpipe binary: its step time and memory in the same rounds, and
 #             this build's as a ratio of them
 # Memory: mpipe's own "peak activation memory" line (what its arenas hold at once at most: what a
@@ -50,6 +51,7 @@ printf '%-40s %7s %10s %10s %7s %11s %11s %7s' model threads "mpipe ms" "torch m
 row() {
   local name=$1 threads=$2
   shift 2
+  [[ -z ${ROWS:-} || $name =~ $ROWS ]] || return 0
   local mp=() pt=() seen=0
   for a in "$@"; do
     if [[ $a == -- ]]; then seen=1; elif ((seen)); then pt+=("$a"); else mp+=("$a"); fi

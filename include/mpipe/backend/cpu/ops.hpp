@@ -102,10 +102,14 @@ void dropout_apply(float* out, const float* inp, int64_t B, int64_t per_sample, 
 // ---- convolution and pooling over NCHW (conv.cpp) ------------------------------------
 using mpipe::Window2d;
 // out (N, OC, OH, OW) = conv(inp, weight (OC, C/g, KH, KW)) + bias (OC; may be null),
-// through im2col and one GEMM per sample and group; with threads, samples side by side
+// through im2col (or shifted planes) and GEMMs per sample and group; with threads, samples side by side
 // (one per thread, each its own columns). `cols` is scratch of conv2d_cols(w) floats (it
 // grows with threads()). Overwrites out.
 int64_t conv2d_cols(const Window2d& w);
+// Whether the window takes the shifted-plane path (stride 1, 16 or more channels a group,
+// planes of 8 columns or more for 3x3): no im2col, KH GEMMs over KW shifted copies of the
+// padded input (conv.cpp).
+bool conv2d_shifted(const Window2d& w);
 void conv2d_forward(float* out, const float* inp, const float* weight, const float* bias, float* cols,
                     const Window2d& w);
 // dinp per mode (skipped when null); dweight and dbias (null: none; both when dweight
