@@ -1,7 +1,7 @@
 // Writes what the PyTorch reference needs to rebuild and check our model: initial
 // parameters (keyed by global layer and name), every step's batch, the gradients of
 // step 0, and the loss and learning rate of 10 training steps. HDF5, read with h5py.
-// Usage: reference_dump --model gpt|mlp|FILE --out FILE.h5
+// Usage: reference_dump --model gpt|mlp|FILE --out FILE.h5 [--batchnorm micro|deferred] [--lr PEAK]
 #include <hdf5.h>
 
 #include <cstring>
@@ -42,14 +42,16 @@ std::vector<hsize_t> dims_of(const Shape& s) {
 int main(int argc, char** argv) {
   mpipe::cpu::choose_blas_core(argv);  // mpipe's kernels
   std::string model = "gpt", out = "reference.h5", batchnorm = "micro";
+  float lr = 1e-2f;
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--model") == 0) model = argv[i + 1];
     if (std::strcmp(argv[i], "--out") == 0) out = argv[i + 1];
     if (std::strcmp(argv[i], "--batchnorm") == 0) batchnorm = argv[i + 1];
+    if (std::strcmp(argv[i], "--lr") == 0) lr = std::stof(argv[i + 1]);
   }
   // The GPT's sizes, and the MLP's (a model file has its own).
   TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 32, .heads = 4, .seq_len = 16, .vocab = 50, .dropout = 0.0f,
-                                  .batch_size = 8, .micro_batches = 2, .steps = 10, .seed = 3, .lr = 1e-2f,
+                                  .batch_size = 8, .micro_batches = 2, .steps = 10, .seed = 3, .lr = lr,
                                   .weight_decay = 0.1f});
   c.model.kind = model;
   c.pipeline.batchnorm = batchnorm;

@@ -462,12 +462,12 @@ TEST_CASE("conv2d on the CPU: the direct sums, forward and backward, for every w
   // 3x3 s1 p1 (stride 1's copies), s2 (strided), 1x1 s1 p0 (the pointwise path: no columns),
   // 1x1 s2 (a projection), 7x7 s2 p3 (a stem), 3x3 p0, grouped 5x5, and planes narrower than the kernel;
   // then stride 1 over 16 channels or more a group (shifted planes): 3x3 p1, 3x3 p0, grouped, 5x5 p2,
-  // a plane shorter than the kernel.
+  // a plane shorter than the kernel, and one of 1024 positions (the weight gradient summed in tiles).
   for (const Case k : {Case{3, 4, 9, 7, 3, 1, 1, 1}, Case{4, 6, 9, 8, 3, 2, 1, 1}, Case{5, 3, 6, 7, 1, 1, 0, 1},
                        Case{4, 8, 7, 7, 1, 2, 0, 1}, Case{3, 4, 13, 12, 7, 2, 3, 1}, Case{2, 3, 6, 5, 3, 1, 0, 1},
                        Case{4, 6, 9, 9, 5, 2, 2, 2}, Case{2, 2, 2, 3, 3, 1, 1, 1}, Case{16, 8, 9, 9, 3, 1, 1, 1},
                        Case{16, 5, 6, 10, 3, 1, 0, 1}, Case{32, 6, 7, 9, 3, 1, 1, 2}, Case{16, 4, 8, 16, 5, 1, 2, 1},
-                       Case{17, 3, 2, 12, 3, 1, 1, 1}}) {
+                       Case{17, 3, 2, 12, 3, 1, 1, 1}, Case{17, 5, 30, 32, 3, 1, 1, 1}}) {
     Window2d w;
     w.N = 3, w.C = k.C, w.H = k.H, w.W = k.W, w.OC = k.OC, w.KH = w.KW = k.K, w.stride = k.stride, w.padding = k.padding;
     w.groups = k.groups;

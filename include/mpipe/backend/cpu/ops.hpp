@@ -102,13 +102,14 @@ void dropout_apply(float* out, const float* inp, int64_t B, int64_t per_sample, 
 // ---- convolution and pooling over NCHW (conv.cpp) ------------------------------------
 using mpipe::Window2d;
 // out (N, OC, OH, OW) = conv(inp, weight (OC, C/g, KH, KW)) + bias (OC; may be null),
-// through im2col (or shifted planes) and GEMMs per sample and group; with threads, samples side by side
-// (one per thread, each its own columns). `cols` is scratch of conv2d_cols(w) floats (it
-// grows with threads()). Overwrites out.
+// per sample and group, through im2col and GEMMs or (conv2d_shifted) register tiles over
+// the padded planes; with threads, samples side by side (one per thread, each its own
+// columns). `cols` is scratch of conv2d_cols(w) floats (it grows with threads()).
+// Overwrites out.
 int64_t conv2d_cols(const Window2d& w);
-// Whether the window takes the shifted-plane path (stride 1, 16 or more channels a group,
-// planes of 8 columns or more for 3x3): no im2col, KH GEMMs over KW shifted copies of the
-// padded input (conv.cpp).
+// Whether the window takes the shifted-plane path (stride 1, 16 to 576 taps a group, planes
+// of 8 columns or more for 3x3): no im2col; sums of runs of the zero-padded planes, tiled
+// in registers (conv.cpp). Chosen by the window alone: the same for any thread count.
 bool conv2d_shifted(const Window2d& w);
 void conv2d_forward(float* out, const float* inp, const float* weight, const float* bias, float* cols,
                     const Window2d& w);
