@@ -89,6 +89,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--eval-batches", c.eval_batches,
                  "Batches of --batch-size per evaluation (0: a file's every whole batch; 8 of endless data)")
       ->capture_default_str();
+  cmd.add_option("--prefetch", c.prefetch,
+                 "Read the next step's batch on a thread of its own while a step computes: auto (on a GPU), on "
+                 "or off. Synthetic data and token files; an HDF5 file is read at each step")
+      ->capture_default_str();
   cmd.add_option("--progress", c.progress,
                  "A live progress line on rank 0 between the logged steps: auto (when a person watches: "
                  "standard output, and under mpirun the launcher's, is a terminal), on or off")

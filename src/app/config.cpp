@@ -54,6 +54,8 @@ void validate(const TrainConfig& c, int world) {
                 "--eval-every and --eval-batches need --eval-data");
   MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
                 "unknown --progress '", c.progress, "'");
+  MPIPE_REQUIRE(word_index(c.prefetch, prefetch_names) >= 0, "use --prefetch auto, on or off", "unknown --prefetch '",
+                c.prefetch, "'");
   MPIPE_REQUIRE(word_index(p.remat, remat_names) >= 0,
                 "use --remat never, selective, except-last, always or auto", "unknown --remat '", p.remat, "'");
   if (!p.memory_per_rank.empty()) parse_memory_size(p.memory_per_rank);  // throws UserError when malformed
@@ -111,6 +113,7 @@ RunOptions run_options(const TrainConfig& c) {
   o.data = c.data;
   o.eval_data = c.eval_data;
   o.eval_batches = c.eval_batches;
+  o.prefetch = parsed<PrefetchMode>(c.prefetch, prefetch_names);
   o.batch_size = c.batch_size;
   o.micro_batches = c.micro_batches;
   o.steps = c.steps;

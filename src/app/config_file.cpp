@@ -96,6 +96,7 @@ std::string to_toml(const TrainConfig& c) {
   }
   if (is_preset(m.kind)) line("dropout", toml_float(m.dropout));
   line("data", toml_quoted(c.data));
+  line("prefetch", toml_quoted(c.prefetch));
   line("batch-size", cat(c.batch_size));
   line("micro-batches", cat(c.micro_batches));
   line("steps", cat(c.steps));

@@ -447,7 +447,9 @@ void print_header(const TrainConfig& config, const Executor& exec, const std::st
     std::printf("time limit: %lld:%02lld:%02lld (--time-limit %s): a checkpoint and exit %d before it\n", t / 3600,
                 t % 3600 / 60, t % 60, config.time_limit.c_str(), exit_preempted);
   }
-  if (const Dataset* data = exec.dataset()) std::printf("data: %s\n", data->describe().c_str());
+  if (const Dataset* data = exec.dataset())
+    std::printf("data: %s%s\n", data->describe().c_str(),
+                exec.prefetching() ? "; each step's batch read during the step before (--prefetch)" : "");
   if (const Dataset* data = exec.eval_dataset()) std::printf("eval data: %s\n", data->describe().c_str());
   print_plan(exec.plan(), exec.model());
   if (host_count() > 1) std::printf("%s\n", describe_hosts().c_str());

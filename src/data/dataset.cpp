@@ -118,6 +118,8 @@ class TeacherClassification final : public Dataset {
     }
   }
 
+  bool fills_aside() const override { return false; }  // the teacher's GEMM
+
   std::string describe() const override {
     return cat("synthetic classification: ", inputs_, " Gaussian features labelled by a fixed random ReLU teacher over ",
                classes_, " classes (loss floor 0)");
@@ -195,6 +197,7 @@ class HeldOut final : public Dataset {
     data_->fill(first + (std::uint64_t{1} << 40), count, inputs, targets);
   }
   std::string describe() const override { return "held out: " + data_->describe(); }
+  bool fills_aside() const override { return data_->fills_aside(); }
 
  private:
   std::unique_ptr<Dataset> data_;

@@ -43,6 +43,7 @@ class LabelledFile final : public Dataset {
   }
 
   bool targets_alone() const override { return true; }
+  bool fills_aside() const override { return false; }  // reads through HDF5
   std::int64_t size() const override { return static_cast<std::int64_t>(labels_.size()); }
 
   std::string describe() const override {

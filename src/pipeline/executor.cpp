@@ -11,6 +11,7 @@
 #include <cstring>
 #include <thread>
 
+#include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/ops.hpp"
 
 namespace mpipe {
@@ -98,7 +99,19 @@ void Executor::allocate() {
   device_ops_ = StepDevice::make(device_, cuda_aware_, 4 * M * C);
   if (needs_batch()) {
     const int share = plan_.replica_batch();
-    device_ops_->allocate_batch(model_.input_shape(share), model_.input_dtype(), model_.target_shape(share));
+    // --prefetch: where every dataset this rank reads may fill on another thread.
+    const PrefetchMode mode = plan_.options.prefetch;
+    const bool aside = dataset_->fills_aside() && (!eval_dataset_ || eval_dataset_->fills_aside());
+    const bool prefetch = aside && (mode == PrefetchMode::on || (mode == PrefetchMode::automatic && device_ == Device::cuda));
+    device_ops_->allocate_batch(model_.input_shape(share), model_.input_dtype(), model_.target_shape(share), prefetch);
+    if (prefetch)
+      prefetch_ = std::make_unique<Prefetch>(
+          [this](std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) {
+            fill_batch(step, training, inputs, targets);
+          },
+          // A GPU's rank leaves the host idle: the reader takes the rank's threads. On
+          // the CPU it shares them with compute: one.
+          device_ == Device::cuda ? cpu::threads() : 1);
   }
   slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_, &activations_);
   reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,
@@ -195,18 +208,26 @@ void Executor::end_compute(ComputeKind kind, int micro_batch, int stage, Clock::
 
 // This replica's share of the step's batch (of the held-out data's batch `step`), read
 // on the host and moved to the device.
-void Executor::read_batch(std::int64_t step, bool training) {
+void Executor::fill_batch(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) const {
   const Dataset* data = training ? dataset_.get() : eval_dataset_.get();
-  if (!data) return;
   const int share = plan_.replica_batch();
+  data->fill(static_cast<std::uint64_t>(step) * plan_.options.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
+             share, holds_first() || !data->targets_alone() ? inputs : Tensor{}, targets);
+}
+
+void Executor::read_batch(std::int64_t step, bool training) {
+  if (!(training ? dataset_ : eval_dataset_)) return;
   try {
-    data->fill(static_cast<std::uint64_t>(step) * plan_.options.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
-               share, holds_first() || !data->targets_alone() ? device_ops_->host_inputs() : Tensor{},
-               device_ops_->host_targets());
+    // A read ahead fails here, at the batch that needed it, as a read now would.
+    if (prefetch_ && prefetch_->take(step, training)) device_ops_->swap_batch();
+    else fill_batch(step, training, device_ops_->host_inputs(), device_ops_->host_targets());
   } catch (const std::exception& e) {
     rethrow_as(e, cat(grid_->name(), " at ", training ? "step " : "evaluation batch ", step, " reading the batch: ", e.what()));
   }
   device_ops_->upload_batch();
+  // The next batch, into the other half while this step computes (and, on a GPU, while
+  // this half is copied over: the copy is queued ahead of the step's work).
+  if (prefetch_) prefetch_->start(step + 1, training, device_ops_->spare_inputs(), device_ops_->spare_targets());
 }
 
 void Executor::run_pipeline(std::int64_t step, bool training) {

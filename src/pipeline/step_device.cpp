@@ -2,6 +2,7 @@
 #include "mpipe/pipeline/step_device.hpp"
 
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "mpipe/backend/cuda/runtime.hpp"
@@ -17,10 +18,21 @@ class CpuStepDevice final : public StepDevice {
  public:
   CpuStepDevice() : StepDevice(Device::cpu, false) {}
 
-  void allocate_batch(const Shape& inputs, DType input_dtype, const Shape& targets) override {
-    memory_ = std::make_unique<std::byte[]>(static_cast<std::size_t>(inputs.numel() + targets.numel()) * word_bytes);
+  void allocate_batch(const Shape& inputs, DType input_dtype, const Shape& targets, bool spare) override {
+    const std::size_t bytes = static_cast<std::size_t>(inputs.numel() + targets.numel()) * word_bytes;
+    memory_ = std::make_unique<std::byte[]>(spare ? 2 * bytes : bytes);
     host_inputs_ = inputs_ = {memory_.get(), inputs, input_dtype, Device::cpu};
     host_targets_ = targets_ = {memory_.get() + inputs.numel() * word_bytes, targets, DType::i32, Device::cpu};
+    if (spare) {
+      spare_inputs_ = {memory_.get() + bytes, inputs, input_dtype, Device::cpu};
+      spare_targets_ = {memory_.get() + bytes + inputs.numel() * word_bytes, targets, DType::i32, Device::cpu};
+    }
+  }
+  void swap_batch() override {
+    std::swap(host_inputs_, spare_inputs_);
+    std::swap(host_targets_, spare_targets_);
+    inputs_ = host_inputs_;
+    targets_ = host_targets_;
   }
   void copy(void* dst, const void* src, std::size_t bytes) const override { std::memcpy(dst, src, bytes); }
 
@@ -41,16 +53,29 @@ class CudaStepDevice final : public StepDevice {
     timed_.reserve(static_cast<std::size_t>(actions));
   }
 
-  void allocate_batch(const Shape& inputs, DType input_dtype, const Shape& targets) override {
+  void allocate_batch(const Shape& inputs, DType input_dtype, const Shape& targets, bool spare) override {
     const std::size_t bytes = static_cast<std::size_t>(inputs.numel() + targets.numel()) * word_bytes;
-    host_ = cuda::PinnedBuffer(bytes);  // pinned: the copy to the GPU is one DMA
+    // Pinned: the copy to the GPU is one DMA. The spare's half is read into while the
+    // other is copied from (queued on the compute stream, done by the step's end).
+    host_ = cuda::PinnedBuffer(spare ? 2 * bytes : bytes);
     device_ = cuda::DeviceBuffer(bytes);
-    host_inputs_ = {host_.data(), inputs, input_dtype, Device::cpu};
-    host_targets_ = {host_.as<std::byte>() + inputs.numel() * word_bytes, targets, DType::i32, Device::cpu};
+    bytes_ = bytes;
+    const auto at = [&](std::size_t half) { return host_.as<std::byte>() + half * bytes; };
+    host_inputs_ = {at(0), inputs, input_dtype, Device::cpu};
+    host_targets_ = {at(0) + inputs.numel() * word_bytes, targets, DType::i32, Device::cpu};
+    if (spare) {
+      spare_inputs_ = {at(1), inputs, input_dtype, Device::cpu};
+      spare_targets_ = {at(1) + inputs.numel() * word_bytes, targets, DType::i32, Device::cpu};
+    }
     inputs_ = {device_.data(), inputs, input_dtype, Device::cuda};
     targets_ = {device_.as<std::byte>() + inputs.numel() * word_bytes, targets, DType::i32, Device::cuda};
   }
-  void upload_batch() override { cuda::copy_to_device(device_.data(), host_.data(), host_.bytes()); }
+  void swap_batch() override {
+    std::swap(host_inputs_, spare_inputs_);
+    std::swap(host_targets_, spare_targets_);
+  }
+  // The host batch is one block, inputs then targets, in either half.
+  void upload_batch() override { cuda::copy_to_device(device_.data(), host_inputs_.data, bytes_); }
 
   double* loss_sum() override { return loss_.as<double>(); }
 
@@ -92,6 +117,7 @@ class CudaStepDevice final : public StepDevice {
  private:
   cuda::PinnedBuffer host_;
   cuda::DeviceBuffer device_;
+  std::size_t bytes_ = 0;  // one batch, inputs and targets
   cuda::DeviceBuffer loss_;  // one double: the step's summed loss
   cuda::PinnedBuffer host_loss_;
   std::vector<cuda::Event> marks_;

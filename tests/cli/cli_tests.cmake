@@ -88,6 +88,7 @@ mpipe_cli_test(unknown_lr_schedule 2 "error: unknown --lr-schedule 'step'; hint"
 mpipe_cli_test(bad_time_limit 2 "error: --time-limit '2h' is not a duration; hint" train --time-limit 2h)
 mpipe_cli_test(unknown_progress 2 "error: unknown --progress 'maybe'; hint" train --progress maybe)
 mpipe_cli_test(unknown_comm_wait 2 "error: unknown --comm-wait 'busy'; hint" train --comm-wait busy)
+mpipe_cli_test(unknown_prefetch 2 "error: unknown --prefetch 'sometimes'; hint: use --prefetch auto, on or off" train --prefetch sometimes)
 # Sizes beyond the machine are refused before anything is allocated; plan allocates nothing.
 mpipe_cli_test(layers_beyond 2 "error: --layers 2000000000 is more than mpipe builds \\(100000\\); hint" train --layers 2000000000 --steps 1)
 mpipe_cli_test(plan_layers_beyond 2 "error: --layers 2000000000 is more than mpipe builds" plan --layers 2000000000 --ranks 4)

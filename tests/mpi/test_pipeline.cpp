@@ -58,6 +58,8 @@ struct RunResult {
   std::vector<float> replica_params;  // the same gathered from the last replica
   std::vector<std::vector<float>> tied;  // on the last stage: (owner values, copy values)
   std::size_t state_floats = 0, store_floats = 0;  // rank 0's optimizer state and parameter store
+  bool prefetching = false;  // rank 0 read each next batch during the step before (--prefetch)
+  std::int64_t prefetched = 0;  // batches it so read and used
 };
 
 // Runs `config` on the first `ranks` world ranks; the others sit this one out.
@@ -92,6 +94,8 @@ RunResult run(const TrainConfig& config, int ranks) {
     result.replica_params = gather_params(e, sub, e.grid().replicas() - 1);
     result.state_floats = e.optimizer().state(0).size();
     result.store_floats = e.params().params().size();
+    result.prefetching = e.prefetching();
+    result.prefetched = e.prefetched();
   } catch (const std::exception& e) {
     // The other ranks would wait forever in a collective: fail the whole run now.
     std::fprintf(stderr, "rank %d: %s\n", world().rank(), e.what());
@@ -153,6 +157,17 @@ std::filesystem::path model_file(const char* name, const char* text) {
   std::ofstream(path) << text;
   return path;
 }
+
+// A small CNN with BatchNorm, in a residual block too (2 x 6 x 6 images, 3 classes).
+constexpr const char* batchnorm_cnn_text = "input = [2, 6, 6]\n"
+                                           "[[layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
+                                           "[[layer]]\nkind = \"batchnorm2d\"\n"
+                                           "[[layer]]\nkind = \"residual\"\n"
+                                           "[[layer.layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
+                                           "[[layer.layer]]\nkind = \"batchnorm2d\"\n"
+                                           "[[layer]]\nkind = \"global-avgpool\"\n"
+                                           "[[layer]]\nkind = \"linear\"\nout = 3\n"
+                                           "[[layer]]\nkind = \"cross_entropy\"\n";
 
 // A small CNN with BatchNorm (model file `path`) on K = 2 x D = 2 ranks, running
 // statistics moved by `mode` (micro or deferred).
@@ -734,15 +749,7 @@ TEST_CASE("BatchNorm with replicas: every replica ends each step with the same r
   // A CNN with BatchNorm (in a residual block too), K = 2 x D = 2: the replicas see other
   // micro-batches; micro: they average their statistics after each update; deferred:
   // they add up the step's sums and apply the same.
-  const auto path = model_file("mpipe_bn", "input = [2, 6, 6]\n"
-                                          "[[layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
-                                          "[[layer]]\nkind = \"batchnorm2d\"\n"
-                                          "[[layer]]\nkind = \"residual\"\n"
-                                          "[[layer.layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\npadding = 1\n"
-                                          "[[layer.layer]]\nkind = \"batchnorm2d\"\n"
-                                          "[[layer]]\nkind = \"global-avgpool\"\n"
-                                          "[[layer]]\nkind = \"linear\"\nout = 3\n"
-                                          "[[layer]]\nkind = \"cross_entropy\"\n");
+  const auto path = model_file("mpipe_bn", batchnorm_cnn_text);
   std::vector<float> micro;
   for (const std::string mode : {"micro", "deferred"}) {
     CAPTURE(mode);
@@ -757,6 +764,43 @@ TEST_CASE("BatchNorm with replicas: every replica ends each step with the same r
       if (mode == "micro") micro = r.params;
       else CHECK(micro != r.params);  // deferred moves them otherwise
     }
+  }
+  std::filesystem::remove(path);
+}
+
+TEST_CASE("--prefetch on: each batch read during the step before trains bitwise as read at its step") {
+  if (world().size() != 4) return;
+  // Token windows (GPT) and synthetic images (a CNN with BatchNorm), K = 2 x D = 2 (each
+  // replica reads its own share), and --overlap-steps with every bet lost: each step's
+  // pass runs again after its roll-back, a batch asked for twice (the second time not
+  // the one read ahead). Every read but the first is read ahead with no roll-back.
+  const auto path = model_file("mpipe_prefetch", batchnorm_cnn_text);
+  TrainConfig gpt = tiny_gpt("1f1b", "never", 2);
+  gpt.pipeline.grid.replicas = 2;
+  TrainConfig lost = tiny_gpt("gpipe", "never", 2);
+  lost.pipeline.grid.replicas = 2;
+  lost.pipeline.overlap_steps = true;
+  lost.optimizer.clip_grad = 0.5f;  // above this model's norm: every bet lost, every step run twice
+  const TrainConfig cnn = batchnorm_cnn(path.string(), "micro", 4, 1e-2f);
+  for (const auto& [config, what] : {std::pair{gpt, "gpt"}, std::pair{lost, "gpt, --overlap-steps, bets lost"},
+                                     std::pair{cnn, "cnn"}}) {
+    CAPTURE(what);
+    TrainConfig c = config;
+    c.prefetch = "off";
+    const RunResult want = run(c, 4);
+    c.prefetch = "on";
+    const RunResult got = run(c, 4);
+    if (world().rank() != 0) continue;
+    CHECK_FALSE(want.prefetching);
+    CHECK(got.prefetching);
+    CHECK(got.losses == want.losses);
+    CHECK(got.norms == want.norms);
+    REQUIRE(got.params.size() == want.params.size());
+    CHECK(std::memcmp(got.params.data(), want.params.data(), got.params.size() * sizeof(float)) == 0);
+    CHECK(std::memcmp(got.replica_params.data(), want.replica_params.data(), got.params.size() * sizeof(float)) == 0);
+    if (c.pipeline.overlap_steps) CHECK(got.rolled_back == want.rolled_back);
+    else CHECK(got.prefetched == c.steps - 1);
+    CHECK(got.prefetched >= 1);
   }
   std::filesystem::remove(path);
 }

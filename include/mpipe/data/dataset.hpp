@@ -28,6 +28,10 @@ class Dataset {
   // Whether fill() takes an empty inputs tensor and then fills only the targets (a
   // labelled file: the last stage reads its labels, not its inputs).
   virtual bool targets_alone() const { return false; }
+  // Whether fill() may run on a thread of its own while the rank computes and writes
+  // checkpoints (--prefetch): not where it calls HDF5, whose Debian build is not
+  // thread-safe, or BLAS, which the CPU's compute calls meanwhile.
+  virtual bool fills_aside() const { return true; }
 };
 
 // The file a --data spec names (PATH of text:PATH or tokens:PATH), or "" for none.

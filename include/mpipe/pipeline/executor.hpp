@@ -50,6 +50,7 @@
 #include "mpipe/pipeline/overlap.hpp"
 #include "mpipe/pipeline/partition.hpp"
 #include "mpipe/pipeline/plan.hpp"
+#include "mpipe/pipeline/prefetch.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/reducer.hpp"
 #include "mpipe/pipeline/schedule.hpp"
@@ -142,6 +143,10 @@ class Executor : StageHooks {
   void request_stop() { stop_requested_ = true; }
   const Dataset* dataset() const { return dataset_.get(); }
   const Dataset* eval_dataset() const { return eval_dataset_.get(); }
+  // --prefetch: whether this rank reads each next batch while a step computes, and the
+  // batches so read (started, and of them used).
+  bool prefetching() const { return prefetch_ != nullptr; }
+  std::int64_t prefetched() const { return prefetch_ ? prefetch_->taken() : 0; }
   const Arena& arena() const { return *persistent_; }
   Device device() const { return device_; }
   bool cuda_aware() const { return cuda_aware_; }
@@ -183,7 +188,11 @@ class Executor : StageHooks {
   void run_pipeline(std::int64_t step, bool training = true);
   // The action loop of one pass: this rank's list, one switch over the action kinds.
   void run_actions(std::int64_t step, bool training);
+  // This replica's share of batch `step` into the device's batch: read ahead by the
+  // prefetch thread, or read now; then the next one's read started.
   void read_batch(std::int64_t step, bool training);
+  // The dataset's fill of this replica's share of batch `step` into (inputs, targets).
+  void fill_batch(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) const;
 
   // StageHooks: what the rank's stages tell it.
   void begin_compute(ComputeKind kind, int micro_batch, int stage) override;
@@ -215,6 +224,7 @@ class Executor : StageHooks {
   std::unique_ptr<ParamStore> params_;
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<Dataset> dataset_, eval_dataset_;
+  std::unique_ptr<Prefetch> prefetch_;  // after the batch and the data it reads: ended first
   Gauge activations_;  // before the arenas that count in it
   std::unique_ptr<Arena> persistent_, scratch_;
   std::unique_ptr<SlotPool> slots_;

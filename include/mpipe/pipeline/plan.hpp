@@ -41,6 +41,10 @@ inline constexpr std::array<const char*, 4> partition_names{"uniform", "params",
 // How a wait passes the time once nothing moves (docs/communication.md).
 enum class CommWait { sleep, spin };
 inline constexpr std::array<const char*, 2> comm_wait_names{"sleep", "spin"};
+// --prefetch: the next step's batch read on a thread of its own while a step computes
+// (pipeline/prefetch.hpp). automatic: on a GPU, where the host is otherwise idle.
+enum class PrefetchMode { automatic, on, off };
+inline constexpr std::array<const char*, 3> prefetch_names{"auto", "on", "off"};
 
 template <class Enum, std::size_t N>
 const char* name_of(Enum value, const std::array<const char*, N>& names) {
@@ -50,6 +54,7 @@ inline const char* to_string(Remat r) { return name_of(r, remat_names); }
 inline const char* to_string(BatchNormRule b) { return name_of(b, batchnorm_names); }
 inline const char* to_string(PartitionBy p) { return name_of(p, partition_names); }
 inline const char* to_string(CommWait w) { return name_of(w, comm_wait_names); }
+inline const char* to_string(PrefetchMode p) { return name_of(p, prefetch_names); }
 
 struct RunOptions {
   ModelConfig model;
@@ -57,6 +62,7 @@ struct RunOptions {
   std::string data = "synthetic";  // data spec (data/dataset.hpp)
   std::string eval_data;           // held-out data; empty: no evaluation
   int eval_batches = 0;            // batches per evaluation; 0: a file's every whole batch, 8 of endless data
+  PrefetchMode prefetch = PrefetchMode::automatic;  // the next batch read while a step computes
   int batch_size = 32;             // global mini-batch, in samples
   int micro_batches = 1;           // per replica
   int steps = 100;                 // the step training runs up to (the learning-rate schedule's end)

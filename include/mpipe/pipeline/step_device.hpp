@@ -38,12 +38,18 @@ class StepDevice {
   bool host_timed() const { return kind_ == Device::cpu; }
 
   // The batch of a rank that reads one: the dataset fills host_inputs() and
-  // host_targets() (4-byte elements), compute reads inputs() and targets().
-  virtual void allocate_batch(const Shape& inputs, DType input_dtype, const Shape& targets) = 0;
+  // host_targets() (4-byte elements), compute reads inputs() and targets(). With
+  // `spare`, a second host batch as large: spare_inputs() and spare_targets(), which
+  // the next step's batch is read into while this step computes (Prefetch), and which
+  // swap_batch() makes the batch.
+  virtual void allocate_batch(const Shape& inputs, DType input_dtype, const Shape& targets, bool spare) = 0;
   const Tensor& host_inputs() const { return host_inputs_; }
   const Tensor& host_targets() const { return host_targets_; }
   const Tensor& inputs() const { return inputs_; }
   const Tensor& targets() const { return targets_; }
+  const Tensor& spare_inputs() const { return spare_inputs_; }
+  const Tensor& spare_targets() const { return spare_targets_; }
+  virtual void swap_batch() = 0;
   virtual void upload_batch() {}
 
   // Where the loss layer adds the step's loss on the device, or null: the host adds it up.
@@ -70,7 +76,7 @@ class StepDevice {
   StepDevice(Device kind, bool cuda_aware) : kind_(kind), cuda_aware_(cuda_aware) {}
   Device kind_;
   bool cuda_aware_;
-  Tensor host_inputs_, host_targets_, inputs_, targets_;
+  Tensor host_inputs_, host_targets_, inputs_, targets_, spare_inputs_, spare_targets_;
   Clock::time_point origin_;
 };
 
