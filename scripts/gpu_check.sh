@@ -367,10 +367,11 @@ side_row() {
 # weights+state of stage 0 from the plan table, peak activations
 mpipe_mem() {
   local ws act all
-  ws=$(awk '/^stage +layers/ { getline; n = NF; print $(n - 5), $(n - 4); exit }' "$1")
+  # The plan table's row ends in six sizes: weights, grads, optimizer, then three activations.
+  ws=$(awk '/^stage +layers/ { getline; n = NF; print $(n - 11), $(n - 10), "+ grads", $(n - 9), $(n - 8), "+ optimizer", $(n - 7), $(n - 6); exit }' "$1")
   act=$(json "$2" "f\"{s['peak_activation_bytes_per_rank'][0] / 2**30:.2f} GiB\"")
   all=$(json "$2" "f\"{s['peak_device_bytes_per_rank'][0] / 2**30:.2f} GiB\"")
-  echo "${all:-?} held (weights+state ${ws:-?} (plan) + activations ${act:-?} + scratch)"
+  echo "${all:-?} held (weights ${ws:-?} (plan) + activations ${act:-?} + scratch)"
 }
 ratio() { [[ -n $1 && -n $2 ]] && calc "f'{$1 / $2:.2f}'"; }
 x() { [[ -n $1 ]] && echo "${1}x" || echo "n/a"; }  # a ratio as 1.23x, or n/a
