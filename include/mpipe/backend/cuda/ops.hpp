@@ -129,8 +129,9 @@ template <class E>
 void avgpool2d_forward(E* out, const E* inp, const Window2d& w);
 template <class E>
 void avgpool2d_backward(E* dinp, const E* dout, const Window2d& w, GradMode mode);
-// BatchNorm per channel of (N, C, plane), the CPU op's math (statistics in double, one
-// block per channel summing in a fixed order). weight and bias are E, the statistics and
+// BatchNorm per channel of (N, C, plane), the CPU op's math (statistics in double; each
+// channel's sums split into segments of samples, one block each, added in segment order:
+// an order fixed by the sizes). weight and bias are E, the statistics and
 // running statistics fp32. Running statistics null: not moved. sums (1 + 2C doubles,
 // device; null: none) gather the batch for the deferred rule, added in place.
 template <class E>
