@@ -191,12 +191,19 @@ void grad_tile(float* dw, int64_t ldw, const float* g, int64_t ldg, const float*
   v16 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int t = 0; t < NT; ++t) acc[m][t] = v16{};
+  // The MT gradient vectors held, each tap's run loaded once: MT + NT loads per MT NT
+  // multiply-adds. (Left to itself, GCC read every run again for each row, MT NT
+  // unaligned loads: 84 against 149 GFLOP/s on 32 channels at 32 x 32, one AVX-512 core.)
+  // Each sum's order is the positions' either way: the same bits.
   for (int64_t j = 0; j < J; j += 16) {
-    v16 in[NT];
-    for (int t = 0; t < NT; ++t) in[t] = *reinterpret_cast<const v16*>(base + off[t] + j);
-    for (int m = 0; m < MT; ++m) {
-      const v16 d = *reinterpret_cast<const v16*>(g + m * ldg + j);
-      for (int t = 0; t < NT; ++t) acc[m][t] += d * in[t];
+    v16 d[MT];
+    for (int m = 0; m < MT; ++m) d[m] = *reinterpret_cast<const v16*>(g + m * ldg + j);
+    for (int t = 0; t < NT; ++t) {
+      v16 in = *reinterpret_cast<const v16*>(base + off[t] + j);
+#ifdef __AVX512F__
+      asm("" : "+v"(in));  // in a register: else GCC folds the load into each of the MT multiply-adds
+#endif
+      for (int m = 0; m < MT; ++m) acc[m][t] += d[m] * in;
     }
   }
   for (int m = 0; m < MT; ++m)
