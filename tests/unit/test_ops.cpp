@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <limits>
 #include <vector>
@@ -513,6 +514,50 @@ TEST_CASE("conv2d on the CPU: the direct sums, forward and backward, for every w
       check_close(dinp, twice, "dinp accumulated");
     }
     cpu::set_threads(1);
+  }
+}
+
+TEST_CASE("maxpool on the CPU: the first of equal maxima and its place, at borders and inside, NaN as PyTorch") {
+  // Inputs of a few integer values (many ties), one NaN first in a window and one later.
+  struct Case {
+    int64_t H, W, K, stride, padding;
+  };
+  for (const Case k : {Case{8, 8, 2, 2, 0}, Case{9, 7, 2, 2, 0}, Case{11, 13, 3, 2, 1}, Case{10, 10, 3, 2, 0},
+                       Case{7, 9, 3, 1, 1}, Case{6, 6, 3, 1, 0}, Case{5, 5, 2, 1, 0}, Case{4, 4, 3, 2, 1}, Case{2, 2, 3, 1, 1}}) {
+    CAPTURE(k.H);
+    CAPTURE(k.W);
+    CAPTURE(k.K);
+    CAPTURE(k.stride);
+    CAPTURE(k.padding);
+    Window2d w;
+    w.N = 2, w.C = 3, w.H = k.H, w.W = k.W, w.OC = 3, w.KH = w.KW = k.K, w.stride = k.stride, w.padding = k.padding;
+    w.OH = (w.H + 2 * w.padding - w.KH) / w.stride + 1;
+    w.OW = (w.W + 2 * w.padding - w.KW) / w.stride + 1;
+    const RandomStream r = make_stream(7, Stream::data, static_cast<std::uint32_t>(k.H * 100 + k.W), 0, 0);
+    std::vector<float> x(static_cast<std::size_t>(w.N * w.C * w.H * w.W));
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(r.word(i) % 4);
+    x[0] = std::numeric_limits<float>::quiet_NaN();            // first in its window: stays
+    x[x.size() / 2] = std::numeric_limits<float>::quiet_NaN();  // passed over where not first
+    std::vector<float> out(static_cast<std::size_t>(w.N * w.C * w.OH * w.OW));
+    std::vector<int32_t> at(out.size());
+    cpu::maxpool2d_forward(out.data(), at.data(), x.data(), w);
+    for (int64_t p = 0; p < w.N * w.C; ++p)
+      for (int64_t oh = 0; oh < w.OH; ++oh)
+        for (int64_t ow = 0; ow < w.OW; ++ow) {
+          float best = 0;
+          int32_t where = -1;
+          for (int64_t kh = 0; kh < w.KH; ++kh)
+            for (int64_t kw = 0; kw < w.KW; ++kw) {
+              const int64_t h = oh * w.stride - w.padding + kh, c = ow * w.stride - w.padding + kw;
+              if (h < 0 || h >= w.H || c < 0 || c >= w.W) continue;
+              const float v = x[static_cast<std::size_t>((p * w.H + h) * w.W + c)];
+              if (where < 0 || v > best) best = v, where = static_cast<int32_t>(h * w.W + c);
+            }
+          const std::size_t o = static_cast<std::size_t>((p * w.OH + oh) * w.OW + ow);
+          CAPTURE(o);
+          CHECK(at[o] == where);
+          CHECK(std::memcmp(&out[o], &best, sizeof(float)) == 0);
+        }
   }
 }
 

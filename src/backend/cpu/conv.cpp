@@ -165,30 +165,93 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
   }
 }
 
+namespace {
+
+// Output (oh, ow) of a max pool over one plane: the first of equal maxima in (kh, kw)
+// order, as PyTorch (a NaN first stays; a later one is passed over), and where it is.
+void max_window(float* out, int32_t* argmax, const float* in, int64_t oh, int64_t ow, const Window2d& w) {
+  float best = -std::numeric_limits<float>::infinity();
+  int32_t at = -1;
+  for (int64_t kh = 0; kh < w.KH; ++kh) {
+    const int64_t h = oh * w.stride - w.padding + kh;
+    if (h < 0 || h >= w.H) continue;
+    for (int64_t kw = 0; kw < w.KW; ++kw) {
+      const int64_t x = ow * w.stride - w.padding + kw;
+      if (x < 0 || x >= w.W) continue;
+      const float v = in[h * w.W + x];
+      if (at < 0 || v > best) {
+        best = v;
+        at = static_cast<int32_t>(h * w.W + x);
+      }
+    }
+  }
+  *out = best;
+  *argmax = at;
+}
+
+// max_window over outputs [0, count) of one row whose windows lie inside the plane, the
+// first at input (h, x), the next S columns on: the same choice as branch-free selects, K
+// and S known, so the compiler runs the outputs side by side in vectors.
+template <int K, int S>
+void max_row(float* out, int32_t* argmax, const float* in, int64_t W, int64_t h, int64_t x, int64_t count) {
+  const float* top = in + h * W + x;
+  const int32_t first = static_cast<int32_t>(h * W + x);
+#pragma omp simd
+  for (int64_t i = 0; i < count; ++i) {
+    float best = top[i * S];
+    int32_t at = first + static_cast<int32_t>(i * S);
+    for (int kh = 0; kh < K; ++kh)
+      for (int kw = 0; kw < K; ++kw) {
+        if (kh == 0 && kw == 0) continue;
+        const float v = top[kh * W + i * S + kw];
+        const bool more = v > best;
+        best = more ? v : best;
+        at = more ? first + static_cast<int32_t>(kh * W + i * S + kw) : at;
+      }
+    out[i] = best;
+    argmax[i] = at;
+  }
+}
+
+using MaxRow = void (*)(float*, int32_t*, const float*, int64_t, int64_t, int64_t, int64_t);
+// The vector row for the window's size and stride, or none (every output by max_window).
+MaxRow max_row_for(const Window2d& w) {
+  if (w.KH != w.KW) return nullptr;
+  if (w.KH == 2 && w.stride == 2) return max_row<2, 2>;
+  if (w.KH == 3 && w.stride == 2) return max_row<3, 2>;
+  if (w.KH == 3 && w.stride == 1) return max_row<3, 1>;
+  return nullptr;
+}
+
+}  // namespace
+
 void maxpool2d_forward(float* out, int32_t* argmax, const float* inp, const Window2d& w) {
+  // Outputs whose windows lie inside the plane: rows [oh0, oh1), columns [ow0, ow1).
+  const auto inside = [&](int64_t extent, int64_t kernel, int64_t outputs, int64_t& first, int64_t& end) {
+    first = std::min(outputs, (w.padding + w.stride - 1) / w.stride);
+    end = extent + w.padding - kernel < 0 ? first : std::min(outputs, (extent + w.padding - kernel) / w.stride + 1);
+    end = std::max(end, first);
+  };
+  int64_t oh0, oh1, ow0, ow1;
+  inside(w.H, w.KH, w.OH, oh0, oh1);
+  inside(w.W, w.KW, w.OW, ow0, ow1);
+  const MaxRow row = max_row_for(w);
 #pragma omp parallel for schedule(static)
   for (int64_t plane = 0; plane < w.N * w.C; ++plane) {
     const float* in = inp + plane * w.H * w.W;
-    for (int64_t oh = 0; oh < w.OH; ++oh)
+    for (int64_t oh = 0; oh < w.OH; ++oh) {
+      float* o = out + (plane * w.OH + oh) * w.OW;
+      int32_t* a = argmax + (plane * w.OH + oh) * w.OW;
+      const bool vector = row && oh >= oh0 && oh < oh1 && ow1 > ow0;
       for (int64_t ow = 0; ow < w.OW; ++ow) {
-        float best = -std::numeric_limits<float>::infinity();
-        int32_t at = -1;
-        for (int64_t kh = 0; kh < w.KH; ++kh) {
-          const int64_t h = oh * w.stride - w.padding + kh;
-          if (h < 0 || h >= w.H) continue;
-          for (int64_t kw = 0; kw < w.KW; ++kw) {
-            const int64_t x = ow * w.stride - w.padding + kw;
-            if (x < 0 || x >= w.W) continue;
-            const float v = in[h * w.W + x];
-            if (at < 0 || v > best) {  // the first of equal maxima, as PyTorch
-              best = v;
-              at = static_cast<int32_t>(h * w.W + x);
-            }
-          }
+        if (vector && ow == ow0) {
+          row(o + ow0, a + ow0, in, w.W, oh * w.stride - w.padding, ow0 * w.stride - w.padding, ow1 - ow0);
+          ow = ow1 - 1;
+          continue;
         }
-        out[(plane * w.OH + oh) * w.OW + ow] = best;
-        argmax[(plane * w.OH + oh) * w.OW + ow] = at;
+        max_window(o + ow, a + ow, in, oh, ow, w);
       }
+    }
   }
 }
 
