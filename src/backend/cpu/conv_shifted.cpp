@@ -14,9 +14,10 @@
 // channels by 6 taps, 16 partial sums each) over planes of 1024 positions and more; over
 // smaller planes the tiles' final adds across lanes would weigh, and im2col's GEMMs do it.
 // Which windows: the junk columns cost (KW - 1) / Wp of the work, so planes of 4 (KW - 1)
-// columns and more (8 for 3x3); 16 to 576 taps a group (fewer channels keep im2col, more
-// taps would read each tile's runs from L2); and a lane's planes no larger than its im2col
-// columns. One lane's, not every thread's: the path, and so the bits, are the same for any
+// columns and more (8 for 3x3); 16 to 1152 taps a group (fewer channels keep im2col; at
+// 128 channels, 3x3, the tiles ran 1.1-1.3x OpenBLAS's AVX-512 GEMMs over im2col's columns
+// and 1.6-2x its AVX2 ones, at 256 channels 0.9-1.1x the AVX-512 ones); and a lane's planes
+// no larger than its im2col columns. One lane's, not every thread's: the path, and so the bits, are the same for any
 // thread count.
 #include <omp.h>
 
@@ -99,7 +100,7 @@ struct Shift {
 }  // namespace
 
 bool shifted(const Window2d& w) {
-  return w.stride == 1 && !pointwise(w) && w.C / w.groups >= 16 && w.C / w.groups * w.KH * w.KW <= 576 &&
+  return w.stride == 1 && !pointwise(w) && w.C / w.groups >= 16 && w.C / w.groups * w.KH * w.KW <= 1152 &&
          w.OW >= 4 * (w.KW - 1) && Shift(w).lane(w) <= columns(w);
 }
 

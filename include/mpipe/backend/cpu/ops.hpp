@@ -107,7 +107,7 @@ using mpipe::Window2d;
 // columns). `cols` is scratch of conv2d_cols(w) floats (it grows with threads()).
 // Overwrites out.
 int64_t conv2d_cols(const Window2d& w);
-// Whether the window takes the shifted-plane path (stride 1, 16 to 576 taps a group, planes
+// Whether the window takes the shifted-plane path (stride 1, 16 to 1152 taps a group, planes
 // of 8 columns or more for 3x3): no im2col; sums of runs of the zero-padded planes, tiled
 // in registers (conv.cpp). Chosen by the window alone: the same for any thread count.
 bool conv2d_shifted(const Window2d& w);
