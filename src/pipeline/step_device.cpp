@@ -59,7 +59,6 @@ class CudaStepDevice final : public StepDevice {
     // other is copied from (queued on the compute stream, done by the step's end).
     host_ = cuda::PinnedBuffer(spare ? 2 * bytes : bytes);
     device_ = cuda::DeviceBuffer(bytes);
-    bytes_ = bytes;
     const auto at = [&](std::size_t half) { return host_.as<std::byte>() + half * bytes; };
     host_inputs_ = {at(0), inputs, input_dtype, Device::cpu};
     host_targets_ = {at(0) + inputs.numel() * word_bytes, targets, DType::i32, Device::cpu};
@@ -74,8 +73,8 @@ class CudaStepDevice final : public StepDevice {
     std::swap(host_inputs_, spare_inputs_);
     std::swap(host_targets_, spare_targets_);
   }
-  // The host batch is one block, inputs then targets, in either half.
-  void upload_batch() override { cuda::copy_to_device(device_.data(), host_inputs_.data, bytes_); }
+  // The host batch is one block, inputs then targets, in either half: the device's size.
+  void upload_batch() override { cuda::copy_to_device(device_.data(), host_inputs_.data, device_.bytes()); }
 
   double* loss_sum() override { return loss_.as<double>(); }
 
@@ -117,7 +116,6 @@ class CudaStepDevice final : public StepDevice {
  private:
   cuda::PinnedBuffer host_;
   cuda::DeviceBuffer device_;
-  std::size_t bytes_ = 0;  // one batch, inputs and targets
   cuda::DeviceBuffer loss_;  // one double: the step's summed loss
   cuda::PinnedBuffer host_loss_;
   std::vector<cuda::Event> marks_;

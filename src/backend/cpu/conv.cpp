@@ -242,15 +242,12 @@ void maxpool2d_forward(float* out, int32_t* argmax, const float* inp, const Wind
     for (int64_t oh = 0; oh < w.OH; ++oh) {
       float* o = out + (plane * w.OH + oh) * w.OW;
       int32_t* a = argmax + (plane * w.OH + oh) * w.OW;
-      const bool vector = row && oh >= oh0 && oh < oh1 && ow1 > ow0;
-      for (int64_t ow = 0; ow < w.OW; ++ow) {
-        if (vector && ow == ow0) {
-          row(o + ow0, a + ow0, in, w.W, oh * w.stride - w.padding, ow0 * w.stride - w.padding, ow1 - ow0);
-          ow = ow1 - 1;
-          continue;
-        }
-        max_window(o + ow, a + ow, in, oh, ow, w);
-      }
+      // The vector run over the inside columns, or none (an empty one): max_window the rest.
+      const bool vector = row && oh >= oh0 && oh < oh1;
+      const int64_t lo = vector ? ow0 : w.OW, hi = vector ? ow1 : w.OW;
+      for (int64_t ow = 0; ow < lo; ++ow) max_window(o + ow, a + ow, in, oh, ow, w);
+      if (hi > lo) row(o + lo, a + lo, in, w.W, oh * w.stride - w.padding, lo * w.stride - w.padding, hi - lo);
+      for (int64_t ow = hi; ow < w.OW; ++ow) max_window(o + ow, a + ow, in, oh, ow, w);
     }
   }
 }

@@ -1,5 +1,5 @@
 // Device building blocks shared by the op kernels: element conversions, packed
-// (16-byte) loads and stores, warp and block reductions in a fixed order, launch sizes,
+// (16-byte) loads and stores and runs of them, warp and block reductions in a fixed order, launch sizes,
 // and the carving of one scratch() region into several buffers. Included only by
 // src/backend/cuda/*.cu.
 #pragma once
@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <type_traits>
 
 #include "context.cuh"
 
@@ -49,6 +50,54 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, W>& pack) {
 // Elements of T in a 16-byte pack.
 template <class T>
 constexpr int pack_width = static_cast<int>(16 / sizeof(T));
+
+// q = a / b and r = a % b, in 32 bits when both fit (a fraction of a 64-bit division's
+// cost). For a thread's set-up of its loop, never per element.
+__device__ __forceinline__ void divmod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
+  if (a <= UINT32_MAX && b <= UINT32_MAX) {
+    const unsigned a32 = static_cast<unsigned>(a), b32 = static_cast<unsigned>(b), q32 = a32 / b32;
+    q = q32;
+    r = a32 - q32 * b32;
+  } else {
+    q = a / b;
+    r = a - q * b;
+  }
+}
+
+// W elements at p: one packed access when `packed` (p aligned to the pack), else W scalar
+// ones. The same elements either way: W is what orders sums, never `packed`.
+template <int W, class T>
+__device__ __forceinline__ Pack<T, W> load_run(const T* p, bool packed) {
+  if (W > 1 && packed) return load_pack<W>(p);
+  Pack<T, W> r;
+#pragma unroll
+  for (int j = 0; j < W; ++j) r.v[j] = p[j];
+  return r;
+}
+template <int W, class T>
+__device__ __forceinline__ void store_run(T* p, const Pack<T, W>& r, bool packed) {
+  if (W > 1 && packed) {
+    store_pack<W>(p, r);
+    return;
+  }
+#pragma unroll
+  for (int j = 0; j < W; ++j) p[j] = r.v[j];
+}
+
+// The widest pack of T (16 bytes, 8 bytes, one element) that divides `length`.
+template <class T>
+int width_for(int64_t length) {
+  constexpr int wide = pack_width<T>;
+  return length % wide == 0 ? wide : length % (wide / 2) == 0 ? wide / 2 : 1;
+}
+// f(std::integral_constant<int, W>{}) for W = width, one of width_for's answers.
+template <class T, class F>
+void with_width(int width, F f) {
+  constexpr int wide = pack_width<T>;
+  if (width == wide) f(std::integral_constant<int, wide>{});
+  else if (width == wide / 2) f(std::integral_constant<int, wide / 2>{});
+  else f(std::integral_constant<int, 1>{});
+}
 
 inline bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 inline bool all_aligned(std::initializer_list<const void*> pointers, std::size_t bytes) {
