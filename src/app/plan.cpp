@@ -58,7 +58,7 @@ void print_plan(const Plan& plan, const Model& model) {
       if (kinds.find(k) == std::string::npos) kinds += (kinds.empty() ? "" : ",") + k;
     }
     if (kinds.size() > 28) kinds = kinds.substr(0, 25) + "...";
-    const int live = in_flight(schedule, schedule.list_of(s), v > 1 ? s : -1);
+    const int live = plan.named_in_flight[static_cast<std::size_t>(s)];  // as named: the columns are what-ifs
     const bool split = schedule.splits(schedule.list_of(s));
     const StageMemory& f = plan.memory[static_cast<std::size_t>(s)];
     const auto at = static_cast<std::size_t>(s);
@@ -75,7 +75,8 @@ void print_plan(const Plan& plan, const Model& model) {
                 human_bytes(share * whole.state).c_str());
     if (shards) std::printf(" %12s", human_bytes(share * piece.state).c_str());
     std::printf(" %16s %16s %16s\n", human_bytes(f.held(live, false, split)).c_str(),
-                human_bytes(f.held(live, false, split, true)).c_str(), human_bytes(f.held(live, true, split)).c_str());
+                human_bytes(f.held(live, false, split, true)).c_str(),
+                human_bytes(f.held(std::min(M, live + 2), true, split)).c_str());
   }
   if (!plan.stage_remat.empty()) {
     // --remat auto's choice per stage, what each rank then holds, and what recomputing costs.
@@ -88,11 +89,17 @@ void print_plan(const Plan& plan, const Model& model) {
         const auto at = static_cast<std::size_t>(m);
         mode = plan.stage_remat[at];
         work += plan.flops.forward[at] + plan.flops.backward[at];
-        const double whole = static_cast<double>(plan.remat_whole[at]) / plan.remat_window[at];  // 0 unless mixed
         if (plan.remat_whole[at] > 0) mixed = cat(" (", plan.remat_whole[at], " of every ", plan.remat_window[at], " micro-batches wholly)");
-        extra += mode == Remat::always      ? plan.flops.forward[at]
-                 : mode == Remat::selective ? (1 - whole) * plan.memory[at].recompute_flops + whole * plan.flops.forward[at]
-                                            : 0.0;
+        if (plan.deferred_from(m) < M)
+          mixed += mixed.empty() ? " (forwards deferred to their backwards)" : ", deferred to their backwards";
+        // Per micro-batch: a rematerialized forward again, unless deferred; a selective
+        // one's recomputed parts.
+        double again = 0;
+        for (int mb = 0; mb < M; ++mb)
+          again += plan.rematerialize(m, mb) ? (mb < plan.deferred_from(m) ? plan.flops.forward[at] : 0.0)
+                   : mode == Remat::selective ? plan.memory[at].recompute_flops
+                                              : 0.0;
+        extra += again / M;
       }
       std::printf("%s stage %d %s%s, %s + %s, recompute +%.1f%% FLOPs", p ? ";" : "", p, to_string(mode), mixed.c_str(),
                   human_bytes(plan.weight_bytes(p)).c_str(), human_bytes(plan.activation_bytes(p)).c_str(),

@@ -113,9 +113,16 @@ double Plan::inputs_bytes(int stage) const {
 double Plan::activation_bytes(int stage, int model_stage, Remat mode) const {
   const StageMemory& memory_of = memory[static_cast<std::size_t>(model_stage)];
   const int whole = mode == Remat::selective ? whole_of(model_stage) : 0;
-  if (whole > 0) return memory_of.held_mixed(remat_window[static_cast<std::size_t>(model_stage)], whole);
-  return memory_of.held(in_flight(schedule, stage, schedule.virtual_stages > 1 ? model_stage : -1),
-                        inputs_only(stage, mode), schedule.splits(stage), mode == Remat::selective);
+  if (whole > 0) {
+    const int window = remat_window[static_cast<std::size_t>(model_stage)];
+    return memory_of.held_mixed(window, whole, window == options.micro_batches);
+  }
+  const int live = in_flight(schedule, stage, schedule.virtual_stages > 1 ? model_stage : -1);
+  const bool remat = inputs_only(stage, mode);
+  // Rematerialized, what a micro-batch keeps is its messages: the send buffers taken in
+  // turn (Stage::attach), min(M, in flight + 2) of each.
+  return memory_of.held(remat ? std::min(options.micro_batches, live + 2) : live, remat, schedule.splits(stage),
+                        mode == Remat::selective);
 }
 
 double Plan::input_bytes(int stage, int model_stage, Remat mode) const {
@@ -138,7 +145,8 @@ namespace {
 // --remat auto: for each pipeline stage, the first of never, selective and always whose
 // activations and inputs fit --memory-per-rank beside its weights and state (all of its
 // model stages alike; what run_train's memory check counts); always where none does (the
-// memory check then says by how much).
+// memory check then says by how much). Always comes second where it recomputes nothing
+// (the model's last stage).
 // Between selective and always (schedules that do not split B and W, one model stage per
 // rank): selective with the fewest micro-batches of every window rematerialized wholly.
 void choose_remat(Plan& plan) {
@@ -160,6 +168,11 @@ void choose_remat(Plan& plan) {
       for (const int m : model_stages) plan.stage_remat[static_cast<std::size_t>(m)] = mode;
     };
     if (fits(Remat::never)) { set(Remat::never); continue; }
+    // The model's last stage alone on its rank: always defers its forwards to their
+    // backwards, recomputing nothing (Plan::deferred_from), and keeps the least.
+    set(Remat::always);
+    const auto costs_nothing = [&](int m) { return plan.remat_free(m); };
+    if (fits(Remat::always) && std::all_of(model_stages.begin(), model_stages.end(), costs_nothing)) continue;
     set(Remat::selective);
     if (fits(Remat::selective)) continue;
     if (model_stages.size() == 1 && !plan.schedule.splits(stage)) {
@@ -230,7 +243,20 @@ Plan make_plan(const RunOptions& o, int ranks, const Model& model, const Measure
   plan.equal_overlap_bubble = steady_state(unit_overlapped, StageCosts::unit(unit_overlapped)).bubble_fraction;
   plan.predicted_overlap_bubble = steady_state(plan.schedule, plan.flops).bubble_fraction;
   plan.unit_cost_bubble = bubble_fraction(plan.schedule, StageCosts::unit(plan.schedule), o.overlap_steps);
+  for (int m = 0; m < plan.partition.stages(); ++m)
+    plan.named_in_flight.push_back(in_flight(plan.schedule, plan.schedule.list_of(m), v > 1 ? m : -1));
   if (o.remat == Remat::automatic) choose_remat(plan);
+  // The model's last stage runs its rematerialized forwards just before their backwards:
+  // the schedule says so, for the executor, the simulator and the memory it holds.
+  const int last = plan.partition.stages() - 1;
+  if (const int from = plan.deferred_from(last); from < M) {
+    plan.schedule = defer_forwards(plan.schedule, last, from);
+    if (auto problem = validate(plan.schedule))
+      throw Error(cat("schedule ", plan.schedule.name, " with deferred forwards is invalid: ", *problem));
+    plan.predicted_bubble = simulate(plan.schedule, plan.flops).bubble_fraction;
+    plan.predicted_overlap_bubble = steady_state(plan.schedule, plan.flops).bubble_fraction;
+    plan.unit_cost_bubble = bubble_fraction(plan.schedule, StageCosts::unit(plan.schedule), o.overlap_steps);
+  }
   plan.bubble_formula = M < K || !kind ? "" : kind->bubble_formula(o.in_flight);
   if (plan.bubble_formula.empty()) plan.bubble_formula = "simulated";
   return plan;

@@ -148,6 +148,27 @@ Schedule lower(const Schedule& in) {
   return out;
 }
 
+Schedule defer_forwards(const Schedule& lowered, int model_stage, int from) {
+  Schedule out = lowered;
+  if (from >= lowered.micro_batches) return out;
+  const int list = lowered.list_of(model_stage);
+  const std::vector<Action>& in = lowered.actions[static_cast<std::size_t>(list)];
+  const auto deferred = [&](const Action& a) {
+    return lowered.stage_of(list, a) == model_stage && a.micro_batch >= from &&
+           (a.kind == ActionKind::recv_act || a.kind == ActionKind::forward);
+  };
+  std::vector<Action>& actions = out.actions[static_cast<std::size_t>(list)];
+  actions.clear();
+  for (const Action& a : in) {
+    if (deferred(a)) continue;
+    if (a.kind == ActionKind::backward && a.micro_batch >= from && lowered.stage_of(list, a) == model_stage)
+      for (const Action& f : in)  // its receive and forward, in their order
+        if (deferred(f) && f.micro_batch == a.micro_batch) actions.push_back(f);
+    actions.push_back(a);
+  }
+  return out;
+}
+
 Schedule compute_only(const Schedule& lowered) {
   Schedule out = lowered;
   for (auto& list : out.actions) std::erase_if(list, [](const Action& a) { return !a.is_compute(); });

@@ -46,8 +46,7 @@ Stage::Stage(Model& model, int index, int channel, int begin, int end, int model
 void Stage::attach(const StageShared& shared) {
   shared_ = shared;
   const Plan& plan = *shared.plan;
-  const int M = plan.options.micro_batches;
-  const int ring = std::min(M, in_flight(plan.schedule, plan.schedule.list_of(index_)) + 2);
+  const int ring = std::min(plan.options.micro_batches, in_flight(plan.schedule, plan.schedule.list_of(index_)) + 2);
   for (auto [r, used] : {std::pair{&gradients_, !first_}, std::pair{&outputs_, plan.rematerializes(index_) && !last_}}) {
     r->buffers.assign(used ? static_cast<std::size_t>(ring) : 0, Tensor{});
     r->owner.assign(r->buffers.size(), -1);
@@ -132,7 +131,13 @@ void Stage::forward(std::int64_t step, int mb, bool training, bool backward_next
   const auto start = StageHooks::Clock::now();
   shared_.hooks->begin_compute(ComputeKind::forward, mb, index_);
   const bool remat = training && shared_.plan->rematerialize(index_, mb);
-  Pass pass = make_pass(step, mb, remat ? shared_.scratch : training ? take_slot(mb) : shared_.persistent);
+  // A rematerialized forward whose B comes next keeps its contexts for it: in the scratch
+  // arena, where the recomputation would have put the same bits, or where the backward
+  // splits in a slot, until W.
+  const bool keep = remat && backward_next;
+  Pass pass = make_pass(step, mb, !training ? shared_.persistent
+                                  : remat && !(keep && shared_.split) ? shared_.scratch
+                                                                      : take_slot(mb));
   pass.training = training;
   // --remat selective: what the layers recompute in backward goes to the scratch arena,
   // free between actions, and dies with this forward.
@@ -149,13 +154,13 @@ void Stage::forward(std::int64_t step, int mb, bool training, bool backward_next
   if (remat) {
     // Keep only what leaves the stage; the contexts die with the scratch arena (whose
     // memory the GPU stream reuses only after this copy, in stream order), unless B comes
-    // next: they then stay there for it, which resets the arena.
+    // next: they then stay for it (B resets the arena, W frees the slot).
     if (!last_) {
       const Tensor kept = take_send_buffer(outputs_, Direction::forward, mb);
       shared_.device_ops->copy(kept.data, out.data, out.bytes());
       out = kept;
     }
-    if (!backward_next || shared_.split) {
+    if (!keep) {
       shared_.scratch->reset();
       contexts = nullptr;
     }

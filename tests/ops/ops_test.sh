@@ -140,10 +140,10 @@ progress)
   [[ $rc -eq 2 ]] && grep -q "unknown --progress 'maybe'" <<<"$out" || fail "bad --progress: rc $rc: $out"
   ;;
 remat)
-  # --remat always recomputes a micro-batch's forward before its backward, except where
-  # that backward is the stage's next compute (its contexts are still there): under 1F1B
-  # every one of the last stage's, none of the first's; none under GPipe, whose backwards
-  # run in forward order. The losses are the same bits either way.
+  # --remat always recomputes a micro-batch's forward before its backward on every stage
+  # but the model's last, whose forwards run once, just before their backwards (nothing
+  # goes on from there): under GPipe and 1F1B each of the first stage's, none of the
+  # last's. The losses are the same bits either way.
   for schedule in gpipe 1f1b; do
     mpiexec -n 2 "$mpipe" train "${small[@]}" --batch-size 8 --micro-batches 4 --steps 3 --resume never \
       --schedule $schedule --remat always --trace "$work/$schedule.json" --trace-steps 1 > "$work/$schedule.log"
@@ -161,7 +161,14 @@ def recomputed(schedule, rank):
     assert sorted(e["args"]["micro_batch"] for e in boxes if e["cat"] == "backward") == [0, 1, 2, 3]
     return sorted(e["args"]["micro_batch"] for e in boxes if e["cat"] == "recompute")
 got = {(s, r): recomputed(s, r) for s in ("gpipe", "1f1b") for r in (0, 1)}
-assert got == {("gpipe", 0): [0, 1, 2, 3], ("gpipe", 1): [0, 1, 2, 3], ("1f1b", 0): [0, 1, 2, 3], ("1f1b", 1): []}, got
+assert got == {("gpipe", 0): [0, 1, 2, 3], ("gpipe", 1): [], ("1f1b", 0): [0, 1, 2, 3], ("1f1b", 1): []}, got
+# The last stage's forwards ran anyway, each just before its backward: F0 B0 F1 B1 ...
+for schedule in ("gpipe", "1f1b"):
+    t = json.load(open(f"{sys.argv[1]}/{schedule}.json"))["traceEvents"]
+    boxes = sorted((e["ts"], e["cat"], e["args"]["micro_batch"]) for e in t
+                   if e.get("ph") == "X" and e["tid"] == 1 and e["args"]["step"] == 2 and e["cat"] in ("forward", "backward"))
+    order = [(c, mb) for _, c, mb in boxes]
+    assert order == [(c, mb) for mb in range(4) for c in ("forward", "backward")], (schedule, order)
 PY
   ;;
 sweep)

@@ -109,6 +109,48 @@ TEST_CASE("a plan follows its options: remat, --balance, the zero-bubble order f
   CHECK(plan.predicted_bubble <= simulate(unit, plan.flops).bubble_fraction + 1e-12);
 }
 
+TEST_CASE("the model's last stage runs its rematerialized forwards just before their backwards, recomputing nothing") {
+  TrainConfig c = test::tiny_gpt({.layers = 4, .batch_size = 16, .micro_batches = 4});  // 8 layers
+  const Model model(options_of(c).model);
+  c.pipeline.grid.stages = 2;
+  const auto plan_of = [&](const char* remat, const char* schedule) {
+    c.pipeline.remat = remat;
+    c.pipeline.schedule = schedule;
+    return make_plan(options_of(c), 2, model);
+  };
+  for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+    CAPTURE(schedule);
+    const Plan always = plan_of("always", schedule), never = plan_of("never", schedule);
+    CHECK(always.deferred_from(1) == 0);
+    CHECK(always.deferred_from(0) == 4);  // its output goes on: not the first stage
+    CHECK(always.remat_free(1));
+    CHECK(!always.remat_free(0));
+    CHECK(always.schedule.to_text() == defer_forwards(never.schedule, 1, 0).to_text());
+    CHECK(always.named_in_flight == never.named_in_flight);
+    // The forwards' order is the named one: only where each F runs moved.
+    CHECK(compute_only(always.schedule).actions[0] == compute_only(never.schedule).actions[0]);
+  }
+  // except-last keeps its last micro-batch whole: deferring the others would run their
+  // forwards after its, so none is deferred.
+  const Plan except_last = plan_of("except-last", "gpipe");
+  CHECK(except_last.deferred_from(1) == 4);
+  CHECK(!except_last.remat_free(1));
+  CHECK(except_last.schedule.to_text() == plan_of("never", "gpipe").schedule.to_text());
+  // auto's mixed stages rematerialize the last micro-batches of each window: on the last
+  // stage those are deferred, the others run where the schedule has them.
+  Plan mixed = plan_of("never", "gpipe");
+  mixed.stage_remat = {Remat::selective, Remat::selective};
+  mixed.remat_whole = {1, 3};
+  mixed.remat_window = {4, 4};
+  CHECK(!mixed.rematerialize(1, 0));
+  CHECK(mixed.rematerialize(1, 1));
+  CHECK(mixed.rematerialize(0, 3));
+  CHECK(!mixed.rematerialize(0, 2));
+  CHECK(mixed.deferred_from(1) == 1);
+  CHECK(mixed.remat_free(1));
+  CHECK(!mixed.remat_free(0));
+}
+
 TEST_CASE("a plan's weights per rank: --shard-optimizer keeps 1/D of the state, --overlap-steps a copy, bf16 a compute copy") {
   TrainConfig c = test::tiny_gpt({.layers = 4, .batch_size = 16});
   c.pipeline.grid.replicas = 4;

@@ -287,6 +287,41 @@ TEST_CASE("gpipe's simulated bubble is (K-1)/(M+K-1) with equal stages") {
     }
 }
 
+TEST_CASE("defer_forwards: the last stage's forwards from a micro-batch on move to just before their backwards") {
+  const Schedule gpipe = lower(gpipe_schedule(2, 4));
+  CHECK(defer_forwards(gpipe, 1, 4).to_text() == gpipe.to_text());  // none
+  const Schedule all = defer_forwards(gpipe, 1, 0);
+  CHECK(all.to_text() == "stage 0: F0 SF0 F1 SF1 F2 SF2 F3 SF3 RB0 B0 RB1 B1 RB2 B2 RB3 B3\n"
+                         "stage 1: RF0 F0 B0 SB0 RF1 F1 B1 SB1 RF2 F2 B2 SB2 RF3 F3 B3 SB3\n");
+  CHECK(defer_forwards(gpipe, 1, 2).to_text() == "stage 0: F0 SF0 F1 SF1 F2 SF2 F3 SF3 RB0 B0 RB1 B1 RB2 B2 RB3 B3\n"
+                                                 "stage 1: RF0 F0 RF1 F1 B0 SB0 B1 SB1 RF2 F2 B2 SB2 RF3 F3 B3 SB3\n");
+  // Valid for every schedule and split point; the deferred stage then holds one
+  // micro-batch at a time (those not deferred aside), and at equal costs no step is longer
+  // than the named schedule's, rematerialized there (each B recomputing its F first).
+  for (const ScheduleKind& kind : schedule_kinds())
+    for (const int K : {1, 2, 4})
+      for (const int M : {4, 8}) {
+        const int v = kind.name == "zbv" ? 2 : kind.name == "interleaved" ? 2 : 1;
+        if (kind.name == "interleaved" && M % K != 0) continue;
+        const Schedule named = lower(make_schedule(kind.name, K, M, v));
+        const int last = named.model_stages() - 1;
+        for (const int from : {0, M / 2}) {
+          CAPTURE(kind.name);
+          CAPTURE(K);
+          CAPTURE(M);
+          CAPTURE(from);
+          const Schedule deferred = defer_forwards(named, last, from);
+          CHECK(!validate(deferred));
+          const int list = named.list_of(last);
+          if (from == 0 && !named.splits(list)) CHECK(in_flight(deferred, list, v > 1 ? last : -1) == 1);
+          const StageCosts costs = StageCosts::uniform(named.model_stages(), 1.0, 2.0);
+          StageCosts recomputing = costs;
+          recomputing.backward[static_cast<std::size_t>(last)] += costs.forward[static_cast<std::size_t>(last)];
+          CHECK(simulate(deferred, costs).makespan <= simulate(named, recomputing).makespan + 1e-9);
+        }
+      }
+}
+
 TEST_CASE("1f1b has gpipe's bubble but at most K - s micro-batches in flight on stage s") {
   for (int K : {2, 4, 8})
     for (int M : {1, 4, 16, 64}) {

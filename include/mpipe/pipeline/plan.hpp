@@ -140,11 +140,21 @@ struct StageMemory {
     return (std::max(live, 1) - 1) * each + std::max(peak() + (split ? stash : 0), each + (split ? split_scratch : scratch));
   }
   // --remat auto between selective and always (not split): of every `live` consecutive
-  // micro-batches, `whole` are rematerialized wholly (their input and output kept, their
-  // forward run again in backward) and the others kept selectively.
-  double held_mixed(int live, int whole) const {
-    return (live - whole) * (peak() - recomputable) + whole * (boundary + output) +
-           std::max({recomputable, selective_scratch, whole > 0 ? std::max(peak(), activation + scratch) : 0.0});
+  // micro-batches, the last `whole` are rematerialized wholly (their input and output
+  // kept, their forward run again in backward) and the others kept selectively.
+  // `every`: the stage holds all the step's micro-batches at once (live = M, GPipe), so
+  // the moments are three: the last whole forward, beside the selective ones and the
+  // whole ones before it; the first backward, beside all; the first whole one's backward,
+  // whose selective ones have had theirs (backwards run in micro-batch order). Otherwise
+  // a window's selective ones may be in flight beside any backward.
+  double held_mixed(int live, int whole, bool every = false) const {
+    const double kept = peak() - recomputable, ends = boundary + output;
+    const double whole_backward = std::max(peak(), activation + scratch);
+    if (every && whole > 0)
+      return std::max({(live - whole) * kept + (whole - 1) * ends + peak(),
+                       (live - whole) * kept + whole * ends + std::max(recomputable, selective_scratch),
+                       (whole - 1) * ends + whole_backward});
+    return (live - whole) * kept + whole * ends + std::max({recomputable, selective_scratch, whole > 0 ? whole_backward : 0.0});
   }
 };
 
@@ -162,6 +172,10 @@ struct Plan {
   Schedule schedule;
   StageCosts flops;                 // per model stage, one micro-batch
   std::vector<StageMemory> memory;  // per model stage, one micro-batch
+  // Per model stage, the micro-batches in flight at once under the schedule as named,
+  // before the last stage's rematerialized forwards were deferred (deferred_from): what
+  // plan's columns for the other --remat modes count.
+  std::vector<int> named_in_flight;
   // Per model stage, the re-materialization it runs: --remat auto's choice (empty
   // otherwise: every stage runs options.remat).
   std::vector<Remat> stage_remat;
@@ -193,10 +207,33 @@ struct Plan {
     return mode == Remat::always || (mode == Remat::except_last && stage + 1 < grid.stages);
   }
   bool rematerialize(int model_stage, int micro_batch) const {
-    if (const int whole = whole_of(model_stage); whole > 0)  // auto: some of them
-      return micro_batch % remat_window[static_cast<std::size_t>(model_stage)] < whole;
+    if (const int whole = whole_of(model_stage); whole > 0) {  // auto: the last of each window
+      const int window = remat_window[static_cast<std::size_t>(model_stage)];
+      return micro_batch % window >= window - whole;
+    }
     const Remat r = remat_of(model_stage);
     return r == Remat::always || (r == Remat::except_last && micro_batch != options.micro_batches - 1);
+  }
+  // The first micro-batch whose training forward on model stage `model_stage` is deferred
+  // to its backward (options.micro_batches: none). Only on the model's last stage, whose
+  // output goes to no other stage: a rematerialized forward there would only run again,
+  // so it runs once, just before its backward (Stage::defers), and costs no recompute.
+  // Only from the first of the rematerialized micro-batches that all later ones are too,
+  // so that the forwards still run in micro-batch order (the loss sum's order, BatchNorm's
+  // running statistics): all of them under always, the last `whole` of auto's mixed ones,
+  // none under except-last.
+  int deferred_from(int model_stage) const {
+    int first = options.micro_batches;
+    if (model_stage + 1 == partition.stages())
+      while (first > 0 && rematerialize(model_stage, first - 1)) --first;
+    return first;
+  }
+  // Whether the rematerialization of model stage `model_stage` costs no recompute: every
+  // rematerialized forward deferred.
+  bool remat_free(int model_stage) const {
+    for (int mb = 0; mb < deferred_from(model_stage); ++mb)
+      if (rematerialize(model_stage, mb)) return false;
+    return true;
   }
   bool selective(int model_stage) const { return remat_of(model_stage) == Remat::selective; }
   // Whether some of its micro-batches are rematerialized wholly (their outputs then wait

@@ -189,6 +189,11 @@ int in_flight(const Schedule& schedule, int stage, int model_stage = -1);
 Schedule lower(const Schedule& compute_only);
 // The compute actions of a lowered schedule alone (what lower() was given).
 Schedule compute_only(const Schedule& lowered);
+// `lowered` with the forwards of micro-batches `from` and later on model stage
+// `model_stage` (and their receives) moved to just before their backwards: for the
+// model's last stage, whose rematerialized forwards need run only there (nothing goes on
+// from them; Plan::deferred_from). Forwards and backwards keep their order.
+Schedule defer_forwards(const Schedule& lowered, int model_stage, int from);
 
 // Per model stage costs for simulate(): seconds (or any unit) per forward / whole backward
 // of one micro-batch, the part of that backward a W takes where a stage splits it (B then

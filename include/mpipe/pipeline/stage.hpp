@@ -112,10 +112,11 @@ class Stage {
   // F of micro-batch `mb` in `step`: from its share of the batch's inputs (the model's
   // first stage) or what the previous stage sent; training keeps its activations in a
   // slot until B (under remat only its output), evaluation keeps nothing.
-  // `backward_next`: this micro-batch's B is the stage's next compute (1F1B's last
-  // stage, every micro-batch; the schedule splits no backward): a
-  // rematerialized forward then keeps its contexts in the scratch arena for that B, where
-  // the recomputation would have put the same bits, instead of running again.
+  // `backward_next`: this micro-batch's B is the stage's next compute (the model's last
+  // stage, whose rematerialized forwards the plan moves to just before their backwards,
+  // Plan::deferred_from): a rematerialized forward then keeps its contexts for that B
+  // (in the scratch arena, where the recomputation would have put the same bits, or
+  // where the backward splits in a slot until W) instead of running again.
   void forward(std::int64_t step, int mb, bool training, bool backward_next = false);
   // B (where the schedule splits backwards, the input gradients alone, with what W needs
   // kept in the micro-batch's slot), its forward recomputed first where rematerialized.
