@@ -59,6 +59,7 @@ void print_plan(const Plan& plan, const Model& model) {
     }
     if (kinds.size() > 28) kinds = kinds.substr(0, 25) + "...";
     const int live = plan.named_in_flight[static_cast<std::size_t>(s)];  // as named: the columns are what-ifs
+    const int live_remat = plan.remat_in_flight(s);  // the last stage's forwards deferred
     const bool split = schedule.splits(schedule.list_of(s));
     const StageMemory& f = plan.memory[static_cast<std::size_t>(s)];
     const auto at = static_cast<std::size_t>(s);
@@ -76,7 +77,7 @@ void print_plan(const Plan& plan, const Model& model) {
     if (shards) std::printf(" %12s", human_bytes(share * piece.state).c_str());
     std::printf(" %16s %16s %16s\n", human_bytes(f.held(live, false, split)).c_str(),
                 human_bytes(f.held(live, false, split, true)).c_str(),
-                human_bytes(f.held(std::min(M, live + 2), true, split)).c_str());
+                human_bytes(f.held(std::min(M, live_remat + 2), true, split)).c_str());
   }
   if (!plan.stage_remat.empty()) {
     // --remat auto's choice per stage, what each rank then holds, and what recomputing costs.

@@ -117,12 +117,17 @@ double Plan::activation_bytes(int stage, int model_stage, Remat mode) const {
     const int window = remat_window[static_cast<std::size_t>(model_stage)];
     return memory_of.held_mixed(window, whole, window == options.micro_batches);
   }
-  const int live = in_flight(schedule, stage, schedule.virtual_stages > 1 ? model_stage : -1);
   const bool remat = inputs_only(stage, mode);
+  const int live = remat ? remat_in_flight(model_stage) : in_flight(schedule, stage, schedule.virtual_stages > 1 ? model_stage : -1);
   // Rematerialized, what a micro-batch keeps is its messages: the send buffers taken in
   // turn (Stage::attach), min(M, in flight + 2) of each.
   return memory_of.held(remat ? std::min(options.micro_batches, live + 2) : live, remat, schedule.splits(stage),
                         mode == Remat::selective);
+}
+
+int Plan::remat_in_flight(int model_stage) const {
+  const Schedule& runs = model_stage + 1 == partition.stages() ? defer_forwards(schedule, model_stage, 0) : schedule;
+  return in_flight(runs, schedule.list_of(model_stage), schedule.virtual_stages > 1 ? model_stage : -1);
 }
 
 double Plan::input_bytes(int stage, int model_stage, Remat mode) const {

@@ -228,6 +228,9 @@ struct Plan {
       while (first > 0 && rematerialize(model_stage, first - 1)) --first;
     return first;
   }
+  // The micro-batches model stage `model_stage` holds at once rematerialized wholly: the
+  // schedule's, but on the model's last stage with every forward deferred.
+  int remat_in_flight(int model_stage) const;
   // Whether the rematerialization of model stage `model_stage` costs no recompute: every
   // rematerialized forward deferred.
   bool remat_free(int model_stage) const {
