@@ -217,15 +217,15 @@ struct Plan {
   // The first micro-batch whose training forward on model stage `model_stage` is deferred
   // to its backward (options.micro_batches: none). Only on the model's last stage, whose
   // output goes to no other stage: a rematerialized forward there would only run again,
-  // so it runs once, just before its backward (Stage::defers), and costs no recompute.
-  // Only from the first of the rematerialized micro-batches that all later ones are too,
-  // so that the forwards still run in micro-batch order (the loss sum's order, BatchNorm's
-  // running statistics): all of them under always, the last `whole` of auto's mixed ones,
-  // none under except-last.
+  // so it runs once, just before its backward, and costs no recompute. From the first
+  // rematerialized micro-batch on, every later one too (one kept whole then keeps its
+  // activations from F to the B that follows it), so that the forwards still run in
+  // micro-batch order (the loss sum's order, BatchNorm's running statistics): all of them
+  // under always and except-last, the last `whole` of auto's mixed ones.
   int deferred_from(int model_stage) const {
-    int first = options.micro_batches;
-    if (model_stage + 1 == partition.stages())
-      while (first > 0 && rematerialize(model_stage, first - 1)) --first;
+    if (model_stage + 1 != partition.stages()) return options.micro_batches;
+    int first = 0;
+    while (first < options.micro_batches && !rematerialize(model_stage, first)) ++first;
     return first;
   }
   // The micro-batches model stage `model_stage` holds at once rematerialized wholly: the
