@@ -35,9 +35,10 @@
 #   ROUNDS4=1 rounds, each schedule once per round, interleaved)
 #   ZB=0: skip table 5 (the quickstart GPT at K = 2, M = 4: 1f1b, zb-h1 and zb-h1 --in-flight 1f1b, ROUNDS5=3 rounds
 #   of STEPS5=40 steps, each schedule once per round, interleaved)
-#   REMAT=0: skip table 6 (--remat never, selective, except-last, always at K = 2, gpipe: the quickstart GPT at M = 8 and a GPT
-#   4 x 128 at T 512, batch 8, M = 4; ROUNDS6=2 rounds, interleaved; tokens/s and peak activation memory per rank
-#   against never's; auto with --memory-per-rank the weights plus half of never's peak: AUTO_Q=16.3MiB, AUTO_L=47.5MiB).
+#   REMAT=0: skip table 6 (--remat never, selective, except-last, always, auto at K = 2, gpipe: the quickstart GPT at M = 8, a
+#   GPT 4 x 128 at T 512, batch 8, M = 4, and a ResNet-18 of width 16 on 32 x 32 images, batch 32, M = 4; ROUNDS6=2 rounds,
+#   interleaved; tokens/s (samples/s for the ResNet) and peak activation memory per rank against never's; auto with
+#   --memory-per-rank the weights plus about half of never's peak: AUTO_Q=16.3MiB, AUTO_L=47.5MiB, AUTO_R=16MiB).
 #   BASELINE=PATH adds that binary's never and always rows (an older build) to the same rounds.
 #   HOSTS=0: skip table 8 (ROUNDS8=6 rounds of STEPS8=12 steps, interleaved; RATE8=1gbit; ORDERS8=0 skips 8b; needs root)
 #   SHARD=0: skip table 7 (--shard-optimizer: resident memory per rank after the last step at D = 4 x K = 1 with AdamW and SGD,
@@ -73,7 +74,8 @@ theory = float(re.search(r"schedule's theoretical ([0-9.]+)%", log).group(1)) / 
 peaks = re.search(r"peak activation memory per rank:(.*)", log).group(1).split()
 units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
 peak = [float(v) * units[u] for v, u in zip(peaks[::2], peaks[1::2])]
-print(s["tokens_per_s"], s["bubble_fraction"], theory, s["simulated_bubble"], peak[0], peak[-1], repr(losses[-1]))
+rate = s["tokens_per_s"] or s["samples_per_s"]  # images: samples/s
+print(rate, s["bubble_fraction"], theory, s["simulated_bubble"], peak[0], peak[-1], repr(losses[-1]))
 PY
 }
 
@@ -356,15 +358,18 @@ if [[ "${REMAT:-1}" != 0 ]]; then
   quick=(--config inputs/quickstart.toml --micro-batches 8 --steps "${STEPS6Q:-40}")
   long=(--model gpt --layers 4 --d-model 128 --heads 4 --seq-len 512 --vocab 256 --batch-size 8 --micro-batches 4
         --steps "${STEPS6L:-10}")
+  resnet=(--model resnet --layers 18 --width 16 --image 32 --batch-size 32 --micro-batches 4 --steps "${STEPS6R:-12}")
+  # auto's limit: each model's weights on its larger rank plus about half of never's peak activations
+  declare -A auto_limit=([quick]="${AUTO_Q:-16.3MiB}" [long]="${AUTO_L:-47.5MiB}" [resnet]="${AUTO_R:-16MiB}")
   rows6=()
   for ((round = 0; round < rounds6; ++round)); do
-    for model in quick long; do
+    for model in quick long resnet; do
       declare -n args6=$model
       for row in never selective except-last always auto ${BASELINE:+base:never base:always}; do
         binary=build/release/mpipe
         [[ $row == base:* ]] && binary=$BASELINE
         limit=()
-        [[ $row == auto ]] && limit=(--memory-per-rank "$([[ $model == quick ]] && echo "${AUTO_Q:-16.3MiB}" || echo "${AUTO_L:-47.5MiB}")")
+        [[ $row == auto ]] && limit=(--memory-per-rank "${auto_limit[$model]}")
         mpirun -n 2 --bind-to core "$binary" train "${args6[@]}" --threads 1 --log-every 1000000 --resume never \
           --schedule gpipe --remat "${row#base:}" "${limit[@]}" --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
         rows6+=("$model $row $(summarize)")
@@ -378,8 +383,9 @@ runs = {}
 for row in sys.argv[1:]:
     model, mode, *v = row.split()
     runs.setdefault((model, mode), []).append(v)
-names = {"quick": "quickstart GPT, M=8", "long": "GPT 4x128, T 512, M=4"}
-print(f"{'model':<22} {'remat':<16} {'tokens/s':>9} {'of never':>9} {'peak r0 / r1':>20} {'of never':>9} {'last loss':>12}")
+names = {"quick": "quickstart GPT, M=8", "long": "GPT 4x128, T 512, M=4", "resnet": "ResNet-18 w16, M=4"}
+print(f"{'model':<22} {'remat':<16} {'tokens/s':>9} {'of never':>9} {'peak r0 / r1':>20} {'of never':>9} {'last loss':>12}"
+      "   (the ResNet's in samples/s)")
 for (model, mode), vs in runs.items():
     never = runs[(model, "never")]
     tps = statistics.mean(float(v[0]) for v in vs)

@@ -52,11 +52,18 @@ Cost Residual::cost(const Shape& in) const {
     first_fit(start, grad, spare, need);
     return need[0] + need[1];
   };
+  // --remat selective: the light inner parts' activations (their outputs, a BatchNorm's
+  // statistics) are recomputed in backward, each by its forward again.
+  double recomputable = 0, recompute_flops = 0;
   const auto chain = [&](const std::vector<std::unique_ptr<Layer>>& parts, double spare) {
     Shape s = in;
     std::vector<double> region, grad;
     for (std::size_t i = 0; i < parts.size(); ++i) {
       const Cost c = parts[i]->cost(s);
+      if (&parts == &inner_ && light(i)) {
+        recomputable += c.activation_bytes;
+        recompute_flops += c.forward_flops;
+      }
       peak = std::max(peak, kept + c.forward_peak());
       kept += c.activation_bytes;
       total += c;
@@ -83,6 +90,8 @@ Cost Residual::cost(const Shape& in) const {
   total.backward_flops += out;
   if (!sums_in_place()) total.activation_bytes += 4 * out;  // the sum, unless over the last part's output
   total.forward_peak_bytes = peak;
+  total.recomputable_bytes = recomputable;
+  total.recompute_flops = recompute_flops;
   return total;
 }
 
@@ -110,8 +119,23 @@ void Residual::parts(std::vector<Layer*>& out) {
 Tensor Residual::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   const std::size_t n = inner_.size();
   Context* c = ctx.children = pass.arena->objects<Context>(n + skip_.size());
+  // --remat selective: the light parts' outputs (and a BatchNorm's statistics) into the
+  // transient arena; the backward recomputes them (recompute_parts). Their contexts mark
+  // where they began in this arena (nothing of theirs is there): spent memory runs
+  // between such marks.
+  Pass light_pass = pass;
+  if (pass.transient) light_pass.arena = pass.transient;
   Tensor h = x;
-  for (std::size_t i = 0; i < n; ++i) h = inner_[i]->forward(h, c[i], pass);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (pass.transient && light(i)) {
+      const Arena::Mark here = pass.arena->mark();
+      h = inner_[i]->forward(h, c[i], light_pass);
+      c[i].begin = here;
+      ctx.recompute_parts = true;
+    } else {
+      h = inner_[i]->forward(h, c[i], pass);
+    }
+  }
   Tensor skip = x;
   for (std::size_t j = 0; j < skip_.size(); ++j) skip = skip_[j]->forward(skip, c[n + j], pass);
   // Over the last inner layer's output where that is dead to it (a BatchNorm's); else a
@@ -215,6 +239,24 @@ void Residual::backward_weight_impl(Context& ctx, const Pass& pass) {
 void Residual::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   Context* c = ctx.children;
   const std::size_t n = inner_.size();
+  if (ctx.recompute_parts) {
+    // --remat selective: what the forward let go, recomputed from what it kept with the
+    // same ops on the same inputs (the same bits; no running statistics move): into the
+    // backward's scratch, below its parts' temporaries, or where split into the stash,
+    // until W. Each part after a light one reads the recomputed output.
+    Pass again = pass;
+    again.recompute = true;
+    again.stash = nullptr;
+    again.spent = nullptr;
+    if (pass.stash) again.arena = pass.stash;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (!light(i)) continue;
+      const Arena::Mark began = c[i].begin;
+      const Tensor out = inner_[i]->forward(c[i].input, c[i], again);
+      c[i].begin = began;
+      c[i + 1].input = out;
+    }
+  }
   // Spent memory (unsplit, pass.spent): the inner path's parts after each, up to the skip
   // path's (which its backward reads next) or, without one, through what the layers after
   // the block allocated; then, for the skip path, the whole inner path's.

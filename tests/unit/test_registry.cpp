@@ -349,6 +349,82 @@ TEST_CASE("--remat selective: a GPT block keeps 6 (B, T, C) fewer, recomputes th
   CHECK(m.layer(1).cost(in).recomputable_bytes == doctest::Approx(6.0 * static_cast<double>(btc)));
 }
 
+TEST_CASE("--remat selective: a residual block keeps its inner BatchNorm's and ReLU's outputs out, recomputes them in backward, bitwise never's gradients, fused and split") {
+  ModelConfig c;
+  c.kind = "resnet";
+  c.layers = 50;  // bottlenecks: two inner BatchNorm + ReLU pairs each
+  c.width = 4;
+  c.image = 16;
+  c.classes = 3;
+  Model m(c);
+  std::vector<int> blocks;  // the first (a projection: the stage's width grows) and an identity one
+  for (int i = 0; i < m.size(); ++i)
+    if (m.layer(i).kind() == "residual" && blocks.size() < 2) blocks.push_back(i);
+  REQUIRE(blocks.size() == 2);
+  c.layers = 18;  // basic blocks: one pair each
+  Model basic(c);
+  for (int i = 0; i < basic.size(); ++i)
+    if (basic.layer(i).kind() == "residual") {
+      blocks.push_back(-1 - i);  // basic's, marked negative
+      break;
+    }
+  for (const int tagged : blocks) {
+    Model& model = tagged < 0 ? basic : m;
+    const int at = tagged < 0 ? -1 - tagged : tagged;
+    CAPTURE(at);
+    CAPTURE(model.layer(at).kind());
+    ParamStore store(model, std::vector<int>{at}, 7);
+    const Shape in = model.shapes(2)[static_cast<std::size_t>(at)];
+    const Shape out = model.shapes(2)[static_cast<std::size_t>(at) + 1];
+    std::vector<float> x(static_cast<std::size_t>(in.numel())), dy(static_cast<std::size_t>(out.numel()));
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
+    for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = std::cos(0.11f * static_cast<float>(i)) * 0.1f;
+    // As BlockCase::run: the transient arena poisoned once the forward returns.
+    const auto run = [&](bool selective, bool split, std::size_t* kept) {
+      Arena slot, transient, scratch, stash;
+      Pass pass;
+      pass.seed = 3;
+      pass.step = 1;
+      pass.arena = &slot;
+      if (selective) pass.transient = &transient;
+      store.zero_grads();
+      Context ctx;
+      model.layer(at).forward(make_tensor(x.data(), in), ctx, pass);
+      *kept = slot.high_water();
+      const std::size_t dead = transient.high_water();
+      CHECK((dead > 0) == selective);
+      transient.reset();
+      if (dead > 0) {
+        const Tensor poison = transient.tensor(Shape{static_cast<int64_t>(dead / sizeof(float))});
+        std::fill_n(static_cast<float*>(poison.data), poison.numel(), std::numeric_limits<float>::quiet_NaN());
+      }
+      pass.transient = nullptr;
+      pass.arena = &scratch;
+      if (split) pass.stash = &stash;
+      Tensor dx = scratch.tensor(in);
+      model.layer(at).backward(ctx, make_tensor(dy.data(), out), dx, GradMode::overwrite, pass);
+      if (split) model.layer(at).backward_weight(ctx, pass);
+      std::vector<float> g(store.grads().begin(), store.grads().end());
+      const float* d = static_cast<const float*>(dx.data);
+      g.insert(g.end(), d, d + in.numel());
+      return g;
+    };
+    std::size_t never_kept = 0, selective_kept = 0;
+    const std::vector<float> never = run(false, false, &never_kept);
+    for (const bool split : {false, true}) {
+      CAPTURE(split);
+      const std::vector<float> selective = run(true, split, &selective_kept);
+      REQUIRE(selective.size() == never.size());
+      CHECK(std::memcmp(selective.data(), never.data(), never.size() * sizeof(float)) == 0);
+    }
+    // What the forward let go: each inner BatchNorm's output and statistics (the ReLU
+    // after it runs in place); the cost says the same.
+    const double recomputable = model.layer(at).cost(in).recomputable_bytes;
+    CHECK(recomputable > 0);
+    CHECK(static_cast<double>(never_kept - selective_kept) == doctest::Approx(recomputable).epsilon(0.02));
+  }
+}
+
 TEST_CASE("a stage's split backward keeps a Linear's dy in its output's buffer where no later W reads it, bitwise the fused one") {
   // MLP: every Linear is followed by a ReLU or the loss; GPT: the LM head by the loss;
   // two Linears in a row: the second's W reads the first's output, which must stay.

@@ -73,6 +73,7 @@ class BatchNorm2d final : public Layer {
   std::string kind() const override { return "batchnorm2d"; }
   bool output_reusable() const override { return true; }  // its backward reads its input and statistics
   bool output_last() const override { return true; }  // its statistics come first
+  bool output_recomputable() const override { return true; }
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;

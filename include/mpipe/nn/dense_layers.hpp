@@ -49,6 +49,7 @@ class ReLU final : public Layer {
   // Its backward reads only its output: over its input, it keeps no memory of its own.
   void allow_in_place(bool allowed) override { in_place_ = allowed; }
   bool writes_over_input() const override { return in_place_; }
+  bool output_recomputable() const override { return true; }
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;

@@ -197,6 +197,11 @@ class Layer {
   // is not Pass::stage_input); writes_over_input() says whether it does. A ReLU does.
   virtual void allow_in_place(bool allowed) {}
   virtual bool writes_over_input() const { return false; }
+  // Whether its training output is cheap to compute again from its input and needs
+  // nothing else (elementwise work; a BatchNorm's statistics come from its input): under
+  // --remat selective a composite keeps its input instead and recomputes it in backward
+  // (a residual block's inner BatchNorm and ReLU).
+  virtual bool output_recomputable() const { return false; }
 
   int global_index() const { return global_index_; }
   // Composite layers pass the index on to their parts (it keys dropout masks).

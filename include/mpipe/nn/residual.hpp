@@ -39,6 +39,10 @@ class Residual final : public Layer {
   std::vector<std::unique_ptr<Layer>> inner_;
   std::vector<std::unique_ptr<Layer>> skip_;  // empty: the identity
   bool sums_in_place() const;
+  // --remat selective: inner part i's output is left to the transient arena and
+  // recomputed in backward (an output_recomputable() part before the inner path's last,
+  // whose output the sum takes: the inner BatchNorm and ReLU).
+  bool light(std::size_t i) const { return i + 1 < inner_.size() && inner_[i]->output_recomputable(); }
   bool gives_back_skip() const;
 };
 

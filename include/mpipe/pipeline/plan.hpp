@@ -122,17 +122,21 @@ struct StageMemory {
   // recomputing.
   // A stage that splits its backwards (zero bubble) also keeps W's output gradients, and
   // under remat its recomputation lives until W.
-  // Under --remat selective each keeps its activations less the recomputable part; the
-  // scratch holds the forward's recomputable part whole (it dies with the forward), or one
-  // layer's recomputation in a backward (until W where split).
+  // Under --remat selective each keeps its activations less the recomputable part; one
+  // forward at a time holds its temporaries and its recomputable part whole (in the
+  // scratch arena: it dies with the forward), and one backward a layer's recomputation
+  // beside its temporaries (until W where split).
   // A rematerialized forward runs in the scratch arena, its backward's temporaries after
   // it: that arena grows to the larger of the two moments.
   double peak() const { return std::max(forward_peak, activation); }  // 0: no temporaries
   double held(int live, bool remat, bool split = false, bool selective = false) const {
     const double transient = peak() - activation;  // a slot's arena beyond what it keeps
-    if (selective)
-      return live * (activation - recomputable + transient + (split ? stash + recomputable : 0)) +
-             std::max(recomputable, selective_scratch);
+    if (selective && split)
+      return live * (activation - recomputable + transient + stash + recomputable) + std::max(recomputable, selective_scratch);
+    if (selective) {
+      const double kept = activation - recomputable;
+      return std::max((std::max(live, 1) - 1) * kept + peak(), live * kept + selective_scratch);
+    }
     if (remat && !split) return live * (boundary + output) + std::max(peak(), activation + scratch);
     // Each holds its activations; one at a time its forward's temporaries (the scratch
     // arena is empty then) or, in a backward, the scratch.
@@ -148,13 +152,15 @@ struct StageMemory {
   // whose selective ones have had theirs (backwards run in micro-batch order). Otherwise
   // a window's selective ones may be in flight beside any backward.
   double held_mixed(int live, int whole, bool every = false) const {
-    const double kept = peak() - recomputable, ends = boundary + output;
+    const double kept = activation - recomputable, ends = boundary + output;
     const double whole_backward = std::max(peak(), activation + scratch);
     if (every && whole > 0)
       return std::max({(live - whole) * kept + (whole - 1) * ends + peak(),
-                       (live - whole) * kept + whole * ends + std::max(recomputable, selective_scratch),
+                       (live - whole) * kept + whole * ends + selective_scratch,
                        (whole - 1) * ends + whole_backward});
-    return (live - whole) * kept + whole * ends + std::max({recomputable, selective_scratch, whole > 0 ? whole_backward : 0.0});
+    // A forward's temporaries and recomputable part (peak() - kept) beside the others.
+    return (live - whole) * kept + whole * ends +
+           std::max({peak() - kept, selective_scratch, whole > 0 ? whole_backward : 0.0});
   }
 };
 
