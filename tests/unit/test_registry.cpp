@@ -254,6 +254,48 @@ TEST_CASE("weight-gradient cost: what W runs and keeps is every Linear's and Con
 }
 
 // One GPT block (dropout 0.1) with its parameters, and a fixed input and output gradient.
+// One forward and backward of layer `at` of `m` (input `in`, output `out`): its
+// gradients with dx after them, and what the arenas held. `selective`: the forward's
+// recomputable part goes to a transient arena, poisoned once the forward returns, so that
+// a backward reading it instead of its recomputation fails a comparison. `split`: W after
+// B, its dy in a stash.
+struct LayerRun {
+  std::vector<float> gradients;
+  std::size_t kept = 0, stash = 0, scratch = 0, transient = 0;
+};
+LayerRun run_layer(Model& m, int at, ParamStore& store, const Shape& in, const Shape& out, std::vector<float>& x,
+                   std::vector<float>& dy, bool selective, bool split) {
+  Arena slot, transient, scratch, stash;
+  Pass pass;
+  pass.seed = 3;
+  pass.step = 1;
+  pass.arena = &slot;
+  if (selective) pass.transient = &transient;
+  store.zero_grads();
+  Context ctx;
+  m.layer(at).forward(make_tensor(x.data(), in), ctx, pass);
+  LayerRun r;
+  r.kept = slot.high_water();
+  r.transient = transient.high_water();
+  transient.reset();
+  if (r.transient > 0) {
+    const Tensor poison = transient.tensor(Shape{static_cast<int64_t>(r.transient / sizeof(float))});
+    std::fill_n(static_cast<float*>(poison.data), poison.numel(), std::numeric_limits<float>::quiet_NaN());
+  }
+  pass.transient = nullptr;
+  pass.arena = &scratch;
+  if (split) pass.stash = &stash;
+  Tensor dx = scratch.tensor(in);
+  m.layer(at).backward(ctx, make_tensor(dy.data(), out), dx, GradMode::overwrite, pass);
+  if (split) m.layer(at).backward_weight(ctx, pass);
+  r.stash = stash.high_water();
+  r.scratch = scratch.high_water();
+  r.gradients.assign(store.grads().begin(), store.grads().end());
+  const float* d = static_cast<const float*>(dx.data);
+  r.gradients.insert(r.gradients.end(), d, d + in.numel());
+  return r;
+}
+
 struct BlockCase {
   Model m;
   ParamStore store;
@@ -272,45 +314,8 @@ struct BlockCase {
     c.dropout = 0.1f;
     return c;
   }
-  // One forward and backward of the block: its gradients with dx after them, and what
-  // the arenas held. `selective`: the forward's recomputable part goes to a transient
-  // arena, poisoned once the forward returns, so that a backward reading it instead of
-  // its recomputation fails a comparison. `split`: W after B, its dy in a stash.
-  struct Run {
-    std::vector<float> gradients;
-    std::size_t kept = 0, stash = 0, scratch = 0;
-  };
-  Run run(bool selective, bool split) {
-    Arena slot, transient, scratch, stash;
-    Pass pass;
-    pass.seed = 3;
-    pass.step = 1;
-    pass.arena = &slot;
-    if (selective) pass.transient = &transient;
-    store.zero_grads();
-    Context ctx;
-    m.layer(1).forward(make_tensor(x.data(), in), ctx, pass);
-    Run r;
-    r.kept = slot.high_water();
-    const std::size_t dead = transient.high_water();
-    transient.reset();
-    if (dead > 0) {
-      const Tensor poison = transient.tensor(Shape{static_cast<int64_t>(dead / sizeof(float))});
-      std::fill_n(static_cast<float*>(poison.data), poison.numel(), std::numeric_limits<float>::quiet_NaN());
-    }
-    pass.transient = nullptr;
-    pass.arena = &scratch;
-    if (split) pass.stash = &stash;
-    Tensor dx = scratch.tensor(in);
-    m.layer(1).backward(ctx, make_tensor(dy.data(), in), dx, GradMode::overwrite, pass);
-    if (split) m.layer(1).backward_weight(ctx, pass);
-    r.stash = stash.high_water();
-    r.scratch = scratch.high_water();
-    r.gradients.assign(store.grads().begin(), store.grads().end());
-    const float* d = static_cast<const float*>(dx.data);
-    r.gradients.insert(r.gradients.end(), d, d + in.numel());
-    return r;
-  }
+  using Run = LayerRun;
+  Run run(bool selective, bool split) { return run_layer(m, 1, store, in, in, x, dy, selective, split); }
 };
 
 TEST_CASE("a GPT block's split backward keeps W's output gradients in dead forward buffers, bitwise the fused one, in the fused one's scratch") {
@@ -379,49 +384,22 @@ TEST_CASE("--remat selective: a residual block keeps its inner BatchNorm's and R
     std::vector<float> x(static_cast<std::size_t>(in.numel())), dy(static_cast<std::size_t>(out.numel()));
     for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37f * static_cast<float>(i));
     for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = std::cos(0.11f * static_cast<float>(i)) * 0.1f;
-    // As BlockCase::run: the transient arena poisoned once the forward returns.
-    const auto run = [&](bool selective, bool split, std::size_t* kept) {
-      Arena slot, transient, scratch, stash;
-      Pass pass;
-      pass.seed = 3;
-      pass.step = 1;
-      pass.arena = &slot;
-      if (selective) pass.transient = &transient;
-      store.zero_grads();
-      Context ctx;
-      model.layer(at).forward(make_tensor(x.data(), in), ctx, pass);
-      *kept = slot.high_water();
-      const std::size_t dead = transient.high_water();
-      CHECK((dead > 0) == selective);
-      transient.reset();
-      if (dead > 0) {
-        const Tensor poison = transient.tensor(Shape{static_cast<int64_t>(dead / sizeof(float))});
-        std::fill_n(static_cast<float*>(poison.data), poison.numel(), std::numeric_limits<float>::quiet_NaN());
-      }
-      pass.transient = nullptr;
-      pass.arena = &scratch;
-      if (split) pass.stash = &stash;
-      Tensor dx = scratch.tensor(in);
-      model.layer(at).backward(ctx, make_tensor(dy.data(), out), dx, GradMode::overwrite, pass);
-      if (split) model.layer(at).backward_weight(ctx, pass);
-      std::vector<float> g(store.grads().begin(), store.grads().end());
-      const float* d = static_cast<const float*>(dx.data);
-      g.insert(g.end(), d, d + in.numel());
-      return g;
-    };
-    std::size_t never_kept = 0, selective_kept = 0;
-    const std::vector<float> never = run(false, false, &never_kept);
+    const LayerRun never = run_layer(model, at, store, in, out, x, dy, false, false);
+    CHECK(never.transient == 0);
+    std::size_t selective_kept = 0;
     for (const bool split : {false, true}) {
       CAPTURE(split);
-      const std::vector<float> selective = run(true, split, &selective_kept);
-      REQUIRE(selective.size() == never.size());
-      CHECK(std::memcmp(selective.data(), never.data(), never.size() * sizeof(float)) == 0);
+      const LayerRun selective = run_layer(model, at, store, in, out, x, dy, true, split);
+      CHECK(selective.transient > 0);
+      if (!split) selective_kept = selective.kept;
+      REQUIRE(selective.gradients.size() == never.gradients.size());
+      CHECK(std::memcmp(selective.gradients.data(), never.gradients.data(), never.gradients.size() * sizeof(float)) == 0);
     }
     // What the forward let go: each inner BatchNorm's output and statistics (the ReLU
     // after it runs in place); the cost says the same.
     const double recomputable = model.layer(at).cost(in).recomputable_bytes;
     CHECK(recomputable > 0);
-    CHECK(static_cast<double>(never_kept - selective_kept) == doctest::Approx(recomputable).epsilon(0.02));
+    CHECK(static_cast<double>(never.kept - selective_kept) == doctest::Approx(recomputable).epsilon(0.02));
   }
 }
 
