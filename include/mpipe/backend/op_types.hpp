@@ -1,6 +1,14 @@
-// Types shared by the CPU and CUDA op interfaces. Plain C++17: CUDA sources include it.
+// Types shared by the CPU and CUDA op interfaces, and the rules both backends' kernels
+// apply alike. Plain C++17: CUDA sources include it.
 #pragma once
+#include <cmath>
 #include <cstdint>
+
+#ifdef __CUDACC__
+#define MPIPE_HOST_DEVICE __host__ __device__
+#else
+#define MPIPE_HOST_DEVICE
+#endif
 
 namespace mpipe {
 
@@ -25,5 +33,30 @@ struct Window2d {
   std::int64_t N = 0, C = 0, H = 0, W = 0, OC = 0, OH = 0, OW = 0;
   std::int64_t KH = 1, KW = 1, stride = 1, padding = 0, groups = 1;
 };
+
+// Output (oh, ow) of a max pool over one plane `in`, its elements read as floats by
+// `load`: the first of equal maxima in (kh, kw) order, as PyTorch (a NaN first stays; a
+// later one is passed over), and in *at where it is (-1: no element in the window). The
+// CPU's and the GPU's kernels both choose by it, so their argmax agree.
+template <class T, class Load>
+MPIPE_HOST_DEVICE inline float max_window(const T* in, std::int64_t oh, std::int64_t ow, const Window2d& w, Load load,
+                                          std::int32_t* at) {
+  float best = -INFINITY;
+  *at = -1;
+  for (std::int64_t kh = 0; kh < w.KH; ++kh) {
+    const std::int64_t h = oh * w.stride - w.padding + kh;
+    if (h < 0 || h >= w.H) continue;
+    for (std::int64_t kw = 0; kw < w.KW; ++kw) {
+      const std::int64_t x = ow * w.stride - w.padding + kw;
+      if (x < 0 || x >= w.W) continue;
+      const float v = load(in[h * w.W + x]);
+      if (*at < 0 || v > best) {
+        best = v;
+        *at = static_cast<std::int32_t>(h * w.W + x);
+      }
+    }
+  }
+  return best;
+}
 
 }  // namespace mpipe

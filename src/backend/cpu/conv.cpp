@@ -167,26 +167,9 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
 
 namespace {
 
-// Output (oh, ow) of a max pool over one plane: the first of equal maxima in (kh, kw)
-// order, as PyTorch (a NaN first stays; a later one is passed over), and where it is.
-void max_window(float* out, int32_t* argmax, const float* in, int64_t oh, int64_t ow, const Window2d& w) {
-  float best = -std::numeric_limits<float>::infinity();
-  int32_t at = -1;
-  for (int64_t kh = 0; kh < w.KH; ++kh) {
-    const int64_t h = oh * w.stride - w.padding + kh;
-    if (h < 0 || h >= w.H) continue;
-    for (int64_t kw = 0; kw < w.KW; ++kw) {
-      const int64_t x = ow * w.stride - w.padding + kw;
-      if (x < 0 || x >= w.W) continue;
-      const float v = in[h * w.W + x];
-      if (at < 0 || v > best) {
-        best = v;
-        at = static_cast<int32_t>(h * w.W + x);
-      }
-    }
-  }
-  *out = best;
-  *argmax = at;
+// One output of a max pool by the rule the GPU shares (max_window, backend/op_types.hpp).
+void max_one(float* out, int32_t* argmax, const float* in, int64_t oh, int64_t ow, const Window2d& w) {
+  *out = max_window(in, oh, ow, w, [](float v) { return v; }, argmax);
 }
 
 // max_window over outputs [0, count) of one row whose windows lie inside the plane, the
@@ -242,12 +225,12 @@ void maxpool2d_forward(float* out, int32_t* argmax, const float* inp, const Wind
     for (int64_t oh = 0; oh < w.OH; ++oh) {
       float* o = out + (plane * w.OH + oh) * w.OW;
       int32_t* a = argmax + (plane * w.OH + oh) * w.OW;
-      // The vector run over the inside columns, or none (an empty one): max_window the rest.
+      // The vector run over the inside columns, or none (an empty one): max_one the rest.
       const bool vector = row && oh >= oh0 && oh < oh1;
       const int64_t lo = vector ? ow0 : w.OW, hi = vector ? ow1 : w.OW;
-      for (int64_t ow = 0; ow < lo; ++ow) max_window(o + ow, a + ow, in, oh, ow, w);
+      for (int64_t ow = 0; ow < lo; ++ow) max_one(o + ow, a + ow, in, oh, ow, w);
       if (hi > lo) row(o + lo, a + lo, in, w.W, oh * w.stride - w.padding, lo * w.stride - w.padding, hi - lo);
-      for (int64_t ow = hi; ow < w.OW; ++ow) max_window(o + ow, a + ow, in, oh, ow, w);
+      for (int64_t ow = hi; ow < w.OW; ++ow) max_one(o + ow, a + ow, in, oh, ow, w);
     }
   }
 }

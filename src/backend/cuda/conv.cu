@@ -245,21 +245,8 @@ __global__ void maxpool_forward_kernel(T* out, int32_t* argmax, const T* inp, Wi
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
     const int64_t ow = i % w.OW, oh = (i / w.OW) % w.OH, plane = i / (w.OW * w.OH);
     const T* in = inp + plane * w.H * w.W;
-    float best = -INFINITY;
-    int32_t at = -1;
-    for (int64_t kh = 0; kh < w.KH; ++kh) {
-      const int64_t h = oh * w.stride - w.padding + kh;
-      if (h < 0 || h >= w.H) continue;
-      for (int64_t kw = 0; kw < w.KW; ++kw) {
-        const int64_t x = ow * w.stride - w.padding + kw;
-        if (x < 0 || x >= w.W) continue;
-        const float v = to_f32(in[h * w.W + x]);
-        if (at < 0 || v > best) {  // the first of equal maxima, as the CPU and PyTorch
-          best = v;
-          at = static_cast<int32_t>(h * w.W + x);
-        }
-      }
-    }
+    int32_t at;  // the first of equal maxima, as the CPU and PyTorch (backend/op_types.hpp)
+    const float best = max_window(in, oh, ow, w, [](T v) { return to_f32(v); }, &at);
     out[i] = from_f32<T>(best);
     argmax[i] = at;
   }
