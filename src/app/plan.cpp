@@ -77,7 +77,7 @@ void print_plan(const Plan& plan, const Model& model) {
     if (shards) std::printf(" %12s", human_bytes(share * piece.state).c_str());
     std::printf(" %16s %16s %16s\n", human_bytes(f.held(live, false, split)).c_str(),
                 human_bytes(f.held(live, false, split, true)).c_str(),
-                human_bytes(f.held(std::min(M, live_remat + 2), true, split)).c_str());
+                human_bytes(f.held(plan.send_ring(live_remat), true, split)).c_str());
   }
   if (!plan.stage_remat.empty()) {
     // --remat auto's choice per stage, what each rank then holds, and what recomputing costs.

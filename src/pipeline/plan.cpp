@@ -119,10 +119,7 @@ double Plan::activation_bytes(int stage, int model_stage, Remat mode) const {
   }
   const bool remat = inputs_only(stage, mode);
   const int live = remat ? remat_in_flight(model_stage) : in_flight(schedule, stage, schedule.virtual_stages > 1 ? model_stage : -1);
-  // Rematerialized, what a micro-batch keeps is its messages: the send buffers taken in
-  // turn (Stage::attach), min(M, in flight + 2) of each.
-  return memory_of.held(remat ? std::min(options.micro_batches, live + 2) : live, remat, schedule.splits(stage),
-                        mode == Remat::selective);
+  return memory_of.held(remat ? send_ring(live) : live, remat, schedule.splits(stage), mode == Remat::selective);
 }
 
 int Plan::remat_in_flight(int model_stage) const {

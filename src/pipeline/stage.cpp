@@ -46,7 +46,7 @@ Stage::Stage(Model& model, int index, int channel, int begin, int end, int model
 void Stage::attach(const StageShared& shared) {
   shared_ = shared;
   const Plan& plan = *shared.plan;
-  const int ring = std::min(plan.options.micro_batches, in_flight(plan.schedule, plan.schedule.list_of(index_)) + 2);
+  const int ring = plan.send_ring(in_flight(plan.schedule, plan.schedule.list_of(index_)));
   for (auto [r, used] : {std::pair{&gradients_, !first_}, std::pair{&outputs_, plan.rematerializes(index_) && !last_}}) {
     r->buffers.assign(used ? static_cast<std::size_t>(ring) : 0, Tensor{});
     r->owner.assign(r->buffers.size(), -1);

@@ -192,6 +192,21 @@ TrainConfig batchnorm_cnn(const std::string& path, const std::string& mode, int 
   return c;
 }
 
+// A ResNet-18 of `width` on `image` x `image` inputs, `batch` samples in 4 micro-batches,
+// `steps` steps, one thread per rank.
+TrainConfig resnet18(int width, int image, int batch, int steps) {
+  TrainConfig c;
+  c.model.kind = "resnet";
+  c.model.layers = 18;
+  c.model.width = width;
+  c.model.image = image;
+  c.batch_size = batch;
+  c.micro_batches = 4;
+  c.steps = steps;
+  c.threads = 1;
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("partition transparency: K = 1, 2, 4 give bitwise identical losses and parameters") {
@@ -223,17 +238,9 @@ TEST_CASE("partition transparency of a ResNet with BatchNorm: K = 1, 2, 4, gpipe
   // last stage runs its forwards in order: the running statistics are never's.
   for (const char* rule : {"micro", "deferred"}) {
     auto config = [&](const char* schedule, const char* remat) {
-      TrainConfig c;
-      c.model.kind = "resnet";
-      c.model.layers = 18;
-      c.model.width = 4;
-      c.model.image = 8;
+      TrainConfig c = resnet18(4, 8, 8, 3);
       c.model.classes = 3;
-      c.batch_size = 8;
-      c.micro_batches = 4;
-      c.steps = 3;
       c.seed = 5;
-      c.threads = 1;
       c.optimizer.lr = 1e-2f;
       c.pipeline.schedule = schedule;
       c.pipeline.remat = remat;
@@ -1188,15 +1195,7 @@ TEST_CASE("plan's activation memory per rank is the measured peak within 10% on 
   // im2col columns held per micro-batch, the backward's and the residual blocks' input
   // gradients as scratch), stage 1 the rest, the pool and the head.
   for (const char* remat : {"never", "selective", "always"}) {
-    TrainConfig c;
-    c.model.kind = "resnet";
-    c.model.layers = 18;
-    c.model.width = 8;
-    c.model.image = 16;
-    c.batch_size = 16;
-    c.micro_batches = 4;
-    c.steps = 2;
-    c.threads = 1;
+    TrainConfig c = resnet18(8, 16, 16, 2);
     c.pipeline.grid.replicas = 2;
     c.pipeline.remat = remat;
     const PeakMemory peak = peak_memory(c);

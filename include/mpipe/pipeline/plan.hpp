@@ -237,6 +237,10 @@ struct Plan {
   // The micro-batches model stage `model_stage` holds at once rematerialized wholly: the
   // schedule's, but on the model's last stage with every forward deferred.
   int remat_in_flight(int model_stage) const;
+  // The send buffers a stage with `live` micro-batches in flight takes in turn, of each
+  // direction (Stage::attach): a send posted two actions ago has found its receive by the
+  // time its buffer comes round again. Rematerialized, they are what a micro-batch keeps.
+  int send_ring(int live) const { return std::min(options.micro_batches, live + 2); }
   // Whether the rematerialization of model stage `model_stage` costs no recompute: every
   // rematerialized forward deferred.
   bool remat_free(int model_stage) const {
