@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <vector>
 
 #include "mpipe/io/checkpoint_format.hpp"
@@ -13,6 +14,19 @@
 namespace mpipe {
 
 namespace fs = std::filesystem;
+
+namespace {
+// "float32", "int32", "uint8", "float64", "string", ...: what a dataset holds.
+std::string type_name(hid_t type) {
+  const std::size_t bits = 8 * H5Tget_size(type);
+  switch (H5Tget_class(type)) {
+    case H5T_FLOAT: return cat("float", bits);
+    case H5T_INTEGER: return cat(H5Tget_sign(type) == H5T_SGN_NONE ? "uint" : "int", bits);
+    case H5T_STRING: return "string";
+    default: return "other";
+  }
+}
+}  // namespace
 
 int run_inspect(const std::string& path, bool stats, bool verify, const std::string& print) {
   quiet_hdf5();
@@ -44,13 +58,27 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
       std::printf("  %-16s %s\n", "run_id", read_string_attribute(train.get(), "run_id").value_or("(none)").c_str());
     }
   }
+  // The datasets the file's model says it holds: --stats reads only those, and only once
+  // their structure checks out (check_dataset: nothing is allocated by a size the file
+  // merely claims).
+  std::map<std::string, Shape> expected;
+  std::string no_model;  // why there are none
+  try {
+    TrainState state;
+    if (auto bad = read_train_state(file.get(), path, state)) throw UserError(*bad, "");
+    for (const DatasetSpec& d : checkpoint_datasets(checkpoint_model(file.get(), path), state.optimizer)) expected[d.path] = d.shape;
+  } catch (const UserError& e) {
+    no_model = e.what();
+  }
   // The tree, with per-layer parameter counts.
   struct Walk {
     hid_t file;
     bool stats;
+    const std::map<std::string, Shape>& expected;
     std::vector<std::pair<std::string, long long>> per_layer;
     long long total = 0;
-  } walk{file.get(), stats, {}, 0};
+    std::vector<float> values;
+  } walk{file.get(), stats, expected, {}, 0, {}};
   std::printf("tree:\n");
   H5Ovisit2(
       file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
@@ -64,22 +92,31 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
         if (info->type != H5O_TYPE_DATASET) return 0;
         Handle set(H5Dopen2(w->file, name, H5P_DEFAULT), H5Dclose);
         Handle space(H5Dget_space(set.get()), H5Sclose);
-        hsize_t d[8] = {};
+        Handle type(H5Dget_type(set.get()), H5Tclose);
+        hsize_t d[H5S_MAX_RANK] = {};
         const int rank = H5Sget_simple_extent_dims(space.get(), d, nullptr);
         std::string shape = "(";
         for (int i = 0; i < rank; ++i) shape += (i ? ", " : "") + std::to_string(d[i]);
         shape += ")";
         const long long count = H5Sget_simple_extent_npoints(space.get());
-        std::printf("  /%-40s float32 %-16s", name, shape.c_str());
-        if (n.rfind("model/", 0) == 0) {
+        std::printf("  /%-40s %-7s %-16s", name, type_name(type.get()).c_str(), shape.c_str());
+        const auto wanted = w->expected.find("/" + n);
+        if (n.rfind("model/", 0) == 0 && wanted != w->expected.end()) {
           w->total += count;
           const std::string layer = n.substr(6, n.find('/', 6) - 6);
           if (w->per_layer.empty() || w->per_layer.back().first != layer) w->per_layer.emplace_back(layer, 0);
           w->per_layer.back().second += count;
         }
         if (w->stats) {
-          std::vector<float> v(static_cast<std::size_t>(count));
-          if (H5Dread(set.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()) >= 0 && count > 0) {
+          const auto problem = wanted == w->expected.end() ? std::optional<std::string>("not one of the model's datasets")
+                                                           : check_dataset(w->file, "/" + n, wanted->second);
+          w->values.resize(problem ? 0 : static_cast<std::size_t>(count));
+          if (problem) {
+            std::printf(" (not read: %s)", problem->c_str());
+          } else if (H5Dread(set.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, w->values.data()) < 0) {
+            std::printf(" (cannot be read)");
+          } else if (count > 0) {
+            const std::vector<float>& v = w->values;
             double lo = v[0], hi = v[0], sum = 0, sq = 0;
             for (float x : v) {
               lo = std::min<double>(lo, x);
@@ -96,6 +133,7 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
         return 0;
       },
       &walk, H5O_INFO_BASIC);
+  if (!no_model.empty()) std::printf("layer list: none usable (%s)\n", no_model.c_str());
   std::printf("parameters per layer:");
   for (const auto& [layer, count] : walk.per_layer) std::printf(" %s:%lld", layer.c_str(), count);
   std::printf("\nparameters: %lld\n", walk.total);

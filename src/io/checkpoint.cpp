@@ -110,11 +110,8 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
   const int parts = optimizer.parts();  // pieces a dataset may be written in
   const Communicator& comm = sharded ? grid.world() : grid.pipeline();
   const auto params = parameter_datasets(model, "/model");
-  const auto names = exec.optimizer().state_names();
-  std::vector<DatasetSpec> all = params;  // parameters, then each optimizer state with the same keys
-  for (const std::string& state : names)
-    for (const DatasetSpec& d : params)
-      all.push_back({"/optimizer/" + state + d.path.substr(std::strlen("/model")), d.shape, d.layer, d.name});
+  // Parameters, then each optimizer state with the same keys.
+  const std::vector<DatasetSpec> all = checkpoint_datasets(model, options.optimizer.kind);
 
   // This rank's datasets (or pieces of them) and the checksums every writer must agree on.
   struct Mine {
@@ -498,16 +495,14 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
       const std::string key = "/" + layer_key(e.owner_layer) + "/" +
                               (e.tied_copy ? exec.model().layer(e.owner_layer).param_specs()[e.owner_index].name : e.name);
       // A copy of some of the owner's rows reads the owner's dataset and keeps its rows.
-      const std::size_t whole = e.tied_copy ? static_cast<std::size_t>(
-                                                  exec.model().layer(e.owner_layer).param_specs()[e.owner_index].shape.numel())
-                                            : static_cast<std::size_t>(e.numel());
+      const Shape shape = e.tied_copy ? exec.model().layer(e.owner_layer).param_specs()[e.owner_index].shape : e.shape;
       auto read = [&](const std::string& name, float* out) {
         float* into = out;
-        if (whole != static_cast<std::size_t>(e.numel())) {
-          rows.resize(whole);
+        if (shape.numel() != e.numel()) {
+          rows.resize(static_cast<std::size_t>(shape.numel()));
           into = rows.data();
         }
-        if (auto p = read_checked(file.get(), name, into, whole)) throw Error(cat("'", path, "': ", *p));
+        if (auto p = read_checked(file.get(), name, shape, into)) throw Error(cat("'", path, "': ", *p));
         if (into != out) std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(e.owner_element), e.numel(), out);
       };
       read("/model" + key, store.params().data() + e.param_offset);

@@ -11,6 +11,8 @@
 #include <sstream>
 
 #include "mpipe/core/version.hpp"
+#include "mpipe/core/toml_text.hpp"
+#include "mpipe/nn/optimizer.hpp"
 
 namespace mpipe {
 
@@ -108,19 +110,95 @@ std::optional<std::string> read_string_attribute(hid_t object, const char* name)
 }
 
 
-std::optional<std::string> read_checked(hid_t file, const std::string& path, float* out, std::size_t count) {
-  if (H5Lexists(file, path.c_str(), H5P_DEFAULT) <= 0) return cat("dataset ", path, " is missing");
+namespace {
+
+// Each link on `path` ("/a/b/c": /a, /a/b, /a/b/c) a hard one, and present.
+std::optional<std::string> hard_links_only(hid_t file, const std::string& path, const char* what) {
+  for (std::size_t end = path.find('/', 1);; end = path.find('/', end + 1)) {
+    const std::string prefix = path.substr(0, end);
+    const bool last = end == std::string::npos;
+    const char* kind = last ? what : "group";
+    if (H5Lexists(file, prefix.c_str(), H5P_DEFAULT) <= 0) return cat(kind, " ", prefix, " is missing");
+    H5L_info_t link{};
+    if (H5Lget_info(file, prefix.c_str(), &link, H5P_DEFAULT) < 0) return cat(kind, " ", prefix, " cannot be read");
+    if (link.type != H5L_TYPE_HARD)
+      return cat(kind, " ", prefix, " is ",
+                 link.type == H5L_TYPE_SOFT ? "a soft" : link.type == H5L_TYPE_EXTERNAL ? "an external" : "a user-defined",
+                 " link, not data of its own");
+    if (last) return std::nullopt;
+  }
+}
+
+std::string shape_text(const hsize_t* d, int rank) {
+  if (rank == 0) return "a scalar";
+  std::string s = "(";
+  for (int i = 0; i < rank; ++i) s += cat(i ? ", " : "", d[i]);
+  return s + ")";
+}
+
+}  // namespace
+
+std::optional<std::string> check_dataset(hid_t file, const std::string& path, const Shape& shape) {
+  if (auto bad = hard_links_only(file, path, "dataset")) return bad;
+  H5O_info_t object{};
+  if (H5Oget_info_by_name2(file, path.c_str(), &object, H5O_INFO_BASIC, H5P_DEFAULT) < 0 || object.type != H5O_TYPE_DATASET)
+    return cat(path, " is not a dataset");
   Handle set(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose);
   if (!set.ok()) return cat("dataset ", path, " cannot be opened");
+  Handle type(H5Dget_type(set.get()), H5Tclose);
+  if (!type.ok() || H5Tequal(type.get(), H5T_IEEE_F32LE) <= 0) return cat("dataset ", path, " is not float32 (IEEE, little-endian)");
   Handle space(H5Dget_space(set.get()), H5Sclose);
-  if (static_cast<std::size_t>(H5Sget_simple_extent_npoints(space.get())) != count)
-    return cat("dataset ", path, " has ", H5Sget_simple_extent_npoints(space.get()), " elements, expected ", count);
+  hsize_t d[H5S_MAX_RANK] = {};
+  const int rank = space.ok() && H5Sget_simple_extent_type(space.get()) != H5S_NULL ? H5Sget_simple_extent_dims(space.get(), d, nullptr) : -1;
+  if (rank < 0) return cat("dataset ", path, " has no dataspace");
+  bool same = rank == shape.rank;
+  for (int i = 0; same && i < rank; ++i) same = d[i] == static_cast<hsize_t>(shape[i]);
+  if (!same) return cat("dataset ", path, " is ", shape_text(d, rank), ", expected ", shape.str());
+  // Allocated, and when contiguous (as mpipe writes it) within the file: otherwise a read
+  // returns fill values, or zeros past a truncated end, as if they were the data.
+  H5D_space_status_t status{};
+  if (H5Dget_space_status(set.get(), &status) < 0 || status != H5D_SPACE_STATUS_ALLOCATED)
+    return cat("dataset ", path, " has no data stored (unallocated)");
+  Handle create(H5Dget_create_plist(set.get()), H5Pclose);
+  if (create.ok() && H5Pget_layout(create.get()) == H5D_CONTIGUOUS) {
+    hsize_t file_bytes = 0;
+    const haddr_t offset = H5Dget_offset(set.get());
+    const hsize_t stored = H5Dget_storage_size(set.get());
+    if (H5Fget_filesize(file, &file_bytes) < 0 || offset == HADDR_UNDEF ||
+        stored != static_cast<hsize_t>(shape.numel()) * sizeof(float) || offset + stored > file_bytes)
+      return cat("dataset ", path, "'s data lies beyond the end of the file (truncated?)");
+  }
+  Handle crc(H5Aexists(set.get(), "crc32") > 0 ? H5Aopen(set.get(), "crc32", H5P_DEFAULT) : H5I_INVALID_HID, H5Aclose);
+  if (!crc.ok()) return cat("dataset ", path, " has no checksum");
+  Handle crc_type(H5Aget_type(crc.get()), H5Tclose), crc_space(H5Aget_space(crc.get()), H5Sclose);
+  if (H5Tget_class(crc_type.get()) != H5T_INTEGER || H5Sget_simple_extent_npoints(crc_space.get()) != 1)
+    return cat("dataset ", path, "'s checksum is not one integer");
+  return std::nullopt;
+}
+
+std::optional<std::string> read_checked(hid_t file, const std::string& path, const Shape& shape, float* out) {
+  if (auto bad = check_dataset(file, path, shape)) return bad;
+  const auto count = static_cast<std::size_t>(shape.numel());
+  Handle set(H5Dopen2(file, path.c_str(), H5P_DEFAULT), H5Dclose);
   if (H5Dread(set.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, out) < 0)
     return cat("dataset ", path, " cannot be read (truncated file?)");
   const auto stored = read_scalar_attribute<uint32_t>(set.get(), "crc32", H5T_NATIVE_UINT32);
   if (!stored) return cat("dataset ", path, " has no checksum");
   if (*stored != crc32_of(out, count * sizeof(float))) return cat("dataset ", path, " fails its checksum (altered or damaged)");
   return std::nullopt;
+}
+
+std::vector<DatasetSpec> checkpoint_datasets(const Model& model, const std::string& optimizer) {
+  std::vector<DatasetSpec> all = parameter_datasets(model, "/model");
+  if (optimizer.empty()) return all;
+  const std::size_t params = all.size();
+  for (const std::string& state : Optimizer::state_names(OptimizerConfig{.kind = optimizer}))
+    for (std::size_t i = 0; i < params; ++i) {
+      DatasetSpec d = all[i];
+      d.path = "/optimizer/" + state + d.path.substr(std::strlen("/model"));
+      all.push_back(std::move(d));
+    }
+  return all;
 }
 
 void write_train_state(hid_t file, const TrainState& state, const Model& model) {
@@ -230,6 +308,22 @@ std::string model_signature(const Model& model) {
   return s + " layout=" + hash;
 }
 
+Model checkpoint_model(hid_t file, const std::string& path) {
+  const auto list = read_string_attribute(file, "model");
+  MPIPE_REQUIRE(list.has_value(), "resume it with the run's options: resume checks it against that model",
+                "'", path, "' has no layer list (written by mpipe before model files)");
+  const std::string name = cat(path, ":model");
+  Model model(ModelConfig{.kind = name}, parse_model_text(*list, name));
+  // The list is outside the training state's checksum; the signature's layout is not.
+  const auto signature = read_string_attribute(file, "model_signature").value_or("");
+  const std::string layout = model_signature(model);
+  const std::string tail = layout.substr(layout.rfind(" layout="));
+  MPIPE_REQUIRE(signature.size() >= tail.size() && signature.compare(signature.size() - tail.size(), tail.size(), tail) == 0,
+                "use an older checkpoint", "'", path, "': its layer list does not give the parameters its signature names (",
+                signature, ")");
+  return model;
+}
+
 std::optional<std::string> verify_checkpoint(const std::string& path, const Model* model, bool read_data) {
   quiet_hdf5();
   if (!fs::is_regular_file(path)) return cat("no file '", path, "'");
@@ -240,50 +334,29 @@ std::optional<std::string> verify_checkpoint(const std::string& path, const Mode
   if (!format || *format != checkpoint_format) return cat("'", path, "' is not an mpipe checkpoint");
   TrainState state;
   if (auto bad = read_train_state(file.get(), path, state)) return bad;
-  const std::string signature = model ? model_signature(*model) : std::string();
-  if (model && state.signature != signature) {
+  std::optional<Model> own;  // the file's own model, for inspect
+  if (!model) {
+    try {
+      model = &own.emplace(checkpoint_model(file.get(), path));
+    } catch (const UserError& e) {
+      return e.what();
+    }
+  } else if (state.signature != model_signature(*model)) {
     const auto list = read_string_attribute(file.get(), "model");
     const std::string difference = list ? first_difference(*list, model_text(*model)) : std::string();
     return cat("'", path, "' holds another model (", difference.empty() ? state.signature : difference, ")");
   }
-  // Every float dataset against its checksum.
-  struct Visit {
-    hid_t file;
-    std::optional<std::string> problem;
-    std::size_t datasets = 0;
-    std::vector<float> buffer;
-    bool read_data;
-  } visit{file.get(), std::nullopt, 0, {}, read_data};
-  const herr_t rc = H5Ovisit2(
-      file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
-      [](hid_t, const char* name, const H5O_info_t* info, void* data) -> herr_t {
-        auto* v = static_cast<Visit*>(data);
-        if (info->type != H5O_TYPE_DATASET) return 0;
-        Handle set(H5Dopen2(v->file, name, H5P_DEFAULT), H5Dclose);
-        Handle space(H5Dget_space(set.get()), H5Sclose);
-        const auto n = static_cast<std::size_t>(std::max<hssize_t>(0, H5Sget_simple_extent_npoints(space.get())));
-        Handle type(H5Dget_type(set.get()), H5Tclose);
-        if (H5Tget_class(type.get()) != H5T_FLOAT) return 0;  // /train scalars are checked when read
-        if (!v->read_data) {  // structure only: the data was checked as it was written
-          if (H5Aexists(set.get(), "crc32") <= 0) {
-            v->problem = cat("dataset /", name, " has no checksum");
-            return 1;
-          }
-          ++v->datasets;
-          return 0;
-        }
-        v->buffer.resize(n);
-        if (auto p = read_checked(v->file, std::string("/") + name, v->buffer.data(), n)) {
-          v->problem = *p;
-          return 1;
-        }
-        ++v->datasets;
-        return 0;
-      },
-      &visit, H5O_INFO_BASIC);
-  if (visit.problem) return cat("'", path, "': ", *visit.problem);
-  if (rc < 0) return cat("'", path, "' cannot be walked (damaged)");
-  if (visit.datasets == 0) return cat("'", path, "' holds no parameters");
+  if (!state.optimizer.empty() && state.optimizer != "adamw" && state.optimizer != "sgd")
+    return cat("'", path, "' holds the state of an unknown optimizer '", printable_line(state.optimizer), "'");
+  std::vector<float> buffer;
+  for (const DatasetSpec& d : checkpoint_datasets(*model, state.optimizer)) {
+    if (!read_data) {  // structure only: the data was checked as it was written, or is as it is loaded
+      if (auto bad = check_dataset(file.get(), d.path, d.shape)) return cat("'", path, "': ", *bad);
+      continue;
+    }
+    buffer.resize(static_cast<std::size_t>(d.shape.numel()));
+    if (auto bad = read_checked(file.get(), d.path, d.shape, buffer.data())) return cat("'", path, "': ", *bad);
+  }
   return std::nullopt;
 }
 

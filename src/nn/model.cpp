@@ -152,7 +152,7 @@ ModelSpec model_spec(const ModelConfig& c) {
   return spec;
 }
 
-Model::Model(const ModelConfig& config) : config_(config), spec_(model_spec(config)) {
+Model::Model(const ModelConfig& config, ModelSpec list) : config_(config), spec_(std::move(list)) {
   const std::string file = is_preset(spec_.name) ? cat("--model ", spec_.name) : cat("model file '", spec_.name, "'");
   Shape shape = input_shape(1);
   for (int i = 0; i < static_cast<int>(spec_.layers.size()); ++i) {

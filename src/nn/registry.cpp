@@ -282,10 +282,13 @@ std::pair<LayerSpec, std::int64_t> parse_layer(const toml::table& t, const std::
 
 }  // namespace
 
+namespace {
+ModelSpec parse_model_table(const toml::table& table, const std::string& path);
+}  // namespace
+
 ModelSpec parse_model_file(const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  const std::string hint = "see 'mpipe plan --model gpt --print-model' for an example";
   MPIPE_REQUIRE(fs::exists(path, ec), "give the path of a TOML model file, or --model gpt or mlp", "model file '", path, "' does not exist");
   MPIPE_REQUIRE(fs::is_regular_file(path, ec), "give the path of a TOML model file", "model file '", path, "' is not a regular file");
   toml::table table;
@@ -296,6 +299,23 @@ ModelSpec parse_model_file(const std::string& path) {
                         printable_line(std::string(e.description()))),
                     "check the TOML syntax");
   }
+  return parse_model_table(table, path);
+}
+
+ModelSpec parse_model_text(const std::string& text, const std::string& name) {
+  toml::table table;
+  try {
+    table = toml::parse(text, name);
+  } catch (const toml::parse_error& e) {
+    throw UserError(cat("model file '", name, "' line ", e.source().begin.line, ", column ", e.source().begin.column, ": ",
+                        printable_line(std::string(e.description()))),
+                    "check the TOML syntax");
+  }
+  return parse_model_table(table, name);
+}
+
+namespace {
+ModelSpec parse_model_table(const toml::table& table, const std::string& path) {
   ModelSpec spec;
   spec.name = path;
   const std::string file = cat("model file '", path, "'");
@@ -336,5 +356,6 @@ ModelSpec parse_model_file(const std::string& path) {
                 spec.layers.size(), " layers");
   return spec;
 }
+}  // namespace
 
 }  // namespace mpipe

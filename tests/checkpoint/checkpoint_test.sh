@@ -2,7 +2,7 @@
 # Checkpoint tests with the real binary under mpiexec and real HDF5 files.
 # Usage: checkpoint_test.sh MPIPE CASE   (CASE: layout | resume | reshard | preempt |
 #        damaged | bad-input | keep | continue | ownership | lock | state | stopped | model-file | eval | image-data |
-#        slow-term)
+#        slow-term | hostile)
 set -euo pipefail
 mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -569,6 +569,63 @@ PY
     run 1 "${model[@]}" --eval-data "hdf5:$work/two.h5"
   expect_error 2 "--eval-batches 5 of 8 samples need 40 held-out samples, --eval-data has 10: evaluation would repeat" \
     run 1 "${model[@]}" --eval-data "hdf5:$work/uint8.h5" --eval-batches 5
+  ;;
+hostile)
+  # Files an attacker or a bad tool might make of a good checkpoint: `inspect --verify`
+  # refuses each for the reason resume does (one set of rules), `--stats` reads none of
+  # the bad datasets (no allocation by a size the file claims), and nothing crashes.
+  mkdir "$work/d" "$work/bad"
+  run 1 "${model[@]}" --steps 2 --checkpoint-dir "$work/d" >/dev/null
+  good="$work/d/ckpt-00000002.h5"
+  /usr/bin/python3 - "$good" "$work/bad" <<'PY'
+import h5py, numpy as np, shutil, sys, zlib
+src, out = sys.argv[1], sys.argv[2]
+def copy(name):
+    path = f"{out}/{name}.h5"; shutil.copy(src, path); return h5py.File(path, "r+")
+def crc(a): return np.uint32(zlib.crc32(np.ascontiguousarray(a, dtype=np.float32).tobytes()))
+def replace(f, name, data):
+    del f[name]; d = f.create_dataset(name, data=data); d.attrs["crc32"] = crc(np.asarray(data, dtype=np.float32))
+wte, wpe, state = "/model/0000/wte", "/model/0000/wpe", "/optimizer/exp_avg/0000/wte"
+with copy("huge") as f:  # chunked, never allocated: 2^60 elements that HDF5 would "read" as fill values
+    del f[wte]; f.create_dataset(wte, shape=(2**60,), dtype="f4", chunks=(1024,)).attrs["crc32"] = np.uint32(0)
+with copy("huge_state") as f:
+    del f[state]; f.create_dataset(state, shape=(2**40, 32), dtype="f4", chunks=(1, 32)).attrs["crc32"] = np.uint32(0)
+with copy("no_state") as f: del f["/optimizer/exp_avg_sq"]
+with copy("no_model") as f: del f["/model"]
+with copy("half_rows") as f: v = f[state][()]; replace(f, state, v[: v.shape[0] // 2])
+with copy("scalar") as f: replace(f, wpe, np.float32(1.0))
+with copy("int32") as f: v = f[wpe][()]; del f[wpe]; d = f.create_dataset(wpe, data=v.astype(np.int32)); d.attrs["crc32"] = crc(v.astype(np.int32))
+with copy("external") as f: del f[wpe]; f[wpe] = h5py.ExternalLink("other.h5", "/x")
+with copy("loop") as f: del f[wpe]; f[wpe] = h5py.SoftLink(wpe)
+with copy("alias") as f:  # one state standing in for the other, its checksum valid
+    n = "/optimizer/exp_avg/0000/wpe"; del f[n]; f[n] = h5py.SoftLink("/optimizer/exp_avg_sq/0000/wpe")
+with copy("unallocated") as f:  # contiguous, the right shape, never written
+    d = f[wpe]; shape = d.shape; c = d.attrs["crc32"]; del f[wpe]
+    f.create_dataset(wpe, shape=shape, dtype="f4").attrs["crc32"] = c
+PY
+  declare -A why=([huge]="/model/0000/wte is \(1152921504606846976\), expected \(64, 32\)"
+                  [huge_state]="/optimizer/exp_avg/0000/wte is \(1099511627776, 32\), expected \(64, 32\)"
+                  [no_state]="group /optimizer/exp_avg_sq is missing" [no_model]="group /model is missing"
+                  [half_rows]="/optimizer/exp_avg/0000/wte is \(32, 32\), expected \(64, 32\)"
+                  [scalar]="/model/0000/wpe is a scalar, expected \(16, 32\)"
+                  [int32]="/model/0000/wpe is not float32" [external]="/model/0000/wpe is an external link"
+                  [loop]="/model/0000/wpe is a soft link" [alias]="/optimizer/exp_avg/0000/wpe is a soft link"
+                  [unallocated]="/model/0000/wpe has no data stored")
+  for name in "${!why[@]}"; do
+    f="$work/bad/$name.h5"
+    expect_error 2 "checkpoint damaged: '$f': dataset ${why[$name]}|checkpoint damaged: '$f': ${why[$name]}" \
+      "$mpipe" inspect "$f" --verify
+    expect_error 2 "cannot resume: '$f': (dataset )?${why[$name]}" run 1 "${model[@]}" --steps 3 --resume "$f"
+    set +e; out=$("$mpipe" inspect "$f" --stats 2>&1); rc=$?; set -e
+    [[ $rc -eq 0 ]] || fail "inspect --stats of $name: exit $rc: $out"
+    ! grep -q "error" <<<"$out" || fail "inspect --stats of $name: $out"
+  done
+  "$mpipe" inspect "$good" --verify --stats >/dev/null || fail "the good file does not verify"
+  # A layer list that no longer gives the parameters the signature names.
+  cp "$good" "$work/list.h5"
+  /usr/bin/python3 -c "import h5py,sys; f=h5py.File(sys.argv[1],'r+'); f.attrs.modify('model', f.attrs['model'].replace(b'out = 32', b'out = 48'))" \
+    "$work/list.h5"
+  expect_error 2 "its layer list does not give the parameters its signature names" "$mpipe" inspect "$work/list.h5" --verify
   ;;
 *) fail "unknown case $case" ;;
 esac

@@ -130,22 +130,16 @@ std::vector<float> train_and_save(const TrainConfig& config, int steps) {
 // its checksum (of the whole, however many ranks wrote its pieces), in file order.
 std::vector<std::vector<float>> checkpoint_datasets(const std::string& path, const Model& model,
                                                     const std::vector<std::string>& states) {
-  std::vector<std::string> names;
-  for (const DatasetSpec& d : parameter_datasets(model, "/model")) names.push_back(d.path);
+  std::vector<DatasetSpec> all = parameter_datasets(model, "/model");
   for (const std::string& state : states)
-    for (const DatasetSpec& d : parameter_datasets(model, "/optimizer/" + state)) names.push_back(d.path);
+    for (const DatasetSpec& d : parameter_datasets(model, "/optimizer/" + state)) all.push_back(d);
   std::vector<std::vector<float>> out;
   const hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
   REQUIRE(file >= 0);
-  for (const std::string& name : names) {
-    const hid_t set = H5Dopen2(file, name.c_str(), H5P_DEFAULT);
-    REQUIRE(set >= 0);
-    const hid_t space = H5Dget_space(set);
-    std::vector<float> values(static_cast<std::size_t>(H5Sget_simple_extent_npoints(space)));
-    H5Sclose(space);
-    H5Dclose(set);
-    const auto problem = read_checked(file, name, values.data(), values.size());
-    CHECK_MESSAGE(!problem, name, ": ", problem.value_or(""));
+  for (const DatasetSpec& d : all) {
+    std::vector<float> values(static_cast<std::size_t>(d.shape.numel()));
+    const auto problem = read_checked(file, d.path, d.shape, values.data());
+    CHECK_MESSAGE(!problem, d.path, ": ", problem.value_or(""));
     out.push_back(std::move(values));
   }
   H5Fclose(file);

@@ -32,12 +32,19 @@ std::optional<std::string> checkpoint_run_id(const std::string& path);
 // every parameter's layer, name and shape.
 std::string model_signature(const Model& model);
 
-// Checks a checkpoint file without MPI: HDF5, format and version, (when given) that
-// it holds `model` (its signature; where they differ, the first layer that does),
-// every dataset present with a checksum, and (read_data) the CRC-32 of every dataset's
-// data. Returns the problem, or nothing.
+// Checks a checkpoint file without MPI: HDF5, format and version, the training state,
+// that it holds `model` (its signature; where they differ, the first layer that does),
+// every dataset of the model and of its optimizer's state under check_dataset's rules,
+// and (read_data) the CRC-32 of every one's data. Without a model (`mpipe inspect`), the
+// model is the file's own layer list (the root attribute `model`), checked against the
+// layout its checksummed signature names: inspect and resume apply one set of rules.
+// Returns the problem, or nothing.
 std::optional<std::string> verify_checkpoint(const std::string& path, const Model* model = nullptr,
                                              bool read_data = true);
+// The model a checkpoint holds, rebuilt from its layer list (the root attribute
+// `model`) and checked against the layout of its signature; UserError when it has none
+// (a file of mpipe before model files) or the list does not build.
+Model checkpoint_model(hid_t file, const std::string& path);
 
 // ---- the format's pieces ------------------------------------------------------------
 
@@ -80,8 +87,19 @@ std::optional<T> read_scalar_attribute(hid_t object, const char* name, hid_t typ
   if (H5Aread(attr.get(), type, &value) < 0) return std::nullopt;
   return value;
 }
-// Reads a float dataset of `count` elements into `out` and checks its CRC-32.
-std::optional<std::string> read_checked(hid_t file, const std::string& path, float* out, std::size_t count);
+// Every dataset a checkpoint of `model` holds: the parameters under /model, then each
+// state of `optimizer` ("adamw", "sgd"; "" for none) under /optimizer/<state>.
+std::vector<DatasetSpec> checkpoint_datasets(const Model& model, const std::string& optimizer);
+// The rules every parameter and optimizer dataset obeys, the one set that resume, load
+// and `mpipe inspect` apply: reached through hard links alone (a soft or external link
+// would let one dataset stand in for another, or for a file elsewhere), IEEE float32
+// little-endian (HDF5 would convert other types silently), of `shape` exactly, its
+// storage allocated and, when contiguous, within the file (else HDF5 reads fill values
+// or zeros past the end as data), with a CRC-32. Nothing is read or allocated by size
+// before these hold. Returns the problem, or nothing.
+std::optional<std::string> check_dataset(hid_t file, const std::string& path, const Shape& shape);
+// check_dataset, then its data into `out` (shape.numel() floats) against its CRC-32.
+std::optional<std::string> read_checked(hid_t file, const std::string& path, const Shape& shape, float* out);
 
 // What steers a resume: /train's attributes and the root attributes that say which
 // model, optimizer and options the state belongs to. Version 2 covers them all by one

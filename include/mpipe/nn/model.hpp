@@ -46,7 +46,9 @@ ModelSpec model_spec(const ModelConfig& config);
 
 class Model {
  public:
-  explicit Model(const ModelConfig& config);
+  explicit Model(const ModelConfig& config) : Model(config, model_spec(config)) {}
+  // A layer list read elsewhere (a checkpoint's): `list` is the model, config.kind its name.
+  Model(const ModelConfig& config, ModelSpec list);
   Model(Model&&) = default;
 
   const ModelConfig& config() const { return config_; }

@@ -105,5 +105,7 @@ std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape
 
 // Reads a model file; UserError naming the file, the line or layer, and the key.
 ModelSpec parse_model_file(const std::string& path);
+// The same from a model file's text; `name` stands for the file in the messages.
+ModelSpec parse_model_text(const std::string& text, const std::string& name);
 
 }  // namespace mpipe
