@@ -391,7 +391,8 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
 
 // ---- resuming ----------------------------------------------------------------------
 
-std::vector<std::string> resume_candidates(const CheckpointOptions& config, const Model& model, const Communicator& world) {
+std::vector<std::string> resume_candidates(CheckpointDir& dir, const Model& model, const Communicator& world) {
+  const CheckpointOptions& config = dir.options();
   // Rank 0 looks; the files' structure is checked here, their data as it is loaded.
   std::vector<std::string> chosen;
   std::string error;
@@ -412,8 +413,12 @@ std::vector<std::string> resume_candidates(const CheckpointOptions& config, cons
       }
       std::sort(found.rbegin(), found.rend());  // newest first
       for (const std::string& c : found) {
-        if (auto bad = verify_checkpoint(c, &model, false)) std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", bad->c_str());
-        else chosen.push_back(c);
+        if (auto bad = verify_checkpoint(c, &model, false)) {
+          std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", bad->c_str());
+          dir.skipped(c);
+        } else {
+          chosen.push_back(c);
+        }
       }
     }
   }
@@ -442,7 +447,7 @@ struct Refused : UserError {
 std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step) {
   const CheckpointOptions& config = dir.options();
   const Communicator& world = exec.grid().world();
-  const std::vector<std::string> candidates = resume_candidates(config, exec.model(), world);
+  const std::vector<std::string> candidates = resume_candidates(dir, exec.model(), world);
   std::string failures;
   for (const std::string& path : candidates) {
     try {
@@ -459,7 +464,10 @@ std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step) {
       throw;
     } catch (const UserError& e) {
       if (config.resume != "auto") throw UserError(cat("cannot resume: ", e.what()), e.hint());
-      if (world.rank() == 0) std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", e.what());
+      if (world.rank() == 0) {
+        std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", e.what());
+        dir.skipped(path);
+      }
       failures += cat(failures.empty() ? "" : "; ", path);
     }
   }

@@ -228,12 +228,20 @@ void CheckpointDir::make_way(const std::string& final_path) {
     std::printf("replacing %s of another run (--overwrite)\n", final_path.c_str());
     return;
   }
-  if (checkpoint_run_id(final_path) == run_id_) return;  // this run's own, an older try of the same step
-  // Unreadable, so of no known run: keep its bytes under another name.
-  const std::string aside = cat(final_path, ".replaced-", static_cast<long long>(std::time(nullptr)));
+  // Never written over: damaged (its bytes tell what went wrong), or a checkpoint of this
+  // run from beyond the step it resumed from (--resume PATH), which a user may want back.
+  const auto id = checkpoint_run_id(final_path);
+  const bool was_skipped = std::find(skipped_.begin(), skipped_.end(), final_path) != skipped_.end();
+  std::string aside = cat(final_path, ".replaced-", static_cast<long long>(std::time(nullptr)));
+  for (int n = 1; fs::exists(aside, ec); ++n)  // one moved aside in the same second stays too
+    aside = cat(final_path, ".replaced-", static_cast<long long>(std::time(nullptr)), "-", n);
   fs::rename(final_path, aside, ec);
   if (ec) throw Error(cat("cannot move '", final_path, "' out of the way: ", ec.message()));
-  std::fprintf(stderr, "mpipe: warning: '%s' could not be read as a checkpoint; moved to '%s'\n", final_path.c_str(),
+  std::fprintf(stderr, "mpipe: warning: '%s' %s; moved to '%s'\n", final_path.c_str(),
+               was_skipped      ? "failed its checks when this run resumed"
+               : !id            ? "could not be read as a checkpoint"
+               : *id == run_id_ ? "is this run's, from beyond the step it resumed from"
+                                : "is another run's",
                aside.c_str());
 }
 

@@ -228,11 +228,21 @@ PY
   expect_error 2 "fails its checksum" "$mpipe" inspect "$work/altered.h5" --verify
   truncate -s 100000 "$newest"
   cp "$work/altered.h5" "$work/d/ckpt-00000003.h5"   # well-formed, but its data fails the checksum
-  out=$(run 2 "${model[@]}" --steps 5 --checkpoint-dir "$work/d" 2>&1) || fail "auto resume failed: $out"
+  sums=$(md5sum "$work/d/ckpt-00000003.h5" "$newest" | cut -d' ' -f1)
+  # Resumed from step 2, the run writes steps 3 and 4 again: the damaged files are moved
+  # aside (their bytes kept for whoever looks into the damage), never written over.
+  out=$(run 2 "${model[@]}" --steps 5 --checkpoint-every 1 --checkpoint-dir "$work/d" 2>&1) || fail "auto resume failed: $out"
   grep -q "warning: skipping checkpoint: '.*ckpt-00000004.h5'" <<<"$out" || fail "no warning for the truncated file: $out"
   grep -q "warning: skipping checkpoint: '.*ckpt-00000003.h5': .*fails its checksum" <<<"$out" \
     || fail "no warning for the altered file: $out"
   grep -q "resumed from .*ckpt-00000002.h5" <<<"$out" || fail "did not fall back to step 2: $out"
+  for step in 3 4; do
+    grep -q "warning: '.*ckpt-0000000$step.h5' failed its checks when this run resumed; moved to '.*ckpt-0000000$step.h5.replaced-[0-9]*'" \
+      <<<"$out" || fail "ckpt $step was not moved aside: $out"
+    "$mpipe" inspect "$work/d/ckpt-0000000$step.h5" --verify >/dev/null || fail "the new ckpt $step does not verify"
+  done
+  [[ "$(md5sum "$work/d"/ckpt-00000003.h5.replaced-* "$work/d"/ckpt-00000004.h5.replaced-* | cut -d' ' -f1)" == "$sums" ]] \
+    || fail "the damaged files' bytes were not kept: $(ls -l "$work/d")"
   expect_error 2 "cannot resume: .*altered.h5.*fails its checksum" run 1 "${model[@]}" --steps 5 --resume "$work/altered.h5"
   ;;
 bad-input)

@@ -61,8 +61,12 @@ class CheckpointDir {
   // UserError unless --overwrite; with it, they are deleted (each named) once this
   // run's first checkpoint is in place.
   void claim();
-  // Rank 0, before a checkpoint is renamed to `final_path`: a file of another run or an
-  // unreadable one there is moved aside (named .replaced-<time>) rather than lost.
+  // Rank 0, resuming: `path` was skipped (it failed its checks, or to load).
+  void skipped(const std::string& path) { skipped_.push_back(path); }
+  // Rank 0, before a checkpoint is renamed to `final_path`: a file there is moved aside
+  // (named .replaced-<time>) rather than lost, whatever it is (unreadable, damaged and
+  // skipped at resume, or this run's own from beyond the step it resumed from), unless
+  // it is another run's that --overwrite replaces.
   void make_way(const std::string& final_path);
   // Rank 0, after a checkpoint is in place: deletes the other run's files under
   // --overwrite (each named on stdout), and this run's own beyond --keep.
@@ -79,6 +83,7 @@ class CheckpointDir {
   std::string lock_path_, run_id_, lock_text_;
   bool held_ = false;
   std::vector<std::string> replace_;  // other runs' files, deleted after the first save
+  std::vector<std::string> skipped_;  // files resume skipped
   std::thread refresher_;
   std::mutex mutex_;
   std::condition_variable wake_;
