@@ -204,6 +204,8 @@ double parse_memory_size(const std::string& text) {
     if (unit == name) scale = factor;
   MPIPE_REQUIRE(scale > 0, hint, "--memory-per-rank '", text, "': unknown unit '", unit, "'");
   MPIPE_REQUIRE(std::isfinite(number) && number > 0, hint, "--memory-per-rank must be positive, got '", text, "'");
+  // Beyond what 64 bits address, a size is a typo (or would overflow where it is counted).
+  MPIPE_REQUIRE(number * scale < 0x1p64, hint, "--memory-per-rank '", text, "' is more than a 64-bit machine addresses (16 EiB)");
   return number * scale;
 }
 

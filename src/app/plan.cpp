@@ -143,6 +143,10 @@ void print_largest(const RunOptions& options, int ranks) {
     int size = 0;
     double params = 0;
   };
+  // The search stops here: each try builds and plans the model (the partition is exact,
+  // its cost grows with the square of the layers), and no pipeline trains more blocks
+  // than this (a ResNet's width is the preset's own limit).
+  constexpr int most = 4096;
   const auto largest = [&](bool shard) {
     const auto fits = [&](int size, Fit* fit) {
       RunOptions o = options;
@@ -162,7 +166,6 @@ void print_largest(const RunOptions& options, int ranks) {
       }
     };
     Fit best;
-    constexpr int most = 1 << 16;
     int low = 0, high = 1;  // low fits (0: none found yet), high is the next to try
     while (high <= most && fits(high, &best)) low = high, high *= 2;
     if (low == 0) {  // 1 does not fit or is refused: the first size that fits at all, up to 64
@@ -172,7 +175,8 @@ void print_largest(const RunOptions& options, int ranks) {
       high = low * 2;
       while (high <= most && fits(high, &best)) low = high, high *= 2;
     }
-    while (high - low > 1) {  // low fits, high does not
+    high = std::min(high, most + 1);
+    while (high - low > 1) {  // low fits, high does not (or is past the search)
       const int middle = low + (high - low) / 2;
       Fit f;
       if (fits(middle, &f)) low = middle, best = f;
@@ -183,7 +187,8 @@ void print_largest(const RunOptions& options, int ranks) {
   };
   const auto text = [&](const Fit& f) {
     if (f.size == 0) return std::string("none (not even the smallest)");
-    return cat(gpt ? "--layers " : "--width ", f.size, " (", human_count(f.params), " parameters)");
+    return cat(gpt ? "--layers " : "--width ", f.size, f.size < most ? "" : gpt ? " or more (the search stops there)" : " (the most --width takes)", " (",
+               human_count(f.params), " parameters)");
   };
   const int replicas = resolve_grid(options.grid, ranks).replicas;
   std::printf("largest %s within --memory-per-rank %s: %s", gpt ? "GPT of this width" : "ResNet of this depth",

@@ -165,6 +165,11 @@ mpipe_cli_test(help_data_hdf5 0 "hdf5:PATH \\(/inputs and /labels" train --help)
 # --memory-per-rank: the largest GPT of the quickstart's width on D = 2 x K = 2 under remat always, unsharded and
 # sharded (docs/memory.md: trained at 18 blocks sharded it reports 31.5-31.8 MiB per rank; at 19 it is refused).
 mpipe_cli_test(plan_largest 0 "largest GPT of this width within --memory-per-rank 32.0 MiB: --layers 12 \\(2.42M parameters\\); with --shard-optimizer over 2 replicas: --layers 16 \\(3.21M parameters\\)" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --remat always --memory-per-rank 32MiB)
+# A size no model of this width fills: the search stops at 4096 blocks and says so (it
+# planned models of up to 2^16 blocks, minutes), and one beyond 64 bits is refused.
+mpipe_cli_test(plan_largest_huge 0 "largest GPT of this width within --memory-per-rank 16.0 GiB: --layers 4096 or more \\(the search stops there\\)" plan --model gpt --layers 2 --d-model 32 --heads 2 --vocab 64 --seq-len 16 --batch-size 8 --micro-batches 2 --ranks 2 --memory-per-rank 16GiB)
+set_tests_properties(cli.plan_largest_huge PROPERTIES TIMEOUT 20)
+mpipe_cli_test(plan_memory_overflow 2 "error: --memory-per-rank '1e20GiB' is more than a 64-bit machine addresses \\(16 EiB\\); hint" plan --memory-per-rank 1e20GiB)
 mpipe_cli_test(plan_sharded_columns 0 "grads +optimizer +opt. 1/2\\* +act" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --shard-optimizer)
 # On nodes of 2 ranks: each rank order's bytes between nodes, and auto's choice (the
 # wide model's replica sums outweigh its boundaries; the long one's the reverse), which
