@@ -325,6 +325,13 @@ int Training::run() {
     // A wait passed --p2p-timeout: name the ranks that stopped answering, once.
     std::fflush(stdout);
     roll_call(world_.get(), e.what(), std::min(config_.pipeline.p2p_timeout, 3.0), &watchdog_);
+  } catch (const UserError& e) {
+    // Bad input found mid-run (a data file changed under it): the others may be waiting
+    // on this rank, so end the whole job, with a user's error's exit code.
+    std::fflush(stdout);
+    std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
+    std::fflush(stderr);
+    MPI_Abort(world_.get(), exit_user_error);
   } catch (const std::exception& e) {
     // One rank failed mid-run: the others may be waiting on it, so end the whole job.
     std::fflush(stdout);

@@ -1,4 +1,6 @@
 // --data hdf5:PATH: a labelled data set in an HDF5 file (images or feature vectors).
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <numeric>
@@ -19,6 +21,8 @@ class LabelledFile final : public Dataset {
  public:
   struct Source {
     Handle file, inputs, rows, row;  // the file, /inputs, its dataspace, one row's
+    int fd = -1;                     // HDF5's descriptor of the file (its sec2 driver's)
+    struct stat opened {};           // the file as it was opened
     std::int64_t per_sample = 0, channels = 1;
     bool bytes = false;              // uint8, scaled to [0, 1]
     std::vector<float> mean, inverse_std;
@@ -32,6 +36,7 @@ class LabelledFile final : public Dataset {
   // Sample s is row order(s / N)[s % N]: every row once per epoch, in an order drawn
   // from (seed, epoch) when shuffled, in file order otherwise (held-out data).
   void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
+    if (!inputs.empty()) check_unchanged();
     const auto n = static_cast<std::uint64_t>(labels_.size());
     std::int32_t* y = targets.i32();
     for (std::int64_t i = 0; i < count; ++i) {
@@ -49,6 +54,21 @@ class LabelledFile final : public Dataset {
   std::string describe() const override {
     return cat(what_, ": ", labels_.size(), " samples", shuffle_ ? ", shuffled per epoch" : ", in file order",
                ", read by part");
+  }
+
+  // HDF5 reads past the end of a file truncated under it as zeros, and a file rewritten
+  // in place as whatever is there now, without an error: the run would train on nothing.
+  // So each read first checks that the file is the one opened (one fstat a batch).
+  void check_unchanged() const {
+    const Source& src = source_;
+    struct stat now {};
+    if (src.fd < 0) return;  // a driver without a descriptor: HDF5's own errors stand
+    const bool same = ::fstat(src.fd, &now) == 0 && now.st_size == src.opened.st_size &&
+                      now.st_mtim.tv_sec == src.opened.st_mtim.tv_sec && now.st_mtim.tv_nsec == src.opened.st_mtim.tv_nsec;
+    if (!same)
+      throw UserError(cat(what_, " changed while training read it (", static_cast<long long>(src.opened.st_size), " bytes when opened, ",
+                          static_cast<long long>(now.st_size), " now", now.st_size == src.opened.st_size ? ", modified" : "", ")"),
+                      "leave a data file alone while a run reads it (write a new file and rename it over); resume from the last checkpoint");
   }
 
   // Row `row` of /inputs into x (per_sample floats), scaled and normalised.
@@ -180,6 +200,10 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
   source.row = Handle(H5Screate_simple(1, row_dims, nullptr), H5Sclose);
   source.rows = Handle(H5Dget_space(inputs.get()), H5Sclose);
   source.inputs = std::move(inputs);
+  void* descriptor = nullptr;
+  if (H5Fget_vfd_handle(file.get(), H5P_DEFAULT, &descriptor) >= 0 && descriptor &&
+      ::fstat(*static_cast<int*>(descriptor), &source.opened) == 0)
+    source.fd = *static_cast<int*>(descriptor);
   source.file = std::move(file);
   MPIPE_REQUIRE(source.row.ok() && source.rows.ok(), hint, file_name, ": cannot select rows of /inputs");
   auto data = std::make_unique<LabelledFile>(std::move(source), std::move(y), cat("hdf5 file ", path), seed, shuffle);

@@ -2,7 +2,7 @@
 # Checkpoint tests with the real binary under mpiexec and real HDF5 files.
 # Usage: checkpoint_test.sh MPIPE CASE   (CASE: layout | resume | reshard | preempt |
 #        damaged | bad-input | keep | continue | ownership | lock | state | stopped | model-file | eval | image-data |
-#        slow-term | hostile)
+#        slow-term | hostile | data-changed)
 set -euo pipefail
 mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -636,6 +636,38 @@ PY
   /usr/bin/python3 -c "import h5py,sys; f=h5py.File(sys.argv[1],'r+'); f.attrs.modify('model', f.attrs['model'].replace(b'out = 32', b'out = 48'))" \
     "$work/list.h5"
   expect_error 2 "its layer list does not give the parameters its signature names" "$mpipe" inspect "$work/list.h5" --verify
+  ;;
+data-changed)
+  # A data file truncated or rewritten in place while a run reads it: HDF5 reads zeros
+  # past the new end without an error (the run trained on nothing to its last step and
+  # exited 0). The run must stop at the step that reads it, exit 2, one line naming the
+  # file, as training data (with --prefetch too) and as held-out data.
+  bash "$(dirname "$0")/../../scripts/make_digits.sh" "$work/digits" >/dev/null
+  digits=(train --model "$(dirname "$0")/../../inputs/digits-cnn.toml" --batch-size 32 --micro-batches 4 --threads 1 --log-every 1)
+  for how in train prefetch eval rewrite; do
+    cp "$work/digits/digits-train.h5" "$work/d.h5"
+    case $how in
+      train|rewrite) data=(--data "hdf5:$work/d.h5") ;;
+      prefetch) data=(--data "hdf5:$work/d.h5" --prefetch on) ;;
+      eval) data=(--data "hdf5:$work/digits/digits-train.h5" --eval-data "hdf5:$work/d.h5" --eval-every 1 --eval-batches 1) ;;
+    esac
+    run 2 "${digits[@]}" "${data[@]}" --steps 100000 > "$work/log" 2>&1 & pid=$!
+    for _ in $(seq 600); do grep -q "^step  *3/" "$work/log" && break; sleep 0.1; done
+    grep -q "^step  *3/" "$work/log" || fail "$how: no third step: $(cat "$work/log")"
+    if [[ $how == rewrite ]]; then  # the same size, other bytes (rewritten in place)
+      HDF5_USE_FILE_LOCKING=FALSE /usr/bin/python3 -c "import h5py,sys; f=h5py.File(sys.argv[1],'r+'); f['inputs'][0] = 0" "$work/d.h5"
+    else
+      truncate -s 5000 "$work/d.h5"
+    fi
+    ( sleep 60; kill -9 "$pid" 2>/dev/null ) & guard=$!
+    set +e; wait "$pid"; rc=$?; set -e
+    kill "$guard" 2>/dev/null || true
+    [[ $rc -eq 2 ]] || fail "$how: exit $rc after the data file changed: $(tail -5 "$work/log")"
+    [[ $(grep -c "mpipe: error" "$work/log") -eq 1 ]] || fail "$how: not one error line: $(cat "$work/log")"
+    grep -Eq "mpipe: error: rank 0 .* at (step [0-9]+|evaluation batch 0) reading the batch: hdf5 file .*d.h5 changed while training read it \(.*\); hint" \
+      "$work/log" || fail "$how: the line does not name the file: $(grep error "$work/log")"
+    echo "$how: $(grep "mpipe: error" "$work/log" | cut -c1-120)"
+  done
   ;;
 *) fail "unknown case $case" ;;
 esac

@@ -38,12 +38,6 @@ class TimeoutError : public Error {
   using Error::Error;
 };
 
-// Throws `e`'s kind (a timeout stays a timeout) with a message that gives more context.
-[[noreturn]] inline void rethrow_as(const std::exception& e, const std::string& message) {
-  if (dynamic_cast<const TimeoutError*>(&e)) throw TimeoutError(message);
-  throw Error(message);
-}
-
 // A problem with the user's input; `hint` says what to do about it.
 class UserError : public std::runtime_error {
  public:
@@ -61,6 +55,14 @@ class UserError : public std::runtime_error {
   }
   std::string hint_;
 };
+
+// Throws `e`'s kind (a timeout stays a timeout, a user's error keeps its hint) with a
+// message that gives more context.
+[[noreturn]] inline void rethrow_as(const std::exception& e, const std::string& message) {
+  if (dynamic_cast<const TimeoutError*>(&e)) throw TimeoutError(message);
+  if (const auto* user = dynamic_cast<const UserError*>(&e)) throw UserError(message, user->hint());
+  throw Error(message);
+}
 
 [[noreturn]] void throw_check_failure(const char* file, int line, const char* expr,
                                       const std::string& message);
