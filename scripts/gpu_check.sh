@@ -43,11 +43,13 @@ budget=540
 build=0
 ladder=auto
 compile=1
+# value OPTION [VALUE]: an option that takes a value has one
+value() { [[ $# -ge 2 && -n $2 && $2 != --* ]] || { echo "gpu_check.sh: $1 needs a value (see --help)" >&2; exit 2; }; }
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --out) out=$2; shift 2 ;;
-    --logs) logs=$2; shift 2 ;;
-    --budget) budget=$2; shift 2 ;;
+    --out) value "$@"; out=$2; shift 2 ;;
+    --logs) value "$@"; logs=$2; shift 2 ;;
+    --budget) value "$@"; budget=$2; shift 2 ;;
     --build) build=1; shift ;;
     --ladder) ladder=1; shift ;;
     --no-ladder) ladder=0; shift ;;
@@ -58,8 +60,18 @@ while [[ $# -gt 0 ]]; do
 done
 [[ $budget =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget takes seconds, got '$budget'" >&2; exit 2; }
 [[ -n $logs ]] || logs=${out%.md}-logs
-mkdir -p "$(dirname "$out")" "$logs" || exit 2
-: > "$out" || exit 2
+# The report is written afresh, so never over anything but an earlier report (a checkpoint
+# or a model file given by mistake), nor to a device, a directory or a dangling link.
+refuse() { echo "gpu_check.sh: $1; hint: $2" >&2; exit 2; }
+if [[ -e $out || -L $out ]]; then
+  [[ -f $out ]] || refuse "--out '$out' is not a regular file" "give the path of a report to write, e.g. --out build/gpu.md"
+  [[ ! -s $out || $(head -c 17 "$out") == "# mpipe GPU check" ]] ||
+    refuse "--out '$out' exists and is not a gpu_check report" "give a new name, or remove the file first"
+fi
+[[ ! -e $logs || -d $logs ]] || refuse "--logs '$logs' exists and is not a directory" "give --logs DIR"
+mkdir -p "$(dirname "$out")" || refuse "cannot create the directory of --out '$out'" "give a writable path"
+mkdir -p "$logs" || refuse "cannot create --logs '$logs'" "give a writable directory"
+: > "$out" || refuse "cannot write --out '$out'" "give a writable path"
 
 cores=$(nproc)  # before OMP_NUM_THREADS=1 below, which nproc would report instead
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
