@@ -11,6 +11,7 @@
 #endif
 
 #include "mpipe/core/error.hpp"
+#include "mpipe/core/run_clock.hpp"
 #include "mpipe/pipeline/comm.hpp"
 
 namespace mpipe {
@@ -232,6 +233,7 @@ Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char
   Completion c;
   if (ticket == none) return c;
   const Clock::time_point start = Clock::now();
+  const RunClock run;  // the timeout counts the time this rank ran, not a stop of its own
   Slot& s = slots_[static_cast<std::size_t>(ticket)];
   auto timed_out = [&] {
     return TimeoutError(cat("timed out after ", timeout_s, " s waiting for ", what, " ", index,
@@ -264,7 +266,7 @@ Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char
     const double waited = std::chrono::duration<double>(now - start).count();
     lock.lock();
     if (s.done) break;
-    if (waited > timeout_s) throw timed_out();
+    if (waited > timeout_s && run.seconds() > timeout_s) throw timed_out();
     lock.unlock();
     if (mode_ != ProgressMode::waits && (spin_waits_ || now - moving < keep_sweeping))
       sched_yield();

@@ -2,6 +2,7 @@
 // thread that ends the job when guarded work outlives its deadline.
 #include "mpipe/pipeline/watchdog.hpp"
 
+#include "mpipe/core/run_clock.hpp"
 #include "mpipe/pipeline/hosts.hpp"
 
 #include <algorithm>
@@ -48,10 +49,6 @@ constexpr double abort_delay_across_hosts_s = 3;
 
 using Clock = std::chrono::steady_clock;
 
-long long nanoseconds(Clock::time_point t) {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
-}
-
 Clock::time_point after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
@@ -75,12 +72,28 @@ bool wait_until(std::vector<MPI_Request>& requests, Clock::time_point deadline) 
   }
 }
 
+// Tests `requests` until all are complete or `clock` has run `seconds`; false on the latter.
+bool wait_run(std::vector<MPI_Request>& requests, const RunClock& clock, double seconds) {
+  for (;;) {
+    int done = 0;
+    MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
+    if (done) return true;
+    if (clock.seconds() > seconds) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+}
+
+// A gap between the heartbeat thread's wakes longer than it slept by this much is time the
+// process did not run (a stop, or starvation): no deadline counts it.
+constexpr auto not_run_threshold = std::chrono::milliseconds(250);
+
 }  // namespace
 
 void rendezvous(const Communicator& world, const std::string& what, double timeout_s, Watchdog* liveness) {
   const int size = world.size();
   if (size == 1) return;
-  const Clock::time_point first_deadline = after(timeout_s), last_deadline = after(2 * timeout_s);
+  // Deadlines of time this rank ran: a stop of its own names nobody (RunClock).
+  const RunClock run;
   int token = 1;
   if (world.rank() == 0) {
     std::vector<int> arrived(static_cast<std::size_t>(size - 1), 0);
@@ -88,24 +101,20 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
     for (int r = 1; r < size; ++r)
       MPI_Irecv(&arrived[static_cast<std::size_t>(r - 1)], 1, MPI_INT, r, rendezvous_tag, world.get(),
                 &requests[static_cast<std::size_t>(r - 1)]);
-    if (!wait_until(requests, first_deadline)) {
+    if (!wait_run(requests, run, timeout_s)) {
       std::vector<int> missing;
       for (int r = 1; r < size; ++r)
         if (!arrived[static_cast<std::size_t>(r - 1)]) missing.push_back(r);
-      // This rank was the stopped one, resumed past its deadline: the others have named it.
-      if (!missing.empty() && liveness && liveness->was_stopped()) stay_quiet(world.get(), std::min(timeout_s, 3.0));
-      // Every word is in (the last ones completed after the test): nobody is missing, the
-      // late one was this rank (stopped, say, and resumed past its deadline), which the
-      // others' own waits name if they gave up on it. Go on, and say nothing.
+      // Every word is in (the last ones completed after the test): nobody is missing.
       if (!missing.empty())
         end_job(world.get(), cat(rank_list(missing), " did not reach ", what, " within ", timeout_s,
                                  " s (--p2p-timeout): stopped or hung; ending the job"));
-      if (!wait_until(requests, last_deadline))
+      if (!wait_run(requests, run, 2 * timeout_s))
         end_job(world.get(), cat("rank 0: the ranks' words at ", what, " arrived but did not complete; ending the job"));
     }
     for (int r = 1; r < size; ++r)
       MPI_Isend(&token, 1, MPI_INT, r, rendezvous_tag, world.get(), &requests[static_cast<std::size_t>(r - 1)]);
-    if (!wait_until(requests, last_deadline))
+    if (!wait_run(requests, run, 2 * timeout_s))
       end_job(world.get(), cat("rank 0: a rank stopped answering right after reaching ", what, "; ending the job"));
   } else {
     int go = 0;
@@ -115,17 +124,15 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
     // Rank 0 speaks first about missing ranks. Rank 0 itself missing: its heartbeats say
     // so within the timeout; without them, only waiting longer than it would take to speak.
     const bool heartbeats = liveness && liveness->heartbeats();
-    const Clock::time_point deadline = after(2 * timeout_s + 5);
+    const double limit = 2 * timeout_s + 5;
     for (;;) {
-      if (wait_until(requests, std::min(deadline, after(0.05)))) return;
-      // Resumed after being stopped past the deadlines: named already, by rank 0.
-      if (liveness && liveness->was_stopped()) stay_quiet(world.get(), std::min(timeout_s, 3.0));
+      if (wait_until(requests, after(0.05))) return;
       if (heartbeats && liveness->silent_s(0) >= timeout_s)
         roll_call(world.get(), cat(rank_on_host(world.rank()), ": waiting for ", rank_on_host(0), " at ", what, " (no heartbeat for ", timeout_s,
                                    " s, --p2p-timeout)"),
                   std::min(timeout_s, 3.0), liveness);
-      if (Clock::now() > deadline)
-        end_job(world.get(), cat(rank_on_host(world.rank()), ": ", rank_on_host(0), " did not answer at ", what, " within ", 2 * timeout_s + 5,
+      if (run.seconds() > limit)
+        end_job(world.get(), cat(rank_on_host(world.rank()), ": ", rank_on_host(0), " did not answer at ", what, " within ", limit,
                                  " s: stopped or hung; ending the job"));
     }
   }
@@ -193,13 +200,12 @@ double Watchdog::silent_s(int peer) {
   return -1;
 }
 
-bool Watchdog::was_stopped() const {
-  if (!heartbeats_) return false;  // the thread sleeps until armed: its wakes say nothing
-  const long long now = nanoseconds(Clock::now()), second = 1'000'000'000LL;
-  const long long late = woke_late_ns_.load(), woke = woke_ns_.load();
-  if (late != 0 && now - late < static_cast<long long>((liveness_s_ + 5) * 1e9)) return true;
-  // From another thread, before the heartbeat thread has run since the SIGCONT.
-  return std::this_thread::get_id() != thread_.get_id() && woke != 0 && now - woke > second;
+void Watchdog::quiet_until_end(std::unique_lock<std::mutex>& lock) {
+  // As stay_quiet, but a job that finishes its work here meanwhile (the destructor stops
+  // this thread) was not failed by this rank: its exit code stays the run's.
+  if (wake_.wait_for(lock, std::chrono::duration<double>(std::min(liveness_s_, 3.0) + 5), [this] { return stop_; })) return;
+  lock.unlock();
+  MPI_Abort(world_, 1);
 }
 
 void Watchdog::disarm() {
@@ -259,19 +265,17 @@ void Watchdog::run() {
     wake_.wait_until(lock, until);
     if (stop_) break;
     const Clock::time_point now = Clock::now();
-    // Late: with heartbeats this thread runs every `poll`, so over 1 s more between two
-    // wakes means the rank was stopped, wherever in this loop the stop came (a stop after
-    // `now` was read shows only in the next wake's gap); without, it sleeps to the deadline.
-    const bool late = heartbeats_ ? now - last_wake > poll + std::chrono::seconds(1) : now - until > std::chrono::seconds(1);
+    // Woken late: with heartbeats this thread runs every `poll` (sooner when notified);
+    // without, it sleeps to the deadline. Beyond that, the process did not run (stopped,
+    // wherever in this loop the stop came, or starved): that time counts against no peer
+    // and no deadline, here (the peers' silence, the guard's deadline) or in any wait
+    // (RunClock). The words that came meanwhile are read below.
+    const Clock::duration late = heartbeats_ ? now - last_wake - poll : now - until;
     last_wake = now;
-    if (late) woke_late_ns_ = nanoseconds(now);
-    woke_ns_ = nanoseconds(now);
-    // Woken far too late while armed (armed before the stop or just as it came): this rank
-    // was the stopped one (SIGSTOP, and mpirun's SIGCONT before it kills). The others have
-    // named it; it stays quiet until the job ends.
-    if (armed_ && late) {
-      lock.unlock();
-      stay_quiet(world_, std::min(liveness_s_, 3.0));
+    if (late > not_run_threshold) {
+      note_not_run(late);
+      for (Peer& p : peers_) p.heard += late;
+      if (deadline_ != Clock::time_point::max()) deadline_ += late;
     }
     if (heartbeats_) {
       const bool send = now >= next_send_;
@@ -283,11 +287,10 @@ void Watchdog::run() {
       const double silent = std::chrono::duration<double>(now - p.heard).count();
       if (silent < liveness_s_) continue;
       const std::string context = cat(rank_name_, ": ", what_);
-      // The job is being torn down (another rank spoke), or this rank was stopped a moment
-      // ago, unarmed, and the ones it no longer hears have gone quiet to name it.
-      if (stop_signals_received.load() != signals_at_arm_ || was_stopped()) {
-        lock.unlock();
-        stay_quiet(world_, std::min(liveness_s_, 3.0));
+      // The job is being torn down (another rank spoke): wait for its end, quietly.
+      if (stop_signals_received.load() != signals_at_arm_) {
+        quiet_until_end(lock);
+        return;
       }
       if (rank_ == 0)  // it hears every rank: it names the silent one
         end_job(world_, cat(rank_list({p.rank}), " stopped answering (no heartbeat for ", liveness_s_, " s, --p2p-timeout). Seen by ",
@@ -297,16 +300,12 @@ void Watchdog::run() {
     }
     if (now >= deadline_) {
       lock.unlock();
-      if (was_stopped()) stay_quiet(world_, std::min(liveness_s_, 3.0));
       roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"), std::min(seconds_, 3.0), this);
     }
   }
 }
 
 void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watchdog* liveness) {
-  // The stopped rank, resumed: the others have named it (at once, when the heartbeats
-  // proved it silent, so their words need not be older than the grace).
-  if (liveness && liveness->was_stopped()) stay_quiet(world, grace_s);
   const int signals_at_entry = stop_signals_received.load();
   int size = 1, me = 0;
   MPI_Comm_size(world, &size);
@@ -384,8 +383,7 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
   const bool lost_node = ended_early && host_count() > 1 && !silent.empty() &&
                          std::all_of(silent.begin(), silent.end(), [&](int r) { return host_of(r) != host_of(me); });
   // Another rank speaks and ends the job; or it has (mpirun's SIGTERM of the teardown).
-  if (lowest_alive != me || named || (stop_signals_received.load() != signals_at_entry && !lost_node) ||
-      (liveness && liveness->was_stopped()))
+  if (lowest_alive != me || named || (stop_signals_received.load() != signals_at_entry && !lost_node))
     stay_quiet(world, grace_s);
   // Stopped ranks first; a rank whose heartbeats go on is named only when no rank stopped
   // (its work is stuck: a hang inside it), as a rank still in a wait of its own is not.

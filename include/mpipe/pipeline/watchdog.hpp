@@ -54,6 +54,12 @@ extern std::atomic<int> stop_signals_received;
 // collective (one for a whole run), and arm it together.
 // The deadline then only bounds work that every rank is still doing (a hung file system).
 // Heartbeats need MPI_THREAD_MULTIPLE; without it the deadline alone stands.
+// Time this rank did not run (a stop of its own: SIGSTOP and the SIGCONT that resumes it, a
+// suspended job, starvation), seen as a gap between the thread's wakes, counts against no
+// peer's silence, no deadline here and no wait's (core/run_clock.hpp): a rank that was
+// stopped names nobody for it, and is named by those that ran, if it was stopped long
+// enough. (It used to judge itself stopped by a late wake and go quiet, then abort: under
+// load a job that had done all its work ended with exit 1 and no line.)
 class Watchdog {
  public:
   Watchdog(const Communicator& world, std::string rank_name, double liveness_s);
@@ -89,12 +95,6 @@ class Watchdog {
   // one does not exchange heartbeats with (rank 0's peers are all ranks, the others' rank 0).
   double silent_s(int peer);
   double liveness_s() const { return liveness_s_; }
-  // Whether this rank was the stopped one (SIGSTOP, then mpirun's SIGCONT as it tears the
-  // job down): the heartbeat thread, which wakes at least every quarter second, was woken
-  // over 1 s late within the last liveness_s + 5 seconds, or (asked from another thread)
-  // has not woken for over 1 s. The others have named it; it is to stay quiet, however
-  // fresh their words look (a rank proven silent is named at once, not after a grace).
-  bool was_stopped() const;
   // Heartbeats received so far, from every peer.
   long words_heard() {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -112,6 +112,9 @@ class Watchdog {
   void run();
   void beat(std::chrono::steady_clock::time_point now, bool send);  // under mutex_
   void close_peers();
+  // The thread's end when another rank speaks: quiet until the job ends, or until this
+  // rank's work ends first (then nothing failed here).
+  void quiet_until_end(std::unique_lock<std::mutex>& lock);
 
   MPI_Comm world_;
   int rank_ = 0;
@@ -122,9 +125,6 @@ class Watchdog {
   long words_heard_ = 0;
   std::vector<Peer> peers_;
   std::chrono::steady_clock::time_point deadline_, next_send_;
-  // The heartbeat thread's last wake, and its last wake over 1 s late (ns of the steady
-  // clock; 0: never).
-  std::atomic<long long> woke_ns_{0}, woke_late_ns_{0};
   std::mutex mutex_;
   std::condition_variable wake_;
   std::thread thread_;
