@@ -186,7 +186,7 @@ for round in $(seq "$rounds"); do startup "SIGUSR1 to a new rank (round $round)"
 # as it enters PHASE), resuming from a checkpoint: ended within --p2p-timeout + 4 s, named
 mkdir "$work/resume-from"
 launch 2 --steps 2 --checkpoint-dir "$work/resume-from" >/dev/null 2>&1
-phases=(options directory lock device resolve executor connect allocate resume claim)
+phases=(MPI_Init hosts options directory lock device resolve executor connect allocate resume claim)
 for round in $(seq "$rounds"); do
   phase=${phases[RANDOM % ${#phases[@]}]} victim=$((RANDOM % 2))
   start=$(now)
@@ -203,6 +203,92 @@ for round in $(seq "$rounds"); do
     || problem="${problem:+$problem; }rank $victim not named: $(grep -m1 "mpipe: error" "$work/log" | cut -c1-80)"
   row "SIGSTOP rank $victim in start-up ($phase)" "$rc" "$took" 1 "$(count "$work/resume-from")" "$problem"
 done
+
+# ---- a rank stopped from outside during start-up (D=2 x K=2, 0.3-0.8 s after launch: in
+# MPI_Init or just past it): named within --p2p-timeout + 5 s of the stop -----------------
+rank_pid() {  # rank_pid JOB RANK: the pid of that world rank of the job, once it exists
+  local p
+  for p in $(pgrep -f "$mpipe train"); do
+    tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=$2" && echo "$p" && return
+  done
+}
+for round in $(seq "$rounds"); do
+  victim=$((1 + RANDOM % 3)) delay="0.$((3 + RANDOM % 6))"
+  start=$(now)
+  launch_bg 4 --steps 100000 --replicas 2 > "$work/log" 2>&1 &
+  pid=$!
+  ( sleep 30; kill -9 "$pid" 2>/dev/null; pkill -9 -P "$pid" 2>/dev/null ) & guard=$!
+  victim_pid=""
+  until [[ -n $victim_pid ]] || ! kill -0 "$pid" 2>/dev/null; do victim_pid=$(rank_pid "$pid" "$victim"); done
+  left=$(/usr/bin/python3 -c "import sys,time; print(max(0.0, float(sys.argv[2]) - (time.time() - float(sys.argv[1]))))" "$start" "$delay")
+  sleep "$left"; kill -STOP "$victim_pid"; stopped=$(now)
+  wait "$pid"; rc=$?
+  took=$(since "$stopped")
+  kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
+  problem=$(one_error "$work/log")
+  [[ $rc -ne 0 && $rc -ne 137 ]] || problem="${problem:+$problem; }exit $rc"
+  over "$took" $((timeout_s + 5)) && problem="${problem:+$problem; }ended $took s after the stop"
+  grep -Eq "mpipe: error: ranks? $victim[ ,].*stopped answering" "$work/log" \
+    || problem="${problem:+$problem; }rank $victim not named: $(grep -m1 "mpipe: error" "$work/log" | cut -c1-80)"
+  row "SIGSTOP rank $victim ${delay} s after launch" "$rc" "$took" 0 0 "$problem"
+done
+
+# ---- a rank paused for less than --p2p-timeout (SIGSTOP, SIGCONT 1.5 s later): no failure
+for round in $(seq "$rounds"); do
+  victim=$((RANDOM % 2)) dir="$work/paused"
+  mkdir -p "$dir"
+  start=$(now)
+  launch_bg 2 --steps 300 --checkpoint-every 10 --checkpoint-dir "$dir" --p2p-timeout 10 > "$work/log" 2>&1 &
+  pid=$!
+  sleep "0.$((2 + RANDOM % 8))"
+  victim_pid=$(rank_pid "$pid" "$victim")
+  [[ -n $victim_pid ]] && kill -STOP "$victim_pid" && sleep 1.5 && kill -CONT "$victim_pid"
+  wait "$pid"; rc=$?
+  problem=""
+  [[ $rc -eq 0 ]] || problem="exit $rc"
+  grep -q "error\|MPI_ABORT" "$work/log" && problem="${problem:+$problem; }an error: $(grep -m1 "error\|MPI_ABORT" "$work/log" | cut -c1-80)"
+  row "rank $victim paused 1.5 s (p2p-timeout 10)" "$rc" "$(since "$start")" 0 "$(count "$dir")" "$problem"
+  rm -rf "$dir"
+done
+
+# ---- issue 48's inputs: a checkpoint one state of which is a soft link to the other, plan's
+# largest model at 16 GiB and at 1e20 GiB, gpu_check's --out over a checkpoint, a data file
+# truncated mid-run -------------------------------------------------------------------------
+good=$(ls "$work/resume-from"/ckpt-*.h5 | tail -1)
+cp "$good" "$work/alias.h5"
+/usr/bin/python3 -c "
+import h5py, sys
+with h5py.File(sys.argv[1], 'r+') as f:
+    n = '/optimizer/exp_avg/0000/wpe'; del f[n]; f[n] = h5py.SoftLink('/optimizer/exp_avg_sq/0000/wpe')" "$work/alias.h5"
+expect_two "inspect --verify: a state aliasing another" "$work/empty" "$mpipe" inspect "$work/alias.h5" --verify
+expect_two "resume: a state aliasing another" "$work/empty" launch_bg 2 --steps 4 --resume "$work/alias.h5"
+start=$(now)
+timeout 60 "$mpipe" plan --model gpt --layers 2 --d-model 32 --heads 2 --vocab 64 --seq-len 16 --batch-size 8 \
+  --micro-batches 2 --ranks 2 --memory-per-rank 16GiB > "$work/log" 2>&1; rc=$?
+took=$(since "$start")
+row "plan --memory-per-rank 16GiB" "$rc" "$took" - - "$([[ $rc -eq 0 ]] || echo "exit $rc"; over "$took" 20 && echo "took $took s")"
+expect_two "plan --memory-per-rank 1e20GiB" "$work/empty" "$mpipe" plan --memory-per-rank 1e20GiB
+cp "$good" "$work/precious.h5"
+expect_two "gpu_check.sh --out over a checkpoint" "$work/empty" bash "$root/scripts/gpu_check.sh" --out "$work/precious.h5"
+cmp -s "$good" "$work/precious.h5" || row "gpu_check.sh --out: the file" - - - - "the file was changed"
+/usr/bin/python3 -c "
+import h5py, numpy as np, sys
+with h5py.File(sys.argv[1], 'w') as f:
+    f['inputs'] = np.random.RandomState(0).rand(4000, 64).astype(np.float32)
+    f['labels'] = np.random.RandomState(1).randint(0, 10, 4000).astype(np.int32)" "$work/data.h5"
+start=$(now)
+mpiexec -n 2 --oversubscribe "$mpipe" train --model mlp --layers 2 --data "hdf5:$work/data.h5" --batch-size 8 \
+  --micro-batches 4 --threads 1 --steps 1000000 --log-every 1 > "$work/log" 2>&1 &
+pid=$!
+for _ in $(seq 300); do grep -q "^step  *3/" "$work/log" && break; sleep 0.1; done
+truncate -s 5000 "$work/data.h5"
+( sleep 60; kill -9 "$pid" 2>/dev/null; pkill -9 -P "$pid" 2>/dev/null ) & guard=$!
+wait "$pid"; rc=$?
+kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
+problem=$(one_error "$work/log")
+[[ $rc -eq 2 ]] || problem="${problem:+$problem; }exit $rc, expected 2"
+grep -q "mpipe: error: .*data.h5 changed while training read it" "$work/log" || problem="${problem:+$problem; }not said"
+row "a data file truncated mid-run" "$rc" "$(since "$start")" - - "$problem"
 
 # ---- a full disk under the checkpoint directory ----------------------------------------
 mkdir "$work/full"

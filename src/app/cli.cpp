@@ -12,6 +12,7 @@
 #include "mpipe/app/inspect.hpp"
 #include "mpipe/app/plan.hpp"
 #include "mpipe/app/process.hpp"
+#include "mpipe/app/startup.hpp"
 #include "mpipe/app/train.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/nn/registry.hpp"
@@ -197,13 +198,21 @@ int run_main(int argc, char** argv) {
   const bool own_mpi = training && !already;
   if (training) install_stop_handlers(environ);  // again: a test may call run_main
   if (own_mpi) {
+    // Until the watchdog runs, a rank stopped in MPI's start-up would hang the others there.
+    arm_startup_deadline(p2p_timeout_of(argc, argv, default_p2p_timeout), "MPI_Init");
+    fault_point("MPI_Init");
     // MULTIPLE for the communication progress thread (Progress falls back without it).
     int provided = 0;
     MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+    startup_phase("the options");
   }
   if (training) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   auto finish = [&](int code) {
-    if (own_mpi) MPI_Finalize();
+    if (own_mpi) {
+      startup_phase("MPI_Finalize");
+      MPI_Finalize();
+      disarm_startup_deadline();
+    }
     return code;
   };
 
@@ -291,6 +300,7 @@ int run_main(int argc, char** argv) {
     int code = exit_internal_error;
     try {
       const Communicator world = Communicator::borrow(MPI_COMM_WORLD);
+      startup_phase("hosts", train_config.pipeline.p2p_timeout);  // a --config file's timeout too
       code = run_train(train_config, world);
     } catch (const std::exception& e) {
       // Outside the guarded phases: one line, then end every rank.

@@ -22,6 +22,7 @@
 #include "mpipe/app/config_file.hpp"
 #include "mpipe/app/plan.hpp"
 #include "mpipe/app/process.hpp"
+#include "mpipe/app/startup.hpp"
 #include "mpipe/app/report.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
@@ -66,17 +67,6 @@ int agree(const Communicator& world, const std::function<void()>& phase) {
     std::fprintf(stderr, "%s\n", message.c_str());
   }
   return worst;
-}
-
-// A test's fault: MPIPE_FAULT_STOP=PHASE@RANK stops (SIGSTOP) that world rank as it
-// enters that start-up phase, so a test can put a stopped rank in any of them
-// (tests/mpi/startup_stopped.sh). Unset in every real run.
-void fault_point(const char* phase, int rank) {
-  static const std::string fault = [] {
-    const char* value = std::getenv("MPIPE_FAULT_STOP");
-    return std::string(value ? value : "");
-  }();
-  if (!fault.empty() && fault == cat(phase, "@", rank)) std::raise(SIGSTOP);
 }
 
 // Start-up: phases every rank runs and agrees on (agree above), under one watchdog armed
@@ -495,8 +485,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   // timeout, refused below, runs no heartbeats until then). The ranks come to it
   // together, out of MPI_Init.
   // The hosts first (a collective): the lines that name a rank name its node.
+  fault_point("hosts", world.rank());
   learn_hosts(world);
   Watchdog watchdog(world, rank_on_host(world.rank()), options.pipeline.p2p_timeout);
+  disarm_startup_deadline();  // the watchdog names a stopped rank from here on
   std::optional<StartUp> start_up(std::in_place, world, watchdog);
   // The plan, made by each rank alone: a bad schedule, --balance or model is said before
   // anything is created or locked. It stands unless --partition time measures (below).

@@ -13,6 +13,9 @@
 
 namespace mpipe {
 
+// --p2p-timeout unless given (seconds).
+inline constexpr double default_p2p_timeout = 600.0;
+
 struct PipelineConfig {
   GridShape grid{0, 0, "auto"};    // --stages, --replicas (0: inferred), --rank-order
   std::string schedule = "gpipe";  // a name of schedule_kinds(), or file:PATH
@@ -22,7 +25,7 @@ struct PipelineConfig {
   std::string partition = "flops"; // partition_names
   std::string balance;             // "a,b,..." layers per stage; overrides partition
   std::string link_bandwidth = "auto";  // auto | off | GB/s: links counted by --partition time
-  double p2p_timeout = 600.0;      // seconds a point-to-point wait may block
+  double p2p_timeout = default_p2p_timeout;  // seconds a point-to-point wait may block
   std::string comm_progress = "thread";  // thread | layers | waits (pipeline/progress.hpp)
   double comm_poll_us = 5000;      // the progress thread's poll interval while nothing moves, microseconds
   std::string comm_wait = "sleep";  // comm_wait_names: how a wait passes the time once nothing moves
