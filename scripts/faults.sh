@@ -269,8 +269,12 @@ took=$(since "$start")
 row "plan --memory-per-rank 16GiB" "$rc" "$took" - - "$([[ $rc -eq 0 ]] || echo "exit $rc"; over "$took" 20 && echo "took $took s")"
 expect_two "plan --memory-per-rank 1e20GiB" "$work/empty" "$mpipe" plan --memory-per-rank 1e20GiB
 cp "$good" "$work/precious.h5"
-expect_two "gpu_check.sh --out over a checkpoint" "$work/empty" bash "$root/scripts/gpu_check.sh" --out "$work/precious.h5"
-cmp -s "$good" "$work/precious.h5" || row "gpu_check.sh --out: the file" - - - - "the file was changed"
+bash "$root/scripts/gpu_check.sh" --out "$work/precious.h5" > "$work/log" 2>&1; rc=$?
+problem=""
+[[ $rc -eq 2 ]] || problem="exit $rc, expected 2"
+grep -q "gpu_check.sh: --out '.*precious.h5' exists and is not a gpu_check report; hint" "$work/log" || problem="${problem:+$problem; }not said"
+cmp -s "$good" "$work/precious.h5" || problem="${problem:+$problem; }the file was changed"
+row "gpu_check.sh --out over a checkpoint" "$rc" - - - "$problem"
 /usr/bin/python3 -c "
 import h5py, numpy as np, sys
 with h5py.File(sys.argv[1], 'w') as f:

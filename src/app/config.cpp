@@ -64,6 +64,11 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(word_index(p.batchnorm, batchnorm_names) >= 0, "use --batchnorm micro or deferred",
                 "unknown --batchnorm '", p.batchnorm, "'");
   MPIPE_REQUIRE(p.p2p_timeout > 0, "e.g. --p2p-timeout 600", "--p2p-timeout must be positive, got ", p.p2p_timeout);
+  if (!c.time_limit.empty()) parse_time_limit(c.time_limit);  // throws UserError when malformed
+  // A run stopped in time exits 75 for its batch script to requeue it: without a
+  // checkpoint to continue from, the requeued run would start again from step 0.
+  MPIPE_REQUIRE(c.time_limit.empty() || !c.checkpoint_dir.empty(), "give --checkpoint-dir DIR (its checkpoint is what the next run continues)",
+                "--time-limit stops the run in time to write a checkpoint, and there is no --checkpoint-dir");
   parse_progress_mode(p.comm_progress);  // throws UserError for an unknown name
   parse_link_bandwidth(p.link_bandwidth);  // likewise
   MPIPE_REQUIRE(p.comm_poll_us >= 0 && p.comm_poll_us <= 1e6, "e.g. --comm-poll-us 5000 (0: no pause)",
@@ -218,6 +223,14 @@ double parse_time_limit(const std::string& text) {
       throw bad;
     return std::stod(part);
   };
+  // A field after the first: minutes or seconds below 60 (hours below 24 after a day).
+  auto below = [&](const std::string& part, double limit) {
+    const double value = whole(part);
+    if (value >= limit)
+      throw UserError(cat("--time-limit '", text, "': ", part, " is not below ", limit, " in its place"),
+                      "give minutes (90) or [D-]H:MM:SS as Slurm writes it (1-12:00:00, 2:30:00, 45:00)");
+    return value;
+  };
   std::string rest = text;
   double days = 0;
   const auto dash = rest.find('-');
@@ -235,17 +248,17 @@ double parse_time_limit(const std::string& text) {
   double seconds = 0;
   if (dash != std::string::npos) {  // D-H, D-H:MM, D-H:MM:SS
     if (parts.size() > 3) throw bad;
-    const double unit[] = {3600, 60, 1};
-    for (std::size_t i = 0; i < parts.size(); ++i) seconds += whole(parts[i]) * unit[i];
+    const double unit[] = {3600, 60, 1}, limit[] = {24, 60, 60};
+    for (std::size_t i = 0; i < parts.size(); ++i) seconds += below(parts[i], limit[i]) * unit[i];
   } else if (parts.size() == 1) {  // minutes, fractions allowed
     char* end = nullptr;
     const double minutes = std::strtod(parts[0].c_str(), &end);
     if (parts[0].empty() || *end != '\0' || !std::isfinite(minutes)) throw bad;
     seconds = minutes * 60;
   } else if (parts.size() == 2) {
-    seconds = whole(parts[0]) * 60 + whole(parts[1]);
+    seconds = whole(parts[0]) * 60 + below(parts[1], 60);
   } else if (parts.size() == 3) {
-    seconds = whole(parts[0]) * 3600 + whole(parts[1]) * 60 + whole(parts[2]);
+    seconds = whole(parts[0]) * 3600 + below(parts[1], 60) * 60 + below(parts[2], 60);
   } else {
     throw bad;
   }
@@ -286,6 +299,9 @@ void check_output_files(const TrainConfig& c) {
       MPIPE_REQUIRE(::access(o.path.c_str(), W_OK) == 0, "choose a file you can write", o.option, " '", o.path,
                     "' is not writable");
     } else {
+      // A link to nothing: the file would be made where it points, if there is a there.
+      MPIPE_REQUIRE(!fs::is_symlink(fs::symlink_status(o.path, ec)), "give a file, or a link to one that exists",
+                    o.option, " '", o.path, "' is a link to nothing ('", fs::read_symlink(o.path, ec).string(), "')");
       const fs::path parent = fs::path(o.path).has_parent_path() ? fs::path(o.path).parent_path() : fs::path(".");
       MPIPE_REQUIRE(fs::is_directory(parent, ec), cat("create '", parent.string(), "' first, or choose another path"),
                     o.option, " '", o.path, "': no directory '", parent.string(), "'");

@@ -299,11 +299,16 @@ int Training::run() {
       if (stop) {
         // Every rank saw the same flag in the step's allreduce: stop here, together.
         preempted_ = true;
+        // Rank 0 says why: its own reason, or else a signal that reached another rank (the
+        // flag is the step's agreed maximum; no time limit is up unless one was given).
         if (root_)
-          std::printf("step %lld: %s; checkpointing and exiting with code %d\n", static_cast<long long>(step + 1),
+          std::printf("step %lld: %s; %s and exiting with code %d\n", static_cast<long long>(step + 1),
                       !output_error_.empty() ? "an output file cannot be written"
                       : stop_signalled()     ? "stop signal received"
-                                             : "--time-limit reached",
+                      : time_is_up()         ? "--time-limit reached"
+                      : time_limit_s_ > 0    ? "a stop signal, or --time-limit, reached another rank"
+                                             : "a stop signal reached another rank",
+                      config_.checkpoint_dir.empty() ? "no --checkpoint-dir, so nothing is saved," : "checkpointing",
                       output_error_.empty() ? exit_preempted : exit_user_error);
         if (!checkpoint(step + 1)) return exit_internal_error;
         break;

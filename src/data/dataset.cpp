@@ -232,25 +232,26 @@ class TokenFile final : public Dataset {
   std::uint64_t seed_;
 };
 
-std::vector<char> read_file(const std::string& path) {
+std::vector<char> read_file(const std::string& path, const std::string& option) {
+  const std::string noun = option == "--data" ? "data file" : option + " file";
   // Only regular files: a FIFO with no writer would block the open for ever, a directory
   // or a device (/dev/zero) has no size to read.
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
-  MPIPE_REQUIRE(fs::exists(status), "no such file: check the path given to --data", "cannot open data file '", path,
+  MPIPE_REQUIRE(fs::exists(status), cat("no such file: check the path given to ", option), "cannot open ", noun, " '", path,
                 "'");
   MPIPE_REQUIRE(!fs::is_directory(status), "give one file of text or tokens, not a directory",
-                "data file '", path, "' is a directory");
+                noun, " '", path, "' is a directory");
   MPIPE_REQUIRE(fs::is_regular_file(status), "give a regular file (not a FIFO, socket or device)",
-                "data file '", path, "' is not a regular file");
+                noun, " '", path, "' is not a regular file");
   std::ifstream in(path, std::ios::binary | std::ios::ate);
-  MPIPE_REQUIRE(in, "check the path given to --data", "cannot open data file '", path, "'");
+  MPIPE_REQUIRE(in, cat("check the path given to ", option), "cannot open ", noun, " '", path, "'");
   const std::streamsize size = in.tellg();
-  MPIPE_REQUIRE(size > 0, "give a file with data in it", "data file '", path, "' is empty");
+  MPIPE_REQUIRE(size > 0, "give a file with data in it", noun, " '", path, "' is empty");
   std::vector<char> bytes(static_cast<std::size_t>(size));
   in.seekg(0);
-  MPIPE_REQUIRE(in.read(bytes.data(), size), "check the file", "cannot read data file '", path, "'");
+  MPIPE_REQUIRE(in.read(bytes.data(), size), "check the file", "cannot read ", noun, " '", path, "'");
   return bytes;
 }
 
@@ -262,7 +263,8 @@ std::string data_file(const std::string& spec) {
 }
 
 std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed, bool held_out) {
-  const std::string hint = "use --data synthetic, text:PATH, tokens:PATH or hdf5:PATH";
+  const std::string option = held_out ? "--eval-data" : "--data";  // the one the messages name
+  const std::string hint = cat("use ", option, " synthetic, text:PATH, tokens:PATH or hdf5:PATH");
   // A model of tokens predicts tokens of its vocabulary (the loss's classes).
   const int64_t seq_len = model.tokens(), vocab = model.classes();
   if (spec.rfind("hdf5:", 0) == 0 && spec.size() > 5) return make_labelled_file(spec.substr(5), model, seed, !held_out);
@@ -278,16 +280,16 @@ std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& mode
     return std::make_unique<MarkovTokens>(static_cast<int>(vocab), static_cast<int>(seq_len), seed);
   }
   const auto colon = spec.find(':');
-  MPIPE_REQUIRE(colon != std::string::npos && colon + 1 < spec.size(), hint, "bad --data '", spec, "'");
+  MPIPE_REQUIRE(colon != std::string::npos && colon + 1 < spec.size(), hint, "bad ", option, " '", spec, "'");
   const std::string kind = spec.substr(0, colon), path = data_file(spec);
-  MPIPE_REQUIRE(kind == "text" || kind == "tokens", hint, "unknown data kind '", kind, "' in --data");
+  MPIPE_REQUIRE(kind == "text" || kind == "tokens", hint, "unknown data kind '", kind, "' in ", option);
   MPIPE_REQUIRE(seq_len > 0, "use --data synthetic with a model of inputs (mlp)",
-                "--data ", kind, ": files of tokens are for models of tokens (gpt)");
-  const std::vector<char> bytes = read_file(path);
+                option, " ", kind, ": files of tokens are for models of tokens (gpt)");
+  const std::vector<char> bytes = read_file(path, option);
   std::vector<int32_t> tokens;
   if (kind == "text") {
     MPIPE_REQUIRE(vocab >= 256, "use --vocab 256 or more with text data",
-                  "--data text: needs byte tokens (vocabulary 256), but the model's vocabulary is ", vocab);
+                  option, " text: needs byte tokens (vocabulary 256), but the model's vocabulary is ", vocab);
     tokens.assign(reinterpret_cast<const unsigned char*>(bytes.data()),
                   reinterpret_cast<const unsigned char*>(bytes.data()) + bytes.size());
   } else {

@@ -122,11 +122,13 @@ class LabelledFile final : public Dataset {
 std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model& model, std::uint64_t seed, bool shuffle) {
   namespace fs = std::filesystem;
   const std::string hint = "see docs/data.md for the layout (/inputs N x ..., /labels N)";
-  const std::string file_name = cat("data file '", path, "'");
+  const std::string option = shuffle ? "--data" : "--eval-data";  // held-out data is read in order
+  const std::string file_name = cat(shuffle ? "data file" : "--eval-data file", " '", path, "'");
   std::error_code ec;
+  MPIPE_REQUIRE(fs::exists(path, ec), cat("no such file: check the path given to ", option), "cannot open ", file_name);
   MPIPE_REQUIRE(fs::is_regular_file(path, ec), "give the path of an HDF5 file", file_name, " is not a regular file");
   MPIPE_REQUIRE(model.tokens() == 0, "use hdf5 data with a model of 'input = [...]' (mlp, a CNN)",
-                "--data hdf5: labelled samples are for models of inputs, not of tokens");
+                option, " hdf5: labelled samples are for models of inputs, not of tokens");
   quiet_hdf5();
   MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, hint, file_name, " is not an HDF5 file");
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);

@@ -404,9 +404,13 @@ std::vector<std::string> resume_candidates(CheckpointDir& dir, const Model& mode
       std::vector<std::string> found;
       for (const auto& entry : fs::directory_iterator(config.dir)) {
         const std::string name = entry.path().filename().string();
-        if (name.rfind(".ckpt-", 0) == 0 && name.size() > 4 && name.substr(name.size() - 4) == ".tmp") {
+        const auto ends_with = [&](const char* tail) { return name.size() >= std::strlen(tail) && name.compare(name.size() - std::strlen(tail), std::string::npos, tail) == 0; };
+        // A stray temporary from a run that died while writing, or the lock file MPI-IO
+        // made beside it (.ckpt-N.h5.tmp-<job>.lock): the directory's lock says no other
+        // job is writing one.
+        if (name.rfind(".ckpt-", 0) == 0 && (ends_with(".tmp") || (name.find(".h5.tmp-") != std::string::npos && ends_with(".lock")))) {
           std::error_code ec;
-          fs::remove(entry.path(), ec);  // a stray temporary from a run that died while writing
+          fs::remove(entry.path(), ec);
         } else if (checkpoint_step_of_name(name) >= 0) {
           found.push_back(entry.path().string());
         }

@@ -126,6 +126,20 @@ preempt)
   out=$(run 2 "${model[@]}" --steps 40 --checkpoint-dir "$work/cut")
   grep "resumed from" <<<"$out" >/dev/null || fail "did not resume: $out"
   same_tensors "$work/full/ckpt-00000040.h5" "$work/cut/ckpt-00000040.h5"
+  # SIGTERM to rank 1 alone: rank 0 says why it stops (the signal reached another rank;
+  # it said "--time-limit reached" with no time limit given).
+  mkdir "$work/rank1"
+  mpiexec -n 2 --oversubscribe "$mpipe" "${model[@]}" --steps 100000 --checkpoint-dir "$work/rank1" --metrics "$work/r.jsonl" \
+    > "$work/log" 2>&1 &
+  pid=$!
+  for _ in $(seq 200); do [[ -s "$work/r.jsonl" && $(wc -l < "$work/r.jsonl") -ge 3 ]] && break; sleep 0.05; done
+  for child in $(pgrep -P "$pid"); do
+    tr '\0' '\n' < "/proc/$child/environ" | grep -qx "OMPI_COMM_WORLD_RANK=1" && kill -TERM "$child"
+  done
+  set +e; wait "$pid"; rc=$?; set -e
+  [[ $rc -eq 75 ]] || fail "SIGTERM to rank 1: exit $rc, expected 75: $(tail -5 "$work/log")"
+  grep -q "^step [0-9]*: a stop signal reached another rank; checkpointing and exiting with code 75" "$work/log" \
+    || fail "SIGTERM to rank 1: $(grep -a "^step [0-9]*:" "$work/log")"
   # SIGTERM to mpirun (what timeout(1) sends): Open MPI's mpirun passes SIGTERM to the
   # ranks, stops reading their output and kills them odls_base_sigkill_timeout (1 s)
   # later, exiting 1 whatever they return. With a step log line every step the output

@@ -18,6 +18,7 @@
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/error.hpp"
 #include "mpipe/pipeline/executor.hpp"
+#include "temp_dir.hpp"
 
 using namespace mpipe;
 using mpipe::test::gather_params;
@@ -129,7 +130,7 @@ void check_same_bits(const Run& a, const Run& b) {
 // max pool, a grouped convolution, a residual block with a projection and skip-norm, an
 // average pool, global average pooling and flatten, then the head. Written once per rank.
 std::string cnn_model_file() {
-  const auto path = std::filesystem::temp_directory_path() / cat("mpipe_cuda_cnn_", world().rank(), ".toml");
+  const auto path = mpipe::testing::test_file("cuda_cnn.toml");
   std::ofstream(path) << "input = [3, 20, 20]\n"
                          "[[layer]]\nkind = \"conv2d\"\nout = 8\nkernel = 5\nstride = 2\npadding = 2\nbias = false\n"
                          "[[layer]]\nkind = \"batchnorm2d\"\n"

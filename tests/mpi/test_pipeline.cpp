@@ -30,6 +30,7 @@
 #include "mpipe/pipeline/pair_sum.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
+#include "temp_dir.hpp"
 
 using namespace mpipe;
 using mpipe::test::gather_params;
@@ -150,7 +151,7 @@ std::vector<std::vector<float>> checkpoint_datasets(const std::string& path, con
 // A file of this process's own (ctest runs this binary twice at once: mpi.pipeline and
 // mpi.pipeline_no_single_copy; one removing a shared name failed the other's reads).
 std::filesystem::path process_file(const char* name) {
-  return std::filesystem::temp_directory_path() / cat(name, "_", world().rank(), "_", ::getpid(), ".toml");
+  return mpipe::testing::test_file(cat(name, ".toml"));
 }
 
 std::filesystem::path model_file(const char* name, const char* text) {

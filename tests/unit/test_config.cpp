@@ -13,6 +13,7 @@
 #include "mpipe/app/config.hpp"
 #include "mpipe/app/config_file.hpp"
 #include "mpipe/app/process.hpp"
+#include "temp_dir.hpp"
 
 using namespace mpipe;
 namespace fs = std::filesystem;
@@ -41,8 +42,7 @@ int run(std::vector<std::string> args) {
 fs::path write_toml(const std::string& text) {
   // One name per process: ctest runs these test cases in parallel processes.
   static int count = 0;
-  const fs::path path = fs::temp_directory_path() /
-                        ("mpipe-test-config-" + std::to_string(getpid()) + "-" + std::to_string(count++) + ".toml");
+  const fs::path path = mpipe::testing::test_file("config-" + std::to_string(count++) + ".toml");
   std::ofstream(path) << text;
   return path;
 }

@@ -16,6 +16,7 @@
 #include "mpipe/core/error.hpp"
 #include "mpipe/data/dataset.hpp"
 #include "mpipe/pipeline/prefetch.hpp"
+#include "temp_dir.hpp"
 
 using namespace mpipe;
 namespace fs = std::filesystem;
@@ -40,7 +41,7 @@ struct Batch {
 };
 
 fs::path temp_file(const std::string& name, const std::string& bytes) {
-  const fs::path path = fs::temp_directory_path() / ("mpipe-test-" + std::to_string(getpid()) + "-" + name);
+  const fs::path path = mpipe::testing::test_file(name);
   std::ofstream(path, std::ios::binary) << bytes;
   return path;
 }
@@ -139,7 +140,7 @@ TEST_CASE("bad data: one clear user error naming the problem") {
 }
 
 TEST_CASE("synthetic images: the same however split, labels in range, and learnable from the pixels") {
-  const auto path = fs::temp_directory_path() / "mpipe_images.toml";
+  const auto path = mpipe::testing::test_file("images.toml");
   std::ofstream(path) << "input = [2, 6, 5]\n[[layer]]\nkind = \"conv2d\"\nout = 4\nkernel = 3\n"
                          "[[layer]]\nkind = \"global-avgpool\"\n[[layer]]\nkind = \"linear\"\nout = 5\n"
                          "[[layer]]\nkind = \"cross_entropy\"\n";
@@ -190,7 +191,7 @@ TEST_CASE("synthetic images: the same however split, labels in range, and learna
 TEST_CASE("hdf5 data: rows read by part, scaled and normalised, every row once per epoch, labels alone") {
   // 7 samples of (2, 3, 2) uint8 with per-channel mean and std; sample s, channel c,
   // pixel i holds 10 s + 3 c + i, and label s % 4.
-  const auto path = fs::temp_directory_path() / "mpipe_labelled.h5";
+  const auto path = mpipe::testing::test_file("labelled.h5");
   constexpr int N = 7, C = 2, plane = 6, per = C * plane;
   {
     std::vector<std::uint8_t> pixels(N * per);
@@ -219,7 +220,7 @@ TEST_CASE("hdf5 data: rows read by part, scaled and normalised, every row once p
     H5Dclose(ls);
     H5Fclose(file);
   }
-  const auto model_path = fs::temp_directory_path() / "mpipe_labelled.toml";
+  const auto model_path = mpipe::testing::test_file("labelled.toml");
   std::ofstream(model_path) << "input = [2, 3, 2]\n[[layer]]\nkind = \"flatten\"\n[[layer]]\nkind = \"linear\"\nout = 4\n"
                                "[[layer]]\nkind = \"cross_entropy\"\n";
   ModelConfig m;
@@ -300,7 +301,7 @@ std::vector<std::uint32_t> documented_order(std::uint64_t seed, std::uint64_t ep
 
 TEST_CASE("hdf5 data: a run's batches follow the rule docs/data.md states, shuffle and replica split included") {
   // 11 rows labelled by their index, so a batch's labels are its rows.
-  const auto path = fs::temp_directory_path() / "mpipe_batch_rule.h5";
+  const auto path = mpipe::testing::test_file("batch_rule.h5");
   constexpr int N = 11;
   {
     std::vector<float> pixels(N * 4, 0.5f);
@@ -318,7 +319,7 @@ TEST_CASE("hdf5 data: a run's batches follow the rule docs/data.md states, shuff
     H5Dclose(ls);
     H5Fclose(file);
   }
-  const auto model_path = fs::temp_directory_path() / "mpipe_batch_rule.toml";
+  const auto model_path = mpipe::testing::test_file("batch_rule.toml");
   std::ofstream(model_path) << "input = [1, 2, 2]\n[[layer]]\nkind = \"flatten\"\n[[layer]]\nkind = \"linear\"\nout = 16\n"
                                "[[layer]]\nkind = \"cross_entropy\"\n";
   ModelConfig m;

@@ -12,6 +12,7 @@
 #include "compare.hpp"
 #include "gradcheck.hpp"
 #include "local_trainer.hpp"
+#include "temp_dir.hpp"
 
 using namespace mpipe;
 using mpipe::test::relative_difference;
@@ -80,7 +81,7 @@ TEST_CASE("mlp: whole-model gradient matches finite differences") { model_gradch
 TEST_CASE("a model file of every sequence layer kind: whole-model gradient matches finite differences") {
   // Built through the registry: an embedding, a block, an attention layer, layernorm,
   // linear with and without bias, GELU, ReLU and dropout.
-  const auto path = std::filesystem::temp_directory_path() / "mpipe_every_kind.toml";
+  const auto path = mpipe::testing::test_file("every_kind.toml");
   std::ofstream(path) << "tokens = 8\n"
                          "[[layer]]\nkind = \"embedding\"\nvocab = 13\nout = 16\ndropout = 0.1\n"
                          "[[layer]]\nkind = \"block\"\nheads = 2\ndropout = 0.1\n"

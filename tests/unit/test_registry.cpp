@@ -19,6 +19,7 @@
 #include "mpipe/nn/transformer_layers.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/stage.hpp"
+#include "temp_dir.hpp"
 
 using namespace mpipe;
 
@@ -62,7 +63,7 @@ ModelSpec one_layer_model(const LayerKind& kind) {
 }
 
 std::string write_temp(const std::string& name, const std::string& text) {
-  const auto path = std::filesystem::temp_directory_path() / name;
+  const auto path = mpipe::testing::test_file(name);
   std::ofstream(path) << text;
   return path.string();
 }

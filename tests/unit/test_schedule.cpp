@@ -13,6 +13,7 @@
 #include "mpipe/nn/model.hpp"
 #include "mpipe/pipeline/partition.hpp"
 #include "mpipe/pipeline/schedule.hpp"
+#include "temp_dir.hpp"
 
 using namespace mpipe;
 
@@ -693,7 +694,7 @@ TEST_CASE("schedule files: every built-in schedule round-trips through its text,
         CHECK(back.stages == K);
         CHECK(back.micro_batches == M);
         CHECK(back.actions == s.actions);
-        const auto path = std::filesystem::temp_directory_path() / "mpipe_schedule.txt";
+        const auto path = mpipe::testing::test_file("schedule.txt");
         std::ofstream(path) << s.to_text();
         const Schedule read = make_schedule("file:" + path.string(), K, M, v);
         CHECK(read.actions == s.actions);
@@ -703,7 +704,7 @@ TEST_CASE("schedule files: every built-in schedule round-trips through its text,
 }
 
 TEST_CASE("schedule files: a broken one is one user error naming the file, the line or stage, and the rule") {
-  const auto path = std::filesystem::temp_directory_path() / "mpipe_broken_schedule.txt";
+  const auto path = mpipe::testing::test_file("broken_schedule.txt");
   const std::string spec = "file:" + path.string();
   auto refused = [&](const std::string& text, int stages, int micro_batches) -> std::string {
     std::ofstream(path) << text;

@@ -41,17 +41,34 @@ class TimeoutError : public Error {
 // A problem with the user's input; `hint` says what to do about it.
 class UserError : public std::runtime_error {
  public:
-  // Control bytes (a binary file's, quoted back) become '?': the error stays one line a
-  // terminal prints as it is.
+  // Control bytes and bytes that are not UTF-8 (a binary file's, quoted back) become '?':
+  // the error stays one line a terminal prints as it is; UTF-8 text (a path in another
+  // script) is kept.
   UserError(std::string what, std::string hint)
-      : std::runtime_error(one_line(std::move(what))), hint_(one_line(std::move(hint))) {}
+      : std::runtime_error(one_line(what)), hint_(one_line(hint)) {}
   const std::string& hint() const { return hint_; }
 
  private:
-  static std::string one_line(std::string text) {
-    for (char& ch : text)
-      if (static_cast<unsigned char>(ch) < 0x20 || ch == 0x7f) ch = '?';
-    return text;
+  static std::string one_line(const std::string& text) {
+    std::string out;
+    out.reserve(text.size());
+    for (std::size_t i = 0; i < text.size();) {
+      const auto byte = [&](std::size_t at) { return static_cast<unsigned char>(text[at]); };
+      const unsigned char lead = byte(i);
+      // The continuation bytes a lead byte announces (0: ASCII; -1: not a lead byte).
+      const int more = lead < 0x80 ? 0 : lead >= 0xc2 && lead <= 0xdf ? 1 : lead >= 0xe0 && lead <= 0xef ? 2
+                     : lead >= 0xf0 && lead <= 0xf4 ? 3 : -1;
+      bool whole = more >= 0 && i + static_cast<std::size_t>(more) < text.size();
+      for (int k = 1; whole && k <= more; ++k) whole = (byte(i + static_cast<std::size_t>(k)) & 0xc0) == 0x80;
+      if (!whole || lead < 0x20 || lead == 0x7f) {
+        out += '?';
+        ++i;
+        continue;
+      }
+      out.append(text, i, static_cast<std::size_t>(more) + 1);
+      i += static_cast<std::size_t>(more) + 1;
+    }
+    return out;
   }
   std::string hint_;
 };

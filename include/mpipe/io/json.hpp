@@ -29,9 +29,13 @@ inline Json json_number(double value, int digits = 9) {
 // full disk is said, never reported as written. `what`: "trace"; `option`: "--trace".
 inline void close_output(std::FILE* out, const std::string& path, const char* what, const char* option) {
   const bool failed = !out || std::ferror(out);
-  if ((out && std::fclose(out) != 0) || failed)
-    throw UserError(cat("cannot write ", what, " file '", path, "': ", std::strerror(errno ? errno : EIO)),
-                    cat("free space there, or give ", option, " a file on another file system"));
+  if ((out && std::fclose(out) != 0) || failed) {
+    const int error = errno ? errno : EIO;
+    const bool full = error == ENOSPC || error == EDQUOT || error == EFBIG;  // the only ones free space mends
+    throw UserError(cat("cannot write ", what, " file '", path, "': ", std::strerror(error)),
+                    full ? cat("free space there, or give ", option, " a file on another file system")
+                         : cat("give ", option, " a file you can write"));
+  }
 }
 
 }  // namespace mpipe
