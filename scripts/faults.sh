@@ -233,6 +233,23 @@ for round in $(seq "$rounds"); do
   row "SIGSTOP rank $victim ${delay} s after launch" "$rc" "$took" 0 0 "$problem"
 done
 
+# ---- a rank stopped during evaluation: named, with the rank that saw it ---------------------
+start=$(now)
+launch_bg 2 --steps 100000 --eval-data synthetic --eval-every 1 --eval-batches 50 > "$work/log" 2>&1 &
+pid=$!
+for _ in $(seq 300); do grep -q "^eval step" "$work/log" && break; sleep 0.05; done
+victim_pid=$(rank_pid "$pid" 1)
+( sleep 30; kill -9 "$pid" 2>/dev/null; pkill -9 -P "$pid" 2>/dev/null ) & guard=$!
+sleep 0.3; kill -STOP "$victim_pid"; stopped=$(now)
+wait "$pid"; rc=$?
+took=$(since "$stopped")
+kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
+problem=$(one_error "$work/log")
+[[ $rc -ne 0 && $rc -ne 137 ]] || problem="${problem:+$problem; }exit $rc"
+grep -Eq "mpipe: error: rank 1 stopped answering .*Seen by rank 0 [^:]*(in evaluation|at step [0-9]+)" "$work/log" \
+  || problem="${problem:+$problem; }$(grep -m1 "mpipe: error" "$work/log" | cut -c1-100)"
+row "SIGSTOP rank 1 in evaluation" "$rc" "$took" - - "$problem"
+
 # ---- a rank paused for less than --p2p-timeout (SIGSTOP, SIGCONT 1.5 s later): no failure
 for round in $(seq "$rounds"); do
   victim=$((RANDOM % 2)) dir="$work/paused"

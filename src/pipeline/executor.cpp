@@ -393,9 +393,22 @@ void Executor::update(StepResult& r) {
 EvalResult Executor::evaluate() {
   MPIPE_CHECK(!plan_.options.eval_data.empty(), "evaluate() without --eval-data");
   MPIPE_CHECK(!pending_, "evaluate() with a step in flight (settle() it first)");
-  // The file's size, the same on every rank (rank 0 knows it); 0 for synthetic data.
+  try {
+    return evaluate_unchecked();
+  } catch (const std::exception& e) {
+    // Name this rank as a step's errors do (a wait's timeout says only what it waited for).
+    const std::string what = e.what();
+    if (what.rfind("rank ", 0) == 0) throw;
+    rethrow_as(e, cat(grid_->name(), " in evaluation: ", what));
+  }
+}
+
+EvalResult Executor::evaluate_unchecked() {
+  // The file's size, the same on every rank (the ranks that read it know it; 0 for
+  // synthetic data); agreed within --p2p-timeout like every other wait.
   double size = eval_dataset_ ? static_cast<double>(eval_dataset_->size()) : 0.0;
-  world_.broadcast(std::span<double>(&size, 1), 0);
+  Progress::Ticket agreed = progress_->track(world_.iallreduce(std::span<double>(&size, 1), Reduce::max), false);
+  progress_->wait(agreed, plan_.options.p2p_timeout, "the evaluation's size agreement, batch", 0);
   int batches = plan_.options.eval_batches;
   if (batches == 0)  // a file's whole batches
     batches = size > 0 ? std::max(1, static_cast<int>(size / plan_.options.batch_size)) : 8;

@@ -168,6 +168,7 @@ class Executor : StageHooks {
  private:
   using Clock = std::chrono::steady_clock;
   StepResult step_unchecked(std::int64_t step);
+  EvalResult evaluate_unchecked();
   std::span<const StepResult> advance_unchecked(std::int64_t step);
   // After the pipeline pass: the sums over replicas and tied weights, then the
   // agreement posted with this rank's `pipeline_seconds` and its compute less `dropped`
