@@ -13,6 +13,7 @@
 #include "mpipe/app/plan.hpp"
 #include "mpipe/app/process.hpp"
 #include "mpipe/app/startup.hpp"
+#include "mpipe/pipeline/progress.hpp"
 #include "mpipe/app/train.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/nn/registry.hpp"
@@ -200,6 +201,7 @@ int run_main(int argc, char** argv) {
   if (own_mpi) {
     // Until the watchdog runs, a rank stopped in MPI's start-up would hang the others there.
     arm_startup_deadline(p2p_timeout_of(argc, argv, default_p2p_timeout), "MPI_Init");
+    set_mpi_transfer_defaults();  // read by MPI_Init
     fault_point("MPI_Init");
     // MULTIPLE for the communication progress thread (Progress falls back without it).
     int provided = 0;

@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 
 #if defined(__linux__)
@@ -91,7 +92,16 @@ std::string Progress::waits() const {
                      : "waits test while data moves, then sleep between tests";
 }
 
+void set_mpi_transfer_defaults() {
+  ::setenv("OMPI_MCA_pml_ob1_send_pipeline_depth", std::to_string(send_pipeline_depth).c_str(), /*overwrite=*/0);
+}
+
 std::string Progress::describe() const {
+  const char* depth = std::getenv("OMPI_MCA_pml_ob1_send_pipeline_depth");
+  return describe_mode() + (depth ? cat("; pml_ob1_send_pipeline_depth ", depth) : "");
+}
+
+std::string Progress::describe_mode() const {
   switch (mode_) {
     case ProgressMode::thread:
       return cat("posted messages are tested between layers and by a progress thread every ",

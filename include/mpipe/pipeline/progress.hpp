@@ -38,6 +38,17 @@ enum class ProgressMode { thread, layers, waits };
 const char* to_string(ProgressMode mode);
 ProgressMode parse_progress_mode(const std::string& name);  // UserError for an unknown name
 
+// Before MPI_Init. Without single-copy (no CMA: containers, some VMs; between nodes) Open
+// MPI's ob1 moves a large message as fragments, pml_ob1_send_pipeline_depth of them (3)
+// per turn of the sender's progress after the receiver's answer; a stage that computes
+// between its sweeps then holds each message back for several turns (K = 2 on stages of
+// one block: 1.1 ms mean from a posted activation to its receiver seeing it, 20 ms until
+// the send completed, against 0.05 ms with single-copy). Unless the environment sets it
+// (mpirun --mca, -x), the depth becomes send_pipeline_depth: a message of up to 4 MiB
+// (Open MPI's shared-memory segment) moves in one turn. The run's header names the depth.
+inline constexpr int send_pipeline_depth = 128;
+void set_mpi_transfer_defaults();
+
 class Progress {
  public:
   using Clock = std::chrono::steady_clock;
@@ -63,7 +74,7 @@ class Progress {
   Progress& operator=(const Progress&) = delete;
 
   ProgressMode mode() const { return mode_; }
-  std::string describe() const;  // for the run's header
+  std::string describe() const;  // for the run's header (with the send pipeline's depth)
   // The MPI thread level this process runs with (MPI_Query_thread).
   static int thread_level();
 
@@ -117,6 +128,7 @@ class Progress {
   void adopt_incoming();  // tracked since the last sweep into the live arrays; under both mutexes
   void cancel_remaining();
   std::string waits() const;  // how waits behave, for describe()
+  std::string describe_mode() const;
 
   ProgressMode mode_;
   std::chrono::nanoseconds interval_;
