@@ -7,6 +7,8 @@
 #     rendezvous transports between nodes: every message needs both ranks' progress),
 #     each with the progress thread (default) and with MPI's own progress
 #     (--comm-progress waits, the baseline).
+#  1b. scripts/scaling_check.sh: the machine, the ladder model and a deep one (32 x 128) with
+#     the contention baseline, and where each stage's time goes at the largest K.
 #  2. An M ladder at K = 2 on a small GPT: speed-up against 2M/(M+1), and peak
 #     activation memory per rank with --remat always against never.
 #  3. bench_comm: blocking MPI_Allreduce and point-to-point against what the executor
@@ -30,6 +32,7 @@
 #   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
 #   STEPS=5  steps per run (the first excluded: it sizes the arenas)   REPEAT=2  rounds of the ladder
 #   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm   LADDER=0: skip the K ladder
+#   WHERE=0: skip table 1b (BUDGET1B=900 seconds for it)
 #   SUMS=0: skip table 3b (STEPS3B=6 steps, the first excluded)
 #   SCHEDULES=0: skip table 4 (gpipe, 1f1b, zb-h1, zb-h2, interleaved, zbv and a schedule file at K = 2, MS4="4 8",
 #   ROUNDS4=1 rounds, each schedule once per round, interleaved)
@@ -136,6 +139,16 @@ for (transport, progress, K), rs in runs.items():
           f"{100 * tps / k1 / bound:8.1f}% {100 * bubble:6.1f}% {100 * (K - 1) / (M + K - 1):6.1f}%")
 PY
 
+fi
+
+# ---- 1b. Where the time goes: scripts/scaling_check.sh --------------------------------
+# The ladder model and a deep one (32 blocks x 128: four a stage at K = 8), the contention
+# baseline (K lone K = 1 runs at once) and, at the largest K, each stage's compute, waits
+# split at the neighbour's post, progress thread CPU, measured against simulated bubble.
+if [[ "${WHERE:-1}" != 0 ]]; then
+  echo
+  echo "1b. Where the time goes (scripts/scaling_check.sh, M = $M, $((steps - 1)) timed steps a run)"
+  MPIPE=build/release/mpipe KS="$KS" M="$M" STEPS="$steps" BUDGET="${BUDGET1B:-900}" bash scripts/scaling_check.sh | sed 's/^/   /'
 fi
 
 # ---- 2. M ladder at K = 2 -------------------------------------------------------------

@@ -374,6 +374,9 @@ int Training::finish() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   const std::vector<double> resident = world_.gather(1024.0 * static_cast<double>(usage.ru_maxrss), 0);
+  const auto cpu = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
+  const std::vector<double> cpu_s = world_.gather(cpu(usage.ru_utime) + cpu(usage.ru_stime), 0);
+  const std::vector<double> progress_cpu_s = world_.gather(exec_.progress().thread_cpu_seconds(), 0);
   // And now, after the last step: what the rank keeps, without the transient buffers of
   // a step (MPI's non-blocking reductions allocate their own, freed when they end; the
   // heap's free memory handed back first).
@@ -421,6 +424,8 @@ int Training::finish() {
     summary.peak_bytes_per_rank = peaks;
     if (gpu) summary.device_peak_bytes_per_rank = device_peaks;
     summary.phases = std::move(phases);
+    summary.cpu_s_per_rank = cpu_s;
+    summary.progress_thread_cpu_s_per_rank = progress_cpu_s;
     const std::string json = summary_json(exec_, summary);
     try {
       if (metrics_) metrics_->write_line(json);

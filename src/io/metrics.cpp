@@ -78,6 +78,11 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
     }
     phases.push_back(stage);
   }
+  const auto seconds = [](const std::vector<double>& values) {
+    Json out = Json::array();
+    for (const double v : values) out.push_back(json_number(v, 4));
+    return out;
+  };
   const Json summary = {{"summary", true},
                         {"model", c.model.kind},
                         {"stages", g.stages()},
@@ -101,6 +106,8 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
                         {"peak_activation_bytes_per_stage", per_stage},
                         {"peak_activation_bytes_per_rank", per_rank},
                         {"peak_device_bytes_per_rank", device_per_rank},
+                        {"cpu_s_per_rank", seconds(s.cpu_s_per_rank)},
+                        {"progress_thread_cpu_s_per_rank", seconds(s.progress_thread_cpu_s_per_rank)},
                         {"phase_s", phases}};
   return summary.dump();
 }

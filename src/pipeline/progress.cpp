@@ -1,7 +1,9 @@
 // Communication progress: a thread (or the compute loop) that tests posted requests.
 #include "mpipe/pipeline/progress.hpp"
 
+#include <pthread.h>
 #include <sched.h>
+#include <time.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -90,6 +92,15 @@ Progress::~Progress() {
 std::string Progress::waits() const {
   return spin_waits_ ? "waits test without pause (--comm-wait spin)"
                      : "waits test while data moves, then sleep between tests";
+}
+
+double Progress::thread_cpu_seconds() const {
+  if (!thread_.joinable()) return 0;
+  clockid_t clock{};
+  timespec t{};
+  // const_cast: native_handle() is not const, and reads nothing it changes.
+  if (pthread_getcpuclockid(const_cast<std::thread&>(thread_).native_handle(), &clock) != 0 || clock_gettime(clock, &t) != 0) return 0;
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
 void set_mpi_transfer_defaults() {

@@ -41,6 +41,9 @@ struct RunSummary {
   std::vector<double> peak_bytes_per_rank;  // activations and scratch
   std::vector<double> device_peak_bytes_per_rank;  // on a GPU: all device memory mpipe held (cuda::device_bytes_peak)
   std::vector<StagePhases> phases;           // per stage; empty when no step was timed
+  // CPU seconds over the whole run, per rank: the process's, and its progress thread's
+  // (0 without one), which shares the rank's cores with the compute.
+  std::vector<double> cpu_s_per_rank, progress_thread_cpu_s_per_rank;
 };
 
 // One JSON object (one line) describing the run: throughput, bubble, peak memory per

@@ -77,6 +77,8 @@ class Progress {
   std::string describe() const;  // for the run's header (with the send pipeline's depth)
   // The MPI thread level this process runs with (MPI_Query_thread).
   static int thread_level();
+  // CPU seconds the progress thread has run so far (0 without one).
+  double thread_cpu_seconds() const;
 
   // Hands `request` over; only Progress tests it from now on. Collectives are not
   // cancellable (MPI has no cancel for them). `wake`: the progress thread looks at it
