@@ -42,6 +42,22 @@ one_error() {
   ! grep -q "Signal: Segmentation\|terminate called\|Backtrace\|\*\*\* Process received" "$1" || echo "a crash"
 }
 
+# wait_guarded PID: waits for the job (killed after 30 s: a hang), its exit code in rc
+wait_guarded() {
+  ( sleep 30; kill -9 "$1" 2>/dev/null; pkill -9 -P "$1" 2>/dev/null ) & local guard=$!
+  wait "$1"; rc=$?
+  kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
+}
+# stop_problem LOG RC TOOK LIMIT REGEX: what is wrong with a job a stopped rank must end
+# (non-zero, within LIMIT seconds, one error line, matching REGEX), or nothing
+stop_problem() {
+  local problem; problem=$(one_error "$1")
+  [[ $2 -ne 0 && $2 -ne 137 ]] || problem="${problem:+$problem; }exit $2"
+  over "$3" "$4" && problem="${problem:+$problem; }ended after $3 s"
+  grep -Eq "$5" "$1" || problem="${problem:+$problem; }not named: $(grep -m1 "mpipe: error" "$1" | cut -c1-80)"
+  echo "$problem"
+}
+
 # ---- bad inputs: exit 2, one error line, nothing written ------------------------------
 # expect_two NAME DIR ARGS...: a run that must be refused, leaving DIR's checkpoints as they were
 expect_two() {
@@ -191,16 +207,9 @@ for round in $(seq "$rounds"); do
   phase=${phases[RANDOM % ${#phases[@]}]} victim=$((RANDOM % 2))
   start=$(now)
   MPIPE_FAULT_STOP="$phase@$victim" launch_bg 2 --steps 4 --checkpoint-dir "$work/resume-from" > "$work/log" 2>&1 &
-  pid=$!
-  ( sleep 30; kill -9 "$pid" 2>/dev/null; pkill -9 -P "$pid" 2>/dev/null ) & guard=$!
-  wait "$pid"; rc=$?
+  wait_guarded $!
   took=$(since "$start")
-  kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
-  problem=$(one_error "$work/log")
-  [[ $rc -ne 0 && $rc -ne 137 ]] || problem="${problem:+$problem; }exit $rc"
-  over "$took" $((timeout_s + 4)) && problem="${problem:+$problem; }ended after $took s"
-  grep -Eq "mpipe: error: rank $victim stopped answering .*start-up \($phase\)" "$work/log" \
-    || problem="${problem:+$problem; }rank $victim not named: $(grep -m1 "mpipe: error" "$work/log" | cut -c1-80)"
+  problem=$(stop_problem "$work/log" "$rc" "$took" $((timeout_s + 4)) "mpipe: error: rank $victim stopped answering .*start-up \($phase\)")
   row "SIGSTOP rank $victim in start-up ($phase)" "$rc" "$took" 1 "$(count "$work/resume-from")" "$problem"
 done
 
@@ -217,19 +226,13 @@ for round in $(seq "$rounds"); do
   start=$(now)
   launch_bg 4 --steps 100000 --replicas 2 > "$work/log" 2>&1 &
   pid=$!
-  ( sleep 30; kill -9 "$pid" 2>/dev/null; pkill -9 -P "$pid" 2>/dev/null ) & guard=$!
   victim_pid=""
   until [[ -n $victim_pid ]] || ! kill -0 "$pid" 2>/dev/null; do victim_pid=$(rank_pid "$pid" "$victim"); done
   left=$(/usr/bin/python3 -c "import sys,time; print(max(0.0, float(sys.argv[2]) - (time.time() - float(sys.argv[1]))))" "$start" "$delay")
   sleep "$left"; kill -STOP "$victim_pid"; stopped=$(now)
-  wait "$pid"; rc=$?
+  wait_guarded "$pid"
   took=$(since "$stopped")
-  kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
-  problem=$(one_error "$work/log")
-  [[ $rc -ne 0 && $rc -ne 137 ]] || problem="${problem:+$problem; }exit $rc"
-  over "$took" $((timeout_s + 5)) && problem="${problem:+$problem; }ended $took s after the stop"
-  grep -Eq "mpipe: error: ranks? $victim[ ,].*stopped answering" "$work/log" \
-    || problem="${problem:+$problem; }rank $victim not named: $(grep -m1 "mpipe: error" "$work/log" | cut -c1-80)"
+  problem=$(stop_problem "$work/log" "$rc" "$took" $((timeout_s + 5)) "mpipe: error: ranks? $victim[ ,].*stopped answering")
   row "SIGSTOP rank $victim ${delay} s after launch" "$rc" "$took" 0 0 "$problem"
 done
 
@@ -239,15 +242,11 @@ launch_bg 2 --steps 100000 --eval-data synthetic --eval-every 1 --eval-batches 5
 pid=$!
 for _ in $(seq 300); do grep -q "^eval step" "$work/log" && break; sleep 0.05; done
 victim_pid=$(rank_pid "$pid" 1)
-( sleep 30; kill -9 "$pid" 2>/dev/null; pkill -9 -P "$pid" 2>/dev/null ) & guard=$!
 sleep 0.3; kill -STOP "$victim_pid"; stopped=$(now)
-wait "$pid"; rc=$?
+wait_guarded "$pid"
 took=$(since "$stopped")
-kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
-problem=$(one_error "$work/log")
-[[ $rc -ne 0 && $rc -ne 137 ]] || problem="${problem:+$problem; }exit $rc"
-grep -Eq "mpipe: error: rank 1 stopped answering .*Seen by rank 0 [^:]*(in evaluation|at step [0-9]+)" "$work/log" \
-  || problem="${problem:+$problem; }$(grep -m1 "mpipe: error" "$work/log" | cut -c1-100)"
+problem=$(stop_problem "$work/log" "$rc" "$took" $((timeout_s + 5)) \
+          "mpipe: error: rank 1 stopped answering .*Seen by rank 0 [^:]*(in evaluation|at step [0-9]+)")
 row "SIGSTOP rank 1 in evaluation" "$rc" "$took" - - "$problem"
 
 # ---- a rank paused for less than --p2p-timeout (SIGSTOP, SIGCONT 1.5 s later): no failure
@@ -303,9 +302,7 @@ mpiexec -n 2 --oversubscribe "$mpipe" train --model mlp --layers 2 --data "hdf5:
 pid=$!
 for _ in $(seq 300); do grep -q "^step  *3/" "$work/log" && break; sleep 0.1; done
 truncate -s 5000 "$work/data.h5"
-( sleep 60; kill -9 "$pid" 2>/dev/null; pkill -9 -P "$pid" 2>/dev/null ) & guard=$!
-wait "$pid"; rc=$?
-kill "$guard" 2>/dev/null; wait "$guard" 2>/dev/null
+wait_guarded "$pid"
 problem=$(one_error "$work/log")
 [[ $rc -eq 2 ]] || problem="${problem:+$problem; }exit $rc, expected 2"
 grep -q "mpipe: error: .*data.h5 changed while training read it" "$work/log" || problem="${problem:+$problem; }not said"
