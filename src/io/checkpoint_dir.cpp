@@ -238,8 +238,8 @@ void CheckpointDir::make_way(const std::string& final_path) {
   fs::rename(final_path, aside, ec);
   if (ec) throw Error(cat("cannot move '", final_path, "' out of the way: ", ec.message()));
   std::fprintf(stderr, "mpipe: warning: '%s' %s; moved to '%s'\n", final_path.c_str(),
-               was_skipped      ? "failed its checks when this run resumed"
-               : !id            ? "could not be read as a checkpoint"
+               !id              ? "could not be read as a checkpoint"
+               : was_skipped    ? "failed its checks when this run resumed"
                : *id == run_id_ ? "is this run's, from beyond the step it resumed from"
                                 : "is another run's",
                aside.c_str());

@@ -71,9 +71,12 @@ overlap)
   # stage 0 starts its first backward before stage 1 ends its last. Without progress
   # (--comm-progress waits) they do not, which the control run shows. With two
   # replicas, gradient sums over replicas finish while the last backward still runs
-  # (and, in the control run, only after it).
+  # (and, in the control run, only after it). One fragment a turn of the sender's progress
+  # (pml_ob1_send_pipeline_depth 1; mpipe's own default moves a message in one turn, and
+  # the sender's next post of a send then finds the receiver's answer and finishes it):
+  # what is checked is the progress, not the depth.
   run() {
-    mpiexec -n 2 --mca btl_vader_single_copy_mechanism none "$mpipe" train --model gpt --layers 4 --d-model 128 \
+    mpiexec -n 2 --mca btl_vader_single_copy_mechanism none --mca pml_ob1_send_pipeline_depth 1 "$mpipe" train --model gpt --layers 4 --d-model 128 \
       --heads 4 --seq-len 64 --vocab 64 --threads 1 --batch-size 16 --micro-batches 8 --steps 3 --resume never \
       --trace "$work/$1.json" --trace-steps 1 "${@:2}" > "$work/$1.log"
   }
