@@ -83,10 +83,6 @@ bool wait_run(std::vector<MPI_Request>& requests, const RunClock& clock, double 
   }
 }
 
-// A gap between the heartbeat thread's wakes longer than it slept by this much is time the
-// process did not run (a stop, or starvation): no deadline counts it.
-constexpr auto not_run_threshold = std::chrono::milliseconds(250);
-
 }  // namespace
 
 void rendezvous(const Communicator& world, const std::string& what, double timeout_s, Watchdog* liveness) {
@@ -160,6 +156,7 @@ Watchdog::~Watchdog() {
   }
   wake_.notify_all();
   thread_.join();
+  if (heartbeats_) note_no_wakes();  // no gap of this thread's is time not run any more
   close_peers();
 }
 
@@ -193,10 +190,12 @@ void Watchdog::rename(std::string rank_name) {
 double Watchdog::silent_s(int peer) {
   std::lock_guard<std::mutex> lock(mutex_);
   // The words that came since the thread last looked count first: a caller woken late
-  // (this rank was the stopped one) sees its peers as they are, not as they were.
-  if (heartbeats_) beat(Clock::now(), false);
+  // (this rank was the stopped one) sees its peers as they are, not as they were; and the
+  // time this rank did not run that the thread has not woken to note counts against none.
+  const Clock::time_point now = Clock::now();
+  if (heartbeats_) beat(now, false);
   for (const Peer& p : peers_)
-    if (p.rank == peer) return std::chrono::duration<double>(Clock::now() - p.heard).count();
+    if (p.rank == peer) return std::chrono::duration<double>(now - p.heard - unnoted_gap(now)).count();
   return -1;
 }
 
@@ -277,6 +276,7 @@ void Watchdog::run() {
       for (Peer& p : peers_) p.heard += late;
       if (deadline_ != Clock::time_point::max()) deadline_ += late;
     }
+    if (heartbeats_) note_wake(now, poll);
     if (heartbeats_) {
       const bool send = now >= next_send_;
       if (send) next_send_ = now + std::chrono::duration_cast<Clock::duration>(period);
