@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <vector>
 
 namespace mpipe {
@@ -270,13 +271,17 @@ void Watchdog::run() {
     // and no deadline, here (the peers' silence, the guard's deadline) or in any wait
     // (RunClock). The words that came meanwhile are read below.
     const Clock::duration late = heartbeats_ ? now - last_wake - poll : now - until;
+    const Clock::duration gap = late > not_run_threshold ? late : Clock::duration::zero();
     last_wake = now;
-    if (late > not_run_threshold) {
-      note_not_run(late);
-      for (Peer& p : peers_) p.heard += late;
-      if (deadline_ != Clock::time_point::max()) deadline_ += late;
+    if (gap > Clock::duration::zero()) {
+      for (Peer& p : peers_) p.heard += gap;
+      if (deadline_ != Clock::time_point::max()) deadline_ += gap;
     }
-    if (heartbeats_) note_wake(now, poll);
+    // The gap and the wake at once: a reader sees the gap in one or the other, never neither.
+    if (heartbeats_)
+      note_wake(now, poll, gap);
+    else
+      note_not_run(now, gap);
     if (heartbeats_) {
       const bool send = now >= next_send_;
       if (send) next_send_ = now + std::chrono::duration_cast<Clock::duration>(period);
@@ -318,6 +323,16 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::system_clock::now().time_since_epoch()).count());
   };
   std::vector<long long> heard(static_cast<std::size_t>(size), 0), token(1, now_ms());
+  // Or: this rank did not run for the liveness time or longer (its heartbeats stopped for
+  // as long, which proves it silent to the others), and a word began before it resumed:
+  // that roll call found it silent and names it, however soon mpirun's SIGCONT came.
+  long long resumed_ms = std::numeric_limits<long long>::min();
+  if (liveness && liveness->heartbeats()) {
+    const Clock::time_point now = Clock::now();
+    const NotRun not_run = not_run_at(now);
+    if (not_run.last_gap >= std::chrono::duration<double>(liveness->liveness_s()))
+      resumed_ms = token[0] - std::chrono::duration_cast<std::chrono::milliseconds>(now - not_run.last_gap_end).count();
+  }
   std::vector<MPI_Request> receives, sends;
   for (int r = 0; r < size; ++r) {
     if (r == me) continue;
@@ -369,7 +384,7 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
     const long long word = heard[static_cast<std::size_t>(r)];
     if (word != 0) {
       lowest_alive = std::min(lowest_alive, r);
-      if (token[0] - word > static_cast<long long>(grace_s * 1000)) named = true;
+      if (token[0] - word > static_cast<long long>(grace_s * 1000) || (r != me && word < resumed_ms)) named = true;
       continue;
     }
     if (ended_early) continue;  // named: the proven ones alone

@@ -3,12 +3,15 @@
 // the option values are checked. (Overlap between ranks: tests/mpi and tests/ops.)
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <cstring>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mpipe/app/config.hpp"
+#include "mpipe/core/run_clock.hpp"
 #include "mpipe/pipeline/executor.hpp"
 #include "mpipe/pipeline/progress.hpp"
 
@@ -104,4 +107,41 @@ TEST_CASE("progress options: unknown modes, waits and intervals out of range are
   CHECK_THROWS_WITH_AS(validate(c), "unknown --comm-wait 'busy'", UserError);
   c.pipeline.comm_wait = "spin";
   CHECK_NOTHROW(validate(c));
+}
+
+TEST_CASE("time not run: a reader sees a resumed heartbeat thread's gap once, never in neither") {
+  // The heartbeat thread resumes after a gap of 1 s (its last wake a second ago) and notes
+  // it, over and over; a reader between the two states must see the gap in the sum noted
+  // or as the gap not noted yet. The time not run then only grows (by a second a round):
+  // a read that saw the sum before the gap was added and the wake after it moved on would
+  // drop by a second (it did, some hundred times in 450000 reads, before the sequence lock).
+  using namespace std::chrono;
+  const RunClock run;
+  std::atomic<bool> done{false};
+  std::thread heartbeat([&] {
+    for (int i = 0; i < 100000; ++i) {
+      note_wake(steady_clock::now() - seconds(1), nanoseconds(0), nanoseconds(0));  // stopped since
+      note_wake(steady_clock::now(), nanoseconds(0), seconds(1));                     // woke, noted it
+    }
+    done = true;
+  });
+  long long reads = 0, drops = 0;
+  nanoseconds last = time_not_run();
+  while (!done.load()) {
+    const nanoseconds now = time_not_run();
+    drops += now < last - milliseconds(500);
+    last = now;
+    ++reads;
+  }
+  heartbeat.join();
+  const NotRun seen = not_run_at(steady_clock::now());
+  note_no_wakes();
+  CHECK(reads > 1000);
+  CHECK(drops == 0);
+  // What a reader sees of the last gap: a second, ended at the last wake, none unnoted.
+  CHECK(seen.unnoted == nanoseconds(0));
+  CHECK(seen.last_gap == seconds(1));
+  // A clock that started before: the 100000 s noted are not its run time.
+  CHECK(run.not_run_seconds() >= 100000.0);
+  CHECK(run.seconds() < 1000.0);
 }
