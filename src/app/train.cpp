@@ -280,12 +280,13 @@ int Training::run() {
   try {
     for (std::int64_t step = first_step_; step < config_.steps; ++step) {
       if (stop_signalled()) exec_.request_stop();
-      if (time_is_up()) exec_.request_stop();  // no signal: the message names the time limit
+      if (time_is_up()) exec_.request_stop(true);  // every rank learns it: the message names the time limit
       // With --overlap-steps the results are of earlier steps (this one's once settled).
-      bool stop = false;
+      bool stop = false, time_limit = false;
       for (const StepResult& r : exec_.advance(step)) {
         report(r);
         stop = stop || r.stop;
+        time_limit = time_limit || r.time_limit;
       }
       const bool save = config_.checkpoint_every > 0 && (step + 1) % config_.checkpoint_every == 0 && step + 1 < config_.steps;
       const bool eval = !config_.eval_data.empty() &&
@@ -295,18 +296,18 @@ int Training::run() {
         if (const std::optional<StepResult> r = exec_.settle()) {
           report(*r);
           stop = stop || r->stop;
+          time_limit = time_limit || r->time_limit;
         }
       if (stop) {
         // Every rank saw the same flag in the step's allreduce: stop here, together.
         preempted_ = true;
-        // Rank 0 says why: its own reason, or else a signal that reached another rank (the
-        // flag is the step's agreed maximum; no time limit is up unless one was given).
+        // Rank 0 says why: its own reason, a time limit up on any rank (each asks its own
+        // clock), or else a signal that reached another rank.
         if (root_)
           std::printf("step %lld: %s; %s and exiting with code %d\n", static_cast<long long>(step + 1),
                       !output_error_.empty() ? "an output file cannot be written"
                       : stop_signalled()     ? "stop signal received"
-                      : time_is_up()         ? "--time-limit reached"
-                      : time_limit_s_ > 0    ? "a stop signal, or --time-limit, reached another rank"
+                      : time_limit           ? "--time-limit reached"
                                              : "a stop signal reached another rank",
                       config_.checkpoint_dir.empty() ? "no --checkpoint-dir, so nothing is saved," : "checkpointing",
                       output_error_.empty() ? exit_preempted : exit_user_error);

@@ -378,10 +378,14 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
       problem = e.what();
     }
   }
+  // Never leave a partial file behind: removed before the others hear of the failure (a
+  // rank that then ends the job first would have mpirun kill this one before it could).
+  if (failed && world.rank() == 0) {
+    std::error_code ec;
+    fs::remove(temp_path, ec);
+  }
   world.broadcast(std::span<int>(&failed, 1), 0);
   if (failed) {
-    std::error_code ec;
-    if (world.rank() == 0) fs::remove(temp_path, ec);  // never leave a partial file behind
     if (!problem.empty()) throw Error(cat("checkpoint ", final_path, ": ", problem));
     throw Error(cat("checkpoint ", final_path, " failed on another rank"));
   }

@@ -326,7 +326,7 @@ void Executor::reduce_and_agree(std::int64_t step, double pipeline_seconds, doub
     timeline_.record(step, d.sum == Reducer::Sum::replicas ? TraceEvent::gradient_sum : TraceEvent::tied_sum, -1,
                      d.completion.posted, d.completion.completed, d.layer);
   reducer_->start_agree(holds_last() ? loss_sum_ : 0.0, timeline_.times().compute() - dropped, pipeline_seconds,
-                        stop_requested_);
+                        stop_requested_, time_limit_reached_);
   timeline_.times().allreduce += since(reduce_start);
 }
 
@@ -357,6 +357,7 @@ StepResult Executor::agreed_result(std::int64_t step) const {
   r.grad_norm = std::sqrt(agreed_.norm_squared);
   r.bubble_fraction = agreed_.bubble;
   r.stop = agreed_.stop;
+  r.time_limit = agreed_.time_limit;
   r.lr = learning_rate(plan_.options.optimizer, step, plan_.options.steps);
   return r;
 }

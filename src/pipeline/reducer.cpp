@@ -96,7 +96,7 @@ Reducer::Reducer(const Grid& grid, Model& model, const Partition& partition, Par
   // Without CUDA-aware MPI, replica sums go through a pinned host copy.
   if (device_.staged() && !buckets_.empty()) grad_staging_ = cuda::PinnedBuffer(params_.grads().size() * sizeof(float));
   done_.reserve(buckets_.size() + tied_spans_.size());
-  agree_buffer_.assign(static_cast<std::size_t>(model_.size() + 3 + grid_.world().size()), 0.0);
+  agree_buffer_.assign(static_cast<std::size_t>(model_.size() + 4 + grid_.world().size()), 0.0);
 
   std::vector<Layer*> parts;
   for (const int i : layers) model_.layer(i).parts(parts);
@@ -248,7 +248,7 @@ void Reducer::reduce() {
     done_.push_back({Sum::tied, t.layer, t.sum->finish(timeout_, "the tied-weight gradient sum of layer", t.layer)});
 }
 
-void Reducer::start_agree(double loss_sum, double busy, double pipeline, bool stop) {
+void Reducer::start_agree(double loss_sum, double busy, double pipeline, bool stop, bool time_limit) {
   MPIPE_CHECK(!agreeing(), "an agreement is already in flight");
   const int L = model_.size();
   std::fill(agree_buffer_.begin(), agree_buffer_.end(), 0.0);
@@ -257,7 +257,8 @@ void Reducer::start_agree(double loss_sum, double busy, double pipeline, bool st
   agree_buffer_[L] = loss_sum;
   agree_buffer_[L + 1] = busy;
   agree_buffer_[L + 2] = stop ? 1.0 : 0.0;
-  agree_buffer_[static_cast<std::size_t>(L + 3 + grid_.world().rank())] = pipeline;  // one entry per rank
+  agree_buffer_[L + 3] = time_limit ? 1.0 : 0.0;
+  agree_buffer_[static_cast<std::size_t>(L + 4 + grid_.world().rank())] = pipeline;  // one entry per rank
   // Non-blocking and waited on through Progress: a rank that finished early blocks
   // instead of spinning in MPI while its neighbour still computes.
   agree_ticket_ = progress_->track(grid_.world().iallreduce(std::span<double>(agree_buffer_), Reduce::sum), false);
@@ -272,9 +273,10 @@ Reducer::Agreed Reducer::finish_agree(std::int64_t step) {
   Agreed a;
   for (int i = 0; i < L; ++i) a.norm_squared += agree_buffer_[i];  // global layer order
   a.loss_sum = agree_buffer_[L];
-  const double slowest = *std::max_element(agree_buffer_.begin() + L + 3, agree_buffer_.end());
+  const double slowest = *std::max_element(agree_buffer_.begin() + L + 4, agree_buffer_.end());
   if (slowest > 0) a.bubble = std::max(0.0, 1.0 - agree_buffer_[L + 1] / (N * slowest));
   a.stop = agree_buffer_[L + 2] > 0.0;
+  a.time_limit = agree_buffer_[L + 3] > 0.0;
   return a;
 }
 

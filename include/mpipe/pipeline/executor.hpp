@@ -70,6 +70,7 @@ struct StepResult {
   double seconds = 0.0;
   double bubble_fraction = 0.0; // measured: every rank's idle share up to the slowest rank's end of the pipeline
   bool stop = false;            // some rank asked to stop after this step
+  bool time_limit = false;      // some rank's --time-limit is up
   bool rolled_back = false;     // --overlap-steps: the update made ahead was undone, the agreed one made
 };
 
@@ -139,8 +140,12 @@ class Executor : StageHooks {
   std::int64_t updates() const { return updates_; }
   void set_updates(std::int64_t updates) { updates_ = updates; }
   // A stop (preemption) asked for on this rank; step() agrees on it over every rank and
-  // reports it in StepResult::stop.
-  void request_stop() { stop_requested_ = true; }
+  // reports it in StepResult::stop (and `time_limit`: this rank's --time-limit is up, in
+  // StepResult::time_limit, so that every rank can say why).
+  void request_stop(bool time_limit = false) {
+    stop_requested_ = true;
+    time_limit_reached_ = time_limit_reached_ || time_limit;
+  }
   const Dataset* dataset() const { return dataset_.get(); }
   const Dataset* eval_dataset() const { return eval_dataset_.get(); }
   // --prefetch: whether this rank reads each next batch while a step computes, and the
@@ -248,7 +253,7 @@ class Executor : StageHooks {
   Timeline timeline_;
   int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP[:stall|:gather]
   bool fail_stall_ = false, fail_gather_ = false;
-  bool stop_requested_ = false;
+  bool stop_requested_ = false, time_limit_reached_ = false;
 };
 
 }  // namespace mpipe

@@ -49,7 +49,7 @@ class Reducer {
     // 1 - Σ busy / (ranks × slowest), as simulate() counts it. A rank that is done early
     // (the last stage under 1F1B) idles until the slowest one is, and that is bubble too.
     double bubble = 0;
-    bool stop = false;
+    bool stop = false, time_limit = false;  // some rank asked to stop; some rank's --time-limit is up
   };
 
   // Plans the sums of this rank's `layers` (ascending) in `params`; local work only.
@@ -76,11 +76,11 @@ class Reducer {
   std::span<const Done> done() const { return done_; }
   // Collective over the world: this rank's loss sum (its share, 0 where it holds no loss),
   // its seconds of compute (`busy`) in its `pipeline` seconds, and its stop request, with
-  // the gradient norms of the layers it holds. In two halves, so that a rank can go on
+  // the gradient norms of the layers it holds (and whether its stop is its time limit's). In two halves, so that a rank can go on
   // with the next step's pipeline while the sum moves (--overlap-steps): start_agree()
   // reads the gradient norms and posts the allreduce, finish_agree() waits for it. One
   // agreement in flight at a time.
-  void start_agree(double loss_sum, double busy, double pipeline, bool stop);
+  void start_agree(double loss_sum, double busy, double pipeline, bool stop, bool time_limit = false);
   Agreed finish_agree(std::int64_t step);
   bool agreeing() const { return agree_ticket_ != Progress::none; }
   // After an update (or a skipped step, `updated` false): the replicas' running
@@ -136,7 +136,7 @@ class Reducer {
   bool tied_early_ = false;  // tied sums start in the backward (one replica, on the CPU)
   cuda::PinnedBuffer grad_staging_;                // replica sums when MPI is not CUDA-aware
   std::vector<Done> done_;                         // reserved once
-  std::vector<double> agree_buffer_;               // per layer, loss, busy, stop, each rank's pipeline time
+  std::vector<double> agree_buffer_;               // per layer, loss, busy, stop, time limit, each rank's pipeline time
   Progress::Ticket agree_ticket_ = Progress::none; // the agreement in flight
   std::vector<Layer*> deferred_;                   // layers (parts too) with step sums
   std::vector<double> settle_sums_;                // their sums, packed for the sum over replicas
