@@ -37,7 +37,8 @@
 #   SCHEDULES=0: skip table 4 (gpipe, 1f1b, zb-h1, zb-h2, interleaved, zbv and a schedule file at K = 2, MS4="4 8",
 #   ROUNDS4=1 rounds, each schedule once per round, interleaved)
 #   ZB=0: skip table 5 (the quickstart GPT at K = 2, M = 4: 1f1b, zb-h1 and zb-h1 --in-flight 1f1b, ROUNDS5=3 rounds
-#   of STEPS5=40 steps, each schedule once per round, interleaved)
+#   of STEPS5=40 steps, each schedule once per round, interleaved; BASELINE=PATH adds that binary's 1f1b and zb-h1, rows
+#   /base, each against its own 1f1b)
 #   REMAT=0: skip table 6 (--remat never, selective, except-last, always, auto at K = 2, gpipe: the quickstart GPT at M = 8, a
 #   GPT 4 x 128 at T 512, batch 8, M = 4, and a ResNet-18 of width 16 on 32 x 32 images, batch 32, M = 4; ROUNDS6=2 rounds,
 #   interleaved; tokens/s (samples/s for the ResNet) and peak activation memory per rank against never's; auto with
@@ -331,11 +332,14 @@ if [[ "${ZB:-1}" != 0 ]]; then
   echo "   of rank 0 / rank 1; zb-h1@1f1b is --in-flight 1f1b (what 1F1B holds on each rank)"
   rows5=()
   for ((round = 0; round < rounds5; ++round)); do
-    for row in 1f1b zb-h1 zb-h1@1f1b; do
+    for row in 1f1b zb-h1 zb-h1@1f1b ${BASELINE:+1f1b/base zb-h1/base}; do
       extra=()
       [[ $row == *@1f1b ]] && extra=(--in-flight 1f1b)
-      mpirun -n 2 --bind-to core build/release/mpipe train --config inputs/quickstart.toml --steps "${STEPS5:-40}" \
-        --threads 1 --log-every 1000000 --resume never --schedule "${row%@1f1b}" "${extra[@]}" \
+      binary=build/release/mpipe
+      [[ $row == */base ]] && binary=$BASELINE
+      schedule=${row%@1f1b}
+      mpirun -n 2 --bind-to core "$binary" train --config inputs/quickstart.toml --steps "${STEPS5:-40}" \
+        --threads 1 --log-every 1000000 --resume never --schedule "${schedule%/base}" "${extra[@]}" \
         --summary "$tmp/s.json" --metrics "$tmp/m.jsonl" > "$tmp/log"
       rows5+=("$row $(summarize)")
     done
@@ -346,8 +350,11 @@ runs = {}
 for row in sys.argv[1:]:
     name, *values = row.split()
     runs.setdefault(name, []).append(values)
-base = statistics.mean(float(v[1]) for v in runs["1f1b"])
-base_peak = max(max(float(v[4]), float(v[5])) for v in runs["1f1b"])
+# Each binary's rows against its own 1F1B (a BASELINE binary's rows end in /base).
+def of_1f1b(name):
+    return runs["1f1b/base" if name.endswith("/base") else "1f1b"]
+base_of = lambda name: statistics.mean(float(v[1]) for v in of_1f1b(name))
+base_peak_of = lambda name: max(max(float(v[4]), float(v[5])) for v in of_1f1b(name))
 print(f"{'schedule':<11} {'tokens/s':>9} {'bubble':>18} {'of 1f1b':>8} {'simulated':>10} {'peak r0 / r1':>18} "
       f"{'peak of 1f1b':>13} {'last loss':>12}")
 for name, vs in runs.items():  # each: tokens/s, bubble, unit-cost bubble, simulated, peak r0, peak r1, last loss
@@ -355,9 +362,9 @@ for name, vs in runs.items():  # each: tokens/s, bubble, unit-cost bubble, simul
     peak0, peak1 = max(float(v[4]) for v in vs), max(float(v[5]) for v in vs)
     losses = {v[6] for v in vs}
     print(f"{name:<11} {statistics.mean(float(v[0]) for v in vs):9.0f} {100 * statistics.mean(bubbles):6.1f}% "
-          f"[{100 * min(bubbles):4.1f}-{100 * max(bubbles):4.1f}] {statistics.mean(bubbles) / base:7.2f}x "
+          f"[{100 * min(bubbles):4.1f}-{100 * max(bubbles):4.1f}] {statistics.mean(bubbles) / base_of(name):7.2f}x "
           f"{100 * statistics.mean(float(v[3]) for v in vs):9.1f}% {peak0 / 2**20:7.1f} / {peak1 / 2**20:4.1f} MiB "
-          f"{max(peak0, peak1) / base_peak:12.2f}x {'/'.join(sorted(losses)):>12}")
+          f"{max(peak0, peak1) / base_peak_of(name):12.2f}x {'/'.join(sorted(losses)):>12}")
 PY
 fi
 

@@ -234,4 +234,22 @@ bool keeps_dy_in_output(const Model& model, int layer, int stage_end) {
          !model.layer(layer + 1).defers_weight();
 }
 
+int weights_in_backward_from(const Model& model, int begin, int stage_end) {
+  if (stage_end != model.size()) return stage_end;
+  // FLOPs for one sample: the ratio does not change with the micro-batch.
+  const std::vector<Shape> shapes = model.shapes(1);
+  double backward = 0;
+  for (int i = begin; i < stage_end; ++i) backward += model.layer(i).cost(shapes[static_cast<std::size_t>(i)]).backward_flops;
+  int from = stage_end;
+  double moved = 0;  // W's FLOPs moved into B so far
+  while (from > begin) {
+    const Layer& layer = model.layer(from - 1);
+    const double weight = layer.cost(shapes[static_cast<std::size_t>(from - 1)]).weight_flops;
+    if (layer.defers_weight() && !(layer.keeps_dy() && 8 * (moved + weight) <= backward)) break;
+    moved += layer.defers_weight() ? weight : 0.0;
+    --from;
+  }
+  return from;
+}
+
 }  // namespace mpipe

@@ -201,13 +201,16 @@ Partition choose_partition(const std::vector<int>& balance, const std::string& m
 StageCosts flop_costs(const Model& model, const Partition& partition, int micro) {
   const std::vector<Shape> shapes = model.shapes(micro);
   StageCosts costs = StageCosts::uniform(partition.stages(), 0.0, 0.0, 0.0);
-  for (int s = 0; s < partition.stages(); ++s)
+  for (int s = 0; s < partition.stages(); ++s) {
+    // The top layers of the model's last stage compute their weight gradients in B.
+    const int whole_from = weights_in_backward_from(model, partition.begin(s), partition.end(s));
     for (int i = partition.begin(s); i < partition.end(s); ++i) {
       const Cost c = model.layer(i).cost(shapes[static_cast<std::size_t>(i)]);
       costs.forward[static_cast<std::size_t>(s)] += c.forward_flops;
       costs.backward[static_cast<std::size_t>(s)] += c.backward_flops;
-      costs.weight[static_cast<std::size_t>(s)] += c.weight_flops;
+      if (i < whole_from) costs.weight[static_cast<std::size_t>(s)] += c.weight_flops;
     }
+  }
   return costs;
 }
 

@@ -45,14 +45,31 @@ double unsplit_scratch(const Model& model, const std::vector<Shape>& shapes, int
   return turns[0] + turns[1] + beside;
 }
 
+// Whether model stage `model_stage` has one micro-batch at most between its F and its B
+// at a time (a B right after each F: zb-h1's last stage), so that the others it holds
+// wait for their W.
+bool one_before_backward(const Schedule& schedule, int model_stage) {
+  const int list = schedule.list_of(model_stage);
+  int open = 0;
+  for (const Action& a : schedule.actions[static_cast<std::size_t>(list)]) {
+    if (schedule.stage_of(list, a) != model_stage) continue;
+    if (a.kind == ActionKind::forward && open++ > 0) return false;
+    if (a.kind == ActionKind::backward) --open;
+  }
+  return true;
+}
+
 std::vector<StageMemory> stage_memory(const Model& model, const Partition& part, int micro) {
   const auto shapes = model.shapes(micro);
   std::vector<StageMemory> out(static_cast<std::size_t>(part.stages()));
   for (int s = 0; s < part.stages(); ++s) {
     StageMemory& m = out[static_cast<std::size_t>(s)];
     double peak = 0;  // the forward's: a micro-batch's arena grows to it (temporaries given back)
+    // Split, the top layers' weight gradients are B's, and their forward memory dies there.
+    const int whole_from = weights_in_backward_from(model, part.begin(s), part.end(s));
     for (int i = part.begin(s); i < part.end(s); ++i) {
       const Cost c = model.layer(i).cost(shapes[static_cast<std::size_t>(i)]);
+      const double before = m.activation;
       m.params += static_cast<double>(c.param_bytes) / word_bytes;
       m.activation += c.contexts * static_cast<double>(sizeof(Context));
       peak = std::max(peak, m.activation + c.forward_peak());
@@ -60,14 +77,17 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       // A layer that writes over its input does not over the stage's input (Pass::stage_input).
       if (i == part.begin(s) && model.layer(i).writes_over_input())
         m.activation += f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
+      // Its own context is in the stage's array, below every layer's memory.
+      if (i >= whole_from) m.released += m.activation - before - sizeof(Context);
       m.recomputable += static_cast<double>(c.recomputable_bytes);
       m.recompute_flops += c.recompute_flops;
       // A Linear whose next layer on the stage has no W keeps its dy in its own output's
       // buffer (Stage::backward, keeps_dy_in_output): no stash of its own.
-      if (!keeps_dy_in_output(model, i, part.end(s))) m.stash += static_cast<double>(c.weight_stash_bytes);
+      if (!keeps_dy_in_output(model, i, part.end(s)) && i < whole_from) m.stash += static_cast<double>(c.weight_stash_bytes);
       const double dx = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i)].numel()));
       const double dy = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
-      m.split_scratch = std::max(m.split_scratch, dx + dy + c.backward_scratch_bytes);
+      (i >= whole_from ? m.whole_scratch : m.split_scratch) =
+          std::max(i >= whole_from ? m.whole_scratch : m.split_scratch, dx + dy + c.backward_scratch_bytes);
       m.selective_scratch = std::max(m.selective_scratch, dx + dy + c.backward_scratch_bytes + c.recomputable_bytes);
     }
     m.scratch = unsplit_scratch(model, shapes, part.begin(s), part.end(s));
@@ -259,6 +279,8 @@ Plan make_plan(const RunOptions& o, int ranks, const Model& model, const Measure
     plan.predicted_overlap_bubble = steady_state(plan.schedule, plan.flops).bubble_fraction;
     plan.unit_cost_bubble = bubble_fraction(plan.schedule, StageCosts::unit(plan.schedule), o.overlap_steps);
   }
+  for (int m = 0; m < plan.partition.stages(); ++m)
+    plan.memory[static_cast<std::size_t>(m)].one_before_backward = one_before_backward(plan.schedule, m);
   plan.bubble_formula = M < K || !kind ? "" : kind->bubble_formula(o.in_flight);
   if (plan.bubble_formula.empty()) plan.bubble_formula = "simulated";
   return plan;

@@ -38,7 +38,8 @@ void SlotPool::reset() {
 }
 
 Stage::Stage(Model& model, int index, int channel, int begin, int end, int model_stages, int micro_batches)
-    : model_(model), index_(index), channel_(channel), begin_(begin), end_(end), first_(index == 0),
+    : model_(model), index_(index), channel_(channel), begin_(begin), end_(end),
+      weights_in_backward_from_(weights_in_backward_from(model, begin, end)), first_(index == 0),
       last_(index == model_stages - 1), micro_batches_(static_cast<std::size_t>(micro_batches)) {
   for (int i = begin; i < end; ++i) targets_ = targets_ || model.layer(i).needs_targets();
 }
@@ -210,7 +211,8 @@ void Stage::backward(std::int64_t step, int mb) {
     spent.live[2] = m.output;
   }
   run_backward(contexts, dy, m.input_grad, pass, *shared_.scratch, *shared_.shapes, shared_.dtype,
-               final ? shared_.hooks : nullptr, *shared_.progress, split ? nullptr : &spent);
+               final ? shared_.hooks : nullptr, *shared_.progress, split ? nullptr : &spent,
+               split ? &shared_.slots->slot(m.slot) : nullptr);
   shared_.scratch->reset();
   shared_.hooks->end_compute(ComputeKind::backward, mb, index_, start);
   if (!split) {
@@ -247,7 +249,7 @@ Context* Stage::run_forward(const Pass& pass, Tensor x, Tensor* output, Progress
 
 void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, const Pass& pass, Arena& scratch,
                          const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress,
-                         const Spent* spent) const {
+                         const Spent* spent, Arena* forward_memory) const {
   const int n = end_ - begin_;
   // A layer's dy is dead once its backward returns (what W needs it keeps in the stash),
   // and so is, unsplit, what the forwards of the layers after it allocated: each input
@@ -278,7 +280,17 @@ void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, c
     // What the layer's backward allocates beyond dx is dead when it returns (its dy, below
     // the mark, stays): the next layer's backward reuses that memory.
     const Arena::Mark temporaries = scratch.mark();
-    if (pass.stash && keeps_dy_in_output(model_, begin_ + i, end_)) {
+    const bool whole = pass.stash && begin_ + i >= weights_in_backward_from_;
+    if (whole) {
+      // Split, but this layer's weight gradients now (the fused backward's, the same
+      // bits): what its forward and the layers' above it allocated in the slot is dead
+      // once it returns, and nothing was stashed above it yet: given back to the slot,
+      // where the stash of the layers below goes next.
+      Pass fused = pass_here;
+      fused.stash = nullptr;
+      layer.backward(contexts[i], dy, dx, GradMode::overwrite, fused);
+      if (forward_memory) forward_memory->rewind(contexts[i].begin);
+    } else if (pass.stash && keeps_dy_in_output(model_, begin_ + i, end_)) {
       // Split: the Linear keeps its dy for W in its own output's buffer, where no later W
       // reads it through a view either: the same bits, and no more stash memory than the
       // fused backward's.
@@ -305,7 +317,8 @@ void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, c
 
 void Stage::run_weight(Context* contexts, const Pass& pass, StageHooks* hooks, Progress& progress) const {
   for (int i = end_ - begin_ - 1; i >= 0; --i) {
-    model_.layer(begin_ + i).backward_weight(contexts[i], pass);
+    // The layers whose weight gradients B computed (weights_in_backward_from) have none here.
+    if (begin_ + i < weights_in_backward_from_) model_.layer(begin_ + i).backward_weight(contexts[i], pass);
     if (hooks) hooks->gradients_final(begin_ + i);
     progress.poll();
   }

@@ -273,3 +273,42 @@ TEST_CASE("traffic between hosts: each rank order's bytes out of the busiest hos
   const Model narrow(options_of(c).model);
   CHECK(choose_rank_order(make_plan(options_of(c), 4, narrow), narrow, two) == "pipeline");
 }
+
+TEST_CASE("a split backward computes the last stage's cheap top weight gradients in B and gives their memory back there") {
+  // The quickstart's GPT at K = 2: the loss, the 256-word head (its W 3% of the stage's
+  // backward) and the final LayerNorm are B's whole; the blocks keep their W.
+  TrainConfig c = test::tiny_gpt({.layers = 4, .d_model = 128, .heads = 4, .seq_len = 64, .vocab = 256, .dropout = 0.0f,
+                                  .batch_size = 16, .micro_batches = 4});
+  c.pipeline.schedule = "zb-h1";
+  c.pipeline.grid = GridShape{.stages = 2, .replicas = 1};
+  const Model model(options_of(c).model);  // embedding 0, blocks 1-4, layernorm 5, head 6, loss 7
+  CHECK(weights_in_backward_from(model, 3, 8) == 5);
+  CHECK(weights_in_backward_from(model, 0, 3) == 3);  // not the last stage: its output is sent from that memory
+  const Plan plan = make_plan(options_of(c), 2, model);
+  REQUIRE(plan.partition.begin(1) == 3);
+  const StageMemory& last = plan.memory[1];
+  // The layernorm's output and statistics, the logits, the loss's: (N, C) + 2 N + (N, V) + N + 1 floats.
+  const double N = 4 * 64;
+  const auto rounded = [](double floats) { return static_cast<double>(Arena::rounded(static_cast<std::size_t>(floats * 4))); };
+  CHECK(last.released == doctest::Approx(rounded(N * 128) + 2 * rounded(N) + rounded(N * 256) + rounded(N) + rounded(1)).epsilon(0.01));
+  CHECK(last.one_before_backward);         // zb-h1's last stage: each F's B comes next
+  CHECK_FALSE(plan.memory[0].one_before_backward);
+  CHECK(plan.memory[0].released == 0);
+  // Its W-pending micro-batch holds less by that much, and the one in B too.
+  StageMemory kept = last;
+  kept.released = 0;
+  CHECK(last.held(2, false, true) <= kept.held(2, false, true) - 2 * last.released + last.whole_scratch);
+  // The simulator's W on that stage has the blocks' alone.
+  double blocks = 0;
+  const auto shapes = model.shapes(plan.micro_batch_size);
+  for (int i = 3; i < 5; ++i) blocks += model.layer(i).cost(shapes[static_cast<std::size_t>(i)]).weight_flops;
+  CHECK(plan.flops.weight[1] == doctest::Approx(blocks));
+
+  // A head whose W is dear (vocabulary 4096 on 64 channels: more than 1/8 of the stage's
+  // backward) keeps its W, and so the memory; only the loss's goes.
+  TrainConfig big = c;
+  big.model.vocab = 4096;
+  big.model.d_model = 64;
+  const Model wide(options_of(big).model);
+  CHECK(weights_in_backward_from(wide, 3, 8) == 7);
+}

@@ -445,6 +445,7 @@ kind = "cross_entropy"
                                                     : make_tensor(features.data(), in);
     Progress progress(ProgressMode::layers, 1e-3, 1, false);
     const Stage stage(m, 0, 0, 0, n, 1, 1);
+    std::size_t given_back = 0;  // split: what B gave back to the forward's arena
     auto gradients = [&](bool split, std::size_t* stash_bytes) {
       Arena slot, scratch, stash;
       Pass pass;
@@ -459,7 +460,10 @@ kind = "cross_entropy"
       pass.arena = &scratch;
       if (split) pass.stash = &stash;
       static float one = 1.0f;
-      stage.run_backward(contexts, make_tensor(&one, Shape{1}), Tensor{}, pass, scratch, shapes, DType::f32, nullptr, progress);
+      const std::size_t forward_bytes = slot.used();
+      stage.run_backward(contexts, make_tensor(&one, Shape{1}), Tensor{}, pass, scratch, shapes, DType::f32, nullptr, progress,
+                         nullptr, split ? &slot : nullptr);
+      if (split) given_back = forward_bytes - slot.used();
       if (split) stage.run_weight(contexts, pass, nullptr, progress);
       if (stash_bytes) *stash_bytes = stash.high_water();
       return std::vector<float>(store.grads().begin(), store.grads().end());
@@ -472,6 +476,17 @@ kind = "cross_entropy"
     if (name == "gpt") CHECK(stash_bytes == static_cast<std::size_t>(shapes[1].numel()) * sizeof(float));
     else if (reused) CHECK(stash_bytes == 0);
     else CHECK(stash_bytes > 0);  // the second Linear's input was not overwritten: the sums above agree
+    // The top layers whose W is cheap (weights_in_backward_from) computed it in B, the
+    // same bits as above, and gave back their forward memory: the loss's at least.
+    const int whole_from = weights_in_backward_from(m, 0, n);
+    CAPTURE(whole_from);
+    CHECK(whole_from < n);
+    const std::vector<Shape> one = m.shapes(batch);
+    double released = 0;
+    for (int i = whole_from; i < n; ++i)
+      released += static_cast<double>(Arena::rounded(static_cast<std::size_t>(m.layer(i).cost(one[static_cast<std::size_t>(i)]).activation_bytes)));
+    CHECK(static_cast<double>(given_back) >= released);
+    if (name == "gpt") CHECK(whole_from == n - 3);  // the final LayerNorm, the head, the loss
   }
 }
 

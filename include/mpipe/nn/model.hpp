@@ -104,4 +104,16 @@ class Model {
 // checks at run time, too, that no later W reads that buffer through a view.
 bool keeps_dy_in_output(const Model& model, int layer, int stage_end);
 
+// The first layer of the model's last stage [begin, model.size()) from which a split
+// backward computes every weight gradient in B, none in W: the top layers whose W would
+// read nothing the forward kept (the loss, a LayerNorm: their weight gradients are B's
+// anyway), and Linears among them (the LM head, a classifier) whose Ws cost at most
+// 1/8 of the stage's backward FLOPs together. Their forward memory (the logits, the head's input
+// and dy) then dies in B, not at W: the stage's W-pending micro-batches hold that much
+// less (zb-h1's last stage held two micro-batches' logits and their gradients). A head
+// whose W is dear (GPT-2's 50257 words) keeps it in W, where it fills the bubble.
+// `stage_end` below model.size() (not the last stage: its output is sent from that
+// memory): stage_end.
+int weights_in_backward_from(const Model& model, int begin, int stage_end);
+
 }  // namespace mpipe

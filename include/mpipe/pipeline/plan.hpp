@@ -117,6 +117,14 @@ struct StageMemory {
   // after each allocated, where it has room (Stage::run_backward): `scratch` counts what
   // does not fit; a split backward's (zero bubble) keep that memory until W, hence all.
   double split_scratch = 0;
+  // Split, on the model's last stage: the top layers whose weight gradients B computes
+  // (weights_in_backward_from) give their forward memory back as B passes them:
+  // `released` bytes of each micro-batch's, and B's scratch on them (`whole_scratch`, not
+  // in split_scratch) comes before that.
+  double released = 0, whole_scratch = 0;
+  // At most one micro-batch at a time between its F and its B (zb-h1's last stage): the
+  // others held wait for their W, `released` given back (set by make_plan).
+  bool one_before_backward = false;
   // Activation bytes held with `live` micro-batches in flight: without remat each keeps
   // its activations; with remat only its input and output, plus one micro-batch's while
   // recomputing.
@@ -140,8 +148,13 @@ struct StageMemory {
     if (remat && !split) return live * (boundary + output) + std::max(peak(), activation + scratch);
     // Each holds its activations; one at a time its forward's temporaries (the scratch
     // arena is empty then) or, in a backward, the scratch.
-    const double each = activation + (split ? stash : 0);
-    return (std::max(live, 1) - 1) * each + std::max(peak() + (split ? stash : 0), each + (split ? split_scratch : scratch));
+    if (!split) return (std::max(live, 1) - 1) * activation + std::max(peak(), activation + scratch);
+    // Split: after B, what W needs and its stash; between F and B all it kept; in B the
+    // scratch on the top layers first, then what they released gone.
+    const double waiting = activation - released + stash;
+    const double other = one_before_backward ? waiting : std::max(activation, waiting);
+    return (std::max(live, 1) - 1) * other +
+           std::max({peak() + stash, activation + whole_scratch, waiting + split_scratch});
   }
   // --remat auto between selective and always (not split): of every `live` consecutive
   // micro-batches, the last `whole` are rematerialized wholly (their input and output

@@ -140,10 +140,13 @@ class Stage {
   // `spent` (its arena, top and live output; null: none) has room, else in `scratch`;
   // with pass.stash (a split backward) each weight layer keeps what its W needs there.
   // `hooks`: this is the step's last micro-batch and the backward fused, so each layer's
-  // gradient is final after it; null otherwise.
+  // gradient is final after it; null otherwise. Split, the layers from
+  // weights_in_backward_from() on compute their weight gradients here, and where
+  // `forward_memory` is the arena the contexts' forward allocated in, what those layers
+  // allocated is given back to it as the backward passes them.
   void run_backward(Context* contexts, Tensor dy, const Tensor& dx, const Pass& pass, Arena& scratch,
                     const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress,
-                    const Spent* spent = nullptr) const;
+                    const Spent* spent = nullptr, Arena* forward_memory = nullptr) const;
   // W: the weight gradients B left, in the same layer order; `hooks` as for run_backward().
   void run_weight(Context* contexts, const Pass& pass, StageHooks* hooks, Progress& progress) const;
 
@@ -162,6 +165,10 @@ class Stage {
 
   Model& model_;
   int index_, channel_, begin_, end_;
+  // Split, layers from here on compute their weight gradients in B, and their forward
+  // memory is given back as B passes them (weights_in_backward_from): end_ but on the
+  // model's last stage.
+  int weights_in_backward_from_;
   bool first_, last_, targets_ = false;
   std::vector<MicroBatch> micro_batches_;
   StageShared shared_;
