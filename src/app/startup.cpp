@@ -52,6 +52,13 @@ int own_rank() {
   return -1;
 }
 
+// How many ranks the launcher started on this host (0: it does not say).
+int local_ranks() {
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_SIZE", "PMIX_LOCAL_SIZE", "MPI_LOCALNRANKS"})
+    if (const char* value = std::getenv(name)) return std::atoi(value);
+  return 0;
+}
+
 // A process of this host that the launcher started beside this one: its pid, world rank
 // and whether it is stopped.
 struct Sibling {
@@ -126,7 +133,11 @@ constexpr double unexplained_after_s = 3, unexplained_at_least_s = 10;
     if (s.stopped) stopped.push_back(s);
     else if (s.rank >= 0 && (speaker < 0 || s.rank < speaker)) speaker = s.rank;
   std::sort(stopped.begin(), stopped.end(), [](const Sibling& a, const Sibling& b) { return a.rank < b.rank; });
-  if (speaker != me) {  // another rank here speaks and ends the job; end anyway if it does not
+  // A rank of this host has ended already (no rank ends in start-up but to end the job:
+  // the lowest, whose deadline passed a moment before this one's, spoke and aborted), or
+  // another rank here speaks: it ends the job; end anyway if it does not.
+  const bool one_ended = local_ranks() > 0 && static_cast<int>(others.size()) + 1 < local_ranks();
+  if (speaker != me || one_ended) {
     std::this_thread::sleep_for(std::chrono::seconds(5));
     end_job();
   }
