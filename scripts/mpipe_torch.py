@@ -49,6 +49,10 @@ class GPT(torch.nn.Module):
         return out
 
     def forward(self, idx, targets):
+        logits = self.logits(idx)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def logits(self, idx):
         B, T = idx.shape
         x = self.wte[idx] + self.wpe[:T]
         mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
@@ -62,8 +66,77 @@ class GPT(torch.nn.Module):
             y = (att @ v).transpose(1, 2).contiguous().view(B, T, -1)
             x = x + b.c_proj(y)
             x = x + b.mlp_proj(F.gelu(b.c_fc(b.ln_2(x)), approximate="tanh"))
-        logits = self.ln_f(x) @ self.wte.t()
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.ln_f(x) @ self.wte.t()
+
+
+class Conv1D(torch.nn.Module):
+    """Hugging Face GPT-2's Conv1D: a linear map whose weight is stored [in, out]."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(n_in, n_out))
+        self.bias = torch.nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+class GPT2HF(torch.nn.Module):
+    """GPT-2 in Hugging Face's layout (GPT2LMHeadModel's parameter names and its Conv1D
+    weights), written here: what `mpipe export` writes for the GPT preset loads into it
+    with strict=True. The LM head is the token table (tied), as in GPT-2."""
+
+    def __init__(self, n_layer, C, H, T, V):
+        super().__init__()
+        self.H = H
+        t = self.transformer = torch.nn.Module()
+        t.wte = torch.nn.Embedding(V, C)
+        t.wpe = torch.nn.Embedding(T, C)
+        t.h = torch.nn.ModuleList()
+        for _ in range(n_layer):
+            b = torch.nn.Module()
+            b.ln_1 = torch.nn.LayerNorm(C, eps=1e-5)
+            b.attn = torch.nn.Module()
+            b.attn.c_attn, b.attn.c_proj = Conv1D(C, 3 * C), Conv1D(C, C)
+            b.ln_2 = torch.nn.LayerNorm(C, eps=1e-5)
+            b.mlp = torch.nn.Module()
+            b.mlp.c_fc, b.mlp.c_proj = Conv1D(C, 4 * C), Conv1D(4 * C, C)
+            t.h.append(b)
+        t.ln_f = torch.nn.LayerNorm(C, eps=1e-5)
+
+    def logits(self, idx):
+        B, T = idx.shape
+        t = self.transformer
+        x = t.wte(idx) + t.wpe(torch.arange(T))
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+        for b in t.h:
+            q, k, v = b.attn.c_attn(b.ln_1(x)).split(x.shape[-1], dim=2)
+            hs = x.shape[-1] // self.H
+            q, k, v = (u.view(B, T, self.H, hs).transpose(1, 2) for u in (q, k, v))
+            att = ((q @ k.transpose(-2, -1)) / math.sqrt(hs)).masked_fill(mask, float("-inf")).softmax(dim=-1)
+            x = x + b.attn.c_proj((att @ v).transpose(1, 2).contiguous().view(B, T, -1))
+            x = x + b.mlp.c_proj(F.gelu(b.mlp.c_fc(b.ln_2(x)), approximate="tanh"))
+        return t.ln_f(x) @ t.wte.weight.t()
+
+
+def read_safetensors(path):
+    """A safetensors file's float32 tensors {name: numpy array} and its metadata, read
+    with numpy alone (the format: an 8-byte length, a JSON header, raw little-endian data)."""
+    import json
+    import struct
+
+    import numpy as np
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        data = f.read()
+    meta = header.pop("__metadata__", {})
+    out = {}
+    for name, t in header.items():
+        assert t["dtype"] == "F32", f"{name}: {t['dtype']}"
+        b, e = t["data_offsets"]
+        out[name] = np.frombuffer(data[b:e], dtype="<f4").reshape(t["shape"]).copy()
+    return out, meta
 
 
 class MLP(torch.nn.Module):

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "mpipe/app/config_file.hpp"
+#include "mpipe/app/export.hpp"
 #include "mpipe/app/inspect.hpp"
 #include "mpipe/app/plan.hpp"
 #include "mpipe/app/process.hpp"
@@ -186,6 +187,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--keep", c.keep, "Complete checkpoints to keep (0: all)")->capture_default_str();
   cmd.add_option("--resume", c.resume, "auto (newest good checkpoint in --checkpoint-dir), never, or a file")
       ->capture_default_str();
+  cmd.add_option("--init-from", c.init_from,
+                 "Start a fresh run (step 0, a fresh optimizer) from the weights of a safetensors file that 'mpipe export' "
+                 "wrote (GPT: Hugging Face GPT-2's names); every name, shape and dtype checked. A run that resumes a "
+                 "checkpoint goes on from it instead");
   cmd.add_flag("--overwrite", c.overwrite,
                "Let this run replace the checkpoints of another run in --checkpoint-dir (deleted once its first "
                "checkpoint is in place); without it such a directory is refused");
@@ -253,6 +258,12 @@ int run_main(int argc, char** argv) {
   inspect->add_flag("--model", inspect_model,
                     "Print only the model's layer list, as a model file for 'train --model' (mpipe inspect CKPT --model > "
                     "m.toml)");
+  CLI::App* export_command = app.add_subcommand(
+      "export", "Write a checkpoint's weights as safetensors (GPT: Hugging Face GPT-2's names; else the layer list's)");
+  std::string export_from, export_to;
+  export_command->add_option("checkpoint", export_from, "Checkpoint file, or a run's --checkpoint-dir (its newest that verifies)")
+      ->required();
+  export_command->add_option("out", export_to, "The .safetensors file to write")->required();
 
   try {
     app.parse(argc, argv);
@@ -282,16 +293,20 @@ int run_main(int argc, char** argv) {
     return finish(rank == 0 ? app.exit(e) : 0);
   } catch (const CLI::ParseError& e) {
     // No subcommand parsed: name what was typed (a mistyped "trian" is not a subcommand).
-    const bool none = !train->parsed() && !plan->parsed() && !inspect->parsed();
+    const bool none = !train->parsed() && !plan->parsed() && !inspect->parsed() && !export_command->parsed();
     if (none && argc > 1 && argv[1][0] != '-') {
       if (rank == 0)
-        std::fprintf(stderr, "mpipe: error: unknown command '%s'; hint: use mpipe train, plan or inspect (mpipe --help)\n",
+        std::fprintf(stderr, "mpipe: error: unknown command '%s'; hint: use mpipe train, plan, inspect or export (mpipe --help)\n",
                      argv[1]);
       return finish(exit_user_error);
     }
     if (rank == 0)
       std::fprintf(stderr, "mpipe: error: %s; hint: see 'mpipe %s--help'\n", e.what(),
-                   train->parsed() ? "train " : plan->parsed() ? "plan " : inspect->parsed() ? "inspect " : "");
+                   train->parsed()            ? "train "
+                   : plan->parsed()           ? "plan "
+                   : inspect->parsed()        ? "inspect "
+                   : export_command->parsed() ? "export "
+                                              : "");
     return finish(exit_user_error);
   } catch (const UserError& e) {
     if (rank == 0) std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
@@ -314,6 +329,7 @@ int run_main(int argc, char** argv) {
     return finish(code);
   }
   try {
+    if (export_command->parsed()) return run_export(export_from, export_to);
     if (inspect->parsed())
       return run_inspect(inspect_path, inspect_stats, inspect_verify, inspect_config ? "config" : inspect_model ? "model" : "");
     if (layer_kinds_help) return print_layer_kinds();

@@ -332,6 +332,7 @@ void check_output_files(const TrainConfig& c) {
   if (c.pipeline.schedule.rfind("file:", 0) == 0) inputs.push_back({"--schedule", c.pipeline.schedule.substr(5), ""});
   if (const std::string data = data_file(c.data); !data.empty()) inputs.push_back({"--data", data, ""});
   if (const std::string eval = data_file(c.eval_data); !eval.empty()) inputs.push_back({"--eval-data", eval, ""});
+  if (!c.init_from.empty()) inputs.push_back({"--init-from", c.init_from, ""});
   for (std::size_t i = 0; i < outputs.size(); ++i)
     for (std::size_t j = i + 1; j < outputs.size(); ++j)
       MPIPE_REQUIRE(!same(outputs[i].path, outputs[j].path), "give each output its own file", outputs[i].option, " and ",

@@ -136,6 +136,7 @@ std::string to_toml(const TrainConfig& c) {
   line("checkpoint-every", cat(c.checkpoint_every));
   line("keep", cat(c.keep));
   if (!c.time_limit.empty()) line("time-limit", toml_quoted(c.time_limit));
+  if (!c.init_from.empty()) line("init-from", toml_quoted(c.init_from));
   return o;
 }
 

@@ -31,6 +31,7 @@
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/io/trace.hpp"
+#include "mpipe/io/weights.hpp"
 #include "mpipe/pipeline/hosts.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
@@ -440,50 +441,6 @@ int Training::finish() {
   return preempted_ ? exit_preempted : 0;
 }
 
-// Rank 0's opening lines: the program, the model, the device, the plan.
-void print_header(const TrainConfig& config, const Executor& exec, const std::string& device_line,
-                  const std::string& order_line, double time_limit_s,
-                  const std::string& resumed_from, std::int64_t first_step, double load_seconds) {
-  const Grid& grid = exec.grid();
-  std::printf("mpipe %s (git %s): %s model, %d layers, %lld parameters, %d thread%s per rank\n", version(), git_hash(),
-              config.model.kind.c_str(), exec.model().size(), static_cast<long long>(exec.model().parameter_count()),
-              cpu::threads(), cpu::threads() > 1 ? "s" : "");
-  std::printf("%s\n", device_line.c_str());
-  if (grid.stages() > 1 || grid.replicas() > 1) std::printf("communication: %s\n", exec.progress().describe().c_str());
-  if (time_limit_s > 0) {
-    const long long t = std::llround(time_limit_s);
-    std::printf("time limit: %lld:%02lld:%02lld (--time-limit %s): a checkpoint and exit %d before it\n", t / 3600,
-                t % 3600 / 60, t % 60, config.time_limit.c_str(), exit_preempted);
-  }
-  if (const Dataset* data = exec.dataset())
-    std::printf("data: %s%s\n", data->describe().c_str(),
-                exec.prefetching() ? "; each step's batch read during the step before (--prefetch)" : "");
-  if (const Dataset* data = exec.eval_dataset()) std::printf("eval data: %s\n", data->describe().c_str());
-  print_plan(exec.plan(), exec.model());
-  if (host_count() > 1) std::printf("%s\n", describe_hosts().c_str());
-  if (!order_line.empty()) std::printf("%s\n", order_line.c_str());
-  // A node gone silent is named within --p2p-timeout, but the job ends only when mpirun
-  // gives up on that node's daemon. Its keepalives must do so before mpipe's abort (3 s
-  // after naming it, across hosts): once the abort has sent mpirun's kill towards that
-  // node, keepalives no longer apply (data waits unacknowledged) and TCP's
-  // retransmissions take about 15 minutes.
-  if (const double lost = mpirun_lost_node_s(); host_count() > 1 && lost >= config.pipeline.p2p_timeout + 3)
-    std::printf("note: across hosts, a node that goes silent (its link or power) ends the job only once mpirun's TCP "
-                "keepalives give up on its daemon, %s here, and only if that comes within --p2p-timeout + 3 s (%g s; "
-                "else about 15 minutes); launch with 'mpirun --mca oob_tcp_keepalive_time 1 --mca "
-                "oob_tcp_keepalive_intvl 1 --mca oob_tcp_keepalive_probes 2' (3 s)\n",
-                std::isinf(lost) ? "never (oob_tcp_keepalive_time 0)" : cat(lost, " s after it goes silent").c_str(),
-                config.pipeline.p2p_timeout + 3);
-  if (grid.stages() > 1 && grid.stages() <= 8 && config.micro_batches <= 8) print_schedule_grid(exec.schedule());
-  std::printf("%s, lr %g, %d steps%s\n", config.optimizer.kind.c_str(), config.optimizer.lr, config.steps,
-              exec.optimizer().sharded() ? cat(", state sharded over ", grid.replicas(), " replicas").c_str()
-              : config.pipeline.shard_optimizer ? " (--shard-optimizer: one replica, nothing to shard)" : "");
-  if (!resumed_from.empty())
-    std::printf("resumed from %s: %lld steps done (checked and loaded in %.2f s)\n", resumed_from.c_str(),
-                static_cast<long long>(first_step), load_seconds);
-  std::fflush(stdout);
-}
-
 }  // namespace
 
 int run_train(const TrainConfig& options, const Communicator& world) {
@@ -586,6 +543,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   if ((code = start_up->phase("claim", [&] {
          if (root) checkpoint_dir.claim();
        })))
+    return code;
+  // A fresh run may start from weights written elsewhere; a resumed one goes on from its checkpoint.
+  if (resumed_from.empty() && !config.init_from.empty() &&
+      (code = start_up->phase("init-from", [&] { load_weights(*exec, config.init_from); })))
     return code;
   start_up.reset();  // from here the steps' waits have --p2p-timeout, checkpoints their own guard
   if (!config.trace.empty()) exec->start_trace_clock();

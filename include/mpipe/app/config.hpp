@@ -60,6 +60,7 @@ struct TrainConfig {
   int checkpoint_every = 0;      // steps between checkpoints; 0: only the final one
   int keep = 0;                  // complete checkpoints kept; 0: all
   std::string resume = "auto";   // auto | never | PATH
+  std::string init_from;         // a safetensors file (mpipe export) a fresh run starts from; empty: the seed's
   bool overwrite = false;        // checkpoint_dir may hold another run's checkpoints: replace them
   std::string time_limit;        // stop, checkpoint and exit 75 before this much time: MINUTES or [D-]H:MM:SS
   std::string device = "cpu";    // cpu | cuda | auto; resolve_device() turns auto into one

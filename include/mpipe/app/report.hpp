@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "mpipe/app/config.hpp"
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
@@ -42,5 +43,11 @@ struct PhaseStats {
 // (into *simulated). Returns the rows (other ranks: nothing).
 std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator& world, const Schedule& schedule,
                                      int micro_batches, double theory, bool overlapped, double* simulated);
+
+// Rank 0's opening lines of a training run: the program, the model, the device, the
+// plan, and where the weights come from (a checkpoint resumed, --init-from).
+void print_header(const TrainConfig& config, const Executor& exec, const std::string& device_line,
+                  const std::string& order_line, double time_limit_s, const std::string& resumed_from,
+                  std::int64_t first_step, double load_seconds);
 
 }  // namespace mpipe

@@ -1,0 +1,96 @@
+// `mpipe export`: a checkpoint's parameters (and BatchNorm's running statistics) as a
+// safetensors file, under Hugging Face GPT-2's names for the GPT preset and the layer
+// list's own for the rest (io/weights.hpp), read through the checkpoint reader's one
+// set of rules.
+#include "mpipe/app/export.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+
+#include "mpipe/core/version.hpp"
+#include "mpipe/io/checkpoint_format.hpp"
+#include "mpipe/io/safetensors.hpp"
+#include "mpipe/io/weights.hpp"
+
+namespace mpipe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+// A run directory's newest checkpoint that verifies (a damaged one is named and passed).
+std::string newest_verified(const std::string& dir) {
+  std::vector<std::pair<std::int64_t, std::string>> found;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec))
+    if (const std::int64_t step = checkpoint_step_of_name(entry.path().string()); step >= 0)
+      found.emplace_back(step, entry.path().string());
+  std::sort(found.rbegin(), found.rend());
+  for (const auto& [step, path] : found) {
+    const auto bad = verify_checkpoint(path);
+    if (!bad) return path;
+    std::fprintf(stderr, "mpipe: warning: %s; trying an older checkpoint\n", bad->c_str());
+  }
+  throw UserError(cat("no checkpoint in '", dir, "' verifies (", found.size(), " found)"),
+                  "give a checkpoint file, or the --checkpoint-dir of a run that saved one");
+}
+
+}  // namespace
+
+int run_export(const std::string& checkpoint, const std::string& out) {
+  quiet_hdf5();
+  std::error_code ec;
+  MPIPE_REQUIRE(fs::exists(checkpoint, ec), "give a checkpoint file (ckpt-*.h5) or a run's --checkpoint-dir", "no file '",
+                checkpoint, "'");
+  const std::string path = fs::is_directory(checkpoint, ec) ? newest_verified(checkpoint) : checkpoint;
+  MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)", "'", path,
+                "' is not an HDF5 file");
+  // The whole file first, as resume checks it: nothing is exported from a damaged one.
+  if (auto bad = verify_checkpoint(path)) throw UserError(*bad, "export an older checkpoint (mpipe inspect --verify finds one)");
+  // An output never replaces an input, nor anything that is not a file.
+  if (fs::exists(out, ec)) {
+    MPIPE_REQUIRE(fs::is_regular_file(out, ec), "give a file name for OUT", "'", out, "' exists and is not a file");
+    MPIPE_REQUIRE(!fs::equivalent(out, path, ec), "give another file name for OUT", "'", out, "' is the checkpoint itself");
+  }
+  MPIPE_REQUIRE(!fs::is_symlink(out, ec) || fs::exists(out, ec), "give a file name for OUT", "'", out,
+                "' is a link to nothing");
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  MPIPE_REQUIRE(file.ok(), "the file is damaged; use an older checkpoint", "'", path, "' cannot be opened");
+  const Model model = checkpoint_model(file.get(), path);
+  const std::vector<DatasetSpec> datasets = parameter_datasets(model, "/model");
+  std::vector<std::vector<float>> values(datasets.size());
+  std::vector<SafetensorsEntry> entries;
+  for (std::size_t i = 0; i < datasets.size(); ++i) {
+    const DatasetSpec& d = datasets[i];
+    std::vector<float>& v = values[i];
+    v.resize(static_cast<std::size_t>(d.shape.numel()));
+    if (auto bad = read_checked(file.get(), d.path, d.shape, v.data()))
+      throw UserError(cat("'", path, "': ", *bad), "export an older checkpoint (mpipe inspect --verify finds one)");
+    const ExportedName name = exported_name(model, d.layer, d.name);
+    std::vector<std::int64_t> shape(d.shape.rank);
+    for (int k = 0; k < d.shape.rank; ++k) shape[static_cast<std::size_t>(k)] = d.shape[k];
+    if (name.transposed) {
+      v = transposed(v, d.shape[0], d.shape[1]);
+      std::swap(shape[0], shape[1]);
+    }
+    entries.push_back({name.name, shape, v});
+  }
+  std::map<std::string, std::string> metadata = {
+      {"format", "pt"}, {"mpipe_version", cat(version(), " (git ", git_hash(), ")")}, {"mpipe_checkpoint", path}};
+  if (auto text = read_string_attribute(file.get(), "model")) metadata["mpipe_model"] = *text;
+  if (auto signature = read_string_attribute(file.get(), "model_signature")) metadata["mpipe_model_signature"] = *signature;
+  {
+    Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
+    if (train.ok())
+      metadata["mpipe_step"] = cat(read_scalar_attribute<std::int64_t>(train.get(), "step", H5T_NATIVE_INT64).value_or(-1));
+  }
+  write_safetensors(out, entries, metadata);
+  double count = 0;
+  for (const auto& v : values) count += static_cast<double>(v.size());
+  std::printf("exported %zu tensors, %.0f values (%s names) from %s to %s\n", entries.size(), count,
+              gpt2_layout(model) ? "Hugging Face GPT-2" : "mpipe layer", path.c_str(), out.c_str());
+  return 0;
+}
+
+}  // namespace mpipe

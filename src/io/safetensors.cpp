@@ -1,0 +1,175 @@
+// Writing and reading safetensors files: the 8-byte header length, the JSON header and
+// the raw tensors, every claim of a file read checked against the file.
+#include "mpipe/io/safetensors.hpp"
+
+#include <algorithm>
+#include <bit>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <unistd.h>
+
+#include "mpipe/io/json.hpp"
+
+namespace mpipe {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian, written as it lies in memory");
+
+// A header longer than this is not one mpipe wrote or would read (the Hub's reader
+// refuses over 100 MB too): a corrupt length is said, not allocated.
+constexpr std::uint64_t max_header_bytes = 100'000'000;
+constexpr std::size_t header_alignment = 8;  // the header is padded with spaces to it
+
+std::uint64_t dtype_bytes(const std::string& dtype) {
+  static const std::map<std::string, std::uint64_t> sizes = {
+      {"F64", 8}, {"F32", 4}, {"F16", 2}, {"BF16", 2}, {"I64", 8}, {"I32", 4}, {"I16", 2}, {"I8", 1},
+      {"U64", 8}, {"U32", 4}, {"U16", 2}, {"U8", 1}, {"BOOL", 1}, {"F8_E4M3", 1}, {"F8_E5M2", 1}};
+  const auto it = sizes.find(dtype);
+  return it == sizes.end() ? 0 : it->second;
+}
+
+const std::string hint_damaged = "the file is damaged or not safetensors; export it again (mpipe export CKPT OUT.safetensors)";
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                       const std::map<std::string, std::string>& metadata) {
+  Json header = Json::object();
+  if (!metadata.empty()) {
+    Json meta = Json::object();
+    for (const auto& [key, value] : metadata) meta[key] = value;
+    header["__metadata__"] = meta;
+  }
+  std::uint64_t offset = 0;
+  for (const SafetensorsEntry& e : entries) {
+    MPIPE_CHECK(!e.name.empty() && e.name != "__metadata__" && !header.contains(e.name), "safetensors: tensor name '",
+                e.name, "' empty, reserved or given twice");
+    std::int64_t numel = 1;
+    for (const std::int64_t d : e.shape) numel *= d;
+    MPIPE_CHECK(numel == static_cast<std::int64_t>(e.values.size()), "safetensors: '", e.name, "' has ", e.values.size(),
+                " values for ", numel, " elements");
+    const std::uint64_t bytes = e.values.size() * sizeof(float);
+    header[e.name] = Json{{"dtype", "F32"}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  std::string text = header.dump();
+  text.append((header_alignment - text.size() % header_alignment) % header_alignment, ' ');
+  const std::string temp = cat(path, ".tmp-", ::getpid());
+  const auto failed = [&](int error) {
+    std::error_code ec;
+    fs::remove(temp, ec);
+    const bool full = error == ENOSPC || error == EDQUOT || error == EFBIG;
+    return UserError(cat("cannot write '", path, "': ", std::strerror(error)),
+                     full ? "free space there, or write to another file system" : "give a path in a directory you can write");
+  };
+  std::FILE* out = std::fopen(temp.c_str(), "wb");
+  if (!out) throw failed(errno);
+  const std::uint64_t length = text.size();
+  bool ok = std::fwrite(&length, sizeof length, 1, out) == 1 && std::fwrite(text.data(), 1, text.size(), out) == text.size();
+  for (const SafetensorsEntry& e : entries)
+    ok = ok && std::fwrite(e.values.data(), sizeof(float), e.values.size(), out) == e.values.size();
+  ok = ok && std::fflush(out) == 0 && ::fsync(::fileno(out)) == 0;
+  const int error = errno ? errno : EIO;
+  if (std::fclose(out) != 0 || !ok) throw failed(ok ? (errno ? errno : EIO) : error);
+  std::error_code ec;
+  fs::rename(temp, path, ec);
+  if (ec) throw failed(ec.value());
+}
+
+SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
+  std::error_code ec;
+  MPIPE_REQUIRE(fs::is_regular_file(path, ec), "give the path of a .safetensors file (mpipe export writes one)", "no file '",
+                path, "'");
+  const std::uint64_t size = fs::file_size(path, ec);
+  MPIPE_REQUIRE(!ec, hint_damaged, "cannot read '", path, "': ", ec.message());
+  std::ifstream in(path, std::ios::binary);
+  MPIPE_REQUIRE(in.good(), "give a file you can read", "cannot open '", path, "'");
+  std::uint64_t length = 0;
+  MPIPE_REQUIRE(size >= sizeof length && in.read(reinterpret_cast<char*>(&length), sizeof length), hint_damaged, "'", path,
+                "' is ", size, " bytes: too short for a safetensors header");
+  MPIPE_REQUIRE(length <= size - sizeof length && length <= max_header_bytes, hint_damaged, "'", path, "': its header says ",
+                length, " bytes, the file has ", size - sizeof length, " after the length");
+  std::string text(length, '\0');
+  MPIPE_REQUIRE(static_cast<bool>(in.read(text.data(), static_cast<std::streamsize>(length))), hint_damaged, "cannot read '",
+                path, "''s header");
+  Json header;
+  try {
+    header = Json::parse(text);
+  } catch (const Json::parse_error& e) {
+    throw UserError(cat("'", path, "': its header is not JSON (", e.what(), ")"), hint_damaged);
+  }
+  MPIPE_REQUIRE(header.is_object(), hint_damaged, "'", path, "': its header is not a JSON object");
+  const std::uint64_t data_bytes = size - sizeof length - length;
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+  for (const auto& [name, value] : header.items()) {
+    if (name == "__metadata__") {
+      MPIPE_REQUIRE(value.is_object(), hint_damaged, "'", path, "': __metadata__ is not an object");
+      for (const auto& [key, v] : value.items()) {
+        MPIPE_REQUIRE(v.is_string(), hint_damaged, "'", path, "': metadata '", key, "' is not a string");
+        metadata_[key] = v.get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = cat("'", path, "': tensor '", name, "'");
+    MPIPE_REQUIRE(value.is_object() && value.contains("dtype") && value["dtype"].is_string() && value.contains("shape") &&
+                      value["shape"].is_array() && value.contains("data_offsets") && value["data_offsets"].is_array() &&
+                      value["data_offsets"].size() == 2,
+                  hint_damaged, where, " lacks its dtype, shape or data_offsets");
+    Tensor t;
+    t.dtype = value["dtype"].get<std::string>();
+    const std::uint64_t word = dtype_bytes(t.dtype);
+    MPIPE_REQUIRE(word > 0, hint_damaged, where, " has an unknown dtype '", t.dtype, "'");
+    std::uint64_t numel = 1;
+    for (const Json& d : value["shape"]) {
+      MPIPE_REQUIRE(d.is_number_unsigned() && d.get<std::uint64_t>() <= data_bytes, hint_damaged, where,
+                    " has a dimension that is not a size within the file: ", d.dump());
+      const std::uint64_t dim = d.get<std::uint64_t>();
+      MPIPE_REQUIRE(dim == 0 || numel <= data_bytes / dim, hint_damaged, where, " claims more elements than the file holds");
+      numel *= dim;
+      t.shape.push_back(static_cast<std::int64_t>(dim));
+    }
+    for (const Json& o : value["data_offsets"])
+      MPIPE_REQUIRE(o.is_number_unsigned(), hint_damaged, where, " has an offset that is not a byte count: ", o.dump());
+    t.begin = value["data_offsets"][0].get<std::uint64_t>();
+    t.end = value["data_offsets"][1].get<std::uint64_t>();
+    MPIPE_REQUIRE(t.begin <= t.end && t.end <= data_bytes, hint_damaged, where, " lies at bytes ", t.begin, "-", t.end,
+                  " of data ", data_bytes, " bytes long (the file is truncated, or its header lies)");
+    MPIPE_REQUIRE(numel <= std::numeric_limits<std::uint64_t>::max() / word && t.end - t.begin == numel * word, hint_damaged,
+                  where, " has ", t.end - t.begin, " bytes for ", numel, " elements of ", t.dtype);
+    ranges.emplace_back(t.begin, t.end);
+    tensors_.emplace(name, std::move(t));
+  }
+  // The ranges tile the data: no two tensors share bytes, and none are left over.
+  std::sort(ranges.begin(), ranges.end());
+  std::uint64_t at = 0;
+  for (const auto& [begin, end] : ranges) {
+    MPIPE_REQUIRE(begin == at, hint_damaged, "'", path, "': ", begin < at ? "two tensors share bytes" : "bytes no tensor names",
+                  " at data offset ", std::min(begin, at));
+    at = end;
+  }
+  MPIPE_REQUIRE(at == data_bytes, hint_damaged, "'", path, "': ", data_bytes - at, " bytes after the last tensor");
+  data_start_ = sizeof length + length;
+}
+
+std::vector<float> SafetensorsFile::floats(const std::string& name) const {
+  const auto it = tensors_.find(name);
+  MPIPE_CHECK(it != tensors_.end(), "safetensors: no tensor '", name, "'");
+  const Tensor& t = it->second;
+  MPIPE_REQUIRE(t.dtype == "F32", "export it as float32 (mpipe export writes F32)", "'", path_, "': tensor '", name, "' is ",
+                t.dtype, ", not F32");
+  std::vector<float> out((t.end - t.begin) / sizeof(float));
+  std::ifstream in(path_, std::ios::binary);
+  in.seekg(static_cast<std::streamoff>(data_start_ + t.begin));
+  MPIPE_REQUIRE(in.good() && in.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(t.end - t.begin)),
+                hint_damaged, "cannot read tensor '", name, "' of '", path_, "' (the file changed or was cut short)");
+  return out;
+}
+
+}  // namespace mpipe
