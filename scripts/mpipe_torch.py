@@ -120,8 +120,8 @@ class GPT2HF(torch.nn.Module):
 
 
 def read_safetensors(path):
-    """A safetensors file's float32 tensors {name: numpy array} and its metadata, read
-    with numpy alone (the format: an 8-byte length, a JSON header, raw little-endian data)."""
+    """A safetensors file's float32 and int64 tensors {name: numpy array} and its metadata,
+    read with numpy alone (the format: an 8-byte length, a JSON header, raw little-endian data)."""
     import json
     import struct
 
@@ -133,9 +133,9 @@ def read_safetensors(path):
     meta = header.pop("__metadata__", {})
     out = {}
     for name, t in header.items():
-        assert t["dtype"] == "F32", f"{name}: {t['dtype']}"
+        dtype = {"F32": "<f4", "I64": "<i8"}[t["dtype"]]
         b, e = t["data_offsets"]
-        out[name] = np.frombuffer(data[b:e], dtype="<f4").reshape(t["shape"]).copy()
+        out[name] = np.frombuffer(data[b:e], dtype=dtype).reshape(t["shape"]).copy()
     return out, meta
 
 

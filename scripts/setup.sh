@@ -9,7 +9,7 @@ set -euo pipefail
 build_pkgs=(build-essential cmake ninja-build pkg-config git
             openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools
             libcli11-dev libtomlplusplus-dev nlohmann-json3-dev doctest-dev libopenblas-openmp-dev libopenblas0-openmp zlib1g-dev)
-test_pkgs=(python3 python3-torch python3-h5py python3-numpy python3-matplotlib python3-sklearn
+test_pkgs=(python3 python3-torch python3-torchvision python3-h5py python3-numpy python3-matplotlib python3-sklearn
            slurmctld slurmd slurm-client munge
            iproute2 util-linux bc)  # multinode: network namespaces, unshare/taskset, timings
 

@@ -74,22 +74,35 @@ int run_export(const std::string& checkpoint, const std::string& out) {
       v = transposed(v, d.shape[0], d.shape[1]);
       std::swap(shape[0], shape[1]);
     }
-    entries.push_back({name.name, shape, v});
+    entries.push_back(f32_entry(name.name, shape, v));
   }
+  // torchvision's BatchNorm has a batch count beside its statistics (read only where its
+  // momentum is None): the checkpoint's step, an int64 scalar.
+  std::int64_t step = -1;
+  {
+    Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
+    if (train.ok()) step = read_scalar_attribute<std::int64_t>(train.get(), "step", H5T_NATIVE_INT64).value_or(-1);
+  }
+  const bool torchvision = torchvision_resnet_layout(model);
+  const std::string running_mean = ".running_mean";
+  std::vector<std::string> tracked;
+  for (const SafetensorsEntry& e : entries)
+    if (torchvision && e.name.size() > running_mean.size() && e.name.ends_with(running_mean))
+      tracked.push_back(e.name.substr(0, e.name.size() - running_mean.size()) + ".num_batches_tracked");
+  const std::int64_t batches = std::max<std::int64_t>(step, 0);
+  for (const std::string& name : tracked)
+    entries.push_back({name, "I64", {}, std::as_bytes(std::span<const std::int64_t>(&batches, 1))});
   std::map<std::string, std::string> metadata = {
       {"format", "pt"}, {"mpipe_version", cat(version(), " (git ", git_hash(), ")")}, {"mpipe_checkpoint", path}};
   if (auto text = read_string_attribute(file.get(), "model")) metadata["mpipe_model"] = *text;
   if (auto signature = read_string_attribute(file.get(), "model_signature")) metadata["mpipe_model_signature"] = *signature;
-  {
-    Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
-    if (train.ok())
-      metadata["mpipe_step"] = cat(read_scalar_attribute<std::int64_t>(train.get(), "step", H5T_NATIVE_INT64).value_or(-1));
-  }
+  metadata["mpipe_step"] = cat(step);
   write_safetensors(out, entries, metadata);
   double count = 0;
   for (const auto& v : values) count += static_cast<double>(v.size());
   std::printf("exported %zu tensors, %.0f values (%s names) from %s to %s\n", entries.size(), count,
-              gpt2_layout(model) ? "Hugging Face GPT-2" : "mpipe layer", path.c_str(), out.c_str());
+              gpt2_layout(model) ? "Hugging Face GPT-2" : torchvision ? "torchvision ResNet" : "mpipe layer", path.c_str(),
+              out.c_str());
   return 0;
 }
 

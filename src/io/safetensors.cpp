@@ -51,12 +51,12 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
   for (const SafetensorsEntry& e : entries) {
     MPIPE_CHECK(!e.name.empty() && e.name != "__metadata__" && !header.contains(e.name), "safetensors: tensor name '",
                 e.name, "' empty, reserved or given twice");
-    std::int64_t numel = 1;
-    for (const std::int64_t d : e.shape) numel *= d;
-    MPIPE_CHECK(numel == static_cast<std::int64_t>(e.values.size()), "safetensors: '", e.name, "' has ", e.values.size(),
-                " values for ", numel, " elements");
-    const std::uint64_t bytes = e.values.size() * sizeof(float);
-    header[e.name] = Json{{"dtype", "F32"}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
+    std::uint64_t numel = 1;
+    for (const std::int64_t d : e.shape) numel *= static_cast<std::uint64_t>(d);
+    const std::uint64_t bytes = e.bytes.size();
+    MPIPE_CHECK(dtype_bytes(e.dtype) > 0 && numel * dtype_bytes(e.dtype) == bytes, "safetensors: '", e.name, "' has ", bytes,
+                " bytes for ", numel, " elements of ", e.dtype);
+    header[e.name] = Json{{"dtype", e.dtype}, {"shape", e.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
   }
   std::string text = header.dump();
@@ -74,7 +74,7 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
   const std::uint64_t length = text.size();
   bool ok = std::fwrite(&length, sizeof length, 1, out) == 1 && std::fwrite(text.data(), 1, text.size(), out) == text.size();
   for (const SafetensorsEntry& e : entries)
-    ok = ok && std::fwrite(e.values.data(), sizeof(float), e.values.size(), out) == e.values.size();
+    ok = ok && std::fwrite(e.bytes.data(), 1, e.bytes.size(), out) == e.bytes.size();
   ok = ok && std::fflush(out) == 0 && ::fsync(::fileno(out)) == 0;
   const int error = errno ? errno : EIO;
   if (std::fclose(out) != 0 || !ok) throw failed(ok ? (errno ? errno : EIO) : error);

@@ -128,6 +128,45 @@ def main():
         check(all(tuple(names[k].shape) == tensors[k].shape for k in names if k in tensors),
               "model file: every shape is the twin's")
 
+        # ---- the resnet preset: torchvision's names; ResNet-18 and -50 load into torchvision ----
+        import torchvision
+        x = torch.randn(2, 3, 128, 128, generator=torch.Generator().manual_seed(3))
+        for depth, build in [(18, torchvision.models.resnet18), (50, torchvision.models.resnet50)]:
+            args = ["--model", "resnet", "--layers", str(depth), "--width", "64", "--image", "128", "--classes", "10",
+                    "--batch-size", "2", "--micro-batches", "1"]
+            _, ckpt_r = train(a.mpipe, work, f"resnet{depth}", args, 1)
+            tensors, _ = export(a.mpipe, ckpt_r, os.path.join(work, f"resnet{depth}.safetensors"))
+            tv = build(num_classes=10)
+            try:
+                tv.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=True)
+                check(True, f"ResNet-{depth}: torchvision.models.resnet{depth} takes the export with strict=True")
+            except RuntimeError as e:
+                check(False, f"ResNet-{depth}: torchvision load_state_dict(strict=True): {str(e)[:300]}")
+                continue
+            # The reference twin of the checkpoint's own layer list, loaded from the checkpoint.
+            text = subprocess.run([a.mpipe, "inspect", ckpt_r, "--model"], capture_output=True, text=True, check=True).stdout
+            twin = Sequential(tomllib.loads(text))
+            weights = keyed(ckpt_r)
+            with torch.no_grad():
+                for key, p in twin.named().items():
+                    p.copy_(torch.from_numpy(weights[key]))
+            tv.eval()
+            twin.eval()
+            with torch.no_grad():
+                y = x
+                for kind, part in zip(twin.kinds, twin.parts):
+                    if kind != "cross_entropy":
+                        y = part(y)
+                diff = (tv(x) - y).abs().max().item()
+                scale = max(1.0, y.abs().max().item())
+            check(diff <= 1e-5 * scale, f"ResNet-{depth}: torchvision's eval logits against the reference twin's: max "
+                  f"|difference| {diff:.2e} <= 1e-5 x {scale:.2f}")
+            if depth == 18:  # and back: a run on 2 ranks starts from torchvision's names (their batch counts aside)
+                r = subprocess.run(["mpiexec", "-n", "2", a.mpipe, "train", *args, "--steps", "1", "--threads", "1",
+                                    "--init-from", os.path.join(work, "resnet18.safetensors")], capture_output=True, text=True)
+                check(r.returncode == 0 and "(--init-from)" in r.stdout,
+                      f"ResNet-18: train --init-from torchvision's names: exit {r.returncode} {r.stderr.strip()[-200:]}")
+
         # ---- bad input: one line, exit 2, nothing written over an input ----
         damaged = os.path.join(work, "damaged.h5")
         shutil.copy(ckpt, damaged)

@@ -1,7 +1,7 @@
 // safetensors files: what write_safetensors writes reads back the same bits, and a file
 // whose header lies (a length past the end, offsets outside the data or overlapping,
 // sizes that do not match the shape, bad JSON, a truncated file) is a user error naming
-// the problem, before any of its data is trusted.
+// the problem, before any of its data is trusted. And the names mpipe export gives.
 #include <doctest/doctest.h>
 
 #include <cstdint>
@@ -14,7 +14,9 @@
 #include <unistd.h>
 
 #include "mpipe/core/error.hpp"
+#include "mpipe/app/config.hpp"
 #include "mpipe/io/safetensors.hpp"
+#include "mpipe/io/weights.hpp"
 #include "temp_dir.hpp"
 
 using namespace mpipe;
@@ -47,9 +49,15 @@ std::string problem(const std::string& path) {
 TEST_CASE("a safetensors file written reads back: names, shapes, metadata and the same bits") {
   const std::vector<float> a = {1.5f, -2.0f, 3.25f, 0.0f, 1e-30f, -0.0f}, b = {7.0f};
   const std::string path = testing::test_file("round.safetensors").string();
-  write_safetensors(path, {{"layer.weight", {2, 3}, a}, {"scalar_like", {1}, b}}, {{"format", "pt"}, {"step", "12"}});
+  const std::int64_t count = 42;
+  write_safetensors(path,
+                    {f32_entry("layer.weight", {2, 3}, a), f32_entry("scalar_like", {1}, b),
+                     {"count", "I64", {}, std::as_bytes(std::span<const std::int64_t>(&count, 1))}},
+                    {{"format", "pt"}, {"step", "12"}});
   const SafetensorsFile file(path);
-  REQUIRE(file.tensors().size() == 2);
+  REQUIRE(file.tensors().size() == 3);
+  CHECK(file.tensors().at("count").dtype == "I64");
+  CHECK(file.tensors().at("count").shape.empty());  // a scalar
   CHECK(file.tensors().at("layer.weight").shape == std::vector<std::int64_t>{2, 3});
   CHECK(file.tensors().at("layer.weight").dtype == "F32");
   CHECK(file.metadata().at("step") == "12");
@@ -107,4 +115,52 @@ TEST_CASE("a safetensors file whose header lies is refused by name, before its d
   // A float32 read of another dtype is refused by name.
   const SafetensorsFile half(raw_file("half.safetensors", R"({"h":{"dtype":"F16","shape":[2],"data_offsets":[0,4]}})", 4));
   CHECK_THROWS_AS(half.floats("h"), UserError);
+}
+
+TEST_CASE("exported names: GPT-2's for the GPT preset (Conv1D transposed), torchvision's for the ResNet preset, else the layer list's") {
+  ModelConfig gpt;
+  gpt.kind = "gpt";
+  gpt.layers = 2;
+  gpt.d_model = 8;
+  gpt.heads = 2;
+  gpt.seq_len = 4;
+  gpt.vocab = 16;
+  const Model g(gpt);  // embedding, 2 blocks, layernorm, head, loss
+  CHECK(gpt2_layout(g));
+  CHECK_FALSE(torchvision_resnet_layout(g));
+  CHECK(exported_name(g, 0, "wte").name == "transformer.wte.weight");
+  CHECK(exported_name(g, 2, "attn.c_attn.weight").name == "transformer.h.1.attn.c_attn.weight");
+  CHECK(exported_name(g, 2, "attn.c_attn.weight").transposed);
+  CHECK_FALSE(exported_name(g, 2, "attn.c_attn.bias").transposed);
+  CHECK(exported_name(g, 3, "bias").name == "transformer.ln_f.bias");
+  ModelConfig resnet;
+  resnet.kind = "resnet";
+  resnet.layers = 18;
+  resnet.width = 4;
+  resnet.image = 8;
+  resnet.classes = 3;
+  const Model r(resnet);  // conv, bn, relu, 8 x (block, relu), pool, fc, loss
+  CHECK(torchvision_resnet_layout(r));
+  CHECK(exported_name(r, 0, "weight").name == "conv1.weight");
+  CHECK(exported_name(r, 1, "running_var").name == "bn1.running_var");
+  CHECK(exported_name(r, 3, "0.weight").name == "layer1.0.conv1.weight");
+  CHECK(exported_name(r, 5, "4.running_mean").name == "layer1.1.bn2.running_mean");
+  CHECK(exported_name(r, 7, "skip.weight").name == "layer2.0.downsample.0.weight");
+  CHECK(exported_name(r, 7, "skip_norm.bias").name == "layer2.0.downsample.1.bias");
+  CHECK(exported_name(r, 17, "3.weight").name == "layer4.1.conv2.weight");
+  CHECK(exported_name(r, r.size() - 2, "bias").name == "fc.bias");
+  ModelConfig mlp;
+  mlp.kind = "mlp";
+  mlp.layers = 1;
+  mlp.hidden = 4;
+  mlp.inputs = 3;
+  mlp.classes = 2;
+  const Model m(mlp);
+  CHECK_FALSE(gpt2_layout(m));
+  CHECK_FALSE(torchvision_resnet_layout(m));
+  CHECK(exported_name(m, 2, "weight").name == "2.weight");
+  // [2, 3] -> [3, 2] and back.
+  const std::vector<float> a = {1, 2, 3, 4, 5, 6};
+  CHECK(transposed(a, 2, 3) == std::vector<float>{1, 4, 2, 5, 3, 6});
+  CHECK(transposed(transposed(a, 2, 3), 3, 2) == a);
 }

@@ -5,6 +5,7 @@
 // them back with every claim of the header checked against the file before a byte of
 // data is trusted.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <span>
@@ -13,12 +14,17 @@
 
 namespace mpipe {
 
-// One tensor to write: its name, shape and float32 values (row-major, numel of shape).
+// One tensor to write: its name, dtype ("F32", "I64"), shape and raw little-endian
+// bytes (row-major, the shape's elements).
 struct SafetensorsEntry {
   std::string name;
+  std::string dtype;
   std::vector<std::int64_t> shape;
-  std::span<const float> values;
+  std::span<const std::byte> bytes;
 };
+inline SafetensorsEntry f32_entry(std::string name, std::vector<std::int64_t> shape, std::span<const float> values) {
+  return {std::move(name), "F32", std::move(shape), std::as_bytes(values)};
+}
 
 // Writes `entries` in order (data offsets ascending) with `metadata` (string values, the
 // format's __metadata__) to `path`, through a temporary beside it renamed into place:
