@@ -18,6 +18,7 @@
 #include "mpipe/io/safetensors.hpp"
 #include "mpipe/io/weights.hpp"
 #include "temp_dir.hpp"
+#include "tiny_gpt.hpp"
 
 using namespace mpipe;
 
@@ -118,14 +119,7 @@ TEST_CASE("a safetensors file whose header lies is refused by name, before its d
 }
 
 TEST_CASE("exported names: GPT-2's for the GPT preset (Conv1D transposed), torchvision's for the ResNet preset, else the layer list's") {
-  ModelConfig gpt;
-  gpt.kind = "gpt";
-  gpt.layers = 2;
-  gpt.d_model = 8;
-  gpt.heads = 2;
-  gpt.seq_len = 4;
-  gpt.vocab = 16;
-  const Model g(gpt);  // embedding, 2 blocks, layernorm, head, loss
+  const Model g(test::tiny_gpt({.layers = 2, .d_model = 8, .heads = 2, .seq_len = 4, .vocab = 16}).model);  // embedding, 2 blocks, layernorm, head, loss
   CHECK(gpt2_layout(g));
   CHECK_FALSE(torchvision_resnet_layout(g));
   CHECK(exported_name(g, 0, "wte").name == "transformer.wte.weight");
