@@ -1,5 +1,6 @@
 // The names mpipe's parameters take in other tools' files (Hugging Face GPT-2's for the
-// GPT preset, the layer list's own for the rest), and --init-from, which loads them.
+// GPT preset, torchvision's for the ResNet preset, the layer list's own for the rest),
+// and --init-from, which loads them.
 #include "mpipe/io/weights.hpp"
 
 #include <map>

@@ -1,6 +1,7 @@
 // Weights outside checkpoints: the names and layouts mpipe's parameters take in other
-// tools' files (Hugging Face GPT-2's for the GPT preset, the layer list's own for the
-// rest), which `mpipe export` writes and `train --init-from` reads.
+// tools' files (Hugging Face GPT-2's for the GPT preset, torchvision's for the ResNet
+// preset, the layer list's own for the rest), which `mpipe export` writes and
+// `train --init-from` reads.
 #pragma once
 #include <cstdint>
 #include <string>
