@@ -21,13 +21,8 @@ namespace {
 
 // A run directory's newest checkpoint that verifies (a damaged one is named and passed).
 std::string newest_verified(const std::string& dir) {
-  std::vector<std::pair<std::int64_t, std::string>> found;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec))
-    if (const std::int64_t step = checkpoint_step_of_name(entry.path().string()); step >= 0)
-      found.emplace_back(step, entry.path().string());
-  std::sort(found.rbegin(), found.rend());
-  for (const auto& [step, path] : found) {
+  const std::vector<std::string> found = checkpoint_files(dir);
+  for (const std::string& path : found) {
     const auto bad = verify_checkpoint(path);
     if (!bad) return path;
     std::fprintf(stderr, "mpipe: warning: %s; trying an older checkpoint\n", bad->c_str());

@@ -116,19 +116,13 @@ void print_plan(const Plan& plan, const Model& model) {
               100 * plan.equal_overlap_bubble, 100 * plan.predicted_overlap_bubble);
   // Split backwards: the last stage's top layers whose W is cheap (weights_in_backward_from).
   for (int s = 0; s < part.stages(); ++s) {
-    const int from = weights_in_backward_from(model, part.begin(s), part.end(s));
+    const WeightsInBackward whole = weights_in_backward(model, part.begin(s), part.end(s));
+    const int from = whole.from;
     const StageMemory& f = plan.memory[static_cast<std::size_t>(s)];
     if (!schedule.splits(schedule.list_of(s)) || from >= part.end(s)) continue;
-    const std::vector<Shape> shapes = model.shapes(1);
-    double moved = 0, backward = 0;
-    for (int i = part.begin(s); i < part.end(s); ++i) {
-      const Cost c = model.layer(i).cost(shapes[static_cast<std::size_t>(i)]);
-      backward += c.backward_flops;
-      if (i >= from) moved += c.weight_flops;
-    }
     std::printf("split backward: stage %d's layers %d-%d compute their weight gradients in B (W would cost %.1f%% of the "
                 "stage's backward), and give back %s a micro-batch there\n",
-                s, from, part.end(s) - 1, backward > 0 ? 100 * moved / backward : 0.0, human_bytes(f.released).c_str());
+                s, from, part.end(s) - 1, 100 * whole.share, human_bytes(f.released).c_str());
   }
 }
 

@@ -134,8 +134,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
     if (exec.partition().pipeline_stage(writers[i % params.size()]) != grid.stage()) continue;
     const ParamEntry* entry = nullptr;
     for (const ParamEntry& e : store.entries())
-      if (!e.alias && e.owner_layer == d.layer &&
-          (e.tied_copy ? model.layer(d.layer).param_specs()[e.owner_index].name == d.name : e.name == d.name))
+      if (!e.alias && e.owner_layer == d.layer && owner_spec(model, e).name == d.name)
         entry = &e;
     MPIPE_CHECK(entry, "no entry for ", d.path);
     const std::size_t which = i / params.size();  // 0 parameters, 1.. optimizer states
@@ -405,7 +404,6 @@ std::vector<std::string> resume_candidates(CheckpointDir& dir, const Model& mode
       if (auto bad = verify_checkpoint(config.resume, &model, false)) error = *bad;
       else chosen.push_back(config.resume);
     } else if (!config.dir.empty()) {
-      std::vector<std::string> found;
       for (const auto& entry : fs::directory_iterator(config.dir)) {
         const std::string name = entry.path().filename().string();
         const auto ends_with = [&](const char* tail) { return name.size() >= std::strlen(tail) && name.compare(name.size() - std::strlen(tail), std::string::npos, tail) == 0; };
@@ -415,12 +413,9 @@ std::vector<std::string> resume_candidates(CheckpointDir& dir, const Model& mode
         if (name.rfind(".ckpt-", 0) == 0 && (ends_with(".tmp") || (name.find(".h5.tmp-") != std::string::npos && ends_with(".lock")))) {
           std::error_code ec;
           fs::remove(entry.path(), ec);
-        } else if (checkpoint_step_of_name(name) >= 0) {
-          found.push_back(entry.path().string());
         }
       }
-      std::sort(found.rbegin(), found.rend());  // newest first
-      for (const std::string& c : found) {
+      for (const std::string& c : checkpoint_files(config.dir)) {
         if (auto bad = verify_checkpoint(c, &model, false)) {
           std::fprintf(stderr, "mpipe: warning: skipping checkpoint: %s\n", bad->c_str());
           dir.skipped(c);
@@ -508,10 +503,10 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
       const ParamEntry& e = entries[index];
       if (e.alias) continue;  // the owner's values, loaded with the owner
       // A tied copy on another stage loads the owner's values and state.
-      const std::string key = "/" + layer_key(e.owner_layer) + "/" +
-                              (e.tied_copy ? exec.model().layer(e.owner_layer).param_specs()[e.owner_index].name : e.name);
+      const ParamSpec owner = owner_spec(exec.model(), e);
+      const std::string key = "/" + layer_key(e.owner_layer) + "/" + owner.name;
       // A copy of some of the owner's rows reads the owner's dataset and keeps its rows.
-      const Shape shape = e.tied_copy ? exec.model().layer(e.owner_layer).param_specs()[e.owner_index].shape : e.shape;
+      const Shape shape = owner.shape;
       auto read = [&](const std::string& name, float* out) {
         float* into = out;
         if (shape.numel() != e.numel()) {

@@ -264,6 +264,15 @@ std::string checkpoint_path(const std::string& dir, std::int64_t step) {
   return (fs::path(dir) / name).string();
 }
 
+std::vector<std::string> checkpoint_files(const std::string& dir) {
+  std::vector<std::string> found;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec))
+    if (checkpoint_step_of_name(entry.path().string()) >= 0) found.push_back(entry.path().string());
+  std::sort(found.rbegin(), found.rend());  // the step's 8 digits: by name is by step
+  return found;
+}
+
 std::int64_t checkpoint_step_of_name(const std::string& path) {
   const std::string name = fs::path(path).filename().string();
   if (name.size() != 16 || name.rfind("ckpt-", 0) != 0 || name.substr(13) != ".h5") return -1;

@@ -61,26 +61,28 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
   }
   std::string text = header.dump();
   text.append((header_alignment - text.size() % header_alignment) % header_alignment, ' ');
+  // Under a temporary name, renamed once complete and on disk; removed on any failure.
   const std::string temp = cat(path, ".tmp-", ::getpid());
-  const auto failed = [&](int error) {
+  try {
+    std::FILE* out = std::fopen(temp.c_str(), "wb");
+    int synced = 0;  // fsync's errno
+    if (out) {
+      const std::uint64_t length = text.size();
+      std::fwrite(&length, sizeof length, 1, out);
+      std::fwrite(text.data(), 1, text.size(), out);
+      for (const SafetensorsEntry& e : entries) std::fwrite(e.bytes.data(), 1, e.bytes.size(), out);
+      if (std::fflush(out) == 0 && ::fsync(::fileno(out)) != 0) synced = errno;
+    }
+    close_output(out, path, "safetensors", "OUT");
+    if (synced) throw write_error(path, "safetensors", "OUT", synced);
+    std::error_code ec;
+    fs::rename(temp, path, ec);
+    if (ec) throw write_error(path, "safetensors", "OUT", ec.value());
+  } catch (const UserError&) {
     std::error_code ec;
     fs::remove(temp, ec);
-    const bool full = error == ENOSPC || error == EDQUOT || error == EFBIG;
-    return UserError(cat("cannot write '", path, "': ", std::strerror(error)),
-                     full ? "free space there, or write to another file system" : "give a path in a directory you can write");
-  };
-  std::FILE* out = std::fopen(temp.c_str(), "wb");
-  if (!out) throw failed(errno);
-  const std::uint64_t length = text.size();
-  bool ok = std::fwrite(&length, sizeof length, 1, out) == 1 && std::fwrite(text.data(), 1, text.size(), out) == text.size();
-  for (const SafetensorsEntry& e : entries)
-    ok = ok && std::fwrite(e.bytes.data(), 1, e.bytes.size(), out) == e.bytes.size();
-  ok = ok && std::fflush(out) == 0 && ::fsync(::fileno(out)) == 0;
-  const int error = errno ? errno : EIO;
-  if (std::fclose(out) != 0 || !ok) throw failed(ok ? (errno ? errno : EIO) : error);
-  std::error_code ec;
-  fs::rename(temp, path, ec);
-  if (ec) throw failed(ec.value());
+    throw;
+  }
 }
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {

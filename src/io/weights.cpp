@@ -147,8 +147,7 @@ void load_weights(Executor& exec, const std::string& path) {
     ParamStore& store = exec.params();
     for (const ParamEntry& e : store.entries()) {
       if (e.alias) continue;  // the owner's values, loaded with the owner
-      const std::string owner_name = e.tied_copy ? model.layer(e.owner_layer).param_specs()[static_cast<std::size_t>(e.owner_index)].name : e.name;
-      const ExportedName name = exported_name(model, e.owner_layer, owner_name);
+      const ExportedName name = exported_name(model, e.owner_layer, owner_spec(model, e).name);
       const DatasetSpec& d = wanted.at(name.name).first;
       std::vector<float> values = file.floats(name.name);
       if (name.transposed) values = transposed(values, d.shape[1], d.shape[0]);  // back to [out, in]

@@ -234,8 +234,8 @@ bool keeps_dy_in_output(const Model& model, int layer, int stage_end) {
          !model.layer(layer + 1).defers_weight();
 }
 
-int weights_in_backward_from(const Model& model, int begin, int stage_end) {
-  if (stage_end != model.size()) return stage_end;
+WeightsInBackward weights_in_backward(const Model& model, int begin, int stage_end) {
+  if (stage_end != model.size()) return {stage_end, 0.0};
   // FLOPs for one sample: the ratio does not change with the micro-batch.
   const std::vector<Shape> shapes = model.shapes(1);
   double backward = 0;
@@ -249,7 +249,7 @@ int weights_in_backward_from(const Model& model, int begin, int stage_end) {
     moved += layer.defers_weight() ? weight : 0.0;
     --from;
   }
-  return from;
+  return {from, backward > 0 ? moved / backward : 0.0};
 }
 
 }  // namespace mpipe

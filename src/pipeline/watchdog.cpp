@@ -277,12 +277,10 @@ void Watchdog::run() {
       for (Peer& p : peers_) p.heard += gap;
       if (deadline_ != Clock::time_point::max()) deadline_ += gap;
     }
-    // The gap and the wake at once: a reader sees the gap in one or the other, never neither.
-    if (heartbeats_)
-      note_wake(now, poll, gap);
-    else
-      note_not_run(now, gap);
+    if (!heartbeats_) note_not_run(now, gap);
     if (heartbeats_) {
+      // The gap and the wake at once: a reader sees the gap in one or the other, never neither.
+      note_wake(now, poll, gap);
       const bool send = now >= next_send_;
       if (send) next_send_ = now + std::chrono::duration_cast<Clock::duration>(period);
       beat(now, send);

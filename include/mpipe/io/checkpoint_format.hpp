@@ -25,6 +25,8 @@ inline constexpr int checkpoint_oldest_readable_version = 1;
 std::string checkpoint_path(const std::string& dir, std::int64_t step);
 // The step a checkpoint's file name gives, or -1 when the name is not ckpt-<8 digits>.h5.
 std::int64_t checkpoint_step_of_name(const std::string& path);
+// The files of `dir` named as checkpoints (ckpt-<8 digits>.h5), newest first.
+std::vector<std::string> checkpoint_files(const std::string& dir);
 // The run id a checkpoint file holds ("" for a version-1 file), or nothing when the
 // file cannot be read as a checkpoint or its training state fails its checksum.
 std::optional<std::string> checkpoint_run_id(const std::string& path);

@@ -25,17 +25,21 @@ inline Json json_number(double value, int digits = 9) {
   return std::strtod(text, nullptr);
 }
 
+// The error of an output file that could not be written (`error`: errno, 0 for EIO): a
+// full disk says so. `what`: "trace"; `option`: "--trace".
+inline UserError write_error(const std::string& path, const char* what, const char* option, int error) {
+  if (error == 0) error = EIO;
+  const bool full = error == ENOSPC || error == EDQUOT || error == EFBIG;  // the only ones free space mends
+  return UserError(cat("cannot write ", what, " file '", path, "': ", std::strerror(error)),
+                   full ? cat("free space there, or give ", option, " a file on another file system")
+                        : cat("give ", option, " a file you can write"));
+}
+
 // Closes an output file; UserError when anything written to it (or the open) failed: a
-// full disk is said, never reported as written. `what`: "trace"; `option`: "--trace".
+// full disk is said, never reported as written.
 inline void close_output(std::FILE* out, const std::string& path, const char* what, const char* option) {
   const bool failed = !out || std::ferror(out);
-  if ((out && std::fclose(out) != 0) || failed) {
-    const int error = errno ? errno : EIO;
-    const bool full = error == ENOSPC || error == EDQUOT || error == EFBIG;  // the only ones free space mends
-    throw UserError(cat("cannot write ", what, " file '", path, "': ", std::strerror(error)),
-                    full ? cat("free space there, or give ", option, " a file on another file system")
-                         : cat("give ", option, " a file you can write"));
-  }
+  if ((out && std::fclose(out) != 0) || failed) throw write_error(path, what, option, errno);
 }
 
 }  // namespace mpipe

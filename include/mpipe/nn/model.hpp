@@ -114,6 +114,13 @@ bool keeps_dy_in_output(const Model& model, int layer, int stage_end);
 // whose W is dear (GPT-2's 50257 words) keeps it in W, where it fills the bubble.
 // `stage_end` below model.size() (not the last stage: its output is sent from that
 // memory): stage_end.
-int weights_in_backward_from(const Model& model, int begin, int stage_end);
+struct WeightsInBackward {
+  int from;      // the first such layer (stage_end: none)
+  double share;  // their W's FLOPs, of the stage's backward FLOPs
+};
+WeightsInBackward weights_in_backward(const Model& model, int begin, int stage_end);
+inline int weights_in_backward_from(const Model& model, int begin, int stage_end) {
+  return weights_in_backward(model, begin, stage_end).from;
+}
 
 }  // namespace mpipe

@@ -43,6 +43,12 @@ struct ParamEntry {
   std::int64_t numel() const { return shape.numel(); }
 };
 
+// The parameter an entry holds values of, as its owner declares it: its own spec, or a
+// tied copy's owner's (name and whole shape: a checkpoint's dataset, an export's tensor).
+inline ParamSpec owner_spec(const Model& model, const ParamEntry& e) {
+  return model.layer(e.owner_layer).param_specs()[static_cast<std::size_t>(e.owner_index)];
+}
+
 class ParamStore {
  public:
   // Parameters of `layers` (ascending) of model, initialised from seed as GPT-2 does,
