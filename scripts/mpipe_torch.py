@@ -119,6 +119,56 @@ class GPT2HF(torch.nn.Module):
         return t.ln_f(x) @ t.wte.weight.t()
 
 
+    @torch.no_grad()
+    def decode(self, idx, cache, position):
+        """The logits (V) of the last of the new tokens idx (1, t) at positions [position,
+        position + t), with Hugging Face's use_cache: per block a (2, 1, H, context, hs)
+        tensor of the keys and values so far, which takes the new ones."""
+        B, t = idx.shape
+        tr = self.transformer
+        end = position + t
+        x = tr.wte(idx) + tr.wpe(torch.arange(position, end))
+        C = x.shape[-1]
+        hs = C // self.H
+        mask = torch.ones(t, end, dtype=torch.bool).triu(diagonal=position + 1) if t > 1 else None
+        for b, kv in zip(tr.h, cache):
+            q, k, v = b.attn.c_attn(b.ln_1(x)).split(C, dim=2)
+            q, k, v = (u.view(B, t, self.H, hs).transpose(1, 2) for u in (q, k, v))
+            kv[0, :, :, position:end] = k
+            kv[1, :, :, position:end] = v
+            att = (q @ kv[0, :, :, :end].transpose(-2, -1)) / math.sqrt(hs)
+            if mask is not None:
+                att = att.masked_fill(mask, float("-inf"))
+            y = att.softmax(dim=-1) @ kv[1, :, :, :end]
+            x = x + b.attn.c_proj(y.transpose(1, 2).reshape(B, t, C))
+            x = x + b.mlp.c_proj(F.gelu(b.mlp.c_fc(b.ln_2(x)), approximate="tanh"))
+        return (tr.ln_f(x[:, -1]) @ tr.wte.weight.t())[0]
+
+    @torch.no_grad()
+    def generate_greedy(self, prompt, n):
+        """`mpipe generate --temperature 0`'s loop: the prompt (its last context's worth),
+        then a token a step with the cache; with the context full, the last half of the
+        tokens again from position 0. Returns the n new tokens."""
+        T = self.transformer.wpe.weight.shape[0]
+        C = self.transformer.wte.weight.shape[1]
+        cache = [torch.zeros(2, 1, self.H, T, C // self.H) for _ in self.transformer.h]
+        tokens = list(prompt)
+        count = min(len(tokens), T)
+        logits = self.decode(torch.tensor([tokens[-count:]]), cache, 0)
+        position = count
+        for i in range(n):
+            tokens.append(int(torch.argmax(logits)))
+            if i + 1 == n:
+                break
+            if position == T:
+                count = T // 2 + T % 2
+                logits = self.decode(torch.tensor([tokens[-count:]]), cache, 0)
+                position = count
+            else:
+                logits = self.decode(torch.tensor([tokens[-1:]]), cache, position)
+                position += 1
+        return tokens[len(prompt):]
+
 def read_safetensors(path):
     """A safetensors file's float32 and int64 tensors {name: numpy array} and its metadata,
     read with numpy alone (the format: an 8-byte length, a JSON header, raw little-endian data)."""

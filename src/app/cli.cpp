@@ -10,6 +10,7 @@
 
 #include "mpipe/app/config_file.hpp"
 #include "mpipe/app/export.hpp"
+#include "mpipe/app/generate.hpp"
 #include "mpipe/app/inspect.hpp"
 #include "mpipe/app/plan.hpp"
 #include "mpipe/app/process.hpp"
@@ -196,12 +197,34 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                "checkpoint is in place); without it such a directory is refused");
 }
 
+void add_generate_options(CLI::App& cmd, GenerateOptions& g) {
+  cmd.add_option("--checkpoint", g.checkpoint, "Checkpoint file (ckpt-*.h5), or a run's --checkpoint-dir (its newest that verifies)")
+      ->required();
+  cmd.add_option("--prompt", g.prompt, "The prompt as text, its bytes the tokens (a vocabulary of bytes; default: a newline)");
+  cmd.add_option("--prompt-tokens", g.prompt_tokens, "The prompt as a file of little-endian uint16 token ids");
+  cmd.add_option("--tokens", g.tokens, "Tokens to generate per sample")->capture_default_str();
+  cmd.add_option("--samples", g.samples, "Continuations of the prompt (in flight together: across ranks the stages overlap)")
+      ->capture_default_str();
+  cmd.add_option("--temperature", g.sampling.temperature, "Softmax temperature; 0: greedy (the most likely token)")
+      ->capture_default_str();
+  cmd.add_option("--top-k", g.sampling.top_k, "Draw from the K most likely tokens only (0: all)")->capture_default_str();
+  cmd.add_option("--top-p", g.sampling.top_p, "Draw from the most likely tokens that together reach this probability (1: all)")
+      ->capture_default_str();
+  cmd.add_option("--seed", g.seed, "Seed of the draws: the same seed, the same text")->capture_default_str();
+  cmd.add_option("--output", g.output, "text (the tokens' bytes), ids, or auto: text for a vocabulary of bytes given --prompt")
+      ->capture_default_str();
+  cmd.add_option("--device", g.device, "cpu, cuda or auto")->capture_default_str();
+  cmd.add_option("--precision", g.precision, "fp32, or bf16 on a GPU")->capture_default_str();
+  cmd.add_option("--threads", g.threads, "Threads per rank; 0: the cores given to the rank")->capture_default_str();
+}
+
 int run_main(int argc, char** argv) {
-  // MPI comes up first for train, so that under mpirun only rank 0 reports.
+  // MPI comes up first for train and generate, so that under mpirun only rank 0 reports.
   const bool training = argc > 1 && std::strcmp(argv[1], "train") == 0;
+  const bool with_mpi = training || (argc > 1 && std::strcmp(argv[1], "generate") == 0);
   int rank = 0, already = 0;
   MPI_Initialized(&already);  // tests call run_main with MPI up
-  const bool own_mpi = training && !already;
+  const bool own_mpi = with_mpi && !already;
   if (training) install_stop_handlers(environ);  // again: a test may call run_main
   if (own_mpi) {
     // Until the watchdog runs, a rank stopped in MPI's start-up would hang the others there.
@@ -213,7 +236,7 @@ int run_main(int argc, char** argv) {
     MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
     startup_phase("the options");
   }
-  if (training) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (with_mpi) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   auto finish = [&](int code) {
     if (own_mpi) {
       startup_phase("MPI_Finalize");
@@ -264,6 +287,10 @@ int run_main(int argc, char** argv) {
   export_command->add_option("checkpoint", export_from, "Checkpoint file, or a run's --checkpoint-dir (its newest that verifies)")
       ->required();
   export_command->add_option("out", export_to, "The .safetensors file to write")->required();
+  CLI::App* generate = app.add_subcommand(
+      "generate", "Continue a prompt with a GPT checkpoint (under mpirun/srun: the layers split over the ranks)");
+  GenerateOptions g;
+  add_generate_options(*generate, g);
 
   try {
     app.parse(argc, argv);
@@ -293,10 +320,11 @@ int run_main(int argc, char** argv) {
     return finish(rank == 0 ? app.exit(e) : 0);
   } catch (const CLI::ParseError& e) {
     // No subcommand parsed: name what was typed (a mistyped "trian" is not a subcommand).
-    const bool none = !train->parsed() && !plan->parsed() && !inspect->parsed() && !export_command->parsed();
+    const bool none = !train->parsed() && !plan->parsed() && !inspect->parsed() && !export_command->parsed() &&
+                      !generate->parsed();
     if (none && argc > 1 && argv[1][0] != '-') {
       if (rank == 0)
-        std::fprintf(stderr, "mpipe: error: unknown command '%s'; hint: use mpipe train, plan, inspect or export (mpipe --help)\n",
+        std::fprintf(stderr, "mpipe: error: unknown command '%s'; hint: use mpipe train, plan, inspect, export or generate (mpipe --help)\n",
                      argv[1]);
       return finish(exit_user_error);
     }
@@ -306,6 +334,7 @@ int run_main(int argc, char** argv) {
                    : plan->parsed()           ? "plan "
                    : inspect->parsed()        ? "inspect "
                    : export_command->parsed() ? "export "
+                   : generate->parsed()       ? "generate "
                                               : "");
     return finish(exit_user_error);
   } catch (const UserError& e) {
@@ -327,6 +356,16 @@ int run_main(int argc, char** argv) {
       MPI_Abort(MPI_COMM_WORLD, exit_internal_error);
     }
     return finish(code);
+  }
+  if (generate->parsed()) {
+    g.prompt_given = generate->get_option("--prompt")->count() > 0;
+    try {
+      const Communicator world = Communicator::borrow(MPI_COMM_WORLD);
+      return finish(run_generate(g, world));
+    } catch (const UserError& e) {  // the options or the device: the same on every rank
+      if (rank == 0) std::fprintf(stderr, "mpipe: error: %s; hint: %s\n", e.what(), e.hint().c_str());
+      return finish(exit_user_error);
+    }
   }
   try {
     if (export_command->parsed()) return run_export(export_from, export_to);

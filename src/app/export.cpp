@@ -17,42 +17,19 @@ namespace mpipe {
 
 namespace fs = std::filesystem;
 
-namespace {
-
-// A run directory's newest checkpoint that verifies (a damaged one is named and passed).
-std::string newest_verified(const std::string& dir) {
-  const std::vector<std::string> found = checkpoint_files(dir);
-  for (const std::string& path : found) {
-    const auto bad = verify_checkpoint(path);
-    if (!bad) return path;
-    std::fprintf(stderr, "mpipe: warning: %s; trying an older checkpoint\n", bad->c_str());
-  }
-  throw UserError(cat("no checkpoint in '", dir, "' verifies (", found.size(), " found)"),
-                  "give a checkpoint file, or the --checkpoint-dir of a run that saved one");
-}
-
-}  // namespace
-
 int run_export(const std::string& checkpoint, const std::string& out) {
-  quiet_hdf5();
-  std::error_code ec;
-  MPIPE_REQUIRE(fs::exists(checkpoint, ec), "give a checkpoint file (ckpt-*.h5) or a run's --checkpoint-dir", "no file '",
-                checkpoint, "'");
-  const std::string path = fs::is_directory(checkpoint, ec) ? newest_verified(checkpoint) : checkpoint;
-  MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)", "'", path,
-                "' is not an HDF5 file");
-  // The whole file first, as resume checks it: nothing is exported from a damaged one.
-  if (auto bad = verify_checkpoint(path)) throw UserError(*bad, "export an older checkpoint (mpipe inspect --verify finds one)");
+  const CheckpointToRead source = open_checkpoint_to_read(checkpoint, "export");
+  const std::string& path = source.path;
+  const Model& model = source.model;
+  const Handle& file = source.file;
   // An output never replaces an input, nor anything that is not a file.
+  std::error_code ec;
   if (fs::exists(out, ec)) {
     MPIPE_REQUIRE(fs::is_regular_file(out, ec), "give a file name for OUT", "'", out, "' exists and is not a file");
     MPIPE_REQUIRE(!fs::equivalent(out, path, ec), "give another file name for OUT", "'", out, "' is the checkpoint itself");
   }
   MPIPE_REQUIRE(!fs::is_symlink(out, ec) || fs::exists(out, ec), "give a file name for OUT", "'", out,
                 "' is a link to nothing");
-  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
-  MPIPE_REQUIRE(file.ok(), "the file is damaged; use an older checkpoint", "'", path, "' cannot be opened");
-  const Model model = checkpoint_model(file.get(), path);
   const std::vector<DatasetSpec> datasets = parameter_datasets(model, "/model");
   std::vector<std::vector<float>> values(datasets.size());
   std::vector<SafetensorsEntry> entries;
@@ -73,11 +50,7 @@ int run_export(const std::string& checkpoint, const std::string& out) {
   }
   // torchvision's BatchNorm has a batch count beside its statistics (read only where its
   // momentum is None): the checkpoint's step, an int64 scalar.
-  std::int64_t step = -1;
-  {
-    Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose);
-    if (train.ok()) step = read_scalar_attribute<std::int64_t>(train.get(), "step", H5T_NATIVE_INT64).value_or(-1);
-  }
+  const std::int64_t step = source.step;
   const bool torchvision = torchvision_resnet_layout(model);
   const std::string running_mean = ".running_mean";
   std::vector<std::string> tracked;

@@ -171,6 +171,18 @@ void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv
     MPIPE_ON_GPU(qkv, cuda::attention_forward(ptr<E>(out), state.f32(), ptr<E>(qkv), B, T, C, heads));
 }
 
+void attention_decode(const Tensor& out, const Tensor& cache, int64_t position, int64_t heads) {
+  same_place("attention decode", out, cache);
+  const int64_t B = out.shape[0], t = out.shape[1], C = out.shape[2], capacity = cache.shape[1];
+  MPIPE_CHECK(cache.shape.rank == 3 && cache.shape[0] == B && cache.shape[2] == 3 * C && position >= 0 &&
+                  position + t <= capacity && heads > 0 && C % heads == 0,
+              "attention decode: out ", out.shape.str(), ", cache ", cache.shape.str(), ", position ", position);
+  if (cache.device == Device::cpu)
+    cpu::attention_decode(out.f32(), cache.f32(), B, t, position, capacity, C, heads);
+  else
+    MPIPE_ON_GPU(cache, cuda::attention_decode(ptr<E>(out), ptr<E>(cache), B, t, position, capacity, C, heads));
+}
+
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                         const Tensor& state) {
   same_place("attention backward", dqkv, qkv);

@@ -503,20 +503,10 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
       const ParamEntry& e = entries[index];
       if (e.alias) continue;  // the owner's values, loaded with the owner
       // A tied copy on another stage loads the owner's values and state.
-      const ParamSpec owner = owner_spec(exec.model(), e);
-      const std::string key = "/" + layer_key(e.owner_layer) + "/" + owner.name;
-      // A copy of some of the owner's rows reads the owner's dataset and keeps its rows.
-      const Shape shape = owner.shape;
-      auto read = [&](const std::string& name, float* out) {
-        float* into = out;
-        if (shape.numel() != e.numel()) {
-          rows.resize(static_cast<std::size_t>(shape.numel()));
-          into = rows.data();
-        }
-        if (auto p = read_checked(file.get(), name, shape, into)) throw Error(cat("'", path, "': ", *p));
-        if (into != out) std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(e.owner_element), e.numel(), out);
+      auto read = [&](const std::string& root, float* out) {
+        if (auto p = read_entry(file.get(), exec.model(), e, root, out, rows)) throw Error(cat("'", path, "': ", *p));
       };
-      read("/model" + key, store.params().data() + e.param_offset);
+      read("/model", store.params().data() + e.param_offset);
       if (state.optimizer.empty()) continue;
       // Every view's whole state is read (its checksum is of the whole), whatever piece
       // of it this rank keeps: a checkpoint loads onto any D, sharded or not.
@@ -525,11 +515,11 @@ std::int64_t load_checkpoint(Executor& exec, const std::string& path, std::strin
       for (std::size_t s = 0; s < names.size(); ++s) {
         const std::span<float> into = optimizer.state(static_cast<int>(s));
         if (!piece) {
-          read("/optimizer/" + names[s] + key, into.data() + e.offset);
+          read("/optimizer/" + names[s], into.data() + e.offset);
           continue;
         }
         view.resize(static_cast<std::size_t>(e.numel()));
-        read("/optimizer/" + names[s] + key, view.data());
+        read("/optimizer/" + names[s], view.data());
         std::copy_n(view.begin() + static_cast<std::ptrdiff_t>(piece->element), piece->count, into.begin() + static_cast<std::ptrdiff_t>(piece->state_offset));
       }
     }

@@ -369,4 +369,48 @@ std::optional<std::string> verify_checkpoint(const std::string& path, const Mode
   return std::nullopt;
 }
 
+std::optional<std::string> read_entry(hid_t file, const Model& model, const ParamEntry& entry, const std::string& root,
+                                      float* out, std::vector<float>& rows) {
+  const ParamSpec owner = owner_spec(model, entry);
+  const Shape shape = owner.shape;
+  float* into = out;
+  if (shape.numel() != entry.numel()) {
+    rows.resize(static_cast<std::size_t>(shape.numel()));
+    into = rows.data();
+  }
+  if (auto bad = read_checked(file, root + "/" + layer_key(entry.owner_layer) + "/" + owner.name, shape, into)) return bad;
+  if (into != out) std::copy_n(rows.begin() + static_cast<std::ptrdiff_t>(entry.owner_element), entry.numel(), out);
+  return std::nullopt;
+}
+
+std::string newest_verified_checkpoint(const std::string& dir) {
+  const std::vector<std::string> found = checkpoint_files(dir);
+  for (const std::string& path : found) {
+    const auto bad = verify_checkpoint(path);
+    if (!bad) return path;
+    std::fprintf(stderr, "mpipe: warning: %s; trying an older checkpoint\n", bad->c_str());
+  }
+  throw UserError(cat("no checkpoint in '", dir, "' verifies (", found.size(), " found)"),
+                  "give a checkpoint file, or the --checkpoint-dir of a run that saved one");
+}
+
+CheckpointToRead open_checkpoint_to_read(const std::string& checkpoint, const std::string& verb) {
+  quiet_hdf5();
+  std::error_code ec;
+  MPIPE_REQUIRE(std::filesystem::exists(checkpoint, ec), "give a checkpoint file (ckpt-*.h5) or a run's --checkpoint-dir",
+                "no file '", checkpoint, "'");
+  std::string path = std::filesystem::is_directory(checkpoint, ec) ? newest_verified_checkpoint(checkpoint) : checkpoint;
+  MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)", "'", path,
+                "' is not an HDF5 file");
+  // The whole file first, as resume checks it: nothing is read from a damaged one.
+  if (auto bad = verify_checkpoint(path)) throw UserError(*bad, cat(verb, " an older checkpoint (mpipe inspect --verify finds one)"));
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  MPIPE_REQUIRE(file.ok(), "the file is damaged; use an older checkpoint", "'", path, "' cannot be opened");
+  Model model = checkpoint_model(file.get(), path);
+  std::int64_t step = -1;
+  if (Handle train(H5Gopen2(file.get(), "/train", H5P_DEFAULT), H5Gclose); train.ok())
+    step = read_scalar_attribute<std::int64_t>(train.get(), "step", H5T_NATIVE_INT64).value_or(-1);
+  return {std::move(path), std::move(file), std::move(model), step};
+}
+
 }  // namespace mpipe

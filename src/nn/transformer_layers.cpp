@@ -32,10 +32,14 @@ void Embedding::bind(std::span<const Tensor> params, std::span<const Tensor> gra
 }
 
 Tensor Embedding::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  const int64_t B = x.shape[0], T = x.shape[1];
-  MPIPE_CHECK(x.shape.rank == 2 && T <= max_seq_, "embedding: tokens ", x.shape.str());
+  const int64_t B = x.shape[0], T = x.shape[1], position = pass.decode ? pass.decode->position : 0;
+  MPIPE_CHECK(x.shape.rank == 2 && position + T <= max_seq_, "embedding: tokens ", x.shape.str(), " at position ",
+              position);
   Tensor y = pass.arena->tensor(Shape{B, T, channels_}, pass.dtype);  // (B, T, C)
-  ops::embedding_forward(y, x, wte_, wpe_.view(Shape{max_seq_, channels_}));
+  // The rows of the tokens' positions: from `position` on.
+  const Tensor rows{static_cast<std::byte*>(wpe_.data) + position * channels_ * dtype_size(wpe_.dtype),
+                    Shape{max_seq_ - position, channels_}, wpe_.dtype, wpe_.device};
+  ops::embedding_forward(y, x, wte_, rows);
   if (pass.training && dropout_ > 0.0f) ops::dropout_apply(y, y, dropout_, dropout_key(pass, global_index(), 0));
   return y;
 }
@@ -94,6 +98,23 @@ Tensor CausalSelfAttention::forward_impl(const Tensor& x, Context& ctx, const Pa
   const int64_t B = x.shape[0], T = x.shape[1], C = channels_;
   ctx.children = pass.arena->objects<Context>(2);
   Tensor qkv = qkv_.forward(x, ctx.children[0], pass);                // (B, T, 3C)
+  if (pass.decode) {
+    // Generation: the new rows join the cache's, and the queries meet every key so far.
+    const Tensor& cache = pass.decode->caches[static_cast<std::size_t>(global_index())];  // (B, capacity, 3C)
+    const int64_t position = pass.decode->position, capacity = cache.shape[1];
+    MPIPE_CHECK(cache.shape.rank == 3 && cache.shape[0] == B && position + T <= capacity,
+                "attention cache ", cache.shape.str(), " for ", T, " tokens at position ", position);
+    const std::size_t row = static_cast<std::size_t>(3 * C) * dtype_size(qkv.dtype);
+    for (int64_t b = 0; b < B; ++b) {
+      const Tensor into{static_cast<std::byte*>(cache.data) + (b * capacity + position) * row, Shape{T, 3 * C},
+                        cache.dtype, cache.device};
+      const Tensor from{static_cast<std::byte*>(qkv.data) + b * T * row, Shape{T, 3 * C}, qkv.dtype, qkv.device};
+      ops::copy(into, from);
+    }
+    Tensor att = pass.arena->tensor(Shape{B, T, C}, pass.dtype);     // (B, T, C)
+    ops::attention_decode(att, cache, position, heads_);
+    return proj_.forward(att, ctx.children[1], pass);
+  }
   Tensor att = pass.arena->tensor(Shape{B, T, C}, pass.dtype);       // (B, T, C)
   // (B, H, T) log-sum-exp, fp32: no (T, T) probabilities are kept.
   Tensor state = pass.arena->tensor(ops::attention_state_shape(B, heads_, T));

@@ -174,3 +174,29 @@ TEST_CASE_TEMPLATE("cuda op: fused attention gives the same bits when rerun", E,
     CHECK(norm > 0.0);
   }
 }
+
+TEST_CASE_TEMPLATE("cuda op: attention over a key/value cache (generation) matches the CPU", E, float, bf16) {
+  // A cache of capacity 300 rows holding positions [0, position + rows): a prompt's rows
+  // at position 0, one new row deep in, and rows that end the cache; heads of 32 and 64.
+  struct Decode {
+    int64_t B, H, hs, position, rows;
+  };
+  const int64_t capacity = 300;
+  uint32_t tag = 700;
+  for (const Decode d : {Decode{1, 4, 32, 0, 37}, Decode{1, 2, 64, 150, 1}, Decode{2, 3, 32, 290, 10},
+                         Decode{1, 12, 64, 299, 1}}) {
+    CAPTURE(d.position);
+    CAPTURE(d.rows);
+    const int64_t C = d.H * d.hs;
+    const std::vector<float> cache = rounded<E>(normals(d.B * capacity * 3 * C, tag++));
+    std::vector<float> cpu_out(d.B * d.rows * C);
+    cpu::attention_decode(cpu_out.data(), cache.data(), d.B, d.rows, d.position, capacity, C, d.H);
+    const DeviceArray<E> d_cache(to_elems<E>(cache));
+    const DeviceArray<E> d_out(to_elems<E>(std::vector<float>(cpu_out.size(), std::numeric_limits<float>::quiet_NaN())));
+    cuda::attention_decode(d_out.get(), d_cache.get(), d.B, d.rows, d.position, capacity, C, d.H);
+    const std::vector<E> gpu = d_out.read();
+    CHECK(error(to_floats(gpu), cpu_out) < tolerance<E>);
+    cuda::attention_decode(d_out.get(), d_cache.get(), d.B, d.rows, d.position, capacity, C, d.H);
+    CHECK(same_bits(gpu, d_out.read()));  // a rerun: the same bits
+  }
+}

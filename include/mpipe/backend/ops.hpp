@@ -54,6 +54,11 @@ void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                         const Tensor& state);
 
+// Generation with a key/value cache: out (B, t, C) = the attention of the queries at
+// positions [position, position + t) of `cache` (B, capacity, 3C: the q, k, v rows of
+// positions [0, position + t), the new ones written), each over the keys at or before it.
+void attention_decode(const Tensor& out, const Tensor& cache, int64_t position, int64_t heads);
+
 // The summed -log p(target) of the rows. The CPU returns it; the GPU adds it to
 // *device_loss_sum (one double in device memory; null: not counted) and returns 0, so
 // that nothing waits for the GPU here.

@@ -27,7 +27,7 @@ constexpr Philox4 philox4x32(Philox4 counter, std::uint64_t key) {
 }
 
 // Distinct purposes draw from distinct streams, so their numbers never coincide.
-enum class Stream : std::uint32_t { init = 1, dropout = 2, data = 3, data_setup = 4 };
+enum class Stream : std::uint32_t { init = 1, dropout = 2, data = 3, data_setup = 4, sampling = 5 };
 
 // A stream of random words indexed by element: word(i) for i = 0, 1, 2, ...
 struct RandomStream {

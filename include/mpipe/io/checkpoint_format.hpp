@@ -15,6 +15,7 @@
 #include "mpipe/core/error.hpp"
 #include "mpipe/data/hdf5.hpp"
 #include "mpipe/nn/model.hpp"
+#include "mpipe/nn/params.hpp"
 
 namespace mpipe {
 
@@ -27,6 +28,19 @@ std::string checkpoint_path(const std::string& dir, std::int64_t step);
 std::int64_t checkpoint_step_of_name(const std::string& path);
 // The files of `dir` named as checkpoints (ckpt-<8 digits>.h5), newest first.
 std::vector<std::string> checkpoint_files(const std::string& dir);
+// A run directory's newest checkpoint that verifies (verify_checkpoint), each damaged one
+// before it named in a warning on stderr; UserError when none does (export, generate).
+std::string newest_verified_checkpoint(const std::string& dir);
+// A checkpoint to read weights from (export, generate): CHECKPOINT a file, or a run
+// directory's newest that verifies; the whole file verified as resume verifies it, open,
+// and its model rebuilt. UserError naming the problem, the hint saying what to `verb`.
+struct CheckpointToRead {
+  std::string path;
+  Handle file;
+  Model model;
+  std::int64_t step = -1;  // /train's, -1 where it has none
+};
+CheckpointToRead open_checkpoint_to_read(const std::string& checkpoint, const std::string& verb);
 // The run id a checkpoint file holds ("" for a version-1 file), or nothing when the
 // file cannot be read as a checkpoint or its training state fails its checksum.
 std::optional<std::string> checkpoint_run_id(const std::string& path);
@@ -102,6 +116,13 @@ std::vector<DatasetSpec> checkpoint_datasets(const Model& model, const std::stri
 std::optional<std::string> check_dataset(hid_t file, const std::string& path, const Shape& shape);
 // check_dataset, then its data into `out` (shape.numel() floats) against its CRC-32.
 std::optional<std::string> read_checked(hid_t file, const std::string& path, const Shape& shape, float* out);
+
+// A store entry's values from the dataset of its owner under `root` ("/model", or
+// "/optimizer/<state>"), through read_checked: a tied copy of some of the owner's rows
+// reads the owner's whole dataset into `rows` (reused between calls) and keeps its rows.
+// Returns the problem, or nothing.
+std::optional<std::string> read_entry(hid_t file, const Model& model, const ParamEntry& entry, const std::string& root,
+                                      float* out, std::vector<float>& rows);
 
 // What steers a resume: /train's attributes and the root attributes that say which
 // model, optimizer and options the state belongs to. Version 2 covers them all by one

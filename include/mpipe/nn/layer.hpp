@@ -108,6 +108,16 @@ struct Spent {
   Tensor take(Shape shape, DType dtype, std::initializer_list<Tensor> also = {}) const;
 };
 
+// Generation (`mpipe generate`): a forward of the new tokens at positions [position,
+// position + T) of B sequences whose earlier positions went through before. The layers
+// that look across positions keep what they need of the earlier ones in a cache: an
+// attention layer the q, k, v rows of every position so far, caches[its global index]
+// (B, capacity, 3C); the embedding adds the positions' own rows of its table.
+struct Decode {
+  std::int64_t position = 0;
+  std::span<const Tensor> caches;  // by global layer index (empty for the others)
+};
+
 // One forward or backward pass over a micro-batch: where memory comes from and where in
 // training it is (for dropout masks and the loss).
 struct Pass {
@@ -141,6 +151,9 @@ struct Pass {
   // gradients (null: none; its scratch then, in turns), and a layer its temporaries (a
   // convolution's columns; else from `arena`).
   const Spent* spent = nullptr;
+  // Generation: the positions this forward's tokens are at, and the attention caches
+  // (Decode); null: a sequence from position 0 with nothing cached (training, evaluation).
+  const Decode* decode = nullptr;
 };
 
 // What backward needs from one forward call. Trivially destructible: it lives in the

@@ -37,6 +37,9 @@ class VocabChunk final : public Layer {
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
   int64_t begin() const { return begin_; }
   int64_t end() const { return end_; }
+  // This chunk's logits (rows, V) of the hidden states h (rows, C), in `arena` (generation
+  // reads them whole).
+  Tensor logits(const Tensor& h, Arena& arena) const;
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
@@ -45,9 +48,6 @@ class VocabChunk final : public Layer {
   void backward_weight_impl(Context& ctx, const Pass& pass) override;
 
  private:
-  // This chunk's logits (rows, V) of the hidden states h (rows, C), in `arena`.
-  Tensor logits(const Tensor& h, Arena& arena) const;
-
   int64_t chunk_, channels_, begin_, end_;
   float init_std_;
   int tie_;

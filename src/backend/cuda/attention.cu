@@ -288,6 +288,60 @@ void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, cons
   Fused<E>::backward(dqkv, dout, qkv, lse, dots, flash_sizes<E>(B, T, H, hs));
 }
 
+// ---- generation: queries against a key/value cache ------------------------------------
+// One block per (sequence, head, query row): its threads take the keys in turn for the
+// scores (kept in shared memory), then the channels for the weighted sum of values. The
+// reductions are block_reduce's fixed trees: the same bits on every run.
+template <class T>
+__global__ void attention_decode_kernel(T* out, const T* cache, int64_t rows, int64_t position, int64_t capacity,
+                                        int64_t C, int64_t H) {
+  extern __shared__ float scores[];  // (keys)
+  __shared__ float reduce[32];
+  const int64_t i = blockIdx.x % rows, bh = blockIdx.x / rows, b = bh / H, h = bh % H;
+  const int64_t hs = C / H, ld = 3 * C, row = position + i, keys = row + 1;
+  const T* base = cache + b * capacity * ld + h * hs;
+  const T* q = base + row * ld;
+  const float scale = rsqrtf(static_cast<float>(hs));
+  float mx = -INFINITY;
+  for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) {
+    const T* k = base + j * ld + C;
+    float dot = 0.0f;
+    for (int64_t c = 0; c < hs; ++c) dot += to_f32(q[c]) * to_f32(k[c]);
+    scores[j] = dot * scale;
+    mx = fmaxf(mx, scores[j]);
+  }
+  mx = block_reduce(mx, Max{}, -INFINITY, reduce);
+  float sum = 0.0f;
+  for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) {
+    scores[j] = __expf(scores[j] - mx);
+    sum += scores[j];
+  }
+  sum = block_reduce(sum, Sum{}, 0.0f, reduce);  // its __syncthreads also publishes the weights
+  const float inv = 1.0f / sum;
+  T* o = out + (b * rows + i) * C + h * hs;
+  for (int64_t c = threadIdx.x; c < hs; c += blockDim.x) {
+    float acc = 0.0f;
+    for (int64_t j = 0; j < keys; ++j) acc += scores[j] * to_f32(base[j * ld + 2 * C + c]);
+    o[c] = from_f32<T>(acc * inv);
+  }
+}
+
+template <class E>
+void attention_decode(E* out, const E* cache, int64_t B, int64_t rows, int64_t position, int64_t capacity, int64_t C,
+                      int64_t H) {
+  if (B == 0 || rows == 0) return;
+  MPIPE_CHECK(H > 0 && C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
+  MPIPE_CHECK(position + rows <= kMaxDecodeKeys, "attention decode: ", position + rows, " positions; the GPU takes up to ",
+              kMaxDecodeKeys);
+  const std::size_t shared = static_cast<std::size_t>(position + rows) * sizeof(float);
+  attention_decode_kernel<<<static_cast<unsigned>(B * H * rows), 128, shared, context().compute>>>(
+      dev(out), dev(cache), rows, position, capacity, C, H);
+  CUDA_CHECK_LAUNCH();
+}
+
+template void attention_decode<float>(float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+template void attention_decode<bf16>(bf16*, const bf16*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
+
 template void attention_forward<float>(float*, float*, const float*, int64_t, int64_t, int64_t, int64_t);
 template void attention_forward<bf16>(bf16*, float*, const bf16*, int64_t, int64_t, int64_t, int64_t);
 template void attention_backward<float>(float*, const float*, const float*, const float*, const float*, int64_t,

@@ -64,6 +64,13 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
                         int64_t B, int64_t T, int64_t C, int64_t H);
 
+// Generation with a key/value cache (cpu/decode.cpp): cache (B, capacity, 3C) holds the
+// q, k, v rows of positions [0, position + rows) of B sequences; out (B, rows, C) gets the
+// attention of queries [position, position + rows), each over the keys at or before it.
+// No log-sum-exp is kept (nothing runs backward). Overwrites out.
+void attention_decode(float* out, const float* cache, int64_t B, int64_t rows, int64_t position, int64_t capacity,
+                      int64_t C, int64_t H);
+
 // Softmax cross-entropy. Overwrites lse (N) with each row's log-sum-exp; returns the sum
 // over rows of -log p(target), accumulated in a fixed order. Targets are checked < V.
 double crossentropy_forward(float* lse, const float* logits, const int32_t* targets,

@@ -75,6 +75,13 @@ template <class E>
 void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B, int64_t T,
                         int64_t C, int64_t H);
 
+// Generation: the CPU's attention_decode (cpu/ops.hpp), one block per (sequence, head,
+// query), the scores in shared memory (keys up to kMaxDecodeKeys).
+inline constexpr int64_t kMaxDecodeKeys = 8192;
+template <class E>
+void attention_decode(E* out, const E* cache, int64_t B, int64_t rows, int64_t position, int64_t capacity, int64_t C,
+                      int64_t H);
+
 // Softmax cross-entropy. Overwrites lse (N); adds the sum over rows of -log p(target) to
 // *loss_sum (one double on the device), summed in a fixed order, unless loss_sum is null. Differs from the CPU
 // op, which returns the sum: reading it back would stall the stream.

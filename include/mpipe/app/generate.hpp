@@ -1,0 +1,33 @@
+// `mpipe generate`: text (or token ids) from a GPT checkpoint, on one process or split
+// over the job's ranks by layers (nn/decoder.hpp).
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "mpipe/nn/decoder.hpp"
+#include "mpipe/pipeline/comm.hpp"
+
+namespace mpipe {
+
+struct GenerateOptions {
+  std::string checkpoint;     // a file, or a run's --checkpoint-dir (its newest that verifies)
+  std::string prompt;         // bytes, for a vocabulary of bytes
+  bool prompt_given = false;  // --prompt was given (an empty one included)
+  std::string prompt_tokens;  // a file of little-endian uint16 ids
+  std::int64_t tokens = 128;  // to generate per sample
+  int samples = 1;            // continuations of the prompt (in flight together across ranks)
+  Sampling sampling;
+  std::uint64_t seed = 1;
+  std::string output = "auto";  // text (the bytes), ids, or auto: text for a vocabulary of bytes given --prompt
+  std::string device = "cpu";   // cpu, cuda or auto
+  std::string precision = "fp32";
+  int threads = 0;  // per rank; 0: the cores given to the rank
+};
+
+// Checks the options alone; UserError naming the first problem.
+void validate(const GenerateOptions& options);
+// Collective over `world`: every rank loads its layers; an error on any rank is said
+// once (by the lowest rank that has it) and ends every rank with the same exit code.
+int run_generate(const GenerateOptions& options, const Communicator& world);
+
+}  // namespace mpipe

@@ -1,0 +1,333 @@
+// `mpipe generate`: a GPT checkpoint's continuation of a prompt.
+//
+// Each rank holds a contiguous range of the layers (generation_stages): the first embeds
+// the tokens and prints, the last computes the logits and samples. A sequence's step is
+// one forward down the ranks, then its token back to the first rank: with several
+// samples in flight the ranks work on different ones at once. With one rank it is all
+// local. Messages: a header (sequence, position, tokens, stop) and the activations (1, t,
+// C) down the chain; (sequence, token) from the last rank to the first.
+#include "mpipe/app/generate.hpp"
+
+#include <mpi.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
+
+#include "mpipe/app/process.hpp"
+#include "mpipe/app/startup.hpp"
+#include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/io/checkpoint_format.hpp"
+#include "mpipe/nn/params.hpp"
+
+namespace mpipe {
+
+namespace {
+
+constexpr int tag_forward = 101, tag_token = 102;
+
+struct Header {
+  std::int64_t sequence = 0, position = 0, count = 0, stop = 0;
+};
+struct Drawn {
+  std::int64_t sequence = 0, token = 0;
+};
+
+// What a rank holds: the checkpoint's model, its layers' parameters and their decoder.
+struct Loaded {
+  CheckpointToRead source;
+  std::vector<int> stages;
+  std::unique_ptr<ParamStore> store;
+  std::unique_ptr<Decoder> decoder;
+  std::vector<std::int32_t> prompt;  // the first rank's
+  bool text = false;
+};
+
+std::vector<std::int32_t> read_token_file(const std::string& path, std::int64_t vocab) {
+  std::ifstream in(path, std::ios::binary);
+  MPIPE_REQUIRE(in.good(), "give a file of little-endian uint16 token ids", "cannot read --prompt-tokens '", path, "'");
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  MPIPE_REQUIRE(!bytes.empty() && bytes.size() % 2 == 0, "give a file of little-endian uint16 token ids",
+                "--prompt-tokens '", path, "' holds ", bytes.size(), " bytes, not a whole number of uint16 ids (at least one)");
+  std::vector<std::int32_t> ids(bytes.size() / 2);
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    ids[i] = static_cast<unsigned char>(bytes[2 * i]) | (static_cast<unsigned char>(bytes[2 * i + 1]) << 8);
+    MPIPE_REQUIRE(ids[i] < vocab, "give ids of the model's vocabulary", "--prompt-tokens '", path, "': id ", ids[i],
+                  " at position ", i, " is not below the vocabulary's ", vocab);
+  }
+  return ids;
+}
+
+// The prompt's tokens, and whether the output is text (the tokens' bytes).
+std::vector<std::int32_t> prompt_tokens(const GenerateOptions& o, std::int64_t vocab, bool& text) {
+  text = o.output == "text" || (o.output == "auto" && vocab <= 256 && o.prompt_tokens.empty());
+  MPIPE_REQUIRE(!text || vocab <= 256, "use --output ids", "--output text prints tokens as bytes, and the model's ",
+                vocab, " tokens are more than bytes");
+  if (!o.prompt_tokens.empty()) return read_token_file(o.prompt_tokens, vocab);
+  MPIPE_REQUIRE(o.prompt_given || vocab <= 256, "give --prompt-tokens FILE", "a vocabulary of ", vocab,
+                " tokens has no default prompt");
+  const std::string prompt = o.prompt_given ? o.prompt : "\n";
+  MPIPE_REQUIRE(!prompt.empty(), "give a prompt of at least one byte", "--prompt is empty");
+  std::vector<std::int32_t> ids;
+  for (const char c : prompt) {
+    const auto id = static_cast<std::int32_t>(static_cast<unsigned char>(c));
+    MPIPE_REQUIRE(id < vocab, "give a prompt of the model's tokens", "--prompt byte ", id, " is not below the vocabulary's ",
+                  vocab);
+    ids.push_back(id);
+  }
+  return ids;
+}
+
+std::unique_ptr<Loaded> load(const GenerateOptions& o, const Communicator& world, Device device, DType dtype) {
+  auto l = std::make_unique<Loaded>(Loaded{open_checkpoint_to_read(o.checkpoint, "generate from"), {}, {}, {}, {}, false});
+  Model& model = l->source.model;
+  if (const std::string problem = generation_problem(model); !problem.empty())
+    throw UserError(cat("'", l->source.path, "' cannot generate: ", problem), "generate from a GPT checkpoint");
+  l->stages = generation_stages(model, world.size());
+  const int begin = l->stages[static_cast<std::size_t>(world.rank())], end = l->stages[static_cast<std::size_t>(world.rank()) + 1];
+  l->store = std::make_unique<ParamStore>(model, begin, end, 0);
+  std::vector<float> rows;
+  for (const ParamEntry& e : l->store->entries()) {
+    if (e.alias) continue;  // the owner's values
+    if (auto bad = read_entry(l->source.file.get(), model, e, "/model", l->store->params().data() + e.param_offset, rows))
+      throw UserError(cat("'", l->source.path, "': ", *bad), "generate from an older checkpoint");
+  }
+  if (device == Device::cuda) l->store->to_device(dtype);
+  l->decoder = std::make_unique<Decoder>(model, begin, end, o.samples, device, dtype);
+  if (world.rank() == 0) l->prompt = prompt_tokens(o, l->decoder->vocab(), l->text);
+  return l;
+}
+
+void send(const Communicator& world, std::span<const std::byte> bytes, int to, int tag) {
+  MPI_CHECK(MPI_Send(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, to, tag, world.get()));
+}
+void receive(const Communicator& world, std::span<std::byte> bytes, int from, int tag) {
+  MPI_CHECK(MPI_Recv(bytes.data(), static_cast<int>(bytes.size()), MPI_BYTE, from, tag, world.get(), MPI_STATUS_IGNORE));
+}
+template <class T>
+std::span<std::byte> bytes_of(T& value) {
+  return {reinterpret_cast<std::byte*>(&value), sizeof(T)};
+}
+
+// The activations' bytes on the host (sent from, received into), as large as the most a
+// message holds.
+struct HostBuffer {
+  std::vector<std::byte> bytes;
+  Tensor of(const Tensor& like) {
+    bytes.resize(std::max(bytes.size(), like.bytes()));
+    return Tensor{bytes.data(), like.shape, like.dtype, Device::cpu};
+  }
+};
+
+class Run {
+ public:
+  Run(const GenerateOptions& o, const Communicator& world, Loaded& l)
+      : o_(o), world_(world), l_(l), d_(*l.decoder), first_(world.rank() == 0), last_(world.rank() == world.size() - 1) {}
+
+  // The first rank: every sample's tokens to the end, printed; the others: forwards until
+  // told to stop.
+  void operator()() {
+    if (!first_) return serve();
+    const auto start = std::chrono::steady_clock::now();
+    sequences_.assign(static_cast<std::size_t>(o_.samples), Sequence{l_.prompt, 0, 0});
+    if (o_.samples == 1) print_tokens(l_.prompt, true);
+    for (int s = 0; s < o_.samples; ++s) feed(s);
+    for (int active = o_.samples; active > 0;) {
+      Drawn drawn;
+      if (last_) {
+        drawn = local_.front();
+        local_.pop_front();
+      } else {
+        receive(world_, bytes_of(drawn), world_.size() - 1, tag_token);
+      }
+      Sequence& q = sequences_[static_cast<std::size_t>(drawn.sequence)];
+      q.tokens.push_back(static_cast<std::int32_t>(drawn.token));
+      if (o_.samples == 1) print_tokens({q.tokens.end() - 1, q.tokens.end()}, false);
+      if (++q.generated == o_.tokens) {
+        --active;
+        continue;
+      }
+      feed(static_cast<int>(drawn.sequence));
+    }
+    if (world_.size() > 1) {
+      Header stop{0, 0, 0, 1};
+      send(world_, bytes_of(stop), 1, tag_forward);
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (o_.samples == 1) {
+      if (!l_.text) std::fputc('\n', stdout);
+    } else {
+      for (int s = 0; s < o_.samples; ++s) {
+        std::printf("== sample %d ==\n", s + 1);
+        print_tokens(sequences_[static_cast<std::size_t>(s)].tokens, true);
+        std::fputc('\n', stdout);
+      }
+    }
+    std::fflush(stdout);
+    const double made = static_cast<double>(o_.tokens) * o_.samples;
+    std::fprintf(stderr,
+                 "mpipe: generated %.0f tokens (%d sample%s of %lld after a prompt of %zu) in %.3f s: %.1f tokens/s on %d "
+                 "rank%s\n",
+                 made, o_.samples, o_.samples == 1 ? "" : "s", static_cast<long long>(o_.tokens), l_.prompt.size(), seconds,
+                 made / seconds, world_.size(), world_.size() == 1 ? "" : "s");
+  }
+
+ private:
+  struct Sequence {
+    std::vector<std::int32_t> tokens;
+    std::int64_t position = 0;  // positions in the caches
+    std::int64_t generated = 0;
+  };
+
+  // The next forward of sequence s: the prompt (its last context's worth), its newest
+  // token, or, with the context full, its last half again from position 0.
+  void feed(int s) {
+    Sequence& q = sequences_[static_cast<std::size_t>(s)];
+    const std::int64_t context = d_.context(), size = static_cast<std::int64_t>(q.tokens.size());
+    std::int64_t count = 1, position = q.position;
+    if (q.generated == 0) {
+      count = std::min(size, context);
+      position = 0;
+    } else if (q.position == context) {
+      count = context / 2 + context % 2;
+      position = 0;
+    }
+    q.position = position + count;
+    const Tensor host = make_tensor(q.tokens.data() + (size - count), Shape{1, count});
+    const Tensor x = d_.input(count);
+    ops::transfer(x, host);
+    forward(s, x, position);
+  }
+
+  // A forward of this rank's layers, then on: to the next rank, or the drawn token (to
+  // the first rank, or kept here when this is the first).
+  void forward(int s, const Tensor& x, std::int64_t position) {
+    const Tensor y = d_.forward(s, x, position);
+    if (!last_) {
+      Header h{s, position, x.shape[1], 0};
+      send(world_, bytes_of(h), world_.rank() + 1, tag_forward);
+      const Tensor out = host_.of(y);
+      ops::transfer(out, y);
+      send(world_, out.byte_span(), world_.rank() + 1, tag_forward);
+      return;
+    }
+    std::int64_t& drawn = drawn_[static_cast<std::size_t>(s)];
+    const std::int32_t token = sample_token(y.span(), o_.sampling, sampling_uniform(o_.seed, s, drawn++), order_, weights_);
+    Drawn d{s, token};
+    if (first_) local_.push_back(d);
+    else send(world_, bytes_of(d), 0, tag_token);
+  }
+
+  // A rank after the first: the forwards the rank before sends, until it says stop.
+  void serve() {
+    for (;;) {
+      Header h;
+      receive(world_, bytes_of(h), world_.rank() - 1, tag_forward);
+      if (h.stop) {
+        if (!last_) send(world_, bytes_of(h), world_.rank() + 1, tag_forward);
+        return;
+      }
+      const Tensor x = d_.input(h.count);
+      const Tensor in = host_.of(x);
+      receive(world_, in.byte_span(), world_.rank() - 1, tag_forward);
+      ops::transfer(x, in);
+      forward(static_cast<int>(h.sequence), x, h.position);
+    }
+  }
+
+  void print_tokens(std::span<const std::int32_t> tokens, bool from_start) {
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      if (l_.text) std::fputc(tokens[i], stdout);
+      else std::printf(i == 0 && from_start ? "%d" : " %d", tokens[i]);
+    }
+    std::fflush(stdout);
+  }
+
+  const GenerateOptions& o_;
+  const Communicator& world_;
+  Loaded& l_;
+  Decoder& d_;
+  bool first_, last_;
+  std::vector<Sequence> sequences_;
+  std::vector<std::int64_t> drawn_ = std::vector<std::int64_t>(static_cast<std::size_t>(o_.samples), 0);
+  std::deque<Drawn> local_;
+  HostBuffer host_;
+  std::vector<std::int32_t> order_;
+  std::vector<double> weights_;
+};
+
+}  // namespace
+
+void validate(const GenerateOptions& o) {
+  const std::string hint = "see mpipe generate --help";
+  MPIPE_REQUIRE(!o.checkpoint.empty(), "give --checkpoint PATH (a ckpt-*.h5 file or a run's --checkpoint-dir)",
+                "--checkpoint is required");
+  MPIPE_REQUIRE(o.tokens >= 1 && o.tokens <= 1000000000, hint, "--tokens must be from 1 to 1e9, got ", o.tokens);
+  MPIPE_REQUIRE(o.samples >= 1 && o.samples <= 4096, hint, "--samples must be from 1 to 4096, got ", o.samples);
+  MPIPE_REQUIRE(std::isfinite(o.sampling.temperature) && o.sampling.temperature >= 0, "give 0 (greedy) or more",
+                "--temperature must be a number from 0, got ", o.sampling.temperature);
+  MPIPE_REQUIRE(o.sampling.top_k >= 0, "give 0 (all tokens) or more", "--top-k must be from 0, got ", o.sampling.top_k);
+  MPIPE_REQUIRE(o.sampling.top_p > 0 && o.sampling.top_p <= 1, "give a probability in (0, 1]", "--top-p must be in (0, 1], got ",
+                o.sampling.top_p);
+  MPIPE_REQUIRE(o.output == "auto" || o.output == "text" || o.output == "ids", "use auto, text or ids",
+                "--output must be auto, text or ids, got '", o.output, "'");
+  MPIPE_REQUIRE(!o.prompt_given || o.prompt_tokens.empty(), "give one of them", "--prompt and --prompt-tokens both given");
+  MPIPE_REQUIRE(o.threads >= 0, hint, "--threads must be from 0, got ", o.threads);
+}
+
+int run_generate(const GenerateOptions& o, const Communicator& world) {
+  validate(o);
+  TrainConfig device_config;  // the device and precision, resolved as training resolves them
+  device_config.device = o.device;
+  device_config.precision = o.precision;
+  resolve_device(device_config, world);
+  cpu::set_threads(o.threads > 0 ? o.threads : default_threads(world));
+  const Device device = device_config.device == "cuda" ? Device::cuda : Device::cpu;
+  const DType dtype = device_config.precision == "bf16" ? DType::bf16 : DType::f32;
+  // Every rank loads its layers; the lowest rank with a problem says it, once.
+  std::unique_ptr<Loaded> loaded;
+  std::string problem;
+  int code = 0;
+  try {
+    loaded = load(o, world, device, dtype);
+  } catch (const UserError& e) {
+    problem = cat(e.what(), "; hint: ", e.hint());
+    code = exit_user_error;
+  } catch (const std::exception& e) {
+    problem = e.what();
+    code = exit_internal_error;
+  }
+  int first = code != 0 ? world.rank() : world.size();
+  world.allreduce(std::span<int>(&first, 1), Reduce::min);
+  disarm_startup_deadline();
+  if (first < world.size()) {
+    if (world.rank() == first) std::fprintf(stderr, "mpipe: error: %s\n", problem.c_str());
+    world.broadcast(std::span<int>(&code, 1), first);
+    return code;
+  }
+  if (world.rank() == 0) {
+    const Loaded& l = *loaded;
+    std::fprintf(stderr, "mpipe: generating from %s (step %lld), layers", l.source.path.c_str(),
+                 static_cast<long long>(l.source.step));
+    for (std::size_t r = 0; r + 1 < l.stages.size(); ++r) std::fprintf(stderr, " %d-%d", l.stages[r], l.stages[r + 1] - 1);
+    std::fprintf(stderr, " on %d rank%s, %s\n", world.size(), world.size() == 1 ? "" : "s", device_config.device.c_str());
+  }
+  try {
+    Run(o, world, *loaded)();
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "mpipe: error on rank %d: %s\n", world.rank(), e.what());
+    std::fflush(stderr);
+    if (world.size() > 1) MPI_Abort(world.get(), exit_internal_error);
+    return exit_internal_error;
+  }
+  return 0;
+}
+
+}  // namespace mpipe
