@@ -215,7 +215,8 @@ void add_generate_options(CLI::App& cmd, GenerateOptions& g) {
       ->capture_default_str();
   cmd.add_option("--device", g.device, "cpu, cuda or auto")->capture_default_str();
   cmd.add_option("--precision", g.precision, "fp32, or bf16 on a GPU")->capture_default_str();
-  cmd.add_option("--threads", g.threads, "Threads per rank; 0: the cores given to the rank")->capture_default_str();
+  cmd.add_option("--threads", g.threads, "Threads per rank (a wide model may gain from more); 0: the cores given to the rank")
+      ->capture_default_str();
 }
 
 int run_main(int argc, char** argv) {

@@ -1,6 +1,11 @@
 # The real binary on good and bad command lines. mpipe_cli_test(name exit-code regex args...)
 mpipe_cli_test(version 0 "mpipe [0-9]+\\.[0-9]+\\.[0-9]+ \\(git [0-9a-f]+" --version)
 mpipe_cli_test(help 0 "--micro-batches" train --help)
+# The commands a user finds in --help: export and generate among them.
+mpipe_cli_test(help_lists_export 0 "  export +Write a checkpoint's weights as safetensors" --help)
+mpipe_cli_test(help_lists_generate 0 "  generate +Continue a prompt with a GPT checkpoint" --help)
+mpipe_cli_test(generate_needs_checkpoint 2 "error: --checkpoint is required" generate --prompt x)
+mpipe_cli_test(generate_bad_temperature 2 "error: --temperature must be a number from 0, got -1; hint" generate --checkpoint x --temperature -1)
 mpipe_cli_test(no_command 2 "error: .*subcommand" )
 mpipe_cli_test(unknown_option 2 "error: .*--bogus.*hint" train --bogus 3)
 mpipe_cli_test(nonpositive_layers 2 "error: --layers must be positive, got 0; hint" train --layers 0)

@@ -21,7 +21,10 @@ struct GenerateOptions {
   std::string output = "auto";  // text (the bytes), ids, or auto: text for a vocabulary of bytes given --prompt
   std::string device = "cpu";   // cpu, cuda or auto
   std::string precision = "fp32";
-  int threads = 0;  // per rank; 0: the cores given to the rank
+  // Per rank; 0: the cores given to the rank. One by default: a token's work is small, and
+  // on 2 cores beside other work 2 threads made it 60 times slower (OpenMP's and
+  // OpenBLAS's threads waiting on each other).
+  int threads = 1;
 };
 
 // Checks the options alone; UserError naming the first problem.
