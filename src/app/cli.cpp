@@ -88,6 +88,12 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "Held-out data to evaluate on (synthetic, text:PATH, tokens:PATH or hdf5:PATH; empty: none): forward "
                  "only, dropout off; loss and accuracy")
       ->capture_default_str();
+  cmd.add_option("--sample-every", c.sample_every,
+                 "A GPT: every N steps print a continuation of --sample-prompt (temperature 0.8, top-k 40; rank 0 gathers "
+                 "the weights); 0: never")
+      ->capture_default_str();
+  cmd.add_option("--sample-tokens", c.sample_tokens, "Tokens of each --sample-every continuation")->capture_default_str();
+  cmd.add_option("--sample-prompt", c.sample_prompt, "The prompt --sample-every continues (bytes; default a newline)");
   cmd.add_option("--eval-every", c.eval_every, "Evaluate every N steps, and at the end (0: only at the end)")
       ->capture_default_str();
   cmd.add_option("--eval-batches", c.eval_batches,

@@ -48,6 +48,9 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
   MPIPE_REQUIRE(c.trace_steps >= 0, "e.g. --trace-steps 5", "--trace-steps must be >= 0, got ", c.trace_steps);
   MPIPE_REQUIRE(c.eval_every >= 0, "e.g. --eval-every 100", "--eval-every must be >= 0, got ", c.eval_every);
+  MPIPE_REQUIRE(c.sample_every >= 0, "e.g. --sample-every 100", "--sample-every must be >= 0, got ", c.sample_every);
+  MPIPE_REQUIRE(c.sample_tokens >= 1 && c.sample_tokens <= 100000, "e.g. --sample-tokens 64",
+                "--sample-tokens must be from 1 to 100000, got ", c.sample_tokens);
   MPIPE_REQUIRE(c.eval_batches >= 0, "e.g. --eval-batches 8, or 0 for a file's every batch", "--eval-batches must be >= 0, got ",
                 c.eval_batches);
   MPIPE_REQUIRE(!c.eval_data.empty() || (c.eval_every == 0 && c.eval_batches == 0), "give --eval-data, e.g. hdf5:test.h5",

@@ -24,6 +24,7 @@
 #include "mpipe/app/process.hpp"
 #include "mpipe/app/startup.hpp"
 #include "mpipe/app/report.hpp"
+#include "mpipe/app/sample.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/core/version.hpp"
@@ -170,6 +171,7 @@ class Training {
   double longest_step_ = 0, checkpoint_seconds_ = 0;  // for --time-limit
   bool preempted_ = false, advised_ = false;
   std::string output_error_;  // rank 0: an output file that could not be written
+  TrainingSample sample_{config_};  // --sample-every
 };
 
 bool Training::checkpoint(std::int64_t done) {
@@ -292,8 +294,9 @@ int Training::run() {
       const bool save = config_.checkpoint_every > 0 && (step + 1) % config_.checkpoint_every == 0 && step + 1 < config_.steps;
       const bool eval = !config_.eval_data.empty() &&
                         ((config_.eval_every > 0 && (step + 1) % config_.eval_every == 0) || step + 1 == config_.steps);
-      // A checkpoint, an evaluation, a stop and the end need this step's agreed update.
-      if (stop || save || eval || step + 1 == config_.steps)
+      const bool sample = config_.sample_every > 0 && (step + 1) % config_.sample_every == 0;
+      // A checkpoint, an evaluation, a sample, a stop and the end need this step's agreed update.
+      if (stop || save || eval || sample || step + 1 == config_.steps)
         if (const std::optional<StepResult> r = exec_.settle()) {
           report(*r);
           stop = stop || r->stop;
@@ -317,6 +320,13 @@ int Training::run() {
       }
       if (save && !checkpoint(step + 1)) return exit_internal_error;
       if (eval) evaluate(step);
+      if (sample) {
+        if (const std::string line = sample_(exec_, step); !line.empty()) {
+          if (progress_) std::printf("\r\033[K");
+          std::printf("%s\n", line.c_str());
+          std::fflush(stdout);
+        }
+      }
     }
   } catch (const TimeoutError& e) {
     // A wait passed --p2p-timeout: name the ranks that stopped answering, once.
@@ -464,6 +474,10 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   int code = start_up->phase("options", [&] {
     validate(config, world.size());
     const RunOptions run = run_options(config);
+    const Model model(run.model);
+    if (config.sample_every > 0)
+      if (const std::string problem = sampling_problem(config, model); !problem.empty())
+        throw UserError(cat("--sample-every: ", problem), "sample a GPT's training, or leave --sample-every out");
     plan = make_plan(run, world.size(), Model(run.model));
     time_limit_s = parse_time_limit(config.time_limit);
     if (root) check_checkpoint_options(config, /*create=*/true);
@@ -480,7 +494,11 @@ int run_train(const TrainConfig& options, const Communicator& world) {
          if (link < 0) link = measure_host_link(world);
          config.pipeline.grid.rank_order = choose_rank_order(plan, Model(plan.options.model), hosts(), &why, link);
          const RunOptions run = run_options(config);
-         plan = make_plan(run, world.size(), Model(run.model));
+         const Model model(run.model);
+    if (config.sample_every > 0)
+      if (const std::string problem = sampling_problem(config, model); !problem.empty())
+        throw UserError(cat("--sample-every: ", problem), "sample a GPT's training, or leave --sample-every out");
+    plan = make_plan(run, world.size(), Model(run.model));
          order_line = cat("rank order ", plan.grid.rank_order, " (--rank-order auto; bytes a step sends out of its busiest host: ",
                           why, ")");
        })))

@@ -5,6 +5,10 @@ mpipe_mpi_test(trains_k4 4 0 "bubble: measured [0-9.]+%" ${SMALL} --micro-batche
 mpipe_mpi_test(trains_zbv 2 0 "step +3/3 \\| loss [0-9.]+ " ${SMALL} --micro-batches 4 --schedule zbv --log-every 1)
 # Updates ahead of the agreement: clip 0 wins every bet.
 mpipe_mpi_test(trains_overlap 2 0 "overlap-steps: 3 updates made ahead of their agreement, 0 undone" ${SMALL} --micro-batches 4 --schedule zb-h2 --log-every 1 --overlap-steps --clip-grad 0)
+# --sample-every: rank 0 gathers both stages' weights and continues the prompt in the log;
+# a model that cannot generate is refused before training.
+mpipe_mpi_test(sample_every 2 0 "sample at step 3: \"[^\"]+\"" ${SMALL} --micro-batches 2 --sample-every 3 --sample-tokens 12 --head-chunks 2)
+mpipe_mpi_test(sample_every_mlp 2 2 "error: --sample-every: it is not a model of tokens .*; hint" train --model mlp --steps 2 --sample-every 1)
 mpipe_mpi_test(world_not_dk 3 2 "error: world size 3 is not divisible by --stages 2; hint" ${SMALL} --stages 2)
 mpipe_mpi_test(more_stages_than_layers 8 2 "error: more stages \\(8\\) than layers \\(6\\)" ${SMALL} --stages 8 --replicas 0)
 mpipe_mpi_test(batch_not_md 4 2 "error: --batch-size 8 does not split into --micro-batches 3 x 2 replicas" ${SMALL} --micro-batches 3 --stages 2)

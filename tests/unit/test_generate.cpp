@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "gradcheck.hpp"
+#include "mpipe/app/sample.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/error.hpp"
 #include "mpipe/nn/decoder.hpp"
@@ -166,4 +167,15 @@ TEST_CASE("generation: the layers split over ranks, the head on the last") {
   TrainConfig mlp;
   mlp.model.kind = "mlp";
   CHECK(generation_problem(Model(mlp.model)).find("not a model of tokens") != std::string::npos);
+}
+
+TEST_CASE("--sample-every's log line: bytes quoted and escaped, ids for a wider vocabulary") {
+  CHECK(quoted_tokens({'h', 'i', '\n', '"', '\\', 7, 200}, 256) == "\"hi\\n\\\"\\\\\\x07\\xc8\"");
+  CHECK(quoted_tokens({3, 50000}, 50257) == "3 50000");
+  TrainConfig c = test::tiny_gpt({.vocab = 32});
+  const Model model(c.model);
+  c.sample_prompt = "\n";
+  CHECK(sampling_problem(c, model).empty());
+  c.sample_prompt = "A";  // 65: past 32 tokens
+  CHECK(sampling_problem(c, model).find("not below the vocabulary's 32") != std::string::npos);
 }

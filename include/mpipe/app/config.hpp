@@ -45,6 +45,11 @@ struct TrainConfig {
   std::string prefetch = "auto";  // auto | on | off: the next step's batch read while a step computes
   int eval_every = 0;       // steps between evaluations (and one at the end); 0: only at the end
   int eval_batches = 0;     // batches per evaluation; 0: a file's every whole batch, 8 of synthetic data
+  // --sample-every: every N steps (0: never) a continuation of sample_prompt by
+  // sample_tokens in the log (app/sample.hpp).
+  int sample_every = 0;
+  int sample_tokens = 64;
+  std::string sample_prompt = "\n";
   int batch_size = 32;      // global mini-batch, in samples
   int micro_batches = 1;    // per replica
   int steps = 100;          // the step training runs up to
