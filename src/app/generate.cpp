@@ -22,6 +22,7 @@
 #include "mpipe/app/process.hpp"
 #include "mpipe/app/startup.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/backend/cuda/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/io/checkpoint_format.hpp"
 #include "mpipe/nn/params.hpp"
@@ -84,9 +85,16 @@ std::vector<std::int32_t> prompt_tokens(const GenerateOptions& o, std::int64_t v
   return ids;
 }
 
-std::unique_ptr<Loaded> load(const GenerateOptions& o, const Communicator& world, Device device, DType dtype) {
-  auto l = std::make_unique<Loaded>(Loaded{open_checkpoint_to_read(o.checkpoint, "generate from"), {}, {}, {}, {}, false});
+// `checkpoint`: the option on rank 0, which picks and verifies the file; the file it
+// picked on the others, which read it unverified (once is enough).
+std::unique_ptr<Loaded> load(const GenerateOptions& o, const std::string& checkpoint, const Communicator& world,
+                             Device device, DType dtype) {
+  auto l = std::make_unique<Loaded>(
+      Loaded{open_checkpoint_to_read(checkpoint, "generate from", world.rank() == 0), {}, {}, {}, {}, false});
   Model& model = l->source.model;
+  MPIPE_REQUIRE(device == Device::cpu || model.tokens() <= cuda::kMaxDecodeKeys, "generate on the CPU (--device cpu)",
+                "the GPU's generation takes a context of up to ", cuda::kMaxDecodeKeys, " tokens, and the model's is ",
+                model.tokens());
   if (const std::string problem = generation_problem(model); !problem.empty())
     throw UserError(cat("'", l->source.path, "' cannot generate: ", problem), "generate from a GPT checkpoint");
   l->stages = generation_stages(model, world.size());
@@ -219,9 +227,21 @@ class Run {
     }
     std::int64_t& drawn = drawn_[static_cast<std::size_t>(s)];
     const std::int32_t token = sample_token(y.span(), o_.sampling, sampling_uniform(o_.seed, s, drawn++), order_, weights_);
-    Drawn d{s, token};
-    if (first_) local_.push_back(d);
-    else send(world_, bytes_of(d), 0, tag_token);
+    if (first_) {
+      local_.push_back({s, token});
+      return;
+    }
+    // Not a blocking send: the messages go round (first rank, ..., last, first), and a
+    // send that waited for its receive could close the circle.
+    tokens_out_.push_back({{s, token}, MPI_REQUEST_NULL});
+    Outgoing& out = tokens_out_.back();
+    MPI_CHECK(MPI_Isend(&out.drawn, static_cast<int>(sizeof(Drawn)), MPI_BYTE, 0, tag_token, world_.get(), &out.request));
+    while (!tokens_out_.empty()) {  // the sent ones' memory back
+      int done = 0;
+      MPI_CHECK(MPI_Test(&tokens_out_.front().request, &done, MPI_STATUS_IGNORE));
+      if (!done) break;
+      tokens_out_.pop_front();
+    }
   }
 
   // A rank after the first: the forwards the rank before sends, until it says stop.
@@ -231,6 +251,7 @@ class Run {
       receive(world_, bytes_of(h), world_.rank() - 1, tag_forward);
       if (h.stop) {
         if (!last_) send(world_, bytes_of(h), world_.rank() + 1, tag_forward);
+        for (Outgoing& out : tokens_out_) MPI_CHECK(MPI_Wait(&out.request, MPI_STATUS_IGNORE));
         return;
       }
       const Tensor x = d_.input(h.count);
@@ -257,6 +278,11 @@ class Run {
   std::vector<Sequence> sequences_;
   std::vector<std::int64_t> drawn_ = std::vector<std::int64_t>(static_cast<std::size_t>(o_.samples), 0);
   std::deque<Drawn> local_;
+  struct Outgoing {
+    Drawn drawn;
+    MPI_Request request;
+  };
+  std::deque<Outgoing> tokens_out_;  // the last rank's tokens in flight (a deque: they stay put)
   HostBuffer host_;
   std::vector<std::int32_t> order_;
   std::vector<double> weights_;
@@ -279,6 +305,10 @@ void validate(const GenerateOptions& o) {
                 "--output must be auto, text or ids, got '", o.output, "'");
   MPIPE_REQUIRE(!o.prompt_given || o.prompt_tokens.empty(), "give one of them", "--prompt and --prompt-tokens both given");
   MPIPE_REQUIRE(o.threads >= 0, hint, "--threads must be from 0, got ", o.threads);
+  MPIPE_REQUIRE(o.device == "cpu" || o.device == "cuda" || o.device == "auto", "use cpu, cuda or auto",
+                "--device must be cpu, cuda or auto, got '", o.device, "'");
+  MPIPE_REQUIRE(o.precision == "fp32" || o.precision == "bf16", "use fp32, or bf16 on a GPU",
+                "--precision must be fp32 or bf16, got '", o.precision, "'");
 }
 
 int run_generate(const GenerateOptions& o, const Communicator& world) {
@@ -291,18 +321,28 @@ int run_generate(const GenerateOptions& o, const Communicator& world) {
   const Device device = device_config.device == "cuda" ? Device::cuda : Device::cpu;
   const DType dtype = device_config.precision == "bf16" ? DType::bf16 : DType::f32;
   // Every rank loads its layers; the lowest rank with a problem says it, once.
+  // Rank 0 first: it picks the checkpoint (a directory's newest that verifies) and checks
+  // it; the others then read the same file.
   std::unique_ptr<Loaded> loaded;
-  std::string problem;
+  std::string problem, path;
   int code = 0;
-  try {
-    loaded = load(o, world, device, dtype);
-  } catch (const UserError& e) {
-    problem = cat(e.what(), "; hint: ", e.hint());
-    code = exit_user_error;
-  } catch (const std::exception& e) {
-    problem = e.what();
-    code = exit_internal_error;
+  auto load_here = [&](const std::string& checkpoint) {
+    try {
+      loaded = load(o, checkpoint, world, device, dtype);
+    } catch (const UserError& e) {
+      problem = cat(e.what(), "; hint: ", e.hint());
+      code = exit_user_error;
+    } catch (const std::exception& e) {
+      problem = e.what();
+      code = exit_internal_error;
+    }
+  };
+  if (world.rank() == 0) {
+    load_here(o.checkpoint);
+    if (loaded) path = loaded->source.path;
   }
+  world.broadcast(path, 0);
+  if (world.rank() != 0 && !path.empty()) load_here(path);
   int first = code != 0 ? world.rank() : world.size();
   world.allreduce(std::span<int>(&first, 1), Reduce::min);
   disarm_startup_deadline();

@@ -4,6 +4,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <limits>
 
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/pipeline/executor.hpp"
@@ -26,6 +27,10 @@ std::string sampling_problem(const TrainConfig& config, const Model& model) {
     if (static_cast<unsigned char>(c) >= model.classes())
       return cat("--sample-prompt byte ", static_cast<int>(static_cast<unsigned char>(c)), " is not below the vocabulary's ",
                  model.classes());
+  // The weights reach rank 0 in one gather, whose counts are ints.
+  if (static_cast<double>(model.parameter_count()) * sizeof(float) > 0.9 * std::numeric_limits<int>::max())
+    return cat("rank 0 gathers the weights in one message of at most 2 GiB, and this model's are ",
+               static_cast<double>(model.parameter_count()) * sizeof(float) / (1 << 30), " GiB");
   return config.sample_prompt.empty() ? "--sample-prompt is empty" : "";
 }
 
@@ -66,21 +71,37 @@ std::string TrainingSample::operator()(Executor& exec, std::int64_t step) {
     }
   }
   const std::vector<std::byte> all = world.gather(std::span<const std::byte>(packed_), 0, nullptr);
-  if (world.rank() != 0) return "";
+  // The others wait here for rank 0's sample, not in the next step's messages, whose waits
+  // time out (--p2p-timeout) and whose times would count it.
+  if (world.rank() != 0) {
+    world.barrier();
+    return "";
+  }
+  const std::string line = continuation(exec, all, step);
+  world.barrier();
+  return line;
+}
+
+std::string TrainingSample::continuation(const Executor& exec, const std::vector<std::byte>& all, std::int64_t step) {
   if (!model_) {
     model_ = std::make_unique<Model>(exec.model().config(), exec.model().spec());
     store_ = std::make_unique<ParamStore>(*model_, 0, model_->size(), 0);
     decoder_ = std::make_unique<Decoder>(*model_, 0, model_->size(), 1, Device::cpu, DType::f32);
   }
+  std::size_t filled = 0, owners = 0;
+  for (const ParamEntry& e : store_->entries()) owners += e.alias ? 0 : 1;
   for (std::size_t at = 0; at < all.size();) {
     Packed head;
     std::memcpy(&head, all.data() + at, sizeof head);
     at += sizeof head;
     for (const ParamEntry& e : store_->entries())
-      if (e.layer == head.layer && e.index == head.index && e.numel() == head.count)
+      if (!e.alias && e.layer == head.layer && e.index == head.index && e.numel() == head.count) {
         std::memcpy(store_->params().data() + e.param_offset, all.data() + at, static_cast<std::size_t>(head.count) * sizeof(float));
+        ++filled;
+      }
     at += static_cast<std::size_t>(head.count) * sizeof(float);
   }
+  MPIPE_CHECK(filled == owners, "--sample-every: ", filled, " of the model's ", owners, " parameters gathered");
   // The prompt, then a token at a time (the window slides past the context, as generate's).
   std::vector<std::int32_t> tokens;
   for (const char c : config_.sample_prompt) tokens.push_back(static_cast<unsigned char>(c));

@@ -394,7 +394,7 @@ std::string newest_verified_checkpoint(const std::string& dir) {
                   "give a checkpoint file, or the --checkpoint-dir of a run that saved one");
 }
 
-CheckpointToRead open_checkpoint_to_read(const std::string& checkpoint, const std::string& verb) {
+CheckpointToRead open_checkpoint_to_read(const std::string& checkpoint, const std::string& verb, bool verify) {
   quiet_hdf5();
   std::error_code ec;
   MPIPE_REQUIRE(std::filesystem::exists(checkpoint, ec), "give a checkpoint file (ckpt-*.h5) or a run's --checkpoint-dir",
@@ -403,7 +403,7 @@ CheckpointToRead open_checkpoint_to_read(const std::string& checkpoint, const st
   MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)", "'", path,
                 "' is not an HDF5 file");
   // The whole file first, as resume checks it: nothing is read from a damaged one.
-  if (auto bad = verify_checkpoint(path)) throw UserError(*bad, cat(verb, " an older checkpoint (mpipe inspect --verify finds one)"));
+  if (auto bad = verify ? verify_checkpoint(path) : std::nullopt) throw UserError(*bad, cat(verb, " an older checkpoint (mpipe inspect --verify finds one)"));
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   MPIPE_REQUIRE(file.ok(), "the file is damaged; use an older checkpoint", "'", path, "' cannot be opened");
   Model model = checkpoint_model(file.get(), path);

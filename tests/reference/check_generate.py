@@ -64,7 +64,7 @@ def main():
         L, C, H, T, V = 3, 32, 4, 16, 64
         gpt = ["--model", "gpt", "--layers", str(L), "--d-model", str(C), "--heads", str(H), "--seq-len", str(T),
                "--vocab", str(V), "--batch-size", "16", "--micro-batches", "2", "--lr", "0.01"]
-        run_dir, ckpt = train(a.mpipe, work, "gpt", gpt, 100)
+        run_dir, ckpt = train(a.mpipe, work, "gpt", [*gpt, "--checkpoint-every", "50"], 100)
         prompt = [5, 17, 3, 60, 2, 9, 33]
         prompt_file = os.path.join(work, "prompt.bin")
         np.array(prompt, dtype="<u2").tofile(prompt_file)
@@ -118,6 +118,24 @@ def main():
         samples = one.split(b"== sample")[1:]
         check(len(set(samples)) == 3, "the 3 samples differ")
 
+        # ---- a run directory whose newest checkpoint is damaged: the older one, said once ----
+        damaged = os.path.join(work, "damaged")
+        shutil.copytree(run_dir, damaged)
+        newest = os.path.join(damaged, "ckpt-00000100.h5")
+        with h5py.File(newest, "r") as f:
+            offset = f["model/0000/wte"].id.get_offset()
+        with open(newest, "r+b") as f:
+            f.seek(offset + 100)
+            byte = f.read(1)
+            f.seek(offset + 100)
+            f.write(bytes([byte[0] ^ 0x40]))
+        for ranks in (0, 2):
+            code, _, err = generate(a.mpipe, ["--checkpoint", damaged, "--prompt-tokens", prompt_file, "--tokens", "4"], ranks)
+            warnings = [line for line in err.splitlines() if "trying an older checkpoint" in line]
+            check(code == 0 and len(warnings) == 1 and "ckpt-00000050.h5 (step 50)" in err,
+                  f"a damaged newest checkpoint{f' on {ranks} ranks' if ranks else ''}: one warning, the older one used"
+                  f" (exit {code}, {len(warnings)} warning(s))")
+
         # ---- bad input: one line, exit 2 ----
         mlp_dir, _ = train(a.mpipe, work, "mlp", ["--model", "mlp", "--batch-size", "4", "--micro-batches", "2"], 1)
         bad_ids = os.path.join(work, "bad.bin")
@@ -137,6 +155,7 @@ def main():
             ("a 64-token vocabulary as text", ["--checkpoint", ckpt, "--prompt", "hello"], "not below the vocabulary"),
             ("--top-p 0", ["--checkpoint", ckpt, "--prompt-tokens", prompt_file, "--top-p", "0"], "--top-p must be"),
             ("both prompts", ["--checkpoint", ckpt, "--prompt", "a", "--prompt-tokens", prompt_file], "both given"),
+            ("--device gpu", ["--checkpoint", ckpt, "--device", "gpu"], "--device must be cpu, cuda or auto"),
         ]
         for ranks in (0, 2):
             for what, args, words in cases:

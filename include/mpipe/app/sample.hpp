@@ -32,6 +32,9 @@ class TrainingSample {
   std::string operator()(Executor& exec, std::int64_t step);
 
  private:
+  // Rank 0: the gathered weights into its copy of the model, and the continuation's line.
+  std::string continuation(const Executor& exec, const std::vector<std::byte>& all, std::int64_t step);
+
   const TrainConfig& config_;
   std::unique_ptr<Model> model_;  // rank 0's copy: its own layers, bound to store_
   std::unique_ptr<ParamStore> store_;

@@ -40,7 +40,8 @@ struct CheckpointToRead {
   Model model;
   std::int64_t step = -1;  // /train's, -1 where it has none
 };
-CheckpointToRead open_checkpoint_to_read(const std::string& checkpoint, const std::string& verb);
+// `verify` false: a file another process verified (generate's ranks after the first).
+CheckpointToRead open_checkpoint_to_read(const std::string& checkpoint, const std::string& verb, bool verify = true);
 // The run id a checkpoint file holds ("" for a version-1 file), or nothing when the
 // file cannot be read as a checkpoint or its training state fails its checksum.
 std::optional<std::string> checkpoint_run_id(const std::string& path);
