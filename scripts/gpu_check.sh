@@ -13,6 +13,8 @@
 #      a. GPT-2 medium (24 blocks, C 1024, T 1024, V 50257, 16 heads, batch 8), eager and
 #         torch.compile, against mpipe's same model on one rank: tokens/s, peak memory;
 #      b. ResNet-50 at 224x224, batch 64, channels_last, eager, against mpipe's: images/s;
+#   2b. generation: a GPT-2-small-shaped checkpoint (one step), `mpipe generate --device cuda`
+#      in fp32 and bf16 against PyTorch's KV-cache loop over its export: tokens/s, greedy ids;
 #   5. with 16 cores or more: scripts/scaling_check.sh (the CPU K ladder, K = 1, 2, 4, 8 at
 #      M = 32, on the 8 x 256 GPT and a deep 32 x 128 one, with the contention baseline and
 #      where the time goes at K = 8), K = 8 over K = 1 against 6.0x;
@@ -323,6 +325,57 @@ step_status=$gpt_status step_rc=$gpt_rc
 ((gpt_rc > 0)) && name_of_step="GPT pipeline" failure "$logs/pipe-gpt.log"
 step_status=$resnet_status step_rc=$resnet_rc
 ((resnet_rc > 0)) && name_of_step="ResNet pipeline" failure "$logs/pipe-resnet.log"
+
+# ---- 2b. generation --------------------------------------------------------------------------
+say "" "## 2b. Generation on one GPU (GPT-2 small's shape, one step trained)" ""
+name_of_step="generation"
+gen=$logs/generate
+rm -rf "$gen"; mkdir -p "$gen"
+gen_rows=() gen_tps=""
+step "generate: a checkpoint" 120 "$gen/train.log" "${gpu_mpirun[@]}" -n 1 "$mpipe" train --device cuda --precision bf16 \
+  --layers 12 --d-model 768 --heads 12 --seq-len 1024 --vocab 50257 --batch-size 1 --micro-batches 1 --steps 1 \
+  --progress off --resume never --checkpoint-dir "$gen/run"
+((step_rc == 0)) && step "generate: export" 60 "$gen/export.log" "$mpipe" export "$gen/run" "$gen/gpt.safetensors"
+if ((step_rc == 0)); then
+  "$py" -c "import sys; open(sys.argv[1], 'wb').write(bytes(range(32)))" "$gen/prompt.bin"  # 16 uint16 ids
+  for precision in fp32 bf16; do
+    step "generate: mpipe $precision" 60 "$gen/mpipe-$precision.log" "${gpu_mpirun[@]}" -n 1 "$mpipe" generate --device cuda \
+      --precision "$precision" --checkpoint "$gen/run" --prompt-tokens "$gen/prompt.bin" --tokens 256 --temperature 0
+    rate=$(sed -n 's/.* s: \([0-9.]*\) tokens\/s.*/\1/p' "$gen/mpipe-$precision.log")
+    [[ $precision == fp32 ]] && gen_tps=$rate
+    grep -E '^[0-9]+( [0-9]+)*$' "$gen/mpipe-$precision.log" > "$gen/mpipe-$precision.ids"
+    gen_rows+=("| mpipe generate, $precision | ${rate:-$step_status} |")
+  done
+  if [[ -n $torch_py ]]; then
+    step "generate: PyTorch fp32" 120 "$gen/torch.log" "$torch_py" - "$gen/gpt.safetensors" "$gen/torch.ids" <<'PY'
+import sys, time
+import torch
+sys.path.insert(0, "scripts")
+from mpipe_torch import GPT2HF, read_safetensors
+tensors, _ = read_safetensors(sys.argv[1])
+model = GPT2HF(12, 768, 12, 1024, 50257)
+model.load_state_dict({k: torch.from_numpy(v) for k, v in tensors.items()}, strict=True)
+model = model.cuda().eval()
+prompt = [int.from_bytes(bytes([i, i + 1]), "little") for i in range(0, 32, 2)]  # prompt.bin's ids
+model.generate_greedy(prompt, 8)
+torch.cuda.synchronize()
+start = time.perf_counter()
+new = model.generate_greedy(prompt, 256)
+torch.cuda.synchronize()
+print(f"{256 / (time.perf_counter() - start):.1f} tokens/s")
+open(sys.argv[2], "w").write(" ".join(map(str, prompt + new)) + "\n")
+PY
+    torch_rate=$(sed -n 's/^\([0-9.]*\) tokens\/s$/\1/p' "$gen/torch.log")
+    gen_rows+=("| PyTorch's KV-cache loop (GPT2HF.generate_greedy), fp32 | ${torch_rate:-$step_status} |")
+    if [[ -n $torch_rate && -n $gen_tps ]]; then
+      same=$(cmp -s "$gen/mpipe-fp32.ids" "$gen/torch.ids" && echo "the same" || echo "not the same")
+      gen_rows+=("| mpipe fp32 / PyTorch | $(calc "f'{$gen_tps / $torch_rate:.2f}x'"); greedy ids $same |")
+    fi
+  fi
+fi
+say "One process, a prompt of 16 ids, 256 new tokens, greedy; tokens/s from \`mpipe generate\`'s last line." "" \
+    "| run | tokens/s |" "|---|---|"
+for r in "${gen_rows[@]}"; do say "$r"; done
 
 # ---- 3. bench_gpu ------------------------------------------------------------------------
 say "" "## 3. bench_gpu: per-op rates and MFU (GPT-2-medium block, bf16)" ""

@@ -127,10 +127,10 @@ class GPT2HF(torch.nn.Module):
         B, t = idx.shape
         tr = self.transformer
         end = position + t
-        x = tr.wte(idx) + tr.wpe(torch.arange(position, end))
+        x = tr.wte(idx) + tr.wpe(torch.arange(position, end, device=idx.device))
         C = x.shape[-1]
         hs = C // self.H
-        mask = torch.ones(t, end, dtype=torch.bool).triu(diagonal=position + 1) if t > 1 else None
+        mask = torch.ones(t, end, dtype=torch.bool, device=idx.device).triu(diagonal=position + 1) if t > 1 else None
         for b, kv in zip(tr.h, cache):
             q, k, v = b.attn.c_attn(b.ln_1(x)).split(C, dim=2)
             q, k, v = (u.view(B, t, self.H, hs).transpose(1, 2) for u in (q, k, v))
@@ -149,12 +149,13 @@ class GPT2HF(torch.nn.Module):
         """`mpipe generate --temperature 0`'s loop: the prompt (its last context's worth),
         then a token a step with the cache; with the context full, the last half of the
         tokens again from position 0. Returns the n new tokens."""
-        T = self.transformer.wpe.weight.shape[0]
-        C = self.transformer.wte.weight.shape[1]
-        cache = [torch.zeros(2, 1, self.H, T, C // self.H) for _ in self.transformer.h]
+        w = self.transformer.wte.weight  # its device and type are the loop's
+        T, C = self.transformer.wpe.weight.shape[0], w.shape[1]
+        cache = [torch.zeros(2, 1, self.H, T, C // self.H, device=w.device, dtype=w.dtype) for _ in self.transformer.h]
         tokens = list(prompt)
         count = min(len(tokens), T)
-        logits = self.decode(torch.tensor([tokens[-count:]]), cache, 0)
+        ids = lambda n: torch.tensor([tokens[-n:]], device=w.device)  # noqa: E731
+        logits = self.decode(ids(count), cache, 0)
         position = count
         for i in range(n):
             tokens.append(int(torch.argmax(logits)))
@@ -162,10 +163,10 @@ class GPT2HF(torch.nn.Module):
                 break
             if position == T:
                 count = T // 2 + T % 2
-                logits = self.decode(torch.tensor([tokens[-count:]]), cache, 0)
+                logits = self.decode(ids(count), cache, 0)
                 position = count
             else:
-                logits = self.decode(torch.tensor([tokens[-1:]]), cache, position)
+                logits = self.decode(ids(1), cache, position)
                 position += 1
         return tokens[len(prompt):]
 
