@@ -59,3 +59,50 @@ print(f"{'plain write from memory (numpy)':34} {plain:9.0f} {dw:9.0f} {plain / d
 print(f"mpipe write / plain write: {mp_w / plain:.2f}")
 print(f"verify after writing (re-read every checksum, rename): {verify_s:.2f} s")
 PY
+
+# The stall: what a checkpoint costs the step loop, synchronous and --checkpoint-async on,
+# against a run with no periodic checkpoint, rounds ordered A B C C B A: 12 steps of the
+# same model with a checkpoint after step 6, each log line timed as it arrives. The
+# stall is the time from step 6's line to step 12's over the no-checkpoint run's (the
+# final checkpoint, written at once in every variant, comes after). STALL_RANKS=1 runs it
+# on one rank, leaving this VM's second core to the background write.
+stall_ranks=${STALL_RANKS:-2}
+stall=(--model gpt --layers 12 --d-model 768 --heads 12 --seq-len 64 --vocab 50257 --batch-size 2 --micro-batches 2
+       --threads 1 --steps 12 --log-every 1 --progress off)
+declare -A window=([none]=0 [sync]=0 [async]=0)
+waited=() background=()
+variant() {  # NAME: one run; adds half its step 6 -> 12 time to window[NAME]
+  local args=()
+  case $1 in sync) args=(--checkpoint-every 6) ;; async) args=(--checkpoint-every 6 --checkpoint-async on) ;; esac
+  rm -rf "$dir/stall"
+  mpirun -n "$stall_ranks" --bind-to core build/release/mpipe train "${stall[@]}" --checkpoint-dir "$dir/stall" "${args[@]}" |
+    while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$dir/stall.log"
+  local t
+  t=$(awk '$2 == "step" && $3 == "6/12" { a = $1 } $2 == "step" && $3 == "12/12" { b = $1 } END { print b - a }' "$dir/stall.log")
+  window[$1]=$(awk -v w="${window[$1]}" -v t="$t" 'BEGIN { print w + t / 2 }')
+  if [[ $1 == async ]]; then
+    waited+=($(sed -n 's/.*training waited \([0-9.]*\) s.*/\1/p' "$dir/stall.log"))
+    background+=($(sed -n 's/.*written in the background: .* in \([0-9.]*\) s .*verified in \([0-9.]*\) s/\1+\2/p' "$dir/stall.log"))
+  fi
+  return 0
+}
+for v in none sync async async sync none; do variant "$v"; done
+write_s=$(sed -n 's/.*written: .* in \([0-9.]*\) s .*/\1/p' <<<"$write_log")
+/usr/bin/python3 - "${window[none]}" "${window[sync]}" "${window[async]}" "$write_s" "${waited[*]}" "${background[*]}" "$stall_ranks" <<'PY'
+import sys
+none, sync, asynchronous, write_s = map(float, sys.argv[1:5])
+waited = [float(w) for w in sys.argv[5].split()]
+background = [eval(b) for b in sys.argv[6].split()]
+print()
+print(f"the step loop's stall for a checkpoint after step 6 of 12 on {sys.argv[7]} rank(s) (steps 6 -> 12; mean of 2 runs"
+      " each, A B C C B A)")
+print(f"{'':28} {'steps 6-12 s':>13} {'stall s':>8} {'/ sync write':>13}")
+print(f"{'no periodic checkpoint':28} {none:13.2f}")
+for name, window in (("synchronous", sync), ("--checkpoint-async on", asynchronous)):
+    stall = window - none
+    print(f"{name:28} {window:13.2f} {stall:8.2f} {stall / write_s:12.2f}x")
+if waited:
+    print(f"--checkpoint-async: training waited {min(waited):.3f}-{max(waited):.3f} s at the checkpoint (the copy); "
+          f"the background write and verification took {min(background):.2f}-{max(background):.2f} s")
+print(f"(the synchronous write above: {write_s:.2f} s; the target: a stall of at most 0.1x it)")
+PY

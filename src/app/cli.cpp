@@ -191,6 +191,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--time-limit", c.time_limit,
                  "Stop in time: once the next step and a checkpoint would not fit in this much time from the "
                  "start (MINUTES, or Slurm's [D-]H:MM:SS / MM:SS), write a checkpoint and exit 75, as on SIGTERM");
+  cmd.add_option("--checkpoint-async", c.checkpoint_async,
+                 "on: each --checkpoint-every checkpoint is copied to memory at its step and written by a thread while "
+                 "training goes on (the same file; the final one and one at a stop are written at once); off")
+      ->capture_default_str();
   cmd.add_option("--keep", c.keep, "Complete checkpoints to keep (0: all)")->capture_default_str();
   cmd.add_option("--resume", c.resume, "auto (newest good checkpoint in --checkpoint-dir), never, or a file")
       ->capture_default_str();

@@ -25,6 +25,7 @@
 #include "mpipe/app/startup.hpp"
 #include "mpipe/app/report.hpp"
 #include "mpipe/app/sample.hpp"
+#include "mpipe/io/checkpoint_async.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/core/version.hpp"
@@ -129,8 +130,8 @@ class Training {
  public:
   Training(const TrainConfig& config, const Communicator& world, Executor& exec, CheckpointDir& checkpoint_dir,
            Watchdog& watchdog, MetricsWriter* metrics, Clock::time_point started, double time_limit_s,
-           std::int64_t first_step, bool resumed)
-      : config_(config), world_(world), root_(world.rank() == 0), exec_(exec), checkpoint_dir_(checkpoint_dir),
+           std::int64_t first_step, bool resumed, std::unique_ptr<AsyncCheckpoint> async)
+      : async_(std::move(async)), config_(config), world_(world), root_(world.rank() == 0), exec_(exec), checkpoint_dir_(checkpoint_dir),
         watchdog_(watchdog), metrics_(metrics), started_(started), time_limit_s_(time_limit_s), first_step_(first_step),
         last_saved_(resumed ? first_step : -1), tokens_per_sample_(exec.model().tokens()),
         progress_(root_ && show_progress(config.progress)) {
@@ -144,7 +145,11 @@ class Training {
   int finish();
 
  private:
-  bool checkpoint(std::int64_t done);  // on every rank; false if it failed
+  std::unique_ptr<AsyncCheckpoint> async_;  // --checkpoint-async on: the writes in the background
+  // On every rank; false if it failed. `background`: with --checkpoint-async, written
+  // while training goes on (else the write in flight is waited for first).
+  bool checkpoint(std::int64_t done, bool background = false);
+  void saved(const SaveResult& result, bool background);  // its times and its line
   bool time_is_up() const;
   template <class Write>
   void to_metrics(Write&& write);
@@ -174,22 +179,36 @@ class Training {
   TrainingSample sample_{config_};  // --sample-every
 };
 
-bool Training::checkpoint(std::int64_t done) {
-  if (config_.checkpoint_dir.empty() || done == last_saved_) return true;
+bool Training::checkpoint(std::int64_t done, bool background) {
+  if (config_.checkpoint_dir.empty()) return true;
   try {
-    const SaveResult saved = save_checkpoint(exec_, checkpoint_dir_, done, &watchdog_);
+    if (async_ && background && done != last_saved_) {
+      if (const auto previous = async_->start(checkpoint_dir_, done, &watchdog_)) saved(*previous, true);
+      last_saved_ = done;
+      if (root_)
+        std::printf("checkpoint step %lld: writing in the background (training waited %.3f s)\n", static_cast<long long>(done),
+                    async_->stall_seconds());
+      return true;
+    }
+    if (async_)
+      if (const auto previous = async_->wait()) saved(*previous, true);
+    if (done == last_saved_) return true;
+    saved(save_checkpoint(exec_, checkpoint_dir_, done, &watchdog_), false);
     last_saved_ = done;
-    checkpoint_seconds_ = saved.write_seconds + saved.verify_seconds;
-    if (root_)
-      std::printf("checkpoint %s written: %s in %.2f s (%.0f MB/s), verified in %.2f s\n", saved.path.c_str(),
-                  human_bytes(saved.bytes).c_str(), saved.write_seconds, saved.bytes / 1e6 / saved.write_seconds,
-                  saved.verify_seconds);
-    if (root_) advise_kill_grace(longest_step_ + checkpoint_seconds_);
     return true;
   } catch (const std::exception& e) {
     if (root_) std::fprintf(stderr, "mpipe: error: %s\n", e.what());
     return false;
   }
+}
+
+void Training::saved(const SaveResult& result, bool background) {
+  checkpoint_seconds_ = result.write_seconds + result.verify_seconds;
+  if (!root_) return;
+  std::printf("checkpoint %s written%s: %s in %.2f s (%.0f MB/s), verified in %.2f s\n", result.path.c_str(),
+              background ? " in the background" : "", human_bytes(result.bytes).c_str(), result.write_seconds,
+              result.bytes / 1e6 / result.write_seconds, result.verify_seconds);
+  advise_kill_grace(longest_step_ + checkpoint_seconds_);
 }
 
 // --time-limit: stop once the next step plus a checkpoint would not fit. Each rank asks
@@ -318,7 +337,7 @@ int Training::run() {
         if (!checkpoint(step + 1)) return exit_internal_error;
         break;
       }
-      if (save && !checkpoint(step + 1)) return exit_internal_error;
+      if (save && !checkpoint(step + 1, true)) return exit_internal_error;
       if (eval) evaluate(step);
       if (sample) {
         if (const std::string line = sample_(exec_, step); !line.empty()) {
@@ -566,11 +585,15 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   if (resumed_from.empty() && !config.init_from.empty() &&
       (code = start_up->phase("init-from", [&] { load_weights(*exec, config.init_from); })))
     return code;
+  std::unique_ptr<AsyncCheckpoint> async;
+  if (config.checkpoint_async == "on" && !config.checkpoint_dir.empty() &&
+      (code = start_up->phase("checkpoint-async", [&] { async = std::make_unique<AsyncCheckpoint>(*exec); })))
+    return code;
   start_up.reset();  // from here the steps' waits have --p2p-timeout, checkpoints their own guard
   if (!config.trace.empty()) exec->start_trace_clock();
   if (root) print_header(config, *exec, device_line, order_line, time_limit_s, resumed_from, first_step, load_seconds);
   Training training(config, world, *exec, checkpoint_dir, watchdog, metrics.get(), started, time_limit_s, first_step,
-                    !resumed_from.empty());
+                    !resumed_from.empty(), std::move(async));
   if ((code = training.run())) return code;
   return training.finish();
 }

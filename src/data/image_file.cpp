@@ -74,6 +74,7 @@ class LabelledFile final : public Dataset {
   // Row `row` of /inputs into x (per_sample floats), scaled and normalised.
   void read_row(std::uint64_t row, float* x) const {
     const Source& src = source_;
+    std::unique_lock hdf5(hdf5_mutex());  // --checkpoint-async may write a checkpoint meanwhile
     hsize_t start[8] = {row}, count[8] = {1};
     const int rank = H5Sget_simple_extent_ndims(src.rows.get());
     hsize_t dims[8] = {};
@@ -84,6 +85,7 @@ class LabelledFile final : public Dataset {
         H5Dread(src.inputs.get(), src.bytes ? H5T_NATIVE_UINT8 : H5T_NATIVE_FLOAT, src.row.get(), src.rows.get(),
                 H5P_DEFAULT, into) < 0)
       throw Error(cat(what_, ": cannot read row ", row, " of /inputs (the file changed or the disk failed)"));
+    hdf5.unlock();
     if (src.bytes)
       for (std::int64_t i = 0; i < src.per_sample; ++i) x[i] = static_cast<float>(src.staging[static_cast<std::size_t>(i)]);
     const std::int64_t plane = src.per_sample / src.channels;

@@ -98,7 +98,9 @@ struct WriteTimes {
   bool data_checked = false;  // this writer read its data back against the checksums
 };
 
-WriteTimes write_file(Executor& exec, const std::string& temp_path, const CheckpointDir& dir, std::int64_t step) {
+WriteTimes write_file(const Executor& exec, const SaveSource& source, const Communicator& world,
+                      const Communicator& pipeline, const std::string& temp_path, const CheckpointDir& dir,
+                      std::int64_t step) {
   const auto start = std::chrono::steady_clock::now();
   auto since = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
   WriteTimes times;
@@ -108,7 +110,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
   const Optimizer& optimizer = exec.optimizer();
   const bool sharded = optimizer.sharded();
   const int parts = optimizer.parts();  // pieces a dataset may be written in
-  const Communicator& comm = sharded ? grid.world() : grid.pipeline();
+  const Communicator& comm = sharded ? world : pipeline;
   const auto params = parameter_datasets(model, "/model");
   // Parameters, then each optimizer state with the same keys.
   const std::vector<DatasetSpec> all = checkpoint_datasets(model, options.optimizer.kind);
@@ -143,11 +145,11 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
     int piece = 0;
     if (which == 0) {
       if (grid.replica() != 0) continue;
-      m.data = store.params().data() + entry->param_offset;
+      m.data = source.params + entry->param_offset;
     } else if (!sharded) {
-      m.data = optimizer.state(static_cast<int>(which - 1)).data() + entry->offset;
+      m.data = source.states[which - 1] + entry->offset;
     } else if (const ShardPiece* p = optimizer.piece_of(static_cast<int>(entry - store.entries().data()))) {
-      m.data = optimizer.state(static_cast<int>(which - 1)).data() + p->state_offset;
+      m.data = source.states[which - 1] + p->state_offset;
       m.bytes = p->count * sizeof(float);
       m.element = p->element;
       piece = optimizer.part();
@@ -178,6 +180,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
 
   int direct_fd = -1;
   {
+    const std::lock_guard hdf5(hdf5_mutex());  // a data reader's thread may use HDF5 meanwhile
     Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
     H5Pset_fapl_mpio(fapl.get(), comm.get(), MPI_INFO_NULL);
     H5Pset_coll_metadata_write(fapl.get(), true);
@@ -228,7 +231,7 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
     // Training state and provenance, the same on every writer.
     TrainState state;
     state.step = step;
-    state.updates = exec.updates();
+    state.updates = source.updates;
     state.samples = state.position = step * options.batch_size;
     state.seed = options.seed;
     state.data = options.data;
@@ -310,13 +313,9 @@ WriteTimes write_file(Executor& exec, const std::string& temp_path, const Checkp
 
 SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step, Watchdog* liveness) {
   quiet_hdf5();
-  auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
-  SaveResult result;
-  const std::string& directory = dir.options().dir;
   const Grid& grid = exec.grid();
   const Communicator& world = grid.world();
-  const std::string final_path = checkpoint_path(directory, step);
-  const std::string temp_path = (fs::path(directory) / ("." + fs::path(final_path).filename().string() + ".tmp")).string();
+  const std::string final_path = checkpoint_path(dir.options().dir, step);
   const Model& model = exec.model();
   // Every wait below is collective (MPI, HDF5's file create and close): a rank that
   // stopped answering must end the job, not leave the others waiting. Those stopped
@@ -331,6 +330,25 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
                             static_cast<double>(1 + exec.optimizer().state_names().size());
   const auto guard = watchdog.arm(cat("writing checkpoint ", final_path), timeout + file_bytes / 10e6);
   exec.download_state();  // on a GPU: the values and optimizer state to the host mirrors
+  return commit_checkpoint(exec, dir, step, live_source(exec), world, grid.pipeline());
+}
+
+SaveSource live_source(Executor& exec) {
+  SaveSource source{exec.params().params().data(), {}, exec.updates()};
+  for (std::size_t s = 0; s < exec.optimizer().state_names().size(); ++s)
+    source.states.push_back(exec.optimizer().state(static_cast<int>(s)).data());
+  return source;
+}
+
+SaveResult commit_checkpoint(const Executor& exec, CheckpointDir& dir, std::int64_t step, const SaveSource& source,
+                             const Communicator& world, const Communicator& pipeline) {
+  auto seconds = [](auto from) { return std::chrono::duration<double>(std::chrono::steady_clock::now() - from).count(); };
+  SaveResult result;
+  const std::string& directory = dir.options().dir;
+  const Grid& grid = exec.grid();
+  const std::string final_path = checkpoint_path(directory, step);
+  const std::string temp_path = (fs::path(directory) / ("." + fs::path(final_path).filename().string() + ".tmp")).string();
+  const Model& model = exec.model();
   int failed = 0;
   std::string problem;
 
@@ -339,7 +357,7 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
   const bool writer = grid.replica() == 0 || exec.optimizer().sharded();
   if (writer) {
     try {
-      times = write_file(exec, temp_path, dir, step);
+      times = write_file(exec, source, world, pipeline, temp_path, dir, step);
     } catch (const std::exception& e) {
       failed = 1;
       problem = e.what();
@@ -361,6 +379,8 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
       // the structure check below reads it all); here the file as a whole: HDF5,
       // format, model, every dataset present with a checksum.
       const bool data_checked = agreed[3] == 0.0;
+      // HDF5 from here to the pruning (the directory's files' run ids are read too).
+      const std::lock_guard hdf5(hdf5_mutex());
       if (auto bad = verify_checkpoint(temp_path, &model, !data_checked))
         throw Error(cat("verification failed: ", *bad));
       dir.make_way(final_path);

@@ -2,7 +2,7 @@
 # Checkpoint tests with the real binary under mpiexec and real HDF5 files.
 # Usage: checkpoint_test.sh MPIPE CASE   (CASE: layout | resume | reshard | preempt |
 #        damaged | bad-input | keep | continue | ownership | lock | state | stopped | model-file | eval | image-data |
-#        slow-term | hostile | data-changed)
+#        slow-term | hostile | data-changed | async)
 set -euo pipefail
 mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
@@ -683,6 +683,58 @@ data-changed)
       "$work/log" || fail "$how: the line does not name the file: $(grep error "$work/log")"
     echo "$how: $(grep "mpipe: error" "$work/log" | cut -c1-120)"
   done
+  ;;
+async)
+  # --checkpoint-async on: the files are the synchronous run's (every dataset, and /train's
+  # step, updates, samples and position) and verify; the log says which were written in
+  # the background.
+  mkdir "$work/sync" "$work/async"
+  run 2 "${model[@]}" --steps 6 --checkpoint-every 2 --checkpoint-dir "$work/sync" > /dev/null
+  out=$(run 2 "${model[@]}" --steps 6 --checkpoint-every 2 --checkpoint-dir "$work/async" --checkpoint-async on)
+  grep -q "^checkpoint step 2: writing in the background (training waited [0-9.]* s)" <<<"$out" || fail "no background line: $out"
+  grep -q "ckpt-00000002.h5 written in the background" <<<"$out" || fail "step 2's write not reported: $out"
+  grep -q "ckpt-00000006.h5 written: " <<<"$out" || fail "the final checkpoint not written at once: $out"
+  for s in 2 4 6; do
+    name=ckpt-0000000$s.h5
+    same_tensors "$work/sync/$name" "$work/async/$name"
+    "$mpipe" inspect "$work/async/$name" --verify > /dev/null || fail "$name does not verify"
+    /usr/bin/python3 - "$work/sync/$name" "$work/async/$name" <<'PY' || fail "/train of $name differs"
+import sys, h5py
+a, b = (dict(h5py.File(p, "r")["train"].attrs) for p in sys.argv[1:])
+keys = ("step", "optimizer_updates", "samples_consumed", "data_position", "seed", "data")
+sys.exit(0 if all(a[k] == b[k] for k in keys) else 1)
+PY
+  done
+  # kill -9 of the whole job while writes run in the background (one every step): every
+  # checkpoint left verifies, and the run resumes to the end with the unbroken run's
+  # final weights.
+  mkdir "$work/killed" "$work/whole"
+  run 2 "${model[@]}" --steps 30 --checkpoint-dir "$work/whole" > /dev/null
+  mpiexec -n 2 --oversubscribe "$mpipe" "${model[@]}" --steps 30 --checkpoint-every 1 --keep 3 --checkpoint-async on \
+    --checkpoint-dir "$work/killed" --metrics "$work/k.jsonl" > "$work/k.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 400); do [[ -s "$work/k.jsonl" && $(wc -l < "$work/k.jsonl") -ge 6 ]] && break; sleep 0.05; done
+  pkill -9 -P "$pid" 2>/dev/null || true
+  set +e; wait "$pid"; set -e
+  ls "$work/killed"/ckpt-*.h5 > /dev/null 2>&1 || fail "no checkpoint left after the kill: $(tail -3 "$work/k.log")"
+  for f in "$work/killed"/ckpt-*.h5; do "$mpipe" inspect "$f" --verify > /dev/null || fail "$f does not verify after the kill"; done
+  out=$(run 2 "${model[@]}" --steps 30 --checkpoint-dir "$work/killed" --checkpoint-async on) || fail "resume after the kill: $out"
+  grep -q "resumed from" <<<"$out" || fail "did not resume after the kill: $out"
+  same_tensors "$work/whole/ckpt-00000030.h5" "$work/killed/ckpt-00000030.h5"
+  # SIGUSR1 while a write runs: the write in flight is waited for, then the stop's own
+  # checkpoint, complete; exit 75.
+  mkdir "$work/usr1"
+  mpiexec -n 2 --oversubscribe "$mpipe" "${model[@]}" --steps 100000 --checkpoint-every 1 --keep 2 --checkpoint-async on \
+    --checkpoint-dir "$work/usr1" --metrics "$work/u.jsonl" > "$work/u.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 400); do [[ -s "$work/u.jsonl" && $(wc -l < "$work/u.jsonl") -ge 6 ]] && break; sleep 0.05; done
+  kill -USR1 "$pid"
+  set +e; wait "$pid"; rc=$?; set -e
+  [[ $rc -eq 75 ]] || fail "SIGUSR1 with a write in flight: exit $rc: $(tail -5 "$work/u.log")"
+  newest=$(ls "$work/usr1"/ckpt-*.h5 | tail -1)
+  stopped=$(sed -n 's/^step \([0-9]*\): stop signal received.*/\1/p' "$work/u.log")
+  [[ -n $stopped && $newest == *"ckpt-$(printf %08d "$stopped").h5" ]] || fail "the newest checkpoint $newest is not the stop's (step $stopped)"
+  "$mpipe" inspect "$newest" --verify > /dev/null || fail "$newest does not verify"
   ;;
 *) fail "unknown case $case" ;;
 esac

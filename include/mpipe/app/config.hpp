@@ -63,6 +63,9 @@ struct TrainConfig {
   int trace_steps = 5;      // steps traced, after the first
   std::string checkpoint_dir;    // where checkpoints go; empty: none
   int checkpoint_every = 0;      // steps between checkpoints; 0: only the final one
+  // on: the checkpoints of --checkpoint-every written by a thread while training goes on
+  // (io/checkpoint_async.hpp); the final one, and one at a stop, are written at once.
+  std::string checkpoint_async = "off";
   int keep = 0;                  // complete checkpoints kept; 0: all
   std::string resume = "auto";   // auto | never | PATH
   std::string init_from;         // a safetensors file (mpipe export) a fresh run starts from; empty: the seed's

@@ -3,6 +3,8 @@
 #pragma once
 #include <hdf5.h>
 
+#include <mutex>
+
 #include <utility>
 
 namespace mpipe {
@@ -32,5 +34,11 @@ class Handle {
 
 // Our messages say what went wrong in one line; HDF5's own error stack is noise.
 inline void quiet_hdf5() { H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr); }
+// The HDF5 library here is not thread-safe: a thread that calls it while another may
+// (a data reader, --checkpoint-async's writer) holds this first.
+inline std::mutex& hdf5_mutex() {
+  static std::mutex mutex;
+  return mutex;
+}
 
 }  // namespace mpipe

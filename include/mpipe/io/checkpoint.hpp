@@ -104,6 +104,23 @@ struct SaveResult {
 // before or within the checkpoint); without one, a watchdog for this checkpoint alone.
 SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step, Watchdog* liveness = nullptr);
 
+// What a checkpoint is written from: this rank's parameter values and each optimizer
+// state in host memory (the live ones, or --checkpoint-async's copy), and the updates
+// made so far.
+struct SaveSource {
+  const float* params = nullptr;
+  std::vector<const float*> states;
+  std::int64_t updates = 0;
+};
+// The live state (on a GPU after download_state()).
+SaveSource live_source(Executor& exec);
+// save_checkpoint after its rendezvous: the write from `source`, the agreement, world
+// rank 0's verification, rename and pruning. Its collectives go over `world` and
+// `pipeline` (the grid's, or duplicates of them for a write on another thread); HDF5
+// calls hold hdf5_mutex().
+SaveResult commit_checkpoint(const Executor& exec, CheckpointDir& dir, std::int64_t step, const SaveSource& source,
+                             const Communicator& world, const Communicator& pipeline);
+
 // Collective: resumes as --resume asks. auto tries the checkpoints of --checkpoint-dir
 // newest first, skipping (with a warning) any whose structure or data does not check
 // out; PATH must load. Returns the file loaded (and sets *step to the completed steps

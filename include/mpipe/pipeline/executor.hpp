@@ -134,6 +134,7 @@ class Executor : StageHooks {
   Model& model() { return model_; }
   const Model& model() const { return model_; }
   ParamStore& params() { return *params_; }
+  const ParamStore& params() const { return *params_; }
   Optimizer& optimizer() { return *optimizer_; }
   const Optimizer& optimizer() const { return *optimizer_; }
   // Optimizer updates made so far (Adam's t); a checkpoint carries it.
