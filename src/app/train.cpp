@@ -191,7 +191,7 @@ bool Training::checkpoint(std::int64_t done, bool background) {
       return true;
     }
     if (async_)
-      if (const auto previous = async_->wait()) saved(*previous, true);
+      if (const auto previous = async_->wait(&watchdog_)) saved(*previous, true);
     if (done == last_saved_) return true;
     saved(save_checkpoint(exec_, checkpoint_dir_, done, &watchdog_), false);
     last_saved_ = done;
@@ -215,7 +215,8 @@ void Training::saved(const SaveResult& result, bool background) {
 // on its own clock; the step's allreduce makes every rank stop after the same step.
 bool Training::time_is_up() const {
   if (time_limit_s_ <= 0) return false;
-  const double save = checkpoint_seconds_ > 0 ? checkpoint_seconds_ : longest_step_;
+  // With a background write in flight a stop waits for it before its own checkpoint.
+  const double save = (checkpoint_seconds_ > 0 ? checkpoint_seconds_ : longest_step_) * (async_ && async_->in_flight() ? 2 : 1);
   return since(started_) + longest_step_ + save >= time_limit_s_;
 }
 

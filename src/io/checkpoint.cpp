@@ -180,7 +180,7 @@ WriteTimes write_file(const Executor& exec, const SaveSource& source, const Comm
 
   int direct_fd = -1;
   {
-    const std::lock_guard hdf5(hdf5_mutex());  // a data reader's thread may use HDF5 meanwhile
+    const Hdf5Lock hdf5;  // a data reader's thread may use HDF5 meanwhile
     Handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
     H5Pset_fapl_mpio(fapl.get(), comm.get(), MPI_INFO_NULL);
     H5Pset_coll_metadata_write(fapl.get(), true);
@@ -380,7 +380,7 @@ SaveResult commit_checkpoint(const Executor& exec, CheckpointDir& dir, std::int6
       // format, model, every dataset present with a checksum.
       const bool data_checked = agreed[3] == 0.0;
       // HDF5 from here to the pruning (the directory's files' run ids are read too).
-      const std::lock_guard hdf5(hdf5_mutex());
+      const Hdf5Lock hdf5;
       if (auto bad = verify_checkpoint(temp_path, &model, !data_checked))
         throw Error(cat("verification failed: ", *bad));
       dir.make_way(final_path);

@@ -25,7 +25,7 @@ AsyncCheckpoint::AsyncCheckpoint(Executor& exec)
   // The copy's memory, taken and touched now: a first touch at the checkpoint's step costs
   // page faults (on this VM 750 MB took 5-7 s where a copy into touched memory took 0.1-0.2 s).
   if (writes_) {
-    params_.assign(exec.params().params().size(), 0.0f);
+    if (exec.grid().replica() == 0) params_.assign(exec.params().params().size(), 0.0f);
     states_.resize(exec.optimizer().state_names().size());
     for (std::size_t s = 0; s < states_.size(); ++s) states_[s].assign(exec.optimizer().state(static_cast<int>(s)).size(), 0.0f);
   }
@@ -35,8 +35,16 @@ AsyncCheckpoint::~AsyncCheckpoint() {
   if (thread_.joinable()) thread_.join();
 }
 
-std::optional<SaveResult> AsyncCheckpoint::wait() {
+std::optional<SaveResult> AsyncCheckpoint::wait(Watchdog* liveness) {
   if (!thread_.joinable()) return std::nullopt;
+  // While this rank waits on the write, the watchdog names a rank that stops answering,
+  // and bounds a write every rank is still doing, as the synchronous save's guard does.
+  std::optional<Watchdog::Guard> guard;
+  if (liveness) {
+    const double bytes = f32_bytes(static_cast<double>(exec_.model().parameter_count())) *
+                         static_cast<double>(1 + exec_.optimizer().state_names().size());
+    guard.emplace(liveness->arm("waiting for the background checkpoint write", exec_.options().p2p_timeout + bytes / 10e6));
+  }
   thread_.join();
   std::optional<SaveResult> result = std::exchange(result_, std::nullopt);
   if (std::exception_ptr error = std::exchange(error_, nullptr)) std::rethrow_exception(error);
@@ -45,9 +53,9 @@ std::optional<SaveResult> AsyncCheckpoint::wait() {
 
 std::optional<SaveResult> AsyncCheckpoint::start(CheckpointDir& dir, std::int64_t step, Watchdog* liveness) {
   const auto begin = std::chrono::steady_clock::now();
-  std::optional<SaveResult> previous = wait();
+  std::optional<SaveResult> previous = wait(liveness);  // one write at a time: the copy's memory is reused
   {
-    const std::lock_guard hdf5(hdf5_mutex());  // a data reader's thread may be in HDF5
+    const Hdf5Lock hdf5;  // a data reader's thread may be in HDF5
     quiet_hdf5();
   }  // one write at a time: the copy's memory is reused
   // As the synchronous save: a rank stopped before the checkpoint is named here.
@@ -55,9 +63,11 @@ std::optional<SaveResult> AsyncCheckpoint::start(CheckpointDir& dir, std::int64_
   exec_.download_state();  // on a GPU: to the host mirrors
   SaveSource source{nullptr, {}, exec_.updates()};
   if (writes_) {
-    const std::span<const float> values = exec_.params().params();
-    std::copy(values.begin(), values.end(), params_.begin());
-    source.params = params_.data();
+    if (!params_.empty()) {  // replica 0 writes /model
+      const std::span<const float> values = exec_.params().params();
+      std::copy(values.begin(), values.end(), params_.begin());
+      source.params = params_.data();
+    }
     for (std::size_t s = 0; s < states_.size(); ++s) {
       const std::span<const float> state = exec_.optimizer().state(static_cast<int>(s));
       std::copy(state.begin(), state.end(), states_[s].begin());
@@ -70,6 +80,10 @@ std::optional<SaveResult> AsyncCheckpoint::start(CheckpointDir& dir, std::int64_
     // preempt training (sched(7); where refused, it runs as any thread).
     sched_param idle{};
     pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
+    {
+      const Hdf5Lock hdf5;
+      quiet_hdf5();  // per thread in a thread-safe HDF5
+    }
     try {
       result_ = commit_checkpoint(exec_, dir, step, source, world_, pipeline_);
     } catch (...) {

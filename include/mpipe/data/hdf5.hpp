@@ -3,6 +3,9 @@
 #pragma once
 #include <hdf5.h>
 
+#include <pthread.h>
+#include <sched.h>
+
 #include <mutex>
 
 #include <utility>
@@ -40,5 +43,28 @@ inline std::mutex& hdf5_mutex() {
   static std::mutex mutex;
   return mutex;
 }
+// hdf5_mutex() held, by a thread at the normal scheduling class while it holds it: a
+// background writer of the idle class (--checkpoint-async) that others wait on then runs
+// as they would (priority inheritance by hand).
+class Hdf5Lock {
+ public:
+  Hdf5Lock() : lock_(hdf5_mutex()) {
+    pthread_getschedparam(pthread_self(), &policy_, &param_);
+    if (policy_ != SCHED_OTHER) {
+      const sched_param normal{};
+      pthread_setschedparam(pthread_self(), SCHED_OTHER, &normal);
+    }
+  }
+  ~Hdf5Lock() {
+    if (policy_ != SCHED_OTHER) pthread_setschedparam(pthread_self(), policy_, &param_);
+  }
+  Hdf5Lock(const Hdf5Lock&) = delete;
+  Hdf5Lock& operator=(const Hdf5Lock&) = delete;
+
+ private:
+  std::lock_guard<std::mutex> lock_;
+  int policy_ = SCHED_OTHER;
+  sched_param param_{};
+};
 
 }  // namespace mpipe

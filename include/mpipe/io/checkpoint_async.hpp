@@ -32,7 +32,8 @@ class AsyncCheckpoint {
   std::optional<SaveResult> start(CheckpointDir& dir, std::int64_t step, Watchdog* liveness);
   // Collective: waits for the write in flight; its result (nothing when none was in
   // flight), or throws its failure on every rank.
-  std::optional<SaveResult> wait();
+  // `liveness`: the run's watchdog, armed while this rank waits.
+  std::optional<SaveResult> wait(Watchdog* liveness = nullptr);
   bool in_flight() const { return thread_.joinable(); }
   // Seconds the last start() kept training waiting (the wait, the rendezvous, the copy).
   double stall_seconds() const { return stall_; }
