@@ -57,7 +57,7 @@ std::optional<SaveResult> AsyncCheckpoint::start(CheckpointDir& dir, std::int64_
   {
     const Hdf5Lock hdf5;  // a data reader's thread may be in HDF5
     quiet_hdf5();
-  }  // one write at a time: the copy's memory is reused
+  }
   // As the synchronous save: a rank stopped before the checkpoint is named here.
   rendezvous(exec_.grid().world(), cat("checkpoint step ", step), exec_.options().p2p_timeout, liveness);
   exec_.download_state();  // on a GPU: to the host mirrors
