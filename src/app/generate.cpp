@@ -143,7 +143,7 @@ class Run {
   void operator()() {
     if (!first_) return serve();
     const auto start = std::chrono::steady_clock::now();
-    sequences_.assign(static_cast<std::size_t>(o_.samples), Sequence{l_.prompt, 0, 0});
+    sequences_.assign(static_cast<std::size_t>(o_.samples), Sequence{l_.prompt, 0});
     if (o_.samples == 1) print_tokens(l_.prompt, true);
     for (int s = 0; s < o_.samples; ++s) feed(s);
     for (int active = o_.samples; active > 0;) {
@@ -189,24 +189,14 @@ class Run {
  private:
   struct Sequence {
     std::vector<std::int32_t> tokens;
-    std::int64_t position = 0;  // positions in the caches
     std::int64_t generated = 0;
   };
 
-  // The next forward of sequence s: the prompt (its last context's worth), its newest
-  // token, or, with the context full, its last half again from position 0.
+  // The next forward of sequence s (Decoder::next_feed says which tokens).
   void feed(int s) {
     Sequence& q = sequences_[static_cast<std::size_t>(s)];
-    const std::int64_t context = d_.context(), size = static_cast<std::int64_t>(q.tokens.size());
-    std::int64_t count = 1, position = q.position;
-    if (q.generated == 0) {
-      count = std::min(size, context);
-      position = 0;
-    } else if (q.position == context) {
-      count = context / 2 + context % 2;
-      position = 0;
-    }
-    q.position = position + count;
+    const std::int64_t size = static_cast<std::int64_t>(q.tokens.size());
+    const auto [count, position] = d_.next_feed(s, size, q.generated == 0);
     const Tensor host = make_tensor(q.tokens.data() + (size - count), Shape{1, count});
     const Tensor x = d_.input(count);
     ops::transfer(x, host);

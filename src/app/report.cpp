@@ -134,4 +134,32 @@ void print_header(const TrainConfig& config, const Executor& exec, const std::st
   std::fflush(stdout);
 }
 
+// check_memory (report.hpp): this rank's sizes against its node's memory.
+void check_memory(const Plan& plan, int world_rank, int node_ranks) {
+  if (plan.options.device != Device::cpu) return;  // the GPU's memory is the device's own affair
+  const int stage = plan.grid.stage_of(world_rank);
+  const int live = in_flight(plan.schedule, stage);
+  bool remat = false;
+  for (const int m : plan.schedule.stages_of(stage)) remat = remat || plan.remat_stage(stage, m);
+  const double weights = plan.weight_bytes(stage), activations = plan.activation_bytes(stage),
+               inputs = plan.inputs_bytes(stage);
+  const double need = plan.rank_bytes(stage), node_share = available_memory() / std::max(1, node_ranks);
+  // --memory-per-rank, where given and smaller, is the limit (what --remat auto planned for).
+  const double limit = plan.options.memory_per_rank;
+  const bool given = limit > 0 && (node_share <= 0 || limit < node_share);
+  const double have = given ? limit : node_share;
+  if (have <= 0) return;  // nothing to go by
+  MPIPE_REQUIRE(need <= have,
+                cat("use more stages (--stages), ", remat ? "" : "--remat always, ",
+                    "a smaller --batch-size or more --micro-batches, ",
+                    plan.grid.replicas > 1 && !plan.options.shard_optimizer ? "--shard-optimizer, " : "", "or a smaller model"),
+                "rank ", world_rank, " (stage ", stage, ")", on_host(world_rank), " needs about ", human_bytes(need),
+                " (parameters, gradients", plan.grid.replicas > 1 ? ", their sums' buffers" : "", " and ", plan.options.optimizer.kind, " state ", human_bytes(weights),
+                ", activations of ", remat ? 1 : live, " micro-batch", (remat ? 1 : live) > 1 ? "es " : " ",
+                human_bytes(activations), ", inputs ", human_bytes(inputs), "), ",
+                given ? cat("--memory-per-rank gives it ", human_bytes(have))
+                      : cat("this node has ", human_bytes(have), " per rank for its ", node_ranks, " rank",
+                            node_ranks > 1 ? "s" : ""));
+}
+
 }  // namespace mpipe

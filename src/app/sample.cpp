@@ -107,22 +107,15 @@ std::string TrainingSample::continuation(const Executor& exec, const std::vector
   for (const char c : config_.sample_prompt) tokens.push_back(static_cast<unsigned char>(c));
   const std::size_t prompt = tokens.size();
   const Sampling sampling{0.8, 40, 1.0};
-  const std::int64_t context = decoder_->context();
-  std::int64_t position = 0, count = std::min<std::int64_t>(static_cast<std::int64_t>(tokens.size()), context);
   const int threads = cpu::threads();
   cpu::set_threads(1);
   for (int i = 0; i < config_.sample_tokens; ++i) {
+    const auto [count, position] = decoder_->next_feed(0, static_cast<std::int64_t>(tokens.size()), i == 0);
     const Tensor x = decoder_->input(count);
     std::copy_n(tokens.end() - count, count, x.i32());
     const Tensor logits = decoder_->forward(0, x, position);
-    position += count;
     tokens.push_back(sample_token(logits.span(), sampling, sampling_uniform(config_.seed + static_cast<std::uint64_t>(step), 0, i),
                                   order_, weights_));
-    count = 1;
-    if (position == context) {
-      count = context / 2 + context % 2;
-      position = 0;
-    }
   }
   cpu::set_threads(threads);
   return cat("sample at step ", step + 1, ": ", quoted_tokens({tokens.begin() + static_cast<std::ptrdiff_t>(prompt), tokens.end()},

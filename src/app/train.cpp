@@ -94,37 +94,6 @@ class StartUp {
   Watchdog::Guard guard_;
 };
 
-// Before any rank allocates (CPU), from the plan alone: this rank's parameters,
-// gradients, optimizer state and the activations of its in-flight micro-batches, against
-// the memory the node has for each of its `node_ranks` ranks. UserError when it cannot
-// fit (sizes no allocation could take included: they must not end as std::bad_alloc).
-void check_memory(const Plan& plan, int world_rank, int node_ranks) {
-  if (plan.options.device != Device::cpu) return;  // the GPU's memory is the device's own affair
-  const int stage = plan.grid.stage_of(world_rank);
-  const int live = in_flight(plan.schedule, stage);
-  bool remat = false;
-  for (const int m : plan.schedule.stages_of(stage)) remat = remat || plan.remat_stage(stage, m);
-  const double weights = plan.weight_bytes(stage), activations = plan.activation_bytes(stage),
-               inputs = plan.inputs_bytes(stage);
-  const double need = plan.rank_bytes(stage), node_share = available_memory() / std::max(1, node_ranks);
-  // --memory-per-rank, where given and smaller, is the limit (what --remat auto planned for).
-  const double limit = plan.options.memory_per_rank;
-  const bool given = limit > 0 && (node_share <= 0 || limit < node_share);
-  const double have = given ? limit : node_share;
-  if (have <= 0) return;  // nothing to go by
-  MPIPE_REQUIRE(need <= have,
-                cat("use more stages (--stages), ", remat ? "" : "--remat always, ",
-                    "a smaller --batch-size or more --micro-batches, ",
-                    plan.grid.replicas > 1 && !plan.options.shard_optimizer ? "--shard-optimizer, " : "", "or a smaller model"),
-                "rank ", world_rank, " (stage ", stage, ")", on_host(world_rank), " needs about ", human_bytes(need),
-                " (parameters, gradients", plan.grid.replicas > 1 ? ", their sums' buffers" : "", " and ", plan.options.optimizer.kind, " state ", human_bytes(weights),
-                ", activations of ", remat ? 1 : live, " micro-batch", (remat ? 1 : live) > 1 ? "es " : " ",
-                human_bytes(activations), ", inputs ", human_bytes(inputs), "), ",
-                given ? cat("--memory-per-rank gives it ", human_bytes(have))
-                      : cat("this node has ", human_bytes(have), " per rank for its ", node_ranks, " rank",
-                            node_ranks > 1 ? "s" : ""));
-}
-
 // One rank's training from its first step to its summary, once start-up is done.
 class Training {
  public:

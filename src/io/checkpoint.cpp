@@ -312,11 +312,13 @@ WriteTimes write_file(const Executor& exec, const SaveSource& source, const Comm
 // ---- saving --------------------------------------------------------------------------
 
 SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step, Watchdog* liveness) {
-  quiet_hdf5();
+  {
+    const Hdf5Lock hdf5;  // the prefetch thread may be reading an HDF5 data file
+    quiet_hdf5();
+  }
   const Grid& grid = exec.grid();
   const Communicator& world = grid.world();
   const std::string final_path = checkpoint_path(dir.options().dir, step);
-  const Model& model = exec.model();
   // Every wait below is collective (MPI, HDF5's file create and close): a rank that
   // stopped answering must end the job, not leave the others waiting. Those stopped
   // before the checkpoint are named here; one that stops within it, by the watchdog's
@@ -326,11 +328,15 @@ SaveResult save_checkpoint(Executor& exec, CheckpointDir& dir, std::int64_t step
   rendezvous(world, cat("checkpoint step ", step), timeout, liveness);
   std::optional<Watchdog> own;
   Watchdog& watchdog = liveness ? *liveness : own.emplace(world, grid.name(), timeout);
-  const double file_bytes = f32_bytes(static_cast<double>(model.parameter_count())) *
-                            static_cast<double>(1 + exec.optimizer().state_names().size());
-  const auto guard = watchdog.arm(cat("writing checkpoint ", final_path), timeout + file_bytes / 10e6);
+  const auto guard = watchdog.arm(cat("writing checkpoint ", final_path), write_deadline(exec));
   exec.download_state();  // on a GPU: the values and optimizer state to the host mirrors
   return commit_checkpoint(exec, dir, step, live_source(exec), world, grid.pipeline());
+}
+
+double write_deadline(const Executor& exec) {
+  const double file_bytes = f32_bytes(static_cast<double>(exec.model().parameter_count())) *
+                            static_cast<double>(1 + exec.optimizer().state_names().size());
+  return exec.options().p2p_timeout + file_bytes / 10e6;
 }
 
 SaveSource live_source(Executor& exec) {

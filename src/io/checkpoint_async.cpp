@@ -40,11 +40,7 @@ std::optional<SaveResult> AsyncCheckpoint::wait(Watchdog* liveness) {
   // While this rank waits on the write, the watchdog names a rank that stops answering,
   // and bounds a write every rank is still doing, as the synchronous save's guard does.
   std::optional<Watchdog::Guard> guard;
-  if (liveness) {
-    const double bytes = f32_bytes(static_cast<double>(exec_.model().parameter_count())) *
-                         static_cast<double>(1 + exec_.optimizer().state_names().size());
-    guard.emplace(liveness->arm("waiting for the background checkpoint write", exec_.options().p2p_timeout + bytes / 10e6));
-  }
+  if (liveness) guard.emplace(liveness->arm("waiting for the background checkpoint write", write_deadline(exec_)));
   thread_.join();
   std::optional<SaveResult> result = std::exchange(result_, std::nullopt);
   if (std::exception_ptr error = std::exchange(error_, nullptr)) std::rethrow_exception(error);

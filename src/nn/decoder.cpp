@@ -71,6 +71,7 @@ Decoder::Decoder(Model& model, int begin, int end, int sequences, Device device,
       work_(ops::device_memory(device)) {
   MPIPE_CHECK(0 <= begin && begin < end && end <= model.size() && sequences >= 1, "decoder of layers ", begin, "..", end);
   caches_.resize(static_cast<std::size_t>(sequences), std::vector<Tensor>(static_cast<std::size_t>(model.size())));
+  filled_.assign(static_cast<std::size_t>(sequences), 0);
   const std::vector<Shape> shapes = model.shapes(1);
   for (int i = begin; i < end; ++i) {
     const std::string kind = model.layer(i).kind();
@@ -90,6 +91,15 @@ Shape Decoder::input_shape(std::int64_t t) const {
 }
 
 DType Decoder::input_dtype() const { return begin_ == 0 ? DType::i32 : dtype_; }
+
+Decoder::Feed Decoder::next_feed(int sequence, std::int64_t size, bool fresh) {
+  std::int64_t& filled = filled_[static_cast<std::size_t>(sequence)];
+  Feed feed{1, filled};
+  if (fresh) feed = {std::min(size, capacity_), 0};
+  else if (filled == capacity_) feed = {capacity_ / 2 + capacity_ % 2, 0};
+  filled = feed.position + feed.count;
+  return feed;
+}
 
 Tensor Decoder::forward(int sequence, const Tensor& x, std::int64_t position) {
   MPIPE_CHECK(sequence >= 0 && sequence < static_cast<int>(caches_.size()), "sequence ", sequence);

@@ -16,6 +16,12 @@ std::string human_bytes(double bytes);  // "1.5 MiB"
 std::string fixed(double x, int digits);  // "%.*f"
 std::string human_count(double n);  // "1.2k", "3.40M"
 
+// Before any rank allocates (CPU), from the plan alone: this rank's parameters,
+// gradients, optimizer state and the activations of its in-flight micro-batches, against
+// the memory the node has for each of its `node_ranks` ranks. UserError when it cannot
+// fit (sizes no allocation could take included: they must not end as std::bad_alloc).
+void check_memory(const Plan& plan, int world_rank, int node_ranks);
+
 // Phase statistics over steps, one set per rank, gathered to rank 0 for the table.
 struct PhaseStats {
   double min[PhaseTimes::count], sum[PhaseTimes::count], max[PhaseTimes::count];

@@ -112,6 +112,8 @@ struct SaveSource {
   std::vector<const float*> states;
   std::int64_t updates = 0;
 };
+// The watchdog's deadline for a checkpoint's write: --p2p-timeout, and the file at 10 MB/s.
+double write_deadline(const Executor& exec);
 // The live state (on a GPU after download_state()).
 SaveSource live_source(Executor& exec);
 // save_checkpoint after its rendezvous: the write from `source`, the agreement, world

@@ -52,6 +52,15 @@ class Decoder {
   bool has_head() const { return end_ == model_.size(); }
   std::int64_t vocab() const { return vocab_; }
 
+  // Which of a sequence's tokens its next forward takes, at which position: the last
+  // `count` of its `size`, at `position`. Its prompt (`fresh`) from position 0, its last
+  // context's worth; then its newest token; with the caches full, its last half again
+  // from position 0 (learned positions do not shift). Notes the caches' fill.
+  struct Feed {
+    std::int64_t count, position;
+  };
+  Feed next_feed(int sequence, std::int64_t size, bool fresh);
+
   // Forward of x (input_shape(t)) for sequence `sequence` at positions [position,
   // position + t): its caches take the new rows. Returns the range's output (1, t, C)
   // or, with the head, the logits (V) fp32 of the last position; valid until the next
@@ -65,6 +74,7 @@ class Decoder {
   Device device_;
   DType dtype_;
   Arena caches_arena_, work_;
+  std::vector<std::int64_t> filled_;         // [sequence]: positions in its caches (next_feed)
   std::vector<std::vector<Tensor>> caches_;  // [sequence][global layer]: (1, capacity, 3C) or empty
   Tensor input_;  // input_shape(context) of input_dtype()
   std::vector<float> logit_values_;
