@@ -216,16 +216,22 @@ class MLP(torch.nn.Module):
 class Sequential(torch.nn.Module):
     """A model file's layer list (mpipe --model FILE) for the layer kinds that need no
     sequence: the convolutional ones, residual blocks, linear, layernorm, activations,
-    flatten. Parameters are keyed (layer index, name) as in mpipe's checkpoints."""
+    flatten, upsampling and skips (a layer's `stash`, a later concat's or add's `from`).
+    Parameters are keyed (layer index, name) as in mpipe's checkpoints."""
 
     def __init__(self, spec, micro_batches=1, batchnorm="micro"):
         super().__init__()
         self.micro_batches = micro_batches  # BatchNorm: statistics per micro-batch, in order
-        self.kinds, self.parts = [], torch.nn.ModuleList()
+        self.kinds, self.parts, self.layers = [], torch.nn.ModuleList(), repeated(spec["layer"])
         self.deferred = batchnorm == "deferred"
-        x = torch.zeros(1, *spec["input"])
-        for layer in repeated(spec["layer"]):
-            part, x = build_part(layer, x)
+        x, stashed = torch.zeros(1, *spec["input"]), {}
+        for layer in self.layers:
+            if layer["kind"] in ("concat", "add"):
+                part, x = None, join(layer, x, stashed)
+            else:
+                part, x = build_part(layer, x)
+            if "stash" in layer:
+                stashed[layer["stash"]] = x
             self.kinds.append(layer["kind"])
             self.parts.append(part if part is not None else torch.nn.Identity())
         # --batchnorm deferred (torchgpipe's DeferredBatchNorm, with PyTorch's unbiased
@@ -265,13 +271,19 @@ class Sequential(torch.nn.Module):
     def forward(self, x, targets):
         # As the pipeline: micro-batch by micro-batch (BatchNorm sees each alone), the
         # loss the mean over every row.
+        # A label per pixel: (N, classes, H, W) against (N, H, W), the mean over pixels too.
         total = 0.0
         for xs, ts in zip(x.chunk(self.micro_batches), targets.chunk(self.micro_batches)):
-            for kind, part in zip(self.kinds, self.parts):
-                if kind != "cross_entropy":
+            stashed = {}
+            for layer, kind, part in zip(self.layers, self.kinds, self.parts):
+                if kind in ("concat", "add"):
+                    xs = join(layer, xs, stashed)
+                elif kind != "cross_entropy":
                     xs = part(xs)
+                if "stash" in layer:
+                    stashed[layer["stash"]] = xs
             total = total + F.cross_entropy(xs, ts.long(), reduction="sum")
-        return total / x.shape[0]
+        return total / targets.numel()
 
 
 def state_of(part):
@@ -329,6 +341,15 @@ class Residual(torch.nn.Module):
         return h + (self.skip_norm(s) if self.skip_norm is not None else s)
 
 
+def join(layer, x, stashed):
+    """A skip's join: the stashed tensor `from` concatenated along the channels (dim 1 of
+    images, else the last) or added."""
+    skip = stashed[layer["from"]]
+    if layer["kind"] == "add":
+        return x + skip
+    return torch.cat([x, skip], dim=1 if x.dim() == 4 else -1)
+
+
 class GlobalAvgPool(torch.nn.Module):
     def forward(self, x):
         return x.mean(dim=(2, 3))
@@ -344,6 +365,8 @@ def build_part(layer, x):
     elif kind in ("maxpool2d", "avgpool2d"):
         k, s, p = get("kernel"), get("stride", 0) or get("kernel"), get("padding", 0)
         part = torch.nn.MaxPool2d(k, s, p) if kind == "maxpool2d" else torch.nn.AvgPool2d(k, s, p, count_include_pad=True)
+    elif kind == "upsample2d":
+        part = torch.nn.Upsample(scale_factor=get("scale", 2), mode="nearest")
     elif kind == "global-avgpool":
         part = GlobalAvgPool()
     elif kind == "flatten":

@@ -31,6 +31,18 @@ void print_plan(const Plan& plan, const Model& model) {
     std::printf("virtual stages: %d per rank, %s (\"p\" below)\n", v, where.c_str());
   }
   std::printf("partition (%s): %s\n", o.balance.empty() ? to_string(o.partition) : "balance", part.to_text().c_str());
+  // Skips: where each one's message goes (straight from its producer's rank to its
+  // consumer's, past the stages between) and its size.
+  const std::vector<double> skip_sizes = skip_bytes(model, plan.micro_batch_size);
+  for (std::size_t k = 0; k < model.skips().size(); ++k) {
+    const Model::Skip& skip = model.skips()[k];
+    const int from = part.stage_of(skip.producer), to = part.stage_of(skip.consumer);
+    const std::string route =
+        from == to ? cat("within stage ", from, ": no message")
+                   : cat("stage ", from, " -> ", to, " (pipeline stage ", part.pipeline_stage(from), " -> ", part.pipeline_stage(to),
+                         "), ", human_bytes(skip_sizes[k]), " a micro-batch each way", to - from > 1 ? cat(", past ", to - from - 1, " stage", to - from > 2 ? "s" : "") : "");
+    std::printf("skip '%s': layer %d -> %d, %s\n", skip.name.c_str(), skip.producer, skip.consumer, route.c_str());
+  }
   if (!part.comm_cost.empty()) {
     // Link l joins model stage l to l + 1; with virtual stages the last one returns to rank 0.
     std::string links, work, comm;

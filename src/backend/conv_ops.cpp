@@ -190,4 +190,41 @@ void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor&
                                                 ptr<E>(weight), mean.f32(), rstd.f32(), N, C, plane, mode));
 }
 
+// ---- layout ----------------------------------------------------------------------------
+
+void copy_runs(const Tensor& dst, const Tensor& src, const Runs& runs) {
+  same_place("copy_runs", dst, src);
+  MPIPE_CHECK(runs.count == 0 || ((runs.count - 1) * runs.dst_stride + runs.dst_offset + runs.length <= dst.numel() &&
+                                  (runs.count - 1) * runs.src_stride + runs.src_offset + runs.length <= src.numel()),
+              "copy_runs: runs past ", dst.shape.str(), " or ", src.shape.str());
+  if (src.device == Device::cpu) cpu::copy_runs(dst.f32(), src.f32(), runs);
+  else MPIPE_ON_GPU(src, cuda::copy_runs(ptr<E>(dst), ptr<E>(src), runs));
+}
+
+void upsample_nearest_forward(const Tensor& out, const Tensor& inp, std::int64_t scale) {
+  same_place("upsample", out, inp);
+  MPIPE_CHECK(inp.shape.rank == 4 && out.numel() == inp.numel() * scale * scale, "upsample: ", inp.shape.str(), " -> ",
+              out.shape.str());
+  const std::int64_t planes = inp.shape[0] * inp.shape[1], H = inp.shape[2], W = inp.shape[3];
+  if (inp.device == Device::cpu) cpu::upsample_nearest_forward(out.f32(), inp.f32(), planes, H, W, scale);
+  else MPIPE_ON_GPU(inp, cuda::upsample_nearest_forward(ptr<E>(out), ptr<E>(inp), planes, H, W, scale));
+}
+
+void upsample_nearest_backward(const Tensor& dinp, const Tensor& dout, std::int64_t scale) {
+  same_place("upsample backward", dinp, dout);
+  MPIPE_CHECK(dinp.shape.rank == 4 && dout.numel() == dinp.numel() * scale * scale, "upsample backward: ",
+              dinp.shape.str(), " <- ", dout.shape.str());
+  const std::int64_t planes = dinp.shape[0] * dinp.shape[1], H = dinp.shape[2], W = dinp.shape[3];
+  if (dout.device == Device::cpu) cpu::upsample_nearest_backward(dinp.f32(), dout.f32(), planes, H, W, scale);
+  else MPIPE_ON_GPU(dout, cuda::upsample_nearest_backward(ptr<E>(dinp), ptr<E>(dout), planes, H, W, scale));
+}
+
+void transpose_planes(const Tensor& out, const Tensor& inp, std::int64_t batch, std::int64_t rows, std::int64_t cols) {
+  same_place("transpose", out, inp);
+  MPIPE_CHECK(inp.numel() == batch * rows * cols && out.numel() == inp.numel(), "transpose: ", inp.shape.str(), " as ",
+              batch, " x ", rows, " x ", cols);
+  if (inp.device == Device::cpu) cpu::transpose_planes(out.f32(), inp.f32(), batch, rows, cols);
+  else MPIPE_ON_GPU(inp, cuda::transpose_planes(ptr<E>(out), ptr<E>(inp), batch, rows, cols));
+}
+
 }  // namespace mpipe::ops

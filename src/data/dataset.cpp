@@ -1,6 +1,7 @@
 // The datasets behind --data.
 #include "mpipe/data/dataset.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -189,6 +190,66 @@ class SyntheticImages final : public Dataset {
   std::vector<float> templates_;
 };
 
+// ---- synthetic segmentation: shapes on noise, a label per pixel --------------------
+// Each sample draws up to three rectangles and discs of classes 1 .. classes - 1 on a
+// background of class 0; a pixel's label is the class of the last shape covering it, and
+// its channels that class's fixed levels plus unit Gaussian noise: a network must look at
+// a pixel's neighbourhood (the noise) and at shapes' extents to label it well.
+class SyntheticSegmentation final : public Dataset {
+ public:
+  static constexpr int shapes = 3;
+
+  SyntheticSegmentation(int channels, int height, int width, int classes, std::uint64_t seed)
+      : c_(channels), h_(height), w_(width), classes_(classes), seed_(seed),
+        levels_(static_cast<std::size_t>(classes) * channels) {
+    const RandomStream r = make_stream(seed, Stream::data_setup, 6, 0, 0);
+    for (std::size_t i = 0; i < levels_.size(); ++i) levels_[i] = i < static_cast<std::size_t>(channels) ? 0.0f : 3.0f * r.uniform(i) - 1.5f;
+  }
+
+  void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
+    const std::int64_t plane = static_cast<std::int64_t>(h_) * w_;
+#pragma omp parallel for schedule(static)
+    for (std::int64_t s = 0; s < count; ++s) {
+      const std::uint64_t sample = first + static_cast<std::uint64_t>(s);
+      const auto lo = static_cast<std::uint32_t>(sample), hi = static_cast<std::uint32_t>(sample >> 32);
+      const RandomStream r = make_stream(seed_, Stream::data, lo, hi, 1);
+      std::int32_t* y = targets.i32() + s * plane;
+      std::fill(y, y + plane, 0);
+      for (int k = 0; k < shapes; ++k) {
+        const std::uint64_t at = static_cast<std::uint64_t>(k) * 6;
+        if (r.word(at) % 4 == 0) continue;  // fewer shapes, sometimes
+        const int label = 1 + static_cast<int>(r.word(at + 1) % static_cast<std::uint32_t>(classes_ - 1));
+        const float cy = r.uniform(at + 2) * static_cast<float>(h_), cx = r.uniform(at + 3) * static_cast<float>(w_);
+        const float radius = (0.15f + 0.25f * r.uniform(at + 4)) * static_cast<float>(std::min(h_, w_));
+        const bool disc = r.word(at + 5) % 2 == 0;
+        for (int py = 0; py < h_; ++py)
+          for (int px = 0; px < w_; ++px) {
+            const float dy = static_cast<float>(py) + 0.5f - cy, dx = static_cast<float>(px) + 0.5f - cx;
+            const bool in = disc ? dy * dy + dx * dx <= radius * radius : std::fabs(dy) <= radius && std::fabs(dx) <= 0.6f * radius;
+            if (in) y[py * w_ + px] = label;
+          }
+      }
+      if (inputs.empty()) continue;
+      float* out = inputs.f32() + s * c_ * plane;
+      make_stream(seed_, Stream::data, lo, hi, 2).fill_normal(out, static_cast<std::uint64_t>(c_ * plane));
+      for (int ch = 0; ch < c_; ++ch)
+        for (std::int64_t p = 0; p < plane; ++p) out[ch * plane + p] += levels_[static_cast<std::size_t>(y[p]) * c_ + ch];
+    }
+  }
+
+  bool targets_alone() const override { return true; }
+
+  std::string describe() const override {
+    return cat("synthetic segmentation: ", c_, "x", h_, "x", w_, ", up to ", shapes, " rectangles and discs of ",
+               classes_ - 1, " classes on a background, a label per pixel, unit Gaussian noise");
+  }
+
+ private:
+  int c_, h_, w_, classes_;
+  std::uint64_t seed_;
+  std::vector<float> levels_;  // (classes, channels): class 0 (the background) at 0
+};
+
 // ---- held-out synthetic data: samples from 2^40 on, which no training run reaches ---
 class HeldOut final : public Dataset {
  public:
@@ -271,6 +332,11 @@ std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& mode
   if (spec == "synthetic" && held_out) return std::make_unique<HeldOut>(make_dataset(spec, model, seed));
   if (spec == "synthetic") {
     const Shape sample = model.input_shape(1);
+    if (seq_len == 0 && sample.rank == 4 && model.target_shape(1).rank == 3) {  // a label per pixel
+      MPIPE_REQUIRE(vocab >= 2, "give the last convolution out = 2 or more classes", "synthetic segmentation needs at least 2 classes, got ", vocab);
+      return std::make_unique<SyntheticSegmentation>(static_cast<int>(sample[1]), static_cast<int>(sample[2]),
+                                                     static_cast<int>(sample[3]), static_cast<int>(vocab), seed);
+    }
     if (seq_len == 0 && sample.rank == 4)  // images (C, H, W)
       return std::make_unique<SyntheticImages>(static_cast<int>(sample[1]), static_cast<int>(sample[2]),
                                                static_cast<int>(sample[3]), static_cast<int>(vocab), seed);

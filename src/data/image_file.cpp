@@ -29,30 +29,32 @@ class LabelledFile final : public Dataset {
     mutable std::vector<std::uint8_t> staging;  // one uint8 row, converted here (HDF5's conversion is slower)
   };
 
-  LabelledFile(Source source, std::vector<std::int32_t> labels, std::string what, std::uint64_t seed, bool shuffle)
-      : source_(std::move(source)), labels_(std::move(labels)), what_(std::move(what)), seed_(seed), shuffle_(shuffle),
-        order_(labels_.size()) {}
+  // `labels`: `per` of them a sample (1, or a label map's H x W).
+  LabelledFile(Source source, std::vector<std::int32_t> labels, std::int64_t per, std::string what, std::uint64_t seed,
+               bool shuffle)
+      : source_(std::move(source)), labels_(std::move(labels)), per_(per), what_(std::move(what)), seed_(seed),
+        shuffle_(shuffle), order_(labels_.size() / static_cast<std::size_t>(per)) {}
 
   // Sample s is row order(s / N)[s % N]: every row once per epoch, in an order drawn
   // from (seed, epoch) when shuffled, in file order otherwise (held-out data).
   void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
     if (!inputs.empty()) check_unchanged();
-    const auto n = static_cast<std::uint64_t>(labels_.size());
+    const auto n = static_cast<std::uint64_t>(size());
     std::int32_t* y = targets.i32();
     for (std::int64_t i = 0; i < count; ++i) {
       const std::uint64_t s = first + static_cast<std::uint64_t>(i);
       const std::uint64_t row = shuffle_ ? order(s / n)[s % n] : s % n;
       if (!inputs.empty()) read_row(row, inputs.f32() + i * source_.per_sample);
-      y[i] = labels_[row];
+      std::copy_n(labels_.data() + row * static_cast<std::uint64_t>(per_), per_, y + i * per_);
     }
   }
 
   bool targets_alone() const override { return true; }
   bool fills_aside() const override { return false; }  // reads through HDF5
-  std::int64_t size() const override { return static_cast<std::int64_t>(labels_.size()); }
+  std::int64_t size() const override { return static_cast<std::int64_t>(labels_.size()) / per_; }
 
   std::string describe() const override {
-    return cat(what_, ": ", labels_.size(), " samples", shuffle_ ? ", shuffled per epoch" : ", in file order",
+    return cat(what_, ": ", size(), " samples", per_ > 1 ? " with a label per pixel" : "", shuffle_ ? ", shuffled per epoch" : ", in file order",
                ", read by part");
   }
 
@@ -112,6 +114,7 @@ class LabelledFile final : public Dataset {
 
   Source source_;
   std::vector<std::int32_t> labels_;
+  std::int64_t per_;
   std::string what_;
   std::uint64_t seed_;
   bool shuffle_;
@@ -152,9 +155,20 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
   for (int i = 1; same && i < sample.rank; ++i) same = static_cast<std::int64_t>(dims[i]) == sample[i];
   MPIPE_REQUIRE(same, "make the file's /inputs match the model's input", file_name, ": /inputs is ", got,
                 ", the model takes ", want);
-  MPIPE_REQUIRE(label_rank == 1 && label_dims[0] == dims[0], "give one label per sample", file_name, ": /labels has ",
-                label_rank == 1 ? cat(label_dims[0], " entries") : cat(label_rank, " dimensions"), " for ", dims[0],
-                " samples");
+  // A label per sample, or per pixel where the loss takes (N, classes, H, W): /labels (N, H, W).
+  const Shape target = model.target_shape(1);
+  if (target.rank == 1) {
+    MPIPE_REQUIRE(label_rank == 1 && label_dims[0] == dims[0], "give one label per sample", file_name, ": /labels has ",
+                  label_rank == 1 ? cat(label_dims[0], " entries") : cat(label_rank, " dimensions"), " for ", dims[0],
+                  " samples");
+  } else {
+    const bool maps = label_rank == 3 && label_dims[0] == dims[0] && static_cast<std::int64_t>(label_dims[1]) == target[1] &&
+                      static_cast<std::int64_t>(label_dims[2]) == target[2];
+    MPIPE_REQUIRE(maps, cat("give a label map per sample: /labels (", dims[0], ", ", target[1], ", ", target[2], ")"), file_name,
+                  ": /labels is ", label_rank == 3 ? cat("(", label_dims[0], ", ", label_dims[1], ", ", label_dims[2], ")") : cat(std::max(label_rank, 0), "-dimensional"),
+                  "; the model's loss takes a label per pixel");
+  }
+  const std::int64_t per_label = target.numel();
   const Handle type(H5Dget_type(inputs.get()), H5Tclose);
   const bool bytes = H5Tget_class(type.get()) == H5T_INTEGER && H5Tget_size(type.get()) == 1 && H5Tget_sign(type.get()) == H5T_SGN_NONE;
   MPIPE_REQUIRE(bytes || H5Tget_class(type.get()) == H5T_FLOAT, "store /inputs as uint8 or float32", file_name,
@@ -188,15 +202,15 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
   const Handle label_type(H5Dget_type(labels.get()), H5Tclose);
   MPIPE_REQUIRE(H5Tget_class(label_type.get()) == H5T_INTEGER, "store /labels as integers (class indices)", file_name,
                 ": /labels is not of an integer type");
-  std::vector<std::int64_t> wide(static_cast<std::size_t>(n));
+  std::vector<std::int64_t> wide(static_cast<std::size_t>(n * per_label));
   MPIPE_REQUIRE(H5Dread(labels.get(), H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, wide.data()) >= 0,
                 "store /labels as integers", file_name, ": cannot read /labels as integers");
-  std::vector<std::int32_t> y(static_cast<std::size_t>(n));
+  std::vector<std::int32_t> y(static_cast<std::size_t>(n * per_label));
   const std::int64_t classes = model.classes();
-  for (std::int64_t s = 0; s < n; ++s) {
+  for (std::int64_t s = 0; s < n * per_label; ++s) {
     const std::int64_t label = wide[static_cast<std::size_t>(s)];
     MPIPE_REQUIRE(label >= 0 && label < classes, cat("labels must be 0 to ", classes - 1, " for a model of ", classes, " classes"),
-                  file_name, ": label ", label, " of sample ", s, " is out of range");
+                  file_name, ": label ", label, " of sample ", s / per_label, " is out of range");
     y[static_cast<std::size_t>(s)] = static_cast<std::int32_t>(label);
   }
   // The inputs stay in the file: its handles move into the data set, which reads rows.
@@ -210,7 +224,7 @@ std::unique_ptr<Dataset> make_labelled_file(const std::string& path, const Model
     source.fd = *static_cast<int*>(descriptor);
   source.file = std::move(file);
   MPIPE_REQUIRE(source.row.ok() && source.rows.ok(), hint, file_name, ": cannot select rows of /inputs");
-  auto data = std::make_unique<LabelledFile>(std::move(source), std::move(y), cat("hdf5 file ", path), seed, shuffle);
+  auto data = std::make_unique<LabelledFile>(std::move(source), std::move(y), per_label, cat("hdf5 file ", path), seed, shuffle);
   // One row read now: a dataset HDF5 cannot convert to float fails here, not mid-run.
   std::vector<float> probe(static_cast<std::size_t>(per_sample));
   try {

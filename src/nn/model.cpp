@@ -6,6 +6,8 @@
 #include <cmath>
 #include <map>
 
+#include "mpipe/nn/skip_layers.hpp"
+
 namespace mpipe {
 
 bool is_preset(const std::string& kind) { return kind == "gpt" || kind == "mlp" || kind == "resnet"; }
@@ -152,15 +154,64 @@ ModelSpec model_spec(const ModelConfig& c) {
   return spec;
 }
 
+void Model::build_layers(const std::string& file) {
+  Shape shape = input_shape(1);
+  std::vector<Shape> outputs;  // each layer's, batch 1
+  std::map<std::string, int> stashed;  // name -> skip index
+  const int n = static_cast<int>(spec_.layers.size());
+  for (int i = 0; i < n; ++i) {
+    const LayerSpec& l = spec_.layers[static_cast<std::size_t>(i)];
+    const std::string where = cat(file, ", layer ", i, " (", l.kind, ")");
+    Shape skip;
+    int joins = -1;
+    const auto from = l.options.find("from");
+    if ((l.kind == "concat" || l.kind == "add") && from != l.options.end() && std::holds_alternative<std::string>(from->second)) {
+      const std::string& name = std::get<std::string>(from->second);
+      const auto it = stashed.find(name);
+      if (it == stashed.end()) {
+        int later = -1;
+        for (int j = i; j < n && later < 0; ++j)
+          if (spec_.layers[static_cast<std::size_t>(j)].stash == name) later = j;
+        MPIPE_REQUIRE(later < 0, "a skip goes forward: take it in a layer after the one that stashes it", where,
+                      ": 'from': '", name, "' is stashed by layer ", later, ", not an earlier layer");
+        throw UserError(cat(where, ": 'from': no layer stashes '", name, "'"),
+                        cat("stash it first: stash = \"", name, "\" on an earlier layer"));
+      }
+      Skip& taken = skips_[static_cast<std::size_t>(it->second)];
+      MPIPE_REQUIRE(taken.consumer < 0, "stash a second name for a second join", where, ": 'from': '", name,
+                    "' is taken already by layer ", taken.consumer);
+      joins = it->second;
+      skip = outputs[static_cast<std::size_t>(taken.producer)];
+    }
+    layers_.push_back(make_layer(spec_, i, shape, where, skip));
+    if (joins >= 0) {
+      static_cast<SkipJoin&>(*layers_.back()).set_skip(joins);
+      skips_[static_cast<std::size_t>(joins)].consumer = i;
+    }
+    shape = layers_.back()->output_shape(shape);
+    outputs.push_back(shape);
+    if (!l.stash.empty()) {
+      MPIPE_REQUIRE(!stashed.count(l.stash), "give each stash its own name", where, ": 'stash': '", l.stash,
+                    "' is stashed already by layer ", skips_[static_cast<std::size_t>(stashed[l.stash])].producer);
+      MPIPE_REQUIRE(i + 1 < n, "stash the output of a layer before the loss", where, ": the loss cannot stash its output");
+      stashed[l.stash] = static_cast<int>(skips_.size());
+      skips_.push_back({l.stash, i, -1});
+    }
+  }
+  for (const Skip& s : skips_)
+    MPIPE_REQUIRE(s.consumer >= 0, cat("take it with a later concat or add of from = \"", s.name, "\", or drop the stash"), file, ", layer ",
+                  s.producer, ": '", s.name, "' is stashed but no layer takes it");
+  loss_input_ = n > 0 ? (n > 1 ? outputs[static_cast<std::size_t>(n) - 2] : input_shape(1)) : Shape{};
+}
+
 Model::Model(const ModelConfig& config, ModelSpec list) : config_(config), spec_(std::move(list)) {
   const std::string file = is_preset(spec_.name) ? cat("--model ", spec_.name) : cat("model file '", spec_.name, "'");
-  Shape shape = input_shape(1);
-  for (int i = 0; i < static_cast<int>(spec_.layers.size()); ++i) {
-    layers_.push_back(make_layer(spec_, i, shape, cat(file, ", layer ", i, " (", spec_.layers[static_cast<std::size_t>(i)].kind, ")")));
-    shape = layers_.back()->output_shape(shape);
-  }
+  build_layers(file);
   check_loss_input(file);
   mark_in_place(layers_);
+  // A stashed output lives on for its join: the layer after its producer keeps its own.
+  for (const Skip& s : skips_)
+    if (s.producer + 1 < size()) layers_[static_cast<std::size_t>(s.producer) + 1]->allow_in_place(false);
   for (int i = 0; i < size(); ++i) {
     layers_[i]->set_global_index(i);
     for (const ParamSpec& spec : layers_[i]->param_specs())
@@ -190,6 +241,7 @@ DType Model::input_dtype() const { return spec_.tokens > 0 ? DType::i32 : DType:
 
 Shape Model::target_shape(int64_t batch) const {
   if (spec_.tokens > 0) return Shape{batch, spec_.tokens};
+  if (loss_input_.rank == 4) return Shape{batch, loss_input_[2], loss_input_[3]};  // a label per pixel
   return Shape{batch};
 }
 
@@ -201,13 +253,16 @@ int64_t Model::parameter_count() const {
   return n;
 }
 
-int64_t Model::rows_per_sample() const { return spec_.tokens > 0 ? spec_.tokens : 1; }
+int64_t Model::rows_per_sample() const {
+  if (spec_.tokens > 0) return spec_.tokens;
+  return loss_input_.rank == 4 ? loss_input_[2] * loss_input_[3] : 1;
+}
 
 void Model::check_loss_input(const std::string& file) const {
-  const Shape in = shapes(1)[static_cast<std::size_t>(size()) - 1];
-  const bool ok = spec_.tokens > 0 ? (in.rank == 3 && in[1] == spec_.tokens) : in.rank == 2;
-  MPIPE_REQUIRE(ok, spec_.tokens > 0 ? "keep the (batch, tokens, channels) shape up to the loss" : "end with a linear layer of out = classes on (batch, features)",
-                file, ": the loss gets ", in.str(), "; a model of ", spec_.tokens > 0 ? "tokens needs (batch, tokens, classes)" : "inputs needs (batch, classes)",
+  const Shape in = loss_input_;
+  const bool ok = spec_.tokens > 0 ? (in.rank == 3 && in[1] == spec_.tokens) : (in.rank == 2 || in.rank == 4);
+  MPIPE_REQUIRE(ok, spec_.tokens > 0 ? "keep the (batch, tokens, channels) shape up to the loss" : "end with a linear layer of out = classes on (batch, features), or a convolution of out = classes for a label per pixel",
+                file, ": the loss gets ", in.str(), "; a model of ", spec_.tokens > 0 ? "tokens needs (batch, tokens, classes)" : "inputs needs (batch, classes) or (batch, classes, height, width)",
                 " there");
   if (spec_.tokens > 0) {  // the targets are tokens, and so are the inputs
     const auto vocab = std::get<std::int64_t>(spec_.layers.front().options.at("vocab"));
@@ -220,7 +275,7 @@ int64_t Model::classes() const {
   // After a head split over the vocabulary the loss gets statistics, not logits.
   if (size() > 1 && spec_.layers[static_cast<std::size_t>(size()) - 2].kind == "vocab-chunk")
     return std::get<std::int64_t>(spec_.layers[static_cast<std::size_t>(size()) - 2].options.at("vocab"));
-  return shapes(1)[static_cast<std::size_t>(size()) - 1][-1];
+  return loss_input_.rank == 4 ? loss_input_[1] : loss_input_[-1];
 }
 
 std::vector<Shape> Model::shapes(int64_t batch) const {

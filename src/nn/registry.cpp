@@ -15,6 +15,7 @@
 #include "mpipe/nn/conv_layers.hpp"
 #include "mpipe/nn/dense_layers.hpp"
 #include "mpipe/nn/residual.hpp"
+#include "mpipe/nn/skip_layers.hpp"
 #include "mpipe/nn/transformer_layers.hpp"
 #include "mpipe/nn/vocab_layers.hpp"
 
@@ -76,7 +77,7 @@ const std::vector<LayerKind>& layer_kinds() {
   static const std::vector<LayerKind> kinds = [] {
     std::vector<LayerKind> all;
     for (auto family : {transformer_layer_kinds, dense_layer_kinds, conv_layer_kinds, residual_layer_kinds,
-                        vocab_layer_kinds})
+                        skip_layer_kinds, vocab_layer_kinds})
       for (LayerKind& kind : family()) all.push_back(std::move(kind));
     return all;
   }();
@@ -157,7 +158,7 @@ int LayerArgs::tied_table(std::int64_t rows, std::int64_t width, const char* wha
 }
 
 std::unique_ptr<Layer> build_layer(const LayerSpec& given, const ModelSpec& model, int index, const Shape& input,
-                             const std::string& where, bool nested) {
+                                   const std::string& where, bool nested, const Shape& skip) {
   const LayerKind* kind = find_layer_kind(given.kind);
   MPIPE_REQUIRE(kind, cat("the kinds are ", kind_names()), where, ": unknown layer kind '", given.kind, "'");
   MPIPE_REQUIRE(given.children.empty() || given.kind == "residual", "only a residual block holds [[layer.layer]] tables",
@@ -193,11 +194,12 @@ std::unique_ptr<Layer> build_layer(const LayerSpec& given, const ModelSpec& mode
   const bool last = index + 1 == static_cast<int>(model.layers.size());
   MPIPE_REQUIRE((kind->name == "cross_entropy") == last, "end the model with one cross_entropy layer", where,
                 last ? ": the last layer must be the loss (cross_entropy)" : ": the loss (cross_entropy) must be the last layer");
-  return kind->make(LayerArgs{spec, model, index, input, where, false});
+  return kind->make(LayerArgs{spec, model, index, input, where, false, skip});
 }
 
-std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape& input, const std::string& where) {
-  return build_layer(model.layers[static_cast<std::size_t>(index)], model, index, input, where, false);
+std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape& input, const std::string& where,
+                                  const Shape& skip) {
+  return build_layer(model.layers[static_cast<std::size_t>(index)], model, index, input, where, false, skip);
 }
 
 // ---- model files -------------------------------------------------------------------------
@@ -214,6 +216,7 @@ std::string ModelSpec::to_toml() const {
   // A layer as a [[table]] under `path` (layer, layer.layer for a block's inner ones).
   const std::function<void(const LayerSpec&, const std::string&)> table = [&](const LayerSpec& l, const std::string& path) {
     o += cat("\n[[", path, "]]\nkind = ", toml_quoted(l.kind), "\n");
+    if (!l.stash.empty()) o += cat("stash = ", toml_quoted(l.stash), "\n");
     for (const auto& [key, value] : l.options) {
       o += key + " = ";
       std::visit(
@@ -252,6 +255,13 @@ std::pair<LayerSpec, std::int64_t> parse_layer(const toml::table& t, const std::
       MPIPE_REQUIRE(i && i->get() >= 1 && i->get() <= max_layers, "e.g. repeat = 3", where, ": 'repeat' must be an integer from 1 to ",
                     max_layers);
       repeat = i->get();
+    } else if (option == "stash") {
+      const auto* name = v.as_string();
+      MPIPE_REQUIRE(name && !name->get().empty() && name->get().size() <= 64, "e.g. stash = \"down1\"", where,
+                    ": 'stash' must be a name of 1 to 64 characters");
+      MPIPE_REQUIRE(depth == 0, "stash the block's output: put stash on the residual layer itself", where,
+                    ": a layer inside a residual block cannot stash its output");
+      l.stash = name->get();
     } else if (option == "layer") {
       const auto* list = v.as_array();
       MPIPE_REQUIRE(list && list->is_array_of_tables() && depth == 0, "a residual block holds its layers as [[layer.layer]] tables",

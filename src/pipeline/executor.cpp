@@ -118,9 +118,14 @@ void Executor::allocate() {
                                        plan_.options.batchnorm == BatchNormRule::deferred, shard,
                                        plan_.options.p2p_timeout);
   if (plan_.options.overlap_steps) backup_ = std::make_unique<UpdateBackup>(*params_, *optimizer_, *device_ops_);
+  // Skips that cross model stages, with an end on this rank: messages of their own.
+  std::vector<int> here;
+  for (const Stage& stage : stages_) here.push_back(stage.index());
+  std::vector<Transport::SkipLink> skip_links = Transport::skip_links(
+      model_, partition_.bounds, here, micro_, [this](int s) { return partition_.pipeline_stage(s); });
   // Every request in flight at once: each micro-batch's two receives and two sends on
-  // every stage, and the reducer's.
-  const int requests = 4 * M * C + reducer_->requests() + 2;
+  // every stage, the skips', and the reducer's.
+  const int requests = 4 * M * C + Transport::skip_requests(skip_links, M) + reducer_->requests() + 2;
   // Waits sleep between tests once nothing moves, unless asked to spin (docs/communication.md).
   const bool spin_waits = plan_.options.comm_wait == CommWait::spin;
   progress_ = std::make_unique<Progress>(plan_.options.comm_progress, plan_.options.comm_poll_s, requests, spin_waits, [] {
@@ -133,7 +138,7 @@ void Executor::allocate() {
                         c.first(), c.last(), c.first() ? -1 : schedule_.list_of(c.index() - 1),
                         c.last() ? -1 : schedule_.list_of(c.index() + 1)});
   transport_ = std::make_unique<Transport>(*grid_, *progress_, device_ops_->path(), dtype_, M, std::move(channels),
-                                           partition_.stages(), plan_.options.p2p_timeout);
+                                           partition_.stages(), plan_.options.p2p_timeout, std::move(skip_links));
   const StageShared shared{.plan = &plan_,
                            .shapes = &shapes_,
                            .dtype = dtype_,

@@ -54,7 +54,7 @@ HostTraffic host_traffic(const Plan& plan, const Model& model, const std::vector
               grid.stages * grid.replicas, " ranks");
   std::map<std::string, HostTraffic> out;  // by host: what leaves it
   const auto host = [&](int rank) { return hosts[static_cast<std::size_t>(rank)]; };
-  const std::vector<double> cut_bytes = boundary_bytes(model, plan.micro_batch_size);  // activation + gradient
+  const std::vector<double> cut_bytes = boundary_bytes(model, plan.micro_batch_size, false);  // activation + gradient
   const double M = plan.options.micro_batches;
   for (int s = 0; s + 1 < part.stages(); ++s) {
     const double each_way = M * cut_bytes[static_cast<std::size_t>(part.end(s))] / 2;
@@ -63,6 +63,17 @@ HostTraffic host_traffic(const Plan& plan, const Model& model, const std::vector
       if (host(a) == host(b)) continue;
       out[host(a)].boundary += each_way;  // activations on, and
       out[host(b)].boundary += each_way;  // gradients back
+    }
+  }
+  // A skip crossing stages: straight from its producer's rank to its consumer's, and back.
+  const std::vector<double> skips = skip_bytes(model, plan.micro_batch_size);
+  for (std::size_t k = 0; k < skips.size(); ++k) {
+    const int from = part.stage_of(model.skips()[k].producer), to = part.stage_of(model.skips()[k].consumer);
+    for (int r = 0; r < grid.replicas && from != to; ++r) {
+      const int a = grid.rank_of(part.pipeline_stage(from), r), b = grid.rank_of(part.pipeline_stage(to), r);
+      if (host(a) == host(b)) continue;
+      out[host(a)].boundary += M * skips[k];
+      out[host(b)].boundary += M * skips[k];
     }
   }
   const int D = grid.replicas;

@@ -14,7 +14,7 @@ namespace {
 // at once; the slowest replica's figure, in seconds per byte.
 std::vector<double> measure_links(const RunOptions& options, const Grid& grid, const Model& model, int micro) {
   const int K = grid.stages();
-  const std::vector<double> bytes = boundary_bytes(model, micro);  // activation + gradient per cut
+  const std::vector<double> bytes = boundary_bytes(model, micro, false);  // activation + gradient per cut
   double sum = 0;
   for (std::size_t b = 1; b + 1 < bytes.size(); ++b) sum += bytes[b] / 2;
   const double mean = bytes.size() > 2 ? sum / static_cast<double>(bytes.size() - 2) : 0.0;

@@ -112,13 +112,26 @@ Partition partition_min_max(const std::vector<double>& cost, int stages, const s
   return p;
 }
 
-std::vector<double> boundary_bytes(const Model& model, int micro) {
+std::vector<double> skip_bytes(const Model& model, int micro) {
+  const auto shapes = model.shapes(micro);
+  std::vector<double> bytes;
+  for (const Model::Skip& skip : model.skips())
+    bytes.push_back(f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(skip.producer) + 1].numel())));
+  return bytes;
+}
+
+std::vector<double> boundary_bytes(const Model& model, int micro, bool skips) {
   const auto shapes = model.shapes(micro);
   std::vector<double> bytes(static_cast<std::size_t>(model.size()) + 1, 0.0);
   for (int b = 1; b < model.size(); ++b) {
     const bool gradient_back = model.layer(b).input_dtype() == DType::f32;
     bytes[static_cast<std::size_t>(b)] = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(b)].numel())) * (gradient_back ? 2 : 1);
   }
+  // A skip crosses every cut between its producer and its consumer (producer < b <=
+  // consumer), and its gradient comes back: a message each way per micro-batch.
+  const std::vector<double> each = skips ? skip_bytes(model, micro) : std::vector<double>{};
+  for (std::size_t k = 0; k < each.size(); ++k)
+    for (int b = model.skips()[k].producer + 1; b <= model.skips()[k].consumer; ++b) bytes[static_cast<std::size_t>(b)] += 2 * each[k];
   return bytes;
 }
 
@@ -158,6 +171,17 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
     pass.arena = &arena;
     pass.targets = make_tensor(targets.data(), model.target_shape(micro));
     pass.loss_scale = 1.0f;
+    // A join reads its skip (noise too) and writes the skip's gradient.
+    std::vector<Tensor> skips(model.skips().size()), skip_grads(model.skips().size());
+    for (std::size_t k = 0; k < skips.size(); ++k) {
+      if (model.skips()[k].consumer != i) continue;
+      const Shape s = shapes[static_cast<std::size_t>(model.skips()[k].producer) + 1];
+      skips[k] = arena.zeros(s);
+      skip_grads[k] = arena.tensor(s);
+    }
+    const Arena::Mark after_skips = arena.mark();
+    pass.skips = skips;
+    pass.skip_grads = skip_grads;
     double best = std::numeric_limits<double>::infinity();
     for (int repeat = 0; repeat < 3; ++repeat) {  // the best of 3, after the arena warmed up
       const auto start = std::chrono::steady_clock::now();
@@ -166,8 +190,9 @@ std::vector<double> measure_layer_times(Model& model, int micro, unsigned long l
       Tensor dx = layer.input_dtype() == DType::f32 ? arena.tensor(shapes[i]) : Tensor{};
       layer.backward(ctx, y, dx, GradMode::overwrite, pass);
       best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-      arena.reset();
+      arena.rewind(after_skips);
     }
+    arena.reset();
     seconds[i] = best;
   }
   return seconds;

@@ -91,6 +91,15 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       m.selective_scratch = std::max(m.selective_scratch, dx + dy + c.backward_scratch_bytes + c.recomputable_bytes);
     }
     m.scratch = unsplit_scratch(model, shapes, part.begin(s), part.end(s));
+    // Skips: one crossing this stage's edge holds its message and its gradient's here; one
+    // within it, its gradient in the backward's scratch from its join to its producer.
+    for (const Model::Skip& skip : model.skips()) {
+      const double bytes = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(skip.producer) + 1].numel()));
+      const bool makes = part.stage_of(skip.producer) == s, takes = part.stage_of(skip.consumer) == s;
+      if (makes != takes) m.skips += 2 * bytes;
+      if (makes && takes)
+        for (double* scratch : {&m.scratch, &m.split_scratch, &m.whole_scratch, &m.selective_scratch}) *scratch += bytes;
+    }
     m.forward_peak = std::max(m.activation, peak);
     m.boundary = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()));
     if (s + 1 < part.stages()) m.output = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.end(s))].numel()));
@@ -152,8 +161,10 @@ double Plan::input_bytes(int stage, int model_stage, Remat mode) const {
   const double batch = model_stage == 0 ? options.micro_batches * boundary : 0.0;
   // Mixed (auto): the rematerialized ones' inputs are in their activations already.
   if (const int whole = mode == Remat::selective ? whole_of(model_stage) : 0; whole > 0)
-    return (remat_window[static_cast<std::size_t>(model_stage)] - whole) * boundary + batch;
-  return (inputs_only(stage, mode) ? 0.0 : in_flight(schedule, stage) * boundary) + batch;
+    return (remat_window[static_cast<std::size_t>(model_stage)] - whole) * boundary + batch +
+           options.micro_batches * memory[static_cast<std::size_t>(model_stage)].skips;
+  const double skips = options.micro_batches * memory[static_cast<std::size_t>(model_stage)].skips;
+  return (inputs_only(stage, mode) ? 0.0 : in_flight(schedule, stage) * boundary) + batch + skips;
 }
 
 double Plan::activation_bytes(int stage) const {
@@ -250,6 +261,11 @@ Plan make_plan(const RunOptions& o, int ranks, const Model& model, const Measure
                                     model, K, plan.micro_batch_size, measured.layer_seconds, unit.placement_table(), links);
   plan.flops = flop_costs(model, plan.partition, plan.micro_batch_size);
   plan.memory = stage_memory(model, plan.partition, plan.micro_batch_size);
+  // Skips' messages take tags after every model stage's (Transport::skip_tag_base).
+  const std::int64_t tags = static_cast<std::int64_t>(plan.partition.stages() + static_cast<int>(model.skips().size())) * M;
+  MPIPE_REQUIRE(model.skips().empty() || tags <= max_tagged_messages, "use fewer micro-batches", "--micro-batches ", M, " x (",
+                plan.partition.stages(), " model stages + ", model.skips().size(), " skips) is more than the ",
+                max_tagged_messages, " messages tags can tell apart");
 
   // The schedule that runs: the zero-bubble ones ordered for this partition's FLOPs (and
   // for steps back to back), the others as built.

@@ -42,6 +42,53 @@ Stage::Stage(Model& model, int index, int channel, int begin, int end, int model
       weights_in_backward_from_(weights_in_backward_from(model, begin, end)), first_(index == 0),
       last_(index == model_stages - 1), micro_batches_(static_cast<std::size_t>(micro_batches)) {
   for (int i = begin; i < end; ++i) targets_ = targets_ || model.layer(i).needs_targets();
+  const auto& skips = model.skips();
+  skip_roles_.assign(skips.size(), SkipRole::none);
+  stashes_.assign(static_cast<std::size_t>(end - begin), -1);
+  for (std::size_t k = 0; k < skips.size(); ++k) {
+    const bool makes = skips[k].producer >= begin && skips[k].producer < end;
+    const bool takes = skips[k].consumer >= begin && skips[k].consumer < end;
+    skip_roles_[k] = makes && takes ? SkipRole::within : makes ? SkipRole::out : takes ? SkipRole::in : SkipRole::none;
+    if (makes) stashes_[static_cast<std::size_t>(skips[k].producer - begin)] = static_cast<int>(k);
+  }
+  skips_.assign(skips.size(), Tensor{});
+  skip_grads_.assign(skips.size(), Tensor{});
+}
+
+void Stage::receive_skips(Direction direction, int mb, bool wait) {
+  // Forward: what this stage's joins take from other stages; backward: the gradients of
+  // what it stashed for them, and where its own joins write theirs.
+  for (std::size_t k = 0; k < skip_roles_.size(); ++k) {
+    const SkipRole role = skip_roles_[k];
+    if (direction == Direction::forward) {
+      skips_[k] = {};
+      if (role != SkipRole::in) continue;
+      if (wait) shared_.hooks->waited(shared_.transport->receive_skip(direction, static_cast<int>(k), mb));
+      skips_[k] = shared_.transport->received_skip(direction, static_cast<int>(k), mb);
+    } else {
+      skip_grads_[k] = {};
+      if (role == SkipRole::out) {
+        if (wait) shared_.hooks->waited(shared_.transport->receive_skip(direction, static_cast<int>(k), mb));
+        skip_grads_[k] = shared_.transport->received_skip(direction, static_cast<int>(k), mb);
+      } else if (role == SkipRole::in) {
+        skip_grads_[k] = shared_.transport->skip_buffer(direction, static_cast<int>(k), mb);
+      }
+    }
+  }
+}
+
+// Forward: a copy of each stashed output whose join is on another stage (the forward's
+// memory may die before the message leaves: remat's scratch); backward: each join's
+// gradient, written in place.
+void Stage::send_skips(Direction direction, int mb) {
+  for (std::size_t k = 0; k < skip_roles_.size(); ++k) {
+    if (skip_roles_[k] != (direction == Direction::forward ? SkipRole::out : SkipRole::in)) continue;
+    if (direction == Direction::forward) {
+      const Tensor& kept = shared_.transport->skip_buffer(direction, static_cast<int>(k), mb);
+      shared_.device_ops->copy(kept.data, skips_[k].data, kept.bytes());
+    }
+    shared_.transport->send_skip(direction, static_cast<int>(k), mb);
+  }
 }
 
 void Stage::attach(const StageShared& shared) {
@@ -129,6 +176,7 @@ Tensor Stage::input(const Pass& pass, int mb) {
 }
 
 void Stage::forward(std::int64_t step, int mb, bool training, bool backward_next) {
+  receive_skips(Direction::forward, mb, true);
   const auto start = StageHooks::Clock::now();
   shared_.hooks->begin_compute(ComputeKind::forward, mb, index_);
   const bool remat = training && shared_.plan->rematerialize(index_, mb);
@@ -145,7 +193,8 @@ void Stage::forward(std::int64_t step, int mb, bool training, bool backward_next
   const bool selective = training && !remat && shared_.plan->selective(index_);
   if (selective) pass.transient = shared_.scratch;
   Tensor out;
-  Context* contexts = run_forward(pass, input(pass, mb), &out, *shared_.progress);
+  Context* contexts = run_forward(pass, input(pass, mb), &out, *shared_.progress, skips_);
+  send_skips(Direction::forward, mb);  // before remat's scratch dies
   if (selective) shared_.scratch->reset();
   if (last_) {
     const Context& loss = contexts[end_ - begin_ - 1];
@@ -184,7 +233,8 @@ void Stage::recompute(std::int64_t step, int mb) {
   Pass again = make_pass(step, mb, shared_.split ? take_slot(mb) : shared_.scratch);
   again.recompute = true;
   again.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
-  m.contexts = run_forward(again, input(again, mb), &unused, *shared_.progress);
+  receive_skips(Direction::forward, mb, false);  // arrived for the forward, kept for the step
+  m.contexts = run_forward(again, input(again, mb), &unused, *shared_.progress, skips_);
   shared_.hooks->end_compute(ComputeKind::recompute, mb, index_, start);
 }
 
@@ -192,6 +242,7 @@ void Stage::backward(std::int64_t step, int mb) {
   const bool split = shared_.split;
   MicroBatch& m = micro_batch(mb);
   recompute(step, mb);
+  receive_skips(Direction::backward, mb, true);
   Context* contexts = m.contexts;
   const auto start = StageHooks::Clock::now();
   shared_.hooks->begin_compute(ComputeKind::backward, mb, index_);
@@ -212,7 +263,8 @@ void Stage::backward(std::int64_t step, int mb) {
   }
   run_backward(contexts, dy, m.input_grad, pass, *shared_.scratch, *shared_.shapes, shared_.dtype,
                final ? shared_.hooks : nullptr, *shared_.progress, split ? nullptr : &spent,
-               split ? &shared_.slots->slot(m.slot) : nullptr);
+               split ? &shared_.slots->slot(m.slot) : nullptr, skip_grads_);
+  send_skips(Direction::backward, mb);
   shared_.scratch->reset();
   shared_.hooks->end_compute(ComputeKind::backward, mb, index_, start);
   if (!split) {
@@ -234,23 +286,35 @@ void Stage::weight(std::int64_t step, int mb) {
   release_slot(mb);
 }
 
-Context* Stage::run_forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress) const {
+Context* Stage::run_forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress, std::span<Tensor> skips) const {
   const int n = end_ - begin_;
   Context* contexts = pass.arena->objects<Context>(static_cast<std::size_t>(n));
   Pass kept = pass;  // the stage's input stays as it came (remat runs the forward from it again)
   kept.stage_input = x.data;
+  if (skips.empty() && !skip_roles_.empty()) skips = {pass.arena->objects<Tensor>(skip_roles_.size()), skip_roles_.size()};
+  kept.skips = skips;
   for (int i = 0; i < n; ++i) {
     x = model_.layer(begin_ + i).forward(x, contexts[i], kept);
+    if (const int k = stashes_[static_cast<std::size_t>(i)]; k >= 0) skips[static_cast<std::size_t>(k)] = x;
     progress.poll();  // messages keep moving between layers
   }
   *output = x;
   return contexts;
 }
 
-void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, const Pass& pass, Arena& scratch,
+void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, const Pass& given, Arena& scratch,
                          const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress,
-                         const Spent* spent, Arena* forward_memory) const {
+                         const Spent* spent, Arena* forward_memory, std::span<Tensor> skip_grads) const {
   const int n = end_ - begin_;
+  // A skip within the stage: its join's gradient waits in scratch for its producer,
+  // outside the spent memory (allocated after its mark) and below every layer's
+  // temporaries.
+  if (skip_grads.empty() && !skip_roles_.empty()) skip_grads = {scratch.objects<Tensor>(skip_roles_.size()), skip_roles_.size()};
+  for (std::size_t k = 0; k < skip_roles_.size(); ++k)
+    if (skip_roles_[k] == SkipRole::within)
+      skip_grads[k] = scratch.tensor(shapes[static_cast<std::size_t>(model_.skips()[k].producer) + 1], dtype);
+  Pass pass = given;
+  pass.skip_grads = skip_grads;
   // A layer's dy is dead once its backward returns (what W needs it keeps in the stash),
   // and so is, unsplit, what the forwards of the layers after it allocated: each input
   // gradient goes there where it has room, else the gradients take turns in two buffers,
@@ -268,6 +332,9 @@ void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, c
   for (int i = n - 1; i >= 0; --i) {
     const Tensor dx = i > 0 ? grads(static_cast<std::size_t>(i), dy) : dx_first;
     Layer& layer = model_.layer(begin_ + i);
+    // A stashed output's gradient: what came down the chain plus what its join sent back
+    // (dy is dead after this layer's backward: summed in place).
+    if (const int k = stashes_[static_cast<std::size_t>(i)]; k >= 0) ops::add(dy, skip_grads[static_cast<std::size_t>(k)]);
     Spent here;
     Pass pass_here = pass;
     if (spent) {

@@ -7,9 +7,10 @@
 namespace mpipe {
 
 Transport::Transport(const Grid& grid, Progress& progress, MessagePath path, DType dtype, int micro_batches,
-                     std::vector<Channel> channels, int model_stages, double timeout_s)
+                     std::vector<Channel> channels, int model_stages, double timeout_s, std::vector<SkipLink> skips)
     : grid_(grid), channels_(std::move(channels)), micro_batches_(micro_batches),
-      virtual_(model_stages > grid.stages()), progress_(progress), path_(path), dtype_(dtype), timeout_(timeout_s) {
+      virtual_(model_stages > grid.stages()), progress_(progress), path_(path), dtype_(dtype), timeout_(timeout_s),
+      links_(std::move(skips)), skip_base_(skip_tag_base(model_stages, micro_batches)) {
   const int M = micro_batches, C = static_cast<int>(channels_.size());
   // Every (channel, micro-batch) has an inbox per direction; the model's first stage
   // receives no activations and its last no gradients: theirs stay empty.
@@ -30,6 +31,70 @@ Transport::Transport(const Grid& grid, Progress& progress, MessagePath path, DTy
       for (int mb = 0; mb < M; ++mb)
         outboxes_[index(d)].emplace_back(sends ? static_cast<std::size_t>(shape.numel()) * dtype_size(dtype_) : 0, path_);
     }
+  // A skip arrives forward at its consumer and backward at its producer, and leaves from
+  // the other end.
+  for (const Direction d : {Direction::forward, Direction::backward})
+    for (const SkipLink& link : links_) {
+      const bool arrives = d == Direction::forward ? link.consumes : link.produces;
+      const bool leaves = d == Direction::forward ? link.produces : link.consumes;
+      for (int mb = 0; mb < M; ++mb) {
+        skip_received_[index(d)].push_back(arrives ? Inbox(link.shape, dtype_, path_) : Inbox{});
+        skip_kept_[index(d)].push_back(leaves ? Inbox(link.shape, dtype_, path_) : Inbox{});
+        skip_outboxes_[index(d)].emplace_back(leaves ? static_cast<std::size_t>(link.shape.numel()) * dtype_size(dtype_) : 0, path_);
+      }
+      skip_receive_tickets_[index(d)].assign(links_.size() * static_cast<std::size_t>(M), Progress::none);
+    }
+  skip_send_tickets_.reserve(2 * links_.size() * static_cast<std::size_t>(M));
+  pending_sends_.reserve(2 * (static_cast<std::size_t>(C) + links_.size()) * static_cast<std::size_t>(M));
+}
+
+int Transport::link_of(int skip) const {
+  for (std::size_t l = 0; l < links_.size(); ++l)
+    if (links_[l].skip == skip) return static_cast<int>(l);
+  throw Error(cat("skip ", skip, " has no link on this rank"));
+}
+
+const Tensor& Transport::skip_buffer(Direction direction, int skip, int mb) const {
+  return skip_kept_[index(direction)][link_slot(link_of(skip), mb)].tensor();
+}
+
+void Transport::send_skip(Direction direction, int skip, int mb) {
+  const int link = link_of(skip);
+  Outbox& outbox = skip_outboxes_[index(direction)][link_slot(link, mb)];
+  const std::span<const std::byte> wire = outbox.leave(skip_kept_[index(direction)][link_slot(link, mb)].tensor());
+  pending_sends_.push_back({&outbox, wire, direction, -1, mb, link});
+  post_ready_sends(false);
+}
+
+void Transport::post_skip_send(std::span<const std::byte> wire, Direction direction, int link, int mb) {
+  const SkipLink& l = links_[static_cast<std::size_t>(link)];
+  const int to = direction == Direction::forward ? l.consumer : l.producer;
+  skip_send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, to, skip_tag(l.skip, mb, direction)), true));
+}
+
+double Transport::receive_skip(Direction direction, int skip, int mb) {
+  post_ready_sends(true);
+  const int link = link_of(skip);
+  const SkipLink& l = links_[static_cast<std::size_t>(link)];
+  Inbox& m = skip_received_[index(direction)][link_slot(link, mb)];
+  double waited = 0;
+  try {
+    waited = progress_
+                 .wait(skip_receive_tickets_[index(direction)][link_slot(link, mb)], timeout_,
+                       direction == Direction::forward ? "a skip's activation of micro-batch" : "a skip's gradient of micro-batch",
+                       mb, static_cast<long>(m.wire().size()))
+                 .waited;
+  } catch (const Error& e) {
+    const int from = direction == Direction::forward ? l.producer : l.consumer;
+    const int rank = grid_.shape().rank_of(from, grid_.replica());
+    rethrow_as(e, cat(e.what(), "; it comes from rank ", rank, " (stage ", from, ")", on_host(rank)));
+  }
+  m.arrived();
+  return waited;
+}
+
+const Tensor& Transport::received_skip(Direction direction, int skip, int mb) const {
+  return skip_received_[index(direction)][link_slot(link_of(skip), mb)].tensor();
 }
 
 int Transport::peer(Direction direction, int c) const {
@@ -55,6 +120,14 @@ void Transport::post_receives(bool backward) {
         if (m.empty()) continue;  // the model's first (last) stage
         receive_tickets_[index(d)][slot(c, mb)] =
             progress_.track(pipe.irecv(m.wire(), source(d, c), tag(channels_[static_cast<std::size_t>(c)].stage, mb, d)), true);
+      }
+    for (std::size_t l = 0; l < links_.size(); ++l)
+      for (int mb = 0; mb < micro_batches_; ++mb) {
+        Inbox& m = skip_received_[index(d)][link_slot(static_cast<int>(l), mb)];
+        if (m.empty()) continue;
+        const int from = d == Direction::forward ? links_[l].producer : links_[l].consumer;
+        skip_receive_tickets_[index(d)][link_slot(static_cast<int>(l), mb)] =
+            progress_.track(pipe.irecv(m.wire(), from, skip_tag(links_[l].skip, mb, d)), true);
       }
   }
 }
@@ -108,7 +181,8 @@ void Transport::post_ready_sends(bool wait) {
     PendingSend& p = pending_sends_[posted];
     if (wait) p.outbox->wait();
     else if (!p.outbox->ready()) break;
-    post_send(p.wire, p.direction, p.channel, p.micro_batch);
+    if (p.link >= 0) post_skip_send(p.wire, p.direction, p.link, p.micro_batch);
+    else post_send(p.wire, p.direction, p.channel, p.micro_batch);
   }
   pending_sends_.erase(pending_sends_.begin(), pending_sends_.begin() + static_cast<std::ptrdiff_t>(posted));
 }
@@ -147,6 +221,9 @@ double Transport::finish_sends() {
     waited += c.waited;
   }
   send_tickets_.clear();
+  for (std::size_t i = 0; i < skip_send_tickets_.size(); ++i)
+    waited += progress_.wait(skip_send_tickets_[i], timeout_, "a skip's send, request", static_cast<int>(i)).waited;
+  skip_send_tickets_.clear();
   return waited;
 }
 

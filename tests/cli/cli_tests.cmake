@@ -125,7 +125,7 @@ mpipe_cli_test(model_file_no_loss 2 "error: model file '.*', layer 1 \\(relu\\):
 mpipe_cli_test(model_file_bad_tie 2 "error: model file '.*', layer 1 \\(linear\\): 'tie': the embedding's table is 32 x 16, this weight 30 x 16; hint" train --model ${MODELS}/bad_tie.toml)
 mpipe_cli_test(model_file_heads 2 "error: model file '.*', layer 1 \\(block\\): 'heads': 3 does not divide the 16 channels coming in; hint" train --model ${MODELS}/heads_divide.toml)
 mpipe_cli_test(model_file_both_inputs 2 "error: model file '.*both_inputs.toml' has both 'tokens' and 'input'; hint" train --model ${MODELS}/both_inputs.toml)
-mpipe_cli_test(model_file_loss_shape 2 "error: model file '.*loss_shape.toml': the loss gets \\(1, 3, 4\\); a model of inputs needs \\(batch, classes\\) there; hint" train --model ${MODELS}/loss_shape.toml)
+mpipe_cli_test(model_file_loss_shape 2 "error: model file '.*loss_shape.toml': the loss gets \\(1, 3, 4\\); a model of inputs needs \\(batch, classes\\) or \\(batch, classes, height, width\\) there; hint" train --model ${MODELS}/loss_shape.toml)
 mpipe_cli_test(model_file_embedding_late 2 "error: model file '.*', layer 0 \\(embedding\\): takes token ids.*; hint" train --model ${MODELS}/embedding_late.toml)
 mpipe_cli_test(model_file_text_data 2 "error: --data text: files of tokens are for models of tokens \\(gpt\\); hint" train --model ${MODELS}/classifier.toml --data text:${MODELS}/classifier.toml)
 mpipe_cli_test(cnn_model 0 "step +2/2 \\| loss .* samples/s" train --model ${CMAKE_SOURCE_DIR}/inputs/cnn.toml --steps 2 --threads 1 --batch-size 8 --micro-batches 2)

@@ -27,7 +27,7 @@ namespace {
 
 bool takes_images(const std::string& kind) {
   return kind == "conv2d" || kind == "maxpool2d" || kind == "avgpool2d" || kind == "global-avgpool" ||
-         kind == "residual" || kind == "batchnorm2d";
+         kind == "residual" || kind == "batchnorm2d" || kind == "upsample2d";
 }
 
 // A spec with every required option of `kind` set to something that fits its input:
@@ -42,6 +42,7 @@ ModelSpec one_layer_model(const LayerKind& kind) {
       if (o.name == "p") l.options[o.name] = 0.25;
       else if (o.name == "chunk") l.options[o.name] = std::int64_t{0};  // a head of one chunk
       else if (o.name == "chunks") l.options[o.name] = std::int64_t{1};
+      else if (o.type == OptionType::text) l.options[o.name] = std::string("skip");  // a join's from
       else l.options[o.name] = std::int64_t{o.name == "heads" ? 4 : o.name == "kernel" ? 3 : 16};
     }
   if (kind.name == "residual")  // a block of one convolution that keeps the shape
@@ -129,7 +130,9 @@ TEST_CASE("every registered layer kind builds from its options and is the layer 
     const Shape input = takes_images(kind.name) ? Shape{1, 4, 6, 6}
                         : at == 0           ? (m.tokens > 0 ? Shape{1, 8} : Shape{1, 16})
                                             : Shape{1, 8, 16};
-    const auto layer = make_layer(m, at, input, "test layer");
+    // A join (concat, add) joins a skip of its input's shape, which a model resolves.
+    const bool join = kind.name == "concat" || kind.name == "add";
+    const auto layer = make_layer(m, at, input, "test layer", join ? input : Shape{});
     CHECK(layer->kind() == kind.name);
     for (const OptionSpec& o : kind.options) CHECK_FALSE(o.help.empty());
   }

@@ -154,6 +154,12 @@ struct Pass {
   // Generation: the positions this forward's tokens are at, and the attention caches
   // (Decode); null: a sequence from position 0 with nothing cached (training, evaluation).
   const Decode* decode = nullptr;
+  // Skips (nn/skip_layers.hpp), by the model's skip index (Model::skips()): in a forward
+  // the stashed tensors the stage holds so far (a consumer's `from`), in a backward where
+  // a consumer writes the gradient of its skip (overwritten); the stage adds it to the
+  // producer's output gradient before the producer's backward runs.
+  std::span<const Tensor> skips;
+  std::span<const Tensor> skip_grads;
 };
 
 // What backward needs from one forward call. Trivially destructible: it lives in the

@@ -75,9 +75,18 @@ class Model {
   // The ties whose owner is (layer, name), in model order (a head split over the
   // vocabulary has one per chunk).
   std::vector<const Tie*> ties_of(int layer, const std::string& name) const;
+  // Skips (nn/skip_layers.hpp): layer `producer`'s output, stashed as `name`, joined to
+  // its input by layer `consumer` (a later concat or add), in the order of their
+  // producers; a skip's index keys Pass::skips and its messages.
+  struct Skip {
+    std::string name;
+    int producer = -1, consumer = -1;
+  };
+  const std::vector<Skip>& skips() const { return skips_; }
   // Parameters of the whole model, a tied weight counted once.
   int64_t parameter_count() const;
-  // Loss rows (predicted tokens or samples) per sample: T for a model of tokens, else 1.
+  // Loss rows (predicted tokens, pixels or samples) per sample: T for a model of tokens,
+  // H x W for per-pixel labels (the loss takes (batch, classes, H, W)), else 1.
   int64_t rows_per_sample() const;
   // Tokens per sample (0 unless a model of tokens), and the classes the loss tells
   // apart (the vocabulary of a model of tokens).
@@ -89,11 +98,16 @@ class Model {
 
  private:
   void check_loss_input(const std::string& file) const;
+  // Builds the layers, resolving each join's `from` to its skip (UserError for a name
+  // stashed twice or never taken, a join of a name no earlier layer stashes).
+  void build_layers(const std::string& file);
 
   ModelConfig config_;
   ModelSpec spec_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::vector<Tie> ties_;
+  std::vector<Skip> skips_;
+  Shape loss_input_;  // what enters the loss, batch 1
 };
 
 // Where a split backward (B then W) keeps a layer's output gradient for its W: layer

@@ -29,6 +29,9 @@ struct LayerSpec {
   std::string kind;
   std::map<std::string, OptionValue> options;
   std::vector<LayerSpec> children;  // a residual block's inner layers ([[layer.layer]])
+  // A model's layer (not a block's): its output stashed under this name for a later
+  // concat or add (`from`); empty: none.
+  std::string stash;
 };
 
 // What goes into a model, and its layers in order (the last one is the loss).
@@ -60,6 +63,7 @@ struct LayerArgs {
   Shape input;  // what enters the layer (batch 1)
   std::string where;  // "model file 'm.toml', layer 3 (linear)", for errors
   bool nested = false;  // inside a residual block (index is the block's)
+  Shape skip;           // a join's (`from`): the stashed tensor's shape (batch 1); rank 0: none
 
   std::int64_t integer(const std::string& name, std::int64_t least = 1) const;  // checked: least .. 2^31
   double number(const std::string& name) const;
@@ -95,13 +99,16 @@ const LayerKind* find_layer_kind(const std::string& name);
 
 // Builds `spec` with `input` coming in: its options checked by name and type, defaults
 // filled, then its kind's builder. `nested`: inside a residual block (which builds its
-// inner layers with this). UserError naming `where`, the key and the problem.
+// inner layers with this); `skip`: a join's stashed tensor (LayerArgs::skip). UserError
+// naming `where`, the key and the problem.
 std::unique_ptr<Layer> build_layer(const LayerSpec& spec, const ModelSpec& model, int index, const Shape& input,
-                                   const std::string& where, bool nested);
+                                   const std::string& where, bool nested, const Shape& skip = {});
 
 // Builds layer `index` of `model` with `input` coming in; UserError naming `where`, the
 // key and the problem when the spec is not one the kind takes.
-std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape& input, const std::string& where);
+// `skip`: where the layer joins a stashed tensor (`from`), its shape (batch 1).
+std::unique_ptr<Layer> make_layer(const ModelSpec& model, int index, const Shape& input, const std::string& where,
+                                  const Shape& skip = {});
 
 // Reads a model file; UserError naming the file, the line or layer, and the key.
 ModelSpec parse_model_file(const std::string& path);

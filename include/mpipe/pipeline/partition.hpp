@@ -52,7 +52,12 @@ Partition partition_min_max(const std::vector<double>& layer_costs, int stages,
 // Bytes that cross a cut before layer b, at [b] (1 <= b < layers; [0] and [layers] are
 // 0): its input activation per micro-batch of `micro` samples, and the same again for
 // the gradient that comes back (none for token inputs).
-std::vector<double> boundary_bytes(const Model& model, int micro);
+// With `skips`, each skip (Model::skips()) counts on every cut it crosses: its message
+// goes straight from producer to consumer, once, but a partition that cuts fewer skips
+// moves fewer bytes (and, cut inside a U, holds less).
+std::vector<double> boundary_bytes(const Model& model, int micro, bool skips = true);
+// Each skip's bytes one way for a micro-batch of `micro` samples, by Model::skips() index.
+std::vector<double> skip_bytes(const Model& model, int micro);
 
 // Per-layer costs for `method` (uniform | params | flops) at one micro-batch of `micro`
 // samples. `time` is measured by the caller (measure_layer_times).

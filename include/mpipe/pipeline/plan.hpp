@@ -106,6 +106,9 @@ struct StageMemory {
   double forward_peak = 0;
   double boundary = 0;    // bytes of the stage's input: all a rematerialized micro-batch keeps
   double output = 0;      // bytes of what it sends on (0 on the model's last stage): under remat kept until B
+  // Skips that cross stages with an end here, per micro-batch: the message each way, kept
+  // and received (Transport), for every micro-batch of the step (input_bytes counts M of them).
+  double skips = 0;
   double stash = 0;       // bytes a split backward keeps from B to W (the dy of each weight layer)
   double recomputable = 0;  // of `activation`: what --remat selective recomputes instead of keeping
   double recompute_flops = 0;  // and what that costs its backward

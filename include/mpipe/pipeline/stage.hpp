@@ -133,7 +133,11 @@ class Stage {
   // The layers' calls, for tests and for the actions above.
   // F: the layers' forwards from `x`; returns their contexts (in pass.arena) and sets
   // *output to the last layer's output. Messages keep moving between layers.
-  Context* run_forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress) const;
+  // `skips`: by Model::skips() index, the stashed tensors: a skip from another stage
+  // given, each of this stage's producers' set here as it runs (empty: an array of the
+  // arena's for a stage whose skips are all its own).
+  Context* run_forward(const Pass& pass, Tensor x, Tensor* output, Progress& progress,
+                       std::span<Tensor> skips = {}) const;
   // B: from `dy`, the gradient of the stage's output (the loss layer ignores it), each
   // layer's input gradient, for the first layer in `dx` (empty on the model's first
   // stage), for the others in memory the forwards of the layers after it allocated where
@@ -144,9 +148,13 @@ class Stage {
   // weights_in_backward_from() on compute their weight gradients here, and where
   // `forward_memory` is the arena the contexts' forward allocated in, what those layers
   // allocated is given back to it as the backward passes them.
+  // `skip_grads`: by Model::skips() index, the gradients of skips that cross stages (a
+  // consumer's written here, a producer's received), each added to its producer's output
+  // gradient; a skip within the stage gets a buffer of `scratch` here (empty: all of them).
   void run_backward(Context* contexts, Tensor dy, const Tensor& dx, const Pass& pass, Arena& scratch,
                     const std::vector<Shape>& shapes, DType dtype, StageHooks* hooks, Progress& progress,
-                    const Spent* spent = nullptr, Arena* forward_memory = nullptr) const;
+                    const Spent* spent = nullptr, Arena* forward_memory = nullptr,
+                    std::span<Tensor> skip_grads = {}) const;
   // W: the weight gradients B left, in the same layer order; `hooks` as for run_backward().
   void run_weight(Context* contexts, const Pass& pass, StageHooks* hooks, Progress& progress) const;
 
@@ -161,6 +169,11 @@ class Stage {
   Arena* take_slot(int mb);
   void release_slot(int mb);
   Pass make_pass(std::int64_t step, int mb, Arena* arena) const;
+  // Skips of micro-batch mb that cross into this stage: forward, the stashed tensors
+  // received (waiting for them); backward, the gradients of this stage's stashes from
+  // their consumers, and the buffers its joins write theirs into.
+  void receive_skips(Direction direction, int mb, bool wait);
+  void send_skips(Direction direction, int mb);
   Tensor input(const Pass& pass, int mb);
 
   Model& model_;
@@ -173,6 +186,13 @@ class Stage {
   std::vector<MicroBatch> micro_batches_;
   StageShared shared_;
   SendRing gradients_, outputs_;
+  // Skips (Model::skips()) by index: how each touches this stage (its producer and
+  // consumer layers here: within; only the producer: out; only the consumer: in), the
+  // skip each layer stashes (-1: none), and an action's tensors and gradients.
+  enum class SkipRole : std::uint8_t { none, within, out, in };
+  std::vector<SkipRole> skip_roles_;
+  std::vector<int> stashes_;  // per layer of the stage
+  std::vector<Tensor> skips_, skip_grads_;
   double loss_sum_ = 0, correct_sum_ = 0;
 };
 

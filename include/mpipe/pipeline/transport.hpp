@@ -9,17 +9,22 @@
 // the ranks of its neighbouring model stages, wherever the schedule placed them: with round
 // robin the last pipeline stage sends activations on to the first; with the V of zbv a
 // rank sends from one of its model stages to the other (MPI's message to itself, one
-// copy). On a GPU the messages go straight from and into device memory
+// copy). A skip (nn/skip_layers.hpp) that crosses model stages is a message of its own,
+// from its producer's rank straight to its consumer's and its gradient back, past the
+// stages between (torchgpipe's portals): its tags follow every stage's (SkipLink). On a
+// GPU the messages go straight from and into device memory
 // when MPI is CUDA-aware; otherwise through pinned host buffers, with the copies on
 // their own streams, and a send is posted once its copy is done while the next
 // micro-batch computes.
 #pragma once
+#include <algorithm>
 #include <chrono>
 #include <span>
 #include <vector>
 
 #include "mpipe/backend/message.hpp"
 #include "mpipe/core/tensor.hpp"
+#include "mpipe/nn/model.hpp"
 #include "mpipe/pipeline/grid.hpp"
 #include "mpipe/pipeline/progress.hpp"
 
@@ -44,9 +49,29 @@ class Transport {
     int previous, next;  // the pipeline stages of model stages stage - 1 and stage + 1; -1: none
   };
 
+  // A skip between two model stages, one of them this rank's (or both: a virtual
+  // stage's to another of its rank's, MPI's message to itself).
+  struct SkipLink {
+    int skip;                 // Model::skips() index
+    Shape shape;              // one micro-batch's
+    int producer, consumer;   // the pipeline stages (ranks of the replica) of its two model stages
+    bool produces, consumes;  // on this rank
+  };
+  // The skips that cross model stages with one end on `stages_here` (model stages), for
+  // micro-batches of `micro` samples; `pipeline_stage` maps a model stage to its rank.
+  template <class PipelineStage>
+  static std::vector<SkipLink> skip_links(const Model& model, const std::vector<int>& bounds, std::span<const int> stages_here,
+                                          int micro, PipelineStage pipeline_stage);
+  // Requests in flight at once for `links`: each micro-batch's message each way.
+  static int skip_requests(std::span<const SkipLink> links, int micro_batches) {
+    return 2 * micro_batches * static_cast<int>(links.size());
+  }
+  // The first tag index of skips (after every model stage's): `model_stages` x M.
+  static int skip_tag_base(int model_stages, int micro_batches) { return model_stages * micro_batches; }
+
   // `channels` in ascending model stage; `model_stages`: K·v.
   Transport(const Grid& grid, Progress& progress, MessagePath path, DType dtype, int micro_batches,
-            std::vector<Channel> channels, int model_stages, double timeout_s);
+            std::vector<Channel> channels, int model_stages, double timeout_s, std::vector<SkipLink> skips = {});
 
   // The step's receives, all of them, before any compute; `backward` false: only the
   // activations (a forward-only pass: evaluation).
@@ -71,15 +96,30 @@ class Transport {
   // This step's sends, once finish_sends() has returned.
   std::span<const Transfer> sent() const { return sent_; }
 
+  // Skips, by Model::skips() index `skip` (a SkipLink's): where micro-batch mb's message
+  // in `direction` is written before send_skip() (the producer's copy of its output, the
+  // consumer's gradient of it): one buffer each for the step, untouched until
+  // finish_sends().
+  const Tensor& skip_buffer(Direction direction, int skip, int mb) const;
+  void send_skip(Direction direction, int skip, int mb);
+  // Waits for it at the other end; returns the seconds waited. received_skip() then holds it.
+  double receive_skip(Direction direction, int skip, int mb);
+  const Tensor& received_skip(Direction direction, int skip, int mb) const;
+
  private:
   struct PendingSend {
     const Outbox* outbox;
     std::span<const std::byte> wire;
     Direction direction;
     int channel, micro_batch;
+    int link = -1;  // a skip's (index into links_), or -1
   };
   void post_ready_sends(bool wait);
   void post_send(std::span<const std::byte> wire, Direction direction, int c, int mb);
+  void post_skip_send(std::span<const std::byte> wire, Direction direction, int link, int mb);
+  int link_of(int skip) const;
+  int skip_tag(int skip, int mb, Direction direction) const { return message_tag(skip_base_ + skip * micro_batches_ + mb, direction); }
+  std::size_t link_slot(int link, int mb) const { return static_cast<std::size_t>(link * micro_batches_ + mb); }
   // The pipeline stage channel c's messages in `direction` go to, and the one they come from.
   int peer(Direction direction, int c) const;
   int source(Direction direction, int c) const;
@@ -104,6 +144,37 @@ class Transport {
   std::vector<Transfer> sent_;
   std::vector<Outbox> outboxes_[2];                 // [direction][channel · M + micro-batch]
   std::vector<PendingSend> pending_sends_;          // queued, not yet posted; in order
+  // Skips: [direction][link · M + micro-batch] what arrives (at the consumer forward, the
+  // producer backward; empty at the other end) and what leaves (buffers as Inboxes: memory
+  // of the device, staged where the path is), and the sends' tickets.
+  std::vector<SkipLink> links_;
+  int skip_base_ = 0;
+  std::vector<Inbox> skip_received_[2], skip_kept_[2];
+  std::vector<Progress::Ticket> skip_receive_tickets_[2];
+  std::vector<Outbox> skip_outboxes_[2];
+  std::vector<Progress::Ticket> skip_send_tickets_;
 };
+
+template <class PipelineStage>
+std::vector<Transport::SkipLink> Transport::skip_links(const Model& model, const std::vector<int>& bounds,
+                                                       std::span<const int> stages_here, int micro,
+                                                       PipelineStage pipeline_stage) {
+  const auto stage_of = [&](int layer) {
+    int s = 0;
+    while (bounds[static_cast<std::size_t>(s) + 1] <= layer) ++s;
+    return s;
+  };
+  const auto here = [&](int s) { return std::find(stages_here.begin(), stages_here.end(), s) != stages_here.end(); };
+  const std::vector<Shape> shapes = model.shapes(micro);
+  std::vector<SkipLink> links;
+  for (int k = 0; k < static_cast<int>(model.skips().size()); ++k) {
+    const Model::Skip& skip = model.skips()[static_cast<std::size_t>(k)];
+    const int from = stage_of(skip.producer), to = stage_of(skip.consumer);
+    if (from == to || !(here(from) || here(to))) continue;
+    links.push_back({k, shapes[static_cast<std::size_t>(skip.producer) + 1], pipeline_stage(from), pipeline_stage(to),
+                     here(from), here(to)});
+  }
+  return links;
+}
 
 }  // namespace mpipe

@@ -131,6 +131,16 @@ void maxpool2d_backward(float* dinp, const float* dout, const int32_t* argmax, c
 // Mean over each window, padding counted as zeros (PyTorch's count_include_pad).
 void avgpool2d_forward(float* out, const float* inp, const Window2d& w);
 void avgpool2d_backward(float* dinp, const float* dout, const Window2d& w, GradMode mode);
+// Layout (cpu/layout.cpp): runs copied (Runs); nearest upsampling of `planes` H x W planes
+// by `scale` (each input element fills a scale x scale block) and its gradient, each
+// element the sum of its block's in (row, column) order; `batch` (rows, cols) matrices
+// transposed to (cols, rows).
+void copy_runs(float* dst, const float* src, const Runs& runs);
+void upsample_nearest_forward(float* out, const float* inp, std::int64_t planes, std::int64_t H, std::int64_t W,
+                              std::int64_t scale);
+void upsample_nearest_backward(float* dinp, const float* dout, std::int64_t planes, std::int64_t H, std::int64_t W,
+                               std::int64_t scale);
+void transpose_planes(float* out, const float* inp, std::int64_t batch, std::int64_t rows, std::int64_t cols);
 
 // Rows whose largest logit (the first of equal ones) is the target's: accuracy.
 int64_t count_correct(const float* logits, const int32_t* targets, int64_t N, int64_t V);

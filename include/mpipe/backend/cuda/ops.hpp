@@ -136,6 +136,15 @@ template <class E>
 void avgpool2d_forward(E* out, const E* inp, const Window2d& w);
 template <class E>
 void avgpool2d_backward(E* dinp, const E* dout, const Window2d& w, GradMode mode);
+// Layout (layout.cu): the CPU ops' (cpu/ops.hpp), the same sums in the same order.
+template <class E>
+void copy_runs(E* dst, const E* src, const Runs& runs);
+template <class E>
+void upsample_nearest_forward(E* out, const E* inp, int64_t planes, int64_t H, int64_t W, int64_t scale);
+template <class E>
+void upsample_nearest_backward(E* dinp, const E* dout, int64_t planes, int64_t H, int64_t W, int64_t scale);
+template <class E>
+void transpose_planes(E* out, const E* inp, int64_t batch, int64_t rows, int64_t cols);
 // BatchNorm per channel of (N, C, plane), the CPU op's math (statistics in double; each
 // channel's sums split into segments of samples, one block each, added in segment order:
 // an order fixed by the sizes). weight and bias are E, the statistics and
