@@ -108,8 +108,14 @@ std::unique_ptr<Layer> make_join(const LayerArgs& a, SkipJoin::Op op) {
   if (s.rank == 0) a.refuse("from", cat("'", from, "' is not stashed by an earlier layer"), "stash it with stash = \"" + from + "\" on an earlier layer");
   bool fits = s.rank == in.rank;
   for (int d = 1; fits && d < in.rank; ++d) fits = s[d] == in[d] || (op == SkipJoin::Op::concat && d == join_axis(in));
+  // Shapes a sample (the batch dimension is 1 here).
+  const auto sample = [](const Shape& x) {
+    std::string t = "(";
+    for (int d = 1; d < x.rank; ++d) t += cat(d > 1 ? ", " : "", x[d]);
+    return t + ")";
+  };
   if (!fits)
-    a.refuse("from", cat("the skip '", from, "' is ", s.str(), " and the input ", in.str(), op == SkipJoin::Op::concat ? ": they do not concatenate along the channels" : ": add needs equal shapes"),
+    a.refuse("from", cat("the skip '", from, "' is ", sample(s), " a sample and the input ", sample(in), op == SkipJoin::Op::concat ? ": they do not concatenate along the channels" : ": add needs equal shapes"),
              op == SkipJoin::Op::concat ? "join tensors of equal size but the channels (upsample the input to the skip's plane)" : "add tensors of one shape");
   return std::make_unique<SkipJoin>(op, from, s);
 }

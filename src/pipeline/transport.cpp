@@ -70,6 +70,7 @@ void Transport::post_skip_send(std::span<const std::byte> wire, Direction direct
   const SkipLink& l = links_[static_cast<std::size_t>(link)];
   const int to = direction == Direction::forward ? l.consumer : l.producer;
   skip_send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, to, skip_tag(l.skip, mb, direction)), true));
+  skip_bytes_sent_ += wire.size();
 }
 
 double Transport::receive_skip(Direction direction, int skip, int mb) {
@@ -171,6 +172,7 @@ void Transport::post_send(std::span<const std::byte> wire, Direction direction, 
   const int to = channels_[static_cast<std::size_t>(c)].stage + (direction == Direction::forward ? 1 : -1);
   send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, peer(direction, c), tag(to, mb, direction)), true));
   sent_.push_back({direction, c, mb, {}, {}});
+  bytes_sent_ += wire.size();
 }
 
 // Posts queued sends in order while their data is ready; with `wait`, waits for all.

@@ -125,6 +125,15 @@ mpipe_cli_test(model_file_no_loss 2 "error: model file '.*', layer 1 \\(relu\\):
 mpipe_cli_test(model_file_bad_tie 2 "error: model file '.*', layer 1 \\(linear\\): 'tie': the embedding's table is 32 x 16, this weight 30 x 16; hint" train --model ${MODELS}/bad_tie.toml)
 mpipe_cli_test(model_file_heads 2 "error: model file '.*', layer 1 \\(block\\): 'heads': 3 does not divide the 16 channels coming in; hint" train --model ${MODELS}/heads_divide.toml)
 mpipe_cli_test(model_file_both_inputs 2 "error: model file '.*both_inputs.toml' has both 'tokens' and 'input'; hint" train --model ${MODELS}/both_inputs.toml)
+# Skips: a join's name stashed nowhere, one name stashed twice, shapes that do not
+# concatenate or add, a join before its stash, a stash never taken; one line, exit 2.
+mpipe_cli_test(skip_from_nothing 2 "error: model file '.*skip_from_nothing.toml', layer 1 \\(concat\\): 'from': no layer stashes 'dwon'; hint: stash it first" train --model ${MODELS}/skip_from_nothing.toml)
+mpipe_cli_test(skip_stashed_twice 2 "error: model file '.*skip_stashed_twice.toml', layer 1 \\(relu\\): 'stash': 'down' is stashed already by layer 0; hint" train --model ${MODELS}/skip_stashed_twice.toml)
+mpipe_cli_test(skip_shapes 2 "error: model file '.*skip_shapes.toml', layer 2 \\(concat\\): 'from': the skip 'down' is \\(4, 8, 8\\) a sample and the input \\(4, 4, 4\\): they do not concatenate along the channels; hint" train --model ${MODELS}/skip_shapes.toml)
+mpipe_cli_test(skip_add_shapes 2 "error: model file '.*skip_add_shapes.toml', layer 2 \\(add\\): 'from': the skip 'down' is \\(4, 8, 8\\) a sample and the input \\(6, 8, 8\\): add needs equal shapes; hint" train --model ${MODELS}/skip_add_shapes.toml)
+mpipe_cli_test(skip_backwards 2 "error: model file '.*skip_backwards.toml', layer 1 \\(concat\\): 'from': 'later' is stashed by layer 2, not an earlier layer; hint: a skip goes forward" train --model ${MODELS}/skip_backwards.toml)
+mpipe_cli_test(skip_unused 2 "error: model file '.*skip_unused.toml', layer 0: 'down' is stashed but no layer takes it; hint" train --model ${MODELS}/skip_unused.toml)
+mpipe_cli_test(skip_plan 0 "skip 'level1': layer 2 -> 17, stage 0 -> 2 \\(pipeline stage 0 -> 2\\), 256.0 KiB a micro-batch each way, past 1 stage" plan --model ${PROJECT_SOURCE_DIR}/inputs/unet.toml --ranks 3 --batch-size 16 --micro-batches 4)
 mpipe_cli_test(model_file_loss_shape 2 "error: model file '.*loss_shape.toml': the loss gets \\(1, 3, 4\\); a model of inputs needs \\(batch, classes\\) or \\(batch, classes, height, width\\) there; hint" train --model ${MODELS}/loss_shape.toml)
 mpipe_cli_test(model_file_embedding_late 2 "error: model file '.*', layer 0 \\(embedding\\): takes token ids.*; hint" train --model ${MODELS}/embedding_late.toml)
 mpipe_cli_test(model_file_text_data 2 "error: --data text: files of tokens are for models of tokens \\(gpt\\); hint" train --model ${MODELS}/classifier.toml --data text:${MODELS}/classifier.toml)

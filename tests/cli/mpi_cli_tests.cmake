@@ -44,3 +44,8 @@ set_tests_properties(mpi.gather_stopped PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};
 set(LARGEST train --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --replicas 2 --remat always --memory-per-rank 32MiB --shard-optimizer --steps 1 --threads 1)
 mpipe_mpi_test(sharded_fits 4 0 "adamw state \\(sharded\\), as allocated \\(plan\\): 12.4 MiB \\+ 6.2 MiB \\(12.4 MiB \\+ 6.2 MiB\\)" ${LARGEST} --layers 16)
 mpipe_mpi_test(sharded_too_big 4 2 "error: rank 0 \\(stage 0\\) needs about 35.0 MiB \\(parameters, gradients, their sums' buffers and adamw state .* --memory-per-rank gives it 32.0 MiB" ${LARGEST} --layers 17)
+# Skips on 2 ranks: a bad model file is refused once, exit 2; the U-Net trains with its
+# skips crossing the cut.
+mpipe_mpi_test(skip_shapes 2 2 "error: model file '.*skip_shapes.toml', layer 2 \\(concat\\): 'from': the skip 'down' is \\(4, 8, 8\\) a sample and the input \\(4, 4, 4\\)" train --model ${CMAKE_CURRENT_SOURCE_DIR}/cli/models/skip_shapes.toml)
+mpipe_mpi_test(skip_from_nothing 2 2 "error: model file '.*skip_from_nothing.toml', layer 1 \\(concat\\): 'from': no layer stashes 'dwon'" train --model ${CMAKE_CURRENT_SOURCE_DIR}/cli/models/skip_from_nothing.toml)
+mpipe_mpi_test(unet_trains 2 0 "step +4/4 \\| loss [0-9.]+ " train --model ${PROJECT_SOURCE_DIR}/inputs/unet.toml --batch-size 8 --micro-batches 4 --steps 4 --threads 1 --log-every 4)

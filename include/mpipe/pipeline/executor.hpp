@@ -129,6 +129,8 @@ class Executor : StageHooks {
   const Plan& plan() const { return plan_; }
   const RunOptions& options() const { return plan_.options; }
   const Grid& grid() const { return *grid_; }
+  // The messages between model stages and of skips (bytes sent, for tests and benchmarks).
+  const Transport& transport() const { return *transport_; }
   const Partition& partition() const { return plan_.partition; }
   const Schedule& schedule() const { return plan_.schedule; }
   Model& model() { return model_; }

@@ -105,6 +105,9 @@ class Transport {
   // Waits for it at the other end; returns the seconds waited. received_skip() then holds it.
   double receive_skip(Direction direction, int skip, int mb);
   const Tensor& received_skip(Direction direction, int skip, int mb) const;
+  // Bytes this rank has posted since it was made: between neighbouring stages, and of skips.
+  std::uint64_t bytes_sent() const { return bytes_sent_; }
+  std::uint64_t skip_bytes_sent() const { return skip_bytes_sent_; }
 
  private:
   struct PendingSend {
@@ -153,6 +156,7 @@ class Transport {
   std::vector<Progress::Ticket> skip_receive_tickets_[2];
   std::vector<Outbox> skip_outboxes_[2];
   std::vector<Progress::Ticket> skip_send_tickets_;
+  std::uint64_t bytes_sent_ = 0, skip_bytes_sent_ = 0;
 };
 
 template <class PipelineStage>
