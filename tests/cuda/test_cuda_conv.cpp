@@ -271,3 +271,49 @@ TEST_CASE_TEMPLATE("cuda op: batchnorm training, running statistics, deferred su
     CHECK(error(d_dw2.read(), twice) < gemm_grad_tolerance<E>);
   }
 }
+
+// ---- layout: skips' concatenation, nearest upsampling, a per-pixel loss's transpose -----
+
+TEST_CASE_TEMPLATE("cuda op: copy_runs, nearest upsampling and transposes match the CPU", E, float, bf16) {
+  // A concatenation's halves: 3 samples of 4 and 2 channels of 5 x 5 into 6.
+  const int64_t N = 3, plane = 25, cx = 4, cs = 2;
+  const auto x = rounded<E>(normals(static_cast<std::size_t>(N * cx * plane), 31));
+  const auto s = rounded<E>(normals(static_cast<std::size_t>(N * cs * plane), 32));
+  const Runs xr{N, cx * plane, (cx + cs) * plane, 0, cx * plane, 0}, sr{N, cs * plane, (cx + cs) * plane, cx * plane, cs * plane, 0};
+  std::vector<float> joined(static_cast<std::size_t>(N * (cx + cs) * plane));
+  cpu::copy_runs(joined.data(), x.data(), xr);
+  cpu::copy_runs(joined.data(), s.data(), sr);
+  const DeviceArray<E> d_x = upload<E>(x), d_s = upload<E>(s);
+  DeviceArray<E> d_joined(joined.size());
+  cuda::copy_runs(d_joined.get(), d_x.get(), xr);
+  cuda::copy_runs(d_joined.get(), d_s.get(), sr);
+  CHECK(download(d_joined) == joined);  // copies: exact in either type
+  // Upsampling by 2 and 3 of (2, 3, 5, 4) planes, and the gradient's block sums.
+  for (const int64_t scale : {2, 3}) {
+    CAPTURE(scale);
+    const int64_t planes = 6, H = 5, W = 4, big = planes * H * W * scale * scale;
+    const auto in = rounded<E>(normals(static_cast<std::size_t>(planes * H * W), 33));
+    const auto dout = rounded<E>(normals(static_cast<std::size_t>(big), 34));
+    std::vector<float> out(static_cast<std::size_t>(big)), dinp(in.size());
+    cpu::upsample_nearest_forward(out.data(), in.data(), planes, H, W, scale);
+    cpu::upsample_nearest_backward(dinp.data(), dout.data(), planes, H, W, scale);
+    const DeviceArray<E> d_in = upload<E>(in), d_dout = upload<E>(dout);
+    DeviceArray<E> d_out(out.size()), d_dinp(dinp.size());
+    cuda::upsample_nearest_forward(d_out.get(), d_in.get(), planes, H, W, scale);
+    cuda::upsample_nearest_backward(d_dinp.get(), d_dout.get(), planes, H, W, scale);
+    CHECK(download(d_out) == out);
+    // fp32 adds each block in the CPU's order: the same bits; bf16 rounds the sum once.
+    if constexpr (std::is_same_v<E, float>) CHECK(download(d_dinp) == dinp);
+    else CHECK(error(download(d_dinp), dinp) < tolerance<E>);
+  }
+  // (2, 7, 33) -> (2, 33, 7): a per-pixel loss's NCHW -> NHWC, and back.
+  const auto m = rounded<E>(normals(2 * 7 * 33, 35));
+  std::vector<float> t(m.size()), back(m.size());
+  cpu::transpose_planes(t.data(), m.data(), 2, 7, 33);
+  cpu::transpose_planes(back.data(), t.data(), 2, 33, 7);
+  CHECK(back == m);
+  const DeviceArray<E> d_m = upload<E>(m);
+  DeviceArray<E> d_t(t.size());
+  cuda::transpose_planes(d_t.get(), d_m.get(), 2, 7, 33);
+  CHECK(download(d_t) == t);
+}

@@ -334,3 +334,106 @@ TEST_CASE("partition transparency on one GPU for a CNN with BatchNorm: K = 2 giv
     }
   }
 }
+
+namespace {
+// tests/reference/unet.toml: nested concat skips, an add skip, upsampling, a label per pixel.
+std::string unet_model_file() {
+  const auto path = mpipe::testing::test_file("cuda_unet.toml");
+  std::ofstream(path) << R"(input = [2, 8, 8]
+
+[[layer]]
+kind = "conv2d"
+out = 4
+kernel = 3
+padding = 1
+stash = "top"
+[[layer]]
+kind = "batchnorm2d"
+[[layer]]
+kind = "relu"
+stash = "level1"
+[[layer]]
+kind = "maxpool2d"
+kernel = 2
+[[layer]]
+kind = "conv2d"
+out = 6
+kernel = 3
+padding = 1
+[[layer]]
+kind = "relu"
+stash = "level2"
+[[layer]]
+kind = "avgpool2d"
+kernel = 2
+[[layer]]
+kind = "conv2d"
+out = 8
+kernel = 3
+padding = 1
+[[layer]]
+kind = "relu"
+[[layer]]
+kind = "upsample2d"
+[[layer]]
+kind = "concat"
+from = "level2"
+[[layer]]
+kind = "conv2d"
+out = 4
+kernel = 3
+padding = 1
+[[layer]]
+kind = "upsample2d"
+[[layer]]
+kind = "concat"
+from = "level1"
+[[layer]]
+kind = "conv2d"
+out = 4
+kernel = 1
+[[layer]]
+kind = "add"
+from = "top"
+[[layer]]
+kind = "gelu"
+[[layer]]
+kind = "conv2d"
+out = 3
+kernel = 1
+[[layer]]
+kind = "cross_entropy"
+)";
+  return path.string();
+}
+}  // namespace
+
+TEST_CASE("the U-Net on the GPU matches the CPU, and K = 2 with its skips across the cut gives K = 1's bits: fp32 and bf16") {
+  REQUIRE(world().size() >= 2);
+  cpu::set_threads(2);
+  const auto unet = [](const std::string& device, const std::string& precision) {
+    TrainConfig c;
+    c.model.kind = unet_model_file();
+    c.batch_size = 16;
+    c.micro_batches = 4;
+    c.steps = 3;
+    c.seed = 3;
+    c.threads = 2;
+    c.optimizer.lr = 3e-3f;
+    c.device = device;
+    c.precision = precision;
+    return c;
+  };
+  const Run reference = run(unet("cpu", "fp32"), 1, 3);
+  for (const std::string precision : {"fp32", "bf16"}) {
+    CAPTURE(precision);
+    const Run one = run(unet("cuda", precision), 1, 3);
+    TrainConfig split = unet("cuda", precision);
+    split.pipeline.grid.stages = 2;
+    split.pipeline.balance = "9,10";  // every skip crosses the cut (top 0 -> 16, level1 2 -> 14, level2 5 -> 11)
+    const Run two = run(split, 2, 3);
+    if (world().rank() != 0) continue;
+    check_close(one, reference, tolerance_for(precision, 1e-4, 3e-2));
+    check_same_bits(one, two);
+  }
+}
