@@ -378,6 +378,8 @@ int Training::finish() {
   const auto cpu = [](const timeval& t) { return static_cast<double>(t.tv_sec) + 1e-6 * static_cast<double>(t.tv_usec); };
   const std::vector<double> cpu_s = world_.gather(cpu(usage.ru_utime) + cpu(usage.ru_stime), 0);
   const std::vector<double> progress_cpu_s = world_.gather(exec_.progress().thread_cpu_seconds(), 0);
+  const std::vector<std::array<double, 2>> sent = world_.gather(
+      std::array<double, 2>{static_cast<double>(exec_.transport().bytes_sent()), static_cast<double>(exec_.transport().skip_bytes_sent())}, 0);
   // And now, after the last step: what the rank keeps, without the transient buffers of
   // a step (MPI's non-blocking reductions allocate their own, freed when they end; the
   // heap's free memory handed back first).
@@ -427,6 +429,10 @@ int Training::finish() {
     summary.phases = std::move(phases);
     summary.cpu_s_per_rank = cpu_s;
     summary.progress_thread_cpu_s_per_rank = progress_cpu_s;
+    for (const auto& [stages, skips] : sent) {
+      summary.sent_bytes_per_rank.push_back(stages);
+      summary.skip_bytes_per_rank.push_back(skips);
+    }
     const std::string json = summary_json(exec_, summary);
     try {
       if (metrics_) metrics_->write_line(json);

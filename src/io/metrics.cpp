@@ -108,6 +108,8 @@ std::string summary_json(const Executor& exec, const RunSummary& s) {
                         {"peak_device_bytes_per_rank", device_per_rank},
                         {"cpu_s_per_rank", seconds(s.cpu_s_per_rank)},
                         {"progress_thread_cpu_s_per_rank", seconds(s.progress_thread_cpu_s_per_rank)},
+                        {"sent_bytes_per_rank", s.sent_bytes_per_rank},
+                        {"skip_bytes_per_rank", s.skip_bytes_per_rank},
                         {"phase_s", phases}};
   return summary.dump();
 }

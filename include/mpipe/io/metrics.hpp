@@ -44,6 +44,9 @@ struct RunSummary {
   // CPU seconds over the whole run, per rank: the process's, and its progress thread's
   // (0 without one), which shares the rank's cores with the compute.
   std::vector<double> cpu_s_per_rank, progress_thread_cpu_s_per_rank;
+  // Bytes each rank sent over the run: to neighbouring stages, and of skips (straight from
+  // a skip's producer to its consumer).
+  std::vector<double> sent_bytes_per_rank, skip_bytes_per_rank;
 };
 
 // One JSON object (one line) describing the run: throughput, bubble, peak memory per

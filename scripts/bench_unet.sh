@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# A U-Net (inputs/unet.toml) pipelined at K = 2 with its skips across the cut, one BLAS
+# thread per rank: samples/s of K = 1 and of K = 2 (the partition by FLOPs and by measured
+# time), rounds interleaved, the speed-up beside the GPipe bound 2M/(M+1), the measured
+# bubble beside the one simulated from the run's own action times, and each rank's bytes
+# sent to its neighbour stage and of skips beside what the skips' tensors hold (plan's
+# skip lines: a message each way per micro-batch and step): a skip sent once, straight
+# from its producer to its consumer, not through the stages between.
+# Environment: ROUNDS=3 rounds, STEPS=12 steps a run (the first excluded), M=8 micro-batches
+# of BATCH=32 samples.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --test
+[[ -f build/release/CMakeCache.txt ]] || cmake --preset release >/dev/null
+cmake --build --preset release --target mpipe >/dev/null
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+rounds=${ROUNDS:-3} steps=${STEPS:-12} M=${M:-8} batch=${BATCH:-32}
+model=inputs/unet.toml
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+common=(train --model "$model" --batch-size "$batch" --micro-batches "$M" --steps "$steps" --threads 1 --log-every 1000)
+run() {  # name ranks args...: one run's summary line into $work/name.R
+  local name=$1 ranks=$2
+  shift 2
+  mpirun -n "$ranks" --oversubscribe --bind-to core build/release/mpipe "${common[@]}" --metrics "$work/$name.$r.jsonl" "$@" \
+    > "$work/$name.$r.log" 2>&1 || { echo "run $name failed:"; tail -5 "$work/$name.$r.log"; exit 1; }
+}
+for ((r = 0; r < rounds; ++r)); do
+  run k1 1
+  run flops 2
+  run time 2 --partition time
+done
+/usr/bin/python3 - "$work" "$rounds" "$M" <<'PY'
+import json, re, statistics, sys
+work, rounds, M = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def summary(name, r):
+    with open(f"{work}/{name}.{r}.jsonl") as f:
+        return json.loads(f.read().splitlines()[-1])
+def log(name, r):
+    return open(f"{work}/{name}.{r}.log").read()
+bound = 2 * M / (M + 1)
+base = statistics.median(summary("k1", r)["samples_per_s"] for r in range(rounds))
+print(f"U-Net (inputs/unet.toml) at K = 2, M = {M}, {rounds} rounds interleaved; K = 1: {base:.1f} samples/s (median)")
+print(f"{'partition':<10} {'cut':<14} {'samples/s':>10} {'speed-up':>9} {'bound':>6} {'of bound':>9} {'bubble':>7} {'simulated':>10}  skips across")
+for name in ("flops", "time"):
+    rows = [summary(name, r) for r in range(rounds)]
+    rate = statistics.median(s["samples_per_s"] for s in rows)
+    text = log(name, 0)
+    cut = re.search(r"^partition \(\w+\): (.*)$", text, re.M).group(1)
+    across = re.findall(r"^skip '(\w+)': layer \d+ -> \d+, stage \d -> \d", text, re.M)
+    bubble = statistics.median(s["bubble_fraction"] for s in rows)
+    simulated = statistics.median(s["simulated_bubble"] for s in rows)
+    print(f"{name:<10} {cut:<14} {rate:10.1f} {rate / base:8.2f}x {bound:5.2f}x {rate / base / bound:8.2f}x {100 * bubble:6.1f}% {100 * simulated:9.1f}%  {', '.join(across) or 'none'}")
+# Traffic: each rank's skip bytes against the skips' tensors (plan: KiB a micro-batch each way).
+text = log("time", 0)
+s = summary("time", 0)
+each = 0.0
+for name, size, unit in re.findall(r"^skip '(\w+)': .*stage \d -> \d .*?, ([0-9.]+) (KiB|MiB) a micro-batch each way", text, re.M):
+    each += float(size) * (1024 if unit == "KiB" else 1024 ** 2)
+steps = s["steps_timed"] + 1
+expected = each * M * steps  # forward from the producer, and the gradient back from the consumer: the same bytes each
+print(f"skip bytes sent per rank (partition by time): {[int(b) for b in s['skip_bytes_per_rank']]}, "
+      f"the skips' tensors {int(expected)} a rank ({'equal' if all(b == expected for b in s['skip_bytes_per_rank']) else 'NOT equal'}); "
+      f"to the neighbour stage: {[int(b) for b in s['sent_bytes_per_rank']]}")
+PY
