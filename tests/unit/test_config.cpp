@@ -150,7 +150,7 @@ TEST_CASE("validation names the option at fault") {
   }
 }
 
-TEST_CASE("--memory-per-rank: bytes or a size with its unit; --remat auto needs it") {
+TEST_CASE("--memory-per-rank: bytes or a size with its unit, --remat auto needs it") {
   CHECK(parse_memory_size("123") == 123);
   CHECK(parse_memory_size("500MB") == 500e6);
   CHECK(parse_memory_size("8GiB") == 8.0 * 1024 * 1024 * 1024);

@@ -353,7 +353,7 @@ TEST_CASE("hdf5 data: a run's batches follow the rule docs/data.md states, shuff
   fs::remove(path);
 }
 
-TEST_CASE("prefetch: a batch read ahead is taken once by its key; its error comes at its take; others are dropped") {
+TEST_CASE("prefetch: a batch read ahead is taken once by its key, its error comes at its take, others are dropped") {
   // The reader fills element 0 of inputs with the step (and targets with the training
   // flag), and fails at step 3.
   std::vector<float> a(4, -1.0f), b(4, -1.0f);

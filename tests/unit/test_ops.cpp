@@ -31,7 +31,7 @@ TEST_CASE("philox: known-answer vectors of Random123") {
         Philox4{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u});
 }
 
-TEST_CASE("random streams: normals have mean 0 and variance 1; below() stays in range") {
+TEST_CASE("random streams: normals have mean 0 and variance 1, below() stays in range") {
   const RandomStream s = make_stream(42, Stream::init, 1, 2, 3);
   double sum = 0, sq = 0;
   const int n = 200000;

@@ -47,7 +47,7 @@ TEST_CASE("a message completes through Progress in every mode, its times in orde
   }
 }
 
-TEST_CASE("a wait past its timeout names what it waited for; the request is cancelled after") {
+TEST_CASE("a wait past its timeout names what it waited for, the request is cancelled after") {
   for (const char* name : {"thread", "waits"}) {
     INFO(name);
     std::vector<float> in(16);

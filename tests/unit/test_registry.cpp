@@ -541,7 +541,7 @@ std::string classifier(int classes) {
 }
 }  // namespace
 
-TEST_CASE("an unsplit backward puts input gradients in spent forward memory: bitwise the turns' gradients, less scratch; a projection's output given back") {
+TEST_CASE("an unsplit backward puts input gradients in spent forward memory: bitwise the turns' gradients, less scratch, a projection's output given back") {
   // A stem, an identity block, a strided block with a projection (its output given back
   // after the sum), one whose projection a BatchNorm follows (skip-norm), then the head.
   const std::string file =
@@ -626,7 +626,7 @@ TEST_CASE("an unsplit backward puts input gradients in spent forward memory: bit
   CHECK(slot2.tensor(Shape{1}).data == static_cast<std::byte*>(norm.saved[1].data) + Arena::rounded(norm.saved[1].bytes()));
 }
 
-TEST_CASE("a ReLU after a layer whose output is dead to it runs in place, bitwise; never over a stage's input") {
+TEST_CASE("a ReLU after a layer whose output is dead to it runs in place, bitwise, never over a stage's input") {
   // conv -> batchnorm -> relu (in place), a block whose inner relu runs in place and whose
   // sum goes over its last batchnorm's output, a relu after the block (in place), and a
   // relu after a relu (not in place: the first one's backward reads its output).

@@ -81,7 +81,7 @@ kind = "cross_entropy"
 
 }  // namespace
 
-TEST_CASE("concat and add join a skip element by element; their backward hands each part its gradient") {
+TEST_CASE("concat and add join a skip element by element, and their backward hands each part its gradient") {
   for (const bool images : {true, false}) {
     INFO((images ? "images (N, C, H, W): channels are dim 1" : "(N, T, C): channels are the last"));
     const Shape in = images ? Shape{2, 2, 1, 3} : Shape{2, 3, 2}, skip = images ? Shape{2, 1, 1, 3} : Shape{2, 3, 1};
@@ -140,7 +140,7 @@ TEST_CASE("concat and add join a skip element by element; their backward hands e
   CHECK_THROWS_AS(add.forward(make_tensor(x.data(), in), c2, bare), Error);
 }
 
-TEST_CASE("upsample2d: each element fills its scale x scale block; the gradient sums the block") {
+TEST_CASE("upsample2d: each element fills its scale x scale block, and the gradient sums the block") {
   for (const std::int64_t scale : {2, 3}) {
     const Shape in{2, 1, 2, 3};
     Upsample2d up(scale);
@@ -298,7 +298,7 @@ TEST_CASE("synthetic segmentation: a label per pixel, every class drawn, the sam
   CHECK(alone == y);
 }
 
-TEST_CASE("hdf5 label maps: /labels (N, H, W) read a map per sample; a map of the wrong size or class refused") {
+TEST_CASE("hdf5 label maps: /labels (N, H, W) read a map per sample, and a map of the wrong size or class refused") {
   ModelConfig config;
   config.kind = model_file("skips_unet_h5.toml", small_unet);
   const Model m(config);
