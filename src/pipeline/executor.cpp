@@ -121,8 +121,7 @@ void Executor::allocate() {
   // Skips that cross model stages, with an end on this rank: messages of their own.
   std::vector<int> here;
   for (const Stage& stage : stages_) here.push_back(stage.index());
-  std::vector<Transport::SkipLink> skip_links = Transport::skip_links(
-      model_, partition_.bounds, here, micro_, [this](int s) { return partition_.pipeline_stage(s); });
+  std::vector<Transport::SkipLink> skip_links = Transport::skip_links(model_, partition_, here, micro_);
   // Every request in flight at once: each micro-batch's two receives and two sends on
   // every stage, the skips', and the reducer's.
   const int requests = 4 * M * C + Transport::skip_requests(skip_links, M) + reducer_->requests() + 2;

@@ -2,6 +2,8 @@
 // buffers (backend/message.hpp).
 #include "mpipe/pipeline/transport.hpp"
 
+#include <algorithm>
+
 #include "mpipe/pipeline/hosts.hpp"
 
 namespace mpipe {
@@ -42,10 +44,25 @@ Transport::Transport(const Grid& grid, Progress& progress, MessagePath path, DTy
         skip_kept_[index(d)].push_back(leaves ? Inbox(link.shape, dtype_, path_) : Inbox{});
         skip_outboxes_[index(d)].emplace_back(leaves ? static_cast<std::size_t>(link.shape.numel()) * dtype_size(dtype_) : 0, path_);
       }
-      skip_receive_tickets_[index(d)].assign(links_.size() * static_cast<std::size_t>(M), Progress::none);
     }
+  for (auto& tickets : skip_receive_tickets_) tickets.assign(links_.size() * static_cast<std::size_t>(M), Progress::none);
   skip_send_tickets_.reserve(2 * links_.size() * static_cast<std::size_t>(M));
   pending_sends_.reserve(2 * (static_cast<std::size_t>(C) + links_.size()) * static_cast<std::size_t>(M));
+}
+
+std::vector<Transport::SkipLink> Transport::skip_links(const Model& model, const Partition& partition,
+                                                       std::span<const int> stages_here, int micro) {
+  const auto here = [&](int s) { return std::find(stages_here.begin(), stages_here.end(), s) != stages_here.end(); };
+  const std::vector<Shape> shapes = model.shapes(micro);
+  std::vector<SkipLink> links;
+  for (int k = 0; k < static_cast<int>(model.skips().size()); ++k) {
+    const Model::Skip& skip = model.skips()[static_cast<std::size_t>(k)];
+    const int from = partition.stage_of(skip.producer), to = partition.stage_of(skip.consumer);
+    if (from == to || !(here(from) || here(to))) continue;
+    links.push_back({k, shapes[static_cast<std::size_t>(skip.producer) + 1], partition.pipeline_stage(from),
+                     partition.pipeline_stage(to), here(from), here(to)});
+  }
+  return links;
 }
 
 int Transport::link_of(int skip) const {
@@ -78,18 +95,9 @@ double Transport::receive_skip(Direction direction, int skip, int mb) {
   const int link = link_of(skip);
   const SkipLink& l = links_[static_cast<std::size_t>(link)];
   Inbox& m = skip_received_[index(direction)][link_slot(link, mb)];
-  double waited = 0;
-  try {
-    waited = progress_
-                 .wait(skip_receive_tickets_[index(direction)][link_slot(link, mb)], timeout_,
-                       direction == Direction::forward ? "a skip's activation of micro-batch" : "a skip's gradient of micro-batch",
-                       mb, static_cast<long>(m.wire().size()))
-                 .waited;
-  } catch (const Error& e) {
-    const int from = direction == Direction::forward ? l.producer : l.consumer;
-    const int rank = grid_.shape().rank_of(from, grid_.replica());
-    rethrow_as(e, cat(e.what(), "; it comes from rank ", rank, " (stage ", from, ")", on_host(rank)));
-  }
+  const double waited = wait_received(skip_receive_tickets_[index(direction)][link_slot(link, mb)],
+                                      direction == Direction::forward ? "a skip's activation of micro-batch" : "a skip's gradient of micro-batch",
+                                      mb, m.wire().size(), direction == Direction::forward ? l.producer : l.consumer);
   m.arrived();
   return waited;
 }
@@ -137,21 +145,21 @@ double Transport::receive(Direction direction, int c, int mb) {
   // A neighbour may be waiting for one of our queued sends before it can send this.
   post_ready_sends(true);
   Inbox& m = received_[index(direction)][slot(c, mb)];
-  double waited = 0;
+  const double waited = wait_received(receive_tickets_[index(direction)][slot(c, mb)],
+                                      direction == Direction::forward ? "the activation of micro-batch" : "the gradient of micro-batch",
+                                      mb, m.wire().size(), source(direction, c));
+  m.arrived();
+  return waited;
+}
+
+double Transport::wait_received(Progress::Ticket& ticket, const char* what, int mb, std::size_t bytes, int from) {
   try {
-    waited = progress_
-                 .wait(receive_tickets_[index(direction)][slot(c, mb)], timeout_,
-                       direction == Direction::forward ? "the activation of micro-batch" : "the gradient of micro-batch",
-                       mb, static_cast<long>(m.wire().size()))
-                 .waited;
+    return progress_.wait(ticket, timeout_, what, mb, static_cast<long>(bytes)).waited;
   } catch (const Error& e) {
     // Name the rank that did not send: the first of a chain of waiting ranks is stuck.
-    const int from = source(direction, c);
     const int rank = grid_.shape().rank_of(from, grid_.replica());
     rethrow_as(e, cat(e.what(), "; it comes from rank ", rank, " (stage ", from, ")", on_host(rank)));
   }
-  m.arrived();
-  return waited;
 }
 
 const Tensor& Transport::received(Direction direction, int c, int mb) const {

@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "unet_model.hpp"
 #include "tiny_gpt.hpp"
 #include "compare.hpp"
 #include "gather.hpp"
@@ -336,74 +337,10 @@ TEST_CASE("partition transparency on one GPU for a CNN with BatchNorm: K = 2 giv
 }
 
 namespace {
-// tests/reference/unet.toml: nested concat skips, an add skip, upsampling, a label per pixel.
+// tests/reference/unet.toml (tests/unet_model.hpp): nested concat skips, an add skip, upsampling, a label per pixel.
 std::string unet_model_file() {
   const auto path = mpipe::testing::test_file("cuda_unet.toml");
-  std::ofstream(path) << R"(input = [2, 8, 8]
-
-[[layer]]
-kind = "conv2d"
-out = 4
-kernel = 3
-padding = 1
-stash = "top"
-[[layer]]
-kind = "batchnorm2d"
-[[layer]]
-kind = "relu"
-stash = "level1"
-[[layer]]
-kind = "maxpool2d"
-kernel = 2
-[[layer]]
-kind = "conv2d"
-out = 6
-kernel = 3
-padding = 1
-[[layer]]
-kind = "relu"
-stash = "level2"
-[[layer]]
-kind = "avgpool2d"
-kernel = 2
-[[layer]]
-kind = "conv2d"
-out = 8
-kernel = 3
-padding = 1
-[[layer]]
-kind = "relu"
-[[layer]]
-kind = "upsample2d"
-[[layer]]
-kind = "concat"
-from = "level2"
-[[layer]]
-kind = "conv2d"
-out = 4
-kernel = 3
-padding = 1
-[[layer]]
-kind = "upsample2d"
-[[layer]]
-kind = "concat"
-from = "level1"
-[[layer]]
-kind = "conv2d"
-out = 4
-kernel = 1
-[[layer]]
-kind = "add"
-from = "top"
-[[layer]]
-kind = "gelu"
-[[layer]]
-kind = "conv2d"
-out = 3
-kernel = 1
-[[layer]]
-kind = "cross_entropy"
-)";
+  std::ofstream(path) << mpipe::test::unet_text;
   return path.string();
 }
 }  // namespace

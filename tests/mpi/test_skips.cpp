@@ -12,6 +12,7 @@
 #include "gather.hpp"
 #include "mpipe/app/config.hpp"
 #include "temp_dir.hpp"
+#include "unet_model.hpp"
 
 using namespace mpipe;
 using mpipe::test::gather_params;
@@ -19,78 +20,10 @@ using mpipe::test::world;
 
 namespace {
 
-// 19 layers: stashes "top" (layer 0, taken by the add at 16), "level1" (2, taken by the
-// concat at 14) and "level2" (5, taken by the concat at 11); dropout-free, BatchNorm in
-// the encoder.
-constexpr const char* unet_text = R"(input = [2, 8, 8]
-[[layer]]
-kind = "conv2d"
-out = 4
-kernel = 3
-padding = 1
-stash = "top"
-[[layer]]
-kind = "batchnorm2d"
-[[layer]]
-kind = "relu"
-stash = "level1"
-[[layer]]
-kind = "maxpool2d"
-kernel = 2
-[[layer]]
-kind = "conv2d"
-out = 6
-kernel = 3
-padding = 1
-[[layer]]
-kind = "relu"
-stash = "level2"
-[[layer]]
-kind = "avgpool2d"
-kernel = 2
-[[layer]]
-kind = "conv2d"
-out = 8
-kernel = 3
-padding = 1
-[[layer]]
-kind = "relu"
-[[layer]]
-kind = "upsample2d"
-[[layer]]
-kind = "concat"
-from = "level2"
-[[layer]]
-kind = "conv2d"
-out = 4
-kernel = 3
-padding = 1
-[[layer]]
-kind = "upsample2d"
-[[layer]]
-kind = "concat"
-from = "level1"
-[[layer]]
-kind = "conv2d"
-out = 4
-kernel = 1
-[[layer]]
-kind = "add"
-from = "top"
-[[layer]]
-kind = "gelu"
-[[layer]]
-kind = "conv2d"
-out = 3
-kernel = 1
-[[layer]]
-kind = "cross_entropy"
-)";
-
 std::string unet_file() {
   static const std::string path = [] {
     const auto p = mpipe::testing::test_file("skips_unet.toml");
-    std::ofstream(p) << unet_text;
+    std::ofstream(p) << mpipe::test::unet_text;
     return p.string();
   }();
   return path;
@@ -113,7 +46,7 @@ TrainConfig unet(const std::string& schedule, const std::string& remat, const st
 
 struct Result {
   std::vector<double> losses;
-  std::vector<float> params;
+  std::vector<float> params, last_replica;  // the first replica's and the last one's
   std::vector<std::uint64_t> bytes, skip_bytes;  // per rank of the run (on rank 0)
 };
 
@@ -127,6 +60,7 @@ Result run(const TrainConfig& config, int ranks) {
     e.allocate();
     for (int step = 0; step < config.steps; ++step) result.losses.push_back(e.step(step).loss);
     result.params = gather_params(e, sub, 0);
+    result.last_replica = gather_params(e, sub, e.grid().replicas() - 1);
     result.bytes = sub.gather(e.transport().bytes_sent(), 0);
     result.skip_bytes = sub.gather(e.transport().skip_bytes_sent(), 0);
   } catch (const std::exception& e) {
@@ -202,4 +136,21 @@ TEST_CASE("a skip's bytes go once, from its producer's rank straight to its cons
   CHECK(r.skip_bytes[1] == steps * M * level1);
   CHECK(r.skip_bytes[2] == 0);
   CHECK(r.skip_bytes[3] == steps * M * (top + level1));
+}
+
+
+TEST_CASE("skips with replicas: D = 2 x K = 2, both skips' messages in each replica, the replicas stay bitwise identical") {
+  if (world().size() != 4) return;
+  TrainConfig config = unet("1f1b", "never", balance_of(2));
+  config.pipeline.grid.replicas = 2;
+  config.pipeline.batchnorm = "deferred";  // the running statistics summed over replicas too
+  const Result r = run(config, 4);
+  if (world().rank() != 0) return;
+  REQUIRE(!r.params.empty());
+  REQUIRE(r.params.size() == r.last_replica.size());
+  CHECK(std::memcmp(r.params.data(), r.last_replica.data(), r.params.size() * sizeof(float)) == 0);
+  CHECK(r.losses.back() < r.losses.front());
+  // Each replica's pipeline moves its own skips: ranks 0 and 1 (replica 0's stages, rank
+  // order pipeline), 2 and 3 (replica 1's) each send theirs.
+  for (const std::uint64_t bytes : r.skip_bytes) CHECK(bytes > 0);
 }

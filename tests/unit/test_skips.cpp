@@ -20,6 +20,7 @@
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/stage.hpp"
 #include "temp_dir.hpp"
+#include "unet_model.hpp"
 
 using namespace mpipe;
 
@@ -333,4 +334,10 @@ TEST_CASE("hdf5 label maps: /labels (N, H, W) read a map per sample, and a map o
   write(bad_class, 4, 7);
   CHECK_THROWS_WITH_AS(make_dataset("hdf5:" + short_maps, m, 1), doctest::Contains("/labels is (3, 3, 4); the model's loss takes a label per pixel"), UserError);
   CHECK_THROWS_WITH_AS(make_dataset("hdf5:" + bad_class, m, 1), doctest::Contains("label 7 of sample 2 is out of range"), UserError);
+}
+
+TEST_CASE("the U-Net text of the mpi and cuda tests is tests/reference/unet.toml") {
+  const ModelSpec file = parse_model_file(MPIPE_TEST_SOURCE_DIR "/reference/unet.toml");
+  const ModelSpec text = parse_model_text(mpipe::test::unet_text, MPIPE_TEST_SOURCE_DIR "/reference/unet.toml");
+  CHECK(text.to_toml() == file.to_toml());
 }

@@ -24,7 +24,6 @@ class SkipJoin final : public Layer {
 
   std::string kind() const override { return op_ == Op::concat ? "concat" : "add"; }
   Shape output_shape(const Shape& in) const override;
-  DType input_dtype() const override { return DType::f32; }
   Cost cost(const Shape& in) const override;
 
   const std::string& from() const { return from_; }

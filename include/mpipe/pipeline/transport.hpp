@@ -17,7 +17,6 @@
 // their own streams, and a send is posted once its copy is done while the next
 // micro-batch computes.
 #pragma once
-#include <algorithm>
 #include <chrono>
 #include <span>
 #include <vector>
@@ -25,6 +24,7 @@
 #include "mpipe/backend/message.hpp"
 #include "mpipe/core/tensor.hpp"
 #include "mpipe/nn/model.hpp"
+#include "mpipe/pipeline/partition.hpp"
 #include "mpipe/pipeline/grid.hpp"
 #include "mpipe/pipeline/progress.hpp"
 
@@ -57,11 +57,10 @@ class Transport {
     int producer, consumer;   // the pipeline stages (ranks of the replica) of its two model stages
     bool produces, consumes;  // on this rank
   };
-  // The skips that cross model stages with one end on `stages_here` (model stages), for
-  // micro-batches of `micro` samples; `pipeline_stage` maps a model stage to its rank.
-  template <class PipelineStage>
-  static std::vector<SkipLink> skip_links(const Model& model, const std::vector<int>& bounds, std::span<const int> stages_here,
-                                          int micro, PipelineStage pipeline_stage);
+  // The skips of `model` that cross model stages of `partition` with one end on
+  // `stages_here` (model stages), for micro-batches of `micro` samples.
+  static std::vector<SkipLink> skip_links(const Model& model, const Partition& partition, std::span<const int> stages_here,
+                                          int micro);
   // Requests in flight at once for `links`: each micro-batch's message each way.
   static int skip_requests(std::span<const SkipLink> links, int micro_batches) {
     return 2 * micro_batches * static_cast<int>(links.size());
@@ -121,6 +120,8 @@ class Transport {
   void post_send(std::span<const std::byte> wire, Direction direction, int c, int mb);
   void post_skip_send(std::span<const std::byte> wire, Direction direction, int link, int mb);
   int link_of(int skip) const;
+  // Waits for a posted receive; a timeout names the rank `from` (a pipeline stage) that did not send.
+  double wait_received(Progress::Ticket& ticket, const char* what, int mb, std::size_t bytes, int from);
   int skip_tag(int skip, int mb, Direction direction) const { return message_tag(skip_base_ + skip * micro_batches_ + mb, direction); }
   std::size_t link_slot(int link, int mb) const { return static_cast<std::size_t>(link * micro_batches_ + mb); }
   // The pipeline stage channel c's messages in `direction` go to, and the one they come from.
@@ -158,27 +159,4 @@ class Transport {
   std::vector<Progress::Ticket> skip_send_tickets_;
   std::uint64_t bytes_sent_ = 0, skip_bytes_sent_ = 0;
 };
-
-template <class PipelineStage>
-std::vector<Transport::SkipLink> Transport::skip_links(const Model& model, const std::vector<int>& bounds,
-                                                       std::span<const int> stages_here, int micro,
-                                                       PipelineStage pipeline_stage) {
-  const auto stage_of = [&](int layer) {
-    int s = 0;
-    while (bounds[static_cast<std::size_t>(s) + 1] <= layer) ++s;
-    return s;
-  };
-  const auto here = [&](int s) { return std::find(stages_here.begin(), stages_here.end(), s) != stages_here.end(); };
-  const std::vector<Shape> shapes = model.shapes(micro);
-  std::vector<SkipLink> links;
-  for (int k = 0; k < static_cast<int>(model.skips().size()); ++k) {
-    const Model::Skip& skip = model.skips()[static_cast<std::size_t>(k)];
-    const int from = stage_of(skip.producer), to = stage_of(skip.consumer);
-    if (from == to || !(here(from) || here(to))) continue;
-    links.push_back({k, shapes[static_cast<std::size_t>(skip.producer) + 1], pipeline_stage(from), pipeline_stage(to),
-                     here(from), here(to)});
-  }
-  return links;
-}
-
 }  // namespace mpipe
