@@ -61,48 +61,55 @@ print(f"verify after writing (re-read every checksum, rename): {verify_s:.2f} s"
 PY
 
 # The stall: what a checkpoint costs the step loop, synchronous and --checkpoint-async on,
-# against a run with no periodic checkpoint, rounds ordered A B C C B A: 12 steps of the
-# same model with a checkpoint after step 6, each log line timed as it arrives. The
-# stall is the time from step 6's line to step 12's over the no-checkpoint run's (the
-# final checkpoint, written at once in every variant, comes after). STALL_RANKS=1 runs it
-# on one rank, leaving this VM's second core to the background write.
-stall_ranks=${STALL_RANKS:-2}
+# against a run with no periodic checkpoint, rounds ordered A B C C B A (ROUNDS=2 such
+# sequences): 12 steps of the same model with a checkpoint after step 6, each log line
+# timed as it arrives. The checkpoint (and with --checkpoint-async the next update's wait
+# for the copy) falls between step 6's line and step 7's: the stall is that interval over
+# the no-checkpoint runs' (the issue's measure: the step that checkpoints against a normal
+# step), and the whole of steps 6 -> 12 over theirs (a background write's cost to the
+# steps after it; the final checkpoint, written at once in every variant, comes after).
+# STALL_RANKS=1 runs it on one rank, leaving this VM's second core to the background write.
+stall_ranks=${STALL_RANKS:-2} stall_rounds=${ROUNDS:-2}
 stall=(--model gpt --layers 12 --d-model 768 --heads 12 --seq-len 64 --vocab 50257 --batch-size 2 --micro-batches 2
        --threads 1 --steps 12 --log-every 1 --progress off)
-declare -A window=([none]=0 [sync]=0 [async]=0)
-waited=() background=()
-variant() {  # NAME: one run; adds half its step 6 -> 12 time to window[NAME]
+variant() {  # NAME: one run; its step times (6 -> 7 and 6 -> 12) and its background lines into $dir/stall.NAME
   local args=()
   case $1 in sync) args=(--checkpoint-every 6) ;; async) args=(--checkpoint-every 6 --checkpoint-async on) ;; esac
   rm -rf "$dir/stall"
   mpirun -n "$stall_ranks" --bind-to core build/release/mpipe train "${stall[@]}" --checkpoint-dir "$dir/stall" "${args[@]}" |
     while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$dir/stall.log"
-  local t
-  t=$(awk '$2 == "step" && $3 == "6/12" { a = $1 } $2 == "step" && $3 == "12/12" { b = $1 } END { print b - a }' "$dir/stall.log")
-  window[$1]=$(awk -v w="${window[$1]}" -v t="$t" 'BEGIN { print w + t / 2 }')
-  if [[ $1 == async ]]; then
-    waited+=($(sed -n 's/.*training waited \([0-9.]*\) s.*/\1/p' "$dir/stall.log"))
-    background+=($(sed -n 's/.*written in the background: .* in \([0-9.]*\) s .*verified in \([0-9.]*\) s/\1+\2/p' "$dir/stall.log"))
-  fi
-  return 0
+  awk '$2 == "step" && $3 == "6/12" { a = $1 } $2 == "step" && $3 == "7/12" { b = $1 } $2 == "step" && $3 == "12/12" { c = $1 }
+       /training waited/ { w = $0; sub(/.*training waited /, "", w); sub(/ s.*/, "", w) }
+       /written in the background/ { u = $0; sub(/.*the next update waited /, "", u); sub(/ s.*/, "", u)
+                                     g = $0; sub(/.*B in /, "", g); sub(/ s .*/, "", g)
+                                     v = $0; sub(/.*verified in /, "", v); sub(/ s.*/, "", v) }
+       END { printf "%s %.6f %.6f %s %s %s\n", name, b - a, c - a, w ? w : "-", u ? u : "-", (g ? g + v : "-") }' \
+    name="$1" "$dir/stall.log" >> "$dir/stall.times"
 }
-for v in none sync async async sync none; do variant "$v"; done
+rm -f "$dir/stall.times"
+for ((r = 0; r < stall_rounds; ++r)); do
+  for v in none sync async async sync none; do variant "$v"; done
+done
 write_s=$(sed -n 's/.*written: .* in \([0-9.]*\) s .*/\1/p' <<<"$write_log")
-/usr/bin/python3 - "${window[none]}" "${window[sync]}" "${window[async]}" "$write_s" "${waited[*]}" "${background[*]}" "$stall_ranks" <<'PY'
-import sys
-none, sync, asynchronous, write_s = map(float, sys.argv[1:5])
-waited = [float(w) for w in sys.argv[5].split()]
-background = [eval(b) for b in sys.argv[6].split()]
+/usr/bin/python3 - "$dir/stall.times" "$write_s" "$stall_ranks" "$stall_rounds" <<'PY'
+import statistics, sys
+rows = [line.split() for line in open(sys.argv[1])]
+write_s, ranks, rounds = float(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+def of(name, col):
+    return [float(r[col]) for r in rows if r[0] == name and r[col] != "-"]
 print()
-print(f"the step loop's stall for a checkpoint after step 6 of 12 on {sys.argv[7]} rank(s) (steps 6 -> 12; mean of 2 runs"
-      " each, A B C C B A)")
-print(f"{'':28} {'steps 6-12 s':>13} {'stall s':>8} {'/ sync write':>13}")
-print(f"{'no periodic checkpoint':28} {none:13.2f}")
-for name, window in (("synchronous", sync), ("--checkpoint-async on", asynchronous)):
-    stall = window - none
-    print(f"{name:28} {window:13.2f} {stall:8.2f} {stall / write_s:12.2f}x")
+print(f"the step loop's stall for a checkpoint after step 6 of 12 on {ranks} rank(s), means of {2 * rounds} runs each"
+      f" (A B C C B A x {rounds})")
+print(f"{'':24} {'step 6->7 s':>12} {'stall s':>8} {'/ sync write':>13} {'steps 6->12 s':>14} {'stall s':>8} {'/ sync write':>13}")
+none7, none12 = statistics.mean(of("none", 1)), statistics.mean(of("none", 2))
+print(f"{'no periodic checkpoint':24} {none7:12.3f} {'':8} {'':13} {none12:14.2f}")
+for name, label in (("sync", "synchronous"), ("async", "--checkpoint-async on")):
+    a7, a12 = statistics.mean(of(name, 1)), statistics.mean(of(name, 2))
+    print(f"{label:24} {a7:12.3f} {a7 - none7:8.3f} {(a7 - none7) / write_s:12.2f}x {a12:14.2f} {a12 - none12:8.2f} {(a12 - none12) / write_s:12.2f}x")
+waited, copy, background = of("async", 3), of("async", 4), of("async", 5)
 if waited:
-    print(f"--checkpoint-async: training waited {min(waited):.3f}-{max(waited):.3f} s at the checkpoint (the copy); "
-          f"the background write and verification took {min(background):.2f}-{max(background):.2f} s")
+    print(f"--checkpoint-async: training waited {min(waited):.3f}-{max(waited):.3f} s at the checkpoint (rendezvous, running"
+          f" statistics), {min(copy):.3f}-{max(copy):.3f} s at the next update for the copy (rank 0); the background copy,"
+          f" write and verification took {min(background):.2f}-{max(background):.2f} s")
 print(f"(the synchronous write above: {write_s:.2f} s; the target: a stall of at most 0.1x it)")
 PY

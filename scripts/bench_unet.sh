@@ -6,7 +6,10 @@
 # sent to its neighbour stage and of skips beside what the skips' tensors hold (plan's
 # skip lines: a message each way per micro-batch and step): a skip sent once, straight
 # from its producer to its consumer, not through the stages between.
-# Environment: ROUNDS=3 rounds, STEPS=12 steps a run (the first excluded), M=8 micro-batches
+# The contention baseline (as scripts/scaling_check.sh's): two lone K = 1 runs at once, one a
+# core, whose rate against a lone K = 1 run's is what this machine gives two busy cores; the
+# machine's own bound is 2 · rate_together / rate_alone · M / (M + 1).
+# Environment: ROUNDS=3 rounds, STEPS=40 steps a run (the first excluded), M=8 micro-batches
 # of BATCH=32 samples.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +17,7 @@ bash scripts/setup.sh --test
 [[ -f build/release/CMakeCache.txt ]] || cmake --preset release >/dev/null
 cmake --build --preset release --target mpipe >/dev/null
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-rounds=${ROUNDS:-3} steps=${STEPS:-12} M=${M:-8} batch=${BATCH:-32}
+rounds=${ROUNDS:-3} steps=${STEPS:-40} M=${M:-8} batch=${BATCH:-32}
 model=inputs/unet.toml
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -25,10 +28,19 @@ run() {  # name ranks args...: one run's summary line into $work/name.R
   mpirun -n "$ranks" --oversubscribe --bind-to core build/release/mpipe "${common[@]}" --metrics "$work/$name.$r.jsonl" "$@" \
     > "$work/$name.$r.log" 2>&1 || { echo "run $name failed:"; tail -5 "$work/$name.$r.log"; exit 1; }
 }
+together() {  # two K = 1 runs at once, each bound to a core of its own
+  local i
+  for i in 0 1; do
+    taskset -c "$i" mpirun -n 1 --bind-to none build/release/mpipe "${common[@]}" --metrics "$work/together$i.$r.jsonl" \
+      > "$work/together$i.$r.log" 2>&1 &
+  done
+  wait
+}
 for ((r = 0; r < rounds; ++r)); do
   run k1 1
   run flops 2
   run time 2 --partition time
+  together
 done
 /usr/bin/python3 - "$work" "$rounds" "$M" <<'PY'
 import json, re, statistics, sys
@@ -40,8 +52,11 @@ def log(name, r):
     return open(f"{work}/{name}.{r}.log").read()
 bound = 2 * M / (M + 1)
 base = statistics.median(summary("k1", r)["samples_per_s"] for r in range(rounds))
+together = statistics.median(summary(f"together{i}", r)["samples_per_s"] for i in (0, 1) for r in range(rounds))
+machine = 2 * together / base * M / (M + 1)
 print(f"U-Net (inputs/unet.toml) at K = 2, M = {M}, {rounds} rounds interleaved; K = 1: {base:.1f} samples/s (median)")
-print(f"{'partition':<10} {'cut':<14} {'samples/s':>10} {'speed-up':>9} {'bound':>6} {'of bound':>9} {'bubble':>7} {'simulated':>10}  skips across")
+print(f"contention: two K = 1 runs at once each give {together / base:.3f}x a lone one's rate; the machine's bound {machine:.2f}x")
+print(f"{'partition':<10} {'cut':<14} {'samples/s':>10} {'speed-up':>9} {'bound':>6} {'of bound':>9} {'of machine':>11} {'bubble':>7} {'simulated':>10}  skips across")
 for name in ("flops", "time"):
     rows = [summary(name, r) for r in range(rounds)]
     rate = statistics.median(s["samples_per_s"] for s in rows)
@@ -50,7 +65,7 @@ for name in ("flops", "time"):
     across = re.findall(r"^skip '(\w+)': layer \d+ -> \d+, stage \d -> \d", text, re.M)
     bubble = statistics.median(s["bubble_fraction"] for s in rows)
     simulated = statistics.median(s["simulated_bubble"] for s in rows)
-    print(f"{name:<10} {cut:<14} {rate:10.1f} {rate / base:8.2f}x {bound:5.2f}x {rate / base / bound:8.2f}x {100 * bubble:6.1f}% {100 * simulated:9.1f}%  {', '.join(across) or 'none'}")
+    print(f"{name:<10} {cut:<14} {rate:10.1f} {rate / base:8.2f}x {bound:5.2f}x {rate / base / bound:8.2f}x {rate / base / machine:10.2f}x {100 * bubble:6.1f}% {100 * simulated:9.1f}%  {', '.join(across) or 'none'}")
 # Traffic: each rank's skip bytes against the skips' tensors (plan: KiB a micro-batch each way).
 text = log("time", 0)
 s = summary("time", 0)

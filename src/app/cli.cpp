@@ -192,8 +192,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "Stop in time: once the next step and a checkpoint would not fit in this much time from the "
                  "start (MINUTES, or Slurm's [D-]H:MM:SS / MM:SS), write a checkpoint and exit 75, as on SIGTERM");
   cmd.add_option("--checkpoint-async", c.checkpoint_async,
-                 "on: each --checkpoint-every checkpoint is copied to memory at its step and written by a thread while "
-                 "training goes on (the same file; the final one and one at a stop are written at once); off")
+                 "on: each --checkpoint-every checkpoint is written by a thread while training goes on, from a copy "
+                 "taken in memory before the next update (the same file; the final one and one at a stop are written "
+                 "at once); off: at its step; auto: on where MPI takes calls from two threads")
       ->capture_default_str();
   cmd.add_option("--keep", c.keep, "Complete checkpoints to keep (0: all)")->capture_default_str();
   cmd.add_option("--resume", c.resume, "auto (newest good checkpoint in --checkpoint-dir), never, or a file")

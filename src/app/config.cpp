@@ -48,8 +48,8 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
   MPIPE_REQUIRE(c.trace_steps >= 0, "e.g. --trace-steps 5", "--trace-steps must be >= 0, got ", c.trace_steps);
   MPIPE_REQUIRE(c.eval_every >= 0, "e.g. --eval-every 100", "--eval-every must be >= 0, got ", c.eval_every);
-  MPIPE_REQUIRE(c.checkpoint_async == "on" || c.checkpoint_async == "off", "use on or off",
-                "--checkpoint-async must be on or off, got '", c.checkpoint_async, "'");
+  MPIPE_REQUIRE(c.checkpoint_async == "auto" || c.checkpoint_async == "on" || c.checkpoint_async == "off", "use auto, on or off",
+                "--checkpoint-async must be auto, on or off, got '", c.checkpoint_async, "'");
   MPIPE_REQUIRE(c.sample_every >= 0, "e.g. --sample-every 100", "--sample-every must be >= 0, got ", c.sample_every);
   MPIPE_REQUIRE(c.sample_tokens >= 1 && c.sample_tokens <= 100000, "e.g. --sample-tokens 64",
                 "--sample-tokens must be from 1 to 100000, got ", c.sample_tokens);
@@ -115,6 +115,10 @@ void validate(const TrainConfig& c, int world) {
                   "unknown --partition '", p.partition, "'");
 }
 
+bool background_checkpoints(const TrainConfig& c) {
+  return c.checkpoint_async != "off" && !c.checkpoint_dir.empty() && c.checkpoint_every > 0;
+}
+
 RunOptions run_options(const TrainConfig& c) {
   const PipelineConfig& p = c.pipeline;
   RunOptions o;
@@ -134,6 +138,7 @@ RunOptions run_options(const TrainConfig& c) {
   o.in_flight = p.in_flight;
   o.overlap_steps = p.overlap_steps;
   o.shard_optimizer = p.shard_optimizer;
+  o.checkpoint_copy = background_checkpoints(c);
   o.remat = parsed<Remat>(p.remat, remat_names);
   if (!p.memory_per_rank.empty()) o.memory_per_rank = parse_memory_size(p.memory_per_rank);
   o.batchnorm = parsed<BatchNormRule>(p.batchnorm, batchnorm_names);

@@ -134,6 +134,7 @@ std::string to_toml(const TrainConfig& c) {
   line("log-every", cat(c.log_every));
   if (!c.checkpoint_dir.empty()) line("checkpoint-dir", toml_quoted(c.checkpoint_dir));
   line("checkpoint-every", cat(c.checkpoint_every));
+  line("checkpoint-async", toml_quoted(c.checkpoint_async));
   line("keep", cat(c.keep));
   if (!c.time_limit.empty()) line("time-limit", toml_quoted(c.time_limit));
   if (!c.init_from.empty()) line("init-from", toml_quoted(c.init_from));

@@ -120,6 +120,13 @@ void print_plan(const Plan& plan, const Model& model) {
     }
     std::printf("\n");
   }
+  if (plan.options.checkpoint_copy) {
+    // --checkpoint-async: each writer's copy, part of what the memory check counts.
+    std::printf("checkpoint copy (--checkpoint-async) per writing rank:");
+    for (int p = 0; p < K; ++p)
+      std::printf(" %s", human_bytes(plan.weight_memory(p, plan.options.shard_optimizer).checkpoint_copy).c_str());
+    std::printf(" (values and %s state, in host memory)\n", plan.options.optimizer.kind.c_str());
+  }
   std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n",
               100 * plan.equal_bubble, plan.bubble_formula.c_str(), 100 * plan.predicted_bubble);
   // Post-validation: a stage starts the next step once its own part of this one is done.

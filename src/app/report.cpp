@@ -151,10 +151,12 @@ void check_memory(const Plan& plan, int world_rank, int node_ranks) {
   if (have <= 0) return;  // nothing to go by
   MPIPE_REQUIRE(need <= have,
                 cat("use more stages (--stages), ", remat ? "" : "--remat always, ",
+                    plan.options.checkpoint_copy ? "--checkpoint-async off, " : "",
                     "a smaller --batch-size or more --micro-batches, ",
                     plan.grid.replicas > 1 && !plan.options.shard_optimizer ? "--shard-optimizer, " : "", "or a smaller model"),
                 "rank ", world_rank, " (stage ", stage, ")", on_host(world_rank), " needs about ", human_bytes(need),
-                " (parameters, gradients", plan.grid.replicas > 1 ? ", their sums' buffers" : "", " and ", plan.options.optimizer.kind, " state ", human_bytes(weights),
+                " (parameters, gradients", plan.grid.replicas > 1 ? ", their sums' buffers" : "", " and ", plan.options.optimizer.kind, " state",
+                plan.options.checkpoint_copy ? ", a copy for --checkpoint-async " : " ", human_bytes(weights),
                 ", activations of ", remat ? 1 : live, " micro-batch", (remat ? 1 : live) > 1 ? "es " : " ",
                 human_bytes(activations), ", inputs ", human_bytes(inputs), "), ",
                 given ? cat("--memory-per-rank gives it ", human_bytes(have))

@@ -118,6 +118,7 @@ class Training {
   // On every rank; false if it failed. `background`: with --checkpoint-async, written
   // while training goes on (else the write in flight is waited for first).
   bool checkpoint(std::int64_t done, bool background = false);
+  bool background_written();
   void saved(const SaveResult& result, bool background);  // its times and its line
   bool time_is_up() const;
   template <class Write>
@@ -148,6 +149,18 @@ class Training {
   TrainingSample sample_{config_};  // --sample-every
 };
 
+// Waits for a background write in flight and reports it; false (said on rank 0) when it failed.
+bool Training::background_written() {
+  if (!async_) return true;
+  try {
+    if (const auto previous = async_->wait(&watchdog_)) saved(*previous, true);
+    return true;
+  } catch (const std::exception& e) {
+    if (root_) std::fprintf(stderr, "mpipe: error: %s\n", e.what());
+    return false;
+  }
+}
+
 bool Training::checkpoint(std::int64_t done, bool background) {
   if (config_.checkpoint_dir.empty()) return true;
   try {
@@ -159,8 +172,7 @@ bool Training::checkpoint(std::int64_t done, bool background) {
                     async_->stall_seconds());
       return true;
     }
-    if (async_)
-      if (const auto previous = async_->wait(&watchdog_)) saved(*previous, true);
+    if (!background_written()) return false;
     if (done == last_saved_) return true;
     saved(save_checkpoint(exec_, checkpoint_dir_, done, &watchdog_), false);
     last_saved_ = done;
@@ -174,9 +186,12 @@ bool Training::checkpoint(std::int64_t done, bool background) {
 void Training::saved(const SaveResult& result, bool background) {
   checkpoint_seconds_ = result.write_seconds + result.verify_seconds;
   if (!root_) return;
-  std::printf("checkpoint %s written%s: %s in %.2f s (%.0f MB/s), verified in %.2f s\n", result.path.c_str(),
+  std::printf("checkpoint %s written%s: %s in %.2f s (%.0f MB/s), verified in %.2f s", result.path.c_str(),
               background ? " in the background" : "", human_bytes(result.bytes).c_str(), result.write_seconds,
               result.bytes / 1e6 / result.write_seconds, result.verify_seconds);
+  // Rank 0's figure: what of the copy the thread had not done when the next update came.
+  if (background) std::printf("; the next update waited %.3f s for the copy", result.copy_wait_seconds);
+  std::printf("\n");
   advise_kill_grace(longest_step_ + checkpoint_seconds_);
 }
 
@@ -273,6 +288,9 @@ int Training::run() {
     for (std::int64_t step = first_step_; step < config_.steps; ++step) {
       if (stop_signalled()) exec_.request_stop();
       if (time_is_up()) exec_.request_stop(true);  // every rank learns it: the message names the time limit
+      // A background checkpoint write that failed stops the run at the next step, on every
+      // rank together (the step's agreement), not at the next checkpoint.
+      if (async_ && async_->failed()) exec_.request_stop();
       // With --overlap-steps the results are of earlier steps (this one's once settled).
       bool stop = false, time_limit = false;
       for (const StepResult& r : exec_.advance(step)) {
@@ -294,6 +312,13 @@ int Training::run() {
       if (stop) {
         // Every rank saw the same flag in the step's allreduce: stop here, together.
         preempted_ = true;
+        // A background write in flight ends first; when it failed, that is the reason.
+        if (!background_written()) {
+          if (root_)
+            std::printf("step %lld: the background checkpoint write failed; exiting with code %d\n",
+                        static_cast<long long>(step + 1), exit_internal_error);
+          return exit_internal_error;
+        }
         // Rank 0 says why: its own reason, a time limit up on any rank (each asks its own
         // clock), or else a signal that reached another rank.
         if (root_)
@@ -562,7 +587,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
       (code = start_up->phase("init-from", [&] { load_weights(*exec, config.init_from); })))
     return code;
   std::unique_ptr<AsyncCheckpoint> async;
-  if (config.checkpoint_async == "on" && !config.checkpoint_dir.empty() &&
+  if (background_checkpoints(config) && (config.checkpoint_async == "on" || AsyncCheckpoint::possible()) &&
       (code = start_up->phase("checkpoint-async", [&] { async = std::make_unique<AsyncCheckpoint>(*exec); })))
     return code;
   start_up.reset();  // from here the steps' waits have --p2p-timeout, checkpoints their own guard

@@ -384,6 +384,7 @@ void Executor::update(StepResult& r) {
     const auto factor = static_cast<float>(clip / r.grad_norm);
     params_->scale_grads(factor);
   }
+  if (state_reader_) state_reader_->finish();
   optimizer_->update(r.lr, ++updates_);
   if (fail_gather_ && world_.rank() == fail_rank_ && r.step == fail_step_) std::raise(SIGSTOP);
   reducer_->start_gather(updates_);  // --shard-optimizer: the other replicas' pieces

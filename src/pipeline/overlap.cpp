@@ -100,6 +100,7 @@ std::span<const StepResult> Executor::advance_unchecked(std::int64_t step) {
   reduce_and_agree(step, pipeline_seconds_, dropped);
   if (speculate_) {
     const auto opt_start = Clock::now();
+    if (state_reader_) state_reader_->finish();
     backup_->save_state();
     optimizer_->update(learning_rate(plan_.options.optimizer, step, plan_.options.steps), ++updates_);
     reducer_->start_gather(updates_);

@@ -130,6 +130,7 @@ Plan::WeightMemory Plan::weight_memory(int stage, bool sharded) const {
   w.state = f32_bytes(params) * states / shards * copies;
   const int D = grid.replicas;
   if (D > 1) w.sums = f32_bytes(params) * (D - 1) / D;
+  if (options.checkpoint_copy) w.checkpoint_copy = f32_bytes(params) * (1.0 + states / shards);
   return w;
 }
 

@@ -705,6 +705,48 @@ keys = ("step", "optimizer_updates", "samples_consumed", "data_position", "seed"
 sys.exit(0 if all(a[k] == b[k] for k in keys) else 1)
 PY
   done
+  # The thread leaves the whole copy to the next update (MPIPE_CHECKPOINT_COPY_AT_UPDATE),
+  # so a file differs from the synchronous one if anything changes the state before that
+  # update has copied it: a U-Net's BatchNorm running statistics (changed by the next
+  # step's forwards: copied at the step), and --overlap-steps (the update made ahead).
+  unet=(train --model "$(dirname "$0")/../../inputs/unet.toml" --batch-size 8 --micro-batches 2 --threads 1 --log-every 1)
+  for variant in unet overlap; do
+    if [[ $variant == unet ]]; then args=("${unet[@]}"); else args=("${model[@]}" --overlap-steps); fi
+    mkdir "$work/$variant-sync" "$work/$variant-async"
+    run 2 "${args[@]}" --steps 4 --checkpoint-every 2 --checkpoint-dir "$work/$variant-sync" > /dev/null
+    MPIPE_CHECKPOINT_COPY_AT_UPDATE=1 mpiexec -n 2 -x MPIPE_CHECKPOINT_COPY_AT_UPDATE --oversubscribe "$mpipe" "${args[@]}" \
+      --steps 4 --checkpoint-every 2 --checkpoint-dir "$work/$variant-async" --checkpoint-async on > "$work/$variant.log" \
+      || fail "$variant: $(cat "$work/$variant.log")"
+    grep -q "ckpt-00000002.h5 written in the background: .*; the next update waited [0-9.]* s for the copy" "$work/$variant.log" \
+      || fail "$variant: step 2's write not reported: $(cat "$work/$variant.log")"
+    same_tensors "$work/$variant-sync/ckpt-00000002.h5" "$work/$variant-async/ckpt-00000002.h5"
+  done
+  # A background write that fails (a full disk: a tmpfs with room for one checkpoint, not
+  # two) is reported at the next step, not at the next checkpoint or the end: one error
+  # line, exit 1, the checkpoint before it in place and verifying. In a mount namespace
+  # of its own, so that no mount outlives the test (the files are checked in it).
+  size=$(stat -c %s "$work/async/ckpt-00000002.h5")
+  mkdir "$work/full"
+  unshare --mount --propagation private bash -c '
+    mpipe=$1 work=$2 size=$3; shift 3
+    mount -t tmpfs -o size=$size tmpfs "$work/full" || exit 99
+    mpiexec -n 2 --oversubscribe "$mpipe" "$@" --checkpoint-dir "$work/full" > "$work/full.log" 2>&1
+    echo $? > "$work/full.rc"
+    ls "$work/full" > "$work/full.ls"
+    for f in "$work"/full/ckpt-*.h5; do "$mpipe" inspect "$f" --verify > /dev/null && echo "$(basename "$f") verifies"; done > "$work/full.verify"
+  ' _ "$mpipe" "$work" "$((size * 3 / 2))" "${model[@]}" --steps 400 --checkpoint-every 100 --keep 1 --checkpoint-async on --log-every 100 \
+    || fail "cannot run in a mount namespace with a tmpfs (exit $?)"
+  rc=$(cat "$work/full.rc")
+  [[ $rc -eq 1 ]] || fail "a failed background write: exit $rc: $(cat "$work/full.log")"
+  [[ $(grep -c "error" "$work/full.log") -eq 1 ]] || fail "a failed background write: not one error line: $(cat "$work/full.log")"
+  grep -Eq "^mpipe: error: checkpoint .*ckpt-00000200.h5: .*(No space left|disk full)" "$work/full.log" \
+    || fail "the failure does not name the checkpoint and the full disk: $(cat "$work/full.log")"
+  stopped=$(sed -n 's/^step \([0-9]*\): the background checkpoint write failed; exiting with code 1$/\1/p' "$work/full.log")
+  [[ -n $stopped && $stopped -gt 200 && $stopped -lt 300 ]] \
+    || fail "the failure not reported at a step after 200 and before the next checkpoint: $(cat "$work/full.log")"
+  [[ "$(cat "$work/full.ls")" == "ckpt-00000100.h5" ]] || fail "the directory after the failure: $(cat "$work/full.ls")"
+  grep -q "ckpt-00000100.h5 verifies" "$work/full.verify" || fail "the checkpoint before the failure does not verify"
+  echo "a failed background write of step 200: reported at step $stopped, ckpt-00000100.h5 in place"
   # kill -9 of the whole job while writes run in the background (one every step): every
   # checkpoint left verifies, and the run resumes to the end with the unbroken run's
   # final weights.

@@ -4,7 +4,7 @@ mpipe_cli_test(help 0 "--micro-batches" train --help)
 # The commands a user finds in --help: export and generate among them.
 mpipe_cli_test(help_lists_export 0 "  export +Write a checkpoint's weights as safetensors" --help)
 mpipe_cli_test(help_lists_generate 0 "  generate +Continue a prompt with a GPT checkpoint" --help)
-mpipe_cli_test(checkpoint_async_bad 2 "error: --checkpoint-async must be on or off, got 'maybe'; hint" train --checkpoint-async maybe)
+mpipe_cli_test(checkpoint_async_bad 2 "error: --checkpoint-async must be auto, on or off, got 'maybe'; hint" train --checkpoint-async maybe)
 mpipe_cli_test(generate_needs_checkpoint 2 "error: --checkpoint is required" generate --prompt x)
 mpipe_cli_test(generate_bad_temperature 2 "error: --temperature must be a number from 0, got -1; hint" generate --checkpoint x --temperature -1)
 mpipe_cli_test(no_command 2 "error: .*subcommand" )

@@ -181,6 +181,27 @@ TEST_CASE("a plan's weights per rank: --shard-optimizer keeps 1/D of the state, 
   CHECK(weights(c).total() == doctest::Approx(2 * (sharded.total() - sharded.sums) + sharded.sums));  // one set of sum buffers
 }
 
+TEST_CASE("a plan counts --checkpoint-async's copy (values and the state's share) where checkpoints are written in the background") {
+  TrainConfig c = test::tiny_gpt({.layers = 4, .batch_size = 16});
+  c.pipeline.grid.replicas = 2;
+  const Model model(options_of(c).model);
+  auto weights = [&](const TrainConfig& config) { return make_plan(options_of(config), 4, model).weight_memory(1, config.pipeline.shard_optimizer); };
+  const double params = make_plan(options_of(c), 4, model).memory[1].params;
+  CHECK(c.checkpoint_async == "auto");  // the default
+  CHECK(weights(c).checkpoint_copy == 0.0);  // no --checkpoint-dir
+  c.checkpoint_dir = "ckpt";
+  CHECK(weights(c).checkpoint_copy == 0.0);  // only the final checkpoint: written at once
+  c.checkpoint_every = 10;
+  const Plan::WeightMemory copy = weights(c);
+  CHECK(copy.checkpoint_copy == doctest::Approx(4.0 * params * 3));  // values and AdamW's two moments
+  CHECK(make_plan(options_of(c), 4, model).weight_bytes(1) == doctest::Approx(copy.total()));
+  CHECK(copy.total() == doctest::Approx(copy.values + copy.gradients + copy.state + copy.sums + copy.checkpoint_copy));
+  c.pipeline.shard_optimizer = true;
+  CHECK(weights(c).checkpoint_copy == doctest::Approx(4.0 * params * (1 + 2.0 / 2)));  // this replica's half of the state
+  c.checkpoint_async = "off";
+  CHECK(weights(c).checkpoint_copy == 0.0);
+}
+
 TEST_CASE("make_plan's problems are user errors that name the option") {
   TrainConfig c = test::tiny_gpt({.layers = 2, .batch_size = 8, .micro_batches = 2});  // 6 layers
   const Model model(options_of(c).model);

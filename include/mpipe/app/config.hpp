@@ -65,7 +65,8 @@ struct TrainConfig {
   int checkpoint_every = 0;      // steps between checkpoints; 0: only the final one
   // on: the checkpoints of --checkpoint-every written by a thread while training goes on
   // (io/checkpoint_async.hpp); the final one, and one at a stop, are written at once.
-  std::string checkpoint_async = "off";
+  // auto: on where MPI takes calls from two threads (MPI_THREAD_MULTIPLE), else off.
+  std::string checkpoint_async = "auto";
   int keep = 0;                  // complete checkpoints kept; 0: all
   std::string resume = "auto";   // auto | never | PATH
   std::string init_from;         // a safetensors file (mpipe export) a fresh run starts from; empty: the seed's
@@ -83,6 +84,10 @@ void validate(const TrainConfig& config, int world = 0);
 // The options as typed values (validate() first: a word it has not checked is an
 // internal error). A device of "auto" counts as the CPU: a run resolves it first.
 RunOptions run_options(const TrainConfig& config);
+// Whether --checkpoint-every's checkpoints are written in the background (--checkpoint-async
+// on or auto, with a --checkpoint-dir and --checkpoint-every): what the plan counts the
+// copy's memory for. auto falls back to writing at the step where MPI cannot.
+bool background_checkpoints(const TrainConfig& config);
 
 // The run's plan, its options checked first (validate). Collective over `world` when
 // --partition time measures (layer times on world rank 0, the links between the ranks);

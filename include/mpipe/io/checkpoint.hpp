@@ -95,6 +95,7 @@ struct SaveResult {
   double bytes = 0;           // file size
   double write_seconds = 0;   // create, write, close and fsync
   double verify_seconds = 0;  // re-read every checksum, rename, prune
+  double copy_wait_seconds = 0;  // --checkpoint-async: the next update's wait for the copy (this rank's)
 };
 
 // Collective over the world. Replica 0 writes step `step`'s checkpoint (the state after

@@ -95,6 +95,15 @@ auto named_errors(const Grid& grid, std::int64_t step, F&& f) {
   }
 }
 
+// A reader of the training state on the host that an update must not overtake.
+class StateReader {
+ public:
+  virtual void finish() = 0;  // returns once the reader is done with the state
+
+ protected:
+  ~StateReader() = default;
+};
+
 class Executor : StageHooks {
  public:
   // Runs `plan` (made for world.size() ranks) on `world`. Three phases so that a failure
@@ -149,6 +158,10 @@ class Executor : StageHooks {
     stop_requested_ = true;
     time_limit_reached_ = time_limit_reached_ || time_limit;
   }
+  // Something still reading the values and optimizer state where training keeps them on
+  // the host (a background checkpoint's copy, --checkpoint-async): each update first lets
+  // it finish (StateReader::finish), nullptr for none.
+  void set_state_reader(StateReader* reader) { state_reader_ = reader; }
   const Dataset* dataset() const { return dataset_.get(); }
   const Dataset* eval_dataset() const { return eval_dataset_.get(); }
   // --prefetch: whether this rank reads each next batch while a step computes, and the
@@ -257,6 +270,7 @@ class Executor : StageHooks {
   int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP[:stall|:gather]
   bool fail_stall_ = false, fail_gather_ = false;
   bool stop_requested_ = false, time_limit_reached_ = false;
+  StateReader* state_reader_ = nullptr;
 };
 
 }  // namespace mpipe

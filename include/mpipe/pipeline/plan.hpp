@@ -73,6 +73,7 @@ struct RunOptions {
   int in_flight = 0;               // zero-bubble schedules' memory (ScheduleOptions::in_flight)
   bool overlap_steps = false;      // update ahead of the step's agreement (Executor::advance)
   bool shard_optimizer = false;    // each replica keeps and updates 1/D of its stage's optimizer state (ZeRO-1)
+  bool checkpoint_copy = false;    // --checkpoint-async: writers keep a copy of their values and optimizer state
   Remat remat = Remat::never;
   BatchNormRule batchnorm = BatchNormRule::micro;
   PartitionBy partition = PartitionBy::flops;
@@ -286,7 +287,10 @@ struct Plan {
   struct WeightMemory {
     double values = 0, gradients = 0, state = 0;
     double sums = 0;  // with replicas: the gradient sums' receive buffers, (D-1)/D of the gradients (GroupSum)
-    double total() const { return values + gradients + state + sums; }
+    // --checkpoint-async: a writer's copy of its values and optimizer state (the fp32
+    // values, the state's share), held for the run (io/checkpoint_async.hpp).
+    double checkpoint_copy = 0;
+    double total() const { return values + gradients + state + sums + checkpoint_copy; }
   };
   WeightMemory weight_memory(int stage, bool sharded) const;
   // As this run keeps them (--shard-optimizer or not).
