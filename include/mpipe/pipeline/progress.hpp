@@ -24,6 +24,7 @@
 #pragma once
 #include <mpi.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <functional>
@@ -109,7 +110,9 @@ class Progress {
   // data moves; nothing if the progress thread is testing them right now. Waits mode:
   // nothing.
   void poll() {
-    if (mode_ != ProgressMode::waits) sweep_while_moving(true);
+    if (mode_ == ProgressMode::waits) return;
+    sweep_while_moving(true);
+    loop_swept_.store(Clock::now().time_since_epoch().count(), std::memory_order_relaxed);
   }
 
  private:
@@ -151,6 +154,9 @@ class Progress {
   std::vector<int> live_slot_, indices_;
   std::vector<MPI_Status> statuses_;
   int live_count_ = 0;
+  // When the compute loop last swept between layers (poll()): while it does so often, the
+  // thread leaves the sweeping to it.
+  std::atomic<Clock::rep> loop_swept_{0};
   std::thread thread_;
 };
 
