@@ -30,6 +30,8 @@
 #     boundaries and one the other way round.
 # Environment:
 #   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
+#   LADDER_LAYERS=8  the ladder's blocks (2 with KS="1 2": one block a stage, issue 47's grain of K = 8);
+#   its bubble is measured and simulated with the run's own action times
 #   STEPS=5  steps per run (the first excluded: it sizes the arenas)   REPEAT=2  rounds of the ladder
 #   MS="1 2 4 8 16"  the M ladder (empty: skip it)   COMM=0: skip bench_comm   LADDER=0: skip the K ladder
 #   WHERE=0: skip table 1b (BUDGET1B=900 seconds for it)
@@ -85,7 +87,8 @@ PY
 
 # ---- 1. K ladder --------------------------------------------------------------------
 if [[ "${LADDER:-1}" != 0 ]]; then
-ladder=(--model gpt --layers 8 --d-model 256 --heads 8 --seq-len 128 --vocab 256 --batch-size 64
+layers1=${LADDER_LAYERS:-8}
+ladder=(--model gpt --layers "$layers1" --d-model 256 --heads 8 --seq-len 128 --vocab 256 --batch-size 64
         --micro-batches "$M" --threads 1 --steps "$steps" --log-every 1000000 --resume never --partition flops)
 # ladder_run K LAUNCHER_ARGS... -- MPIPE_ARGS... -> "tokens_per_s bubble" from the run's summary
 ladder_run() {
@@ -96,48 +99,49 @@ ladder_run() {
   args=("$@")
   mpirun -n "$K" --bind-to core "${launcher[@]}" build/release/mpipe train "${ladder[@]}" --stages "$K" \
     --summary "$tmp/s.json" "${args[@]}" > "$tmp/log"
-  /usr/bin/python3 -c "import json; s = json.load(open('$tmp/s.json')); print(s['tokens_per_s'], s['bubble_fraction'])"
+  /usr/bin/python3 -c "import json; s = json.load(open('$tmp/s.json')); print(s['tokens_per_s'], s['bubble_fraction'], s['simulated_bubble'])"
 }
-echo "1. K ladder: GPT 8 blocks x 256 channels, seq 128, vocab 256, batch 64, M = $M; 1 thread per rank;"
+echo "1. K ladder: GPT $layers1 blocks x 256 channels, seq 128, vocab 256, batch 64, M = $M; 1 thread per rank;"
 echo "   tokens/s from the median step of $((steps - 1)) (the first excluded); $repeat rounds, each running K = 1 and"
 echo "   then every other row once; the figure is the mean over rounds (min-max in brackets), K = 1 also after the last"
 rows=()
 for ((round = 0; round < repeat; ++round)); do
   read -r tps _ < <(ladder_run 1 --)
-  rows+=("k1 - 1 $tps 0")
+  rows+=("k1 - 1 $tps 0 0")
   for transport in single-copy none; do
     for progress in thread waits; do
       for K in $KS; do
         ((K == 1)) && continue
         launcher=()
         [[ $transport == none ]] && launcher=("${nocma[@]}")
-        read -r tps bubble < <(ladder_run "$K" "${launcher[@]}" -- --comm-progress "$progress")
-        rows+=("$transport $progress $K $tps $bubble")
+        read -r tps bubble simulated < <(ladder_run "$K" "${launcher[@]}" -- --comm-progress "$progress")
+        rows+=("$transport $progress $K $tps $bubble $simulated")
       done
     done
   done
 done
 read -r tps _ < <(ladder_run 1 --)
-rows+=("k1 - 1 $tps 0")
+rows+=("k1 - 1 $tps 0 0")
 /usr/bin/python3 - "$M" "${rows[@]}" <<'PY'
 import statistics, sys
 M = int(sys.argv[1])
 runs = {}
 for row in sys.argv[2:]:
-    transport, progress, K, tps, bubble = row.split()
-    runs.setdefault((transport, progress, int(K)), []).append((float(tps), float(bubble)))
-k1_runs = [t for t, _ in runs.pop(("k1", "-", 1))]
+    transport, progress, K, tps, bubble, simulated = row.split()
+    runs.setdefault((transport, progress, int(K)), []).append((float(tps), float(bubble), float(simulated)))
+k1_runs = [t for t, _, _ in runs.pop(("k1", "-", 1))]
 k1 = statistics.mean(k1_runs)
 print(f"   K = 1: {k1:.0f} tokens/s [{min(k1_runs):.0f}-{max(k1_runs):.0f}]")
 print(f"{'shared memory':>14} {'progress':>9} {'K':>3} {'tokens/s':>20} {'speed-up':>9} {'bound':>7} {'of bound':>9} "
-      f"{'bubble':>7} {'theory':>7}")
+      f"{'bubble':>7} {'simulated':>9} {'theory':>7}")
 for (transport, progress, K), rs in runs.items():
-    tps = statistics.mean(t for t, _ in rs)
-    bubble = statistics.mean(b for _, b in rs)
-    spread = f"[{min(t for t, _ in rs):.0f}-{max(t for t, _ in rs):.0f}]"
+    tps = statistics.mean(t for t, _, _ in rs)
+    bubble = statistics.mean(b for _, b, _ in rs)
+    simulated = statistics.mean(s for _, _, s in rs)
+    spread = f"[{min(t for t, _, _ in rs):.0f}-{max(t for t, _, _ in rs):.0f}]"
     bound = K * M / (M + K - 1)
     print(f"{transport:>14} {progress:>9} {K:3d} {tps:8.0f} {spread:>11} {tps / k1:8.2f}x {bound:6.2f}x "
-          f"{100 * tps / k1 / bound:8.1f}% {100 * bubble:6.1f}% {100 * (K - 1) / (M + K - 1):6.1f}%")
+          f"{100 * tps / k1 / bound:8.1f}% {100 * bubble:6.1f}% {100 * simulated:8.1f}% {100 * (K - 1) / (M + K - 1):6.1f}%")
 PY
 
 fi

@@ -167,7 +167,8 @@ case $case_name in
       # usually both. Never a second mpipe line, and never a line naming another host.
       [[ $(grep -c "^mpipe: error" "$work/lost.err") -le 1 ]] || fail "more than one error line: $(grep "mpipe: error" "$work/lost.err")"
       if grep -q "^mpipe: error" "$work/lost.err"; then
-        grep -Eq "^mpipe: error: rank 1 on $h2 stopped answering" "$work/lost.err" \
+        # (or, lost just before a checkpoint's rendezvous: "did not reach checkpoint step N")
+        grep -Eq "^mpipe: error: rank 1 on $h2 (stopped answering|did not reach)" "$work/lost.err" \
           || fail "rank 1 on $h2 not named: $(grep -m1 "mpipe: error" "$work/lost.err")"
         said=$(grep -m1 "mpipe: error" "$work/lost.err" | cut -c1-70)
       else
