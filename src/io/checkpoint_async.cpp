@@ -76,7 +76,10 @@ AsyncCheckpoint::AsyncCheckpoint(Executor& exec)
 }
 
 AsyncCheckpoint::~AsyncCheckpoint() {
-  if (thread_.joinable()) thread_.join();
+  if (thread_.joinable()) {
+    finish();  // the thread may leave the copy to an update that now never comes
+    thread_.join();
+  }
   exec_.set_state_reader(nullptr);
 }
 
