@@ -9,6 +9,9 @@
 # The contention baseline (as scripts/scaling_check.sh's): two lone K = 1 runs at once, one a
 # core, whose rate against a lone K = 1 run's is what this machine gives two busy cores; the
 # machine's own bound is 2 · rate_together / rate_alone · M / (M + 1).
+# Rows: GPipe with the partition by FLOPs and by time, and 1F1B by time (a U-Net's encoder
+# stages are backward-heavy and its decoder's forward-heavy: GPipe's forward and backward
+# phases each wait on a different stage, 1F1B's alternation evens them out).
 # Environment: ROUNDS=3 rounds, STEPS=40 steps a run (the first excluded), M=8 micro-batches
 # of BATCH=32 samples.
 set -euo pipefail
@@ -40,6 +43,7 @@ for ((r = 0; r < rounds; ++r)); do
   run k1 1
   run flops 2
   run time 2 --partition time
+  run 1f1b 2 --partition time --schedule 1f1b
   together
 done
 /usr/bin/python3 - "$work" "$rounds" "$M" <<'PY'
@@ -56,8 +60,8 @@ together = statistics.median(summary(f"together{i}", r)["samples_per_s"] for i i
 machine = 2 * together / base * M / (M + 1)
 print(f"U-Net (inputs/unet.toml) at K = 2, M = {M}, {rounds} rounds interleaved; K = 1: {base:.1f} samples/s (median)")
 print(f"contention: two K = 1 runs at once each give {together / base:.3f}x a lone one's rate; the machine's bound {machine:.2f}x")
-print(f"{'partition':<10} {'cut':<14} {'samples/s':>10} {'speed-up':>9} {'bound':>6} {'of bound':>9} {'of machine':>11} {'bubble':>7} {'simulated':>10}  skips across")
-for name in ("flops", "time"):
+print(f"{'run':<10} {'cut':<14} {'samples/s':>10} {'speed-up':>9} {'bound':>6} {'of bound':>9} {'of machine':>11} {'bubble':>7} {'simulated':>10}  skips across")
+for name in ("flops", "time", "1f1b"):
     rows = [summary(name, r) for r in range(rounds)]
     rate = statistics.median(s["samples_per_s"] for s in rows)
     text = log(name, 0)
