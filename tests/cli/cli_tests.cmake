@@ -35,6 +35,7 @@ set_tests_properties(cli.gpt_small_config PROPERTIES LABELS "unit;large")
 mpipe_cli_test(negative_threads 2 "error: --threads must be >= 0, got -1; hint" train --threads -1)
 mpipe_cli_test(plan 0 "bubble 20%" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --schedule 1f1b)
 mpipe_cli_test(plan_partition 0 "partition \\(flops\\): 0-2 \\| 3-7" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2)
+mpipe_cli_test(plan_checkpoint_copy 0 "checkpoint copy \\(--checkpoint-async\\) per writing rank: 5.0 MiB 4.9 MiB \\(values and adamw state, in host memory\\)" plan --model gpt --layers 4 --ranks 2 --checkpoint-dir ${CMAKE_CURRENT_BINARY_DIR}/plan-copy --checkpoint-every 10)
 # Links under --partition time: a configured bandwidth counts in plan (a slow one pushes
 # the cuts to small activations); auto is measured by train only.
 mpipe_cli_test(plan_links 0 "links \\(configured\\): 0->1 0.05 GB/s, 1->2 0.05 GB/s, 2->3 0.05 GB/s; per micro-batch, ms by stage: compute [0-9./ ]+, links [0-9./ ]+" plan --model resnet --image 16 --width 4 --classes 10 --batch-size 16 --micro-batches 2 --ranks 4 --partition time --link-bandwidth 0.05)
