@@ -1,5 +1,5 @@
 // Start-up before the watchdog: the deadline from before MPI_Init to the watchdog's first
-// heartbeat, and the tests' fault points.
+// heartbeat, and the tests' fault points; after it, the phases every rank agrees on.
 #include "mpipe/app/startup.hpp"
 
 #include <mpi.h>
@@ -15,12 +15,14 @@
 #include <dirent.h>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "mpipe/app/process.hpp"
 #include "mpipe/core/error.hpp"
 #include "mpipe/pipeline/hosts.hpp"
 
@@ -240,6 +242,40 @@ void fault_point(const char* phase, int rank) {
     return std::string(value ? value : "");
   }();
   if (!fault.empty() && fault == cat(phase, "@", rank < 0 ? own_rank() : rank)) std::raise(SIGSTOP);
+}
+
+int agree(const Communicator& world, const std::function<void()>& phase) {
+  int code = 0;
+  std::string message;
+  try {
+    phase();
+  } catch (const UserError& e) {
+    code = exit_user_error;
+    message = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
+  } catch (const std::exception& e) {
+    code = exit_internal_error;
+    message = cat("mpipe: internal error on ", rank_on_host(world.rank()), ": ", e.what());
+  }
+  // The worst code wins (internal over user error); the lowest rank with it speaks.
+  int worst = code;
+  world.allreduce(std::span<int>(&worst, 1), Reduce::max);
+  if (worst == 0) return 0;
+  int speaker = code == worst ? world.rank() : world.size();
+  world.allreduce(std::span<int>(&speaker, 1), Reduce::min);
+  if (speaker == world.rank()) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "%s\n", message.c_str());
+  }
+  return worst;
+}
+
+StartUp::StartUp(const Communicator& world, Watchdog& watchdog)
+    : world_(world), watchdog_(watchdog), guard_(watchdog.arm("start-up", std::numeric_limits<double>::infinity())) {}
+
+int StartUp::phase(const char* name, const std::function<void()>& body) {
+  watchdog_.doing(cat("start-up (", name, ")"));
+  fault_point(name, world_.rank());
+  return agree(world_, body);
 }
 
 }  // namespace mpipe

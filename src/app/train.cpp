@@ -44,56 +44,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 double since(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// Runs `phase` on every rank and agrees on the outcome, so that a rank that fails
-// during set-up never leaves the others waiting in a collective. On failure the first
-// failing rank prints its message and every rank returns the same exit code.
-int agree(const Communicator& world, const std::function<void()>& phase) {
-  int code = 0;
-  std::string message;
-  try {
-    phase();
-  } catch (const UserError& e) {
-    code = exit_user_error;
-    message = cat("mpipe: error: ", e.what(), "; hint: ", e.hint());
-  } catch (const std::exception& e) {
-    code = exit_internal_error;
-    message = cat("mpipe: internal error on ", rank_on_host(world.rank()), ": ", e.what());
-  }
-  // The worst code wins (internal over user error); the lowest rank with it speaks.
-  int worst = code;
-  world.allreduce(std::span<int>(&worst, 1), Reduce::max);
-  if (worst == 0) return 0;
-  int speaker = code == worst ? world.rank() : world.size();
-  world.allreduce(std::span<int>(&speaker, 1), Reduce::min);
-  if (speaker == world.rank()) {
-    std::fflush(stdout);
-    std::fprintf(stderr, "%s\n", message.c_str());
-  }
-  return worst;
-}
-
-// Start-up: phases every rank runs and agrees on (agree above), under one watchdog armed
-// from the first to the last. A rank stopped anywhere in them (or before the first) leaves
-// the others in a collective; the watchdog's heartbeats name it within --p2p-timeout.
-// Without a deadline: a checkpoint's read or --partition time's measurement has no size
-// known in advance to bound it by.
-class StartUp {
- public:
-  StartUp(const Communicator& world, Watchdog& watchdog)
-      : world_(world), watchdog_(watchdog), guard_(watchdog.arm("start-up", std::numeric_limits<double>::infinity())) {}
-  // Runs `body` as the phase `name`; its agreed exit code (0: go on).
-  int phase(const char* name, const std::function<void()>& body) {
-    watchdog_.doing(cat("start-up (", name, ")"));
-    fault_point(name, world_.rank());
-    return agree(world_, body);
-  }
-
- private:
-  const Communicator& world_;
-  Watchdog& watchdog_;
-  Watchdog::Guard guard_;
-};
-
 // One rank's training from its first step to its summary, once start-up is done.
 class Training {
  public:
@@ -286,11 +236,10 @@ void Training::evaluate(std::int64_t step) {
 int Training::run() {
   try {
     for (std::int64_t step = first_step_; step < config_.steps; ++step) {
-      if (stop_signalled()) exec_.request_stop();
+      // A signal, or a background checkpoint write that failed (at once, not at the next
+      // checkpoint): every rank stops together after this step's agreement.
+      if (stop_signalled() || (async_ && async_->failed())) exec_.request_stop();
       if (time_is_up()) exec_.request_stop(true);  // every rank learns it: the message names the time limit
-      // A background checkpoint write that failed stops the run at the next step, on every
-      // rank together (the step's agreement), not at the next checkpoint.
-      if (async_ && async_->failed()) exec_.request_stop();
       // With --overlap-steps the results are of earlier steps (this one's once settled).
       bool stop = false, time_limit = false;
       for (const StepResult& r : exec_.advance(step)) {

@@ -58,21 +58,17 @@ Stage::Stage(Model& model, int index, int channel, int begin, int end, int model
 void Stage::receive_skips(Direction direction, int mb, bool wait) {
   // Forward: what this stage's joins take from other stages; backward: the gradients of
   // what it stashed for them, and where its own joins write theirs.
+  const bool forward = direction == Direction::forward;
   for (std::size_t k = 0; k < skip_roles_.size(); ++k) {
     const SkipRole role = skip_roles_[k];
-    if (direction == Direction::forward) {
-      skips_[k] = {};
-      if (role != SkipRole::in) continue;
-      if (wait) shared_.hooks->waited(shared_.transport->receive_skip(direction, static_cast<int>(k), mb));
-      skips_[k] = shared_.transport->received_skip(direction, static_cast<int>(k), mb);
-    } else {
-      skip_grads_[k] = {};
-      if (role == SkipRole::out) {
-        if (wait) shared_.hooks->waited(shared_.transport->receive_skip(direction, static_cast<int>(k), mb));
-        skip_grads_[k] = shared_.transport->received_skip(direction, static_cast<int>(k), mb);
-      } else if (role == SkipRole::in) {
-        skip_grads_[k] = shared_.transport->skip_buffer(direction, static_cast<int>(k), mb);
-      }
+    const int skip = static_cast<int>(k);
+    Tensor& here = forward ? skips_[k] : skip_grads_[k];
+    here = {};
+    if (role == (forward ? SkipRole::in : SkipRole::out)) {  // it arrives here
+      if (wait) shared_.hooks->waited(shared_.transport->receive_skip(direction, skip, mb));
+      here = shared_.transport->received_skip(direction, skip, mb);
+    } else if (!forward && role == SkipRole::in) {  // a join's gradient, to send
+      here = shared_.transport->skip_buffer(direction, skip, mb);
     }
   }
 }

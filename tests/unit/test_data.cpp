@@ -16,6 +16,7 @@
 #include "mpipe/core/error.hpp"
 #include "mpipe/data/dataset.hpp"
 #include "mpipe/pipeline/prefetch.hpp"
+#include "hdf5_data_file.hpp"
 #include "temp_dir.hpp"
 
 using namespace mpipe;
@@ -307,17 +308,7 @@ TEST_CASE("hdf5 data: a run's batches follow the rule docs/data.md states, shuff
     std::vector<float> pixels(N * 4, 0.5f);
     std::vector<std::int32_t> labels(N);
     for (int s = 0; s < N; ++s) labels[static_cast<std::size_t>(s)] = s;
-    const hid_t file = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
-    const hsize_t dims[4] = {N, 1, 2, 2}, label_dims[1] = {N};
-    const hid_t space = H5Screate_simple(4, dims, nullptr), label_space = H5Screate_simple(1, label_dims, nullptr);
-    const hid_t inputs = H5Dcreate2(file, "inputs", H5T_NATIVE_FLOAT, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    H5Dwrite(inputs, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, pixels.data());
-    const hid_t ls = H5Dcreate2(file, "labels", H5T_NATIVE_INT32, label_space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    H5Dwrite(ls, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels.data());
-    for (hid_t id : {space, label_space}) H5Sclose(id);
-    H5Dclose(inputs);
-    H5Dclose(ls);
-    H5Fclose(file);
+    mpipe::testing::write_data_file(path.string(), {N, 1, 2, 2}, pixels, {N}, labels);
   }
   const auto model_path = mpipe::testing::test_file("batch_rule.toml");
   std::ofstream(model_path) << "input = [1, 2, 2]\n[[layer]]\nkind = \"flatten\"\n[[layer]]\nkind = \"linear\"\nout = 16\n"

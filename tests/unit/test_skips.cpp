@@ -19,6 +19,7 @@
 #include "mpipe/nn/skip_layers.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/stage.hpp"
+#include "hdf5_data_file.hpp"
 #include "temp_dir.hpp"
 #include "unet_model.hpp"
 
@@ -309,17 +310,7 @@ TEST_CASE("hdf5 label maps: /labels (N, H, W) read a map per sample, and a map o
     std::vector<std::int32_t> labels(N * h * 4);
     for (std::size_t i = 0; i < labels.size(); ++i) labels[i] = static_cast<std::int32_t>(i % 3);
     labels.back() = bad;
-    const hid_t file = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
-    const hsize_t dims[4] = {N, 2, 4, 4}, label_dims[3] = {N, h, 4};
-    const hid_t space = H5Screate_simple(4, dims, nullptr), label_space = H5Screate_simple(3, label_dims, nullptr);
-    const hid_t inputs = H5Dcreate2(file, "inputs", H5T_NATIVE_FLOAT, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    H5Dwrite(inputs, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, pixels.data());
-    const hid_t ls = H5Dcreate2(file, "labels", H5T_NATIVE_INT32, label_space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-    H5Dwrite(ls, H5T_NATIVE_INT32, H5S_ALL, H5S_ALL, H5P_DEFAULT, labels.data());
-    for (hid_t id : {space, label_space}) H5Sclose(id);
-    H5Dclose(inputs);
-    H5Dclose(ls);
-    H5Fclose(file);
+    mpipe::testing::write_data_file(path, {N, 2, 4, 4}, pixels, {N, h, 4}, labels);
   };
   const std::string good = mpipe::testing::test_file("maps.h5").string();
   write(good, 4, 2);

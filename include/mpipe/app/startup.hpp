@@ -1,5 +1,6 @@
-// Start-up before the watchdog: a deadline from before MPI_Init until the watchdog's
-// heartbeats run, and the fault points tests stop ranks at.
+// Start-up: before the watchdog, a deadline from before MPI_Init until the watchdog's
+// heartbeats run, and the fault points tests stop ranks at; after it, the phases every
+// rank runs and agrees on (StartUp).
 //
 // From its construction on, the watchdog (pipeline/watchdog.hpp) names a rank that stops
 // answering. Before it, a rank stopped inside MPI_Init (or before it, or in the first
@@ -11,6 +12,10 @@
 // of this host is stopped (the stopped one is on another host, which names it), the lowest
 // rank here says so after a few seconds more, and ends the job.
 #pragma once
+#include <functional>
+
+#include "mpipe/pipeline/comm.hpp"
+#include "mpipe/pipeline/watchdog.hpp"
 
 namespace mpipe {
 
@@ -32,5 +37,27 @@ double p2p_timeout_of(int argc, char** argv, double fallback);
 // (tests/mpi/startup_stopped.sh). `rank` < 0: this process's rank as the launcher gave it
 // (before MPI_Init). Unset in every real run.
 void fault_point(const char* phase, int rank = -1);
+
+// Runs `phase` on every rank and agrees on the outcome, so that a rank that fails
+// during set-up never leaves the others waiting in a collective. On failure the first
+// failing rank prints its message and every rank returns the same exit code.
+int agree(const Communicator& world, const std::function<void()>& phase);
+
+// Start-up: phases every rank runs and agrees on (agree above), under one watchdog armed
+// from the first to the last. A rank stopped anywhere in them (or before the first) leaves
+// the others in a collective; the watchdog's heartbeats name it within --p2p-timeout.
+// Without a deadline: a checkpoint's read or --partition time's measurement has no size
+// known in advance to bound it by.
+class StartUp {
+ public:
+  StartUp(const Communicator& world, Watchdog& watchdog);
+  // Runs `body` as the phase `name`; its agreed exit code (0: go on).
+  int phase(const char* name, const std::function<void()>& body);
+
+ private:
+  const Communicator& world_;
+  Watchdog& watchdog_;
+  Watchdog::Guard guard_;
+};
 
 }  // namespace mpipe

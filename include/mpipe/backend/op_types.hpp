@@ -26,9 +26,6 @@ struct DropoutKey {
   std::uint32_t site = 0;          // global layer index * 16 + site within the layer
 };
 
-// The geometry of a 2-D convolution or pooling window over NCHW tensors: input
-// (N, C, H, W), output (N, OC, OH, OW), kernel KH x KW, the same stride and zero
-// padding along both axes, C and OC split into `groups` (convolution only).
 // Runs of `length` elements copied between two layouts: run i from src[i · src_stride +
 // src_offset] to dst[i · dst_stride + dst_offset] (a channel concatenation's halves, each
 // sample's channels a run).
@@ -37,6 +34,9 @@ struct Runs {
   std::int64_t dst_stride = 0, dst_offset = 0, src_stride = 0, src_offset = 0;
 };
 
+// The geometry of a 2-D convolution or pooling window over NCHW tensors: input
+// (N, C, H, W), output (N, OC, OH, OW), kernel KH x KW, the same stride and zero
+// padding along both axes, C and OC split into `groups` (convolution only).
 struct Window2d {
   std::int64_t N = 0, C = 0, H = 0, W = 0, OC = 0, OH = 0, OW = 0;
   std::int64_t KH = 1, KW = 1, stride = 1, padding = 0, groups = 1;
