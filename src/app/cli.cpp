@@ -100,8 +100,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "Batches of --batch-size per evaluation (0: a file's every whole batch; 8 of endless data)")
       ->capture_default_str();
   cmd.add_option("--prefetch", c.prefetch,
-                 "Read the next step's batch on a thread of its own while a step computes: auto (on a GPU), on "
-                 "or off. Synthetic data and token files; an HDF5 file is read at each step")
+                 "Read the next step's batch on a thread of its own while a step computes: auto (= on), on or "
+                 "off. On the CPU the reader runs only where a core would idle. Synthetic data and token files; "
+                 "an HDF5 file is read at each step")
       ->capture_default_str();
   cmd.add_option("--progress", c.progress,
                  "A live progress line on rank 0 between the logged steps: auto (when a person watches: "

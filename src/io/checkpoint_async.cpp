@@ -3,15 +3,13 @@
 #include "mpipe/io/checkpoint_async.hpp"
 
 #include <mpi.h>
-#include <pthread.h>
-#include <sched.h>
-#include <sys/sysinfo.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
 
+#include "mpipe/core/background.hpp"
 #include "mpipe/data/hdf5.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
@@ -137,20 +135,9 @@ std::optional<SaveResult> AsyncCheckpoint::start(CheckpointDir& dir, std::int64_
   next_ = 0;
   thread_ = std::thread([this, &dir, step, source] {
     // The copy and the write take the time the ranks leave idle (their waits, the
-    // bubble, cores no rank uses), not the steps': a thread of the idle class, whose
-    // copies, CRCs and MPI polling never preempt training (sched(7); where refused, it
-    // runs as any thread).
-    // An update that comes first copies what is left itself.
-    sched_param idle{};
-    pthread_setschedparam(pthread_self(), SCHED_IDLE, &idle);
-    // And free to run on any core the job may use: a rank bound to one core (mpirun
-    // --bind-to core, srun --cpu-bind) would keep it on the core training never leaves,
-    // where a core left idle (a GPU's host, a rank's bubble) is the time it can take.
-    // The kernel keeps it inside the job's cpuset; where refused, it stays where it is.
-    cpu_set_t any;
-    CPU_ZERO(&any);
-    for (int cpu = 0; cpu < std::min(get_nprocs_conf(), CPU_SETSIZE); ++cpu) CPU_SET(cpu, &any);
-    pthread_setaffinity_np(pthread_self(), sizeof any, &any);
+    // bubble, cores no rank uses), not the steps': their copies, CRCs and MPI polling
+    // never preempt training. An update that comes first copies what is left itself.
+    become_background_thread();
     try {
       if (!copy_at_update_) copy_pieces();
       for (int c; (c = copied_.load(std::memory_order_acquire)) < static_cast<int>(later_.size());)

@@ -102,7 +102,7 @@ void Executor::allocate() {
     // --prefetch: where every dataset this rank reads may fill on another thread.
     const PrefetchMode mode = plan_.options.prefetch;
     const bool aside = dataset_->fills_aside() && (!eval_dataset_ || eval_dataset_->fills_aside());
-    const bool prefetch = aside && (mode == PrefetchMode::on || (mode == PrefetchMode::automatic && device_ == Device::cuda));
+    const bool prefetch = aside && mode != PrefetchMode::off;
     device_ops_->allocate_batch(model_.input_shape(share), model_.input_dtype(), model_.target_shape(share), prefetch);
     if (prefetch)
       prefetch_ = std::make_unique<Prefetch>(
@@ -110,8 +110,8 @@ void Executor::allocate() {
             fill_batch(step, training, inputs, targets);
           },
           // A GPU's rank leaves the host idle: the reader takes the rank's threads. On
-          // the CPU it shares them with compute: one.
-          device_ == Device::cuda ? cpu::threads() : 1);
+          // the CPU it shares the cores with compute: one thread, of the idle class.
+          device_ == Device::cuda ? cpu::threads() : 1, device_ == Device::cpu);
   }
   slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_, &activations_);
   reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,

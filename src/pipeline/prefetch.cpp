@@ -3,13 +3,16 @@
 
 #include <utility>
 
+#include "mpipe/core/background.hpp"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
 namespace mpipe {
 
-Prefetch::Prefetch(Fill fill, int threads) : fill_(std::move(fill)), threads_(threads), thread_([this] { run(); }) {}
+Prefetch::Prefetch(Fill fill, int threads, bool background)
+    : fill_(std::move(fill)), threads_(threads), background_(background), thread_([this] { run(); }) {}
 
 Prefetch::~Prefetch() {
   {
@@ -52,6 +55,7 @@ bool Prefetch::take(std::int64_t step, bool training) {
 }
 
 void Prefetch::run() {
+  if (background_) become_background_thread();
 #ifdef _OPENMP
   omp_set_num_threads(threads_ > 0 ? threads_ : 1);  // this thread's own teams
 #endif

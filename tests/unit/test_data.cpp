@@ -346,36 +346,40 @@ TEST_CASE("hdf5 data: a run's batches follow the rule docs/data.md states, shuff
 
 TEST_CASE("prefetch: a batch read ahead is taken once by its key, its error comes at its take, others are dropped") {
   // The reader fills element 0 of inputs with the step (and targets with the training
-  // flag), and fails at step 3.
-  std::vector<float> a(4, -1.0f), b(4, -1.0f);
-  std::vector<std::int32_t> ta(1, -1), tb(1, -1);
-  Prefetch reader(
-      [](std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) {
-        if (step == 3) throw UserError("step 3 is broken", "a hint");
-        inputs.f32()[0] = static_cast<float>(step);
-        targets.i32()[0] = training ? 1 : 0;
-      },
-      2);
-  const auto in = [](std::vector<float>& v) { return make_tensor(v.data(), Shape{4}); };
-  const auto tg = [](std::vector<std::int32_t>& v) { return Tensor{v.data(), Shape{1}, DType::i32, Device::cpu}; };
-  CHECK_FALSE(reader.take(0, true));  // nothing read ahead
-  reader.start(1, true, in(a), tg(ta));
-  CHECK(reader.take(1, true));
-  CHECK(a[0] == 1.0f);
-  CHECK(ta[0] == 1);
-  CHECK_FALSE(reader.take(1, true));  // taken once
-  reader.start(2, true, in(b), tg(tb));
-  CHECK_FALSE(reader.take(2, false));  // another key: dropped (an evaluation batch asked for)
-  CHECK_FALSE(reader.take(2, true));
-  reader.start(3, true, in(a), tg(ta));
-  CHECK_THROWS_WITH_AS(reader.take(3, true), doctest::Contains("step 3 is broken"), UserError);
-  reader.start(3, true, in(a), tg(ta));
-  CHECK_FALSE(reader.take(4, true));  // a failed read not asked for says nothing
-  reader.start(7, false, in(b), tg(tb));
-  CHECK(reader.take(7, false));
-  CHECK(b[0] == 7.0f);
-  CHECK(tb[0] == 0);
-  CHECK(reader.started() == 5);
-  CHECK(reader.taken() == 2);
-  reader.start(8, true, in(a), tg(ta));  // in flight at the end: the destructor waits for it
+  // flag), and fails at step 3. As any thread (a GPU's reader) and of the idle class on
+  // any core (the CPU's).
+  for (const bool background : {false, true}) {
+    CAPTURE(background);
+    std::vector<float> a(4, -1.0f), b(4, -1.0f);
+    std::vector<std::int32_t> ta(1, -1), tb(1, -1);
+    Prefetch reader(
+        [](std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) {
+          if (step == 3) throw UserError("step 3 is broken", "a hint");
+          inputs.f32()[0] = static_cast<float>(step);
+          targets.i32()[0] = training ? 1 : 0;
+        },
+        2, background);
+    const auto in = [](std::vector<float>& v) { return make_tensor(v.data(), Shape{4}); };
+    const auto tg = [](std::vector<std::int32_t>& v) { return Tensor{v.data(), Shape{1}, DType::i32, Device::cpu}; };
+    CHECK_FALSE(reader.take(0, true));  // nothing read ahead
+    reader.start(1, true, in(a), tg(ta));
+    CHECK(reader.take(1, true));
+    CHECK(a[0] == 1.0f);
+    CHECK(ta[0] == 1);
+    CHECK_FALSE(reader.take(1, true));  // taken once
+    reader.start(2, true, in(b), tg(tb));
+    CHECK_FALSE(reader.take(2, false));  // another key: dropped (an evaluation batch asked for)
+    CHECK_FALSE(reader.take(2, true));
+    reader.start(3, true, in(a), tg(ta));
+    CHECK_THROWS_WITH_AS(reader.take(3, true), doctest::Contains("step 3 is broken"), UserError);
+    reader.start(3, true, in(a), tg(ta));
+    CHECK_FALSE(reader.take(4, true));  // a failed read not asked for says nothing
+    reader.start(7, false, in(b), tg(tb));
+    CHECK(reader.take(7, false));
+    CHECK(b[0] == 7.0f);
+    CHECK(tb[0] == 0);
+    CHECK(reader.started() == 5);
+    CHECK(reader.taken() == 2);
+    reader.start(8, true, in(a), tg(ta));  // in flight at the end: the destructor waits for it
+  }
 }

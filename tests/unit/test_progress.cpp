@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -45,6 +46,25 @@ TEST_CASE("a message completes through Progress in every mode, its times in orde
     CHECK(s.posted <= s.completed);
     CHECK(std::memcmp(in.data(), out.data(), in.size() * sizeof(float)) == 0);
   }
+}
+
+TEST_CASE("requests tracked without waking the thread are still moved by it, within its period") {
+  // A step's receives are posted without waking the progress thread (Transport): the
+  // thread's own periodic sweep must still find them, with no poll() and no wait() to
+  // help. 1 MiB: past any eager limit, so the message moves only while it is tested.
+  Progress progress(ProgressMode::thread, 2e-3, 4, false);
+  std::vector<float> out(1 << 18), in(1 << 18, 0.0f);
+  std::iota(out.begin(), out.end(), 1.0f);
+  Progress::Ticket receive = progress.track(self().irecv(bytes(in), 0, 6), true, false);
+  Progress::Ticket send = progress.track(self().isend(bytes(out), 0, 6), true, false);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!(progress.complete(receive) && progress.complete(send)) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(progress.complete(receive));
+  CHECK(progress.complete(send));
+  progress.wait(receive, 10, "a message", 6, static_cast<long>(in.size() * 4));
+  progress.wait(send, 10, "a send", 6);
+  CHECK(std::memcmp(in.data(), out.data(), in.size() * sizeof(float)) == 0);
 }
 
 TEST_CASE("a wait past its timeout names what it waited for, the request is cancelled after") {

@@ -42,7 +42,9 @@ inline constexpr std::array<const char*, 4> partition_names{"uniform", "params",
 enum class CommWait { sleep, spin };
 inline constexpr std::array<const char*, 2> comm_wait_names{"sleep", "spin"};
 // --prefetch: the next step's batch read on a thread of its own while a step computes
-// (pipeline/prefetch.hpp). automatic: on a GPU, where the host is otherwise idle.
+// (pipeline/prefetch.hpp). automatic: as on (a GPU's host is otherwise idle; the CPU's
+// reader takes only the time the ranks leave idle); the value stays for scripts that
+// name it.
 enum class PrefetchMode { automatic, on, off };
 inline constexpr std::array<const char*, 3> prefetch_names{"auto", "on", "off"};
 

@@ -28,7 +28,10 @@ class Prefetch {
   using Fill = std::function<void(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets)>;
 
   // `threads`: OpenMP threads the reader's fills may use (the datasets' loops).
-  Prefetch(Fill fill, int threads);
+  // `background`: the reader is of the idle class on any core (core/background.hpp):
+  // on the CPU, where it shares cores with compute, it takes only the time the ranks
+  // leave idle (waits, the bubble), and take() gives it the rank's core where none came.
+  Prefetch(Fill fill, int threads, bool background);
   ~Prefetch();  // waits for a read in flight, then ends the thread
   Prefetch(const Prefetch&) = delete;
   Prefetch& operator=(const Prefetch&) = delete;
@@ -52,6 +55,7 @@ class Prefetch {
 
   Fill fill_;
   int threads_;
+  bool background_;
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   bool queued_ = false, busy_ = false, stop_ = false, held_ = false;
