@@ -99,13 +99,42 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
       MPI_Irecv(&arrived[static_cast<std::size_t>(r - 1)], 1, MPI_INT, r, rendezvous_tag, world.get(),
                 &requests[static_cast<std::size_t>(r - 1)]);
     if (!wait_run(requests, run, timeout_s)) {
-      std::vector<int> missing;
-      for (int r = 1; r < size; ++r)
-        if (!arrived[static_cast<std::size_t>(r - 1)]) missing.push_back(r);
+      const auto not_arrived = [&] {
+        std::vector<int> missing;
+        for (int r = 1; r < size; ++r)
+          if (!arrived[static_cast<std::size_t>(r - 1)]) missing.push_back(r);
+        return missing;
+      };
+      std::vector<int> missing = not_arrived();
+      std::string silence;
+      // A stopped rank keeps the ranks that wait for it (the stages after it) from the
+      // rendezvous too, their heartbeats going on. With heartbeats, name the silent ones
+      // (as roll_call does), waiting up to the liveness time more for one to prove it.
+      if (!missing.empty() && liveness && liveness->heartbeats()) {
+        const double alive_within = liveness->liveness_s() / 2;
+        const RunClock more;
+        for (;;) {
+          std::vector<int> silent;
+          double quiet = 0;
+          for (const int r : missing) {
+            const double q = liveness->silent_s(r);
+            if (q < alive_within) continue;
+            silent.push_back(r);
+            quiet = std::max(quiet, q);
+          }
+          if (!silent.empty()) {
+            missing = silent;
+            silence = cat(" and stopped answering (no heartbeat for ", std::round(quiet * 10) / 10, " s)");
+            break;
+          }
+          if (more.seconds() > liveness->liveness_s() || wait_run(requests, more, more.seconds() + 0.05)) break;
+        }
+        missing = silence.empty() ? not_arrived() : missing;
+      }
       // Every word is in (the last ones completed after the test): nobody is missing.
       if (!missing.empty())
-        end_job(world.get(), cat(rank_list(missing), " did not reach ", what, " within ", timeout_s,
-                                 " s (--p2p-timeout): stopped or hung; ending the job"));
+        end_job(world.get(), cat(rank_list(missing), " did not reach ", what, " within ", timeout_s, " s (--p2p-timeout)",
+                                 silence.empty() ? ": stopped or hung" : silence, "; ending the job"));
       if (!wait_run(requests, run, 2 * timeout_s))
         end_job(world.get(), cat("rank 0: the ranks' words at ", what, " arrived but did not complete; ending the job"));
     }
@@ -303,7 +332,7 @@ void Watchdog::run() {
     }
     if (now >= deadline_) {
       lock.unlock();
-      roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", seconds_, " s"), std::min(seconds_, 3.0), this);
+      roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", std::round(seconds_ * 10) / 10, " s"), std::min(seconds_, 3.0), this);
     }
   }
 }
