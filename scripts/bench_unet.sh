@@ -7,8 +7,11 @@
 # skip lines: a message each way per micro-batch and step): a skip sent once, straight
 # from its producer to its consumer, not through the stages between.
 # The contention baseline (as scripts/scaling_check.sh's): two lone K = 1 runs at once, one a
-# core, whose rate against a lone K = 1 run's is what this machine gives two busy cores; the
-# machine's own bound is 2 · rate_together / rate_alone · M / (M + 1).
+# core, whose slower rate against a lone K = 1 run's is what this machine gives two busy
+# cores (a pipeline goes at its slower core's pace; this VM's two cores differ by up to 25%,
+# and which one is slower changes within minutes); the machine's own bound is
+# 2 · slower_rate_together / rate_alone · M / (M + 1). Every ratio is taken within a round
+# (its runs a minute apart), then the median over rounds.
 # Rows: GPipe with the partition by FLOPs and by time, and 1F1B by time (a U-Net's encoder
 # stages are backward-heavy and its decoder's forward-heavy: GPipe's forward and backward
 # phases each wait on a different stage, 1F1B's alternation evens them out).
@@ -45,6 +48,7 @@ for ((r = 0; r < rounds; ++r)); do
   run time 2 --partition time
   run 1f1b 2 --partition time --schedule 1f1b
   together
+  run k1b 1  # K = 1 again: a round's baseline is the mean of its first and last run
 done
 /usr/bin/python3 - "$work" "$rounds" "$M" <<'PY'
 import json, re, statistics, sys
@@ -55,21 +59,28 @@ def summary(name, r):
 def log(name, r):
     return open(f"{work}/{name}.{r}.log").read()
 bound = 2 * M / (M + 1)
-base = statistics.median(summary("k1", r)["samples_per_s"] for r in range(rounds))
-together = statistics.median(summary(f"together{i}", r)["samples_per_s"] for i in (0, 1) for r in range(rounds))
-machine = 2 * together / base * M / (M + 1)
+k1 = [(summary("k1", r)["samples_per_s"] + summary("k1b", r)["samples_per_s"]) / 2 for r in range(rounds)]
+base = statistics.median(k1)
+pairs = [[summary(f"together{i}", r)["samples_per_s"] for i in (0, 1)] for r in range(rounds)]
+slower = statistics.median(min(p) / k1[r] for r, p in enumerate(pairs))
+faster = statistics.median(max(p) / k1[r] for r, p in enumerate(pairs))
+machine_r = [2 * min(p) / k1[r] * M / (M + 1) for r, p in enumerate(pairs)]
+machine = statistics.median(machine_r)
 print(f"U-Net (inputs/unet.toml) at K = 2, M = {M}, {rounds} rounds interleaved; K = 1: {base:.1f} samples/s (median)")
-print(f"contention: two K = 1 runs at once each give {together / base:.3f}x a lone one's rate; the machine's bound {machine:.2f}x")
+print(f"contention: two K = 1 runs at once give {slower:.3f}x (the slower) and {faster:.3f}x (the faster) a lone one's rate; "
+      f"the machine's bound {machine:.2f}x")
 print(f"{'run':<10} {'cut':<14} {'samples/s':>10} {'speed-up':>9} {'bound':>6} {'of bound':>9} {'of machine':>11} {'bubble':>7} {'simulated':>10}  skips across")
 for name in ("flops", "time", "1f1b"):
     rows = [summary(name, r) for r in range(rounds)]
     rate = statistics.median(s["samples_per_s"] for s in rows)
+    speedup = statistics.median(s["samples_per_s"] / k1[r] for r, s in enumerate(rows))
+    of_machine = statistics.median(s["samples_per_s"] / k1[r] / machine_r[r] for r, s in enumerate(rows))
     text = log(name, 0)
     cut = re.search(r"^partition \(\w+\): (.*)$", text, re.M).group(1)
     across = re.findall(r"^skip '(\w+)': layer \d+ -> \d+, stage \d -> \d", text, re.M)
     bubble = statistics.median(s["bubble_fraction"] for s in rows)
     simulated = statistics.median(s["simulated_bubble"] for s in rows)
-    print(f"{name:<10} {cut:<14} {rate:10.1f} {rate / base:8.2f}x {bound:5.2f}x {rate / base / bound:8.2f}x {rate / base / machine:10.2f}x {100 * bubble:6.1f}% {100 * simulated:9.1f}%  {', '.join(across) or 'none'}")
+    print(f"{name:<10} {cut:<14} {rate:10.1f} {speedup:8.2f}x {bound:5.2f}x {speedup / bound:8.2f}x {of_machine:10.2f}x {100 * bubble:6.1f}% {100 * simulated:9.1f}%  {', '.join(across) or 'none'}")
 # Traffic: each rank's skip bytes against the skips' tensors (plan: KiB a micro-batch each way).
 text = log("time", 0)
 s = summary("time", 0)
