@@ -159,11 +159,13 @@ void Executor::allocate() {
     // Test hook: MPIPE_TEST_FAIL=RANK:STEP[:stall] makes that world rank throw (or hang)
     // in its first forward of that step, to check that one failing or stuck rank ends
     // the whole job; :gather stops it (SIGSTOP) after its update of that step, before
-    // --shard-optimizer's gather.
+    // --shard-optimizer's gather; :lose-skip drops the first skip its first forward of that
+    // step sends (a message lost: its consumer's wait must name it).
     char mode[16] = "";
     if (std::sscanf(fail, "%d:%d:%15s", &fail_rank_, &fail_step_, mode) < 2) fail_rank_ = fail_step_ = -1;
     fail_stall_ = std::strcmp(mode, "stall") == 0;
     fail_gather_ = std::strcmp(mode, "gather") == 0;
+    fail_lose_skip_ = std::strcmp(mode, "lose-skip") == 0;
   }
 }
 
@@ -291,7 +293,10 @@ void Executor::run_actions(std::int64_t step, bool training) {
       progress_->poll();
       switch (action.kind) {
         case ActionKind::forward:
-          if (world_.rank() == fail_rank_ && step == fail_step_ && !fail_gather_) {
+          if (world_.rank() == fail_rank_ && step == fail_step_ && fail_lose_skip_) {
+            transport_->lose_next_skip();
+            fail_step_ = -1;
+          } else if (world_.rank() == fail_rank_ && step == fail_step_ && !fail_gather_) {
             if (fail_stall_)
               for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
             throw Error("injected failure (MPIPE_TEST_FAIL)");

@@ -60,7 +60,8 @@ std::vector<Transport::SkipLink> Transport::skip_links(const Model& model, const
     const int from = partition.stage_of(skip.producer), to = partition.stage_of(skip.consumer);
     if (from == to || !(here(from) || here(to))) continue;
     links.push_back({k, shapes[static_cast<std::size_t>(skip.producer) + 1], partition.pipeline_stage(from),
-                     partition.pipeline_stage(to), here(from), here(to)});
+                     partition.pipeline_stage(to), here(from), here(to), cat("the skip '", skip.name, "' of micro-batch"),
+                     cat("the gradient of the skip '", skip.name, "' of micro-batch")});
   }
   return links;
 }
@@ -76,6 +77,10 @@ const Tensor& Transport::skip_buffer(Direction direction, int skip, int mb) cons
 }
 
 void Transport::send_skip(Direction direction, int skip, int mb) {
+  if (lose_skip_ && direction == Direction::forward) {
+    lose_skip_ = false;
+    return;
+  }
   const int link = link_of(skip);
   Outbox& outbox = skip_outboxes_[index(direction)][link_slot(link, mb)];
   const std::span<const std::byte> wire = outbox.leave(skip_kept_[index(direction)][link_slot(link, mb)].tensor());
@@ -96,7 +101,7 @@ double Transport::receive_skip(Direction direction, int skip, int mb) {
   const SkipLink& l = links_[static_cast<std::size_t>(link)];
   Inbox& m = skip_received_[index(direction)][link_slot(link, mb)];
   const double waited = wait_received(skip_receive_tickets_[index(direction)][link_slot(link, mb)],
-                                      direction == Direction::forward ? "a skip's activation of micro-batch" : "a skip's gradient of micro-batch",
+                                      (direction == Direction::forward ? l.forward_what : l.backward_what).c_str(),
                                       mb, m.wire().size(), direction == Direction::forward ? l.producer : l.consumer);
   m.arrived();
   return waited;

@@ -267,8 +267,8 @@ class Executor : StageHooks {
   std::unique_ptr<UpdateBackup> backup_;  // what an update made ahead replaces
   std::int64_t updates_ = 0;
   Timeline timeline_;
-  int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP[:stall|:gather]
-  bool fail_stall_ = false, fail_gather_ = false;
+  int fail_rank_ = -1, fail_step_ = -1;            // MPIPE_TEST_FAIL=RANK:STEP[:stall|:gather|:lose-skip]
+  bool fail_stall_ = false, fail_gather_ = false, fail_lose_skip_ = false;
   bool stop_requested_ = false, time_limit_reached_ = false;
   StateReader* state_reader_ = nullptr;
 };

@@ -19,6 +19,7 @@
 #pragma once
 #include <chrono>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "mpipe/backend/message.hpp"
@@ -56,6 +57,9 @@ class Transport {
     Shape shape;              // one micro-batch's
     int producer, consumer;   // the pipeline stages (ranks of the replica) of its two model stages
     bool produces, consumes;  // on this rank
+    // What a wait for it says: "the skip 'level1' of micro-batch" (activation) and
+    // "the gradient of the skip 'level1' of micro-batch" (made once, not in the step).
+    std::string forward_what, backward_what;
   };
   // The skips of `model` that cross model stages of `partition` with one end on
   // `stages_here` (model stages), for micro-batches of `micro` samples.
@@ -107,6 +111,8 @@ class Transport {
   // Bytes this rank has posted since it was made: between neighbouring stages, and of skips.
   std::uint64_t bytes_sent() const { return bytes_sent_; }
   std::uint64_t skip_bytes_sent() const { return skip_bytes_sent_; }
+  // Test hook (MPIPE_TEST_FAIL=RANK:STEP:lose-skip): the next skip sent forward is dropped.
+  void lose_next_skip() { lose_skip_ = true; }
 
  private:
   struct PendingSend {
@@ -159,5 +165,6 @@ class Transport {
   std::vector<Outbox> skip_outboxes_[2];
   std::vector<Progress::Ticket> skip_send_tickets_;
   std::uint64_t bytes_sent_ = 0, skip_bytes_sent_ = 0;
+  bool lose_skip_ = false;  // lose_next_skip()
 };
 }  // namespace mpipe
