@@ -6,6 +6,9 @@ models mpipe trains on a GPU, in PyTorch, for a side-by-side report.
                              --seq-len 1024 --vocab 50257 --batch-size 8]
   torch_gpu_bench.py resnet [--mode eager|compile] [--layers 50 --image 224 --width 64
                              --classes 1000 --batch-size 64]
+  either with --micro-batches M: the batch as M equal pieces, forward and backward of each
+  with its loss / M, gradients accumulated, one clip and one AdamW step (PyTorch's way of
+  running what a pipeline stage runs: mpipe's --micro-batches M on one rank).
 
 GPT: GPT-2 as mpipe's preset builds it (token and position embeddings, pre-LN blocks
 with biases, tanh GELU, final LayerNorm, the head tied to the token table), attention
@@ -150,6 +153,7 @@ def main():
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--classes", type=int, default=1000)
     ap.add_argument("--batch-size", type=int)
+    ap.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation over this many equal pieces")
     ap.add_argument("--no-channels-last", action="store_true")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation happens in the first)")
     ap.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -161,7 +165,7 @@ def main():
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     result = {"model": a.model, "mode": a.mode, "torch": torch.__version__, "batch_size": a.batch_size,
-              "layers": a.layers, "warmup_steps": a.warmup, "timed_steps": a.steps}
+              "micro_batches": a.micro_batches, "layers": a.layers, "warmup_steps": a.warmup, "timed_steps": a.steps}
 
     def finish(code):
         line = json.dumps(result)
@@ -171,6 +175,9 @@ def main():
                 f.write(line + "\n")
         sys.exit(code)
 
+    if a.micro_batches < 1 or a.batch_size % a.micro_batches:
+        result["error"] = f"--micro-batches {a.micro_batches} does not divide the batch of {a.batch_size}"
+        finish(2)
     if cuda and not torch.cuda.is_available():
         result["error"] = "torch.cuda.is_available() is False"
         finish(3)
@@ -212,30 +219,37 @@ def main():
         if cuda:
             torch.cuda.synchronize(dev)
 
+    pieces = list(zip(x.chunk(a.micro_batches), y.chunk(a.micro_batches)))
+
     def step():
-        with torch.autocast(dev.type, dtype=torch.bfloat16):
-            loss = step_model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        total = 0.0
+        for xs, ys in pieces:  # one piece: the whole batch's step, as without accumulation
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = step_model(xs, ys)
+            (loss / a.micro_batches if a.micro_batches > 1 else loss).backward()
+            total = total + loss.detach()
+        loss = total / a.micro_batches
+        norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return loss, norm
 
     try:
         sync()
         start = time.perf_counter()
         for _ in range(a.warmup):
-            loss = step()
+            loss, norm = step()
         sync()
         result["warmup_s"] = time.perf_counter() - start
         seconds = []
         for _ in range(a.steps):
             sync()
             t0 = time.perf_counter()
-            loss = step()
+            loss, norm = step()
             sync()
             seconds.append(time.perf_counter() - t0)
         result["last_loss"] = float(loss)
+        result["last_grad_norm"] = float(norm)  # before clipping
     except Exception as e:  # noqa: BLE001 - reported, not hidden: out of memory, a compiler error, ...
         result["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         if cuda:

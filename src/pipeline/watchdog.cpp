@@ -332,7 +332,8 @@ void Watchdog::run() {
     }
     if (now >= deadline_) {
       lock.unlock();
-      roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", std::round(seconds_ * 10) / 10, " s"), std::min(seconds_, 3.0), this);
+      roll_call(world_, cat(rank_name_, ": ", what_, " did not finish within ", std::round(seconds_ * 10) / 10, " s"),
+                std::min(seconds_, 3.0), this);
     }
   }
 }
