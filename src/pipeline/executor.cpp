@@ -160,7 +160,7 @@ void Executor::allocate() {
     // in its first forward of that step, to check that one failing or stuck rank ends
     // the whole job; :gather stops it (SIGSTOP) after its update of that step, before
     // --shard-optimizer's gather; :lose-skip drops the first skip its first forward of that
-    // step sends (a message lost: its consumer's wait must name it).
+    // step sends (a message lost: the job must still end promptly, with one line).
     char mode[16] = "";
     if (std::sscanf(fail, "%d:%d:%15s", &fail_rank_, &fail_step_, mode) < 2) fail_rank_ = fail_step_ = -1;
     fail_stall_ = std::strcmp(mode, "stall") == 0;
