@@ -27,12 +27,11 @@ PairSum::PairSum(const Communicator& group, int partner, Progress& progress, Mes
 }
 
 void PairSum::post_receive() {
-  // The progress thread woken once, at the last post (each wake: two context switches
-  // on a rank bound to one core).
   for (Piece& p : pieces_) {
     MPIPE_CHECK(p.receive == Progress::none && p.send == Progress::none, "a pair sum posted twice");
-    p.receive = progress_.track(group_.irecv(p.incoming.wire(), partner_, tag_), true, &p == &pieces_.back());
+    p.receive = progress_.track(group_.irecv(p.incoming.wire(), partner_, tag_), true, false);
   }
+  progress_.wake();  // once for all the pieces
 }
 
 void PairSum::start() {
@@ -42,7 +41,8 @@ void PairSum::start() {
   outgoing_.wait();
   for (Piece& p : pieces_)
     p.send = progress_.track(group_.isend(wire.subspan(p.offset * sizeof(float), p.count * sizeof(float)), partner_, tag_), true,
-                             &p == &pieces_.back());
+                             false);
+  progress_.wake();
 }
 
 Progress::Completion PairSum::finish(double timeout_s, const char* what, int index) {

@@ -145,12 +145,23 @@ Progress::Ticket Progress::track(MPI_Request request, bool cancellable, bool wak
   incoming_.push_back(id);
   ++pending_;
   posted_ = true;
-  // While a caller waits the thread stays aside (and the waiter sweeps): waking it would
-  // only cost two context switches on the rank's core, several per sum.
-  wake = wake && mode_ == ProgressMode::thread && waiters_ == 0;
+  wake = wake && wake_wanted();
   lock.unlock();
   if (wake) work_.notify_one();
   return id;
+}
+
+bool Progress::wake_wanted() const {
+  // While a caller waits the thread stays aside (and the waiter sweeps): waking it would
+  // only cost two context switches on the rank's core, several per sum.
+  return mode_ == ProgressMode::thread && waiters_ == 0 && pending_ > 0;
+}
+
+void Progress::wake() {
+  std::unique_lock lock(mutex_);
+  const bool wanted = wake_wanted();
+  lock.unlock();
+  if (wanted) work_.notify_one();
 }
 
 bool Progress::sweep(bool try_only) {

@@ -139,15 +139,9 @@ void Reducer::start_gather(std::int64_t update) {
   const Communicator& data = grid_.data();
   const auto bytes = [&](const Exchange& x) { return std::as_writable_bytes(values.subspan(x.offset, x.count)); };
   std::size_t t = 0;
-  const std::size_t last = receives_.size() + sends_.size() - 1;  // wakes the progress thread, once
-  for (const Exchange& x : receives_) {
-    gather_tickets_[t] = progress_->track(data.irecv(bytes(x), x.peer, x.tag), true, t == last);
-    ++t;
-  }
-  for (const Exchange& x : sends_) {
-    gather_tickets_[t] = progress_->track(data.isend(bytes(x), x.peer, x.tag), true, t == last);
-    ++t;
-  }
+  for (const Exchange& x : receives_) gather_tickets_[t++] = progress_->track(data.irecv(bytes(x), x.peer, x.tag), true, false);
+  for (const Exchange& x : sends_) gather_tickets_[t++] = progress_->track(data.isend(bytes(x), x.peer, x.tag), true, false);
+  progress_->wake();  // once for them all
   gathering_ = true;
 }
 

@@ -88,10 +88,10 @@ void Transport::send_skip(Direction direction, int skip, int mb) {
   post_ready_sends(false);
 }
 
-void Transport::post_skip_send(std::span<const std::byte> wire, Direction direction, int link, int mb, bool wake) {
+void Transport::post_skip_send(std::span<const std::byte> wire, Direction direction, int link, int mb) {
   const SkipLink& l = links_[static_cast<std::size_t>(link)];
   const int to = direction == Direction::forward ? l.consumer : l.producer;
-  skip_send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, to, skip_tag(l.skip, mb, direction)), true, wake));
+  skip_send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, to, skip_tag(l.skip, mb, direction)), true, false));
   skip_bytes_sent_ += wire.size();
 }
 
@@ -186,30 +186,28 @@ void Transport::send(Direction direction, int c, int mb, const Tensor& data) {
   post_ready_sends(false);
 }
 
-void Transport::post_send(std::span<const std::byte> wire, Direction direction, int c, int mb, bool wake) {
+void Transport::post_send(std::span<const std::byte> wire, Direction direction, int c, int mb) {
   const int to = channels_[static_cast<std::size_t>(c)].stage + (direction == Direction::forward ? 1 : -1);
-  send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, peer(direction, c), tag(to, mb, direction)), true, wake));
+  send_tickets_.push_back(progress_.track(grid_.pipeline().isend(wire, peer(direction, c), tag(to, mb, direction)), true, false));
   sent_.push_back({direction, c, mb, {}, {}});
   bytes_sent_ += wire.size();
 }
 
 // Posts queued sends in order while their data is ready; with `wait`, waits for all.
-// Called between actions, and with `wait` before any blocking wait. Only the last post
-// wakes the progress thread (on a GPU several sends become ready at once): on a rank
-// bound to one core each wake is two context switches.
+// Called between actions, and with `wait` before any blocking wait. The progress thread
+// is woken once for them all (on a GPU several sends become ready at once).
 void Transport::post_ready_sends(bool wait) {
-  std::size_t ready = 0;
-  if (wait) ready = pending_sends_.size();
-  else
-    while (ready < pending_sends_.size() && pending_sends_[ready].outbox->ready()) ++ready;
-  for (std::size_t i = 0; i < ready; ++i) {
-    PendingSend& p = pending_sends_[i];
+  std::size_t posted = 0;
+  for (; posted < pending_sends_.size(); ++posted) {
+    PendingSend& p = pending_sends_[posted];
     if (wait) p.outbox->wait();
-    const bool wake = i + 1 == ready;
-    if (p.link >= 0) post_skip_send(p.wire, p.direction, p.link, p.micro_batch, wake);
-    else post_send(p.wire, p.direction, p.channel, p.micro_batch, wake);
+    else if (!p.outbox->ready()) break;
+    if (p.link >= 0) post_skip_send(p.wire, p.direction, p.link, p.micro_batch);
+    else post_send(p.wire, p.direction, p.channel, p.micro_batch);
   }
-  pending_sends_.erase(pending_sends_.begin(), pending_sends_.begin() + static_cast<std::ptrdiff_t>(ready));
+  if (posted == 0) return;
+  pending_sends_.erase(pending_sends_.begin(), pending_sends_.begin() + static_cast<std::ptrdiff_t>(posted));
+  progress_.wake();
 }
 
 double Transport::wait_sent(Direction direction, int c, int mb) {

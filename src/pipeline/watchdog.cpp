@@ -111,16 +111,14 @@ void rendezvous(const Communicator& world, const std::string& what, double timeo
       // rendezvous too, their heartbeats going on. With heartbeats, name the silent ones
       // (as roll_call does), waiting up to the liveness time more for one to prove it.
       if (!missing.empty() && liveness && liveness->heartbeats()) {
-        const double alive_within = liveness->liveness_s() / 2;
         const RunClock more;
         for (;;) {
           std::vector<int> silent;
           double quiet = 0;
           for (const int r : missing) {
-            const double q = liveness->silent_s(r);
-            if (q < alive_within) continue;
+            if (liveness->answers(r)) continue;
             silent.push_back(r);
-            quiet = std::max(quiet, q);
+            quiet = std::max(quiet, liveness->silent_s(r));
           }
           if (!silent.empty()) {
             missing = silent;
@@ -407,7 +405,7 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
   bool named = false;  // this rank was the silent one, and is heard only now
   // Not in the roll call but heard by the heartbeats just now: its threads run (its own
   // wait has not timed out yet, or its work is stuck).
-  const double alive_within = liveness && liveness->heartbeats() ? liveness->liveness_s() / 2 : -1;
+  const bool heartbeats = liveness && liveness->heartbeats();
   for (int r = 0; r < size; ++r) {
     const long long word = heard[static_cast<std::size_t>(r)];
     if (word != 0) {
@@ -416,8 +414,7 @@ void roll_call(MPI_Comm world, const std::string& context, double grace_s, Watch
       continue;
     }
     if (ended_early) continue;  // named: the proven ones alone
-    const double quiet = alive_within > 0 ? liveness->silent_s(r) : -1;
-    (quiet >= 0 && quiet < alive_within ? running : silent).push_back(r);
+    (heartbeats && liveness->answers(r) ? running : silent).push_back(r);
   }
   if (ended_early) silent = stopped;
   // Across hosts, ranks proven silent on other hosts are a node gone: mpirun's keepalives

@@ -87,6 +87,10 @@ class Progress {
   // (the idle thread looks that often), or when the compute loop polls between layers (a sum whose caller soon waits or polls: waking
   // the thread costs context switches on the rank's core, up to 1.7x a small sum).
   Ticket track(MPI_Request request, bool cancellable, bool wake = true);
+  // Wakes the thread once for requests tracked with wake = false: a batch of posts (a
+  // step's sends ready at once, a sum's pieces) wakes it once, not once each; on a rank
+  // bound to one core every wake is two context switches.
+  void wake();
   // Blocks until the request completes and releases the ticket (sets it to none). Past
   // timeout_s seconds throws Error naming `what` and `index` ("the activation of
   // micro-batch", 3). For a receive, expected_bytes >= 0 is checked against what arrived.
@@ -123,6 +127,7 @@ class Progress {
     Clock::time_point posted, completed;
   };
   void run();    // the progress thread
+  bool wake_wanted() const;  // whether a post should wake the thread; under mutex_
   // One MPI_Testsome over every tracked request, by the thread or a waiting caller;
   // true when it took long enough to have moved data.
   bool sweep(bool try_only = false);

@@ -123,9 +123,9 @@ class Transport {
     int link = -1;  // a skip's (index into links_), or -1
   };
   void post_ready_sends(bool wait);
-  // `wake`: the progress thread looks at the send soon (Progress::track).
-  void post_send(std::span<const std::byte> wire, Direction direction, int c, int mb, bool wake);
-  void post_skip_send(std::span<const std::byte> wire, Direction direction, int link, int mb, bool wake);
+  // Without waking the progress thread: post_ready_sends wakes it once for all it posts.
+  void post_send(std::span<const std::byte> wire, Direction direction, int c, int mb);
+  void post_skip_send(std::span<const std::byte> wire, Direction direction, int link, int mb);
   int link_of(int skip) const;
   // Waits for a posted receive; a timeout names the rank `from` (a pipeline stage) that did not send.
   double wait_received(Progress::Ticket& ticket, const char* what, int mb, std::size_t bytes, int from);

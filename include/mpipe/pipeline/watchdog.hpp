@@ -94,6 +94,13 @@ class Watchdog {
   // that arrived since the thread last looked; -1 for a rank this
   // one does not exchange heartbeats with (rank 0's peers are all ranks, the others' rank 0).
   double silent_s(int peer);
+  // Whether `peer` was heard within half the liveness time: its threads run (a rank that
+  // missed a rendezvous or a roll call for waiting on another, or for its own work), where
+  // a silent one stopped. False for a rank this one does not exchange heartbeats with.
+  bool answers(int peer) {
+    const double quiet = silent_s(peer);
+    return quiet >= 0 && quiet < liveness_s_ / 2;
+  }
   double liveness_s() const { return liveness_s_; }
   // Heartbeats received so far, from every peer.
   long words_heard() {
