@@ -387,10 +387,17 @@ for r in "${gen_rows[@]}"; do say "$r"; done
 say "" "## 3. bench_gpu: per-op rates and MFU (GPT-2-medium block, bf16)" ""
 name_of_step="bench_gpu"
 if [[ -x build/release/tests/bench_gpu ]]; then
-  skip_rc=77 step "bench_gpu" 150 "$logs/bench_gpu.log" build/release/tests/bench_gpu
+  # MPIPE_ATTENTION=verbose: which engine each attention shape took (cuDNN's engine, or
+  # why cuDNN declined or disagreed), said once per shape on stderr, into the report.
+  skip_rc=77 step "bench_gpu" 150 "$logs/bench_gpu.log" env MPIPE_ATTENTION=verbose build/release/tests/bench_gpu
   if ((step_rc == 0)); then
     grep -E '^(\||GPU:|measured|$)' "$logs/bench_gpu.log" | cat -s > "$logs/bench_gpu.md"  # its Markdown, no MPI chatter
     tee -a "$out" < "$logs/bench_gpu.md"
+    if grep -q '^mpipe attention' "$logs/bench_gpu.log"; then
+      say "" "Attention engines (MPIPE_ATTENTION=verbose):" '```'
+      grep '^mpipe attention' "$logs/bench_gpu.log" | sort -u | tee -a "$out"
+      say '```'
+    fi
     of_gemm() { awk -F'|' -v op="$1" '$2 ~ op { gsub(/[ %]/, "", $5); print $5; exit }' "$logs/bench_gpu.log"; }
     att_f=$(of_gemm "attention forward")
     att_b=$(of_gemm "attention backward")

@@ -119,8 +119,23 @@ int main(int argc, char** argv) {
     // QK^T and PV over the causal half of the square (i <= j): what a causal kernel must
     // compute; the backward is 2.5 times that (recomputed S, dV, dP, dQ, dK).
     const double attention = 4.0 * B * C * (T * (T + 1) / 2.0);
-    rows.push_back({"attention forward", time_gpu([&] { cuda::attention_forward(p(y), lse.as<float>(), p(qkv), B, T, C, H); }, repeats), attention, 0});
-    rows.push_back({"attention backward", time_gpu([&] { cuda::attention_backward(p(dqkv), p(x), p(qkv), p(y), lse.as<float>(), B, T, C, H); }, repeats), 2.5 * attention, 0});
+    // The default engine first (cuDNN's fused attention where it took the shape), then
+    // the FlashAttention-2 kernel beside it where cuDNN did.
+    const auto engine = [&](bool backward) {
+      return std::string(cuda::attention_on_cudnn(B, T, C, H, backward) ? " (cuDNN)" : " (FlashAttention-2 kernel)");
+    };
+    const auto attention_rows = [&](const std::string& forward_name, const std::string& backward_name) {
+      const double forward = time_gpu([&] { cuda::attention_forward(p(y), lse.as<float>(), p(qkv), B, T, C, H); }, repeats);
+      rows.push_back({forward_name + engine(false), forward, attention, 0});
+      const double backward = time_gpu([&] { cuda::attention_backward(p(dqkv), p(x), p(qkv), p(y), lse.as<float>(), B, T, C, H); }, repeats);
+      rows.push_back({backward_name + engine(true), backward, 2.5 * attention, 0});
+    };
+    attention_rows("attention forward", "attention backward");
+    if (cuda::attention_on_cudnn(B, T, C, H, false) || cuda::attention_on_cudnn(B, T, C, H, true)) {
+      cuda::set_attention_engine(cuda::AttentionEngine::kernel);
+      attention_rows("kernel attention fwd", "kernel attention bwd");
+      cuda::set_attention_engine(cuda::AttentionEngine::automatic);
+    }
     rows.push_back({"layernorm forward", time_gpu([&] { cuda::layernorm_forward(p(y), mean.as<float>(), rstd.as<float>(), p(x), p(ln_w), p(ln_b), N, C); }, repeats), 0, 2.0 * N * C * 2});
     rows.push_back({"layernorm backward", time_gpu([&] { cuda::layernorm_backward(p(y), dln.as<float>(), dln.as<float>() + C, p(x), p(x), p(ln_w), mean.as<float>(), rstd.as<float>(), N, C, GradMode::overwrite); }, repeats), 0, 3.0 * N * C * 2});
     rows.push_back({"gelu backward (4C)", time_gpu([&] { cuda::gelu_backward(p(wide), p(wide), p(pre), N * 4 * C, GradMode::overwrite); }, repeats), 0, 3.0 * N * 4 * C * 2});

@@ -1,10 +1,13 @@
-// The fused (FlashAttention-2) CUDA attention against the CPU op, in fp32 and bf16: every
+// The fused (FlashAttention-2) CUDA attention against the CPU op, in fp32 and bf16 (with
+// the engine set to the kernel: bf16 otherwise goes to cuDNN where it can), every
 // kernel path (tensor-core bf16 with 16-byte or element copies, fp32 FMA tiles, the
 // cuBLASLt fallback beyond hs 128), lengths that end inside a tile, and reruns that must
 // give the same bits. Compared by normalized error ||gpu - cpu|| / ||cpu|| as in
 // test_cuda_ops.cpp: the CPU op is given the bf16-rounded inputs, so the comparison
 // measures the GPU's compute error, below 1e-5 in fp32 and 1e-2 where bf16 is stored.
 // The log-sum-exp is checked in fp32 (1e-5) in both: it never passes through bf16.
+// Then cuDNN's fused attention (the bf16 default) the same way, and that it takes the
+// GPT shapes.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -29,6 +32,14 @@ using namespace mpipe::test;
 namespace {
 
 constexpr double lse_tolerance = 1e-5;
+
+// The FlashAttention-2 kernel for bf16 too, for a test's length.
+struct KernelEngine {
+  KernelEngine() { cuda::set_attention_engine(cuda::AttentionEngine::kernel); }
+  KernelEngine(const KernelEngine&) = delete;
+  KernelEngine& operator=(const KernelEngine&) = delete;
+  ~KernelEngine() { cuda::set_attention_engine(cuda::AttentionEngine::automatic); }
+};
 
 // ---- one attention call on each side ---------------------------------------------------
 
@@ -127,6 +138,7 @@ void check_against_cpu(const Case& c, uint32_t tag, double tol = tolerance<E>) {
 }  // namespace
 
 TEST_CASE_TEMPLATE("cuda op: fused attention matches the CPU across head sizes and lengths", E, float, bf16) {
+  const KernelEngine kernel;
   const Case cases[] = {
       {2, 64, 4, 32},  // whole tiles
       {2, 37, 2, 32},  // less than one tile
@@ -152,12 +164,14 @@ TEST_CASE_TEMPLATE("cuda op: fused attention matches the CPU across head sizes a
 }
 
 TEST_CASE_TEMPLATE("cuda op: fused attention at T = 1024 (B 1, H 2, hs 64) matches the CPU", E, float, bf16) {
+  const KernelEngine kernel;
   // fp32: each side sums 1024-term rows of the softmax and its gradient in its own order
   // (and the GPU's exp2 is within 2 ulps), a few 1e-6 apart; 2e-5 leaves room for that.
   check_against_cpu<E>({1, 1024, 2, 64}, 640, std::is_same_v<E, float> ? 2e-5 : tolerance<E>);
 }
 
 TEST_CASE_TEMPLATE("cuda op: fused attention gives the same bits when rerun", E, float, bf16) {
+  const KernelEngine kernel;
   // Backward sums dK and dV over query tiles and dQ over key tiles: a fixed order, no
   // atomics, so a rerun (and a recomputation in the pipeline) gives the same bits.
   for (const Case c : {Case{2, 257, 2, 64}, Case{1, 130, 3, 20}}) {
@@ -173,6 +187,38 @@ TEST_CASE_TEMPLATE("cuda op: fused attention gives the same bits when rerun", E,
     for (float g : to_floats(first.dqkv)) norm += static_cast<double>(g) * g;
     CHECK(norm > 0.0);
   }
+}
+
+TEST_CASE("cuda op: cuDNN attention (bf16) matches the CPU, takes the GPT shapes and gives the same bits") {
+  // The default engine: cuDNN's fused graph where it builds a deterministic plan and its
+  // first call agrees with the kernel. Hopper and Ampere run heads of 64 and 128 there
+  // (cuDNN's support matrix), so a shape left to the kernel here is a graph cuDNN
+  // refused: the test says so rather than pass on the kernel's numbers.
+  const Case cases[] = {
+      {2, 64, 4, 64},    // whole tiles
+      {1, 130, 2, 64},   // ends inside a tile
+      {2, 257, 1, 128},  // the largest head
+      {1, 1024, 2, 64},  // GPT-2 medium's length and head
+      {1, 300, 1, 128, 0, 2.0f, true},  // late keys win each row, spread scores
+  };
+  uint32_t tag = 800;
+  for (const Case& c : cases) {
+    check_against_cpu<bf16>(c, tag);
+    const int64_t C = c.H * c.hs;
+    INFO("MPIPE_ATTENTION=verbose names cuDNN's reason for a shape it declines");
+    CHECK(cuda::attention_on_cudnn(c.B, c.T, C, c.H, false));
+    CHECK(cuda::attention_on_cudnn(c.B, c.T, C, c.H, true));
+    // Reruns (a recomputation in the pipeline, a rerun of the job) give the same bits.
+    const Inputs in = make_inputs<bf16>(c, tag);
+    const Gpu<bf16> first = run_gpu<bf16>(c, in), second = run_gpu<bf16>(c, in);
+    CHECK(same_bits(first.out, second.out));
+    CHECK(same_bits(first.lse, second.lse));
+    CHECK(same_bits(first.dqkv, second.dqkv));
+    tag += 2;
+  }
+  // The kernel engine leaves cuDNN out, and says so.
+  const KernelEngine kernel;
+  CHECK_FALSE(cuda::attention_on_cudnn(2, 64, 256, 4, false));
 }
 
 TEST_CASE_TEMPLATE("cuda op: attention over a key/value cache (generation) matches the CPU", E, float, bf16) {

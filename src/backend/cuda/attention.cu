@@ -1,6 +1,10 @@
 // Causal self-attention, the ops: attention_forward and attention_backward pick a path
 // per call, and the backward first computes D = rowsum(dO * O).
 //
+//   bf16              cuDNN's fused attention (attention_dnn.cu) where it builds a
+//                     deterministic plan for the shape and, at the shape's first call,
+//                     agrees with the FlashAttention-2 kernel below; MPIPE_ATTENTION=flash
+//                     or set_attention_engine(kernel) turns it off.
 //   bf16, hs <= 128   FlashAttention-2 on tensor cores (flash_bf16.cu).
 //   fp32, hs <= 128   FlashAttention-2 on CUDA-core FMAs (flash_f32.cu): the
 //                     reference-precision path.
@@ -12,6 +16,15 @@
 #include <cstdint>
 #include <type_traits>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "attention_dnn.cuh"
 #include "flash.cuh"
 #include "gemm.cuh"
 #include "kernels.cuh"
@@ -262,15 +275,191 @@ Flash flash_sizes(int64_t B, int64_t T, int64_t H, int64_t hs) {
   return f;
 }
 
+// The kernels' paths (fused where the head fits, else cuBLASLt).
+template <class E>
+void kernel_attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t H, int64_t hs) {
+  if (!use_fused<E>(B, T, H, hs)) return gemm_attention_forward(out, lse, qkv, B, T, H, hs);
+  Fused<E>::forward(out, lse, qkv, flash_sizes<E>(B, T, H, hs));
+}
+template <class E>
+void kernel_attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B,
+                               int64_t T, int64_t H, int64_t hs) {
+  if (!use_fused<E>(B, T, H, hs)) return gemm_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs);
+  // D = rowsum(dO * O) first: both fused kernels subtract it from dP.
+  const int64_t rows = B * H * T;
+  auto* dots = static_cast<float*>(scratch(static_cast<std::size_t>(rows) * sizeof(float)));
+  attention_row_dots<<<row_blocks(rows), kThreads, 0, context().compute>>>(dots, dev(dout), dev(out), B, T, H, hs);
+  CUDA_CHECK_LAUNCH();
+  Fused<E>::backward(dqkv, dout, qkv, lse, dots, flash_sizes<E>(B, T, H, hs));
+}
+
+// ---- cuDNN or the kernel -------------------------------------------------------------
+// A shape's first bf16 call in each direction runs cuDNN and then the kernel into
+// temporaries, and compares them (max |cuDNN - kernel| against the kernel's largest
+// magnitude): cuDNN keeps the shape only where they agree to within bf16's rounding of
+// differently ordered sums. The graph was written from cuDNN's documentation and
+// frontend, and a GPU that declines nothing but computes something else must not train
+// on it. A disagreement is said on stderr, once per shape.
+
+enum class Choice { unchecked, dnn, kernel };
+using ChoiceKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;  // B, T, H, hs, backward
+std::map<ChoiceKey, Choice>& choices() {
+  static std::map<ChoiceKey, Choice> map;  // one compute thread per rank: no lock
+  return map;
+}
+AttentionEngine& engine_setting() {
+  static AttentionEngine engine = AttentionEngine::automatic;
+  return engine;
+}
+
+// result[0] = max |a - b| and result[1] = max |b|, as the bits of non-negative floats
+// (ordered as unsigned integers, so atomicMax orders them; a NaN's bits exceed infinity's).
+template <class T>
+__global__ void max_difference(unsigned* result, const T* a, const T* b, int64_t n) {
+  unsigned diff = 0, mag = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float x = to_f32(a[i]), y = to_f32(b[i]);
+    diff = max(diff, __float_as_uint(fabsf(x - y)));
+    mag = max(mag, __float_as_uint(fabsf(y)));
+  }
+  atomicMax(result, diff);
+  atomicMax(result + 1, mag);
+}
+
+// How far a (cuDNN's) is from b (the kernel's): {max |a - b|, max |b|}; synchronises.
+template <class T>
+std::pair<float, float> difference(const T* a, const T* b, int64_t n, unsigned* result) {
+  CUDA_CHECK(cudaMemsetAsync(result, 0, 2 * sizeof(unsigned), context().compute));
+  max_difference<<<blocks_for(n, kThreads), kThreads, 0, context().compute>>>(result, a, b, n);
+  CUDA_CHECK_LAUNCH();
+  unsigned host[2];
+  CUDA_CHECK(cudaMemcpyAsync(host, result, sizeof(host), cudaMemcpyDeviceToHost, context().compute));
+  CUDA_CHECK(cudaStreamSynchronize(context().compute));
+  float diff, mag;
+  std::memcpy(&diff, &host[0], sizeof(float));
+  std::memcpy(&mag, &host[1], sizeof(float));
+  return {diff, mag};
+}
+
+// Device memory for one check, freed at its end (a shape's first call only).
+class CheckMemory {
+ public:
+  explicit CheckMemory(std::size_t bytes) { CUDA_CHECK(cudaMalloc(&p_, bytes)); }
+  CheckMemory(const CheckMemory&) = delete;
+  CheckMemory& operator=(const CheckMemory&) = delete;
+  ~CheckMemory() {
+    cudaStreamSynchronize(context().compute);
+    cudaFree(p_);
+  }
+  template <class T>
+  T* at(std::size_t offset) const { return reinterpret_cast<T*>(static_cast<char*>(p_) + offset); }
+
+ private:
+  void* p_ = nullptr;
+};
+
+// Within bf16's rounding: outputs to 1/32 and gradients to 1/16 of the largest magnitude
+// (differently ordered bf16 sums differ by a few units of 2^-8; a wrong mask, scale or
+// head placement by the order of the values themselves); the lse, fp32, to 0.01.
+constexpr float kOutputTolerance = 1.0f / 32, kGradientTolerance = 1.0f / 16, kLseTolerance = 0.01f;
+
+bool agrees(std::pair<float, float> d, float tolerance) { return d.first <= tolerance * std::max(d.second, 1e-6f); }
+
+void say_check(const char* direction, int64_t B, int64_t T, int64_t H, int64_t hs, bool ok, const std::string& detail) {
+  if (ok && !dnn_attention_verbose()) return;
+  std::fprintf(stderr, "mpipe attention B %lld T %lld H %lld hs %lld %s: cuDNN %s the FlashAttention-2 kernel (%s)%s\n",
+               static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(H),
+               static_cast<long long>(hs), direction, ok ? "agrees with" : "DISAGREES with", detail.c_str(),
+               ok ? "" : "; the kernel takes this shape");
+}
+
+Choice& choice_of(int64_t B, int64_t T, int64_t H, int64_t hs, bool backward) {
+  if (engine_setting() == AttentionEngine::kernel || !dnn_attention_wanted()) {
+    static Choice kernel = Choice::kernel;
+    kernel = Choice::kernel;
+    return kernel;
+  }
+  return choices().try_emplace(ChoiceKey{B, T, H, hs, backward}, Choice::unchecked).first->second;
+}
+
+// bf16 forward: true when cuDNN ran it (checked at the shape's first call).
+bool dnn_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t H, int64_t hs) {
+  const int64_t C = H * hs;
+  if (!all_aligned({qkv, qkv + C, qkv + 2 * C, out, lse}, 16)) return false;  // this call's pointers, not the shape
+  Choice& choice = choice_of(B, T, H, hs, false);
+  if (choice == Choice::kernel) return false;
+  if (!dnn_attention_forward(out, lse, qkv, B, T, H, hs)) {
+    choice = Choice::kernel;
+    return false;
+  }
+  if (choice == Choice::dnn) return true;
+  const int64_t n = B * T * C, rows = B * H * T;
+  const std::size_t out_bytes = static_cast<std::size_t>(n) * sizeof(bf16), lse_at = (out_bytes + 255) / 256 * 256,
+                    result_at = lse_at + (static_cast<std::size_t>(rows) * sizeof(float) + 255) / 256 * 256;
+  CheckMemory memory(result_at + 256);
+  bf16* out_kernel = memory.at<bf16>(0);
+  auto* lse_kernel = memory.at<float>(lse_at);
+  kernel_attention_forward(out_kernel, lse_kernel, qkv, B, T, H, hs);
+  const auto d_out = difference(dev(static_cast<const bf16*>(out)), dev(static_cast<const bf16*>(out_kernel)), n,
+                                memory.at<unsigned>(result_at));
+  const auto d_lse = difference(static_cast<const float*>(lse), static_cast<const float*>(lse_kernel), rows,
+                                memory.at<unsigned>(result_at));
+  const bool ok = agrees(d_out, kOutputTolerance) && d_lse.first <= kLseTolerance;
+  say_check("forward", B, T, H, hs, ok,
+            cat("output ", d_out.first, " of ", d_out.second, ", lse ", d_lse.first));
+  choice = ok ? Choice::dnn : Choice::kernel;
+  if (!ok) {  // the kernel's results are the call's
+    CUDA_CHECK(cudaMemcpyAsync(out, out_kernel, out_bytes, cudaMemcpyDeviceToDevice, context().compute));
+    CUDA_CHECK(cudaMemcpyAsync(lse, lse_kernel, static_cast<std::size_t>(rows) * sizeof(float),
+                               cudaMemcpyDeviceToDevice, context().compute));
+  }
+  return true;
+}
+
+bool dnn_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, int64_t B,
+                  int64_t T, int64_t H, int64_t hs) {
+  const int64_t C = H * hs;
+  if (!all_aligned({qkv, qkv + C, qkv + 2 * C, out, dout, lse, dqkv, dqkv + C, dqkv + 2 * C}, 16)) return false;
+  Choice& choice = choice_of(B, T, H, hs, true);
+  if (choice == Choice::kernel) return false;
+  if (!dnn_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs)) {
+    choice = Choice::kernel;
+    return false;
+  }
+  if (choice == Choice::dnn) return true;
+  const int64_t n = B * T * 3 * C;
+  const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(bf16), result_at = (bytes + 255) / 256 * 256;
+  CheckMemory memory(result_at + 256);
+  bf16* dqkv_kernel = memory.at<bf16>(0);
+  kernel_attention_backward(dqkv_kernel, dout, qkv, out, lse, B, T, H, hs);
+  const auto d = difference(dev(static_cast<const bf16*>(dqkv)), dev(static_cast<const bf16*>(dqkv_kernel)), n,
+                            memory.at<unsigned>(result_at));
+  const bool ok = agrees(d, kGradientTolerance);
+  say_check("backward", B, T, H, hs, ok, cat("gradient ", d.first, " of ", d.second));
+  choice = ok ? Choice::dnn : Choice::kernel;
+  if (!ok) CUDA_CHECK(cudaMemcpyAsync(dqkv, dqkv_kernel, bytes, cudaMemcpyDeviceToDevice, context().compute));
+  return true;
+}
+
 }  // namespace
+
+void set_attention_engine(AttentionEngine engine) { engine_setting() = engine; }
+
+bool attention_on_cudnn(int64_t B, int64_t T, int64_t C, int64_t H, bool backward) {
+  if (H <= 0 || C % H != 0) return false;
+  const auto found = choices().find(ChoiceKey{B, T, H, C / H, backward});
+  return engine_setting() == AttentionEngine::automatic && found != choices().end() && found->second == Choice::dnn;
+}
 
 template <class E>
 void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t C, int64_t H) {
   if (B == 0 || T == 0) return;
   MPIPE_CHECK(H > 0 && C > 0 && C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
   const int64_t hs = C / H;
-  if (!use_fused<E>(B, T, H, hs)) return gemm_attention_forward(out, lse, qkv, B, T, H, hs);
-  Fused<E>::forward(out, lse, qkv, flash_sizes<E>(B, T, H, hs));
+  if constexpr (std::is_same_v<E, bf16>)
+    if (dnn_forward(out, lse, qkv, B, T, H, hs)) return;
+  kernel_attention_forward(out, lse, qkv, B, T, H, hs);
 }
 
 template <class E>
@@ -279,13 +468,9 @@ void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, cons
   if (B == 0 || T == 0) return;
   MPIPE_CHECK(H > 0 && C > 0 && C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
   const int64_t hs = C / H;
-  if (!use_fused<E>(B, T, H, hs)) return gemm_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs);
-  // D = rowsum(dO * O) first: both fused kernels subtract it from dP.
-  const int64_t rows = B * H * T;
-  auto* dots = static_cast<float*>(scratch(static_cast<std::size_t>(rows) * sizeof(float)));
-  attention_row_dots<<<row_blocks(rows), kThreads, 0, context().compute>>>(dots, dev(dout), dev(out), B, T, H, hs);
-  CUDA_CHECK_LAUNCH();
-  Fused<E>::backward(dqkv, dout, qkv, lse, dots, flash_sizes<E>(B, T, H, hs));
+  if constexpr (std::is_same_v<E, bf16>)
+    if (dnn_backward(dqkv, dout, qkv, out, lse, B, T, H, hs)) return;
+  kernel_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs);
 }
 
 // ---- generation: queries against a key/value cache ------------------------------------

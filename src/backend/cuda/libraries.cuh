@@ -53,7 +53,18 @@
   X(cudnnGetConvolutionBackwardDataAlgorithmMaxCount) \
   X(cudnnGetConvolutionBackwardDataAlgorithm_v7)      \
   X(cudnnGetConvolutionBackwardDataWorkspaceSize)     \
-  X(cudnnConvolutionBackwardData)
+  X(cudnnConvolutionBackwardData)                    \
+  X(cudnnGetConvolutionBackwardFilterAlgorithmMaxCount) \
+  X(cudnnGetConvolutionBackwardFilterAlgorithm_v7)  \
+  X(cudnnGetConvolutionBackwardFilterWorkspaceSize) \
+  X(cudnnConvolutionBackwardFilter)                 \
+  X(cudnnGetVersion)                                \
+  X(cudnnBackendCreateDescriptor)                   \
+  X(cudnnBackendDestroyDescriptor)                  \
+  X(cudnnBackendSetAttribute)                       \
+  X(cudnnBackendGetAttribute)                       \
+  X(cudnnBackendFinalize)                           \
+  X(cudnnBackendExecute)
 
 namespace mpipe::cuda {
 

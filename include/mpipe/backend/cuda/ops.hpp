@@ -75,6 +75,15 @@ template <class E>
 void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B, int64_t T,
                         int64_t C, int64_t H);
 
+// Which engine bf16 attention runs on: `automatic` (the default), cuDNN's fused attention
+// for each shape where cuDNN builds a deterministic plan and its first call agrees with
+// the FlashAttention-2 kernel, the kernel elsewhere; `kernel`, the kernel always (as
+// MPIPE_ATTENTION=flash). fp32 always runs the kernel.
+enum class AttentionEngine { automatic, kernel };
+void set_attention_engine(AttentionEngine engine);
+// Whether calls of this shape and direction run on cuDNN (known after the first one).
+bool attention_on_cudnn(int64_t B, int64_t T, int64_t C, int64_t H, bool backward);
+
 // Generation: the CPU's attention_decode (cpu/ops.hpp), one block per (sequence, head,
 // query), the scores in shared memory (keys up to kMaxDecodeKeys).
 inline constexpr int64_t kMaxDecodeKeys = 8192;
