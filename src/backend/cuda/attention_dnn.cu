@@ -218,6 +218,7 @@ struct DnnAttention {
   std::size_t workspace = 0;
   int64_t engine = -1;
   float scale = 1.0f, neg_inf = -INFINITY;  // the by-value scalars (their addresses go in the packs)
+  bool proven = false;  // has run once: from then on a failure is an error, not a decline
   std::map<Pointers, std::unique_ptr<Desc>> packs;
 };
 
@@ -443,11 +444,7 @@ DnnAttention* plan_for(int64_t B, int64_t T, int64_t H, int64_t hs, bool backwar
   return (plans[key] = std::move(built)).get();
 }
 
-// Runs the plan on `bound` (pointers in a.uids' order) and the workspace. The variant
-// pack of a set of pointers is made once and kept: the arenas give a step's calls the
-// same pointers every step, so later steps make none. False where cuDNN refuses at run
-// time (not supported); any other failure is an error.
-bool run(DnnAttention& a, const Pointers& bound, void* workspace) {
+bool run_pack(DnnAttention& a, const Pointers& bound, void* workspace) {
   Pointers key = bound;
   key[kMaxBound] = workspace;
   auto found = a.packs.find(key);
@@ -459,8 +456,9 @@ bool run(DnnAttention& a, const Pointers& bound, void* workspace) {
     data.push_back(&a.scale);
     uids.push_back(kNegInf);
     data.push_back(&a.neg_inf);
-    auto pack = std::make_unique<Desc>(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
+    std::unique_ptr<Desc> pack;
     try {
+      pack = std::make_unique<Desc>(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
       pack->set(CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()), uids.data(),
                 "variant pack ids");
       pack->set(CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, static_cast<int64_t>(data.size()),
@@ -476,6 +474,26 @@ bool run(DnnAttention& a, const Pointers& bound, void* workspace) {
   if (status == CUDNN_STATUS_SUCCESS) return true;
   if (status == CUDNN_STATUS_NOT_SUPPORTED) return false;
   throw Error(cat("cuDNN's attention failed: ", lib().cudnnGetErrorString(status)));
+}
+
+// Runs the plan on `bound` (pointers in a.uids' order) and the workspace. The variant
+// pack of a set of pointers is made once and kept: the arenas give a step's calls the
+// same pointers every step, so later steps make none. False where cuDNN refuses at run
+// time (not supported), and at a plan's first run whatever failed (a graph written
+// without a GPU to try it on declines rather than ends the job); after that, any other
+// failure is an error.
+bool run(DnnAttention& a, const Pointers& bound, void* workspace) {
+  if (!a.proven) {
+    try {
+      if (!run_pack(a, bound, workspace)) return false;
+    } catch (const Error& e) {
+      if (dnn_attention_verbose()) std::fprintf(stderr, "mpipe attention: cuDNN's first run failed (%s)\n", e.what());
+      return false;
+    }
+    a.proven = true;
+    return true;
+  }
+  return run_pack(a, bound, workspace);
 }
 
 // Whether every tensor's address meets the 16 bytes the graph's tensors declare.
