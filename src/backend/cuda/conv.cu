@@ -1,13 +1,16 @@
 // CUDA convolution and pooling over NCHW: the CPU ops of src/backend/cpu/conv.cpp on the
 // GPU (contracts in include/mpipe/backend/cuda/ops.hpp; BatchNorm: batchnorm.cu).
 //
-// Convolution's forward and input gradient run on cuDNN where it offers a deterministic
-// algorithm for the shape (conv_dnn.cu). The weight gradient, which cuDNN would round to
-// the weights' type, and every shape cuDNN declines, run as one GEMM
-// per group over the whole micro-batch: the input unfolded into columns (C/g x KH x KW,
-// N x OH x OW) whose column index runs over samples and positions together, so the weight
-// gradient sums all samples inside one fp32-accumulating GEMM. Columns and products live
-// in scratch() for the call only: nothing is held between a forward and its backward.
+// Convolution's forward, input gradient and weight gradient run on cuDNN where it offers
+// a deterministic algorithm for the shape (conv_dnn.cu; in bf16 cuDNN rounds the weight
+// gradient to bf16 before it is added to the fp32 one). Every direction cuDNN declines
+// runs as one GEMM per group over the whole micro-batch: the input unfolded into columns
+// (C/g x KH x KW, N x OH x OW) whose column index runs over samples and positions
+// together, so the weight gradient sums all samples inside one fp32-accumulating GEMM.
+// The GEMMs read dout permuted to (OC, N OH OW), and the bias gradient sums that copy's
+// rows; when cuDNN took both gradients it sums dout in place instead, in the same order
+// (the same bits). Columns and products live in scratch() for the call only: nothing is
+// held between a forward and its backward.
 //
 // Determinism: no atomics. The input gradient of the GEMM path is gathered (each input
 // element sums the columns that read it, in a fixed order), pooling backward likewise.
@@ -236,6 +239,31 @@ __global__ void bias_grad(float* dbias, const T* dout_t, int64_t P) {
   if (threadIdx.x == 0) dbias[oc] += sum;
 }
 
+// bias_grad read from dout (N, OC, plane) itself, for a backward that needs no permuted
+// copy: thread t sums the same (n, p) as there (the channel's index i = n plane + p at t,
+// t + blockDim.x, ...) in the same order, so the bits are the same; (n, p) advances by a
+// fixed step without dividing.
+template <class T>
+__global__ void bias_grad_nchw(float* dbias, const T* dout, int64_t N, int64_t OC, int64_t plane) {
+  __shared__ float shared[32];
+  const int64_t oc = blockIdx.x;
+  int64_t n, p, dn, dp;
+  divmod(threadIdx.x, plane, n, p);
+  divmod(blockDim.x, plane, dn, dp);
+  float sum = 0.0f;
+  while (n < N) {
+    sum += to_f32(dout[(n * OC + oc) * plane + p]);
+    n += dn;
+    p += dp;
+    if (p >= plane) {
+      p -= plane;
+      ++n;
+    }
+  }
+  sum = block_reduce(sum, Sum{}, 0.0f, shared);
+  if (threadIdx.x == 0) dbias[oc] += sum;
+}
+
 // ---- pooling -----------------------------------------------------------------------------
 
 template <class T>
@@ -378,12 +406,18 @@ void conv2d_backward(E* dinp, float* dweight, float* dbias, const E* dout, const
                      const Window2d& w, GradMode mode) {
   const int64_t P = w.N * w.OH * w.OW, plane = w.OH * w.OW;
   if (P == 0 || w.OC == 0) return;
-  // cuDNN's input gradient first: its workspace may grow scratch(), which the GEMM path
+  // cuDNN's gradients first: their workspace may grow scratch(), which the GEMM path
   // then carves.
   if (dinp && dnn_conv_input_gradient(dinp, dout, weight, w, mode)) dinp = nullptr;
+  if (dweight && dnn_conv_weight_gradient(dweight, dout, inp, w)) dweight = nullptr;
   if (!dinp && !dweight && !dbias) return;
-  const int64_t G = w.groups, Cg = w.C / G, OCg = w.OC / G, Kg = Cg * w.KH * w.KW;
   cudaStream_t stream = context().compute;
+  if (!dinp && !dweight) {  // no GEMM left to read a permuted copy of dout
+    bias_grad_nchw<<<static_cast<unsigned>(w.OC), kChannelThreads, 0, stream>>>(dbias, dev(dout), w.N, w.OC, plane);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
+  const int64_t G = w.groups, Cg = w.C / G, OCg = w.OC / G, Kg = Cg * w.KH * w.KW;
 
   ScratchPlan plan;
   const std::size_t dout_at = plan.reserve<E>(w.OC * P);                         // (OC, N OH OW)

@@ -1,11 +1,13 @@
 // Convolution on cuDNN (its legacy convolution API, opened through libraries.cuh): the
-// forward and the input gradient, where cuDNN's heuristics offer a deterministic
-// algorithm for the shape (fp32 restricted to FMA kernels, so no TF32; bf16 on tensor
-// cores). The algorithm is chosen once per shape from the heuristics' ranking, not by
-// timing, which could choose differently in another process and break partition
-// transparency, and kept with its descriptors; the workspace (at most 256 MiB) comes
-// from scratch(). MPIPE_CONV=gemm turns cuDNN off (for comparisons): conv.cu's GEMM path
-// then does all; MPIPE_CONV=verbose prints each shape's choice.
+// forward, the input gradient and the weight gradient, each where cuDNN's heuristics
+// offer a deterministic algorithm for the shape (fp32 restricted to FMA kernels, so no
+// TF32; bf16 on tensor cores). The algorithm is chosen once per shape and direction from
+// the heuristics' ranking, not by timing, which could choose differently in another
+// process and break partition transparency, and kept with its descriptors; the workspace
+// (at most 256 MiB) comes from scratch(). The legacy API writes a bf16 convolution's
+// weight gradient in bf16 (its inputs' type): that gradient is rounded to bf16 once,
+// then added to the fp32 one. MPIPE_CONV=gemm turns cuDNN off (for comparisons): conv.cu's
+// GEMM path then does all; MPIPE_CONV=verbose prints each shape's choice.
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -41,20 +43,24 @@ constexpr std::size_t kMaxWorkspace = std::size_t{256} << 20;
 
 // One shape's descriptors and algorithms. A direction without a deterministic algorithm
 // (or refused at run time) falls back to the GEMM path, for this shape from then on.
+// `backward` is the input gradient; `w`, in the inputs' type, describes the weight
+// gradient too (the legacy API writes it in that type).
 struct DnnConv {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
-  cudnnConvolutionDescriptor_t forward_conv = nullptr, backward_conv = nullptr;
-  bool has_forward = false, has_backward = false;
+  cudnnConvolutionDescriptor_t forward_conv = nullptr, backward_conv = nullptr, weight_grad_conv = nullptr;
+  bool has_forward = false, has_backward = false, has_weight_grad = false;
   cudnnConvolutionFwdAlgo_t forward{};
   cudnnConvolutionBwdDataAlgo_t backward{};
-  std::size_t forward_bytes = 0, backward_bytes = 0;
+  cudnnConvolutionBwdFilterAlgo_t weight_grad{};
+  std::size_t forward_bytes = 0, backward_bytes = 0, weight_grad_bytes = 0;
 
   DnnConv() = default;
   DnnConv(const DnnConv&) = delete;
   DnnConv& operator=(const DnnConv&) = delete;
   ~DnnConv() {
     const Libraries& l = lib();
+    if (weight_grad_conv) l.cudnnDestroyConvolutionDescriptor(weight_grad_conv);
     if (backward_conv) l.cudnnDestroyConvolutionDescriptor(backward_conv);
     if (forward_conv) l.cudnnDestroyConvolutionDescriptor(forward_conv);
     if (w) l.cudnnDestroyFilterDescriptor(w);
@@ -92,6 +98,10 @@ bool transforms(cudnnConvolutionBwdDataAlgo_t a) {
   return a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING ||
          a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED;
 }
+bool transforms(cudnnConvolutionBwdFilterAlgo_t a) {
+  return a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT || a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING ||
+         a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD || a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED;
+}
 
 // The algorithm cuDNN's heuristics rank first among the deterministic ones whose math is
 // allowed (fp32: FMA only, so no TF32, and no transform) and whose workspace fits; false
@@ -113,7 +123,8 @@ bool choose(const std::vector<Perf>& ranked, int returned, bool bf16, Perf& chos
 std::unique_ptr<DnnConv> build_dnn(const Window2d& w, bool bf16) {
   auto plan = std::make_unique<DnnConv>();
   // 4-d descriptors take int, and the legacy API indexes a tensor's elements in 32 bits.
-  for (const int64_t v : {w.N, w.C, w.H, w.W, w.OC, w.OH, w.OW, w.KH, w.KW, w.N * w.C * w.H * w.W, w.N * w.OC * w.OH * w.OW})
+  for (const int64_t v : {w.N, w.C, w.H, w.W, w.OC, w.OH, w.OW, w.KH, w.KW, w.N * w.C * w.H * w.W,
+                          w.N * w.OC * w.OH * w.OW, w.OC * (w.C / w.groups) * w.KH * w.KW})
     if (v > INT_MAX) return plan;
   const Libraries& l = lib();
   cudnnHandle_t handle = context().dnn;
@@ -159,6 +170,22 @@ std::unique_ptr<DnnConv> build_dnn(const Window2d& w, bool bf16) {
       plan->has_backward = true;
     }
   }
+  // The weight gradient.
+  most = returned = 0;
+  if (make_conv(plan->weight_grad_conv, w, math) &&
+      ok(l.cudnnGetConvolutionBackwardFilterAlgorithmMaxCount(handle, &most)) && most > 0) {
+    std::vector<cudnnConvolutionBwdFilterAlgoPerf_t> ranked(static_cast<std::size_t>(most));
+    cudnnConvolutionBwdFilterAlgoPerf_t chosen{};
+    if (ok(l.cudnnGetConvolutionBackwardFilterAlgorithm_v7(handle, plan->x, plan->y, plan->weight_grad_conv, plan->w,
+                                                            most, &returned, ranked.data())) &&
+        choose(ranked, returned, bf16, chosen) &&
+        ok(l.cudnnSetConvolutionMathType(plan->weight_grad_conv, chosen.mathType)) &&
+        ok(l.cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, plan->x, plan->y, plan->weight_grad_conv, plan->w,
+                                                            chosen.algo, &plan->weight_grad_bytes))) {
+      plan->weight_grad = chosen.algo;
+      plan->has_weight_grad = true;
+    }
+  }
   return plan;
 }
 
@@ -173,14 +200,16 @@ DnnConv* dnn_conv(const Window2d& w, bool bf16) {
     if (verbose())
       std::fprintf(stderr,
                    "mpipe conv %s N %lld C %lld %lldx%lld -> OC %lld %lldx%lld, kernel %lldx%lld stride %lld pad %lld "
-                   "groups %lld: forward %s (algorithm %d, %zu B), input gradient %s (algorithm %d, %zu B)\n",
+                   "groups %lld: forward %s (algorithm %d, %zu B), input gradient %s (algorithm %d, %zu B), "
+                   "weight gradient %s (algorithm %d, %zu B)\n",
                    bf16 ? "bf16" : "fp32", static_cast<long long>(w.N), static_cast<long long>(w.C),
                    static_cast<long long>(w.H), static_cast<long long>(w.W), static_cast<long long>(w.OC),
                    static_cast<long long>(w.OH), static_cast<long long>(w.OW), static_cast<long long>(w.KH),
                    static_cast<long long>(w.KW), static_cast<long long>(w.stride), static_cast<long long>(w.padding),
                    static_cast<long long>(w.groups), plan->has_forward ? "cuDNN" : "GEMM", static_cast<int>(plan->forward),
                    plan->forward_bytes, plan->has_backward ? "cuDNN" : "GEMM", static_cast<int>(plan->backward),
-                   plan->backward_bytes);
+                   plan->backward_bytes, plan->has_weight_grad ? "cuDNN" : "GEMM", static_cast<int>(plan->weight_grad),
+                   plan->weight_grad_bytes);
   }
   return plan.get();
 }
@@ -206,6 +235,13 @@ __global__ void add_bias(T* out, const T* bias, int64_t OC, int64_t plane, int64
     out[i] = from_f32<T>(to_f32(out[i]) + to_f32(bias[(i / plane) % OC]));
 }
 
+// sum[i] += part[i]: a bf16 weight gradient from cuDNN into the fp32 one.
+__global__ void add_into_f32(float* sum, const __nv_bfloat16* part, int64_t total) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride)
+    sum[i] += __bfloat162float(part[i]);
+}
+
 }  // namespace
 
 template <class E>
@@ -218,6 +254,41 @@ bool dnn_conv_input_gradient(E* dinp, const E* dout, const E* weight, const Wind
                                                dnn->backward_conv, dnn->backward, workspace, dnn->backward_bytes, &beta,
                                                dnn->x, dinp),
              dnn->has_backward, "input gradient");
+}
+
+template <class E>
+bool dnn_conv_weight_gradient(float* dweight, const E* dout, const E* inp, const Window2d& w) {
+  DnnConv* dnn = dnn_conv(w, std::is_same_v<E, bf16>);
+  if (!dnn || !dnn->has_weight_grad) return false;
+  const float alpha = 1.0f;
+  if constexpr (std::is_same_v<E, float>) {
+    const float beta = 1.0f;  // accumulates, as the GEMM path does
+    void* workspace = dnn->weight_grad_bytes ? scratch(dnn->weight_grad_bytes) : nullptr;
+    return ran(lib().cudnnConvolutionBackwardFilter(context().dnn, &alpha, dnn->x, inp, dnn->y, dout,
+                                                    dnn->weight_grad_conv, dnn->weight_grad, workspace,
+                                                    dnn->weight_grad_bytes, &beta, dnn->w, dweight),
+               dnn->has_weight_grad, "weight gradient");
+  } else {
+    // The gradient in bf16 (the filter descriptor's type), overwritten, beside the
+    // workspace: both from one scratch() call, since a second call may reallocate the
+    // region under the first's pointer.
+    const int64_t count = w.OC * (w.C / w.groups) * w.KH * w.KW;
+    ScratchPlan plan;
+    const std::size_t workspace_at = plan.reserve<char>(static_cast<int64_t>(dnn->weight_grad_bytes));
+    const std::size_t part_at = plan.reserve<__nv_bfloat16>(count);
+    void* base = scratch(plan.bytes());
+    void* workspace = dnn->weight_grad_bytes ? place<char>(base, workspace_at) : nullptr;
+    auto* part = place<__nv_bfloat16>(base, part_at);
+    const float beta = 0.0f;
+    if (!ran(lib().cudnnConvolutionBackwardFilter(context().dnn, &alpha, dnn->x, inp, dnn->y, dout,
+                                                  dnn->weight_grad_conv, dnn->weight_grad, workspace,
+                                                  dnn->weight_grad_bytes, &beta, dnn->w, part),
+             dnn->has_weight_grad, "weight gradient"))
+      return false;
+    add_into_f32<<<blocks_for(count, kThreads), kThreads, 0, context().compute>>>(dweight, part, count);
+    CUDA_CHECK_LAUNCH();
+    return true;
+  }
 }
 
 template <class E>
@@ -238,9 +309,10 @@ bool dnn_conv_forward(E* out, const E* inp, const E* weight, const E* bias, cons
   return true;
 }
 
-#define MPIPE_DNN_CONV_OPS(E)                                                                        \
-  template bool dnn_conv_forward<E>(E*, const E*, const E*, const E*, const Window2d&);               \
-  template bool dnn_conv_input_gradient<E>(E*, const E*, const E*, const Window2d&, GradMode);
+#define MPIPE_DNN_CONV_OPS(E)                                                                  \
+  template bool dnn_conv_forward<E>(E*, const E*, const E*, const E*, const Window2d&);         \
+  template bool dnn_conv_input_gradient<E>(E*, const E*, const E*, const Window2d&, GradMode); \
+  template bool dnn_conv_weight_gradient<E>(float*, const E*, const E*, const Window2d&);
 MPIPE_DNN_CONV_OPS(float)
 MPIPE_DNN_CONV_OPS(bf16)
 #undef MPIPE_DNN_CONV_OPS

@@ -123,10 +123,11 @@ void vocab_loss_forward(double* loss_sum, const float* stats, int64_t N);
 void vocab_loss_backward(float* dstats, const float* stats, float scale, int64_t N);
 
 // ---- convolution, pooling and BatchNorm over NCHW (conv.cu, conv_dnn.cu) ---------------
-// Convolution: forward and input gradient on cuDNN where it has a deterministic
-// algorithm for the shape (fp32 without TF32 or transforms), else, and always for the
-// weight gradient, one GEMM per group over the whole micro-batch: the input unfolded into
-// columns (C/g x KH x KW, N x OH x OW) in scratch(), then out = weight · columns. A conv
+// Convolution: forward, input gradient and weight gradient on cuDNN where it has a
+// deterministic algorithm for the shape (fp32 without TF32 or transforms; in bf16 the
+// weight gradient is rounded to bf16 before it is added to the fp32 one, as PyTorch's
+// autocast does), else one GEMM per group over the whole micro-batch: the input unfolded
+// into columns (C/g x KH x KW, N x OH x OW) in scratch(), then out = weight · columns. A conv
 // layer holds nothing between its forward and backward. MPIPE_CONV=gemm: no cuDNN;
 // MPIPE_CONV=verbose: each shape's choice on stderr. Overwrites out; bias may be null.
 template <class E>
