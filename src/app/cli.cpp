@@ -112,6 +112,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--summary", c.summary, "Write the run's summary (throughput, bubble, peak memory) as JSON to FILE");
   cmd.add_option("--trace", c.trace, "Write every rank's actions as a Chrome/Perfetto trace to FILE.json");
   cmd.add_option("--trace-steps", c.trace_steps, "Steps traced, after the first")->capture_default_str();
+  cmd.add_option("--profile-ops", c.profile_ops,
+                 "Time step N's ops by kind (GEMM, attention, convolution, normalization, elementwise, loss, optimizer, "
+                 "copies; on a GPU by CUDA events) on every rank and print the table after that step; 0: none")
+      ->capture_default_str();
   cmd.add_option("--stages", p.grid.stages, "Pipeline stages K (0: world size / replicas)")->capture_default_str();
   cmd.add_option("--replicas", p.grid.replicas, "Data-parallel replicas D (0: world size / stages)")->capture_default_str();
   cmd.add_option("--rank-order", p.grid.rank_order, "pipeline (a replica's stages on consecutive ranks), data (a stage's replicas), or auto: on "

@@ -47,6 +47,8 @@ void validate(const TrainConfig& c, int world) {
   MPIPE_REQUIRE(c.threads >= 0, "e.g. --threads 2, or 0 for every core", "--threads must be >= 0, got ", c.threads);
   MPIPE_REQUIRE(c.log_every > 0, "e.g. --log-every 10", "--log-every must be positive, got ", c.log_every);
   MPIPE_REQUIRE(c.trace_steps >= 0, "e.g. --trace-steps 5", "--trace-steps must be >= 0, got ", c.trace_steps);
+  MPIPE_REQUIRE(c.profile_ops >= 0 && c.profile_ops <= c.steps, "name one of the run's steps, e.g. --profile-ops 5 (0: none)",
+                "--profile-ops ", c.profile_ops, " is not a step of this run (1 to --steps ", c.steps, ")");
   MPIPE_REQUIRE(c.eval_every >= 0, "e.g. --eval-every 100", "--eval-every must be >= 0, got ", c.eval_every);
   MPIPE_REQUIRE(c.checkpoint_async == "auto" || c.checkpoint_async == "on" || c.checkpoint_async == "off", "use auto, on or off",
                 "--checkpoint-async must be auto, on or off, got '", c.checkpoint_async, "'");

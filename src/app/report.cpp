@@ -1,5 +1,5 @@
-// Sizes and counts as people read them, the phase table of a run, and the opening lines
-// of a training run.
+// Sizes and counts as people read them, the phase table of a run, the op profile of a
+// step, and the opening lines of a training run.
 #include "mpipe/app/report.hpp"
 
 #include <cmath>
@@ -162,6 +162,52 @@ void check_memory(const Plan& plan, int world_rank, int node_ranks) {
                 given ? cat("--memory-per-rank gives it ", human_bytes(have))
                       : cat("this node has ", human_bytes(have), " per rank for its ", node_ranks, " rank",
                             node_ranks > 1 ? "s" : ""));
+}
+
+void op_profile_table(std::int64_t step, const ops::OpTimes& mine, double step_seconds, int stage, Device device,
+                      const Communicator& world) {
+  // Per rank: stage, the step's seconds, each kind's seconds, ops not timed.
+  constexpr int fields = 3 + ops::kOpKinds;
+  std::vector<double> row = {static_cast<double>(stage), step_seconds};
+  row.insert(row.end(), mine.seconds.begin(), mine.seconds.end());
+  row.push_back(static_cast<double>(mine.untimed));
+  const std::vector<double> all = world.gather(std::span<const double>(row), 0, nullptr);
+  if (world.rank() != 0) return;
+  const auto ranks = static_cast<int>(all.size() / fields);
+  // The kinds some rank ran; the others would be empty columns.
+  std::vector<int> kinds;
+  for (int k = 0; k < ops::kOpKinds; ++k)
+    for (int r = 0; r < ranks; ++r)
+      if (all[static_cast<std::size_t>(r * fields + 2 + k)] > 0) {
+        kinds.push_back(k);
+        break;
+      }
+  const bool gpu = device == Device::cuda;
+  std::printf("\nops of step %lld by kind (--profile-ops; %s), ms and share of the step:\n| rank | stage | step |",
+              static_cast<long long>(step),
+              gpu ? "each op's GPU time, between CUDA events on the compute stream" : "each op's wall time");
+  for (const int k : kinds) std::printf(" %s |", ops::name(static_cast<ops::OpKind>(k)));
+  std::printf(" %s |\n|---|---|---|", gpu ? "outside ops (GPU idle, waits, messages)" : "outside ops (waits, messages, host)");
+  for (std::size_t k = 0; k < kinds.size(); ++k) std::printf("---|");
+  std::printf("---|\n");
+  double untimed = 0;
+  for (int r = 0; r < ranks; ++r) {
+    const double* f = all.data() + static_cast<std::ptrdiff_t>(r) * fields;
+    const double wall = f[1];
+    double in_ops = 0;
+    std::printf("| %d | %.0f | %.1f |", r, f[0], 1e3 * wall);
+    for (const int k : kinds) {
+      const double s = f[2 + k];
+      in_ops += s;
+      std::printf(" %.1f (%.0f%%) |", 1e3 * s, wall > 0 ? 100.0 * s / wall : 0.0);
+    }
+    const double outside = std::max(0.0, wall - in_ops);
+    std::printf(" %.1f (%.0f%%) |\n", 1e3 * outside, wall > 0 ? 100.0 * outside / wall : 0.0);
+    untimed += f[2 + ops::kOpKinds];
+  }
+  if (untimed > 0)
+    std::printf("(%.0f ops past the profile's events were not timed: their time counts as outside ops)\n", untimed);
+  std::fflush(stdout);
 }
 
 }  // namespace mpipe

@@ -234,6 +234,9 @@ void Training::evaluate(std::int64_t step) {
 }
 
 int Training::run() {
+  if (config_.profile_ops > first_step_) ops::OpProfile::prepare(exec_.device());
+  else if (config_.profile_ops > 0 && root_)
+    std::printf("--profile-ops %d: this run resumes after that step, so no op profile\n", config_.profile_ops);
   try {
     for (std::int64_t step = first_step_; step < config_.steps; ++step) {
       // A signal, or a background checkpoint write that failed (at once, not at the next
@@ -242,10 +245,19 @@ int Training::run() {
       if (time_is_up()) exec_.request_stop(true);  // every rank learns it: the message names the time limit
       // With --overlap-steps the results are of earlier steps (this one's once settled).
       bool stop = false, time_limit = false;
+      const bool profiled = step + 1 == config_.profile_ops;
+      const Clock::time_point step_start = Clock::now();
+      if (profiled) ops::OpProfile::begin();
       for (const StepResult& r : exec_.advance(step)) {
         report(r);
         stop = stop || r.stop;
         time_limit = time_limit || r.time_limit;
+      }
+      if (profiled) {
+        const ops::OpTimes times = ops::OpProfile::end();  // after the GPU's last timed op
+        const double seconds = since(step_start);
+        if (progress_) std::printf("\r\033[K");
+        op_profile_table(step + 1, times, seconds, exec_.grid().stage(), exec_.device(), world_);
       }
       const bool save = config_.checkpoint_every > 0 && (step + 1) % config_.checkpoint_every == 0 && step + 1 < config_.steps;
       const bool eval = !config_.eval_data.empty() &&

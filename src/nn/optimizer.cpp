@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/backend/op_profile.hpp"
 
 #if MPIPE_HAVE_CUDA
 #include "mpipe/backend/cuda/ops.hpp"
@@ -164,6 +165,7 @@ std::span<float> Optimizer::live_state(int which) const {
 }
 
 void Optimizer::update(float lr, std::int64_t t) {
+  const ops::OpTimer timer(ops::OpKind::optimizer);  // with the GPU's bf16 copy of the result
   if (on_device_) {
 #if MPIPE_HAVE_CUDA
     cuda::ViewTable views;

@@ -32,6 +32,7 @@ mpipe_cli_test(gpt_small_config 0 "gpt model, 19 layers, 123702528 parameters" t
 # 2.5 GiB and 12-24 s in a release build: not in the sanitizer pass (scripts/test.sh -LE large),
 # where it ran into its timeout on a busy machine.
 set_tests_properties(cli.gpt_small_config PROPERTIES LABELS "unit;large")
+mpipe_cli_test(profile_ops_not_a_step 2 "error: --profile-ops 9 is not a step of this run \\(1 to --steps 3\\); hint" train --steps 3 --profile-ops 9)
 mpipe_cli_test(negative_threads 2 "error: --threads must be >= 0, got -1; hint" train --threads -1)
 mpipe_cli_test(plan 0 "bubble 20%" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2 --schedule 1f1b)
 mpipe_cli_test(plan_partition 0 "partition \\(flops\\): 0-2 \\| 3-7" plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 2)

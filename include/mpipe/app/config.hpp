@@ -61,6 +61,7 @@ struct TrainConfig {
   std::string summary;      // JSON summary written at the end, or empty
   std::string trace;        // Chrome/Perfetto trace of every rank's actions, or empty
   int trace_steps = 5;      // steps traced, after the first
+  int profile_ops = 0;      // --profile-ops: the step (1 to steps) whose ops are timed by kind; 0: none
   std::string checkpoint_dir;    // where checkpoints go; empty: none
   int checkpoint_every = 0;      // steps between checkpoints; 0: only the final one
   // on: the checkpoints of --checkpoint-every written by a thread while training goes on

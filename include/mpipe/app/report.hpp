@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "mpipe/app/config.hpp"
+#include "mpipe/backend/op_profile.hpp"
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
@@ -49,6 +50,12 @@ struct PhaseStats {
 // (into *simulated). Returns the rows (other ranks: nothing).
 std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator& world, const Schedule& schedule,
                                      int micro_batches, double theory, bool overlapped, double* simulated);
+
+// Collective: every rank's op times of step `step` (--profile-ops) to world rank 0, which
+// prints them by kind, one row per rank, with the step's wall time and what no op
+// accounts for (waits, messages, host code; on a GPU, its idle time too).
+void op_profile_table(std::int64_t step, const ops::OpTimes& mine, double step_seconds, int stage,
+                      Device device, const Communicator& world);
 
 // Rank 0's opening lines of a training run: the program, the model, the device, the
 // plan, and where the weights come from (a checkpoint resumed, --init-from).

@@ -1,0 +1,52 @@
+// Where a step's time goes by kind of op (train --profile-ops STEP): every Tensor op
+// (ops.hpp, conv_ops.hpp) and the optimizer's update carry an OpTimer of their kind, which
+// between OpProfile::begin() and end() adds the op's time to its kind's total: on the CPU
+// the wall time of the call, on a GPU the time between CUDA events recorded around its
+// launches on the compute stream (the GPU's own time, not the launch's). Outside a
+// profile a timer costs one load and a branch. Only the thread that called begin() is
+// timed (a reader thread's conversions are not the step's), and an op called inside
+// another counts once, in the outer one's kind.
+#pragma once
+#include <array>
+#include <cstdint>
+
+#include "mpipe/core/tensor.hpp"
+
+namespace mpipe::ops {
+
+enum class OpKind : int { gemm, attention, convolution, normalization, elementwise, loss, optimizer, copy };
+inline constexpr int kOpKinds = 8;
+// "GEMM", "attention", ...: a column's name.
+const char* name(OpKind kind);
+
+struct OpTimes {
+  std::array<double, kOpKinds> seconds{};
+  std::array<std::int64_t, kOpKinds> calls{};
+  std::int64_t untimed = 0;  // GPU ops past the events prepare() made (their time is missing)
+  double total() const;
+};
+
+class OpProfile {
+ public:
+  // Before the step loop: on a GPU, the CUDA events for up to `ops` timed calls (made
+  // here, so the profiled step allocates nothing).
+  static void prepare(Device device, int ops = 32768);
+  // From now on, this thread's ops are timed.
+  static void begin();
+  // Stops timing and returns the totals since begin() (on a GPU after waiting for the
+  // compute stream, so every timed op has run).
+  static OpTimes end();
+};
+
+class OpTimer {
+ public:
+  explicit OpTimer(OpKind kind) noexcept;
+  OpTimer(const OpTimer&) = delete;
+  OpTimer& operator=(const OpTimer&) = delete;
+  ~OpTimer();
+
+ private:
+  int slot_ = -1;  // this call's record in the profile, or -1: not timed
+};
+
+}  // namespace mpipe::ops
