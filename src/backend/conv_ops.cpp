@@ -109,7 +109,7 @@ std::array<int64_t, 3> channels_of(const Tensor& t) { return {t.shape[0], t.shap
 
 void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
                              const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
-                             const Tensor& bias, float eps, float momentum) {
+                             const Tensor& bias, float eps, float momentum, double* device_sums) {
   const OpTimer timer(OpKind::normalization);
   same_place("batchnorm", out, inp);
   same_place("batchnorm", inp, weight);
@@ -120,6 +120,7 @@ void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor
   const auto [N, C, plane] = channels_of(inp);
   MPIPE_CHECK(sums.empty() || sums.size() == static_cast<std::size_t>(1 + 2 * C), "batchnorm: ", sums.size(), " sums for ",
               C, " channels");
+  MPIPE_CHECK(!device_sums || (sums.empty() && inp.device == Device::cuda), "batchnorm: device sums with host sums or on the CPU");
   if (inp.device == Device::cpu) {
     cpu::batchnorm_forward_train(out.f32(), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
                                  ptr_or_null<float>(running_var), sums.empty() ? nullptr : sums.data(), inp.f32(),
@@ -127,10 +128,9 @@ void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor
     return;
   }
 #if MPIPE_HAVE_CUDA
-  // The deferred rule's sums stay on the host (the replicas sum them over MPI): this
+  // Host sums (the op's tests; the layer keeps its sums on the device): this
   // micro-batch's are gathered on the device from zero, then added here in the CPU's order.
   const std::size_t count = sums.size();
-  double* device_sums = nullptr;
   if (count) {
     device_sums = static_cast<double*>(small_scratch().reserve(count * sizeof(double)));
     cuda::zero(device_sums, count * sizeof(double));

@@ -188,6 +188,23 @@ void BatchNorm2d::bind(std::span<const Tensor> params, std::span<const Tensor> g
   running_var_ = params[3];
   dweight_ = grads[0];
   dbias_ = grads[1];
+  if (weight_.device == Device::cuda && device_sums_.bytes() == 0)
+    device_sums_ = cuda::DeviceBuffer(sums_.size() * sizeof(double));  // zeroed
+}
+
+std::span<double> BatchNorm2d::step_sums() {
+  if (device_newer_) {
+    cuda::copy_to_host(sums_.data(), device_sums_.data(), sums_.size() * sizeof(double));
+    cuda::synchronize(cuda::StreamKind::compute);
+    device_newer_ = false;
+  }
+  return sums_;
+}
+
+void BatchNorm2d::clear_step_sums() {
+  std::fill(sums_.begin(), sums_.end(), 0.0);
+  if (device_sums_.bytes()) cuda::zero(device_sums_.data(), device_sums_.bytes());
+  device_newer_ = false;
 }
 
 Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
@@ -203,9 +220,12 @@ Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass
   // Micro-batch statistics move the running ones now (GPipe); deferred, the step's sums
   // gather them and move them once at its end. A recomputation does neither.
   const bool update = !pass.recompute && !pass.deferred_statistics, gather = !pass.recompute && pass.deferred_statistics;
+  const bool on_device = gather && device_sums_.bytes() > 0;
   ops::batchnorm_forward_train(y, ctx.saved[0], ctx.saved[1], update ? running_mean_ : Tensor{},
-                               update ? running_var_ : Tensor{}, gather ? std::span<double>(sums_) : std::span<double>(),
-                               x, weight_, bias_, eps_, momentum_);
+                               update ? running_var_ : Tensor{},
+                               gather && !on_device ? std::span<double>(sums_) : std::span<double>(), x, weight_, bias_,
+                               eps_, momentum_, on_device ? device_sums_.as<double>() : nullptr);
+  device_newer_ = device_newer_ || on_device;
   return y;
 }
 

@@ -11,11 +11,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <span>
 #include <type_traits>
 #include <vector>
 
 #include "compare.hpp"
 #include "device_data.hpp"
+#include "mpipe/backend/conv_ops.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
@@ -302,6 +304,39 @@ TEST_CASE_TEMPLATE("cuda op: batchnorm training, running statistics, deferred su
 }
 
 // ---- layout: skips' concatenation, nearest upsampling, a per-pixel loss's transpose -----
+
+TEST_CASE_TEMPLATE("cuda op: batchnorm's deferred sums gathered in device memory are the host-gathered sums' bits", E,
+                   float, bf16) {
+  // The layer's way (ops::batchnorm_forward_train with device_sums: one addition per
+  // element into a device total, no wait) against the host's (the micro-batch's sums
+  // copied back and added on the host), over three micro-batches in order.
+  const int64_t N = 4, C = 6, plane = 49;
+  const std::size_t n = static_cast<std::size_t>(N * C * plane), c = static_cast<std::size_t>(C);
+  const DeviceArray<E> d_w(to_elems<E>(rounded<E>(normals(c, 61)))), d_b(to_elems<E>(rounded<E>(normals(c, 62))));
+  DeviceArray<E> d_out(to_elems<E>(std::vector<float>(n, 0.0f)));
+  DeviceArray<float> d_mean(c), d_rstd(c);
+  DeviceArray<double> d_total(std::vector<double>(1 + 2 * c, 0.0));
+  std::vector<double> host_total(1 + 2 * c, 0.0);
+  const auto on_gpu = [](void* p, Shape s, DType t) { return Tensor{p, s, t, Device::cuda}; };
+  const Shape x_shape{N, C, 7, 7}, c_shape{C};
+  for (uint32_t micro_batch = 0; micro_batch < 3; ++micro_batch) {
+    auto inp = normals(n, 63 + micro_batch, 1.5f);
+    for (float& v : inp) v += 0.25f * static_cast<float>(micro_batch);
+    const DeviceArray<E> d_in(to_elems<E>(rounded<E>(inp)));
+    const Tensor x = on_gpu(d_in.get(), x_shape, dtype_of<E>), y = on_gpu(d_out.get(), x_shape, dtype_of<E>),
+                 w = on_gpu(d_w.get(), c_shape, dtype_of<E>), b = on_gpu(d_b.get(), c_shape, dtype_of<E>),
+                 mean = on_gpu(d_mean.get(), c_shape, DType::f32), rstd = on_gpu(d_rstd.get(), c_shape, DType::f32);
+    ops::batchnorm_forward_train(y, mean, rstd, Tensor{}, Tensor{}, std::span<double>(host_total), x, w, b, 1e-5f, 0.1f);
+    ops::batchnorm_forward_train(y, mean, rstd, Tensor{}, Tensor{}, std::span<double>(), x, w, b, 1e-5f, 0.1f,
+                                 d_total.get());
+  }
+  const std::vector<double> device_total = d_total.read();
+  CHECK(device_total[0] == static_cast<double>(3 * N * plane));
+  CHECK(same_bits(device_total, host_total));
+  double magnitude = 0;
+  for (double v : host_total) magnitude += std::fabs(v);
+  CHECK(magnitude > 1.0);  // sums that are not all zero
+}
 
 TEST_CASE_TEMPLATE("cuda op: copy_runs, nearest upsampling and transposes match the CPU", E, float, bf16) {
   // A concatenation's halves: 3 samples of 4 and 2 channels of 5 x 5 into 6.

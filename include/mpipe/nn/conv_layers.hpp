@@ -3,6 +3,7 @@
 #pragma once
 #include <algorithm>
 
+#include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/nn/layer.hpp"
 
 namespace mpipe {
@@ -78,9 +79,9 @@ class BatchNorm2d final : public Layer {
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
-  std::span<double> step_sums() override { return sums_; }
+  std::span<double> step_sums() override;
   void apply_step_sums() override;
-  void clear_step_sums() override { std::fill(sums_.begin(), sums_.end(), 0.0); }
+  void clear_step_sums() override;
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
@@ -92,6 +93,10 @@ class BatchNorm2d final : public Layer {
   float eps_, momentum_;
   bool zero_weight_ = false;
   std::vector<double> sums_;  // --batchnorm deferred: the step's count, sums and sums of squares
+  // On a GPU the step's sums gather in device memory, micro-batch by micro-batch with no
+  // wait, and come to sums_ once, when step_sums() is asked for them (the step's end).
+  cuda::DeviceBuffer device_sums_;
+  bool device_newer_ = false;
   Tensor weight_, bias_, running_mean_, running_var_, dweight_, dbias_;
 };
 
