@@ -178,12 +178,16 @@ void Optimizer::update(float lr, std::int64_t t) {
     views.largest = largest_view_;
     float* params = store_.master().data();
     const float* grads = store_.grads().data();
+    // Unsharded, the views are every value but aliases (their owners' memory) and the
+    // padding between views (never read): the update writes the bf16 copy as it goes.
+    // Sharded, this rank updates its pieces only, and the copy follows the gather.
+    bf16* copy = parts_ == 1 ? store_.compute_copy() : nullptr;
     if (adamw_)
       cuda::adamw_update(params, grads, device_first_.as<float>(), device_second_.as<float>(), views, lr,
-                         config_.beta1, config_.beta2, config_.eps, t);
+                         config_.beta1, config_.beta2, config_.eps, t, copy);
     else
-      cuda::sgd_update(params, grads, device_first_.as<float>(), views, lr, config_.momentum);
-    store_.refresh_compute_copy();
+      cuda::sgd_update(params, grads, device_first_.as<float>(), views, lr, config_.momentum, copy);
+    if (!copy) store_.refresh_compute_copy();
 #endif
     return;
   }

@@ -208,6 +208,10 @@ void ParamStore::refresh_compute_copy() {
   if (compute_.data != master_.data) ops::convert(compute_, master_);
 }
 
+bf16* ParamStore::compute_copy() const {
+  return compute_.data != master_.data && compute_.dtype == DType::bf16 ? static_cast<bf16*>(compute_.data) : nullptr;
+}
+
 void ParamStore::grad_sum_squares(std::span<double> per_layer) const {
   MPIPE_CHECK(per_layer.size() == static_cast<std::size_t>(model_.size()), "per-layer span");
   std::fill(per_layer.begin(), per_layer.end(), 0.0);

@@ -470,12 +470,26 @@ struct Views {
   }
 };
 
+// The bf16 copy an update writes as it goes: each view's elements are the updated
+// values as convert() rounds them; elements between views keep what they held (here a
+// marker, 7).
+void check_copy(const Views& views, const std::vector<float>& updated, const std::vector<bf16>& copy) {
+  std::vector<bool> in_view(updated.size(), false);
+  for (std::size_t i = 0; i < views.sizes.size(); ++i)
+    for (int64_t j = 0; j < views.sizes[i]; ++j) in_view[static_cast<std::size_t>(views.param_offsets[i] + j)] = true;
+  std::size_t wrong = 0;
+  for (std::size_t j = 0; j < updated.size(); ++j)
+    if (copy[j].bits != (in_view[j] ? to_bf16(updated[j]) : to_bf16(7.0f)).bits) ++wrong;
+  CHECK(wrong == 0);
+}
+
 }  // namespace
 
-TEST_CASE("cuda op: adamw_update over several views for several steps") {
+TEST_CASE("cuda op: adamw_update over several views for several steps, and its bf16 copy") {
   const Views views;
   auto params = normals(views.params, 120), m = std::vector<float>(views.state), v = m;
   DeviceArray<float> d_params(params), d_m(views.state), d_v(views.state);
+  DeviceArray<bf16> d_copy(std::vector<bf16>(static_cast<std::size_t>(views.params), to_bf16(7.0f)));
   const auto untouched = params;
   const float lr = 1e-2f, beta1 = 0.9f, beta2 = 0.95f, eps = 1e-8f;
   for (int64_t step = 1; step <= 3; ++step) {
@@ -487,7 +501,7 @@ TEST_CASE("cuda op: adamw_update over several views for several steps") {
     }
     const DeviceArray<float> d_grads(grads);
     cuda::adamw_update(d_params.get(), d_grads.get(), d_m.get(), d_v.get(), views.table(), lr, beta1, beta2, eps,
-                       step);
+                       step, d_copy.get());
   }
   const auto g_params = d_params.read();
   CHECK(error(g_params, params) < fp32_tolerance);
@@ -497,12 +511,14 @@ TEST_CASE("cuda op: adamw_update over several views for several steps") {
   CHECK(g_params[1500] == untouched[1500]);
   CHECK(g_params[4299] == untouched[4299]);
   CHECK(g_params[5] != untouched[5]);
+  check_copy(views, g_params, d_copy.read());
 }
 
-TEST_CASE("cuda op: sgd_update over several views for several steps") {
+TEST_CASE("cuda op: sgd_update over several views for several steps, and its bf16 copy") {
   const Views views;
   auto params = normals(views.params, 130), velocity = std::vector<float>(views.state);
   DeviceArray<float> d_params(params), d_velocity(views.state);
+  DeviceArray<bf16> d_copy(std::vector<bf16>(static_cast<std::size_t>(views.params), to_bf16(7.0f)));
   const auto untouched = params;
   const float lr = 0.05f, momentum = 0.9f;
   for (int64_t step = 1; step <= 3; ++step) {
@@ -513,7 +529,7 @@ TEST_CASE("cuda op: sgd_update over several views for several steps") {
                       views.sizes[i], lr, momentum, views.decay[i]);
     }
     const DeviceArray<float> d_grads(grads);
-    cuda::sgd_update(d_params.get(), d_grads.get(), d_velocity.get(), views.table(), lr, momentum);
+    cuda::sgd_update(d_params.get(), d_grads.get(), d_velocity.get(), views.table(), lr, momentum, d_copy.get());
   }
   const auto g_params = d_params.read();
   CHECK(error(g_params, params) < fp32_tolerance);
@@ -521,6 +537,7 @@ TEST_CASE("cuda op: sgd_update over several views for several steps") {
   CHECK(g_params[4] == untouched[4]);
   CHECK(g_params[1500] == untouched[1500]);
   CHECK(g_params[5] != untouched[5]);
+  check_copy(views, g_params, d_copy.read());
 }
 
 // ---- determinism -----------------------------------------------------------------------

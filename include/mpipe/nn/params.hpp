@@ -15,6 +15,7 @@
 
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/backend/ops.hpp"
+#include "mpipe/core/bf16.hpp"
 #include "mpipe/core/buffer.hpp"
 #include "mpipe/nn/model.hpp"
 
@@ -84,6 +85,9 @@ class ParamStore {
   void upload();
   // After an update on a GPU: the bf16 compute copy from the fp32 master values.
   void refresh_compute_copy();
+  // The bf16 compute copy in device memory, element for element the master's (an update
+  // may write it as it goes: Optimizer::update); null where there is none (the CPU, fp32).
+  bf16* compute_copy() const;
   // Sum of squared gradients per layer, at [layer] of a span of the model's size (the
   // layers not held here: 0); tied copies are left out (their gradient equals the
   // owner's once summed).

@@ -214,10 +214,12 @@ __global__ void sum_squares_finish(double* out, const double* partial, int count
 constexpr int64_t kMaxBlocksPerView = 256;
 
 __global__ void adamw_kernel(float* params, const float* grads, float* m, float* v, ViewTable views, float lr,
-                             float beta1, float beta2, float eps, float inv_bias1, float inv_bias2) {
+                             float beta1, float beta2, float eps, float inv_bias1, float inv_bias2,
+                             __nv_bfloat16* copy) {
   for (int view = blockIdx.y; view < views.count; view += gridDim.y) {
     const int64_t size = views.sizes[view];
     float* p = params + views.param_offsets[view];
+    __nv_bfloat16* c = copy ? copy + views.param_offsets[view] : nullptr;
     const int64_t at = views.offsets[view], state = views.state_offsets[view];
     const float decay = views.weight_decay[view];
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -228,15 +230,17 @@ __global__ void adamw_kernel(float* params, const float* grads, float* m, float*
       m[state + i] = mi;
       v[state + i] = vi;
       p[i] -= lr * (mi * inv_bias1 / (sqrtf(vi * inv_bias2) + eps) + decay * p[i]);
+      if (c) c[i] = __float2bfloat16_rn(p[i]);
     }
   }
 }
 
 __global__ void sgd_kernel(float* params, const float* grads, float* velocity, ViewTable views, float lr,
-                           float momentum) {
+                           float momentum, __nv_bfloat16* copy) {
   for (int view = blockIdx.y; view < views.count; view += gridDim.y) {
     const int64_t size = views.sizes[view];
     float* p = params + views.param_offsets[view];
+    __nv_bfloat16* c = copy ? copy + views.param_offsets[view] : nullptr;
     const int64_t at = views.offsets[view], state = views.state_offsets[view];
     const float decay = views.weight_decay[view];
     const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -244,6 +248,7 @@ __global__ void sgd_kernel(float* params, const float* grads, float* velocity, V
       const float vel = momentum * velocity[state + i] + grads[at + i];
       velocity[state + i] = vel;
       p[i] -= lr * (vel + decay * p[i]);
+      if (c) c[i] = __float2bfloat16_rn(p[i]);
     }
   }
 }
@@ -417,20 +422,21 @@ void sum_squares(double* out, const float* x, const int64_t* offsets, const int6
 // ---- optimizers ----------------------------------------------------------------------------
 
 void adamw_update(float* params, const float* grads, float* m, float* v, const ViewTable& views, float lr,
-                  float beta1, float beta2, float eps, int64_t step) {
+                  float beta1, float beta2, float eps, int64_t step, bf16* copy) {
   if (views.count == 0 || views.largest == 0) return;
   // As the CPU op computes them.
   const float inv_bias1 = 1.0f / (1.0f - std::pow(beta1, static_cast<float>(step)));
   const float inv_bias2 = 1.0f / (1.0f - std::pow(beta2, static_cast<float>(step)));
   adamw_kernel<<<view_grid(views), kThreads, 0, context().compute>>>(params, grads, m, v, views, lr, beta1, beta2,
-                                                                     eps, inv_bias1, inv_bias2);
+                                                                     eps, inv_bias1, inv_bias2, dev(copy));
   CUDA_CHECK_LAUNCH();
 }
 
 void sgd_update(float* params, const float* grads, float* velocity, const ViewTable& views, float lr,
-                float momentum) {
+                float momentum, bf16* copy) {
   if (views.count == 0 || views.largest == 0) return;
-  sgd_kernel<<<view_grid(views), kThreads, 0, context().compute>>>(params, grads, velocity, views, lr, momentum);
+  sgd_kernel<<<view_grid(views), kThreads, 0, context().compute>>>(params, grads, velocity, views, lr, momentum,
+                                                                   dev(copy));
   CUDA_CHECK_LAUNCH();
 }
 

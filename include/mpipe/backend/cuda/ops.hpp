@@ -205,9 +205,12 @@ struct ViewTable {
   int count = 0;
   int64_t largest = 0;  // elements of the largest view
 };
+// `copy` (may be null): the bf16 compute copy of params, element for element, written in
+// the same pass with each updated value (rounded to nearest even, convert's bits), so no
+// second pass over the parameters follows an update.
 void adamw_update(float* params, const float* grads, float* m, float* v, const ViewTable& views, float lr,
-                  float beta1, float beta2, float eps, int64_t step);
+                  float beta1, float beta2, float eps, int64_t step, bf16* copy = nullptr);
 void sgd_update(float* params, const float* grads, float* velocity, const ViewTable& views, float lr,
-                float momentum);
+                float momentum, bf16* copy = nullptr);
 
 }  // namespace mpipe::cuda
