@@ -126,21 +126,30 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
 
 void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                         const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                        GradMode mode) {
+                        GradMode mode, const Tensor& residual) {
   const OpTimer timer(OpKind::normalization);
   same_place("layernorm backward", dinp, inp);
+  same_place("layernorm backward", residual, dinp);
+  MPIPE_CHECK(residual.empty() || (mode == GradMode::overwrite && residual.shape == dinp.shape && residual.data != dinp.data),
+              "layernorm backward: a residual needs overwrite mode, dinp's shape and its own memory");
   same_place("layernorm backward", dout, inp);
   same_place("layernorm backward", inp, weight);
   same_device("layernorm backward", dweight, inp);
   is_f32("layernorm backward", dweight);
   is_f32("layernorm backward", dbias);
   const int64_t N = inp.shape.rows(), C = inp.shape[-1];
-  if (inp.device == Device::cpu)
+  if (inp.device == Device::cpu) {
+    if (!residual.empty()) {
+      std::memcpy(dinp.data, residual.data, residual.bytes());
+      mode = GradMode::accumulate;
+    }
     cpu::layernorm_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(), mean.f32(),
                             rstd.f32(), N, C, mode);
-  else
+  } else {
     MPIPE_ON_GPU(inp, cuda::layernorm_backward(ptr<E>(dinp), dweight.f32(), dbias.f32(), ptr<E>(dout), ptr<E>(inp),
-                                               ptr<E>(weight), mean.f32(), rstd.f32(), N, C, mode));
+                                               ptr<E>(weight), mean.f32(), rstd.f32(), N, C, mode,
+                                               ptr_or_null<E>(residual)));
+  }
 }
 
 void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe) {

@@ -152,6 +152,13 @@ void LayerNorm::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
   ops::layernorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode);
 }
 
+void LayerNorm::backward_onto(Context& ctx, const Tensor& dy, const Tensor& dx, const Tensor& residual) {
+  MPIPE_CHECK(dy.shape == ctx.input.shape && dx.shape == ctx.input.shape, "layernorm layer ", global_index(), ": dy ",
+              dy.shape.str(), ", dx ", dx.shape.str(), " expected ", ctx.input.shape.str());
+  ops::layernorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], GradMode::overwrite,
+                          residual);
+}
+
 // ---- Dropout -----------------------------------------------------------------------
 
 DropoutKey dropout_key(const Pass& pass, int layer, int site) {

@@ -258,8 +258,7 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
   fc_pass.stash_into = pass.stash ? c[4].input : Tensor{};
   fc_.backward(c[3], dg, dh, GradMode::overwrite, fc_pass);
   Tensor dx2 = pass.arena->tensor(dy.shape, pass.dtype);              // (B, T, C)
-  ops::copy(dx2, dy);
-  ln2_.backward(c[2], dh, dx2, GradMode::accumulate, pass);
+  ln2_.backward_onto(c[2], dh, dx2, dy);                              // dx2 = dy + ln2's gradient
   // Attention branch.
   Tensor da = dx2;
   if (drop) {
@@ -286,9 +285,12 @@ void TransformerBlock::backward_impl(Context& ctx, const Tensor& dy, const Tenso
     ops::copy(into, kept);
     kept = into;
   }
-  if (mode == GradMode::accumulate) ops::add(dx, dx2);
-  else ops::copy(dx, dx2);
-  ln1_.backward(c[0], dh, dx, GradMode::accumulate, pass);
+  if (mode == GradMode::accumulate) {
+    ops::add(dx, dx2);
+    ln1_.backward(c[0], dh, dx, GradMode::accumulate, pass);
+  } else {
+    ln1_.backward_onto(c[0], dh, dx, dx2);  // dx = dx2 + ln1's gradient
+  }
 }
 
 void TransformerBlock::backward_weight_impl(Context& ctx, const Pass& pass) {

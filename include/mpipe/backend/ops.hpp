@@ -39,9 +39,12 @@ void gelu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, Gr
 
 void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& inp,
                        const Tensor& weight, const Tensor& bias);
+// With `residual` (mode overwrite): dinp = residual + the input gradient, in one pass, the
+// bits of copying residual into dinp and accumulating (a residual block's sum of its two
+// branches' gradients).
 void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                         const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
-                        GradMode mode);
+                        GradMode mode, const Tensor& residual = Tensor{});
 
 void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe);
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& tokens);

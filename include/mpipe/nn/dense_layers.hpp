@@ -79,6 +79,10 @@ class LayerNorm final : public Layer {
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
+  // backward(ctx, dy, dx, overwrite) with dx = residual + the input gradient, in one pass
+  // (a residual block's two branches; the bits of copying residual into dx and
+  // accumulating).
+  void backward_onto(Context& ctx, const Tensor& dy, const Tensor& dx, const Tensor& residual);
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;

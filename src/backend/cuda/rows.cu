@@ -63,9 +63,11 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
   }
 }
 
+// Accumulate: dinp = base + the gradient, base being dinp itself (accumulate mode) or a
+// residual (the same additions as copying it into dinp first).
 template <int W, bool Accumulate, class T>
 __global__ void layernorm_backward_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* mean,
-                                          const float* rstd, int64_t N, int64_t C) {
+                                          const float* rstd, int64_t N, int64_t C, const T* base) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= N) return;
@@ -88,12 +90,13 @@ __global__ void layernorm_backward_kernel(T* dinp, const T* dout, const T* inp, 
   dnorm_mean = warp_reduce(dnorm_mean, Sum{}) / static_cast<float>(C);
   dnorm_norm_mean = warp_reduce(dnorm_norm_mean, Sum{}) / static_cast<float>(C);
   T* dx = dinp + row * C;
+  const T* from = Accumulate ? base + row * C : nullptr;
   for (int64_t c = lane * W; c < C; c += 32 * W) {
     const auto xv = load_pack<W>(x + c);
     const auto dv = load_pack<W>(dy + c);
     const auto wv = load_pack<W>(weight + c);
     Pack<T, W> o;
-    if constexpr (Accumulate) o = load_pack<W>(dx + c);
+    if constexpr (Accumulate) o = load_pack<W>(from + c);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const float norm = (to_f32(xv.v[k]) - m) * s;
@@ -258,17 +261,19 @@ void layernorm_forward(E* out, float* mean, float* rstd, const E* inp, const E* 
 
 template <class E>
 void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
-                        const float* mean, const float* rstd, int64_t N, int64_t C, GradMode mode) {
+                        const float* mean, const float* rstd, int64_t N, int64_t C, GradMode mode,
+                        const E* residual) {
   if (N == 0 || C == 0) return;
   using T = device_t<E>;
   constexpr int W = pack_width<T>;
   cudaStream_t stream = context().compute;
   const unsigned blocks = static_cast<unsigned>(ceil_div(N, kRowsPerBlock));
-  const bool packed = C % W == 0 && all_aligned({dinp, dout, inp, weight}, 16);
-  const bool accumulate = mode == GradMode::accumulate;
+  const bool packed = C % W == 0 && all_aligned({dinp, dout, inp, weight, residual ? residual : dinp}, 16);
+  const bool accumulate = mode == GradMode::accumulate || residual;
+  const E* base = residual ? residual : dinp;
   const auto launch = [&](auto width, auto accumulating) {
     layernorm_backward_kernel<decltype(width)::value, decltype(accumulating)::value>
-        <<<blocks, kThreads, 0, stream>>>(dev(dinp), dev(dout), dev(inp), dev(weight), mean, rstd, N, C);
+        <<<blocks, kThreads, 0, stream>>>(dev(dinp), dev(dout), dev(inp), dev(weight), mean, rstd, N, C, dev(base));
   };
   if (packed && accumulate) launch(std::integral_constant<int, W>{}, std::true_type{});
   else if (packed) launch(std::integral_constant<int, W>{}, std::false_type{});
@@ -378,7 +383,7 @@ void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const 
 #define MPIPE_CUDA_ROW_OPS(E)                                                                                     \
   template void layernorm_forward<E>(E*, float*, float*, const E*, const E*, const E*, int64_t, int64_t);         \
   template void layernorm_backward<E>(E*, float*, float*, const E*, const E*, const E*, const float*,             \
-                                      const float*, int64_t, int64_t, GradMode);                                  \
+                                      const float*, int64_t, int64_t, GradMode, const E*);                        \
   template void embedding_forward<E>(E*, const int32_t*, const E*, const E*, int64_t, int64_t, int64_t, int64_t); \
   template void embedding_backward<E>(float*, float*, const E*, const int32_t*, int64_t, int64_t, int64_t,        \
                                       int64_t);                                                                   \

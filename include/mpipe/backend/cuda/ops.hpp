@@ -50,7 +50,8 @@ void layernorm_forward(E* out, float* mean, float* rstd, const E* inp, const E* 
                        int64_t C);
 template <class E>
 void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
-                        const float* mean, const float* rstd, int64_t N, int64_t C, GradMode mode);
+                        const float* mean, const float* rstd, int64_t N, int64_t C, GradMode mode,
+                        const E* residual = nullptr);
 
 // out (B, T, C) = wte[tokens] + wpe[t]. Tokens must be < V: the datasets check them when
 // they load, and the device cannot report a bad one.
