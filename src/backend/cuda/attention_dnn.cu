@@ -222,27 +222,19 @@ struct DnnAttention {
   std::map<Pointers, std::unique_ptr<Desc>> packs;
 };
 
-// The plan of a written graph: the first engine config the heuristics rank whose engine
-// is deterministic, whose plan finalizes and whose workspace fits.
-void finish(DnnAttention& a, GraphBuilder& g) {
+// The first engine config of `mode`'s ranking whose engine is deterministic, whose plan
+// finalizes and whose workspace fits, into `a`; false when none (why, appended to `passed`).
+bool choose_engine(DnnAttention& a, cudnnBackendDescriptor_t graph, cudnnBackendHeurMode_t mode, std::string& passed) {
   const Libraries& l = lib();
   cudnnHandle_t handle = context().dnn;
-  auto graph = std::make_unique<Desc>(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
-  graph->set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(g.ops().size()),
-             g.ops().data(), "graph operations");
-  graph->set(kGraphHandle, CUDNN_TYPE_HANDLE, 1, &handle, "graph handle");
-  graph->finalize("operation graph");
-
   Desc heuristics(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
-  heuristics.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph->get(), "heuristics graph");
-  const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
+  heuristics.set(CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph, "heuristics graph");
   heuristics.set(CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode, "heuristics mode");
   heuristics.finalize("heuristics");
   int64_t count = 0;
   check(l.cudnnBackendGetAttribute(heuristics.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0,
                                    &count, nullptr),
         "heuristics count");
-  if (count <= 0) throw Declined{"no engine for the graph"};
   std::vector<std::unique_ptr<Desc>> configs;
   std::vector<cudnnBackendDescriptor_t> raw;
   for (int64_t i = 0; i < count; ++i) {
@@ -250,10 +242,11 @@ void finish(DnnAttention& a, GraphBuilder& g) {
     raw.push_back(configs.back()->get());
   }
   int64_t returned = 0;
-  check(l.cudnnBackendGetAttribute(heuristics.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                   count, &returned, raw.data()),
-        "heuristics results");
-  std::string passed;
+  if (count > 0)
+    check(l.cudnnBackendGetAttribute(heuristics.get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                     count, &returned, raw.data()),
+          "heuristics results");
+  passed += cat(" mode ", static_cast<int>(mode), ": ", returned, " configs");
   for (int64_t i = 0; i < returned; ++i) {
     Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
     cudnnBackendDescriptor_t engine_raw = engine.get();
@@ -272,14 +265,14 @@ void finish(DnnAttention& a, GraphBuilder& g) {
         if (notes[j] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) deterministic = false;
     }
     if (!deterministic) {
-      passed += cat(" ", index, " (nondeterministic)");
+      passed += cat(", ", index, " nondeterministic");
       continue;
     }
     auto plan = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
     plan->set(kPlanHandle, CUDNN_TYPE_HANDLE, 1, &handle, "plan handle");
     plan->set(CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, raw[static_cast<std::size_t>(i)], "plan engine config");
-    if (l.cudnnBackendFinalize(plan->get()) != CUDNN_STATUS_SUCCESS) {
-      passed += cat(" ", index, " (declined)");
+    if (const cudnnStatus_t status = l.cudnnBackendFinalize(plan->get()); status != CUDNN_STATUS_SUCCESS) {
+      passed += cat(", ", index, " declined (", l.cudnnGetErrorString(status), ")");
       continue;
     }
     int64_t workspace = 0;
@@ -287,18 +280,36 @@ void finish(DnnAttention& a, GraphBuilder& g) {
                                      &workspace),
           "plan workspace");
     if (workspace < 0 || static_cast<std::size_t>(workspace) > kMaxWorkspace) {
-      passed += cat(" ", index, " (workspace ", workspace, " B)");
+      passed += cat(", ", index, " workspace ", workspace, " B");
       continue;
     }
     a.plan = std::move(plan);
     a.workspace = static_cast<std::size_t>(workspace);
     a.engine = index;
-    a.owned = std::move(g.owned());
-    a.owned.push_back(std::move(graph));
     a.owned.push_back(std::move(configs[static_cast<std::size_t>(i)]));  // the plan's engine config, as the frontend keeps it
-    return;
+    return true;
   }
-  throw Declined{cat(returned, " engine configs, none usable:", passed)};
+  return false;
+}
+
+// The plan of a written graph: the engine heuristics mode A ranks first among those
+// choose_engine takes, else the fallback list's (both a function of the graph and the
+// GPU, never of timing).
+void finish(DnnAttention& a, GraphBuilder& g) {
+  cudnnHandle_t handle = context().dnn;
+  auto graph = std::make_unique<Desc>(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+  graph->set(CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(g.ops().size()),
+             g.ops().data(), "graph operations");
+  graph->set(kGraphHandle, CUDNN_TYPE_HANDLE, 1, &handle, "graph handle");
+  graph->finalize("operation graph");
+  std::string passed;
+  for (const cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK})
+    if (choose_engine(a, graph->get(), mode, passed)) {
+      for (auto& d : g.owned()) a.owned.push_back(std::move(d));
+      a.owned.push_back(std::move(graph));
+      return;
+    }
+  throw Declined{cat("no usable engine:", passed)};
 }
 
 // Shapes: b, h, T, hs; C = h · hs; q, k, v in qkv (B, T, 3C); o, do in (B, T, C).
