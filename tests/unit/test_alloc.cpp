@@ -26,12 +26,22 @@ using namespace mpipe;
 using mpipe::test::Trainer;
 
 TEST_CASE("a training step after the first allocates nothing on the heap") {
-  for (const char* kind : {"gpt", "mlp", "gpt zb-h1", "gpt overlap"}) {
+  for (const std::string kind : {"gpt", "mlp", "gpt zb-h1", "gpt overlap", "resnet", "resnet deferred", "unet"}) {
     TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 32, .heads = 4, .seq_len = 16, .vocab = 64, .dropout = 0.1f,
                                     .batch_size = 8, .micro_batches = 2, .steps = 10, .seed = 1, .lr = OptimizerConfig{}.lr});
-    if (std::string(kind) == "gpt zb-h1") c.pipeline.schedule = "zb-h1";  // W's stash in the slots
-    if (std::string(kind) == "gpt overlap") c.pipeline.overlap_steps = true;  // updates ahead, bets won and lost
-    c.model.kind = std::string(kind).substr(0, 3);  // the MLP preset at its own sizes
+    if (kind == "gpt zb-h1") c.pipeline.schedule = "zb-h1";  // W's stash in the slots
+    if (kind == "gpt overlap") c.pipeline.overlap_steps = true;  // updates ahead, bets won and lost
+    c.model.kind = kind.substr(0, 3);  // the MLP preset at its own sizes
+    if (kind.starts_with("resnet")) {  // convolutions, BatchNorm under both rules, pooling, residual sums
+      c.model.kind = "resnet";
+      c.model.layers = 18;
+      c.model.image = 16;
+      c.model.width = 8;
+      c.model.classes = 4;
+      if (kind == "resnet deferred") c.pipeline.batchnorm = "deferred";
+    }
+    if (kind == "unet")  // skips (stash, concat, add), upsampling, a label per pixel
+      c.model.kind = MPIPE_TEST_SOURCE_DIR "/reference/unet.toml";
     INFO(kind);  // doctest's INFO allocates: before the count starts
     Trainer trainer(c);
     trainer.step(0);  // sizes the arena
