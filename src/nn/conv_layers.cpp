@@ -203,8 +203,10 @@ std::span<double> BatchNorm2d::step_sums() {
 
 void BatchNorm2d::clear_step_sums() {
   std::fill(sums_.begin(), sums_.end(), 0.0);
-  if (device_sums_.bytes()) cuda::zero(device_sums_.data(), device_sums_.bytes());
-  device_newer_ = false;
+  // Every step begins here, under either rule: the micro-batch rule never gathers, so
+  // its steps launch nothing.
+  if (device_used_) cuda::zero(device_sums_.data(), device_sums_.bytes());
+  device_newer_ = device_used_ = false;
 }
 
 Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
@@ -226,6 +228,7 @@ Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass
                                gather && !on_device ? std::span<double>(sums_) : std::span<double>(), x, weight_, bias_,
                                eps_, momentum_, on_device ? device_sums_.as<double>() : nullptr);
   device_newer_ = device_newer_ || on_device;
+  device_used_ = device_used_ || on_device;
   return y;
 }
 

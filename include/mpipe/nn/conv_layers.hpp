@@ -96,7 +96,8 @@ class BatchNorm2d final : public Layer {
   // On a GPU the step's sums gather in device memory, micro-batch by micro-batch with no
   // wait, and come to sums_ once, when step_sums() is asked for them (the step's end).
   cuda::DeviceBuffer device_sums_;
-  bool device_newer_ = false;
+  bool device_newer_ = false;  // sums on the device not yet in sums_
+  bool device_used_ = false;   // the device's sums are not all zero (a step gathered there)
   Tensor weight_, bias_, running_mean_, running_var_, dweight_, dbias_;
 };
 
