@@ -438,7 +438,8 @@ mpipe_run() {
 op_table() {
   grep -q '^ops of step' "$1" || return 0
   say "" "$2, its last step's GPU time by kind of op (\`--profile-ops 12\`):" ""
-  awk '/^ops of step/ { on = 1; next } on && /^\|/ { print; next } on { exit }' "$1" | tee -a "$out"
+  awk '/^ops of step/ { on = 1; next } on && /^(\||the ops that took|  rank [0-9]+:|\()/ { print; next } on { exit }' "$1" |
+    tee -a "$out"
 }
 # A row of the side-by-side table: NAME RC JSON RATE-KEY SMI-PEAK-MIB ALLOC-BYTES-EXPR
 side_row() {

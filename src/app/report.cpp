@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 
 #include "mpipe/app/plan.hpp"
 #include "mpipe/app/process.hpp"
@@ -172,6 +173,18 @@ void op_profile_table(std::int64_t step, const ops::OpTimes& mine, double step_s
   row.insert(row.end(), mine.seconds.begin(), mine.seconds.end());
   row.push_back(static_cast<double>(mine.untimed));
   const std::vector<double> all = world.gather(std::span<const double>(row), 0, nullptr);
+  // Each rank's ops that took the most, by name: fixed-width records gathered as text.
+  constexpr int top = 5;
+  constexpr std::size_t width = 32;
+  std::string names(top * width, '\0');
+  std::vector<double> times(top, 0.0);
+  const std::vector<ops::NamedTime> mine_top = mine.top(top);
+  for (std::size_t i = 0; i < mine_top.size(); ++i) {
+    std::strncpy(names.data() + i * width, mine_top[i].name, width - 1);
+    times[i] = mine_top[i].seconds;
+  }
+  const std::vector<char> all_names = world.gather(std::span<const char>(names.data(), names.size()), 0, nullptr);
+  const std::vector<double> all_times = world.gather(std::span<const double>(times), 0, nullptr);
   if (world.rank() != 0) return;
   const auto ranks = static_cast<int>(all.size() / fields);
   // The kinds some rank ran; the others would be empty columns.
@@ -207,6 +220,15 @@ void op_profile_table(std::int64_t step, const ops::OpTimes& mine, double step_s
   }
   if (untimed > 0)
     std::printf("(%.0f ops past the profile's events were not timed: their time counts as outside ops)\n", untimed);
+  std::printf("the ops that took the most, by name (ms):\n");
+  for (int r = 0; r < ranks; ++r) {
+    std::printf("  rank %d:", r);
+    for (int i = 0; i < top; ++i) {
+      const char* name = all_names.data() + (static_cast<std::size_t>(r) * top + static_cast<std::size_t>(i)) * width;
+      if (*name) std::printf("%s %s %.1f", i ? "," : "", name, 1e3 * all_times[static_cast<std::size_t>(r * top + i)]);
+    }
+    std::printf("\n");
+  }
   std::fflush(stdout);
 }
 

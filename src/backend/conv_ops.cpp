@@ -43,7 +43,7 @@ int64_t conv2d_scratch(const Window2d& w, Device device) { return device == Devi
 
 void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias, const Tensor& cols,
                     const Window2d& w) {
-  const OpTimer timer(OpKind::convolution);
+  const OpTimer timer(OpKind::convolution, __func__);
   same_place("conv2d", out, inp);
   same_place("conv2d", inp, weight);
   same_place("conv2d", weight, bias);
@@ -57,7 +57,7 @@ void conv2d_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, 
 
 void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                      const Tensor& inp, const Tensor& weight, const Tensor& cols, const Window2d& w, GradMode mode) {
-  const OpTimer timer(OpKind::convolution);
+  const OpTimer timer(OpKind::convolution, __func__);
   same_place("conv2d backward", dinp, dout);
   same_place("conv2d backward", dout, inp);
   same_place("conv2d backward", inp, weight);
@@ -73,7 +73,7 @@ void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& db
 }
 
 void maxpool2d_forward(const Tensor& out, const Tensor& argmax, const Tensor& inp, const Window2d& w) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("maxpool2d", out, inp);
   same_device("maxpool2d", argmax, inp);
   MPIPE_CHECK(argmax.dtype == DType::i32, "maxpool2d: argmax of ", to_string(argmax.dtype));
@@ -82,21 +82,21 @@ void maxpool2d_forward(const Tensor& out, const Tensor& argmax, const Tensor& in
 }
 
 void maxpool2d_backward(const Tensor& dinp, const Tensor& dout, const Tensor& argmax, const Window2d& w, GradMode mode) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("maxpool2d backward", dinp, dout);
   if (dout.device == Device::cpu) cpu::maxpool2d_backward(dinp.f32(), dout.f32(), ptr<std::int32_t>(argmax), w, mode);
   else MPIPE_ON_GPU(dout, cuda::maxpool2d_backward(ptr<E>(dinp), ptr<E>(dout), ptr<std::int32_t>(argmax), w, mode));
 }
 
 void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("avgpool2d", out, inp);
   if (inp.device == Device::cpu) cpu::avgpool2d_forward(out.f32(), inp.f32(), w);
   else MPIPE_ON_GPU(inp, cuda::avgpool2d_forward(ptr<E>(out), ptr<E>(inp), w));
 }
 
 void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& w, GradMode mode) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("avgpool2d backward", dinp, dout);
   if (dout.device == Device::cpu) cpu::avgpool2d_backward(dinp.f32(), dout.f32(), w, mode);
   else MPIPE_ON_GPU(dout, cuda::avgpool2d_backward(ptr<E>(dinp), ptr<E>(dout), w, mode));
@@ -110,7 +110,7 @@ std::array<int64_t, 3> channels_of(const Tensor& t) { return {t.shape[0], t.shap
 void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
                              const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
                              const Tensor& bias, float eps, float momentum, double* device_sums) {
-  const OpTimer timer(OpKind::normalization);
+  const OpTimer timer(OpKind::normalization, __func__);
   same_place("batchnorm", out, inp);
   same_place("batchnorm", inp, weight);
   same_place("batchnorm", weight, bias);
@@ -149,7 +149,7 @@ void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor
 
 void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,
                           float momentum) {
-  const OpTimer timer(OpKind::normalization);
+  const OpTimer timer(OpKind::normalization, __func__);
   is_f32("batchnorm running statistics", running_mean);
   is_f32("batchnorm running statistics", running_var);
   const int64_t C = running_mean.numel();
@@ -168,7 +168,7 @@ void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var,
 
 void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,
                             const Tensor& running_mean, const Tensor& running_var, float eps) {
-  const OpTimer timer(OpKind::normalization);
+  const OpTimer timer(OpKind::normalization, __func__);
   same_place("batchnorm", out, inp);
   same_place("batchnorm", inp, weight);
   same_device("batchnorm", running_mean, inp);
@@ -185,7 +185,7 @@ void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& 
 
 void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                         const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd, GradMode mode) {
-  const OpTimer timer(OpKind::normalization);
+  const OpTimer timer(OpKind::normalization, __func__);
   same_place("batchnorm backward", dinp, dout);
   same_place("batchnorm backward", dout, inp);
   same_place("batchnorm backward", inp, weight);
@@ -204,7 +204,7 @@ void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor&
 // ---- layout ----------------------------------------------------------------------------
 
 void copy_runs(const Tensor& dst, const Tensor& src, const Runs& runs) {
-  const OpTimer timer(OpKind::copy);
+  const OpTimer timer(OpKind::copy, __func__);
   same_place("copy_runs", dst, src);
   MPIPE_CHECK(runs.count == 0 || ((runs.count - 1) * runs.dst_stride + runs.dst_offset + runs.length <= dst.numel() &&
                                   (runs.count - 1) * runs.src_stride + runs.src_offset + runs.length <= src.numel()),
@@ -214,7 +214,7 @@ void copy_runs(const Tensor& dst, const Tensor& src, const Runs& runs) {
 }
 
 void upsample_nearest_forward(const Tensor& out, const Tensor& inp, std::int64_t scale) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("upsample", out, inp);
   MPIPE_CHECK(inp.shape.rank == 4 && out.numel() == inp.numel() * scale * scale, "upsample: ", inp.shape.str(), " -> ",
               out.shape.str());
@@ -224,7 +224,7 @@ void upsample_nearest_forward(const Tensor& out, const Tensor& inp, std::int64_t
 }
 
 void upsample_nearest_backward(const Tensor& dinp, const Tensor& dout, std::int64_t scale) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("upsample backward", dinp, dout);
   MPIPE_CHECK(dinp.shape.rank == 4 && dout.numel() == dinp.numel() * scale * scale, "upsample backward: ",
               dinp.shape.str(), " <- ", dout.shape.str());
@@ -234,7 +234,7 @@ void upsample_nearest_backward(const Tensor& dinp, const Tensor& dout, std::int6
 }
 
 void transpose_planes(const Tensor& out, const Tensor& inp, std::int64_t batch, std::int64_t rows, std::int64_t cols) {
-  const OpTimer timer(OpKind::copy);
+  const OpTimer timer(OpKind::copy, __func__);
   same_place("transpose", out, inp);
   MPIPE_CHECK(inp.numel() == batch * rows * cols && out.numel() == inp.numel(), "transpose: ", inp.shape.str(), " as ",
               batch, " x ", rows, " x ", cols);

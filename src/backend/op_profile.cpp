@@ -1,6 +1,7 @@
 // The op-kind profile of one step (op_profile.hpp).
 #include "mpipe/backend/op_profile.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -29,12 +30,25 @@ struct Profile {
   std::vector<Clock::time_point> started;
   std::vector<cuda::Event> starts, ends;
   std::vector<OpKind> kinds;
+  std::vector<const char*> names;
   int used = 0;
 };
 
 Profile& profile() {
   static Profile p;
   return p;
+}
+
+// Adds a call's time to its name's entry (the same function, the same pointer).
+void add_named(OpTimes& t, const char* name, double seconds) {
+  for (int i = 0; i < t.named; ++i)
+    if (t.ops[static_cast<std::size_t>(i)].name == name) {
+      t.ops[static_cast<std::size_t>(i)].seconds += seconds;
+      ++t.ops[static_cast<std::size_t>(i)].calls;
+      return;
+    }
+  if (t.named == kNamedOps) return;
+  t.ops[static_cast<std::size_t>(t.named++)] = NamedTime{name, seconds, 1};
 }
 
 }  // namespace
@@ -55,11 +69,19 @@ const char* name(OpKind kind) {
 
 double OpTimes::total() const { return std::accumulate(seconds.begin(), seconds.end(), 0.0); }
 
+std::vector<NamedTime> OpTimes::top(int count) const {
+  std::vector<NamedTime> sorted(ops.begin(), ops.begin() + named);
+  std::stable_sort(sorted.begin(), sorted.end(), [](const NamedTime& a, const NamedTime& b) { return a.seconds > b.seconds; });
+  if (static_cast<int>(sorted.size()) > count) sorted.resize(static_cast<std::size_t>(count));
+  return sorted;
+}
+
 void OpProfile::prepare(Device device, int ops) {
   Profile& p = profile();
   p.device = device;
   p.started.assign(1, Clock::time_point{});  // one open timer counts at a time
   p.kinds.assign(static_cast<std::size_t>(ops), OpKind::gemm);
+  p.names.assign(static_cast<std::size_t>(ops), nullptr);
   if (device == Device::cuda) {
     p.starts.clear();
     p.ends.clear();
@@ -89,13 +111,15 @@ OpTimes OpProfile::end() {
     if (p.used > 0) p.ends[static_cast<std::size_t>(p.used - 1)].synchronize();
     for (int i = 0; i < p.used; ++i) {
       const auto at = static_cast<std::size_t>(i);
-      p.times.seconds[static_cast<std::size_t>(p.kinds[at])] += cuda::seconds_between(p.starts[at], p.ends[at]);
+      const double seconds = cuda::seconds_between(p.starts[at], p.ends[at]);
+      p.times.seconds[static_cast<std::size_t>(p.kinds[at])] += seconds;
+      add_named(p.times, p.names[at], seconds);
     }
   }
   return p.times;
 }
 
-OpTimer::OpTimer(OpKind kind) noexcept {
+OpTimer::OpTimer(OpKind kind, const char* name) noexcept : name_(name) {
   Profile& p = profile();
   if (!p.active.load(std::memory_order_acquire) || std::this_thread::get_id() != p.thread) return;
   if (p.depth++ > 0) {
@@ -117,6 +141,7 @@ OpTimer::OpTimer(OpKind kind) noexcept {
   try {
     p.starts[static_cast<std::size_t>(p.used)].record(cuda::StreamKind::compute);
     p.kinds[static_cast<std::size_t>(p.used)] = kind;
+    p.names[static_cast<std::size_t>(p.used)] = name;
     slot_ = p.used;
   } catch (const std::exception&) {
     ++p.times.untimed;  // the op itself will say what is wrong with the GPU
@@ -130,8 +155,9 @@ OpTimer::~OpTimer() {
   --p.depth;
   if (slot_ == -2) return;
   if (p.device == Device::cpu) {
-    p.times.seconds[static_cast<std::size_t>(slot_)] +=
-        std::chrono::duration<double>(Clock::now() - p.started[0]).count();
+    const double seconds = std::chrono::duration<double>(Clock::now() - p.started[0]).count();
+    p.times.seconds[static_cast<std::size_t>(slot_)] += seconds;
+    add_named(p.times, name_, seconds);
     return;
   }
   try {

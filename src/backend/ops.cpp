@@ -31,7 +31,7 @@ DeviceMemory device_memory(Device device) {
 }
 
 void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias) {
-  const OpTimer timer(OpKind::gemm);
+  const OpTimer timer(OpKind::gemm, __func__);
   same_place("matmul", out, inp);
   same_place("matmul", inp, weight);
   same_place("matmul", weight, bias);
@@ -44,7 +44,7 @@ void matmul_forward(const Tensor& out, const Tensor& inp, const Tensor& weight, 
 
 void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                      const Tensor& inp, const Tensor& weight, GradMode mode) {
-  const OpTimer timer(OpKind::gemm);
+  const OpTimer timer(OpKind::gemm, __func__);
   same_place("matmul backward", dout, inp);
   same_place("matmul backward", inp, weight);
   same_place("matmul backward", dinp, inp);
@@ -62,7 +62,7 @@ void matmul_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& db
 
 void matmul_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& inp, const Tensor& weight,
                          const Tensor& bias) {
-  const OpTimer timer(OpKind::gemm);
+  const OpTimer timer(OpKind::gemm, __func__);
   same_place("matmul+gelu", out, pre);
   same_place("matmul+gelu", pre, inp);
   same_place("matmul+gelu", inp, weight);
@@ -78,14 +78,14 @@ void matmul_gelu_forward(const Tensor& out, const Tensor& pre, const Tensor& inp
 }
 
 void relu_forward(const Tensor& out, const Tensor& inp) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("relu", out, inp);
   if (inp.device == Device::cpu) cpu::relu_forward(out.f32(), inp.f32(), inp.numel());
   else MPIPE_ON_GPU(inp, cuda::relu_forward(ptr<E>(out), ptr<E>(inp), inp.numel()));
 }
 
 void relu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& out, GradMode mode) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("relu backward", dinp, dout);
   same_place("relu backward", dout, out);
   if (out.device == Device::cpu) cpu::relu_backward(dinp.f32(), dout.f32(), out.f32(), out.numel(), mode);
@@ -93,14 +93,14 @@ void relu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& out, Gr
 }
 
 void gelu_forward(const Tensor& out, const Tensor& inp) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("gelu", out, inp);
   if (inp.device == Device::cpu) cpu::gelu_forward(out.f32(), inp.f32(), inp.numel());
   else MPIPE_ON_GPU(inp, cuda::gelu_forward(ptr<E>(out), ptr<E>(inp), inp.numel()));
 }
 
 void gelu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, GradMode mode) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("gelu backward", dinp, dout);
   same_place("gelu backward", dout, inp);
   if (inp.device == Device::cpu) cpu::gelu_backward(dinp.f32(), dout.f32(), inp.f32(), inp.numel(), mode);
@@ -109,7 +109,7 @@ void gelu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, Gr
 
 void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& inp,
                        const Tensor& weight, const Tensor& bias) {
-  const OpTimer timer(OpKind::normalization);
+  const OpTimer timer(OpKind::normalization, __func__);
   same_place("layernorm", out, inp);
   same_place("layernorm", inp, weight);
   same_place("layernorm", weight, bias);
@@ -127,7 +127,7 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
 void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                         const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                         GradMode mode, const Tensor& residual) {
-  const OpTimer timer(OpKind::normalization);
+  const OpTimer timer(OpKind::normalization, __func__);
   same_place("layernorm backward", dinp, inp);
   same_place("layernorm backward", residual, dinp);
   MPIPE_CHECK(residual.empty() || (mode == GradMode::overwrite && residual.shape == dinp.shape && residual.data != dinp.data),
@@ -153,7 +153,7 @@ void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor&
 }
 
 void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("embedding", out, wte);
   same_place("embedding", wte, wpe);
   same_device("embedding", tokens, wte);
@@ -165,7 +165,7 @@ void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wt
 }
 
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& tokens) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_device("embedding backward", dwte, dout);
   same_device("embedding backward", tokens, dout);
   is_f32("embedding backward", dwte);
@@ -181,7 +181,7 @@ void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& do
 Shape attention_state_shape(int64_t B, int64_t H, int64_t T) { return Shape{B, H, T}; }
 
 void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv, int64_t heads) {
-  const OpTimer timer(OpKind::attention);
+  const OpTimer timer(OpKind::attention, __func__);
   same_place("attention", out, qkv);
   same_device("attention", state, qkv);
   is_f32("attention", state);
@@ -194,7 +194,7 @@ void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv
 }
 
 void attention_decode(const Tensor& out, const Tensor& cache, int64_t position, int64_t heads) {
-  const OpTimer timer(OpKind::attention);
+  const OpTimer timer(OpKind::attention, __func__);
   same_place("attention decode", out, cache);
   const int64_t B = out.shape[0], t = out.shape[1], C = out.shape[2], capacity = cache.shape[1];
   MPIPE_CHECK(cache.shape.rank == 3 && cache.shape[0] == B && cache.shape[2] == 3 * C && position >= 0 &&
@@ -208,7 +208,7 @@ void attention_decode(const Tensor& out, const Tensor& cache, int64_t position, 
 
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                         const Tensor& state) {
-  const OpTimer timer(OpKind::attention);
+  const OpTimer timer(OpKind::attention, __func__);
   same_place("attention backward", dqkv, qkv);
   same_place("attention backward", dout, qkv);
   same_place("attention backward", out, qkv);
@@ -223,7 +223,7 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qk
 }
 
 double crossentropy_forward(const Tensor& lse, const Tensor& logits, const Tensor& targets, double* device_loss_sum) {
-  const OpTimer timer(OpKind::loss);
+  const OpTimer timer(OpKind::loss, __func__);
   same_device("cross-entropy", lse, logits);
   same_device("cross-entropy", targets, logits);
   is_f32("cross-entropy", lse);
@@ -235,7 +235,7 @@ double crossentropy_forward(const Tensor& lse, const Tensor& logits, const Tenso
 
 void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
                            float scale) {
-  const OpTimer timer(OpKind::loss);
+  const OpTimer timer(OpKind::loss, __func__);
   same_place("cross-entropy backward", dlogits, logits);
   same_device("cross-entropy backward", lse, logits);
   const int64_t N = logits.shape.rows(), V = logits.shape[-1];
@@ -247,7 +247,7 @@ void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Te
 }
 
 void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("dropout", out, inp);
   const int64_t B = inp.shape[0], per_sample = inp.numel() / B;
   if (inp.device == Device::cpu) cpu::dropout_apply(out.f32(), inp.f32(), B, per_sample, p, key);
@@ -264,7 +264,7 @@ void head_statistics(const char* op, const Tensor& stats, int64_t N) {
 }  // namespace
 
 int64_t count_correct(const Tensor& logits, const Tensor& targets) {
-  const OpTimer timer(OpKind::loss);
+  const OpTimer timer(OpKind::loss, __func__);
   const int64_t V = logits.shape[-1], N = logits.shape.rows();
   MPIPE_CHECK(targets.numel() == N, "count_correct: ", targets.numel(), " targets for ", N, " rows");
   if (logits.device == Device::cpu) return cpu::count_correct(logits.f32(), targets.i32(), N, V);
@@ -285,7 +285,7 @@ int64_t count_correct(const Tensor& logits, const Tensor& targets) {
 }
 
 void vocab_chunk_forward(const Tensor& out, const Tensor& in, const Tensor& z, const Tensor& targets, int64_t v0) {
-  const OpTimer timer(OpKind::loss);
+  const OpTimer timer(OpKind::loss, __func__);
   const int64_t N = z.shape.rows(), V = z.shape[-1];
   same_device("vocab chunk", out, z);
   same_device("vocab chunk", in, z);
@@ -301,7 +301,7 @@ void vocab_chunk_forward(const Tensor& out, const Tensor& in, const Tensor& z, c
 
 void vocab_chunk_backward(const Tensor& dz, const Tensor& din, const Tensor& dout, const Tensor& z, const Tensor& in,
                           const Tensor& out, const Tensor& targets, int64_t v0, GradMode mode) {
-  const OpTimer timer(OpKind::loss);
+  const OpTimer timer(OpKind::loss, __func__);
   const int64_t N = z.shape.rows(), V = z.shape[-1];
   same_place("vocab chunk backward", dz, z);
   same_device("vocab chunk backward", dout, z);
@@ -317,7 +317,7 @@ void vocab_chunk_backward(const Tensor& dz, const Tensor& din, const Tensor& dou
 }
 
 double vocab_loss_forward(const Tensor& stats, const Tensor& targets, int64_t vocab, double* device_loss_sum) {
-  const OpTimer timer(OpKind::loss);
+  const OpTimer timer(OpKind::loss, __func__);
   const int64_t N = targets.numel();
   head_statistics("vocab loss", stats, N);
   if (stats.device == Device::cpu) return cpu::vocab_loss_forward(stats.f32(), targets.i32(), N, vocab);
@@ -328,7 +328,7 @@ double vocab_loss_forward(const Tensor& stats, const Tensor& targets, int64_t vo
 }
 
 void vocab_loss_backward(const Tensor& dstats, const Tensor& stats, float scale) {
-  const OpTimer timer(OpKind::loss);
+  const OpTimer timer(OpKind::loss, __func__);
   MPIPE_CHECK(dstats.numel() == stats.numel() && stats.numel() % 4 == 0, "vocab loss backward shapes");
   same_device("vocab loss backward", dstats, stats);
   is_f32("vocab loss backward", stats);
@@ -340,7 +340,7 @@ void vocab_loss_backward(const Tensor& dstats, const Tensor& stats, float scale)
 }
 
 int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets) {
-  const OpTimer timer(OpKind::loss);
+  const OpTimer timer(OpKind::loss, __func__);
   const int64_t N = targets.numel();
   head_statistics("vocab count", stats, N);
   if (stats.device == Device::cpu) return cpu::vocab_count_correct(stats.f32(), targets.i32(), N);
@@ -354,7 +354,7 @@ int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets) {
 }
 
 void add(const Tensor& y, const Tensor& x) {
-  const OpTimer timer(OpKind::elementwise);
+  const OpTimer timer(OpKind::elementwise, __func__);
   same_place("add", y, x);
   MPIPE_CHECK(y.numel() == x.numel(), "add: ", y.shape.str(), " += ", x.shape.str());
   if (x.device == Device::cpu) cpu::add(y.f32(), x.f32(), x.numel());
@@ -362,7 +362,7 @@ void add(const Tensor& y, const Tensor& x) {
 }
 
 void copy(const Tensor& y, const Tensor& x) {
-  const OpTimer timer(OpKind::copy);
+  const OpTimer timer(OpKind::copy, __func__);
   same_place("copy", y, x);
   MPIPE_CHECK(y.numel() == x.numel(), "copy: ", y.shape.str(), " = ", x.shape.str());
   if (x.device == Device::cpu) cpu::copy(y.f32(), x.f32(), x.numel());
@@ -370,7 +370,7 @@ void copy(const Tensor& y, const Tensor& x) {
 }
 
 void convert(const Tensor& y, const Tensor& x) {
-  const OpTimer timer(OpKind::copy);
+  const OpTimer timer(OpKind::copy, __func__);
   same_device("convert", y, x);
   MPIPE_CHECK(y.numel() == x.numel(), "convert: ", y.shape.str(), " = ", x.shape.str());
   if (y.dtype == x.dtype) return copy(y, x);
@@ -383,20 +383,20 @@ void convert(const Tensor& y, const Tensor& x) {
 }
 
 void zero(const Tensor& y) {
-  const OpTimer timer(OpKind::copy);
+  const OpTimer timer(OpKind::copy, __func__);
   if (y.device == Device::cpu) std::fill_n(static_cast<std::byte*>(y.data), y.bytes(), std::byte{0});
   else cuda::zero(y.data, y.bytes());
 }
 
 void scale(const Tensor& y, float factor) {
-  const OpTimer timer(OpKind::optimizer);
+  const OpTimer timer(OpKind::optimizer, __func__);
   is_f32("scale", y);
   if (y.device == Device::cpu) cpu::scale(y.f32(), factor, y.numel());
   else MPIPE_ON_GPU(y, cuda::scale(ptr<E>(y), factor, y.numel()));
 }
 
 void transfer(const Tensor& y, const Tensor& x) {
-  const OpTimer timer(OpKind::copy);
+  const OpTimer timer(OpKind::copy, __func__);
   MPIPE_CHECK(y.bytes() == x.bytes(), "transfer: ", y.bytes(), " bytes from ", x.bytes());
   if (y.data == x.data) return;
   if (y.device == Device::cpu && x.device == Device::cpu) {
@@ -435,7 +435,7 @@ SpanSums::SpanSums(SpanSums&&) noexcept = default;
 SpanSums& SpanSums::operator=(SpanSums&&) noexcept = default;
 
 std::span<const double> SpanSums::sums(const Tensor& x) {
-  const OpTimer timer(OpKind::optimizer);
+  const OpTimer timer(OpKind::optimizer, "gradient_norms");
   is_f32("span sums", x);
   MPIPE_CHECK(x.device == device_, "span sums: the buffer is on another device");
   if (device_ == Device::cpu) {

@@ -165,7 +165,7 @@ std::span<float> Optimizer::live_state(int which) const {
 }
 
 void Optimizer::update(float lr, std::int64_t t) {
-  const ops::OpTimer timer(ops::OpKind::optimizer);  // with the GPU's bf16 copy of the result
+  const ops::OpTimer timer(ops::OpKind::optimizer, "optimizer_update");  // with the GPU's bf16 copy of the result
   if (on_device_) {
 #if MPIPE_HAVE_CUDA
     cuda::ViewTable views;

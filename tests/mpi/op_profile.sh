@@ -3,7 +3,7 @@
 # rank of that step's op time by kind. Each row's kinds and its "outside ops" add up to
 # its step time; both stages spend time in GEMMs and attention; the loss is the last
 # stage's alone (the head lives there), and no convolution column appears for a model
-# without one. Behaviour, not speed.
+# without one; then each rank's ops that took the most, by name. Behaviour, not speed.
 # Usage: op_profile.sh MPIPE
 set -u
 mpipe=$1
@@ -41,4 +41,8 @@ while IFS= read -r row; do
       if (rank == 1 && ms(l) <= 0) { print "rank 1 has no loss time"; exit 1 }
     }' <<<"$row" || fail "row: $row" "$out"
 done <<<"$rows"
-grep -A4 '^ops of step' <<<"$out"
+# Then each rank's ops that took the most, by name: both ranks run GEMMs.
+for r in 0 1; do
+  grep -Eq "^  rank $r: .*matmul_(forward|backward|gelu_forward) [0-9.]+" <<<"$out" || fail "no top ops of rank $r naming a matmul" "$out"
+done
+grep -A7 '^ops of step' <<<"$out"

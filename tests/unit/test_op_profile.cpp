@@ -30,7 +30,7 @@ TEST_CASE("op profile: each op's time goes to its kind, nested ops count once, o
   ops::matmul_forward(out, inp, weight, Tensor{});
   ops::add(out, inp);
   {
-    const ops::OpTimer optimizer(OpKind::optimizer);  // as Optimizer::update around its own ops
+    const ops::OpTimer optimizer(OpKind::optimizer, "update");  // as Optimizer::update around its own ops
     ops::copy(out, inp);
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -50,6 +50,19 @@ TEST_CASE("op profile: each op's time goes to its kind, nested ops count once, o
   CHECK(t.total() == doctest::Approx(t.seconds[at(OpKind::gemm)] + t.seconds[at(OpKind::elementwise)] +
                                      t.seconds[at(OpKind::optimizer)]));
   CHECK(t.untimed == 0);
+  // By name: the function's, one entry each, the most time first (the sleeping update).
+  const std::vector<ops::NamedTime> top = t.top(10);
+  REQUIRE(top.size() == 3);
+  CHECK(std::string(top[0].name) == "update");
+  CHECK(top[0].calls == 1);
+  for (const ops::NamedTime& n : top) {
+    if (std::string(n.name) == "matmul_forward") CHECK(n.calls == 2);
+    if (std::string(n.name) == "add") CHECK(n.calls == 1);
+  }
+  double named = 0;
+  for (const ops::NamedTime& n : top) named += n.seconds;
+  CHECK(named == doctest::Approx(t.total()));
+  CHECK(t.top(1).size() == 1);
 
   // A second profile starts from nothing.
   ops::OpProfile::begin();
