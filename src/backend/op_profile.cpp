@@ -71,7 +71,16 @@ double OpTimes::total() const { return std::accumulate(seconds.begin(), seconds.
 
 std::vector<NamedTime> OpTimes::top(int count) const {
   std::vector<NamedTime> sorted(ops.begin(), ops.begin() + named);
-  std::stable_sort(sorted.begin(), sorted.end(), [](const NamedTime& a, const NamedTime& b) { return a.seconds > b.seconds; });
+  // Ties keep the order of first call (a stable sort without its temporary buffer).
+  std::vector<int> order(sorted.size());
+  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  std::sort(order.begin(), order.end(), [&](int a, int b) {
+    const double sa = sorted[static_cast<std::size_t>(a)].seconds, sb = sorted[static_cast<std::size_t>(b)].seconds;
+    return sa != sb ? sa > sb : a < b;
+  });
+  std::vector<NamedTime> by_time;
+  for (const int i : order) by_time.push_back(sorted[static_cast<std::size_t>(i)]);
+  sorted = std::move(by_time);
   if (static_cast<int>(sorted.size()) > count) sorted.resize(static_cast<std::size_t>(count));
   return sorted;
 }
