@@ -120,31 +120,17 @@ void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor
   const auto [N, C, plane] = channels_of(inp);
   MPIPE_CHECK(sums.empty() || sums.size() == static_cast<std::size_t>(1 + 2 * C), "batchnorm: ", sums.size(), " sums for ",
               C, " channels");
-  MPIPE_CHECK(!device_sums || (sums.empty() && inp.device == Device::cuda), "batchnorm: device sums with host sums or on the CPU");
+  MPIPE_CHECK(inp.device == Device::cuda ? sums.empty() : !device_sums,
+              "batchnorm: a GPU gathers its sums in device memory, the CPU in host memory");
   if (inp.device == Device::cpu) {
     cpu::batchnorm_forward_train(out.f32(), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
                                  ptr_or_null<float>(running_var), sums.empty() ? nullptr : sums.data(), inp.f32(),
                                  weight.f32(), bias.f32(), N, C, plane, eps, momentum);
     return;
   }
-#if MPIPE_HAVE_CUDA
-  // Host sums (the op's tests; the layer keeps its sums on the device): this
-  // micro-batch's are gathered on the device from zero, then added here in the CPU's order.
-  const std::size_t count = sums.size();
-  if (count) {
-    device_sums = static_cast<double*>(small_scratch().reserve(count * sizeof(double)));
-    cuda::zero(device_sums, count * sizeof(double));
-  }
   MPIPE_ON_GPU(inp, cuda::batchnorm_forward_train(ptr<E>(out), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
                                                   ptr_or_null<float>(running_var), device_sums, ptr<E>(inp), ptr<E>(weight),
                                                   ptr<E>(bias), N, C, plane, eps, momentum));
-  if (count) {
-    auto* host = small_scratch().host.as<double>();
-    cuda::copy_to_host(host, device_sums, count * sizeof(double));
-    cuda::synchronize(cuda::StreamKind::compute);
-    for (std::size_t i = 0; i < count; ++i) sums[i] += host[i];
-  }
-#endif
 }
 
 void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,

@@ -26,8 +26,10 @@ struct Profile {
   Device device = Device::cpu;
   int depth = 0;  // timers open on the profiling thread: only the outermost one counts
   OpTimes times;
-  // CPU: each open timer's start. GPU: an event pair per timed call, and its kind.
-  std::vector<Clock::time_point> started;
+  bool prepared = false;
+  // CPU: the open timer's start (one counts at a time). GPU: an event pair per timed
+  // call, its kind and its name.
+  Clock::time_point started;
   std::vector<cuda::Event> starts, ends;
   std::vector<OpKind> kinds;
   std::vector<const char*> names;
@@ -71,16 +73,8 @@ double OpTimes::total() const { return std::accumulate(seconds.begin(), seconds.
 
 std::vector<NamedTime> OpTimes::top(int count) const {
   std::vector<NamedTime> sorted(ops.begin(), ops.begin() + named);
-  // Ties keep the order of first call (a stable sort without its temporary buffer).
-  std::vector<int> order(sorted.size());
-  for (std::size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
-  std::sort(order.begin(), order.end(), [&](int a, int b) {
-    const double sa = sorted[static_cast<std::size_t>(a)].seconds, sb = sorted[static_cast<std::size_t>(b)].seconds;
-    return sa != sb ? sa > sb : a < b;
-  });
-  std::vector<NamedTime> by_time;
-  for (const int i : order) by_time.push_back(sorted[static_cast<std::size_t>(i)]);
-  sorted = std::move(by_time);
+  // Ties keep the order of first call.
+  std::stable_sort(sorted.begin(), sorted.end(), [](const NamedTime& a, const NamedTime& b) { return a.seconds > b.seconds; });
   if (static_cast<int>(sorted.size()) > count) sorted.resize(static_cast<std::size_t>(count));
   return sorted;
 }
@@ -88,7 +82,7 @@ std::vector<NamedTime> OpTimes::top(int count) const {
 void OpProfile::prepare(Device device, int ops) {
   Profile& p = profile();
   p.device = device;
-  p.started.assign(1, Clock::time_point{});  // one open timer counts at a time
+  p.prepared = true;
   p.kinds.assign(static_cast<std::size_t>(ops), OpKind::gemm);
   p.names.assign(static_cast<std::size_t>(ops), nullptr);
   if (device == Device::cuda) {
@@ -105,7 +99,7 @@ void OpProfile::prepare(Device device, int ops) {
 
 void OpProfile::begin() {
   Profile& p = profile();
-  MPIPE_CHECK(!p.started.empty(), "OpProfile::begin() before prepare()");
+  MPIPE_CHECK(p.prepared, "OpProfile::begin() before prepare()");
   p.thread = std::this_thread::get_id();
   p.depth = 0;
   p.used = 0;
@@ -139,7 +133,7 @@ OpTimer::OpTimer(OpKind kind, const char* name) noexcept : name_(name) {
   ++p.times.calls[k];
   if (p.device == Device::cpu) {
     slot_ = static_cast<int>(k);
-    p.started[0] = Clock::now();
+    p.started = Clock::now();
     return;
   }
   if (p.used >= static_cast<int>(p.starts.size())) {
@@ -164,7 +158,7 @@ OpTimer::~OpTimer() {
   --p.depth;
   if (slot_ == -2) return;
   if (p.device == Device::cpu) {
-    const double seconds = std::chrono::duration<double>(Clock::now() - p.started[0]).count();
+    const double seconds = std::chrono::duration<double>(Clock::now() - p.started).count();
     p.times.seconds[static_cast<std::size_t>(slot_)] += seconds;
     add_named(p.times, name_, seconds);
     return;

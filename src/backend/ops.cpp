@@ -140,7 +140,7 @@ void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor&
   const int64_t N = inp.shape.rows(), C = inp.shape[-1];
   if (inp.device == Device::cpu) {
     if (!residual.empty()) {
-      std::memcpy(dinp.data, residual.data, residual.bytes());
+      copy(dinp, residual);
       mode = GradMode::accumulate;
     }
     cpu::layernorm_backward(dinp.f32(), dweight.f32(), dbias.f32(), dout.f32(), inp.f32(), weight.f32(), mean.f32(),

@@ -308,8 +308,9 @@ TEST_CASE_TEMPLATE("cuda op: batchnorm training, running statistics, deferred su
 TEST_CASE_TEMPLATE("cuda op: batchnorm's deferred sums gathered in device memory are the host-gathered sums' bits", E,
                    float, bf16) {
   // The layer's way (ops::batchnorm_forward_train with device_sums: one addition per
-  // element into a device total, no wait) against the host's (the micro-batch's sums
-  // copied back and added on the host), over three micro-batches in order.
+  // element into a device total, no wait) against the host's as it was before (each
+  // micro-batch's sums gathered on the device from zero, copied back and added on the
+  // host), over three micro-batches in order.
   const int64_t N = 4, C = 6, plane = 49;
   const std::size_t n = static_cast<std::size_t>(N * C * plane), c = static_cast<std::size_t>(C);
   const DeviceArray<E> d_w(to_elems<E>(rounded<E>(normals(c, 61)))), d_b(to_elems<E>(rounded<E>(normals(c, 62))));
@@ -326,7 +327,11 @@ TEST_CASE_TEMPLATE("cuda op: batchnorm's deferred sums gathered in device memory
     const Tensor x = on_gpu(d_in.get(), x_shape, dtype_of<E>), y = on_gpu(d_out.get(), x_shape, dtype_of<E>),
                  w = on_gpu(d_w.get(), c_shape, dtype_of<E>), b = on_gpu(d_b.get(), c_shape, dtype_of<E>),
                  mean = on_gpu(d_mean.get(), c_shape, DType::f32), rstd = on_gpu(d_rstd.get(), c_shape, DType::f32);
-    ops::batchnorm_forward_train(y, mean, rstd, Tensor{}, Tensor{}, std::span<double>(host_total), x, w, b, 1e-5f, 0.1f);
+    DeviceArray<double> d_micro(1 + 2 * c);  // zeroed
+    cuda::batchnorm_forward_train(d_out.get(), d_mean.get(), d_rstd.get(), nullptr, nullptr, d_micro.get(), d_in.get(),
+                                  d_w.get(), d_b.get(), N, C, plane, 1e-5f, 0.1f);
+    const std::vector<double> micro = d_micro.read();
+    for (std::size_t i = 0; i < host_total.size(); ++i) host_total[i] += micro[i];
     ops::batchnorm_forward_train(y, mean, rstd, Tensor{}, Tensor{}, std::span<double>(), x, w, b, 1e-5f, 0.1f,
                                  d_total.get());
   }

@@ -231,6 +231,23 @@ TEST_CASE_TEMPLATE("cuda op: layernorm forward and backward", E, float, bf16) {
       CHECK(error(d_dweight.read(), dweight) < fp32_tolerance);
       CHECK(error(d_dbias.read(), dbias) < fp32_tolerance);
     }
+    // With a residual (a residual block's other branch): dinp = residual + the input
+    // gradient in one pass, the bits of accumulating onto a copy of the residual, and the
+    // CPU's sum.
+    const auto residual = rounded<E>(normals(N * C, 47));
+    auto dinp = residual, dweight = dweight0, dbias = dbias0;
+    cpu::layernorm_backward(dinp.data(), dweight.data(), dbias.data(), dout.data(), inp.data(), weight.data(),
+                            mean.data(), rstd.data(), N, C, GradMode::accumulate);
+    const DeviceArray<E> d_residual = upload<E>(residual);
+    DeviceArray<E> d_onto = upload<E>(dinp0), d_copied = upload<E>(residual);
+    DeviceArray<float> d_dweight1(dweight0), d_dbias1(dbias0), d_dweight2(dweight0), d_dbias2(dbias0);
+    cuda::layernorm_backward(d_onto.get(), d_dweight1.get(), d_dbias1.get(), d_dout.get(), d_inp.get(), d_weight.get(),
+                             d_mean.get(), d_rstd.get(), N, C, GradMode::overwrite, d_residual.get());
+    cuda::layernorm_backward(d_copied.get(), d_dweight2.get(), d_dbias2.get(), d_dout.get(), d_inp.get(),
+                             d_weight.get(), d_mean.get(), d_rstd.get(), N, C, GradMode::accumulate);
+    CHECK(same_bits(d_onto.read(), d_copied.read()));
+    CHECK(same_bits(d_dweight1.read(), d_dweight2.read()));
+    CHECK(error(download(d_onto), dinp) < tolerance<E>);
   }
 }
 

@@ -24,10 +24,9 @@ void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& 
 
 // BatchNorm over (N, C, ...) per channel (see cpu/ops.hpp). Statistics and running
 // statistics are fp32 on either device. Training with running statistics given
-// (non-empty) moves them, with `sums` given (1 + 2C, host) adds the batch to them (on a
-// GPU through one copy back, waiting for it), with `device_sums` (1 + 2C doubles in GPU
-// memory; a GPU's inputs only) adds it there, with one addition per element as the host
-// makes it (the same bits) and no wait; inference reads them.
+// (non-empty) moves them; the batch's count, sums and sums of squares (1 + 2C doubles) are
+// added to `sums` (host memory) on the CPU, to `device_sums` (GPU memory) on a GPU, one
+// addition per element, in micro-batch order, without a wait; inference reads them.
 void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
                              const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
                              const Tensor& bias, float eps, float momentum, double* device_sums = nullptr);

@@ -342,23 +342,6 @@ std::pair<float, float> difference(const T* a, const T* b, int64_t n, unsigned* 
   return {diff, mag};
 }
 
-// Device memory for one check, freed at its end (a shape's first call only).
-class CheckMemory {
- public:
-  explicit CheckMemory(std::size_t bytes) { CUDA_CHECK(cudaMalloc(&p_, bytes)); }
-  CheckMemory(const CheckMemory&) = delete;
-  CheckMemory& operator=(const CheckMemory&) = delete;
-  ~CheckMemory() {
-    cudaStreamSynchronize(context().compute);
-    cudaFree(p_);
-  }
-  template <class T>
-  T* at(std::size_t offset) const { return reinterpret_cast<T*>(static_cast<char*>(p_) + offset); }
-
- private:
-  void* p_ = nullptr;
-};
-
 // Within bf16's rounding: outputs to 1/32 and gradients to 1/16 of the largest magnitude
 // (differently ordered bf16 sums differ by a few units of 2^-8; a wrong mask, scale or
 // head placement by the order of the values themselves); the lse, fp32, to 0.01.
@@ -374,43 +357,44 @@ void say_check(const char* direction, int64_t B, int64_t T, int64_t H, int64_t h
                ok ? "" : "; the kernel takes this shape");
 }
 
-Choice& choice_of(int64_t B, int64_t T, int64_t H, int64_t hs, bool backward) {
-  if (engine_setting() == AttentionEngine::kernel || !dnn_attention_wanted()) {
-    static Choice kernel = Choice::kernel;
-    kernel = Choice::kernel;
-    return kernel;
-  }
-  return choices().try_emplace(ChoiceKey{B, T, H, hs, backward}, Choice::unchecked).first->second;
+// The shape's choice, or null where the kernel is asked for (set_attention_engine,
+// MPIPE_ATTENTION=flash).
+Choice* choice_of(int64_t B, int64_t T, int64_t H, int64_t hs, bool backward) {
+  if (engine_setting() == AttentionEngine::kernel || !dnn_attention_wanted()) return nullptr;
+  return &choices().try_emplace(ChoiceKey{B, T, H, hs, backward}, Choice::unchecked).first->second;
 }
 
 // bf16 forward: true when cuDNN ran it (checked at the shape's first call).
 bool dnn_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t H, int64_t hs) {
   const int64_t C = H * hs;
   if (!all_aligned({qkv, qkv + C, qkv + 2 * C, out, lse}, 16)) return false;  // this call's pointers, not the shape
-  Choice& choice = choice_of(B, T, H, hs, false);
-  if (choice == Choice::kernel) return false;
+  Choice* chosen = choice_of(B, T, H, hs, false);
+  if (!chosen || *chosen == Choice::kernel) return false;
+  Choice& choice = *chosen;
   if (!dnn_attention_forward(out, lse, qkv, B, T, H, hs)) {
     choice = Choice::kernel;
     return false;
   }
   if (choice == Choice::dnn) return true;
   const int64_t n = B * T * C, rows = B * H * T;
-  const std::size_t out_bytes = static_cast<std::size_t>(n) * sizeof(bf16), lse_at = (out_bytes + 255) / 256 * 256,
-                    result_at = lse_at + (static_cast<std::size_t>(rows) * sizeof(float) + 255) / 256 * 256;
-  CheckMemory memory(result_at + 256);
-  bf16* out_kernel = memory.at<bf16>(0);
-  auto* lse_kernel = memory.at<float>(lse_at);
+  ScratchPlan layout;  // the kernel's results and the comparison's, for a shape's first call only
+  const std::size_t out_at = layout.reserve<bf16>(n), lse_at = layout.reserve<float>(rows),
+                    result_at = layout.reserve<unsigned>(2);
+  const DeviceBuffer memory(layout.bytes());
+  bf16* out_kernel = place<bf16>(memory.data(), out_at);
+  auto* lse_kernel = place<float>(memory.data(), lse_at);
   kernel_attention_forward(out_kernel, lse_kernel, qkv, B, T, H, hs);
   const auto d_out = difference(dev(static_cast<const bf16*>(out)), dev(static_cast<const bf16*>(out_kernel)), n,
-                                memory.at<unsigned>(result_at));
+                                place<unsigned>(memory.data(), result_at));
   const auto d_lse = difference(static_cast<const float*>(lse), static_cast<const float*>(lse_kernel), rows,
-                                memory.at<unsigned>(result_at));
+                                place<unsigned>(memory.data(), result_at));
   const bool ok = agrees(d_out, kOutputTolerance) && d_lse.first <= kLseTolerance;
   say_check("forward", B, T, H, hs, ok,
             cat("output ", d_out.first, " of ", d_out.second, ", lse ", d_lse.first));
   choice = ok ? Choice::dnn : Choice::kernel;
   if (!ok) {  // the kernel's results are the call's
-    CUDA_CHECK(cudaMemcpyAsync(out, out_kernel, out_bytes, cudaMemcpyDeviceToDevice, context().compute));
+    CUDA_CHECK(cudaMemcpyAsync(out, out_kernel, static_cast<std::size_t>(n) * sizeof(bf16), cudaMemcpyDeviceToDevice,
+                               context().compute));
     CUDA_CHECK(cudaMemcpyAsync(lse, lse_kernel, static_cast<std::size_t>(rows) * sizeof(float),
                                cudaMemcpyDeviceToDevice, context().compute));
   }
@@ -421,24 +405,28 @@ bool dnn_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out
                   int64_t T, int64_t H, int64_t hs) {
   const int64_t C = H * hs;
   if (!all_aligned({qkv, qkv + C, qkv + 2 * C, out, dout, lse, dqkv, dqkv + C, dqkv + 2 * C}, 16)) return false;
-  Choice& choice = choice_of(B, T, H, hs, true);
-  if (choice == Choice::kernel) return false;
+  Choice* chosen = choice_of(B, T, H, hs, true);
+  if (!chosen || *chosen == Choice::kernel) return false;
+  Choice& choice = *chosen;
   if (!dnn_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs)) {
     choice = Choice::kernel;
     return false;
   }
   if (choice == Choice::dnn) return true;
   const int64_t n = B * T * 3 * C;
-  const std::size_t bytes = static_cast<std::size_t>(n) * sizeof(bf16), result_at = (bytes + 255) / 256 * 256;
-  CheckMemory memory(result_at + 256);
-  bf16* dqkv_kernel = memory.at<bf16>(0);
+  ScratchPlan layout;  // as the forward's
+  const std::size_t dqkv_at = layout.reserve<bf16>(n), result_at = layout.reserve<unsigned>(2);
+  const DeviceBuffer memory(layout.bytes());
+  bf16* dqkv_kernel = place<bf16>(memory.data(), dqkv_at);
   kernel_attention_backward(dqkv_kernel, dout, qkv, out, lse, B, T, H, hs);
   const auto d = difference(dev(static_cast<const bf16*>(dqkv)), dev(static_cast<const bf16*>(dqkv_kernel)), n,
-                            memory.at<unsigned>(result_at));
+                            place<unsigned>(memory.data(), result_at));
   const bool ok = agrees(d, kGradientTolerance);
   say_check("backward", B, T, H, hs, ok, cat("gradient ", d.first, " of ", d.second));
   choice = ok ? Choice::dnn : Choice::kernel;
-  if (!ok) CUDA_CHECK(cudaMemcpyAsync(dqkv, dqkv_kernel, bytes, cudaMemcpyDeviceToDevice, context().compute));
+  if (!ok)
+    CUDA_CHECK(cudaMemcpyAsync(dqkv, dqkv_kernel, static_cast<std::size_t>(n) * sizeof(bf16), cudaMemcpyDeviceToDevice,
+                               context().compute));
   return true;
 }
 

@@ -22,7 +22,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdlib>
-#include <initializer_list>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -326,15 +325,28 @@ struct Shape {
   Dims row_strides() const { return {H * T, T, 1, 1}; }
 };
 
+constexpr cudnnDataType_t kBf16 = CUDNN_DATA_BFLOAT16;
+
+// The tensors both directions bind: q, K^T, v (as V^T for the backward's dO V^T), o, the
+// stats, and the two scalars.
+struct Bound {
+  cudnnBackendDescriptor_t q, kt, v, o, stats, scale, neg_inf;
+};
+Bound bind_common(GraphBuilder& g, const Shape& s, bool v_transposed) {
+  return {g.tensor(kQ, kBf16, s.heads(), s.in_qkv(), false),
+          g.tensor(kK, kBf16, s.heads_t(), s.in_qkv_t(), false),
+          v_transposed ? g.tensor(kV, kBf16, s.heads_t(), s.in_qkv_t(), false)
+                       : g.tensor(kV, kBf16, s.heads(), s.in_qkv(), false),
+          g.tensor(kO, kBf16, s.heads(), s.in_out(), false),
+          g.tensor(kStats, CUDNN_DATA_FLOAT, s.rows(), s.row_strides(), false),
+          g.scalar(kScale),
+          g.scalar(kNegInf)};
+}
+
 void build_forward(DnnAttention& a, const Shape& s) {
   GraphBuilder g;
-  const cudnnDataType_t bf = CUDNN_DATA_BFLOAT16;
-  auto q = g.tensor(kQ, bf, s.heads(), s.in_qkv(), false);
-  auto kt = g.tensor(kK, bf, s.heads_t(), s.in_qkv_t(), false);
-  auto v = g.tensor(kV, bf, s.heads(), s.in_qkv(), false);
-  auto o = g.tensor(kO, bf, s.heads(), s.in_out(), false);
-  auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, s.rows(), s.row_strides(), false);
-  auto scale = g.scalar(kScale), neg_inf = g.scalar(kNegInf);
+  const cudnnDataType_t bf = kBf16;
+  const auto [q, kt, v, o, stats, scale, neg_inf] = bind_common(g, s, false);
 
   auto scores = g.temp(s.scores());
   g.matmul(q, kt, scores);
@@ -361,18 +373,13 @@ void build_forward(DnnAttention& a, const Shape& s) {
 
 void build_backward(DnnAttention& a, const Shape& s) {
   GraphBuilder g;
-  const cudnnDataType_t bf = CUDNN_DATA_BFLOAT16;
-  auto q = g.tensor(kQ, bf, s.heads(), s.in_qkv(), false);
-  auto kt = g.tensor(kK, bf, s.heads_t(), s.in_qkv_t(), false);
-  auto vt = g.tensor(kV, bf, s.heads_t(), s.in_qkv_t(), false);
-  auto o = g.tensor(kO, bf, s.heads(), s.in_out(), false);
+  const cudnnDataType_t bf = kBf16;
+  const auto [q, kt, vt, o, stats, scale, neg_inf] = bind_common(g, s, true);
   auto d_o = g.tensor(kDO, bf, s.heads(), s.in_out(), false);
-  auto stats = g.tensor(kStats, CUDNN_DATA_FLOAT, s.rows(), s.row_strides(), false);
   auto dq = g.tensor(kDQ, bf, s.heads(), s.in_qkv(), false);
   auto dk = g.tensor(kDK, bf, s.heads(), s.in_qkv(), false);
   auto dv = g.tensor(kDV, bf, s.heads(), s.in_qkv(), false);
   auto row_dots = g.tensor(kRowDots, CUDNN_DATA_FLOAT, s.rows(), s.row_strides(), false);
-  auto scale = g.scalar(kScale), neg_inf = g.scalar(kNegInf);
   const Dims scores_t = {s.B, s.H, s.T, s.T}, scores_t_strides = {s.H * s.T * s.T, s.T * s.T, 1, s.T};
 
   // D = rowsum(dO · O)
@@ -427,9 +434,8 @@ const char* attention_mode() {
 using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;  // B, T, H, hs, backward
 
 // The shape's plan for a direction, built at its first use (one compute thread per rank:
-// no lock); null where cuDNN declined it or is not wanted.
+// no lock); null where cuDNN declined it.
 DnnAttention* plan_for(int64_t B, int64_t T, int64_t H, int64_t hs, bool backward) {
-  if (!dnn_attention_wanted()) return nullptr;
   static std::map<Key, std::unique_ptr<DnnAttention>> plans;  // null: declined
   const Key key{B, T, H, hs, backward};
   if (auto found = plans.find(key); found != plans.end()) return found->second.get();
@@ -507,9 +513,6 @@ bool run(DnnAttention& a, const Pointers& bound, void* workspace) {
   return run_pack(a, bound, workspace);
 }
 
-// Whether every tensor's address meets the 16 bytes the graph's tensors declare.
-bool aligned16(std::initializer_list<const void*> pointers) { return all_aligned(pointers, 16); }
-
 }  // namespace
 
 bool dnn_attention_wanted() { return std::strcmp(attention_mode(), "flash") != 0; }
@@ -518,7 +521,6 @@ bool dnn_attention_verbose() { return std::strcmp(attention_mode(), "verbose") =
 bool dnn_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t H, int64_t hs) {
   const int64_t C = H * hs;
   const bf16 *q = qkv, *k = qkv + C, *v = qkv + 2 * C;
-  if (!aligned16({q, k, v, out, lse})) return false;
   DnnAttention* a = plan_for(B, T, H, hs, false);
   if (!a) return false;
   void* workspace = a->workspace ? scratch(a->workspace) : nullptr;
@@ -533,7 +535,6 @@ bool dnn_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const
   const int64_t C = H * hs;
   const bf16 *q = qkv, *k = qkv + C, *v = qkv + 2 * C;
   bf16 *dq = dqkv, *dk = dqkv + C, *dv = dqkv + 2 * C;
-  if (!aligned16({q, k, v, out, dout, lse, dq, dk, dv})) return false;
   DnnAttention* a = plan_for(B, T, H, hs, true);
   if (!a) return false;
   // The row dots D (B, H, T) and the workspace, carved from one scratch() region.
