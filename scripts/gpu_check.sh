@@ -15,7 +15,7 @@
 #      b. ResNet-50 at 224x224, batch 64, channels_last, eager, against mpipe's: images/s;
 #      c. (run right after a, before b) GPT-2 medium's batch of 8 as M = 8 micro-batches on
 #         one rank, mpipe against its own M = 1 and PyTorch's gradient accumulation over the
-#         same 8 pieces (no torch.compile of ResNet-50 yet: its compilation would take the
+#         same 8 pieces, and mpipe's M = 8 again with --cuda-graphs on (no torch.compile of ResNet-50 yet: its compilation would take the
 #         ladder's time);
 #   2b. generation: a GPT-2-small-shaped checkpoint (one step), `mpipe generate --device cuda`
 #      in fp32 and bf16 against PyTorch's KV-cache loop over its export: tokens/s, greedy ids;
@@ -251,7 +251,7 @@ say "PyTorch: $torch_line" \
 
 # Values the targets table reads; empty when not measured.
 mfu="" mr_rc=-1 m_ips="" att_f="" att_b="" gpt_compile_ratio="" gpt_eager_ratio="" resnet_ratio="" ladder_speedup="" deep_speedup=""
-micro_ratio="" micro_torch_ratio=""
+micro_ratio="" micro_torch_ratio="" graphs_ratio="" graphs_micro_ratio=""
 deep_machine="" deep_k4=""
 gpt_mem="" gpt_mem_ok="" resnet_mem="" resnet_mem_ok=""
 
@@ -523,6 +523,8 @@ else
   ta_rc=$step_rc ta_status=$step_status ta_smi=$smi_peak
   mpipe_run "mpipe GPT-2 medium, 8 micro-batches" mpipe-gpt-m8 "${gpt_shape[@]}" --micro-batches 8
   m8_rc=$step_rc m8_status=$step_status m8_smi=$smi_peak
+  mpipe_run "mpipe GPT-2 medium, 8 micro-batches, CUDA graphs" mpipe-gpt-m8g "${gpt_shape[@]}" --micro-batches 8 --cuda-graphs on
+  m8g_rc=$step_rc m8g_status=$step_status m8g_smi=$smi_peak
   say "" "### 4c. GPT-2 medium's batch of 8 as M = 8 micro-batches of 1 sample, one rank" "" \
       "What each GPU of a pipeline computes. PyTorch: \`torch_gpu_bench.py gpt --micro-batches 8\` (forward and" \
       "backward of each piece, loss / 8, one clip and one fused AdamW step). mpipe: as 4a with \`--micro-batches 8\`." "" \
@@ -531,14 +533,22 @@ else
     "$(gib "$(json "$logs/torch-gpt-accum.json" "s.get('peak_allocated_bytes')")") allocated" "$ta_status"
   side_row "mpipe, 1 rank, M = 8" "$m8_rc" "$logs/mpipe-gpt-m8.json" tokens_per_s "$m8_smi" \
     "$(mpipe_mem "$logs/mpipe-gpt-m8.log" "$logs/mpipe-gpt-m8.json")" "$m8_status"
+  side_row "mpipe, 1 rank, M = 8, \`--cuda-graphs on\`" "$m8g_rc" "$logs/mpipe-gpt-m8g.json" tokens_per_s "$m8g_smi" \
+    "$(mpipe_mem "$logs/mpipe-gpt-m8g.log" "$logs/mpipe-gpt-m8g.json")" "$m8g_status"
   m8_tps=$( ((m8_rc == 0)) && json "$logs/mpipe-gpt-m8.json" "s['tokens_per_s']")
   a_tps=$( ((ta_rc == 0)) && json "$logs/torch-gpt-accum.json" "s['tokens_per_s']")
   micro_ratio=$(ratio "$m8_tps" "$m_tps")
   micro_torch_ratio=$(ratio "$m8_tps" "$a_tps")
   say "" "mpipe M = 8 / mpipe M = 1: $(x "$micro_ratio"); mpipe M = 8 / PyTorch's accumulation: $(x "$micro_torch_ratio")"
+  m8g_tps=$( ((m8g_rc == 0)) && json "$logs/mpipe-gpt-m8g.json" "s['tokens_per_s']")
+  graphs_ratio=$(ratio "$m8g_tps" "$m8_tps")
+  graphs_micro_ratio=$(ratio "$m8g_tps" "$m_tps")
+  say "" "With \`--cuda-graphs on\`: M = 8 / M = 8 without graphs: $(x "$graphs_ratio"); / M = 1: $(x "$graphs_micro_ratio")." \
+      "$(grep -m1 '^CUDA graphs per rank' "$logs/mpipe-gpt-m8g.log" 2>/dev/null)"
   op_table "$logs/mpipe-gpt-m8.log" "mpipe GPT-2 medium, M = 8"
   step_rc=$ta_rc step_status=$ta_status; ((ta_rc > 0)) && name_of_step="PyTorch accumulation" failure "$logs/torch-gpt-accum.log"
   step_rc=$m8_rc step_status=$m8_status; ((m8_rc > 0)) && name_of_step="mpipe GPT-2 medium M = 8" failure "$logs/mpipe-gpt-m8.log"
+  step_rc=$m8g_rc step_status=$m8g_status; ((m8g_rc > 0)) && name_of_step="mpipe GPT-2 medium M = 8, CUDA graphs" failure "$logs/mpipe-gpt-m8g.log"
 
   # -- 4b. ResNet-50
   cap=150
@@ -624,6 +634,8 @@ say "" "## Targets" "" "| target | measured | |" "|---|---|---|" \
     "| attention backward ≥ 40% of the GEMM rate | ${att_b:+${att_b}%} | $(verdict "$att_b" '>=' 40) |" \
     "| GPT-2 medium, batch 8 as M = 8 on one rank ≥ 0.85x M = 1 | ${micro_ratio:+${micro_ratio}x} | $(verdict "$micro_ratio" '>=' 0.85) |" \
     "| … and ≥ 1.0x PyTorch's accumulation over the same 8 pieces | ${micro_torch_ratio:+${micro_torch_ratio}x} | $(verdict "$micro_torch_ratio" '>=' 1.0) |" \
+    "| … M = 8 with \`--cuda-graphs on\` ≥ 0.85x M = 1 | ${graphs_micro_ratio:+${graphs_micro_ratio}x} | $(verdict "$graphs_micro_ratio" '>=' 0.85) |" \
+    "| … \`--cuda-graphs on\` / off at M = 8 (for reference) | ${graphs_ratio:+${graphs_ratio}x} | |" \
     "| ResNet-50: mpipe ≥ 1.3x eager | ${resnet_ratio:+${resnet_ratio}x} | $(verdict "$resnet_ratio" '>=' 1.3) |" \
     "| ResNet-50: mpipe ≥ 1.0x torch.compile | ${resnet_compile_ratio:+${resnet_compile_ratio}x} | $(verdict "$resnet_compile_ratio" '>=' 1.0) |" \
     "| GPT-2 medium: peak GPU memory ≤ eager's (nvidia-smi, mpipe vs eager) | $gpt_mem | $(verdict "$gpt_mem_ok" == 1) |" \

@@ -190,6 +190,11 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
       ->capture_default_str();
   cmd.add_option("--precision", c.precision, "fp32, or bf16 on a GPU (fp32 master weights and optimizer state)")
       ->capture_default_str();
+  cmd.add_option("--cuda-graphs", c.cuda_graphs,
+                 "on (a GPU): from the third step, each micro-batch's forward, backward, weight gradient and "
+                 "recomputation is recorded and launched as one CUDA graph (updated in place each step: the same "
+                 "bits, fewer launch gaps with small micro-batches); off: kernels launched one by one")
+      ->capture_default_str();
   cmd.add_option("--checkpoint-dir", c.checkpoint_dir, "Write HDF5 checkpoints DIR/ckpt-<step>.h5 (created if missing)");
   cmd.add_option("--checkpoint-every", c.checkpoint_every, "Steps between checkpoints (0: only the final one)")
       ->capture_default_str();

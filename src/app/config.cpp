@@ -88,6 +88,10 @@ void validate(const TrainConfig& c, int world) {
                 "unknown --precision '", c.precision, "'");
   MPIPE_REQUIRE(c.precision == "fp32" || c.device != "cpu", "use --device cuda (or auto on GPU nodes) with bf16",
                 "--precision bf16 needs a GPU; the CPU backend computes in fp32");
+  MPIPE_REQUIRE(c.cuda_graphs == "on" || c.cuda_graphs == "off", "use --cuda-graphs on or off",
+                "unknown --cuda-graphs '", c.cuda_graphs, "'");
+  MPIPE_REQUIRE(c.cuda_graphs == "off" || c.device != "cpu", "use --device cuda (or auto on GPU nodes) with --cuda-graphs on",
+                "--cuda-graphs on needs a GPU; the CPU backend launches no kernels");
   GridShape grid = p.grid;
   if (world > 0) grid = resolve_grid(grid, world);
   const int replicas = std::max(1, grid.replicas);
@@ -153,6 +157,7 @@ RunOptions run_options(const TrainConfig& c) {
   o.comm_wait = parsed<CommWait>(p.comm_wait, comm_wait_names);
   o.device = c.device == "cuda" ? Device::cuda : Device::cpu;
   o.precision = c.precision == "bf16" ? DType::bf16 : DType::f32;
+  o.cuda_graphs = c.cuda_graphs == "on";
   o.trace_steps = c.trace.empty() ? 0 : c.trace_steps;
   return o;
 }

@@ -103,6 +103,7 @@ std::string to_toml(const TrainConfig& c) {
   line("seed", cat(c.seed));
   line("device", toml_quoted(c.device));
   line("precision", toml_quoted(c.precision));
+  line("cuda-graphs", toml_quoted(c.cuda_graphs));
   line("threads", cat(c.threads));
   line("optimizer", toml_quoted(p.kind));
   line("lr", toml_float(p.lr));

@@ -210,6 +210,8 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
                 "use --precision fp32 on the CPU, or run on GPU nodes",
                 "--precision bf16 needs a GPU, and --device ", config.device == "cpu" ? "cpu" : "auto",
                 " chose the CPU");
+  MPIPE_REQUIRE(config.device == "cuda" || config.cuda_graphs == "off", "use --cuda-graphs off on the CPU, or run on GPU nodes",
+                "--cuda-graphs on needs a GPU, and --device ", config.device == "cpu" ? "cpu" : "auto", " chose the CPU");
   if (config.device == "cpu") return "device: cpu; BLAS " + cpu::blas_description();
   // Node-local rank modulo the GPUs this rank sees: one GPU per rank with one rank per
   // GPU, or ranks sharing GPUs round-robin when there are more ranks than GPUs.

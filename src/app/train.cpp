@@ -345,6 +345,9 @@ int Training::finish() {
   const std::vector<double> peaks = world_.gather(static_cast<double>(exec_.peak_activation_bytes()), 0);
   const bool gpu = exec_.device() == Device::cuda;
   const std::vector<double> device_peaks = world_.gather(static_cast<double>(gpu ? cuda::device_bytes_peak() : 0), 0);
+  const cuda::GraphCounts g = gpu ? cuda::graph_counts() : cuda::GraphCounts{};
+  const auto graphs = world_.gather(std::array<double, 3>{static_cast<double>(g.launched), static_cast<double>(g.made),
+                                                          static_cast<double>(g.updated)}, 0);
   // The weights as allocated, the optimizer's state apart (1/D of it with
   // --shard-optimizer), against the plan's figures (without --overlap-steps' copies), and
   // the process's peak resident memory (Linux: KiB).
@@ -393,6 +396,11 @@ int Training::finish() {
     if (gpu) {
       std::printf("peak GPU memory per rank (all mpipe allocated: weights, state, activations, scratch):");
       for (double p : device_peaks) std::printf(" %s", human_bytes(p).c_str());
+      std::printf("\n");
+    }
+    if (plan.options.cuda_graphs) {
+      std::printf("CUDA graphs per rank, actions launched as one (graphs made, updated in place):");
+      for (const auto& n : graphs) std::printf(" %.0f (%.0f, %.0f)", n[0], n[1], n[2]);
       std::printf("\n");
     }
     if (plan.options.overlap_steps)

@@ -107,6 +107,8 @@ void OpProfile::begin() {
   p.active.store(true, std::memory_order_release);
 }
 
+bool OpProfile::active() { return profile().active.load(std::memory_order_acquire); }
+
 OpTimes OpProfile::end() {
   Profile& p = profile();
   p.active.store(false, std::memory_order_release);

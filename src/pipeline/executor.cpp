@@ -245,6 +245,8 @@ void Executor::run_pipeline(std::int64_t step, bool training) {
   if (training) params_->zero_grads();
   read_batch(step, training);
   device_ops_->begin_step(holds_last());
+  if (training) ++training_passes_;
+  device_ops_->graph_pass(training && plan_.options.cuda_graphs && training_passes_ > 2);
   // Every receive of the step is posted before any compute.
   transport_->post_receives(training);
   if (training) reducer_->begin_step();

@@ -171,6 +171,24 @@ Tensor Stage::input(const Pass& pass, int mb) {
   return x;
 }
 
+template <class Work>
+void Stage::graphed(Graphed kind, int mb, bool allowed, Work&& work) {
+  StepDevice& device = *shared_.device_ops;
+  if (!allowed || !device.graphing()) {
+    work();
+    return;
+  }
+  device.begin_graph();
+  try {
+    work();
+  } catch (...) {
+    device.abandon_graph();
+    throw;
+  }
+  const int M = static_cast<int>(micro_batches_.size());
+  device.launch_graph((channel_ * 4 + static_cast<int>(kind)) * M + mb);
+}
+
 void Stage::forward(std::int64_t step, int mb, bool training, bool backward_next) {
   receive_skips(Direction::forward, mb, true);
   const auto start = StageHooks::Clock::now();
@@ -189,7 +207,9 @@ void Stage::forward(std::int64_t step, int mb, bool training, bool backward_next
   const bool selective = training && !remat && shared_.plan->selective(index_);
   if (selective) pass.transient = shared_.scratch;
   Tensor out;
-  Context* contexts = run_forward(pass, input(pass, mb), &out, *shared_.progress, skips_);
+  Context* contexts = nullptr;
+  const Tensor x = input(pass, mb);
+  graphed(Graphed::forward, mb, training, [&] { contexts = run_forward(pass, x, &out, *shared_.progress, skips_); });
   send_skips(Direction::forward, mb);  // before remat's scratch dies
   if (selective) shared_.scratch->reset();
   if (last_) {
@@ -230,7 +250,8 @@ void Stage::recompute(std::int64_t step, int mb) {
   again.recompute = true;
   again.device_loss_sum = nullptr;  // the forward counted this micro-batch's loss
   receive_skips(Direction::forward, mb, false);  // arrived for the forward, kept for the step
-  m.contexts = run_forward(again, input(again, mb), &unused, *shared_.progress, skips_);
+  const Tensor x = input(again, mb);
+  graphed(Graphed::recompute, mb, true, [&] { m.contexts = run_forward(again, x, &unused, *shared_.progress, skips_); });
   shared_.hooks->end_compute(ComputeKind::recompute, mb, index_, start);
 }
 
@@ -257,9 +278,11 @@ void Stage::backward(std::int64_t step, int mb) {
     spent.to = spent.arena->mark();
     spent.live[2] = m.output;
   }
-  run_backward(contexts, dy, m.input_grad, pass, *shared_.scratch, *shared_.shapes, shared_.dtype,
-               final ? shared_.hooks : nullptr, *shared_.progress, split ? nullptr : &spent,
-               split ? &shared_.slots->slot(m.slot) : nullptr, skip_grads_);
+  graphed(Graphed::backward, mb, !final, [&] {
+    run_backward(contexts, dy, m.input_grad, pass, *shared_.scratch, *shared_.shapes, shared_.dtype,
+                 final ? shared_.hooks : nullptr, *shared_.progress, split ? nullptr : &spent,
+                 split ? &shared_.slots->slot(m.slot) : nullptr, skip_grads_);
+  });
   send_skips(Direction::backward, mb);
   shared_.scratch->reset();
   shared_.hooks->end_compute(ComputeKind::backward, mb, index_, start);
@@ -276,7 +299,7 @@ void Stage::weight(std::int64_t step, int mb) {
   shared_.hooks->begin_compute(ComputeKind::weight, mb, index_);
   const Pass pass = make_pass(step, mb, shared_.scratch);
   const bool final = mb == shared_.plan->options.micro_batches - 1;
-  run_weight(contexts, pass, final ? shared_.hooks : nullptr, *shared_.progress);
+  graphed(Graphed::weight, mb, !final, [&] { run_weight(contexts, pass, final ? shared_.hooks : nullptr, *shared_.progress); });
   shared_.scratch->reset();
   shared_.hooks->end_compute(ComputeKind::weight, mb, index_, start);
   release_slot(mb);

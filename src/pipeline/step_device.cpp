@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "mpipe/backend/cuda/runtime.hpp"
+#include "mpipe/backend/op_profile.hpp"
 #include "mpipe/core/error.hpp"
 
 namespace mpipe {
@@ -46,7 +47,7 @@ class CpuStepDevice final : public StepDevice {
 class CudaStepDevice final : public StepDevice {
  public:
   CudaStepDevice(bool cuda_aware, int actions)
-      : StepDevice(Device::cuda, cuda_aware), loss_(sizeof(double)), host_loss_(sizeof(double)) {
+      : StepDevice(Device::cuda, cuda_aware), loss_(sizeof(double)), host_loss_(sizeof(double)), graphs_(actions) {
     // The origin, then two marks per compute action.
     for (int i = 0; i < 1 + 2 * actions; ++i) marks_.emplace_back(true);
     pending_.reserve(static_cast<std::size_t>(actions));
@@ -113,11 +114,19 @@ class CudaStepDevice final : public StepDevice {
   void copy(void* dst, const void* src, std::size_t bytes) const override { cuda::copy_on_device(dst, src, bytes); }
   void synchronize() const override { cuda::synchronize(cuda::StreamKind::compute); }
 
+  void graph_pass(bool on) override { graph_pass_ = on; }
+  bool graphing() const override { return graph_pass_ && !ops::OpProfile::active(); }
+  void begin_graph() override { graphs_.begin_capture(); }
+  void launch_graph(int key) override { graphs_.launch_captured(key); }
+  void abandon_graph() noexcept override { graphs_.abandon(); }
+
  private:
   cuda::PinnedBuffer host_;
   cuda::DeviceBuffer device_;
   cuda::DeviceBuffer loss_;  // one double: the step's summed loss
   cuda::PinnedBuffer host_loss_;
+  cuda::GraphSet graphs_;  // one per compute action of a step
+  bool graph_pass_ = false;
   std::vector<cuda::Event> marks_;
   std::vector<Timed> pending_, timed_;  // sized once: nothing in the step allocates
 };

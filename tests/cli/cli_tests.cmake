@@ -77,6 +77,8 @@ mpipe_cli_test(plan_bad_remat 2 "error: unknown --remat 'sometimes'" plan --rank
 mpipe_cli_test(unknown_device 2 "error: unknown --device 'tpu'; hint: use --device cpu, cuda or auto" train --device tpu)
 mpipe_cli_test(unknown_precision 2 "error: unknown --precision 'fp8'; hint" train --precision fp8)
 mpipe_cli_test(bf16_on_cpu 2 "error: --precision bf16 needs a GPU.*; hint" train --device cpu --precision bf16)
+mpipe_cli_test(cuda_graphs_bad 2 "error: unknown --cuda-graphs 'yes'; hint" train --cuda-graphs yes)
+mpipe_cli_test(cuda_graphs_on_cpu 2 "error: --cuda-graphs on needs a GPU.*; hint: use --device cuda" train --device cpu --cuda-graphs on)
 # Config files are TOML, read by a real parser: a broken one is one line naming the
 # file, line and column, exit 2 (a segfault once, for the first), and nothing blocks.
 set(CONFIGS ${CMAKE_CURRENT_SOURCE_DIR}/cli/configs)

@@ -75,6 +75,9 @@ struct TrainConfig {
   std::string time_limit;        // stop, checkpoint and exit 75 before this much time: MINUTES or [D-]H:MM:SS
   std::string device = "cpu";    // cpu | cuda | auto; resolve_device() turns auto into one
   std::string precision = "fp32";  // fp32 | bf16 (GPU): compute and message precision
+  // on | off: on a GPU, each action of a micro-batch (F, B, W, a recomputation) recorded
+  // and launched as one CUDA graph from the third step on (Stage::graphed).
+  std::string cuda_graphs = "off";
 };
 
 // Checks everything that needs neither the model's layers nor communication; UserError

@@ -50,6 +50,9 @@ class OpProfile {
   // Stops timing and returns the totals since begin() (on a GPU after waiting for the
   // compute stream, so every timed op has run).
   static OpTimes end();
+  // Between begin() and end(): a profiled step (its GPU ops are timed by events, which a
+  // CUDA graph cannot hold: its actions are not graphed).
+  static bool active();
 };
 
 class OpTimer {

@@ -257,6 +257,9 @@ class Executor : StageHooks {
   double loss_sum_ = 0.0, correct_sum_ = 0.0;      // the last pass's
   double pipeline_seconds_ = 0.0;  // this rank's last pipeline pass, from its start to its last action
   std::int64_t step_ = 0;          // the pass running (what the stages' hooks record)
+  // Training passes this process ran: --cuda-graphs records from the third, once the
+  // first two have sized every arena and scratch and made the libraries' choices.
+  std::int64_t training_passes_ = 0;
   // --overlap-steps
   std::array<StepResult, 2> results_{};  // what advance() returns
   bool pending_ = false;                 // a step updated ahead of its agreement

@@ -88,6 +88,7 @@ struct RunOptions {
   CommWait comm_wait = CommWait::sleep;
   Device device = Device::cpu;         // resolved: never "auto" here
   DType precision = DType::f32;        // of activations, their gradients and the messages
+  bool cuda_graphs = false;            // --cuda-graphs on (a GPU): actions launched as CUDA graphs
   int trace_steps = 0;                 // steps traced after the first (--trace); 0: no trace
 };
 

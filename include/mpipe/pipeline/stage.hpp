@@ -175,6 +175,13 @@ class Stage {
   void receive_skips(Direction direction, int mb, bool wait);
   void send_skips(Direction direction, int mb);
   Tensor input(const Pass& pass, int mb);
+  // Runs `work`, an action's host code, with what it queues on the GPU recorded and then
+  // launched as one CUDA graph where the step device graphs this pass, else as it comes.
+  // Not `allowed`: an action whose layers tell the rank's hooks as their gradients become
+  // final (the step's last B or W), which start sums on other streams mid-action.
+  enum class Graphed : int { forward, recompute, backward, weight };
+  template <class Work>
+  void graphed(Graphed kind, int mb, bool allowed, Work&& work);
 
   Model& model_;
   int index_, channel_, begin_, end_;

@@ -67,6 +67,17 @@ class StepDevice {
   // The step's compute actions as the device timed them, after finish_step().
   virtual std::span<const Timed> timed() const { return {}; }
 
+  // CUDA Graphs (--cuda-graphs on; Stage::graphed): whether this pass's compute actions
+  // are recorded as graphs (the executor says so per pass; never while a step's ops are
+  // profiled: their timing events cannot be in a graph), and one action's recording:
+  // begin_graph(), its host code queueing its kernels, launch_graph(key) with the action's
+  // key (below actions(): the same key each step). Nothing on the CPU.
+  virtual void graph_pass(bool /*on*/) {}
+  virtual bool graphing() const { return false; }
+  virtual void begin_graph() {}
+  virtual void launch_graph(int /*key*/) {}
+  virtual void abandon_graph() noexcept {}
+
   // A copy between device buffers, in compute order.
   virtual void copy(void* dst, const void* src, std::size_t bytes) const = 0;
   // The host waits until the device has run everything queued (MPI may read the data).

@@ -146,6 +146,11 @@ Context& context() {
 void* scratch(std::size_t bytes) {
   Context& c = context();
   if (bytes > c.scratch_bytes) {
+    // A graph being recorded holds the old scratch's address, and the stream cannot be
+    // waited for: the steps before the first graphed one size it (Stage::graphed).
+    if (capturing())
+      throw Error(cat("an op's scratch memory grew to ", bytes >> 20, " MiB while a CUDA graph was recorded; "
+                      "run with --cuda-graphs off, and report it"));
     CUDA_CHECK(cudaStreamSynchronize(c.compute));  // the old scratch may still be in use
     if (c.scratch) {
       uncounted(c.scratch);

@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace mpipe::cuda {
 
@@ -129,5 +130,41 @@ class Event {
 };
 
 double seconds_between(const Event& start, const Event& end);
+
+// CUDA Graphs (train --cuda-graphs on): what the calling thread queues on the compute
+// stream between begin_capture() and launch_captured() is recorded, not run, and then
+// launched as one graph. Each graph is kept under a key (an action of one micro-batch):
+// when the same action is recorded again (the next step), the graph made before is
+// updated in place (cudaGraphExecUpdate: only kernel arguments and addresses differ),
+// which costs far less than making it anew; a recording of another shape replaces it.
+class GraphSet {
+ public:
+  explicit GraphSet(int keys = 0);
+  GraphSet(GraphSet&& other) noexcept;
+  GraphSet& operator=(GraphSet&& other) noexcept;
+  GraphSet(const GraphSet&) = delete;
+  GraphSet& operator=(const GraphSet&) = delete;
+  ~GraphSet();
+  void begin_capture();
+  // Ends the recording and launches it on the compute stream as graph `key`. Throws an
+  // Error naming what broke the recording (a call that cannot be recorded).
+  void launch_captured(int key);
+  // After an exception between begin_capture() and launch_captured(): ends the
+  // recording and drops it (nothing of it runs).
+  void abandon() noexcept;
+
+ private:
+  std::vector<void*> execs_;  // cudaGraphExec_t per key, or null
+  bool capturing_ = false;
+};
+
+// Graph launches of this process: how many, how many graphs were made (the first of a
+// key, or a recording whose shape changed) and how many were updated in place.
+struct GraphCounts {
+  std::int64_t launched = 0, made = 0, updated = 0;
+};
+GraphCounts graph_counts();
+// Whether the calling thread is recording the compute stream (GraphSet::begin_capture).
+bool capturing();
 
 }  // namespace mpipe::cuda

@@ -1,0 +1,101 @@
+// CUDA Graphs of the compute stream (runtime.hpp's GraphSet): an action's kernels recorded
+// as the host code runs them, launched as one graph, and the graph updated in place when
+// the next step records the same action.
+#include <atomic>
+#include <utility>
+
+#include "context.cuh"
+
+namespace mpipe::cuda {
+
+namespace {
+std::atomic<std::int64_t> g_launched{0}, g_made{0}, g_updated{0};
+thread_local bool t_capturing = false;
+
+void destroy(void* exec) noexcept {
+  if (exec) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec));
+}
+}  // namespace
+
+GraphCounts graph_counts() { return {g_launched.load(), g_made.load(), g_updated.load()}; }
+bool capturing() { return t_capturing; }
+
+GraphSet::GraphSet(int keys) : execs_(static_cast<std::size_t>(keys), nullptr) {}
+GraphSet::GraphSet(GraphSet&& other) noexcept
+    : execs_(std::move(other.execs_)), capturing_(std::exchange(other.capturing_, false)) {
+  other.execs_.clear();
+}
+GraphSet& GraphSet::operator=(GraphSet&& other) noexcept {
+  if (this != &other) {
+    abandon();
+    for (void* e : execs_) destroy(e);
+    execs_ = std::move(other.execs_);
+    other.execs_.clear();
+    capturing_ = std::exchange(other.capturing_, false);
+  }
+  return *this;
+}
+GraphSet::~GraphSet() {
+  abandon();
+  for (void* e : execs_) destroy(e);
+}
+
+void GraphSet::begin_capture() {
+  MPIPE_CHECK(!capturing_ && !t_capturing, "a CUDA graph recording began inside another");
+  // Relaxed: this thread may still call what could synchronise elsewhere (MPI's tests
+  // between layers, an event query); the kernels queued on the compute stream are what
+  // the graph records. Other threads queue nothing there.
+  CUDA_CHECK(cudaStreamBeginCapture(context().compute, cudaStreamCaptureModeRelaxed));
+  capturing_ = t_capturing = true;
+}
+
+void GraphSet::launch_captured(int key) {
+  MPIPE_CHECK(capturing_, "launch_captured without begin_capture");
+  MPIPE_CHECK(key >= 0 && static_cast<std::size_t>(key) < execs_.size(), "CUDA graph key ", key, " of ", execs_.size());
+  cudaStream_t s = context().compute;
+  cudaGraph_t graph = nullptr;
+  capturing_ = t_capturing = false;
+  const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+  if (ended != cudaSuccess) {
+    cudaGetLastError();
+    if (graph) cudaGraphDestroy(graph);
+    throw Error(cat("recording the step's kernels as a CUDA graph failed (", cudaGetErrorString(ended),
+                    "): an op called something a graph cannot hold; run with --cuda-graphs off, and report it"));
+  }
+  void*& exec = execs_[static_cast<std::size_t>(key)];
+  if (exec) {
+    // The same action as last step: the same kernels in the same order, with this step's
+    // arguments (the dropout's step, addresses). Anything else fails the update, and the
+    // graph is made anew.
+    cudaGraphExecUpdateResultInfo info{};
+    if (cudaGraphExecUpdate(static_cast<cudaGraphExec_t>(exec), graph, &info) == cudaSuccess) {
+      ++g_updated;
+    } else {
+      cudaGetLastError();
+      destroy(exec);
+      exec = nullptr;
+    }
+  }
+  if (!exec) {
+    cudaGraphExec_t made = nullptr;
+    const cudaError_t status = cudaGraphInstantiate(&made, graph, 0);
+    if (status != cudaSuccess) cudaGraphDestroy(graph);
+    CUDA_CHECK(status);
+    exec = made;
+    ++g_made;
+  }
+  cudaGraphDestroy(graph);
+  CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec), s));
+  ++g_launched;
+}
+
+void GraphSet::abandon() noexcept {
+  if (!capturing_) return;
+  capturing_ = t_capturing = false;
+  cudaGraph_t graph = nullptr;
+  cudaStreamEndCapture(context().compute, &graph);
+  if (graph) cudaGraphDestroy(graph);
+  cudaGetLastError();
+}
+
+}  // namespace mpipe::cuda
