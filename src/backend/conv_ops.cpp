@@ -109,7 +109,7 @@ std::array<int64_t, 3> channels_of(const Tensor& t) { return {t.shape[0], t.shap
 
 void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
                              const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
-                             const Tensor& bias, float eps, float momentum, double* device_sums) {
+                             const Tensor& bias, float eps, float momentum, double* device_sums, bool relu) {
   const OpTimer timer(OpKind::normalization, __func__);
   same_place("batchnorm", out, inp);
   same_place("batchnorm", inp, weight);
@@ -125,12 +125,12 @@ void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor
   if (inp.device == Device::cpu) {
     cpu::batchnorm_forward_train(out.f32(), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
                                  ptr_or_null<float>(running_var), sums.empty() ? nullptr : sums.data(), inp.f32(),
-                                 weight.f32(), bias.f32(), N, C, plane, eps, momentum);
+                                 weight.f32(), bias.f32(), N, C, plane, eps, momentum, relu);
     return;
   }
   MPIPE_ON_GPU(inp, cuda::batchnorm_forward_train(ptr<E>(out), mean.f32(), rstd.f32(), ptr_or_null<float>(running_mean),
                                                   ptr_or_null<float>(running_var), device_sums, ptr<E>(inp), ptr<E>(weight),
-                                                  ptr<E>(bias), N, C, plane, eps, momentum));
+                                                  ptr<E>(bias), N, C, plane, eps, momentum, relu));
 }
 
 void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,

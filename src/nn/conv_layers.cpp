@@ -226,7 +226,7 @@ Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass
   ops::batchnorm_forward_train(y, ctx.saved[0], ctx.saved[1], update ? running_mean_ : Tensor{},
                                update ? running_var_ : Tensor{},
                                gather && !on_device ? std::span<double>(sums_) : std::span<double>(), x, weight_, bias_,
-                               eps_, momentum_, on_device ? device_sums_.as<double>() : nullptr);
+                               eps_, momentum_, on_device ? device_sums_.as<double>() : nullptr, relu_);
   device_newer_ = device_newer_ || on_device;
   device_used_ = device_used_ || on_device;
   return y;

@@ -91,6 +91,10 @@ Cost ReLU::cost(const Shape& in) const {
 
 Tensor ReLU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   const bool over = in_place_ && x.data != pass.stage_input;
+  if (over && input_rectified_ && pass.training) {  // the BatchNorm before it rectified its output
+    ctx.saved[0] = x;
+    return x;
+  }
   Tensor y = over ? x : pass.arena->tensor(x.shape, pass.dtype);
   ops::relu_forward(y, x);
   ctx.saved[0] = y;  // backward needs only the sign of the output

@@ -2,6 +2,9 @@
 // helpers composite layers share.
 #include "mpipe/nn/layer.hpp"
 
+#include <cstdlib>
+#include <string_view>
+
 namespace mpipe {
 
 void append_specs(std::vector<ParamSpec>& out, const std::string& prefix, const Layer& part) {
@@ -92,6 +95,19 @@ void Layer::backward(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode 
 
 void mark_in_place(std::span<const std::unique_ptr<Layer>> chain) {
   for (std::size_t i = 1; i < chain.size(); ++i) chain[i]->allow_in_place(chain[i - 1]->output_reusable());
+}
+
+int mark_fusions(std::span<const std::unique_ptr<Layer>> chain) {
+  const char* env = std::getenv("MPIPE_FUSE");
+  const bool on = !(env && std::string_view(env) == "off");
+  int fused_pairs = 0;
+  for (std::size_t i = 0; i < chain.size(); ++i) {
+    const bool fused = on && i + 1 < chain.size() && chain[i]->can_rectify_output() && chain[i + 1]->rectifies_in_place();
+    chain[i]->rectify_output(fused);
+    if (i + 1 < chain.size()) chain[i + 1]->input_rectified(fused);
+    fused_pairs += fused;
+  }
+  return fused_pairs;
 }
 
 }  // namespace mpipe

@@ -212,6 +212,8 @@ Model::Model(const ModelConfig& config, ModelSpec list) : config_(config), spec_
   // A stashed output lives on for its join: the layer after its producer keeps its own.
   for (const Skip& s : skips_)
     if (s.producer + 1 < size()) layers_[static_cast<std::size_t>(s.producer) + 1]->allow_in_place(false);
+  fusions_ = mark_fusions(layers_);
+  for (const auto& layer : layers_) fusions_ += layer->fusions();
   for (int i = 0; i < size(); ++i) {
     layers_[i]->set_global_index(i);
     for (const ParamSpec& spec : layers_[i]->param_specs())

@@ -16,6 +16,7 @@ Residual::Residual(std::vector<std::unique_ptr<Layer>> inner, std::vector<std::u
     : inner_(std::move(inner)), skip_(std::move(skip)) {
   mark_in_place(inner_);
   mark_in_place(skip_);
+  fusions_ = mark_fusions(inner_) + mark_fusions(skip_);
 }
 
 // The sum goes into the last inner layer's output where that output is dead to it.

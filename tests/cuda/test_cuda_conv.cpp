@@ -288,6 +288,13 @@ TEST_CASE_TEMPLATE("cuda op: batchnorm training, running statistics, deferred su
     cuda::batchnorm_forward_train(d_out2.get(), d_mean.get(), d_rstd.get(), nullptr, nullptr, nullptr, d_inp.get(),
                                   d_weight.get(), d_bias.get(), N, C, plane, eps, momentum);
     CHECK(same_bits(d_out2.read(), d_out.read()));
+    // Rectified as it writes (a BatchNorm before a ReLU): relu_forward's bits over the
+    // plain output, and the same statistics.
+    DeviceArray<E> d_rect(n);
+    cuda::batchnorm_forward_train(d_rect.get(), d_mean.get(), d_rstd.get(), nullptr, nullptr, nullptr, d_inp.get(),
+                                  d_weight.get(), d_bias.get(), N, C, plane, eps, momentum, true);
+    cuda::relu_forward(d_out2.get(), d_out2.get(), static_cast<int64_t>(n));
+    CHECK(same_bits(d_rect.read(), d_out2.read()));
     // Rerun: the same bits. Then the parameter gradients alone, accumulated once more.
     DeviceArray<E> d_dinp2(n);
     DeviceArray<float> d_dw2(c), d_db2(c);

@@ -3,6 +3,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -206,4 +207,41 @@ TEST_CASE("training learns: the gpt loss falls toward the Markov chain's floor")
   const auto [first, last] = first_and_last_loss(config);
   CHECK(first == doctest::Approx(std::log(16.0)).epsilon(0.05));
   CHECK(last < 1.6);  // below uniform (2.77) and near the bigram bound (~1.47)
+}
+
+TEST_CASE("BatchNorm rectifying for the ReLU after it gives the bits of the two apart: ResNet and U-Net, both rules, remat") {
+  // The stem's and every block's BatchNorm + ReLU fuse (mark_fusions); MPIPE_FUSE=off
+  // runs them apart. Selective remat recomputes the inner pair in backward; the U-Net's
+  // stashes keep whatever they stash unfused.
+  for (const std::string what : {"resnet/micro/never", "resnet/deferred/selective", "resnet/micro/always", "unet/micro/never"}) {
+    CAPTURE(what);
+    TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 16, .heads = 2, .seq_len = 8, .vocab = 13, .dropout = 0.0f,
+                                    .batch_size = 8, .micro_batches = 2, .steps = 4, .seed = 11, .lr = 1e-2f});
+    if (what.starts_with("resnet")) {
+      c.model.kind = "resnet";
+      c.model.layers = 18;
+      c.model.image = 16;
+      c.model.width = 8;
+      c.model.classes = 4;
+    } else {
+      c.model.kind = MPIPE_TEST_SOURCE_DIR "/reference/unet.toml";
+    }
+    const auto rule_end = what.find('/', what.find('/') + 1);
+    c.pipeline.batchnorm = what.substr(what.find('/') + 1, rule_end - what.find('/') - 1);
+    c.pipeline.remat = what.substr(rule_end + 1);
+    Trainer fused(c);
+    ::setenv("MPIPE_FUSE", "off", 1);
+    Trainer apart(c);
+    ::unsetenv("MPIPE_FUSE");
+    CHECK(fused.model().fusions() > 0);
+    CHECK(apart.model().fusions() == 0);
+    for (int step = 0; step < c.steps; ++step) {
+      const StepResult a = fused.step(step), b = apart.step(step);
+      CHECK(a.loss == b.loss);
+      CHECK(a.grad_norm == b.grad_norm);
+    }
+    REQUIRE(fused.params().params().size() == apart.params().params().size());
+    CHECK(std::memcmp(fused.params().params().data(), apart.params().params().data(),
+                      fused.params().params().size() * sizeof(float)) == 0);
+  }
 }

@@ -622,6 +622,25 @@ TEST_CASE("batchnorm on the CPU: statistics and gradients in double, and the sam
   check_close(dw1, want_dw, "dweight");
 }
 
+TEST_CASE("batchnorm on the CPU rectifying as it writes gives the bits of batchnorm then relu") {
+  const int64_t N = 2, C = 3, plane = 41;
+  const auto x = normals(static_cast<std::size_t>(N * C * plane), 8);
+  const std::vector<float> weight{0.7f, 1.3f, -0.4f}, bias{0.2f, -0.1f, 0.05f};
+  std::vector<float> apart(x.size()), fused(x.size()), mean(C), rstd(C), rm(C, 0.0f), rv(C, 1.0f), rm2 = rm, rv2 = rv;
+  cpu::batchnorm_forward_train(apart.data(), mean.data(), rstd.data(), rm.data(), rv.data(), nullptr, x.data(), weight.data(),
+                               bias.data(), N, C, plane, 1e-5f, 0.1f);
+  cpu::relu_forward(apart.data(), apart.data(), static_cast<int64_t>(apart.size()));
+  cpu::batchnorm_forward_train(fused.data(), mean.data(), rstd.data(), rm2.data(), rv2.data(), nullptr, x.data(),
+                               weight.data(), bias.data(), N, C, plane, 1e-5f, 0.1f, true);
+  CHECK(std::memcmp(apart.data(), fused.data(), apart.size() * sizeof(float)) == 0);
+  CHECK(rm == rm2);
+  CHECK(rv == rv2);
+  // Both sides of the kink are there: about half the outputs were negative.
+  const auto zeros = std::count(fused.begin(), fused.end(), 0.0f);
+  CHECK(zeros > static_cast<long>(fused.size() / 4));
+  CHECK(zeros < static_cast<long>(3 * fused.size() / 4));
+}
+
 TEST_CASE("OpenBLAS runs AVX2 or AVX-512 kernels where the CPU has them (the test's main chose them as mpipe's does)") {
   const std::string line = cpu::blas_description();
   INFO(line);

@@ -29,7 +29,8 @@ void avgpool2d_backward(const Tensor& dinp, const Tensor& dout, const Window2d& 
 // addition per element, in micro-batch order, without a wait; inference reads them.
 void batchnorm_forward_train(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& running_mean,
                              const Tensor& running_var, std::span<double> sums, const Tensor& inp, const Tensor& weight,
-                             const Tensor& bias, float eps, float momentum, double* device_sums = nullptr);
+                             const Tensor& bias, float eps, float momentum, double* device_sums = nullptr,
+                             bool relu = false);
 void batchnorm_apply_sums(const Tensor& running_mean, const Tensor& running_var, std::span<const double> sums,
                           float momentum);
 void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& weight, const Tensor& bias,

@@ -75,6 +75,10 @@ class BatchNorm2d final : public Layer {
   bool output_reusable() const override { return true; }  // its backward reads its input and statistics
   bool output_last() const override { return true; }  // its statistics come first
   bool output_recomputable() const override { return true; }
+  // Its training output rectified for the ReLU after it (mark_fusions); its backward reads
+  // its input, not its output.
+  bool can_rectify_output() const override { return true; }
+  void rectify_output(bool on) override { relu_ = on; }
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -92,6 +96,7 @@ class BatchNorm2d final : public Layer {
   int64_t channels_;
   float eps_, momentum_;
   bool zero_weight_ = false;
+  bool relu_ = false;  // a training forward rectifies its output (mark_fusions)
   std::vector<double> sums_;  // --batchnorm deferred: the step's count, sums and sums of squares
   // On a GPU the step's sums gather in device memory, micro-batch by micro-batch with no
   // wait, and come to sums_ once, when step_sums() is asked for them (the step's end).

@@ -50,6 +50,8 @@ class ReLU final : public Layer {
   void allow_in_place(bool allowed) override { in_place_ = allowed; }
   bool writes_over_input() const override { return in_place_; }
   bool output_recomputable() const override { return true; }
+  bool rectifies_in_place() const override { return in_place_; }
+  void input_rectified(bool on) override { input_rectified_ = on; }
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
@@ -57,6 +59,7 @@ class ReLU final : public Layer {
                      const Pass& pass) override;
  private:
   bool in_place_ = false;
+  bool input_rectified_ = false;  // a training forward's input comes rectified (mark_fusions)
 };
 
 class GELU final : public Layer {

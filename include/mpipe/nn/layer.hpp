@@ -216,6 +216,17 @@ class Layer {
   // is not Pass::stage_input); writes_over_input() says whether it does. A ReLU does.
   virtual void allow_in_place(bool allowed) {}
   virtual bool writes_over_input() const { return false; }
+  // A fusion of neighbours in a chain (mark_fusions): a layer that can rectify its training
+  // output as it writes it (a BatchNorm), followed by a ReLU that writes over its input,
+  // rectifies instead of the ReLU, which then keeps its input as its output: one pass fewer
+  // over the activation, and the same bits (ReLU is exact, and idempotent where the two
+  // fall on different stages).
+  virtual bool can_rectify_output() const { return false; }
+  virtual void rectify_output(bool on) {}
+  virtual bool rectifies_in_place() const { return false; }  // a ReLU over its input
+  virtual void input_rectified(bool on) {}
+  // The pairs fused inside a composite layer (its own chains'), for Model::fusions().
+  virtual int fusions() const { return 0; }
   // Whether its training output is cheap to compute again from its input and needs
   // nothing else (elementwise work; a BatchNorm's statistics come from its input): under
   // --remat selective a composite keeps its input instead and recomputes it in backward
@@ -250,6 +261,11 @@ class Layer {
 // each layer after the first may write its output over its input where the layer before
 // it has output_reusable(). Activations then hold one buffer where they held two.
 void mark_in_place(std::span<const std::unique_ptr<Layer>> chain);
+// After mark_in_place and whatever else decides in-place writing (a stash keeps its
+// producer's output): each BatchNorm followed by a ReLU that writes over its input
+// rectifies for it (Layer::can_rectify_output). Returns the pairs fused. MPIPE_FUSE=off
+// in the environment fuses none (for comparisons).
+int mark_fusions(std::span<const std::unique_ptr<Layer>> chain);
 
 // The input gradients of parts 1 .. n-1 of a chain run backward (part 0 writes the
 // caller's dx): part i's, of shape_of(i), where find(i, shape, above) has room for it

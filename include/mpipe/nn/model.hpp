@@ -83,6 +83,9 @@ class Model {
     int producer = -1, consumer = -1;
   };
   const std::vector<Skip>& skips() const { return skips_; }
+  // BatchNorm + ReLU pairs whose BatchNorm rectifies for the ReLU (mark_fusions), at
+  // every depth.
+  int fusions() const { return fusions_; }
   // Parameters of the whole model, a tied weight counted once.
   int64_t parameter_count() const;
   // Loss rows (predicted tokens, pixels or samples) per sample: T for a model of tokens,
@@ -108,6 +111,7 @@ class Model {
   std::vector<Tie> ties_;
   std::vector<Skip> skips_;
   Shape loss_input_;  // what enters the loss, batch 1
+  int fusions_ = 0;
 };
 
 // Where a split backward (B then W) keeps a layer's output gradient for its W: layer

@@ -28,6 +28,7 @@ class Residual final : public Layer {
   std::vector<ParamSpec> param_specs() const override;
   void bind(std::span<const Tensor> params, std::span<const Tensor> grads) override;
   void parts(std::vector<Layer*>& out) override;
+  int fusions() const override { return fusions_; }
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
@@ -44,6 +45,7 @@ class Residual final : public Layer {
   // whose output the sum takes: the inner BatchNorm and ReLU).
   bool light(std::size_t i) const { return i + 1 < inner_.size() && inner_[i]->output_recomputable(); }
   bool gives_back_skip() const;
+  int fusions_ = 0;  // BatchNorm + ReLU pairs of its chains (mark_fusions)
 };
 
 // This file's layer kinds, for the registry (nn/registry.hpp).

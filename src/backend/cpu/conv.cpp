@@ -316,20 +316,30 @@ double channel_sum(int64_t c, int64_t N, int64_t C, int64_t plane, F f) {
   return sum;
 }
 
-// y = x * scale + shift over channel c of (N, C, plane).
-void affine_channel(float* out, const float* inp, int64_t c, float scale, float shift, int64_t N, int64_t C, int64_t plane) {
+// y = x * scale + shift over channel c of (N, C, plane); with `relu`, then rectified as
+// relu_forward does it (a BatchNorm before a ReLU: one pass, the same bits).
+void affine_channel(float* out, const float* inp, int64_t c, float scale, float shift, int64_t N, int64_t C, int64_t plane,
+                    bool relu = false) {
   for (int64_t n = 0; n < N; ++n) {
     const float* x = inp + (n * C + c) * plane;
     float* y = out + (n * C + c) * plane;
+    if (relu) {
 #pragma omp simd
-    for (int64_t i = 0; i < plane; ++i) y[i] = x[i] * scale + shift;
+      for (int64_t i = 0; i < plane; ++i) {
+        const float v = x[i] * scale + shift;
+        y[i] = v < 0.0f ? 0.0f : v;
+      }
+    } else {
+#pragma omp simd
+      for (int64_t i = 0; i < plane; ++i) y[i] = x[i] * scale + shift;
+    }
   }
 }
 }  // namespace
 
 void batchnorm_forward_train(float* out, float* mean, float* rstd, float* running_mean, float* running_var,
                              double* sums, const float* inp, const float* weight, const float* bias, int64_t N,
-                             int64_t C, int64_t plane, float eps, float momentum) {
+                             int64_t C, int64_t plane, float eps, float momentum, bool relu) {
   const double count = static_cast<double>(N * plane);
   if (sums) sums[0] += count;
 #pragma omp parallel for schedule(static)
@@ -345,7 +355,7 @@ void batchnorm_forward_train(float* out, float* mean, float* rstd, float* runnin
     mean[c] = static_cast<float>(m);
     rstd[c] = r;
     const float scale = weight[c] * r;
-    affine_channel(out, inp, c, scale, bias[c] - static_cast<float>(m) * scale, N, C, plane);
+    affine_channel(out, inp, c, scale, bias[c] - static_cast<float>(m) * scale, N, C, plane, relu);
     if (running_mean) {
       const double unbiased = count > 1 ? squares / (count - 1) : var;
       running_mean[c] = (1 - momentum) * running_mean[c] + momentum * static_cast<float>(m);

@@ -160,7 +160,7 @@ template <class T, int W>
 __global__ void batchnorm_normalize_kernel(T* out, float* mean, float* rstd, float* running_mean, float* running_var,
                                            double* sums_out, const double* sums, const double* squares, const T* inp,
                                            const T* weight, const T* bias, NormShape sh, float eps, float momentum,
-                                           bool packed) {
+                                           bool packed, bool relu) {
   const int64_t c = blockIdx.x / sh.S, s = blockIdx.x % sh.S;
   const double n = static_cast<double>(sh.N * sh.plane);
   const double sum = channel_total(sums, c, sh.S), sq = channel_total(squares, c, sh.S);
@@ -172,7 +172,11 @@ __global__ void batchnorm_normalize_kernel(T* out, float* mean, float* rstd, flo
       [&](int64_t at, const Pack<T, W>& x) {
         Pack<T, W> y;
 #pragma unroll
-        for (int j = 0; j < W; ++j) y.v[j] = from_f32<T>(to_f32(x.v[j]) * scale + shift);
+        for (int j = 0; j < W; ++j) {
+          y.v[j] = from_f32<T>(to_f32(x.v[j]) * scale + shift);
+          // Rectified as relu_forward would, from the stored value: the same bits.
+          if (relu && to_f32(y.v[j]) < 0.0f) y.v[j] = from_f32<T>(0.0f);
+        }
         store_run<W>(out + at, y, packed);
       });
   if (s != 0 || threadIdx.x != 0) return;
@@ -308,7 +312,7 @@ struct NormLaunch {
 template <class E>
 void batchnorm_forward_train(E* out, float* mean, float* rstd, float* running_mean, float* running_var, double* sums,
                              const E* inp, const E* weight, const E* bias, int64_t N, int64_t C, int64_t plane,
-                             float eps, float momentum) {
+                             float eps, float momentum, bool relu) {
   if (C == 0 || N * plane == 0) return;
   using T = device_t<E>;
   const NormLaunch<T> at(N, C, plane);
@@ -325,7 +329,7 @@ void batchnorm_forward_train(E* out, float* mean, float* rstd, float* running_me
     CUDA_CHECK_LAUNCH();
     batchnorm_normalize_kernel<T, W><<<at.blocks, kNormThreads, 0, stream>>>(
         dev(out), mean, rstd, running_mean, running_var, sums, partial_sums, partial_squares, dev(inp), dev(weight),
-        dev(bias), at.sh, eps, momentum, packed);
+        dev(bias), at.sh, eps, momentum, packed, relu);
     CUDA_CHECK_LAUNCH();
   });
 }
@@ -375,7 +379,7 @@ void batchnorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, co
 
 #define MPIPE_BATCHNORM_OPS(E)                                                                                    \
   template void batchnorm_forward_train<E>(E*, float*, float*, float*, float*, double*, const E*, const E*,      \
-                                           const E*, int64_t, int64_t, int64_t, float, float);                  \
+                                           const E*, int64_t, int64_t, int64_t, float, float, bool);            \
   template void batchnorm_forward_eval<E>(E*, const E*, const E*, const E*, const float*, const float*, int64_t, \
                                           int64_t, int64_t, float);                                              \
   template void batchnorm_backward<E>(E*, float*, float*, const E*, const E*, const E*, const float*,            \

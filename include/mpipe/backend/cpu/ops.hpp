@@ -153,7 +153,7 @@ int64_t count_correct(const float* logits, const int32_t* targets, int64_t N, in
 // Inference: the running statistics. Both overwrite out.
 void batchnorm_forward_train(float* out, float* mean, float* rstd, float* running_mean, float* running_var,
                              double* sums, const float* inp, const float* weight, const float* bias, int64_t N,
-                             int64_t C, int64_t plane, float eps, float momentum);
+                             int64_t C, int64_t plane, float eps, float momentum, bool relu = false);
 // Running statistics moved by `momentum` toward those of the batch gathered in `sums`.
 void batchnorm_apply_sums(float* running_mean, float* running_var, const double* sums, int64_t C, float momentum);
 void batchnorm_forward_eval(float* out, const float* inp, const float* weight, const float* bias,

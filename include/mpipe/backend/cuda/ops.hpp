@@ -164,7 +164,7 @@ void transpose_planes(E* out, const E* inp, int64_t batch, int64_t rows, int64_t
 template <class E>
 void batchnorm_forward_train(E* out, float* mean, float* rstd, float* running_mean, float* running_var,
                              double* sums, const E* inp, const E* weight, const E* bias, int64_t N, int64_t C,
-                             int64_t plane, float eps, float momentum);
+                             int64_t plane, float eps, float momentum, bool relu = false);
 void batchnorm_apply_sums(float* running_mean, float* running_var, const double* sums, int64_t C, float momentum);
 template <class E>
 void batchnorm_forward_eval(E* out, const E* inp, const E* weight, const E* bias, const float* running_mean,
