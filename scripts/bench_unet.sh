@@ -16,12 +16,19 @@
 # stages are backward-heavy and its decoder's forward-heavy: GPipe's forward and backward
 # phases each wait on a different stage, 1F1B's alternation evens them out).
 # Environment: ROUNDS=3 rounds, STEPS=40 steps a run (the first excluded), M=8 micro-batches
-# of BATCH=32 samples.
+# of BATCH=32 samples; MPIPE=PATH runs that binary and installs and builds nothing (the
+# lent GPU machine, from scripts/gpu_check.sh). Each row also prints a line
+# "RESULT name speed-up of-bound of-machine" for scripts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --test
-[[ -f build/release/CMakeCache.txt ]] || cmake --preset release >/dev/null
-cmake --build --preset release --target mpipe >/dev/null
+mpipe=${MPIPE:-}
+if [[ -z $mpipe ]]; then
+  bash scripts/setup.sh --test
+  [[ -f build/release/CMakeCache.txt ]] || cmake --preset release >/dev/null
+  cmake --build --preset release --target mpipe >/dev/null
+  mpipe=build/release/mpipe
+fi
+[[ -x $mpipe ]] || { echo "bench_unet.sh: no $mpipe" >&2; exit 2; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 rounds=${ROUNDS:-3} steps=${STEPS:-40} M=${M:-8} batch=${BATCH:-32}
 model=inputs/unet.toml
@@ -31,13 +38,13 @@ common=(train --model "$model" --batch-size "$batch" --micro-batches "$M" --step
 run() {  # name ranks args...: one run's summary line into $work/name.R
   local name=$1 ranks=$2
   shift 2
-  mpirun -n "$ranks" --oversubscribe --bind-to core build/release/mpipe "${common[@]}" --metrics "$work/$name.$r.jsonl" "$@" \
+  mpirun -n "$ranks" --oversubscribe --bind-to core "$mpipe" "${common[@]}" --metrics "$work/$name.$r.jsonl" "$@" \
     > "$work/$name.$r.log" 2>&1 || { echo "run $name failed:"; tail -5 "$work/$name.$r.log"; exit 1; }
 }
 together() {  # two K = 1 runs at once, each bound to a core of its own
   local i
   for i in 0 1; do
-    taskset -c "$i" mpirun -n 1 --bind-to none build/release/mpipe "${common[@]}" --metrics "$work/together$i.$r.jsonl" \
+    taskset -c "$i" mpirun -n 1 --bind-to none "$mpipe" "${common[@]}" --metrics "$work/together$i.$r.jsonl" \
       > "$work/together$i.$r.log" 2>&1 &
   done
   wait
@@ -70,6 +77,7 @@ print(f"U-Net (inputs/unet.toml) at K = 2, M = {M}, {rounds} rounds interleaved;
 print(f"contention: two K = 1 runs at once give {slower:.3f}x (the slower) and {faster:.3f}x (the faster) a lone one's rate; "
       f"the machine's bound {machine:.2f}x")
 print(f"{'run':<10} {'cut':<14} {'samples/s':>10} {'speed-up':>9} {'bound':>6} {'of bound':>9} {'of machine':>11} {'bubble':>7} {'simulated':>10}  skips across")
+results = []
 for name in ("flops", "time", "1f1b"):
     rows = [summary(name, r) for r in range(rounds)]
     rate = statistics.median(s["samples_per_s"] for s in rows)
@@ -81,6 +89,7 @@ for name in ("flops", "time", "1f1b"):
     bubble = statistics.median(s["bubble_fraction"] for s in rows)
     simulated = statistics.median(s["simulated_bubble"] for s in rows)
     print(f"{name:<10} {cut:<14} {rate:10.1f} {speedup:8.2f}x {bound:5.2f}x {speedup / bound:8.2f}x {of_machine:10.2f}x {100 * bubble:6.1f}% {100 * simulated:9.1f}%  {', '.join(across) or 'none'}")
+    results.append(f"RESULT {name} {speedup:.3f} {speedup / bound:.3f} {of_machine:.3f}")
 # Traffic: each rank's skip bytes against the skips' tensors (plan: KiB a micro-batch each way).
 text = log("time", 0)
 s = summary("time", 0)
@@ -92,4 +101,5 @@ expected = each * M * steps  # forward from the producer, and the gradient back 
 print(f"skip bytes sent per rank (partition by time): {[int(b) for b in s['skip_bytes_per_rank']]}, "
       f"the skips' tensors {int(expected)} a rank ({'equal' if all(b == expected for b in s['skip_bytes_per_rank']) else 'NOT equal'}); "
       f"to the neighbour stage: {[int(b) for b in s['sent_bytes_per_rank']]}")
+print("\n".join(results))
 PY
