@@ -346,8 +346,8 @@ int Training::finish() {
   const bool gpu = exec_.device() == Device::cuda;
   const std::vector<double> device_peaks = world_.gather(static_cast<double>(gpu ? cuda::device_bytes_peak() : 0), 0);
   const cuda::GraphCounts g = gpu ? cuda::graph_counts() : cuda::GraphCounts{};
-  const auto graphs = world_.gather(std::array<double, 3>{static_cast<double>(g.launched), static_cast<double>(g.made),
-                                                          static_cast<double>(g.updated)}, 0);
+  const auto graphs = world_.gather(std::array<double, 4>{static_cast<double>(g.launched), static_cast<double>(g.made),
+                                                          static_cast<double>(g.updated), static_cast<double>(g.nodes)}, 0);
   // The weights as allocated, the optimizer's state apart (1/D of it with
   // --shard-optimizer), against the plan's figures (without --overlap-steps' copies), and
   // the process's peak resident memory (Linux: KiB).
@@ -399,8 +399,8 @@ int Training::finish() {
       std::printf("\n");
     }
     if (plan.options.cuda_graphs) {
-      std::printf("CUDA graphs per rank, actions launched as one (graphs made, updated in place):");
-      for (const auto& n : graphs) std::printf(" %.0f (%.0f, %.0f)", n[0], n[1], n[2]);
+      std::printf("CUDA graphs per rank, actions launched as one (graphs made, updated in place; nodes a graph):");
+      for (const auto& n : graphs) std::printf(" %.0f (%.0f, %.0f; %.0f)", n[0], n[1], n[2], n[0] > 0 ? n[3] / n[0] : 0.0);
       std::printf("\n");
     }
     if (plan.options.overlap_steps)

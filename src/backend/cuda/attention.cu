@@ -370,6 +370,10 @@ bool dnn_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, i
   if (!all_aligned({qkv, qkv + C, qkv + 2 * C, out, lse}, 16)) return false;  // this call's pointers, not the shape
   Choice* chosen = choice_of(B, T, H, hs, false);
   if (!chosen || *chosen == Choice::kernel) return false;
+  // A shape's check waits for the GPU, which a CUDA graph being recorded cannot: its
+  // first call is never recorded (steps 1 and 2 are not), and should one be, the kernel
+  // takes that call.
+  if (*chosen == Choice::unchecked && capturing()) return false;
   Choice& choice = *chosen;
   if (!dnn_attention_forward(out, lse, qkv, B, T, H, hs)) {
     choice = Choice::kernel;
@@ -407,6 +411,10 @@ bool dnn_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out
   if (!all_aligned({qkv, qkv + C, qkv + 2 * C, out, dout, lse, dqkv, dqkv + C, dqkv + 2 * C}, 16)) return false;
   Choice* chosen = choice_of(B, T, H, hs, true);
   if (!chosen || *chosen == Choice::kernel) return false;
+  // A shape's check waits for the GPU, which a CUDA graph being recorded cannot: its
+  // first call is never recorded (steps 1 and 2 are not), and should one be, the kernel
+  // takes that call.
+  if (*chosen == Choice::unchecked && capturing()) return false;
   Choice& choice = *chosen;
   if (!dnn_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs)) {
     choice = Choice::kernel;

@@ -2,6 +2,7 @@
 // as the host code runs them, launched as one graph, and the graph updated in place when
 // the next step records the same action.
 #include <atomic>
+#include <cstdio>
 #include <utility>
 
 #include "context.cuh"
@@ -9,7 +10,7 @@
 namespace mpipe::cuda {
 
 namespace {
-std::atomic<std::int64_t> g_launched{0}, g_made{0}, g_updated{0};
+std::atomic<std::int64_t> g_launched{0}, g_made{0}, g_updated{0}, g_nodes{0};
 thread_local bool t_capturing = false;
 
 void destroy(void* exec) noexcept {
@@ -17,7 +18,7 @@ void destroy(void* exec) noexcept {
 }
 }  // namespace
 
-GraphCounts graph_counts() { return {g_launched.load(), g_made.load(), g_updated.load()}; }
+GraphCounts graph_counts() { return {g_launched.load(), g_made.load(), g_updated.load(), g_nodes.load()}; }
 bool capturing() { return t_capturing; }
 
 GraphSet::GraphSet(int keys) : execs_(static_cast<std::size_t>(keys), nullptr) {}
@@ -51,27 +52,38 @@ void GraphSet::begin_capture() {
 
 void GraphSet::launch_captured(int key) {
   MPIPE_CHECK(capturing_, "launch_captured without begin_capture");
-  MPIPE_CHECK(key >= 0 && static_cast<std::size_t>(key) < execs_.size(), "CUDA graph key ", key, " of ", execs_.size());
   cudaStream_t s = context().compute;
   cudaGraph_t graph = nullptr;
   capturing_ = t_capturing = false;
-  const cudaError_t ended = cudaStreamEndCapture(s, &graph);
+  const cudaError_t ended = cudaStreamEndCapture(s, &graph);  // first: no check below leaves the stream recording
   if (ended != cudaSuccess) {
     cudaGetLastError();
     if (graph) cudaGraphDestroy(graph);
     throw Error(cat("recording the step's kernels as a CUDA graph failed (", cudaGetErrorString(ended),
                     "): an op called something a graph cannot hold; run with --cuda-graphs off, and report it"));
   }
+  if (key < 0 || static_cast<std::size_t>(key) >= execs_.size()) {
+    cudaGraphDestroy(graph);
+    throw Error(cat("CUDA graph key ", key, " of ", execs_.size()));
+  }
+  std::size_t nodes = 0;
+  CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  g_nodes += static_cast<std::int64_t>(nodes);
   void*& exec = execs_[static_cast<std::size_t>(key)];
   if (exec) {
     // The same action as last step: the same kernels in the same order, with this step's
     // arguments (the dropout's step, addresses). Anything else fails the update, and the
-    // graph is made anew.
+    // graph is made anew (said once a process: an action remade every step costs its
+    // instantiation each time).
     cudaGraphExecUpdateResultInfo info{};
     if (cudaGraphExecUpdate(static_cast<cudaGraphExec_t>(exec), graph, &info) == cudaSuccess) {
       ++g_updated;
     } else {
       cudaGetLastError();
+      static std::atomic<bool> said{false};
+      if (!said.exchange(true))
+        std::fprintf(stderr, "mpipe: a CUDA graph (action %d) could not be updated in place (cudaGraphExecUpdateResult %d); "
+                     "it is made anew\n", key, static_cast<int>(info.result));
       destroy(exec);
       exec = nullptr;
     }

@@ -143,14 +143,21 @@ Context& context() {
   return g_context;
 }
 
+namespace {
+// A wait inside a CUDA graph's recording would end it with CUDA's own error; this names
+// the flag instead.
+void not_while_recording(const char* what) {
+  if (capturing())
+    throw Error(cat(what, " while a CUDA graph was recorded; run with --cuda-graphs off, and report it"));
+}
+}  // namespace
+
 void* scratch(std::size_t bytes) {
   Context& c = context();
   if (bytes > c.scratch_bytes) {
     // A graph being recorded holds the old scratch's address, and the stream cannot be
     // waited for: the steps before the first graphed one size it (Stage::graphed).
-    if (capturing())
-      throw Error(cat("an op's scratch memory grew to ", bytes >> 20, " MiB while a CUDA graph was recorded; "
-                      "run with --cuda-graphs off, and report it"));
+    not_while_recording("an op's scratch memory grew");
     CUDA_CHECK(cudaStreamSynchronize(c.compute));  // the old scratch may still be in use
     if (c.scratch) {
       uncounted(c.scratch);
@@ -166,7 +173,10 @@ void* scratch(std::size_t bytes) {
   return c.scratch;
 }
 
-void synchronize(StreamKind kind) { CUDA_CHECK(cudaStreamSynchronize(stream(kind))); }
+void synchronize(StreamKind kind) {
+  not_while_recording("the host waited for the GPU");
+  CUDA_CHECK(cudaStreamSynchronize(stream(kind)));
+}
 
 void copy_to_device(void* dst, const void* src, std::size_t bytes, StreamKind on) {
   if (bytes) CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream(on)));
@@ -203,7 +213,7 @@ void release(void* p) noexcept {
 // ---- RAII owners -------------------------------------------------------------------
 
 template <>
-DeviceBuffer::Buffer(std::size_t bytes) : data_(allocate(bytes)), bytes_(bytes) {
+DeviceBuffer::Buffer(std::size_t bytes) : data_((not_while_recording("device memory was allocated"), allocate(bytes))), bytes_(bytes) {
   // Zeroed on our compute stream and waited for: plain cudaMemset would run on the
   // legacy stream, which our non-blocking streams do not wait for. Buffers are made
   // at set-up, so the wait costs nothing in a step.

@@ -159,9 +159,10 @@ class GraphSet {
 };
 
 // Graph launches of this process: how many, how many graphs were made (the first of a
-// key, or a recording whose shape changed) and how many were updated in place.
+// key, or a recording whose shape changed), how many were updated in place, and the nodes
+// (kernels, copies, memsets) the launched graphs held in all.
 struct GraphCounts {
-  std::int64_t launched = 0, made = 0, updated = 0;
+  std::int64_t launched = 0, made = 0, updated = 0, nodes = 0;
 };
 GraphCounts graph_counts();
 // Whether the calling thread is recording the compute stream (GraphSet::begin_capture).
