@@ -140,7 +140,9 @@ Cost Pool2d::cost(const Shape& in) const {
   const Window2d w = window(in);
   const double out = static_cast<double>(w.N * w.C * w.OH * w.OW), window_size = static_cast<double>(w.KH * w.KW);
   // The max pool keeps its argmax (int32) beside the output.
-  return {out * window_size, out * window_size, 0, (op_ == Op::max ? 8.0 : 4.0) * out};
+  Cost c{out * window_size, out * window_size, 0, (op_ == Op::max ? 8.0 : 4.0) * out};
+  if (op_ == Op::max) c.fixed_bytes = 4.0 * out;  // the argmax, int32
+  return c;
 }
 
 Tensor Pool2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
@@ -166,7 +168,9 @@ void Pool2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, Gra
 
 Cost BatchNorm2d::cost(const Shape& in) const {
   const double n = static_cast<double>(in.numel());
-  return {5 * n, 8 * n, 4.0 * 4 * static_cast<double>(channels_), 4 * n + 8.0 * static_cast<double>(channels_)};
+  Cost c{5 * n, 8 * n, 4.0 * 4 * static_cast<double>(channels_), 4 * n + 8.0 * static_cast<double>(channels_)};
+  c.fixed_bytes = 8.0 * static_cast<double>(channels_);  // the mean and 1 / std, fp32
+  return c;
 }
 
 std::vector<ParamSpec> BatchNorm2d::param_specs() const {

@@ -126,7 +126,9 @@ void GELU::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradM
 
 Cost LayerNorm::cost(const Shape& in) const {
   const double n = static_cast<double>(in.numel());
-  return {8 * n, 12 * n, f32_bytes(2.0 * channels_), f32_bytes(n + 2.0 * in.rows())};
+  Cost c{8 * n, 12 * n, f32_bytes(2.0 * channels_), f32_bytes(n + 2.0 * in.rows())};
+  c.fixed_bytes = f32_bytes(2.0 * in.rows());  // the mean and 1 / std of each row, fp32
+  return c;
 }
 
 std::vector<ParamSpec> LayerNorm::param_specs() const {
@@ -209,6 +211,7 @@ std::int64_t loss_rows(const Shape& in) { return per_pixel(in) ? in[0] * in[2] *
 Cost CrossEntropyLoss::cost(const Shape& in) const {
   const double n = static_cast<double>(in.numel());
   Cost c{4 * n, 3 * n, 0, f32_bytes(static_cast<double>(loss_rows(in)) + (per_pixel(in) ? n : 0.0))};
+  c.fixed_bytes = c.activation_bytes;  // fp32 whatever the precision
   if (per_pixel(in)) c.backward_scratch_bytes = f32_bytes(n);
   return c;
 }

@@ -72,15 +72,17 @@ Cost CausalSelfAttention::cost(const Shape& in) const {
   const double B = static_cast<double>(in[0]), T = static_cast<double>(in[1]), C = static_cast<double>(channels_);
   const Cost a = qkv_.cost(in), b = proj_.cost(in);
   const double core = 4.0 * B * T * T * C;  // QK^T and PV
-  return {a.forward_flops + b.forward_flops + core,
-          a.backward_flops + b.backward_flops + 2 * core,
-          a.param_bytes + b.param_bytes,
-          a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T) + f32_bytes(B * T * C),
-          a.weight_flops + b.weight_flops,
-          b.weight_stash_bytes,  // the qkv projection keeps its dy where q, k, v were
-          0,
-          0,
-          f32_bytes(4 * B * T * C)};  // backward: d(att) (B, T, C) and dqkv (B, T, 3C)
+  Cost c{a.forward_flops + b.forward_flops + core,
+         a.backward_flops + b.backward_flops + 2 * core,
+         a.param_bytes + b.param_bytes,
+         a.activation_bytes + b.activation_bytes + f32_bytes(B * heads_ * T) + f32_bytes(B * T * C),
+         a.weight_flops + b.weight_flops,
+         b.weight_stash_bytes,  // the qkv projection keeps its dy where q, k, v were
+         0,
+         0,
+         f32_bytes(4 * B * T * C)};  // backward: d(att) (B, T, C) and dqkv (B, T, 3C)
+  c.fixed_bytes = f32_bytes(B * heads_ * T);  // the log-sum-exp, fp32
+  return c;
 }
 
 std::vector<ParamSpec> CausalSelfAttention::param_specs() const {

@@ -59,7 +59,11 @@ bool one_before_backward(const Schedule& schedule, int model_stage) {
   return true;
 }
 
-std::vector<StageMemory> stage_memory(const Model& model, const Partition& part, int micro) {
+// `element`: the bytes of an activation's element (4, or 2 in bf16 training); the costs
+// count 4, and their fixed_bytes stay as they are.
+std::vector<StageMemory> stage_memory(const Model& model, const Partition& part, int micro, double element) {
+  const double e = element / 4.0;
+  const auto held = [e](double bytes, double fixed) { return e == 1.0 ? bytes : fixed + e * (bytes - fixed); };
   const auto shapes = model.shapes(micro);
   std::vector<StageMemory> out(static_cast<std::size_t>(part.stages()));
   for (int s = 0; s < part.stages(); ++s) {
@@ -72,37 +76,39 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       const double before = m.activation;
       m.params += static_cast<double>(c.param_bytes) / word_bytes;
       m.activation += c.contexts * static_cast<double>(sizeof(Context));
-      peak = std::max(peak, m.activation + c.forward_peak());
-      m.activation += static_cast<double>(c.activation_bytes);
+      peak = std::max(peak, m.activation + held(c.forward_peak(), c.fixed_bytes));
+      m.activation += held(c.activation_bytes, c.fixed_bytes);
       // A layer that writes over its input does not over the stage's input (Pass::stage_input).
       if (i == part.begin(s) && model.layer(i).writes_over_input())
-        m.activation += f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
+        m.activation += e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
       // Its own context is in the stage's array, below every layer's memory.
       if (i >= whole_from) m.released += m.activation - before - sizeof(Context);
-      m.recomputable += static_cast<double>(c.recomputable_bytes);
+      m.recomputable += e * c.recomputable_bytes;
       m.recompute_flops += c.recompute_flops;
       // A Linear whose next layer on the stage has no W keeps its dy in its own output's
       // buffer (Stage::backward, keeps_dy_in_output): no stash of its own.
-      if (!keeps_dy_in_output(model, i, part.end(s)) && i < whole_from) m.stash += static_cast<double>(c.weight_stash_bytes);
-      const double dx = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i)].numel()));
-      const double dy = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
+      if (!keeps_dy_in_output(model, i, part.end(s)) && i < whole_from) m.stash += e * c.weight_stash_bytes;
+      const double dx = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i)].numel()));
+      const double dy = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
       (i >= whole_from ? m.whole_scratch : m.split_scratch) =
-          std::max(i >= whole_from ? m.whole_scratch : m.split_scratch, dx + dy + c.backward_scratch_bytes);
-      m.selective_scratch = std::max(m.selective_scratch, dx + dy + c.backward_scratch_bytes + c.recomputable_bytes);
+          std::max(i >= whole_from ? m.whole_scratch : m.split_scratch, dx + dy + e * c.backward_scratch_bytes);
+      m.selective_scratch =
+          std::max(m.selective_scratch, dx + dy + e * (c.backward_scratch_bytes + c.recomputable_bytes));
     }
-    m.scratch = unsplit_scratch(model, shapes, part.begin(s), part.end(s));
+    m.scratch = e * unsplit_scratch(model, shapes, part.begin(s), part.end(s));
     // Skips: one crossing this stage's edge holds its message and its gradient's here; one
     // within it, its gradient in the backward's scratch from its join to its producer.
     for (const Model::Skip& skip : model.skips()) {
-      const double bytes = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(skip.producer) + 1].numel()));
+      const double bytes = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(skip.producer) + 1].numel()));
       const bool makes = part.stage_of(skip.producer) == s, takes = part.stage_of(skip.consumer) == s;
       if (makes != takes) m.skips += 2 * bytes;
       if (makes && takes)
         for (double* scratch : {&m.scratch, &m.split_scratch, &m.whole_scratch, &m.selective_scratch}) *scratch += bytes;
     }
     m.forward_peak = std::max(m.activation, peak);
-    m.boundary = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()));
-    if (s + 1 < part.stages()) m.output = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.end(s))].numel()));
+    m.boundary = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()));
+    if (s + 1 < part.stages())
+      m.output = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.end(s))].numel()));
   }
   return out;
 }
@@ -261,7 +267,9 @@ Plan make_plan(const RunOptions& o, int ranks, const Model& model, const Measure
   plan.partition = choose_partition(o.balance, timed ? "time" : needs_measurement(o) ? "flops" : to_string(o.partition),
                                     model, K, plan.micro_batch_size, measured.layer_seconds, unit.placement_table(), links);
   plan.flops = flop_costs(model, plan.partition, plan.micro_batch_size);
-  plan.memory = stage_memory(model, plan.partition, plan.micro_batch_size);
+  // Activations, their gradients and messages in the run's precision (bf16 on a GPU).
+  plan.memory = stage_memory(model, plan.partition, plan.micro_batch_size,
+                             o.device == Device::cuda && o.precision == DType::bf16 ? 2.0 : 4.0);
   // Skips' messages take tags after every model stage's (Transport::skip_tag_base).
   const std::int64_t tags = static_cast<std::int64_t>(plan.partition.stages() + static_cast<int>(model.skips().size())) * M;
   MPIPE_REQUIRE(model.skips().empty() || tags <= max_tagged_messages, "use fewer micro-batches", "--micro-batches ", M, " x (",

@@ -333,3 +333,36 @@ TEST_CASE("a split backward computes the last stage's cheap top weight gradients
   const Model wide(options_of(big).model);
   CHECK(weights_in_backward_from(wide, 3, 8) == 7);
 }
+
+TEST_CASE("a bf16 plan counts activations, their gradients and messages at 2 bytes, statistics and indices at 4") {
+  // The GPT (LayerNorm's statistics, the log-sum-exp) and a ResNet (BatchNorm's
+  // statistics, the stem's max-pool indices) at K = 2: every activation figure of bf16 on a
+  // GPU is fp32's with the 4-byte-element part halved, slightly above half.
+  TrainConfig gpt = test::tiny_gpt({.layers = 4, .d_model = 64, .heads = 4, .seq_len = 32, .vocab = 64, .batch_size = 16,
+                                    .micro_batches = 4});
+  TrainConfig resnet = gpt;
+  resnet.model.kind = "resnet";
+  resnet.model.layers = 18;
+  resnet.model.image = 32;
+  resnet.model.width = 16;
+  resnet.model.classes = 10;
+  for (TrainConfig c : {gpt, resnet}) {
+    CAPTURE(c.model.kind);
+    c.pipeline.grid = GridShape{.stages = 2, .replicas = 1};
+    c.device = "cuda";
+    const Model model(options_of(c).model);
+    const Plan fp32 = make_plan(options_of(c), 2, model);
+    c.precision = "bf16";
+    const Plan bf16 = make_plan(options_of(c), 2, model);
+    for (int s = 0; s < 2; ++s) {
+      CAPTURE(s);
+      const StageMemory &a = fp32.memory[static_cast<std::size_t>(s)], &b = bf16.memory[static_cast<std::size_t>(s)];
+      CHECK(b.activation > 0.5 * a.activation);
+      CHECK(b.activation < 0.56 * a.activation);
+      CHECK(b.boundary == doctest::Approx(0.5 * a.boundary));
+      CHECK(b.output == doctest::Approx(0.5 * a.output));
+      CHECK(b.scratch == doctest::Approx(0.5 * a.scratch));
+      CHECK(bf16.activation_bytes(s) < 0.56 * fp32.activation_bytes(s));
+    }
+  }
+}

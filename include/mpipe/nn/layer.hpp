@@ -80,6 +80,11 @@ struct Cost {
   // for its parts: the sum), each sizeof(Context), which a small layer's activations
   // may not outweigh.
   double contexts = 1;
+  // Byte figures count 4-byte elements (fp32, the CPU's). In bf16 training the plan halves
+  // them, but for this part of activation_bytes, kept in fp32 or int32 whatever the
+  // precision: statistics (BatchNorm's, LayerNorm's, attention's log-sum-exp, the loss's
+  // rows) and a max pool's indices.
+  double fixed_bytes = 0;
   Cost& operator+=(const Cost& c) {  // composite layers: the sum of their parts
     forward_flops += c.forward_flops;
     backward_flops += c.backward_flops;
@@ -90,6 +95,7 @@ struct Cost {
     recomputable_bytes += c.recomputable_bytes;
     recompute_flops += c.recompute_flops;
     contexts += c.contexts;
+    fixed_bytes += c.fixed_bytes;
     return *this;
   }
 };
