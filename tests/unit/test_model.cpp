@@ -211,8 +211,8 @@ TEST_CASE("training learns: the gpt loss falls toward the Markov chain's floor")
 
 TEST_CASE("BatchNorm rectifying for the ReLU after it gives the bits of the two apart: ResNet and U-Net, both rules, remat") {
   // The stem's and every block's BatchNorm + ReLU fuse (mark_fusions); MPIPE_FUSE=off
-  // runs them apart. Selective remat recomputes the inner pair in backward; the U-Net's
-  // stashes keep whatever they stash unfused.
+  // runs them apart. Selective remat recomputes the inner pair in backward; the U-Net
+  // stashes ReLU outputs its BatchNorms rectified (a stashed BatchNorm: test_skips.cpp).
   for (const std::string what : {"resnet/micro/never", "resnet/deferred/selective", "resnet/micro/always", "unet/micro/never"}) {
     CAPTURE(what);
     TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 16, .heads = 2, .seq_len = 8, .vocab = 13, .dropout = 0.0f,

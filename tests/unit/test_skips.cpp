@@ -142,6 +142,47 @@ TEST_CASE("concat and add join a skip element by element, and their backward han
   CHECK_THROWS_AS(add.forward(make_tensor(x.data(), in), c2, bare), Error);
 }
 
+TEST_CASE("a stashed BatchNorm output is never rectified for the ReLU after it: only unstashed pairs fuse") {
+  // BatchNorm 1 is stashed (its join reads it unrectified), so ReLU 2 keeps its own output;
+  // BatchNorm 4 -> ReLU 5 fuses.
+  const std::string file = model_file("stashed_batchnorm.toml", R"(input = [2, 4, 4]
+[[layer]]
+kind = "conv2d"
+out = 3
+kernel = 3
+padding = 1
+[[layer]]
+kind = "batchnorm2d"
+stash = "normed"
+[[layer]]
+kind = "relu"
+[[layer]]
+kind = "conv2d"
+out = 3
+kernel = 3
+padding = 1
+[[layer]]
+kind = "batchnorm2d"
+[[layer]]
+kind = "relu"
+[[layer]]
+kind = "add"
+from = "normed"
+[[layer]]
+kind = "conv2d"
+out = 2
+kernel = 1
+[[layer]]
+kind = "cross_entropy"
+)");
+  ModelConfig config;
+  config.kind = file;
+  const Model model(config);
+  CHECK(model.fusions() == 1);
+  CHECK_FALSE(model.layer(2).writes_over_input());
+  CHECK(model.layer(5).writes_over_input());
+}
+
 TEST_CASE("upsample2d: each element fills its scale x scale block, and the gradient sums the block") {
   for (const std::int64_t scale : {2, 3}) {
     const Shape in{2, 1, 2, 3};
