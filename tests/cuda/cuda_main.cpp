@@ -17,6 +17,14 @@ int main(int argc, char** argv) {
   MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  // Listing the cases (-ltc, as tests/cuda/filters_cover.sh does) needs no GPU.
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "-ltc" || std::string(argv[i]) == "--list-test-cases") {
+      doctest::Context list(argc, argv);
+      const int rc = list.run();
+      MPI_Finalize();
+      return rc;
+    }
   std::string why;
   const int gpus = mpipe::cuda::device_count(&why);
   if (gpus == 0) {
