@@ -65,6 +65,8 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
   const double e = element / 4.0;
   const auto held = [e](double bytes, double fixed) { return e == 1.0 ? bytes : fixed + e * (bytes - fixed); };
   const auto shapes = model.shapes(micro);
+  // An activation, gradient or message: layer `at`'s input (shapes[size()]: the output).
+  const auto tensor_bytes = [&](int at) { return element * static_cast<double>(shapes[static_cast<std::size_t>(at)].numel()); };
   std::vector<StageMemory> out(static_cast<std::size_t>(part.stages()));
   for (int s = 0; s < part.stages(); ++s) {
     StageMemory& m = out[static_cast<std::size_t>(s)];
@@ -80,7 +82,7 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       m.activation += held(c.activation_bytes, c.fixed_bytes);
       // A layer that writes over its input does not over the stage's input (Pass::stage_input).
       if (i == part.begin(s) && model.layer(i).writes_over_input())
-        m.activation += e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
+        m.activation += tensor_bytes(i + 1);
       // Its own context is in the stage's array, below every layer's memory.
       if (i >= whole_from) m.released += m.activation - before - sizeof(Context);
       m.recomputable += e * c.recomputable_bytes;
@@ -88,8 +90,7 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       // A Linear whose next layer on the stage has no W keeps its dy in its own output's
       // buffer (Stage::backward, keeps_dy_in_output): no stash of its own.
       if (!keeps_dy_in_output(model, i, part.end(s)) && i < whole_from) m.stash += e * c.weight_stash_bytes;
-      const double dx = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i)].numel()));
-      const double dy = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(i) + 1].numel()));
+      const double dx = tensor_bytes(i), dy = tensor_bytes(i + 1);
       (i >= whole_from ? m.whole_scratch : m.split_scratch) =
           std::max(i >= whole_from ? m.whole_scratch : m.split_scratch, dx + dy + e * c.backward_scratch_bytes);
       m.selective_scratch =
@@ -99,16 +100,15 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
     // Skips: one crossing this stage's edge holds its message and its gradient's here; one
     // within it, its gradient in the backward's scratch from its join to its producer.
     for (const Model::Skip& skip : model.skips()) {
-      const double bytes = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(skip.producer) + 1].numel()));
+      const double bytes = tensor_bytes(skip.producer + 1);
       const bool makes = part.stage_of(skip.producer) == s, takes = part.stage_of(skip.consumer) == s;
       if (makes != takes) m.skips += 2 * bytes;
       if (makes && takes)
         for (double* scratch : {&m.scratch, &m.split_scratch, &m.whole_scratch, &m.selective_scratch}) *scratch += bytes;
     }
     m.forward_peak = std::max(m.activation, peak);
-    m.boundary = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.begin(s))].numel()));
-    if (s + 1 < part.stages())
-      m.output = e * f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(part.end(s))].numel()));
+    m.boundary = tensor_bytes(part.begin(s));
+    if (s + 1 < part.stages()) m.output = tensor_bytes(part.end(s));
   }
   return out;
 }

@@ -343,29 +343,30 @@ std::string unet_model_file() {
   std::ofstream(path) << mpipe::test::unet_text;
   return path.string();
 }
+
+TrainConfig small_unet(const std::string& device, const std::string& precision) {
+  TrainConfig c;
+  c.model.kind = unet_model_file();
+  c.batch_size = 16;
+  c.micro_batches = 4;
+  c.steps = 3;
+  c.seed = 3;
+  c.threads = 2;
+  c.optimizer.lr = 3e-3f;
+  c.device = device;
+  c.precision = precision;
+  return c;
+}
 }  // namespace
 
 TEST_CASE("the U-Net on the GPU matches the CPU, and K = 2 with its skips across the cut gives K = 1's bits: fp32 and bf16") {
   REQUIRE(world().size() >= 2);
   cpu::set_threads(2);
-  const auto unet = [](const std::string& device, const std::string& precision) {
-    TrainConfig c;
-    c.model.kind = unet_model_file();
-    c.batch_size = 16;
-    c.micro_batches = 4;
-    c.steps = 3;
-    c.seed = 3;
-    c.threads = 2;
-    c.optimizer.lr = 3e-3f;
-    c.device = device;
-    c.precision = precision;
-    return c;
-  };
-  const Run reference = run(unet("cpu", "fp32"), 1, 3);
+  const Run reference = run(small_unet("cpu", "fp32"), 1, 3);
   for (const std::string precision : {"fp32", "bf16"}) {
     CAPTURE(precision);
-    const Run one = run(unet("cuda", precision), 1, 3);
-    TrainConfig split = unet("cuda", precision);
+    const Run one = run(small_unet("cuda", precision), 1, 3);
+    TrainConfig split = small_unet("cuda", precision);
     split.pipeline.grid.stages = 2;
     split.pipeline.balance = "9,10";  // every skip crosses the cut (top 0 -> 16, level1 2 -> 14, level2 5 -> 11)
     const Run two = run(split, 2, 3);
@@ -400,14 +401,7 @@ TEST_CASE("CUDA graphs give the bits of kernels launched one by one: GPT with dr
     cnn.micro_batches = 4;
     cases.push_back({"cnn/deferred/" + precision, cnn, 1});
   }
-  TrainConfig unet;
-  unet.model.kind = unet_model_file();
-  unet.batch_size = 16;
-  unet.micro_batches = 4;
-  unet.seed = 3;
-  unet.threads = 2;
-  unet.device = "cuda";
-  unet.precision = "bf16";
+  TrainConfig unet = small_unet("cuda", "bf16");
   unet.pipeline.grid.stages = 2;
   unet.pipeline.balance = "9,10";
   cases.push_back({"unet/K2/bf16", unet, 2});

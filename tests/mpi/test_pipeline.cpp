@@ -259,6 +259,28 @@ TEST_CASE("partition transparency of a ResNet with BatchNorm: K = 1, 2, 4, gpipe
   }
 }
 
+TEST_CASE("partition transparency with a cut between a fused BatchNorm and its ReLU: K = 2 gives K = 1's bits") {
+  if (world().size() != 4) return;
+  // The stem's BatchNorm (layer 1) rectifies for its ReLU (layer 2) at K = 1; cut between
+  // them, it rectifies what it sends and the next stage's ReLU rectifies again.
+  TrainConfig c = resnet18(4, 8, 8, 3);
+  c.model.classes = 3;
+  c.seed = 5;
+  c.optimizer.lr = 1e-2f;
+  const Model model(run_options(c).model);
+  REQUIRE(model.layer(1).kind() == "batchnorm2d");
+  REQUIRE(model.layer(2).kind() == "relu");
+  CHECK(model.fusions() > 0);
+  const RunResult reference = run(c, 1);
+  c.pipeline.balance = cat(2, ",", model.size() - 2);
+  const RunResult cut = run(c, 2);
+  if (world().rank() != 0) return;
+  CHECK(cut.losses == reference.losses);
+  CHECK(cut.norms == reference.norms);
+  REQUIRE(cut.params.size() == reference.params.size());
+  CHECK(std::memcmp(cut.params.data(), reference.params.data(), cut.params.size() * sizeof(float)) == 0);
+}
+
 TEST_CASE("fewer micro-batches than stages (M < K) still trains identically") {
   if (world().size() != 4) return;
   const RunResult reference = run(tiny_gpt("1f1b", "never", 2), 1);

@@ -3,7 +3,6 @@
 // the next step records the same action.
 #include <atomic>
 #include <cstdio>
-#include <utility>
 
 #include "context.cuh"
 
@@ -22,20 +21,6 @@ GraphCounts graph_counts() { return {g_launched.load(), g_made.load(), g_updated
 bool capturing() { return t_capturing; }
 
 GraphSet::GraphSet(int keys) : execs_(static_cast<std::size_t>(keys), nullptr) {}
-GraphSet::GraphSet(GraphSet&& other) noexcept
-    : execs_(std::move(other.execs_)), capturing_(std::exchange(other.capturing_, false)) {
-  other.execs_.clear();
-}
-GraphSet& GraphSet::operator=(GraphSet&& other) noexcept {
-  if (this != &other) {
-    abandon();
-    for (void* e : execs_) destroy(e);
-    execs_ = std::move(other.execs_);
-    other.execs_.clear();
-    capturing_ = std::exchange(other.capturing_, false);
-  }
-  return *this;
-}
 GraphSet::~GraphSet() {
   abandon();
   for (void* e : execs_) destroy(e);

@@ -140,8 +140,6 @@ double seconds_between(const Event& start, const Event& end);
 class GraphSet {
  public:
   explicit GraphSet(int keys = 0);
-  GraphSet(GraphSet&& other) noexcept;
-  GraphSet& operator=(GraphSet&& other) noexcept;
   GraphSet(const GraphSet&) = delete;
   GraphSet& operator=(const GraphSet&) = delete;
   ~GraphSet();
