@@ -5,8 +5,9 @@
 #     theoretical bubble; for Open MPI's shared memory as it comes (single-copy, CMA)
 #     and without single-copy (as in containers without ptrace rights, and like
 #     rendezvous transports between nodes: every message needs both ranks' progress),
-#     each with the progress thread (default) and with MPI's own progress
-#     (--comm-progress waits, the baseline).
+#     each with the progress thread and with MPI's own progress (--comm-progress waits,
+#     the baseline), and with single-copy also the default, auto (tests between layers
+#     and no thread there; without single-copy auto is the thread).
 #  1b. scripts/scaling_check.sh: the machine, the ladder model and a deep one (32 x 128) with
 #     the contention baseline, and where each stage's time goes at the largest K.
 #  2. An M ladder at K = 2 on a small GPT: speed-up against 2M/(M+1), and peak
@@ -109,7 +110,9 @@ for ((round = 0; round < repeat; ++round)); do
   read -r tps _ < <(ladder_run 1 --)
   rows+=("k1 - 1 $tps 0 0")
   for transport in single-copy none; do
-    for progress in thread waits; do
+    progresses="thread waits"
+    [[ $transport == single-copy ]] && progresses="auto thread waits"
+    for progress in $progresses; do
       for K in $KS; do
         ((K == 1)) && continue
         launcher=()

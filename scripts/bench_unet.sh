@@ -15,8 +15,9 @@
 # Rows: GPipe with the partition by FLOPs and by time, and 1F1B by time (a U-Net's encoder
 # stages are backward-heavy and its decoder's forward-heavy: GPipe's forward and backward
 # phases each wait on a different stage, 1F1B's alternation evens them out), and that again
-# with --comm-progress waits (on 2 cores the progress thread's polling slowed the stages'
-# actions: 0.89x the bound against 0.75x, 2026-11-29).
+# with --comm-progress thread (the default, auto, runs no progress thread where shared memory
+# copies by single-copy: on 2 cores the thread's wakes slowed the stages' actions, 1F1B
+# 1.105x and GPipe 1.05x faster without it, 2026-11-29).
 # Environment: ROUNDS=3 rounds, STEPS=40 steps a run (the first excluded), M=8 micro-batches
 # of BATCH=32 samples; MPIPE=PATH runs that binary and installs and builds nothing (the
 # lent GPU machine, from scripts/gpu_check.sh). Each row also prints a line
@@ -56,7 +57,7 @@ for ((r = 0; r < rounds; ++r)); do
   run flops 2
   run time 2 --partition time
   run 1f1b 2 --partition time --schedule 1f1b
-  run 1f1b-waits 2 --partition time --schedule 1f1b --comm-progress waits  # MPI's own progress: no thread on the cores
+  run 1f1b-thread 2 --partition time --schedule 1f1b --comm-progress thread  # a progress thread beside each rank's compute
   together
   run k1b 1  # K = 1 again: a round's baseline is the mean of its first and last run
 done
@@ -81,7 +82,7 @@ print(f"contention: two K = 1 runs at once give {slower:.3f}x (the slower) and {
       f"the machine's bound {machine:.2f}x")
 print(f"{'run':<10} {'cut':<14} {'samples/s':>10} {'speed-up':>9} {'bound':>6} {'of bound':>9} {'of machine':>11} {'bubble':>7} {'simulated':>10}  skips across")
 results = []
-for name in ("flops", "time", "1f1b", "1f1b-waits"):
+for name in ("flops", "time", "1f1b", "1f1b-thread"):
     rows = [summary(name, r) for r in range(rounds)]
     rate = statistics.median(s["samples_per_s"] for s in rows)
     speedup = statistics.median(s["samples_per_s"] / k1[r] for r, s in enumerate(rows))

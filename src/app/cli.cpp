@@ -150,7 +150,8 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--p2p-timeout", p.p2p_timeout, "Seconds a point-to-point wait may block")->capture_default_str();
   cmd.add_option("--comm-progress", p.comm_progress,
                  "How posted messages move while a rank computes: thread (a progress thread), layers (tests "
-                 "between layers) or waits (only in waits: MPI's own progress)")
+                 "between layers), waits (only in waits: MPI's own progress) or auto (layers where every rank "
+                 "shares one node and Open MPI's shared memory copies by single-copy, thread otherwise)")
       ->capture_default_str();
   cmd.add_option("--comm-poll-us", p.comm_poll_us,
                  "Microseconds between the progress thread's tests while nothing moves (0: no pause)")

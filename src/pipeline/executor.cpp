@@ -127,9 +127,14 @@ void Executor::allocate() {
   const int requests = 4 * M * C + Transport::skip_requests(skip_links, M) + reducer_->requests() + 2;
   // Waits sleep between tests once nothing moves, unless asked to spin (docs/communication.md).
   const bool spin_waits = plan_.options.comm_wait == CommWait::spin;
-  progress_ = std::make_unique<Progress>(plan_.options.comm_progress, plan_.options.comm_poll_s, requests, spin_waits, [] {
-                                           if (cuda::active()) cuda::bind_thread();
-                                         });
+  // auto: layers on one node with single-copy shared memory, a thread elsewhere (collective).
+  const ProgressChoice progress = choose_progress(plan_.options.comm_progress, world_, device_ == Device::cuda);
+  progress_ = std::make_unique<Progress>(
+      progress.mode, plan_.options.comm_poll_s, requests, spin_waits,
+      [] {
+        if (cuda::active()) cuda::bind_thread();
+      },
+      progress.why);
   reducer_->connect(*progress_);
   std::vector<Transport::Channel> channels;
   for (const Stage& c : stages_)

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cmath>
+#include <string_view>
 
 #if defined(__linux__)
 #include <sys/prctl.h>
@@ -27,6 +28,7 @@ constexpr std::chrono::microseconds busy_sweep{5}, keep_sweeping{200};
 
 const char* to_string(ProgressMode mode) {
   switch (mode) {
+    case ProgressMode::automatic: return "auto";
     case ProgressMode::thread: return "thread";
     case ProgressMode::layers: return "layers";
     case ProgressMode::waits: return "waits";
@@ -35,9 +37,68 @@ const char* to_string(ProgressMode mode) {
 }
 
 ProgressMode parse_progress_mode(const std::string& name) {
-  for (ProgressMode m : {ProgressMode::thread, ProgressMode::layers, ProgressMode::waits})
+  for (ProgressMode m : {ProgressMode::automatic, ProgressMode::thread, ProgressMode::layers, ProgressMode::waits})
     if (name == to_string(m)) return m;
-  throw UserError(cat("unknown --comm-progress '", name, "'"), "use --comm-progress thread, layers or waits");
+  throw UserError(cat("unknown --comm-progress '", name, "'"), "use --comm-progress auto, thread, layers or waits");
+}
+
+std::string shared_memory_single_copy() {
+  // The level MPI runs at: Open MPI's MPI_T_init_thread sets the process's level to the one
+  // it is asked for (a lower one would leave the progress thread without MPI's locks).
+  int level = MPI_THREAD_SINGLE, provided = 0;
+  MPI_Query_thread(&level);
+  if (MPI_T_init_thread(level, &provided) != MPI_SUCCESS) return "";
+  std::string found;
+  int count = 0;
+  MPI_T_cvar_get_num(&count);
+  for (int i = 0; i < count && found.empty(); ++i) {
+    char name[256], description[16];
+    int name_len = sizeof name, description_len = sizeof description, verbosity = 0, bind = 0, scope = 0;
+    MPI_Datatype type = MPI_DATATYPE_NULL;
+    MPI_T_enum values = MPI_T_ENUM_NULL;
+    if (MPI_T_cvar_get_info(i, name, &name_len, &verbosity, &type, &values, description, &description_len, &bind,
+                            &scope) != MPI_SUCCESS)
+      continue;
+    const std::string_view n(name);
+    if (n != "btl_vader_single_copy_mechanism" && n != "btl_sm_single_copy_mechanism") continue;
+    MPI_T_cvar_handle handle{};
+    int elements = 0, value = -1;
+    if (type != MPI_INT || MPI_T_cvar_handle_alloc(i, nullptr, &handle, &elements) != MPI_SUCCESS) continue;
+    const bool read = elements == 1 && MPI_T_cvar_read(handle, &value) == MPI_SUCCESS;
+    MPI_T_cvar_handle_free(&handle);
+    if (!read) continue;
+    found = cat("value ", value);  // an enumerator without a name
+    int items = 0;
+    char enum_name[64];
+    int enum_name_len = sizeof enum_name;
+    if (values != MPI_T_ENUM_NULL && MPI_T_enum_get_info(values, &items, enum_name, &enum_name_len) == MPI_SUCCESS)
+      for (int k = 0; k < items; ++k) {
+        char item[64];
+        int item_len = sizeof item, item_value = 0;
+        if (MPI_T_enum_get_item(values, k, &item_value, item, &item_len) == MPI_SUCCESS && item_value == value)
+          found = item;
+      }
+  }
+  MPI_T_finalize();
+  return found;
+}
+
+ProgressChoice decide_progress(bool on_gpu, int ranks, int ranks_on_node, const std::string& single_copy) {
+  auto thread = [](std::string why) { return ProgressChoice{ProgressMode::thread, cat("auto chose thread, ", why)}; };
+  if (ranks == 1) return {ProgressMode::layers, "auto chose layers, one rank: no messages"};
+  if (on_gpu) return thread("GPU ranks, whose host waits on the GPU");
+  if (ranks_on_node < ranks) return thread(cat(ranks - ranks_on_node, " of ", ranks, " ranks on other nodes"));
+  if (single_copy != "cma" && single_copy != "xpmem" && single_copy != "knem")
+    return thread(single_copy.empty() ? "no shared-memory single-copy found"
+                                      : cat("shared memory without single-copy (", single_copy, ")"));
+  return {ProgressMode::layers,
+          cat("auto chose layers, every rank on one node with shared memory by single-copy (", single_copy, ")")};
+}
+
+ProgressChoice choose_progress(ProgressMode requested, const Communicator& world, bool on_gpu) {
+  if (requested != ProgressMode::automatic) return {requested, {}};
+  const int on_node = Communicator::node(world).size();  // collective: every rank asks
+  return decide_progress(on_gpu, world.size(), on_node, shared_memory_single_copy());
 }
 
 int Progress::thread_level() {
@@ -47,9 +108,10 @@ int Progress::thread_level() {
 }
 
 Progress::Progress(ProgressMode mode, double poll_interval_s, int capacity, bool spin_waits,
-                   std::function<void()> on_thread_start)
-    : mode_(mode), interval_(std::llround(poll_interval_s * 1e9)), spin_waits_(spin_waits) {
+                   std::function<void()> on_thread_start, std::string why)
+    : mode_(mode), interval_(std::llround(poll_interval_s * 1e9)), spin_waits_(spin_waits), why_(std::move(why)) {
   MPIPE_CHECK(capacity > 0 && poll_interval_s >= 0, "capacity ", capacity, ", poll interval ", poll_interval_s);
+  MPIPE_CHECK(mode != ProgressMode::automatic, "--comm-progress auto is resolved by choose_progress()");
   const auto n = static_cast<std::size_t>(capacity);
   slots_.resize(n);
   free_.reserve(n);
@@ -109,7 +171,7 @@ void set_mpi_transfer_defaults() {
 
 std::string Progress::describe() const {
   const char* depth = std::getenv("OMPI_MCA_pml_ob1_send_pipeline_depth");
-  return describe_mode() + (depth ? cat("; pml_ob1_send_pipeline_depth ", depth) : "");
+  return (why_.empty() ? "" : why_ + ": ") + describe_mode() + (depth ? cat("; pml_ob1_send_pipeline_depth ", depth) : "");
 }
 
 std::string Progress::describe_mode() const {
@@ -122,6 +184,7 @@ std::string Progress::describe_mode() const {
       return cat("posted messages are tested between layers and actions",
                  fallback_.empty() ? "" : cat(" (no progress thread: ", fallback_, ")"), "; ", waits());
     case ProgressMode::waits: return "posted messages move only while a rank waits (MPI's own progress)";
+    case ProgressMode::automatic: break;
   }
   return "";
 }

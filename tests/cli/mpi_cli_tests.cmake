@@ -49,3 +49,11 @@ mpipe_mpi_test(sharded_too_big 4 2 "error: rank 0 \\(stage 0\\) needs about 35.0
 mpipe_mpi_test(skip_shapes 2 2 "error: model file '.*skip_shapes.toml', layer 2 \\(concat\\): 'from': the skip 'down' is \\(4, 8, 8\\) a sample and the input \\(4, 4, 4\\)" train --model ${CMAKE_CURRENT_SOURCE_DIR}/cli/models/skip_shapes.toml)
 mpipe_mpi_test(skip_from_nothing 2 2 "error: model file '.*skip_from_nothing.toml', layer 1 \\(concat\\): 'from': no layer stashes 'dwon'" train --model ${CMAKE_CURRENT_SOURCE_DIR}/cli/models/skip_from_nothing.toml)
 mpipe_mpi_test(unet_trains 2 0 "step +4/4 \\| loss [0-9.]+ " train --model ${PROJECT_SOURCE_DIR}/inputs/unet.toml --batch-size 8 --micro-batches 4 --steps 4 --threads 1 --log-every 4)
+# --comm-progress auto (the default) reads Open MPI's shared-memory single-copy mechanism
+# and the ranks' nodes, and the header says what it chose and why: a thread where shared
+# memory cannot copy by itself or is not used, tests between layers where it can.
+mpipe_mpi_test(progress_auto_no_single_copy 2 0 "communication: auto chose thread, shared memory without single-copy \\(none\\): posted messages are tested between layers and by a progress thread" ${SMALL} --micro-batches 2)
+set_tests_properties(mpi.progress_auto_no_single_copy PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};OMPI_MCA_btl_vader_single_copy_mechanism=none")
+mpipe_mpi_test(progress_auto_no_shared_memory 2 0 "communication: auto chose thread, no shared-memory single-copy found: posted messages are tested between layers and by a progress thread" ${SMALL} --micro-batches 2)
+set_tests_properties(mpi.progress_auto_no_shared_memory PROPERTIES ENVIRONMENT "${MPI_TEST_ENV};OMPI_MCA_btl=self,tcp")
+mpipe_mpi_test(progress_auto 2 0 "communication: auto chose (layers, every rank on one node with shared memory by single-copy \\((cma|xpmem|knem)\\): posted messages are tested between layers and actions;|thread, shared memory without single-copy \\([a-z]+\\): posted messages are tested between layers and by a progress thread)" ${SMALL} --micro-batches 2)

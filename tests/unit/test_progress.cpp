@@ -110,6 +110,49 @@ TEST_CASE("more requests than Progress was sized for is an internal error, not a
   CHECK(first != Progress::none);  // cancelled by ~Progress
 }
 
+TEST_CASE("--comm-progress auto: layers only on one node with single-copy shared memory and CPU ranks") {
+  CHECK(parse_progress_mode("auto") == ProgressMode::automatic);
+  CHECK(std::string(to_string(ProgressMode::automatic)) == "auto");
+  for (const char* copy : {"cma", "xpmem", "knem"}) {
+    const ProgressChoice c = decide_progress(false, 4, 4, copy);
+    CHECK(c.mode == ProgressMode::layers);
+    CHECK(c.why == cat("auto chose layers, every rank on one node with shared memory by single-copy (", copy, ")"));
+  }
+  // Without single-copy a message moves only while both ranks test: a thread carries it.
+  CHECK(decide_progress(false, 2, 2, "none").mode == ProgressMode::thread);
+  CHECK(decide_progress(false, 2, 2, "emulated").why == "auto chose thread, shared memory without single-copy (emulated)");
+  CHECK(decide_progress(false, 2, 2, "").why == "auto chose thread, no shared-memory single-copy found");
+  // Another node's messages go over a network; GPU ranks' hosts wait on the GPU.
+  const ProgressChoice nodes = decide_progress(false, 8, 4, "cma");
+  CHECK(nodes.mode == ProgressMode::thread);
+  CHECK(nodes.why == "auto chose thread, 4 of 8 ranks on other nodes");
+  const ProgressChoice gpu = decide_progress(true, 2, 2, "cma");
+  CHECK(gpu.mode == ProgressMode::thread);
+  CHECK(gpu.why == "auto chose thread, GPU ranks, whose host waits on the GPU");
+  // One rank sends nothing: no thread, whatever MPI copies with.
+  CHECK(decide_progress(true, 1, 1, "").mode == ProgressMode::layers);
+  CHECK(decide_progress(false, 1, 1, "none").why == "auto chose layers, one rank: no messages");
+  // Any other request is kept, and Progress itself takes only a resolved mode.
+  CHECK(choose_progress(ProgressMode::waits, Communicator::borrow(MPI_COMM_SELF), false).mode == ProgressMode::waits);
+  CHECK_THROWS_AS(Progress(ProgressMode::automatic, 1e-3, 1, false), Error);
+}
+
+// One process: nothing to send. Reading MPI_T must not change MPI's thread level.
+TEST_CASE("--comm-progress auto on one rank: no thread, and MPI keeps its thread level") {
+  int before = 0, after = 0;
+  MPI_Query_thread(&before);
+  const ProgressChoice c = choose_progress(ProgressMode::automatic, Communicator::borrow(MPI_COMM_SELF), false);
+  const std::string copy = shared_memory_single_copy();
+  MPI_Query_thread(&after);
+  CHECK(after == before);  // reading MPI_T leaves the thread level MPI runs at (Open MPI's resets it)
+  CHECK(c.mode == ProgressMode::layers);
+  CHECK(c.why == "auto chose layers, one rank: no messages");
+  // Two ranks on one node: what this MPI's shared memory copies with decides.
+  CHECK(decide_progress(false, 2, 2, copy).mode ==
+        (copy == "cma" || copy == "xpmem" || copy == "knem" ? ProgressMode::layers : ProgressMode::thread));
+  MESSAGE("single-copy: '", copy, "', ", c.why);
+}
+
 TEST_CASE("progress options: unknown modes, waits and intervals out of range are user errors") {
   CHECK_THROWS_AS(parse_progress_mode("polling"), UserError);
   TrainConfig c;

@@ -83,7 +83,7 @@ struct RunOptions {
   double link_seconds_per_byte = -1;   // --link-bandwidth: -1 measured by train, 0 not counted, else configured
   double memory_per_rank = 0;          // --memory-per-rank, bytes (0: not given); what --remat auto fits into
   double p2p_timeout = 600;            // seconds a point-to-point wait may block
-  ProgressMode comm_progress = ProgressMode::thread;
+  ProgressMode comm_progress = ProgressMode::automatic;
   double comm_poll_s = 5e-3;           // the progress thread's pause while nothing moves
   CommWait comm_wait = CommWait::sleep;
   Device device = Device::cpu;         // resolved: never "auto" here

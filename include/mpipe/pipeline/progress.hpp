@@ -7,6 +7,10 @@
 // without help its transfers stall until its next wait and a pipeline runs serially.
 // Progress owns the requests the executor posts and keeps them moving, in one of three
 // modes (docs/communication.md has the measurements behind each choice):
+//   auto    layers where every rank shares this rank's node, computes on the CPU and Open
+//           MPI's shared memory copies by single-copy (CMA, XPMEM, KNEM: a receiver copies
+//           a message itself when it tests, so a thread only takes the rank's core);
+//           thread otherwise (between nodes, shared memory without single-copy, GPUs).
 //   thread  the compute loop tests them between layers (where a test costs well under a
 //           microsecond), and a thread of its own (MPI_THREAD_MULTIPLE) tests them
 //           through long layers and while the host waits on a GPU: once per poll
@@ -35,9 +39,28 @@
 
 namespace mpipe {
 
-enum class ProgressMode { thread, layers, waits };
-const char* to_string(ProgressMode mode);
+class Communicator;
+
+enum class ProgressMode { automatic, thread, layers, waits };
+const char* to_string(ProgressMode mode);  // automatic: "auto"
 ProgressMode parse_progress_mode(const std::string& name);  // UserError for an unknown name
+
+// The mode a run takes, and for auto why (for the run's header).
+struct ProgressChoice {
+  ProgressMode mode = ProgressMode::thread;
+  std::string why;  // empty unless chosen by auto
+};
+// Collective over `world` where `requested` is auto (every rank asks the same); any other
+// mode is returned as it is.
+ProgressChoice choose_progress(ProgressMode requested, const Communicator& world, bool on_gpu);
+// auto's rule, given what choose_progress() found: GPU ranks (their host waits on the GPU),
+// ranks on several nodes, or shared memory without single-copy take the thread; else layers.
+ProgressChoice decide_progress(bool on_gpu, int ranks, int ranks_on_node, const std::string& single_copy);
+// Open MPI's shared-memory single-copy mechanism in this process, as its MPI_T control
+// variable (btl_vader_single_copy_mechanism, btl_sm_ in Open MPI 5) names it: "cma",
+// "xpmem", "knem", "emulated" or "none"; empty where MPI has no such variable (another MPI,
+// or the transport not loaded: --mca btl ^vader).
+std::string shared_memory_single_copy();
 
 // Before MPI_Init. Without single-copy (no CMA: containers, some VMs; between nodes) Open
 // MPI's ob1 moves a large message as fragments, pml_ob1_send_pipeline_depth of them (3)
@@ -67,8 +90,10 @@ class Progress {
   // instead of sleeping once nothing moves. `on_thread_start` runs first on the progress
   // thread (binding it to the rank's GPU, whose memory a CUDA-aware MPI may touch while
   // progressing).
+  // `mode` is thread, layers or waits (choose_progress() resolves auto); `why` says why
+  // auto chose it, for describe().
   Progress(ProgressMode mode, double poll_interval_s, int capacity, bool spin_waits,
-           std::function<void()> on_thread_start = {});
+           std::function<void()> on_thread_start = {}, std::string why = {});
   // Stops the thread; point-to-point requests still tracked (a failed step) are cancelled.
   ~Progress();
   Progress(const Progress&) = delete;
@@ -144,6 +169,7 @@ class Progress {
   std::chrono::nanoseconds interval_;
   bool spin_waits_;
   std::string fallback_;  // why thread mode is not running, or empty
+  std::string why_;       // why auto chose this mode, or empty
   std::mutex mutex_;
   std::condition_variable work_;  // wakes the thread: work, a waiter leaving, stop
   std::vector<Slot> slots_;
