@@ -14,10 +14,12 @@
 # (its runs a minute apart), then the median over rounds.
 # Rows: GPipe with the partition by FLOPs and by time, and 1F1B by time (a U-Net's encoder
 # stages are backward-heavy and its decoder's forward-heavy: GPipe's forward and backward
-# phases each wait on a different stage, 1F1B's alternation evens them out), and that again
+# phases each wait on a different stage, 1F1B's alternation evens them out), zb-h1 by time (the W actions fill the lighter stage's waits: a bubble of 14-16% simulated
+# against 1F1B's 19%, at the cost of a split backward), and 1F1B again
 # with --comm-progress thread (the default, auto, runs no progress thread where shared memory
 # copies by single-copy: on 2 cores the thread's wakes slowed the stages' actions, 1F1B
 # 1.105x and GPipe 1.05x faster without it, 2026-11-29).
+# KEEP=1 keeps the runs' logs and metrics (their directory is printed first).
 # Environment: ROUNDS=3 rounds, STEPS=40 steps a run (the first excluded), M=8 micro-batches
 # of BATCH=32 samples; MPIPE=PATH runs that binary and installs and builds nothing (the
 # lent GPU machine, from scripts/gpu_check.sh). Each row also prints a line
@@ -36,7 +38,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS
 rounds=${ROUNDS:-3} steps=${STEPS:-40} M=${M:-8} batch=${BATCH:-32}
 model=inputs/unet.toml
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+[[ -n ${KEEP:-} ]] && echo "runs kept in $work"
+trap '[[ -n ${KEEP:-} ]] || rm -rf "$work"' EXIT
 common=(train --model "$model" --batch-size "$batch" --micro-batches "$M" --steps "$steps" --threads 1 --log-every 1000)
 run() {  # name ranks args...: one run's summary line into $work/name.R
   local name=$1 ranks=$2
@@ -57,6 +60,7 @@ for ((r = 0; r < rounds; ++r)); do
   run flops 2
   run time 2 --partition time
   run 1f1b 2 --partition time --schedule 1f1b
+  run zb-h1 2 --partition time --schedule zb-h1  # weight gradients fill the heavier stage's waits
   run 1f1b-thread 2 --partition time --schedule 1f1b --comm-progress thread  # a progress thread beside each rank's compute
   together
   run k1b 1  # K = 1 again: a round's baseline is the mean of its first and last run
@@ -82,7 +86,7 @@ print(f"contention: two K = 1 runs at once give {slower:.3f}x (the slower) and {
       f"the machine's bound {machine:.2f}x")
 print(f"{'run':<10} {'cut':<14} {'samples/s':>10} {'speed-up':>9} {'bound':>6} {'of bound':>9} {'of machine':>11} {'bubble':>7} {'simulated':>10}  skips across")
 results = []
-for name in ("flops", "time", "1f1b", "1f1b-thread"):
+for name in ("flops", "time", "1f1b", "zb-h1", "1f1b-thread"):
     rows = [summary(name, r) for r in range(rounds)]
     rate = statistics.median(s["samples_per_s"] for s in rows)
     speedup = statistics.median(s["samples_per_s"] / k1[r] for r, s in enumerate(rows))
