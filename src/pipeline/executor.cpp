@@ -135,6 +135,7 @@ void Executor::allocate() {
         if (cuda::active()) cuda::bind_thread();
       },
       progress.why);
+  progress_->leave_dense_loops(device_ == Device::cpu);
   reducer_->connect(*progress_);
   std::vector<Transport::Channel> channels;
   for (const Stage& c : stages_)

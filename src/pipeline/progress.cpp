@@ -216,8 +216,24 @@ Progress::Ticket Progress::track(MPI_Request request, bool cancellable, bool wak
 
 bool Progress::wake_wanted() const {
   // While a caller waits the thread stays aside (and the waiter sweeps): waking it would
-  // only cost two context switches on the rank's core, several per sum.
-  return mode_ == ProgressMode::thread && waiters_ == 0 && pending_ > 0;
+  // only cost two context switches on the rank's core, several per sum. So while the
+  // compute loop sweeps densely.
+  return mode_ == ProgressMode::thread && waiters_ == 0 && pending_ > 0 && !dense();
+}
+
+void Progress::loop_swept(bool timed) {
+  const Clock::rep now = Clock::now().time_since_epoch().count();
+  if (timed) {
+    constexpr Clock::rep cap = std::chrono::nanoseconds(std::chrono::milliseconds(10)).count();
+    const Clock::rep gap = std::min(now - loop_swept_.load(std::memory_order_relaxed), cap);
+    const Clock::rep mean = loop_gap_.load(std::memory_order_relaxed);
+    loop_gap_.store(mean + (gap - mean) / 8, std::memory_order_relaxed);
+  }
+  loop_swept_.store(now, std::memory_order_relaxed);
+}
+
+bool Progress::dense() const {
+  return leave_dense_ && loop_gap_.load(std::memory_order_relaxed) < std::chrono::nanoseconds(dense_loop).count();
 }
 
 void Progress::wake() {
@@ -316,6 +332,7 @@ void Progress::run() {
     while (!work_.wait_for(lock, idle, [&] { return stop_ || (pending_ > 0 && waiters_ == 0); })) {
     }
     if (stop_) return;
+    wakes_.fetch_add(1, std::memory_order_relaxed);
     bool hurry = posted_;
     posted_ = false;
     lock.unlock();
@@ -323,7 +340,9 @@ void Progress::run() {
     // One slow sweep may be MPI's periodic housekeeping; two in a row are data moving.
     if (!covered) hurry |= sweep_while_moving(false, true) >= 2;
     lock.lock();
-    if (hurry) pause = std::min(covered ? cover : quick, interval_);
+    // A dense loop answers its own posts' handshakes at its next layer: the thread keeps
+    // its pause, and hurries once it finds the loop quiet and data moving.
+    if (hurry && !(covered && dense())) pause = std::min(covered ? cover : quick, interval_);
     if (interval_.count() == 0) continue;
     work_.wait_for(lock, pause, [&] { return stop_ || waiters_ > 0 || posted_; });
     pause = std::min(2 * pause, interval_);
@@ -349,8 +368,10 @@ Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char
     Progress& p;
     std::unique_lock<std::mutex>& lock;
     ~Leave() {
+      p.loop_swept(false);  // the waiter swept: the loop's next gap starts now
       if (!lock.owns_lock()) lock.lock();
-      const bool wake = --p.waiters_ == 0 && p.pending_ > 0;  // only then can the thread have work
+      // Only then can the thread have work (and a dense loop sweeps again soon itself).
+      const bool wake = --p.waiters_ == 0 && p.pending_ > 0 && !p.dense();
       lock.unlock();
       if (wake) p.work_.notify_one();
     }
@@ -403,7 +424,7 @@ Progress::Attending::~Attending() {
   bool wake = false;
   {
     std::lock_guard lock(progress_.mutex_);
-    wake = --progress_.waiters_ == 0 && progress_.pending_ > 0;  // only then can the thread have work
+    wake = --progress_.waiters_ == 0 && progress_.pending_ > 0 && !progress_.dense();  // as a wait's end
   }
   if (wake) progress_.work_.notify_one();
 }
