@@ -60,7 +60,8 @@ print(f"mpipe write / plain write: {mp_w / plain:.2f}")
 print(f"verify after writing (re-read every checksum, rename): {verify_s:.2f} s")
 PY
 
-# The stall: what a checkpoint costs the step loop, synchronous and --checkpoint-async on,
+# The stall: what a checkpoint costs the step loop, synchronous (--checkpoint-async off: the
+# default, auto, writes in the background where MPI allows) and --checkpoint-async on,
 # against a run with no periodic checkpoint, rounds ordered A B C C B A (ROUNDS=2 such
 # sequences): 12 steps of the same model with a checkpoint after step 6, each log line
 # timed as it arrives. The checkpoint (and with --checkpoint-async the next update's wait
@@ -74,7 +75,7 @@ stall=(--model gpt --layers 12 --d-model 768 --heads 12 --seq-len 64 --vocab 502
        --threads 1 --steps 12 --log-every 1 --progress off)
 variant() {  # NAME: one run; its step times (6 -> 7 and 6 -> 12) and its background lines into $dir/stall.NAME
   local args=()
-  case $1 in sync) args=(--checkpoint-every 6) ;; async) args=(--checkpoint-every 6 --checkpoint-async on) ;; esac
+  case $1 in sync) args=(--checkpoint-every 6 --checkpoint-async off) ;; async) args=(--checkpoint-every 6 --checkpoint-async on) ;; esac
   rm -rf "$dir/stall"
   mpirun -n "$stall_ranks" --bind-to core build/release/mpipe train "${stall[@]}" --checkpoint-dir "$dir/stall" "${args[@]}" |
     while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done > "$dir/stall.log"

@@ -6,7 +6,8 @@
 // between nodes and for libNBC's collectives. A rank that computes makes no MPI calls, so
 // without help its transfers stall until its next wait and a pipeline runs serially.
 // Progress owns the requests the executor posts and keeps them moving, in one of three
-// modes (docs/communication.md has the measurements behind each choice):
+// modes, thread, layers or waits, which auto chooses between by default
+// (docs/communication.md has the measurements behind each choice):
 //   auto    layers where every rank shares this rank's node, computes on the CPU and Open
 //           MPI's shared memory copies by single-copy (CMA, XPMEM, KNEM: a receiver copies
 //           a message itself when it tests, so a thread only takes the rank's core);
@@ -54,8 +55,9 @@ struct ProgressChoice {
 // Collective over `world` where `requested` is auto (every rank asks the same); any other
 // mode is returned as it is.
 ProgressChoice choose_progress(ProgressMode requested, const Communicator& world, bool on_gpu);
-// auto's rule, given what choose_progress() found: GPU ranks (their host waits on the GPU),
-// ranks on several nodes, or shared memory without single-copy take the thread; else layers.
+// auto's rule, given what choose_progress() found: one rank takes layers (no messages);
+// GPU ranks (their host waits on the GPU), ranks on several nodes, or shared memory
+// without single-copy take the thread; the rest layers.
 ProgressChoice decide_progress(bool on_gpu, int ranks, int ranks_on_node, const std::string& single_copy);
 // Open MPI's shared-memory single-copy mechanism in this process, as its MPI_T control
 // variable (btl_vader_single_copy_mechanism, btl_sm_ in Open MPI 5) names it: "cma",
