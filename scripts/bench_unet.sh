@@ -14,11 +14,12 @@
 # (its runs a minute apart), then the median over rounds.
 # Rows: GPipe with the partition by FLOPs and by time, and 1F1B by time (a U-Net's encoder
 # stages are backward-heavy and its decoder's forward-heavy: GPipe's forward and backward
-# phases each wait on a different stage, 1F1B's alternation evens them out), zb-h1 by time (the W actions fill the lighter stage's waits: a bubble of 14-16% simulated
-# against 1F1B's 19%, at the cost of a split backward), and 1F1B again
-# with --comm-progress thread (the default, auto, runs no progress thread where shared memory
-# copies by single-copy: on 2 cores the thread's wakes slowed the stages' actions, 1F1B
-# 1.105x and GPipe 1.05x faster without it, 2026-11-29).
+# phases each wait on a different stage, 1F1B's alternation evens them out), zb-h1 by time
+# (the W actions fill the lighter stage's waits: a bubble of 14-16% simulated against
+# 1F1B's 19%, at the cost of a split backward), and 1F1B again with --comm-progress thread
+# (the default, auto, runs no progress thread where shared memory copies by single-copy: on
+# 2 cores the thread's wakes slowed the stages' actions, 1F1B 1.105x and GPipe 1.05x faster
+# without it, 2026-11-29).
 # KEEP=1 keeps the runs' logs and metrics (their directory is printed first).
 # Environment: ROUNDS=3 rounds, STEPS=40 steps a run (the first excluded), M=8 micro-batches
 # of BATCH=32 samples; MPIPE=PATH runs that binary and installs and builds nothing (the
