@@ -233,7 +233,8 @@ void Progress::loop_swept(bool timed) {
 }
 
 bool Progress::dense() const {
-  return leave_dense_ && loop_gap_.load(std::memory_order_relaxed) < std::chrono::nanoseconds(dense_loop).count();
+  return leave_dense_.load(std::memory_order_relaxed) &&
+         loop_gap_.load(std::memory_order_relaxed) < std::chrono::nanoseconds(dense_loop).count();
 }
 
 void Progress::wake() {

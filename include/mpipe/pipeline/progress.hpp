@@ -155,7 +155,7 @@ class Progress {
   // loop covers: it wakes on its own timer, and sweeps once the loop has gone quiet (a long
   // layer). Each wake is two context switches on the rank's own core: a U-Net's stages,
   // whose layers take 0.05-0.2 ms, ran 1.10x faster without the thread than with it.
-  void leave_dense_loops(bool leave) { leave_dense_ = leave; }
+  void leave_dense_loops(bool leave) { leave_dense_.store(leave, std::memory_order_relaxed); }
   static constexpr std::chrono::microseconds dense_loop{200};
 
  private:
@@ -205,7 +205,7 @@ class Progress {
   // The mean time between the loop's sweeps (ns; an average over about 8 gaps, each at most
   // 10 ms; a wait's end counts as a sweep), and whether the thread leaves a dense loop alone.
   std::atomic<Clock::rep> loop_gap_{std::chrono::nanoseconds(std::chrono::milliseconds(10)).count()};
-  bool leave_dense_ = false;
+  std::atomic<bool> leave_dense_{false};  // set after the thread starts: atomic
   std::atomic<long> wakes_{0};
   void loop_swept(bool timed = true);  // the compute loop swept now (timed: a gap between two of its sweeps)
   bool dense() const;                  // the thread leaves the loop alone
