@@ -124,6 +124,27 @@ void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd
                                               ptr<E>(bias), N, C));
 }
 
+void residual_layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& sum,
+                                const Tensor& residual, float p, const DropoutKey& key, const Tensor& weight,
+                                const Tensor& bias) {
+  const OpTimer timer(OpKind::normalization, __func__);
+  same_place("residual layernorm", out, sum);
+  same_place("residual layernorm", sum, residual);
+  same_place("residual layernorm", sum, weight);
+  same_place("residual layernorm", weight, bias);
+  same_device("residual layernorm", mean, sum);
+  is_f32("residual layernorm", mean);
+  is_f32("residual layernorm", rstd);
+  const int64_t N = sum.shape.rows(), C = sum.shape[-1], per_sample = N / sum.shape[0];
+  if (sum.device == Device::cpu)
+    cpu::residual_layernorm_forward(out.f32(), mean.f32(), rstd.f32(), sum.f32(), residual.f32(), weight.f32(),
+                                    bias.f32(), N, C, per_sample, p, key);
+  else
+    MPIPE_ON_GPU(sum, cuda::residual_layernorm_forward(ptr<E>(out), mean.f32(), rstd.f32(), ptr<E>(sum),
+                                                       ptr<E>(residual), ptr<E>(weight), ptr<E>(bias), N, C,
+                                                       per_sample, p, key));
+}
+
 void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                         const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                         GradMode mode, const Tensor& residual) {
@@ -252,6 +273,15 @@ void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutK
   const int64_t B = inp.shape[0], per_sample = inp.numel() / B;
   if (inp.device == Device::cpu) cpu::dropout_apply(out.f32(), inp.f32(), B, per_sample, p, key);
   else MPIPE_ON_GPU(inp, cuda::dropout_apply(ptr<E>(out), ptr<E>(inp), B, per_sample, p, key));
+}
+
+void add_dropped(const Tensor& out, const Tensor& base, const Tensor& branch, float p, const DropoutKey& key) {
+  const OpTimer timer(OpKind::elementwise, __func__);
+  same_place("add dropped", out, base);
+  same_place("add dropped", base, branch);
+  const int64_t B = base.shape[0], per_sample = base.numel() / B;
+  if (base.device == Device::cpu) cpu::add_dropped(out.f32(), base.f32(), branch.f32(), B, per_sample, p, key);
+  else MPIPE_ON_GPU(base, cuda::add_dropped(ptr<E>(out), ptr<E>(base), ptr<E>(branch), B, per_sample, p, key));
 }
 
 namespace {

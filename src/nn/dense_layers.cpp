@@ -144,12 +144,28 @@ void LayerNorm::bind(std::span<const Tensor> params, std::span<const Tensor> gra
 }
 
 Tensor LayerNorm::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  return normalize(x, Tensor{}, 0.0f, DropoutKey{}, ctx, pass);
+}
+
+Tensor LayerNorm::forward_sum(const Tensor& sum, const Tensor& residual, float p, const DropoutKey& key,
+                              Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(residual.shape == sum.shape && sum.dtype == pass.dtype, "layernorm layer ", global_index(), ": sum ",
+              sum.shape.str(), " ", to_string(sum.dtype), ", residual ", residual.shape.str());
+  // What Layer::forward does before forward_impl.
+  ctx.input = sum;
+  if (pass.arena) ctx.begin = pass.arena->mark();
+  return normalize(sum, residual, p, key, ctx, pass);
+}
+
+Tensor LayerNorm::normalize(const Tensor& x, const Tensor& residual, float p, const DropoutKey& key, Context& ctx,
+                            const Pass& pass) {
   MPIPE_CHECK(x.shape[-1] == channels_, "layernorm: input ", x.shape.str());
   const int64_t rows = x.shape.rows();
   Tensor y = pass.arena->tensor(x.shape, pass.dtype);
   ctx.saved[0] = pass.arena->tensor(Shape{rows});  // mean (N), fp32
   ctx.saved[1] = pass.arena->tensor(Shape{rows});  // rstd (N), fp32
-  ops::layernorm_forward(y, ctx.saved[0], ctx.saved[1], x, weight_, bias_);
+  if (residual.empty()) ops::layernorm_forward(y, ctx.saved[0], ctx.saved[1], x, weight_, bias_);
+  else ops::residual_layernorm_forward(y, ctx.saved[0], ctx.saved[1], x, residual, p, key, weight_, bias_);
   return y;
 }
 
@@ -193,9 +209,7 @@ void Dropout::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, Gr
   if (mode == GradMode::overwrite) {
     ops::dropout_apply(dx, dy, p_, dropout_key(pass, global_index(), site_));
   } else {
-    Tensor tmp = pass.arena->tensor(dy.shape, pass.dtype);
-    ops::dropout_apply(tmp, dy, p_, dropout_key(pass, global_index(), site_));
-    ops::add(dx, tmp);
+    ops::add_dropped(dx, dx, dy, p_, dropout_key(pass, global_index(), site_));
   }
 }
 

@@ -97,9 +97,13 @@ void mark_in_place(std::span<const std::unique_ptr<Layer>> chain) {
   for (std::size_t i = 1; i < chain.size(); ++i) chain[i]->allow_in_place(chain[i - 1]->output_reusable());
 }
 
-int mark_fusions(std::span<const std::unique_ptr<Layer>> chain) {
+bool fusions_on() {
   const char* env = std::getenv("MPIPE_FUSE");
-  const bool on = !(env && std::string_view(env) == "off");
+  return !(env && std::string_view(env) == "off");
+}
+
+int mark_fusions(std::span<const std::unique_ptr<Layer>> chain) {
+  const bool on = fusions_on();
   int fused_pairs = 0;
   for (std::size_t i = 0; i < chain.size(); ++i) {
     const bool fused = on && i + 1 < chain.size() && chain[i]->can_rectify_output() && chain[i + 1]->rectifies_in_place();

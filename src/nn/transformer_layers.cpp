@@ -152,7 +152,7 @@ TransformerBlock::TransformerBlock(int64_t channels, int64_t heads, float dropou
                                    float proj_std)
     : channels_(channels), ln1_(channels), ln2_(channels),
       attn_(channels, heads, init_std, proj_std), fc_(channels, 4 * channels, true, init_std),
-      fc_proj_(4 * channels, channels, true, proj_std), dropout_(dropout) {}
+      fc_proj_(4 * channels, channels, true, proj_std), dropout_(dropout), fuse_(fusions_on()) {}
 
 void TransformerBlock::set_global_index(int index) {
   Layer::set_global_index(index);
@@ -211,16 +211,29 @@ Tensor TransformerBlock::forward_impl(const Tensor& x, Context& ctx, const Pass&
   ctx.recompute_parts = pass.transient != nullptr;
   Tensor h1 = ln1_.forward(x, c[0], light);
   Tensor a = attn_.forward(h1, c[1], pass);  // (B, T, C), owned by this call
-  if (drop) ops::dropout_apply(a, a, dropout_, dropout_key(pass, global_index(), 1));
-  ops::add(a, x);                            // a is now x2 = x + drop(attn(ln1(x)))
-  Tensor h2 = ln2_.forward(a, c[2], light);
+  // a becomes x2 = x + drop(attn(ln1(x))) and h2 = ln2(x2), in one pass over the rows
+  // (MPIPE_FUSE=off: in three).
+  const float p = drop ? dropout_ : 0.0f;
+  Tensor h2;
+  if (fuse_) {
+    h2 = ln2_.forward_sum(a, x, p, dropout_key(pass, global_index(), 1), c[2], light);
+  } else {
+    if (drop) ops::dropout_apply(a, a, dropout_, dropout_key(pass, global_index(), 1));
+    ops::add(a, x);
+    h2 = ln2_.forward(a, c[2], light);
+  }
   // GELU(fc(h2)): one GEMM epilogue on a GPU; under selective GELU apart, as its
   // recomputation will be (bf16 on a GPU: the epilogue's rounding is cuBLASLt's own).
   Tensor g = ctx.recompute_parts ? gelu_.forward(fc_.forward(h2, c[3], pass), c[4], light)
                                  : fc_.forward_gelu(h2, c[3], c[4], pass);
   Tensor f = fc_proj_.forward(g, c[5], pass);
-  if (drop) ops::dropout_apply(f, f, dropout_, dropout_key(pass, global_index(), 2));
-  ops::add(f, a);                            // y = x2 + drop(mlp(ln2(x2)))
+  // y = x2 + drop(mlp(ln2(x2))): one pass (MPIPE_FUSE=off: two with dropout).
+  if (fuse_) {
+    ops::add_dropped(f, a, f, p, dropout_key(pass, global_index(), 2));
+  } else {
+    if (drop) ops::dropout_apply(f, f, dropout_, dropout_key(pass, global_index(), 2));
+    ops::add(f, a);
+  }
   return f;
 }
 

@@ -1,7 +1,11 @@
 // Every layer's backward against finite differences, and the accumulate/overwrite contract.
 #include <doctest/doctest.h>
 
+#include <cstdlib>
+#include <cstring>
+
 #include "gradcheck.hpp"
+#include "mpipe/backend/ops.hpp"
 #include "mpipe/nn/residual.hpp"
 #include "mpipe/nn/transformer_layers.hpp"
 
@@ -193,4 +197,104 @@ TEST_CASE("parameter gradients accumulate across calls") {
   fresh.backward(ctx, make_tensor(dy.data(), Shape{2, 3}), Tensor{}, GradMode::overwrite, pass);
   for (int i = 0; i < 12; ++i) CHECK(h.grads[0][i] == doctest::Approx(2.0f * single[i]));
   for (int i = 0; i < 3; ++i) CHECK(h.grads[1][i] == doctest::Approx(2.0f * bias_single[i]));
+}
+
+// ---- one-pass residual sums (add_dropped, residual_layernorm_forward) ----------------
+
+namespace {
+
+std::vector<float> values(const Tensor& t) { return std::vector<float>(t.f32(), t.f32() + t.numel()); }
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("add_dropped: base + dropout(branch) in one pass, the bits of dropout_apply then add, into either operand") {
+  const DropoutKey key{5, 3, 2, 17};
+  // (3, 5, 99): samples of 495 elements, not a multiple of 4 (a group spans two rows).
+  for (const Shape shape : {Shape{3, 5, 99}, Shape{2, 4, 64}, Shape{4, 64, 128}}) {
+    for (const float p : {0.0f, 0.1f, 0.3f}) {
+      CAPTURE(shape.str());
+      CAPTURE(p);
+      const Input base(shape, 11), branch(shape, 12);
+      std::vector<float> expected = branch.data;
+      Tensor e = make_tensor(expected.data(), shape);
+      if (p > 0.0f) ops::dropout_apply(e, e, p, key);
+      ops::add(e, base.tensor);
+      std::vector<float> into_branch = branch.data, into_base = base.data, apart(base.data.size(), -1.0f);
+      ops::add_dropped(make_tensor(into_branch.data(), shape), base.tensor, make_tensor(into_branch.data(), shape),
+                       p, key);
+      ops::add_dropped(make_tensor(into_base.data(), shape), make_tensor(into_base.data(), shape), branch.tensor, p,
+                       key);
+      ops::add_dropped(make_tensor(apart.data(), shape), base.tensor, branch.tensor, p, key);
+      CHECK(same_bits(into_branch, expected));
+      CHECK(same_bits(into_base, expected));
+      CHECK(same_bits(apart, expected));
+      // The mask drops about p of the elements: those are the base alone.
+      double base_alone = 0;
+      for (std::size_t i = 0; i < expected.size(); ++i) base_alone += expected[i] == base.data[i];
+      base_alone /= static_cast<double>(expected.size());
+      CHECK(base_alone >= 0.5 * p);
+      CHECK(base_alone <= 1.5 * p + 0.01);
+    }
+  }
+}
+
+TEST_CASE("residual_layernorm_forward: the sum, its dropout and the LayerNorm after it in one pass, bit for bit") {
+  const DropoutKey key{5, 3, 2, 33};
+  for (const Shape shape : {Shape{3, 5, 99}, Shape{2, 4, 64}}) {
+    for (const float p : {0.0f, 0.3f}) {
+      CAPTURE(shape.str());
+      CAPTURE(p);
+      const int64_t N = shape.rows(), C = shape[-1];
+      const Input residual(shape, 21), branch(shape, 22, 2.0f), weight(Shape{C}, 23), bias(Shape{C}, 24);
+      // Three passes: dropout, add, LayerNorm.
+      std::vector<float> sum = branch.data, out(sum.size()), mean(N), rstd(N);
+      Tensor s = make_tensor(sum.data(), shape);
+      if (p > 0.0f) ops::dropout_apply(s, s, p, key);
+      ops::add(s, residual.tensor);
+      ops::layernorm_forward(make_tensor(out.data(), shape), make_tensor(mean.data(), Shape{N}),
+                             make_tensor(rstd.data(), Shape{N}), s, weight.tensor, bias.tensor);
+      // One.
+      std::vector<float> sum1 = branch.data, out1(sum.size(), -1.0f), mean1(N, -1.0f), rstd1(N, -1.0f);
+      ops::residual_layernorm_forward(make_tensor(out1.data(), shape), make_tensor(mean1.data(), Shape{N}),
+                                      make_tensor(rstd1.data(), Shape{N}), make_tensor(sum1.data(), shape),
+                                      residual.tensor, p, key, weight.tensor, bias.tensor);
+      CHECK(same_bits(sum1, sum));
+      CHECK(same_bits(out1, out));
+      CHECK(same_bits(mean1, mean));
+      CHECK(same_bits(rstd1, rstd));
+    }
+  }
+}
+
+TEST_CASE("transformer block: the one-pass residual sums give the bits of MPIPE_FUSE=off's, forward and backward") {
+  ::setenv("MPIPE_FUSE", "off", 1);
+  TransformerBlock apart(16, 2, 0.2f, 0.3f, 0.2f);
+  ::unsetenv("MPIPE_FUSE");
+  TransformerBlock fused(16, 2, 0.2f, 0.3f, 0.2f);
+  std::vector<float> outputs[2], inputs_grad[2], params_grad[2];
+  int i = 0;
+  for (TransformerBlock* block : {&apart, &fused}) {
+    block->set_global_index(3);
+    LayerHarness h(*block);
+    const Input x(Shape{3, 5, 16});
+    Pass pass = training_pass();
+    pass.arena = &h.arena;
+    Context ctx;
+    const Tensor y = block->forward(x.tensor, ctx, pass);
+    outputs[i] = values(y);
+    std::vector<float> dy = random_vector(static_cast<std::size_t>(y.numel()), 9);
+    inputs_grad[i].assign(x.data.size(), 0.0f);
+    block->backward(ctx, make_tensor(dy.data(), y.shape), make_tensor(inputs_grad[i].data(), x.tensor.shape),
+                    GradMode::overwrite, pass);
+    for (const std::vector<float>& g : h.grads) params_grad[i].insert(params_grad[i].end(), g.begin(), g.end());
+    ++i;
+  }
+  CHECK(same_bits(outputs[0], outputs[1]));
+  CHECK(same_bits(inputs_grad[0], inputs_grad[1]));
+  CHECK(same_bits(params_grad[0], params_grad[1]));
+  CHECK(params_grad[0].size() > 1000);
 }

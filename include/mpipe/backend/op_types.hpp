@@ -1,6 +1,7 @@
 // Types shared by the CPU and CUDA op interfaces, and the rules both backends' kernels
 // apply alike. Plain C++17: CUDA sources include it.
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -24,6 +25,16 @@ struct DropoutKey {
   std::uint64_t step = 0;
   std::uint64_t sample_begin = 0;  // index within the step of this call's first sample
   std::uint32_t site = 0;          // global layer index * 16 + site within the layer
+};
+
+// Dropout's rule on both backends: an element is kept when its 32-bit word is at least
+// p 2^32, and what is kept is scaled by 1 / (1 - p).
+struct DropoutRule {
+  std::uint32_t threshold = 0;
+  float keep_scale = 1.0f;
+  explicit DropoutRule(float p)
+      : threshold(static_cast<std::uint32_t>(std::min(4294967295.0, std::ldexp(static_cast<double>(p), 32)))),
+        keep_scale(1.0f / (1.0f - p)) {}
 };
 
 // Runs of `length` elements copied between two layouts: run i from src[i · src_stride +

@@ -39,6 +39,13 @@ void gelu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, Gr
 
 void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& inp,
                        const Tensor& weight, const Tensor& bias);
+// A residual block's sum and the LayerNorm after it in one pass: sum = residual +
+// dropout(sum) (p 0: no dropout; masks by samples, as dropout_apply's), then out, mean and
+// rstd as layernorm_forward(out, mean, rstd, sum, ...). The same bits as dropout_apply,
+// add and layernorm_forward in turn, on either device.
+void residual_layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& sum,
+                                const Tensor& residual, float p, const DropoutKey& key, const Tensor& weight,
+                                const Tensor& bias);
 // With `residual` (mode overwrite): dinp = residual + the input gradient, in one pass, the
 // bits of copying residual into dinp and accumulating (a residual block's sum of its two
 // branches' gradients).
@@ -86,6 +93,9 @@ int64_t vocab_count_correct(const Tensor& stats, const Tensor& targets);
 
 // Over the first dimension as samples.
 void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key);
+// out = base + dropout(branch) (p 0: base + branch) in one pass, the bits of dropout_apply
+// then add; out may be base or branch.
+void add_dropped(const Tensor& out, const Tensor& base, const Tensor& branch, float p, const DropoutKey& key);
 
 // y = x in y's element type (fp32 <-> bf16 on the GPU); a plain copy when they agree.
 void convert(const Tensor& y, const Tensor& x);

@@ -86,6 +86,11 @@ class LayerNorm final : public Layer {
   // (a residual block's two branches; the bits of copying residual into dx and
   // accumulating).
   void backward_onto(Context& ctx, const Tensor& dy, const Tensor& dx, const Tensor& residual);
+  // A residual block's sum and this LayerNorm after it, in one pass: `sum` becomes
+  // residual + dropout(sum) (p 0: no dropout; `key` its masks), and the result is
+  // forward(sum) then, bit for bit, with the context keeping the sum as its input.
+  Tensor forward_sum(const Tensor& sum, const Tensor& residual, float p, const DropoutKey& key, Context& ctx,
+                     const Pass& pass);
 
  protected:
   Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
@@ -93,6 +98,10 @@ class LayerNorm final : public Layer {
                      const Pass& pass) override;
 
  private:
+  // The output and statistics of x (after residual + dropout(x) into x where residual
+  // is given).
+  Tensor normalize(const Tensor& x, const Tensor& residual, float p, const DropoutKey& key, Context& ctx,
+                   const Pass& pass);
   int64_t channels_;
   Tensor weight_, bias_, dweight_, dbias_;
 };

@@ -272,6 +272,9 @@ void mark_in_place(std::span<const std::unique_ptr<Layer>> chain);
 // rectifies for it (Layer::can_rectify_output). Returns the pairs fused. MPIPE_FUSE=off
 // in the environment fuses none (for comparisons).
 int mark_fusions(std::span<const std::unique_ptr<Layer>> chain);
+// Whether fusions are on: not MPIPE_FUSE=off in the environment. Fused and unfused ops
+// give the same bits; only their speed differs.
+bool fusions_on();
 
 // The input gradients of parts 1 .. n-1 of a chain run backward (part 0 writes the
 // caller's dx): part i's, of shape_of(i), where find(i, shape, above) has room for it

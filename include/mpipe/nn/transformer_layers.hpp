@@ -94,6 +94,7 @@ class TransformerBlock final : public Layer {
   Linear fc_, fc_proj_;
   GELU gelu_;
   float dropout_;
+  bool fuse_;  // the residual sum and ln2 in one pass (fusions_on())
 };
 
 // This file's layer kinds, for the registry (nn/registry.hpp).

@@ -10,6 +10,8 @@
 #include <type_traits>
 
 #include "context.cuh"
+#include "mpipe/backend/op_types.hpp"
+#include "mpipe/core/rng.hpp"
 
 namespace mpipe::cuda {
 
@@ -136,6 +138,32 @@ __device__ U block_reduce(U value, Op op, U identity, U* shared) {
   __syncthreads();
   value = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : identity;
   return warp_reduce(value, op);
+}
+
+// ---- dropout masks --------------------------------------------------------------------
+
+// The four words of group `group` (elements 4 group to 4 group + 3) of sample b:
+// RandomStream::block(group) of make_stream(seed, Stream::dropout, sample_begin + b, site,
+// step), rebuilt from `first`, sample 0's stream (only `a` differs between samples).
+__device__ __forceinline__ Philox4 dropout_words(const RandomStream& first, int64_t b, int64_t group) {
+  const auto i = static_cast<uint64_t>(group);
+  return philox4x32({static_cast<uint32_t>(i), first.a + static_cast<uint32_t>(b),
+                     first.b ^ static_cast<uint32_t>(i >> 32), first.c},
+                    first.key);
+}
+
+// The stream of a dropout key's first sample, which dropout_words rebuilds the others from.
+inline RandomStream first_dropout_stream(const DropoutKey& key) {
+  return make_stream(key.seed, Stream::dropout, static_cast<uint32_t>(key.sample_begin), key.site,
+                     static_cast<uint32_t>(key.step));
+}
+
+// x dropped by word `word`: kept and scaled, or zero, rounded to T (dropout_apply's value).
+// The product is __fmul_rn's, never contracted with a sum after it into one fused
+// multiply-add: a one-pass op keeps the bits of dropout_apply and add in turn.
+template <class T>
+__device__ __forceinline__ float dropped(float x, uint32_t word, uint32_t threshold, float keep_scale) {
+  return to_f32(from_f32<T>(word >= threshold ? __fmul_rn(x, keep_scale) : 0.0f));
 }
 
 // ---- launches ------------------------------------------------------------------------

@@ -148,32 +148,57 @@ __global__ void column_sum_finish(float* out, const float* partial, int64_t chun
 }
 
 // ---- dropout ---------------------------------------------------------------------------
-// Thread per group of 4 elements of one sample: one Philox block gives their 4 words.
-// The words are RandomStream::block() of make_stream(seed, Stream::dropout,
-// sample_begin + b, site, step), rebuilt here from the stream of sample 0: only `a`
-// differs between samples.
+// Thread per group of 4 elements of one sample: one Philox block gives their 4 words
+// (dropout_words, kernels.cuh).
 
 template <bool Packed, class T>
-__global__ void dropout_kernel(T* out, const T* inp, int64_t B, int64_t per_sample, uint32_t threshold,
-                               float keep_scale, RandomStream first) {
+__global__ void dropout_kernel(T* out, const T* inp, int64_t B, int64_t per_sample, DropoutRule rule,
+                               RandomStream first) {
   const int64_t groups = ceil_div(per_sample, 4);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < B * groups; g += stride) {
     const int64_t b = g / groups, group = g % groups;
-    const auto i = static_cast<uint64_t>(group);
-    const Philox4 words = philox4x32({static_cast<uint32_t>(i), first.a + static_cast<uint32_t>(b),
-                                      first.b ^ static_cast<uint32_t>(i >> 32), first.c},
-                                     first.key);
+    const Philox4 words = dropout_words(first, b, group);
     const int64_t e0 = b * per_sample + 4 * group;
     if constexpr (Packed) {
       auto v = load_pack<4>(inp + e0);
 #pragma unroll
-      for (int k = 0; k < 4; ++k) v.v[k] = from_f32<T>(words[k] >= threshold ? to_f32(v.v[k]) * keep_scale : 0.0f);
+      for (int k = 0; k < 4; ++k)
+        v.v[k] = from_f32<T>(words[k] >= rule.threshold ? to_f32(v.v[k]) * rule.keep_scale : 0.0f);
       store_pack<4>(out + e0, v);
     } else {
       const int count = static_cast<int>(std::min<int64_t>(4, per_sample - 4 * group));
       for (int k = 0; k < count; ++k)
-        out[e0 + k] = from_f32<T>(words[k] >= threshold ? to_f32(inp[e0 + k]) * keep_scale : 0.0f);
+        out[e0 + k] = from_f32<T>(words[k] >= rule.threshold ? to_f32(inp[e0 + k]) * rule.keep_scale : 0.0f);
+    }
+  }
+}
+
+// out = base + dropout(branch), as dropout_kernel then AddF: the dropped value rounded to
+// T, then the sum. Without Drop, base + branch.
+template <bool Packed, bool Drop, class T>
+__global__ void add_dropped_kernel(T* out, const T* base, const T* branch, int64_t B, int64_t per_sample,
+                                   DropoutRule rule, RandomStream first) {
+  const int64_t groups = ceil_div(per_sample, 4);
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < B * groups; g += stride) {
+    const int64_t b = g / groups, group = g % groups;
+    Philox4 words{};
+    if constexpr (Drop) words = dropout_words(first, b, group);
+    const int64_t e0 = b * per_sample + 4 * group;
+    const auto one = [&](float x, float r, int k) {
+      const float d = Drop ? dropped<T>(x, words[k], rule.threshold, rule.keep_scale) : x;
+      return from_f32<T>(d + r);
+    };
+    if constexpr (Packed) {
+      auto v = load_pack<4>(branch + e0);
+      const auto r = load_pack<4>(base + e0);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) v.v[k] = one(to_f32(v.v[k]), to_f32(r.v[k]), k);
+      store_pack<4>(out + e0, v);
+    } else {
+      const int count = static_cast<int>(std::min<int64_t>(4, per_sample - 4 * group));
+      for (int k = 0; k < count; ++k) out[e0 + k] = one(to_f32(branch[e0 + k]), to_f32(base[e0 + k]), k);
     }
   }
 }
@@ -368,21 +393,38 @@ void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t n, GradMode mod
 template <class E>
 void dropout_apply(E* out, const E* inp, int64_t B, int64_t per_sample, float p, const DropoutKey& key) {
   if (B == 0 || per_sample == 0) return;
-  // Exactly the CPU op's threshold and scale.
-  const float keep_scale = 1.0f / (1.0f - p);
-  const auto threshold = static_cast<uint32_t>(std::min(4294967295.0, std::ldexp(static_cast<double>(p), 32)));
-  const RandomStream first = make_stream(key.seed, Stream::dropout, static_cast<uint32_t>(key.sample_begin),
-                                         key.site, static_cast<uint32_t>(key.step));
+  const RandomStream first = first_dropout_stream(key);
   const int64_t groups = B * ceil_div(per_sample, 4);
   cudaStream_t stream = context().compute;
   using T = device_t<E>;
+  const DropoutRule rule(p);  // exactly the CPU op's threshold and scale
   if (per_sample % 4 == 0 && all_aligned({out, inp}, 4 * sizeof(T))) {
     dropout_kernel<true><<<blocks_for(groups, kThreads), kThreads, 0, stream>>>(dev(out), dev(inp), B, per_sample,
-                                                                                threshold, keep_scale, first);
+                                                                                rule, first);
   } else {
     dropout_kernel<false><<<blocks_for(groups, kThreads), kThreads, 0, stream>>>(dev(out), dev(inp), B, per_sample,
-                                                                                 threshold, keep_scale, first);
+                                                                                 rule, first);
   }
+  CUDA_CHECK_LAUNCH();
+}
+
+template <class E>
+void add_dropped(E* out, const E* base, const E* branch, int64_t B, int64_t per_sample, float p,
+                 const DropoutKey& key) {
+  if (B == 0 || per_sample == 0) return;
+  const RandomStream first = first_dropout_stream(key);
+  const int64_t groups = B * ceil_div(per_sample, 4);
+  using T = device_t<E>;
+  const bool packed = per_sample % 4 == 0 && all_aligned({out, base, branch}, 4 * sizeof(T));
+  const auto launch = [&](auto packing, auto dropping) {
+    add_dropped_kernel<decltype(packing)::value, decltype(dropping)::value>
+        <<<blocks_for(groups, kThreads), kThreads, 0, context().compute>>>(dev(out), dev(base), dev(branch), B,
+                                                                          per_sample, DropoutRule(p), first);
+  };
+  if (packed && p > 0.0f) launch(std::true_type{}, std::true_type{});
+  else if (packed) launch(std::true_type{}, std::false_type{});
+  else if (p > 0.0f) launch(std::false_type{}, std::true_type{});
+  else launch(std::false_type{}, std::false_type{});
   CUDA_CHECK_LAUNCH();
 }
 
@@ -452,6 +494,7 @@ void sgd_update(float* params, const float* grads, float* velocity, const ViewTa
   template void gelu_forward<E>(E*, const E*, int64_t);                                                           \
   template void gelu_backward<E>(E*, const E*, const E*, int64_t, GradMode);                                      \
   template void dropout_apply<E>(E*, const E*, int64_t, int64_t, float, const DropoutKey&);                       \
+  template void add_dropped<E>(E*, const E*, const E*, int64_t, int64_t, float, const DropoutKey&);               \
   template void add<E>(E*, const E*, int64_t);                                                                    \
   template void copy<E>(E*, const E*, int64_t);                                                                   \
   template void scale<E>(E*, float, int64_t);

@@ -22,19 +22,11 @@ namespace {
 
 constexpr float kLayerNormEps = 1e-5f;
 
+// LayerNorm of row `row` (x, C elements) once each lane has summed its elements (packs
+// of W at lane W, then 32 W on): the mean, the variance, y and the statistics.
 template <int W, class T>
-__global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight,
-                                         const T* bias, int64_t N, int64_t C) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= N) return;  // the whole warp
-  const T* x = inp + row * C;
-  float sum = 0.0f;
-  for (int64_t c = lane * W; c < C; c += 32 * W) {
-    const auto v = load_pack<W>(x + c);
-#pragma unroll
-    for (int k = 0; k < W; ++k) sum += to_f32(v.v[k]);
-  }
+__device__ __forceinline__ void layernorm_row(T* y, float* mean, float* rstd, const T* x, const T* weight,
+                                              const T* bias, int64_t C, int64_t row, int lane, float sum) {
   const float m = warp_reduce(sum, Sum{}) / static_cast<float>(C);
   float var = 0.0f;
   for (int64_t c = lane * W; c < C; c += 32 * W) {
@@ -47,7 +39,6 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
   }
   var = warp_reduce(var, Sum{}) / static_cast<float>(C);
   const float s = 1.0f / sqrtf(var + kLayerNormEps);
-  T* y = out + row * C;
   for (int64_t c = lane * W; c < C; c += 32 * W) {
     const auto v = load_pack<W>(x + c);
     const auto w = load_pack<W>(weight + c);
@@ -61,6 +52,57 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
     mean[row] = m;
     rstd[row] = s;
   }
+}
+
+template <int W, class T>
+__global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const T* inp, const T* weight,
+                                         const T* bias, int64_t N, int64_t C) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;  // the whole warp
+  const T* x = inp + row * C;
+  float sum = 0.0f;
+  for (int64_t c = lane * W; c < C; c += 32 * W) {
+    const auto v = load_pack<W>(x + c);
+#pragma unroll
+    for (int k = 0; k < W; ++k) sum += to_f32(v.v[k]);
+  }
+  layernorm_row<W>(out + row * C, mean, rstd, x, weight, bias, C, row, lane, sum);
+}
+
+// The residual sum first, row by row: x = residual + dropout(x) in place (dropout_apply's
+// rounded value, then AddF's sum), summed as it is stored; then the LayerNorm of the row,
+// which reads back what this lane stored. Element e of a sample's (rows_per_sample, C)
+// takes word e % 4 of its group e / 4, as dropout_kernel.
+template <int W, bool Drop, class T>
+__global__ void residual_layernorm_forward_kernel(T* out, float* mean, float* rstd, T* sum_io, const T* residual,
+                                                  const T* weight, const T* bias, int64_t N, int64_t C,
+                                                  int64_t rows_per_sample, DropoutRule rule, RandomStream first) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= N) return;  // the whole warp
+  T* x = sum_io + row * C;
+  const T* r = residual + row * C;
+  const int64_t b = row / rows_per_sample, e_row = (row % rows_per_sample) * C;
+  float sum = 0.0f;
+  for (int64_t c = lane * W; c < C; c += 32 * W) {
+    auto v = load_pack<W>(x + c);
+    const auto rv = load_pack<W>(r + c);
+    Philox4 words{};
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      float d = to_f32(v.v[k]);
+      if constexpr (Drop) {
+        const int64_t e = e_row + c + k;
+        if (k == 0 || e % 4 == 0) words = dropout_words(first, b, e / 4);
+        d = dropped<T>(d, words[e % 4], rule.threshold, rule.keep_scale);
+      }
+      v.v[k] = from_f32<T>(d + to_f32(rv.v[k]));
+      sum += to_f32(v.v[k]);
+    }
+    store_pack<W>(x + c, v);
+  }
+  layernorm_row<W>(out + row * C, mean, rstd, x, weight, bias, C, row, lane, sum);
 }
 
 // Accumulate: dinp = base + the gradient, base being dinp itself (accumulate mode) or a
@@ -260,6 +302,30 @@ void layernorm_forward(E* out, float* mean, float* rstd, const E* inp, const E* 
 }
 
 template <class E>
+void residual_layernorm_forward(E* out, float* mean, float* rstd, E* sum, const E* residual, const E* weight,
+                                const E* bias, int64_t N, int64_t C, int64_t rows_per_sample, float p,
+                                const DropoutKey& key) {
+  if (N == 0) return;
+  using T = device_t<E>;
+  constexpr int W = pack_width<T>;
+  const unsigned blocks = static_cast<unsigned>(ceil_div(N, kRowsPerBlock));
+  // The pack width decides which lane sums which elements: layernorm_forward's rule, so
+  // that the statistics are its bits.
+  const bool packed = C % W == 0 && all_aligned({out, sum, residual, weight, bias}, 16);
+  const RandomStream first = first_dropout_stream(key);
+  const auto launch = [&](auto width, auto dropping) {
+    residual_layernorm_forward_kernel<decltype(width)::value, decltype(dropping)::value>
+        <<<blocks, kThreads, 0, context().compute>>>(dev(out), mean, rstd, dev(sum), dev(residual), dev(weight),
+                                                     dev(bias), N, C, rows_per_sample, DropoutRule(p), first);
+  };
+  if (packed && p > 0.0f) launch(std::integral_constant<int, W>{}, std::true_type{});
+  else if (packed) launch(std::integral_constant<int, W>{}, std::false_type{});
+  else if (p > 0.0f) launch(std::integral_constant<int, 1>{}, std::true_type{});
+  else launch(std::integral_constant<int, 1>{}, std::false_type{});
+  CUDA_CHECK_LAUNCH();
+}
+
+template <class E>
 void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
                         const float* mean, const float* rstd, int64_t N, int64_t C, GradMode mode,
                         const E* residual) {
@@ -382,6 +448,8 @@ void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const 
 
 #define MPIPE_CUDA_ROW_OPS(E)                                                                                     \
   template void layernorm_forward<E>(E*, float*, float*, const E*, const E*, const E*, int64_t, int64_t);         \
+  template void residual_layernorm_forward<E>(E*, float*, float*, E*, const E*, const E*, const E*, int64_t,       \
+                                              int64_t, int64_t, float, const DropoutKey&);                       \
   template void layernorm_backward<E>(E*, float*, float*, const E*, const E*, const E*, const float*,             \
                                       const float*, int64_t, int64_t, GradMode, const E*);                        \
   template void embedding_forward<E>(E*, const int32_t*, const E*, const E*, int64_t, int64_t, int64_t, int64_t); \

@@ -42,6 +42,13 @@ void gelu_backward(float* dinp, const float* dout, const float* inp, int64_t n, 
 // LayerNorm over the last dimension, eps 1e-5. Overwrites out (N, C), mean (N), rstd (N).
 void layernorm_forward(float* out, float* mean, float* rstd, const float* inp,
                        const float* weight, const float* bias, int64_t N, int64_t C);
+// A residual block's sum and the LayerNorm after it: sum (N, C) = residual + dropout(sum)
+// (add_dropped; p 0: no dropout; the N rows are samples of rows_per_sample rows each, as
+// dropout numbers them), then out, mean and rstd as layernorm_forward of that sum. The
+// GPU's op does it in one pass; here the two run in turn (rows in cache: no faster fused).
+void residual_layernorm_forward(float* out, float* mean, float* rstd, float* sum, const float* residual,
+                                const float* weight, const float* bias, int64_t N, int64_t C,
+                                int64_t rows_per_sample, float p, const DropoutKey& key);
 // dinp per mode; dweight, dbias accumulate.
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
                         const float* inp, const float* weight, const float* mean,
@@ -105,6 +112,11 @@ int64_t vocab_count_correct(const float* stats, const int32_t* targets, int64_t 
 // (may alias inp). The backward is the same call on the gradient.
 void dropout_apply(float* out, const float* inp, int64_t B, int64_t per_sample, float p,
                    const DropoutKey& key);
+
+// out = base + dropout(branch) (p 0: base + branch) in one pass, the bits of dropout_apply
+// then add; out may alias base or branch.
+void add_dropped(float* out, const float* base, const float* branch, int64_t B, int64_t per_sample, float p,
+                 const DropoutKey& key);
 
 // ---- convolution and pooling over NCHW (conv.cpp) ------------------------------------
 using mpipe::Window2d;

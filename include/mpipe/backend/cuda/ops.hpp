@@ -48,6 +48,14 @@ void gelu_backward(E* dinp, const E* dout, const E* inp, int64_t n, GradMode mod
 template <class E>
 void layernorm_forward(E* out, float* mean, float* rstd, const E* inp, const E* weight, const E* bias, int64_t N,
                        int64_t C);
+// sum = residual + dropout(sum) (p 0: no dropout), then LayerNorm of it, one warp a row:
+// the bits of dropout_apply, add and layernorm_forward in turn (the dropped value rounded
+// to E before the sum, the sum before the statistics). Rows are samples of
+// rows_per_sample rows, as dropout numbers them.
+template <class E>
+void residual_layernorm_forward(E* out, float* mean, float* rstd, E* sum, const E* residual, const E* weight,
+                                const E* bias, int64_t N, int64_t C, int64_t rows_per_sample, float p,
+                                const DropoutKey& key);
 template <class E>
 void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
                         const float* mean, const float* rstd, int64_t N, int64_t C, GradMode mode,
@@ -177,6 +185,11 @@ void batchnorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, co
 // Same masks as the CPU op, bit for bit (the same Philox4x32-10 words). out may alias inp.
 template <class E>
 void dropout_apply(E* out, const E* inp, int64_t B, int64_t per_sample, float p, const DropoutKey& key);
+// out = base + dropout(branch) (p 0: base + branch) in one pass: dropout_apply then add,
+// bit for bit. out may alias base or branch.
+template <class E>
+void add_dropped(E* out, const E* base, const E* branch, int64_t B, int64_t per_sample, float p,
+                 const DropoutKey& key);
 
 // y (+)= x, y = x, y *= factor.
 template <class E>
