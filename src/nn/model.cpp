@@ -291,6 +291,15 @@ bool keeps_dy_in_output(const Model& model, int layer, int stage_end) {
          !model.layer(layer + 1).defers_weight();
 }
 
+bool gradient_in_place(const Model& model, int layer, int stage_begin, const Shape& in) {
+  if (layer <= stage_begin || !model.layer(layer).gradient_over_input(in) ||
+      model.layer(layer - 1).reads_output_in_backward())
+    return false;
+  for (const Model::Skip& skip : model.skips())
+    if (skip.producer == layer - 1) return false;
+  return true;
+}
+
 WeightsInBackward weights_in_backward(const Model& model, int begin, int stage_end) {
   if (stage_end != model.size()) return {stage_end, 0.0};
   // FLOPs for one sample: the ratio does not change with the micro-batch.

@@ -27,7 +27,11 @@ double unsplit_scratch(const Model& model, const std::vector<Shape>& shapes, int
   }
   const double top = start.back();
   std::vector<double> dx(static_cast<std::size_t>(n), 0.0);
-  for (int i = 1; i < n; ++i) dx[static_cast<std::size_t>(i)] = f32_bytes(static_cast<double>(shapes[static_cast<std::size_t>(begin + i)].numel()));
+  for (int i = 1; i < n; ++i) {
+    const Shape& in = shapes[static_cast<std::size_t>(begin + i)];
+    // A gradient written over its input takes no memory of its own (gradient_in_place).
+    if (!gradient_in_place(model, begin + i, begin, in)) dx[static_cast<std::size_t>(i)] = f32_bytes(static_cast<double>(in.numel()));
+  }
   double turns[2], beside = 0;
   const std::vector<double> at = first_fit(start, dx, 0.0, turns);
   for (int i = n - 1; i >= 0; --i) {
@@ -90,7 +94,12 @@ std::vector<StageMemory> stage_memory(const Model& model, const Partition& part,
       // A Linear whose next layer on the stage has no W keeps its dy in its own output's
       // buffer (Stage::backward, keeps_dy_in_output): no stash of its own.
       if (!keeps_dy_in_output(model, i, part.end(s)) && i < whole_from) m.stash += e * c.weight_stash_bytes;
-      const double dx = tensor_bytes(i), dy = tensor_bytes(i + 1);
+      // A gradient written over its input (gradient_in_place) is held as that input, not
+      // as scratch: as the layer's dx, and as the dy of the layer before.
+      const auto over_input = [&](int at) {
+        return at < part.end(s) && gradient_in_place(model, at, part.begin(s), shapes[static_cast<std::size_t>(at)]);
+      };
+      const double dx = over_input(i) ? 0.0 : tensor_bytes(i), dy = over_input(i + 1) ? 0.0 : tensor_bytes(i + 1);
       (i >= whole_from ? m.whole_scratch : m.split_scratch) =
           std::max(i >= whole_from ? m.whole_scratch : m.split_scratch, dx + dy + e * c.backward_scratch_bytes);
       m.selective_scratch =

@@ -343,6 +343,11 @@ void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, c
       static_cast<std::size_t>(n), dy, dtype, scratch,
       [&](std::size_t i) { return shapes[static_cast<std::size_t>(begin_) + i]; },
       [&](std::size_t i, Shape shape, const Tensor& above) -> Tensor {
+        // A loss writes its logits' gradient over the logits, which the layer before it
+        // does not read again (gradient_in_place).
+        const Tensor& input = contexts[i].input;
+        if (input.shape == shape && gradient_in_place(model_, begin_ + static_cast<int>(i), begin_, shape))
+          return input;
         if (!spent) return {};
         Spent here = *spent;
         here.from = spent_from(static_cast<int>(i));

@@ -7,6 +7,7 @@
 
 #include "mpipe/app/config.hpp"
 #include "mpipe/pipeline/hosts.hpp"
+#include "mpipe/nn/dense_layers.hpp"
 #include "mpipe/pipeline/plan.hpp"
 #include "tiny_gpt.hpp"
 
@@ -365,4 +366,35 @@ TEST_CASE("a bf16 plan counts activations, their gradients and messages at 2 byt
       CHECK(bf16.activation_bytes(s) < 0.56 * fp32.activation_bytes(s));
     }
   }
+}
+
+TEST_CASE("a loss writes its logits' gradient over the logits: the plan holds no (rows, vocabulary) scratch for it") {
+  // GPT: embedding 0, blocks 1-2, layernorm 3, head 4, loss 5; a 4096-word vocabulary on
+  // 64 channels, so that the logits dwarf everything else a backward holds.
+  TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 64, .heads = 4, .seq_len = 32, .vocab = 4096, .dropout = 0.0f,
+                                  .batch_size = 16, .micro_batches = 4});
+  const Model model(options_of(c).model);
+  const auto shapes = model.shapes(4);
+  CHECK(gradient_in_place(model, 5, 0, shapes[5]));
+  CHECK_FALSE(gradient_in_place(model, 5, 5, shapes[5]));  // the stage's first: its gradient is the message back
+  CHECK_FALSE(gradient_in_place(model, 4, 0, shapes[4]));  // the head writes its own
+  CHECK_FALSE(gradient_in_place(model, 3, 0, shapes[3]));
+  const double logits = 4.0 * static_cast<double>(shapes[5].numel());
+  for (const char* schedule : {"gpipe", "zb-h1"}) {
+    CAPTURE(schedule);
+    c.pipeline.schedule = schedule;
+    c.pipeline.grid = GridShape{.stages = 2, .replicas = 1};
+    const Plan plan = make_plan(options_of(c), 2, model);
+    REQUIRE(plan.partition.end(1) == 6);
+    REQUIRE(plan.partition.begin(1) < 5);
+    const StageMemory& last = plan.memory[1];
+    // Without it the loss's gradient took a (rows, vocabulary) buffer of the backward's.
+    CHECK(last.scratch < 0.25 * logits);
+    CHECK(last.split_scratch < 0.25 * logits);
+    CHECK(last.whole_scratch < 0.25 * logits);
+    CHECK(last.activation > logits);  // the logits themselves stay counted
+  }
+  // Per pixel, the loss's gradient comes back through a transpose: not over its input.
+  CHECK_FALSE(CrossEntropyLoss().gradient_over_input(Shape{2, 3, 8, 8}));
+  CHECK(CrossEntropyLoss().gradient_over_input(Shape{2, 8, 3}));
 }

@@ -16,6 +16,7 @@ class Linear final : public Layer {
   std::string kind() const override { return "linear"; }
   bool defers_weight() const override { return true; }
   bool keeps_dy() const override { return true; }
+  bool reads_output_in_backward() const override { return false; }  // its input and weight
   Shape output_shape(const Shape& in) const override;
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -135,6 +136,9 @@ class CrossEntropyLoss final : public Layer {
  public:
   std::string kind() const override { return "cross_entropy"; }
   bool needs_targets() const override { return true; }
+  // Rows of logits (not per pixel, whose gradient comes back through a transpose): each
+  // element's gradient from that element alone.
+  bool gradient_over_input(const Shape& in) const override { return in.rank != 4; }
   Shape output_shape(const Shape& in) const override { return Shape{1}; }
   Cost cost(const Shape& in) const override;
 

@@ -214,6 +214,13 @@ class Layer {
   // backward reads neither the output nor memory the output shares. The next layer may
   // then write its own output over it (mark_in_place).
   virtual bool output_reusable() const { return false; }
+  // Whether its backward reads its own output (or memory it shares). Unless a layer says
+  // otherwise, those that are not output_reusable() do.
+  virtual bool reads_output_in_backward() const { return !output_reusable(); }
+  // Whether its backward may write its input gradient over its input (of shape `in`): it
+  // reads each element before it writes it, and nothing of the input after.
+  // gradient_in_place() decides where a stage lets it (a loss over its logits).
+  virtual bool gradient_over_input(const Shape& in) const { return false; }
   // Whether its training forward allocates its output last (what else it allocates comes
   // first, or is given back): once that output is dead, a composite may give it back
   // (a residual block's skip path, after the sum).

@@ -122,6 +122,13 @@ class Model {
 // checks at run time, too, that no later W reads that buffer through a view.
 bool keeps_dy_in_output(const Model& model, int layer, int stage_end);
 
+// Whether layer `layer` of a stage that begins at `stage_begin` writes its input gradient
+// over its input (`in` its shape): it may (Layer::gradient_over_input: a loss over
+// logits), it is not the stage's first (whose input gradient is the message sent back),
+// and the layer before it reads its output in no backward and stashes it for no skip. A
+// loss then holds one (rows, classes) buffer through its backward where it held two.
+bool gradient_in_place(const Model& model, int layer, int stage_begin, const Shape& in);
+
 // The first layer of the model's last stage [begin, model.size()) from which a split
 // backward computes every weight gradient in B, none in W: the top layers whose W would
 // read nothing the forward kept (the loss, a LayerNorm: their weight gradients are B's

@@ -82,7 +82,8 @@ void attention_decode(float* out, const float* cache, int64_t B, int64_t rows, i
 // over rows of -log p(target), accumulated in a fixed order. Targets are checked < V.
 double crossentropy_forward(float* lse, const float* logits, const int32_t* targets,
                             int64_t N, int64_t V);
-// dlogits (N, V) = scale * (softmax(logits) - onehot(target)). Overwrites.
+// dlogits (N, V) = scale * (softmax(logits) - onehot(target)). Overwrites; dlogits may be
+// logits (each element read before it is written: a loss's gradient over its input).
 void crossentropy_backward(float* dlogits, const float* logits, const float* lse,
                            const int32_t* targets, float scale, int64_t N, int64_t V);
 

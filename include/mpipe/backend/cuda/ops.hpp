@@ -106,7 +106,8 @@ void attention_decode(E* out, const E* cache, int64_t B, int64_t rows, int64_t p
 template <class E>
 void crossentropy_forward(float* lse, double* loss_sum, const E* logits, const int32_t* targets, int64_t N,
                           int64_t V);
-// dlogits (N, V) = scale * (softmax(logits) - onehot(target)). Overwrites.
+// dlogits (N, V) = scale * (softmax(logits) - onehot(target)). Overwrites; dlogits may be
+// logits (each element read before it is written: a loss's gradient over its input).
 template <class E>
 void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const int32_t* targets, float scale,
                            int64_t N, int64_t V);
