@@ -180,14 +180,14 @@ void Optimizer::update(float lr, std::int64_t t) {
     const float* grads = store_.grads().data();
     // Unsharded, the views are every value but aliases (their owners' memory) and the
     // padding between views (never read): the update writes the bf16 copy as it goes.
-    // Sharded, this rank updates its pieces only, and the copy follows the gather.
+    // Sharded, this rank updates its pieces only, and the copy is made from the gathered
+    // master after the update (Reducer::finish_gather), once.
     bf16* copy = parts_ == 1 ? store_.compute_copy() : nullptr;
     if (adamw_)
       cuda::adamw_update(params, grads, device_first_.as<float>(), device_second_.as<float>(), views, lr,
                          config_.beta1, config_.beta2, config_.eps, t, copy);
     else
       cuda::sgd_update(params, grads, device_first_.as<float>(), views, lr, config_.momentum, copy);
-    if (!copy) store_.refresh_compute_copy();
 #endif
     return;
   }

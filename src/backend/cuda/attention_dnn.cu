@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,7 +45,9 @@ namespace {
 constexpr auto kGraphHandle = static_cast<cudnnBackendAttributeName_t>(800);  // CUDNN_ATTR_OPERATIONGRAPH_HANDLE
 constexpr auto kPlanHandle = static_cast<cudnnBackendAttributeName_t>(400);   // CUDNN_ATTR_EXECUTION_PLAN_HANDLE
 
-constexpr std::size_t kMaxWorkspace = std::size_t{256} << 20;  // as conv_dnn.cu's
+// The deterministic backward keeps dP (B, H, T, T) in bf16 in its workspace: 256 MiB at
+// GPT-2 medium's batch 8 (H 16, T 1024), which conv_dnn.cu's 256 MiB cap would decline.
+constexpr std::size_t kMaxWorkspace = std::size_t{1} << 30;
 constexpr std::size_t kMaxPacks = 256;  // variant packs kept per plan (one per set of pointers)
 
 // Why a plan could not be built: said once per shape under MPIPE_ATTENTION=verbose.
@@ -202,7 +205,7 @@ class GraphBuilder {
 // The tensors a call binds, by unique id.
 enum Uid : int64_t {
   kQ = 1, kK, kV, kO, kStats, kScale, kNegInf,  // forward (and backward's inputs)
-  kDO, kDQ, kDK, kDV, kRowDots,                  // backward
+  kDO, kDQ, kDK, kDV, kRowDots, kOne,            // backward
 };
 
 // A call's bound pointers (in a plan's uids order), then its workspace.
@@ -216,7 +219,8 @@ struct DnnAttention {
   std::vector<int64_t> uids;  // bound at run time, in the order run() takes pointers
   std::size_t workspace = 0;
   int64_t engine = -1;
-  float scale = 1.0f, neg_inf = -INFINITY;  // the by-value scalars (their addresses go in the packs)
+  float scale = 1.0f, neg_inf = -INFINITY, one = 1.0f;  // the by-value scalars (their addresses go in the packs)
+  bool binds_one = false;  // the backward's: D = rowsum(dO · O) · 1, as the frontend writes it
   bool proven = false;  // has run once: from then on a failure is an error, not a decline
   std::map<Pointers, std::unique_ptr<Desc>> packs;
 };
@@ -302,12 +306,19 @@ void finish(DnnAttention& a, GraphBuilder& g) {
   graph->set(kGraphHandle, CUDNN_TYPE_HANDLE, 1, &handle, "graph handle");
   graph->finalize("operation graph");
   std::string passed;
-  for (const cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK})
-    if (choose_engine(a, graph->get(), mode, passed)) {
+  for (const cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+    bool chosen = false;
+    try {  // a mode whose heuristics fail leaves the next one to try
+      chosen = choose_engine(a, graph->get(), mode, passed);
+    } catch (const Declined& d) {
+      passed += cat(" mode ", static_cast<int>(mode), ": ", d.why);
+    }
+    if (chosen) {
       for (auto& d : g.owned()) a.owned.push_back(std::move(d));
       a.owned.push_back(std::move(graph));
       return;
     }
+  }
   throw Declined{cat("no usable engine:", passed)};
 }
 
@@ -382,10 +393,15 @@ void build_backward(DnnAttention& a, const Shape& s) {
   auto row_dots = g.tensor(kRowDots, CUDNN_DATA_FLOAT, s.rows(), s.row_strides(), false);
   const Dims scores_t = {s.B, s.H, s.T, s.T}, scores_t_strides = {s.H * s.T * s.T, s.T * s.T, 1, s.T};
 
-  // D = rowsum(dO · O)
+  // D = rowsum(dO · O) · 1: the frontend's graph (and its backend sample) multiply the
+  // sum by a by-value scalar (the dropout's inverse scale, 1 without dropout) before it
+  // is stored; the fused engines' pattern is that.
   auto products = g.tensor(0, CUDNN_DATA_FLOAT, s.heads(), {s.H * s.T * s.hs, s.T * s.hs, s.H * s.hs, 1}, true);
   g.pointwise(CUDNN_POINTWISE_MUL, d_o, o, nullptr, products);
-  g.reduction(CUDNN_REDUCE_TENSOR_ADD, products, row_dots);
+  auto row_sums = g.temp(s.rows());
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, products, row_sums);
+  g.pointwise(CUDNN_POINTWISE_MUL, row_sums, g.scalar(kOne), nullptr, row_dots);
+  a.binds_one = true;
   // P = exp(S · scale - stats), masked
   auto scores = g.temp(s.scores());
   g.matmul(q, kt, scores);
@@ -433,6 +449,22 @@ const char* attention_mode() {
 
 using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;  // B, T, H, hs, backward
 
+// What the frontend refuses or works around before it builds (its SDPA validation), here
+// a decline, so that cuDNN never runs a shape it may not handle: one token (s_q = s_kv =
+// 1), a head size not a multiple of 8 or over 128 (our kernels' sizes are 64 and 128),
+// and runtimes with known backward bugs (9.10.0-9.10.1) or that need a padding mask
+// where T is not a multiple of 128 (up to 9.15.0; `cudnnGetVersion` of the library
+// loaded, which may be older than the headers). Below 9.10, -inf is the lowest float.
+void refuse_known_limits(int64_t T, int64_t hs, bool backward, DnnAttention& a) {
+  if (T < 2) throw Declined{"one token"};
+  if (hs % 8 != 0 || hs > 128) throw Declined{cat("head size ", hs, " (multiples of 8 up to 128)")};
+  const std::size_t version = lib().cudnnGetVersion();
+  if (version < 91000) a.neg_inf = std::numeric_limits<float>::lowest();
+  if (backward && version < 91100) throw Declined{cat("cuDNN ", version, "'s backward (9.11 or later)")};
+  if (backward && version <= 91500 && T % 128 != 0)
+    throw Declined{cat("cuDNN ", version, " with ", T, " tokens (a multiple of 128 before 9.15.1)")};
+}
+
 // The shape's plan for a direction, built at its first use (one compute thread per rank:
 // no lock); null where cuDNN declined it.
 DnnAttention* plan_for(int64_t B, int64_t T, int64_t H, int64_t hs, bool backward) {
@@ -443,6 +475,7 @@ DnnAttention* plan_for(int64_t B, int64_t T, int64_t H, int64_t hs, bool backwar
   built->scale = 1.0f / std::sqrt(static_cast<float>(hs));
   const char* direction = backward ? "backward" : "forward";
   try {
+    refuse_known_limits(T, hs, backward, *built);
     const Shape shape{B, T, H, hs};
     if (backward) build_backward(*built, shape);
     else build_forward(*built, shape);
@@ -473,6 +506,10 @@ bool run_pack(DnnAttention& a, const Pointers& bound, void* workspace) {
     data.push_back(&a.scale);
     uids.push_back(kNegInf);
     data.push_back(&a.neg_inf);
+    if (a.binds_one) {
+      uids.push_back(kOne);
+      data.push_back(&a.one);
+    }
     std::unique_ptr<Desc> pack;
     try {
       pack = std::make_unique<Desc>(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);

@@ -151,7 +151,7 @@ std::unique_ptr<DnnConv> build_dnn(const Window2d& w, bool bf16) {
         ok(l.cudnnGetConvolutionForwardWorkspaceSize(handle, plan->x, plan->w, plan->forward_conv, plan->y, chosen.algo,
                                                      &plan->forward_bytes))) {
       plan->forward = chosen.algo;
-      plan->has_forward = true;
+      plan->has_forward = plan->forward_bytes <= kMaxWorkspace;  // the size asked, not the ranking's estimate
     }
   }
   // The input gradient.
@@ -167,7 +167,7 @@ std::unique_ptr<DnnConv> build_dnn(const Window2d& w, bool bf16) {
         ok(l.cudnnGetConvolutionBackwardDataWorkspaceSize(handle, plan->w, plan->y, plan->backward_conv, plan->x,
                                                           chosen.algo, &plan->backward_bytes))) {
       plan->backward = chosen.algo;
-      plan->has_backward = true;
+      plan->has_backward = plan->backward_bytes <= kMaxWorkspace;  // the size asked, not the ranking's estimate
     }
   }
   // The weight gradient.
@@ -183,7 +183,7 @@ std::unique_ptr<DnnConv> build_dnn(const Window2d& w, bool bf16) {
         ok(l.cudnnGetConvolutionBackwardFilterWorkspaceSize(handle, plan->x, plan->y, plan->weight_grad_conv, plan->w,
                                                             chosen.algo, &plan->weight_grad_bytes))) {
       plan->weight_grad = chosen.algo;
-      plan->has_weight_grad = true;
+      plan->has_weight_grad = plan->weight_grad_bytes <= kMaxWorkspace;  // the size asked, not the ranking's estimate
     }
   }
   return plan;

@@ -77,7 +77,8 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
 template <int W, bool Drop, class T>
 __global__ void residual_layernorm_forward_kernel(T* out, float* mean, float* rstd, T* sum_io, const T* residual,
                                                   const T* weight, const T* bias, int64_t N, int64_t C,
-                                                  int64_t rows_per_sample, DropoutRule rule, RandomStream first) {
+                                                  int64_t rows_per_sample, DropoutRule rule, RandomStream first,
+                                                  bool residual_packed) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= N) return;  // the whole warp
@@ -87,14 +88,18 @@ __global__ void residual_layernorm_forward_kernel(T* out, float* mean, float* rs
   float sum = 0.0f;
   for (int64_t c = lane * W; c < C; c += 32 * W) {
     auto v = load_pack<W>(x + c);
-    const auto rv = load_pack<W>(r + c);
+    const auto rv = load_run<W>(r + c, residual_packed);
     Philox4 words{};
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       float d = to_f32(v.v[k]);
-      if constexpr (Drop) {
+      if constexpr (Drop && W >= 4) {
+        // C and c are multiples of W, so a pack starts a group: word k % 4, known here.
+        if (k % 4 == 0) words = dropout_words(first, b, (e_row + c + k) / 4);
+        d = dropped<T>(d, words[k % 4], rule.threshold, rule.keep_scale);
+      } else if constexpr (Drop) {
         const int64_t e = e_row + c + k;
-        if (k == 0 || e % 4 == 0) words = dropout_words(first, b, e / 4);
+        words = dropout_words(first, b, e / 4);
         d = dropped<T>(d, words[e % 4], rule.threshold, rule.keep_scale);
       }
       v.v[k] = from_f32<T>(d + to_f32(rv.v[k]));
@@ -109,7 +114,8 @@ __global__ void residual_layernorm_forward_kernel(T* out, float* mean, float* rs
 // residual (the same additions as copying it into dinp first).
 template <int W, bool Accumulate, class T>
 __global__ void layernorm_backward_kernel(T* dinp, const T* dout, const T* inp, const T* weight, const float* mean,
-                                          const float* rstd, int64_t N, int64_t C, const T* base) {
+                                          const float* rstd, int64_t N, int64_t C, const T* base,
+                                          bool base_packed) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= N) return;
@@ -138,7 +144,7 @@ __global__ void layernorm_backward_kernel(T* dinp, const T* dout, const T* inp, 
     const auto dv = load_pack<W>(dy + c);
     const auto wv = load_pack<W>(weight + c);
     Pack<T, W> o;
-    if constexpr (Accumulate) o = load_pack<W>(from + c);
+    if constexpr (Accumulate) o = load_run<W>(from + c, base_packed);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
       const float norm = (to_f32(xv.v[k]) - m) * s;
@@ -309,14 +315,17 @@ void residual_layernorm_forward(E* out, float* mean, float* rstd, E* sum, const 
   using T = device_t<E>;
   constexpr int W = pack_width<T>;
   const unsigned blocks = static_cast<unsigned>(ceil_div(N, kRowsPerBlock));
-  // The pack width decides which lane sums which elements: layernorm_forward's rule, so
-  // that the statistics are its bits.
-  const bool packed = C % W == 0 && all_aligned({out, sum, residual, weight, bias}, 16);
+  // The pack width decides which lane sums which elements: layernorm_forward's rule on
+  // what it reads and writes (the residual, read by packs where it is aligned), so that
+  // the statistics are its bits.
+  const bool packed = C % W == 0 && all_aligned({out, sum, weight, bias}, 16);
+  const bool residual_packed = all_aligned({residual}, 16);
   const RandomStream first = first_dropout_stream(key);
   const auto launch = [&](auto width, auto dropping) {
     residual_layernorm_forward_kernel<decltype(width)::value, decltype(dropping)::value>
         <<<blocks, kThreads, 0, context().compute>>>(dev(out), mean, rstd, dev(sum), dev(residual), dev(weight),
-                                                     dev(bias), N, C, rows_per_sample, DropoutRule(p), first);
+                                                     dev(bias), N, C, rows_per_sample, DropoutRule(p), first,
+                                                     residual_packed);
   };
   if (packed && p > 0.0f) launch(std::integral_constant<int, W>{}, std::true_type{});
   else if (packed) launch(std::integral_constant<int, W>{}, std::false_type{});
@@ -334,12 +343,16 @@ void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, co
   constexpr int W = pack_width<T>;
   cudaStream_t stream = context().compute;
   const unsigned blocks = static_cast<unsigned>(ceil_div(N, kRowsPerBlock));
-  const bool packed = C % W == 0 && all_aligned({dinp, dout, inp, weight, residual ? residual : dinp}, 16);
+  // The pack width (which lane sums what) from the tensors of the plain backward alone;
+  // a residual is read by packs where it is aligned.
+  const bool packed = C % W == 0 && all_aligned({dinp, dout, inp, weight}, 16);
   const bool accumulate = mode == GradMode::accumulate || residual;
   const E* base = residual ? residual : dinp;
+  const bool base_packed = all_aligned({base}, 16);
   const auto launch = [&](auto width, auto accumulating) {
     layernorm_backward_kernel<decltype(width)::value, decltype(accumulating)::value>
-        <<<blocks, kThreads, 0, stream>>>(dev(dinp), dev(dout), dev(inp), dev(weight), mean, rstd, N, C, dev(base));
+        <<<blocks, kThreads, 0, stream>>>(dev(dinp), dev(dout), dev(inp), dev(weight), mean, rstd, N, C, dev(base),
+                                          base_packed);
   };
   if (packed && accumulate) launch(std::integral_constant<int, W>{}, std::true_type{});
   else if (packed) launch(std::integral_constant<int, W>{}, std::false_type{});
