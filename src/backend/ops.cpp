@@ -173,16 +173,19 @@ void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor&
   }
 }
 
-void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe) {
+void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe, float p,
+                       const DropoutKey& key) {
   const OpTimer timer(OpKind::elementwise, __func__);
   same_place("embedding", out, wte);
   same_place("embedding", wte, wpe);
   same_device("embedding", tokens, wte);
   const int64_t B = tokens.shape[0], T = tokens.shape[1], C = wte.shape[1], V = wte.shape[0];
-  if (wte.device == Device::cpu)
+  if (wte.device == Device::cpu) {
     cpu::embedding_forward(out.f32(), tokens.i32(), wte.f32(), wpe.f32(), B, T, C, V);
-  else
-    MPIPE_ON_GPU(wte, cuda::embedding_forward(ptr<E>(out), tokens.i32(), ptr<E>(wte), ptr<E>(wpe), B, T, C, V));
+    if (p > 0.0f) cpu::dropout_apply(out.f32(), out.f32(), B, T * C, p, key);  // rows in cache: two passes
+  } else {
+    MPIPE_ON_GPU(wte, cuda::embedding_forward(ptr<E>(out), tokens.i32(), ptr<E>(wte), ptr<E>(wpe), B, T, C, V, p, key));
+  }
 }
 
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& tokens) {

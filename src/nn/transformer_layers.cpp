@@ -10,7 +10,7 @@ namespace mpipe {
 // ---- Embedding ---------------------------------------------------------------------
 
 Embedding::Embedding(int64_t vocab, int64_t max_seq, int64_t channels, float dropout)
-    : vocab_(vocab), max_seq_(max_seq), channels_(channels), dropout_(dropout) {}
+    : vocab_(vocab), max_seq_(max_seq), channels_(channels), dropout_(dropout), fuse_(fusions_on()) {}
 
 Shape Embedding::output_shape(const Shape& in) const { return Shape{in[0], in[1], channels_}; }
 
@@ -39,8 +39,11 @@ Tensor Embedding::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) 
   // The rows of the tokens' positions: from `position` on.
   const Tensor rows{static_cast<std::byte*>(wpe_.data) + position * channels_ * dtype_size(wpe_.dtype),
                     Shape{max_seq_ - position, channels_}, wpe_.dtype, wpe_.device};
-  ops::embedding_forward(y, x, wte_, rows);
-  if (pass.training && dropout_ > 0.0f) ops::dropout_apply(y, y, dropout_, dropout_key(pass, global_index(), 0));
+  // Training with dropout: the mask in the same pass on a GPU (MPIPE_FUSE=off: apart).
+  const bool drop = pass.training && dropout_ > 0.0f;
+  const DropoutKey key = dropout_key(pass, global_index(), 0);
+  ops::embedding_forward(y, x, wte_, rows, drop && fuse_ ? dropout_ : 0.0f, key);
+  if (drop && !fuse_) ops::dropout_apply(y, y, dropout_, key);
   return y;
 }
 

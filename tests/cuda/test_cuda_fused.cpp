@@ -1,9 +1,10 @@
-// The one-pass residual ops on the GPU (add_dropped, residual_layernorm_forward) against
-// the passes they replace on the GPU, bit for bit (a transformer block's forward keeps
-// its bits with MPIPE_FUSE=off), and against the CPU: fp32 bit for bit where the CPU's
-// ops are single operations (add_dropped), else within the ops' tolerance. Rows of 99
-// channels (no packed loads; a sample of 5 x 99 elements is not a multiple of 4, so a
-// dropout group spans two rows) and of 64 (packed), with and without dropout.
+// The one-pass ops on the GPU (add_dropped, residual_layernorm_forward, embedding_forward
+// with dropout) against the passes they replace on the GPU, bit for bit (a transformer
+// block's forward keeps its bits with MPIPE_FUSE=off), and against the CPU: fp32 bit for
+// bit where the CPU's ops are single operations (add_dropped, the embedding), else within
+// the ops' tolerance. Rows of 99 channels (no packed loads; a sample of 5 x 99 elements is
+// not a multiple of 4, so a dropout group spans two rows) and of 64 and 1024 (packed),
+// with and without dropout.
 #include <doctest/doctest.h>
 
 #include <vector>
@@ -89,5 +90,30 @@ TEST_CASE_TEMPLATE("cuda op: residual_layernorm_forward is dropout_apply, add an
     CHECK(error(download(d_sum), sum) < tolerance<E>);
     CHECK(error(download(d_out), out) < tolerance<E>);
     CHECK(error(d_rstd.read(), rstd) < (std::is_same_v<E, float> ? fp32_tolerance : tolerance<E>));
+  }
+}
+
+TEST_CASE_TEMPLATE("cuda op: embedding_forward with dropout is embedding_forward then dropout_apply", E, float, bf16) {
+  const DropoutKey key{7, 5, 11, 0};
+  const int64_t V = 50;
+  for (const Case c : kCases) {
+    CAPTURE(c.C);
+    CAPTURE(c.p);
+    const int64_t n = c.B * c.T * c.C;
+    const auto wte = rounded<E>(normals(V * c.C, 66)), wpe = rounded<E>(normals(c.T * c.C, 67));
+    const auto tokens = random_tokens(static_cast<std::size_t>(c.B * c.T), V, 68);
+    const DeviceArray<E> d_wte = upload<E>(wte), d_wpe = upload<E>(wpe);
+    const DeviceArray<int32_t> d_tokens(tokens);
+    DeviceArray<E> d_two(n), d_one(n);
+    cuda::embedding_forward(d_two.get(), d_tokens.get(), d_wte.get(), d_wpe.get(), c.B, c.T, c.C, V);
+    if (c.p > 0.0f) cuda::dropout_apply(d_two.get(), d_two.get(), c.B, c.T * c.C, c.p, key);
+    cuda::embedding_forward(d_one.get(), d_tokens.get(), d_wte.get(), d_wpe.get(), c.B, c.T, c.C, V, c.p, key);
+    CHECK(same_bits(d_one.read(), d_two.read()));
+    // The CPU's.
+    std::vector<float> cpu_out(n);
+    cpu::embedding_forward(cpu_out.data(), tokens.data(), wte.data(), wpe.data(), c.B, c.T, c.C, V);
+    if (c.p > 0.0f) cpu::dropout_apply(cpu_out.data(), cpu_out.data(), c.B, c.T * c.C, c.p, key);
+    if constexpr (std::is_same_v<E, float>) CHECK(same_bits(d_one.read(), cpu_out));
+    else CHECK(error(download(d_one), cpu_out) < tolerance<E>);
   }
 }

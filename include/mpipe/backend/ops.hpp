@@ -53,7 +53,9 @@ void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor&
                         const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                         GradMode mode, const Tensor& residual = Tensor{});
 
-void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe);
+// With p > 0, dropout after the sum (dropout_apply's bits): in the same pass on the GPU.
+void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe, float p = 0.0f,
+                       const DropoutKey& key = {});
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& tokens);
 
 // What the attention core keeps for backward: the scores' log-sum-exp (B, H, T), fp32,

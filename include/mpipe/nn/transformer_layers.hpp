@@ -30,6 +30,7 @@ class Embedding final : public Layer {
  private:
   int64_t vocab_, max_seq_, channels_;
   float dropout_;
+  bool fuse_;  // the dropout in the embedding's pass on a GPU (fusions_on())
   Tensor wte_, wpe_, dwte_, dwpe_;
 };
 

@@ -185,9 +185,12 @@ __global__ void layernorm_param_finish(float* dweight, float* dbias, const float
 
 // ---- embedding -------------------------------------------------------------------------
 
-template <int W, class T>
+// With Drop, dropout_kernel's mask after the sum: element e = t C + c of sample b (row
+// b T + t) takes word e % 4 of Philox block e / 4, the sum rounded to T before it is
+// scaled (the bits of the two kernels in turn).
+template <int W, bool Drop, class T>
 __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe, int64_t BT,
-                                         int64_t T_, int64_t C) {
+                                         int64_t T_, int64_t C, DropoutRule rule, RandomStream first) {
   const int64_t packs_per_row = C / W;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < BT * packs_per_row;
@@ -195,9 +198,20 @@ __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T*
     const int64_t row = p / packs_per_row, c = (p % packs_per_row) * W;
     const auto te = load_pack<W>(wte + static_cast<int64_t>(tokens[row]) * C + c);
     const auto pe = load_pack<W>(wpe + (row % T_) * C + c);
+    const int64_t b = row / T_, e0 = (row % T_) * C + c;  // the pack's first element in its sample
+    Philox4 words{};
     Pack<T, W> o;
 #pragma unroll
-    for (int k = 0; k < W; ++k) o.v[k] = from_f32<T>(to_f32(te.v[k]) + to_f32(pe.v[k]));
+    for (int k = 0; k < W; ++k) {
+      o.v[k] = from_f32<T>(to_f32(te.v[k]) + to_f32(pe.v[k]));
+      if constexpr (Drop && W >= 4) {  // C and c multiples of W: the pack starts a group
+        if (k % 4 == 0) words = dropout_words(first, b, (e0 + k) / 4);
+        o.v[k] = from_f32<T>(dropped<T>(to_f32(o.v[k]), words[k % 4], rule.threshold, rule.keep_scale));
+      } else if constexpr (Drop) {
+        words = dropout_words(first, b, (e0 + k) / 4);
+        o.v[k] = from_f32<T>(dropped<T>(to_f32(o.v[k]), words[(e0 + k) % 4], rule.threshold, rule.keep_scale));
+      }
+    }
     store_pack<W>(out + row * C + c, o);
   }
 }
@@ -375,19 +389,23 @@ void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, co
 
 template <class E>
 void embedding_forward(E* out, const int32_t* tokens, const E* wte, const E* wpe, int64_t B, int64_t T, int64_t C,
-                       int64_t) {
+                       int64_t, float p, const DropoutKey& key) {
   const int64_t BT = B * T;
   if (BT == 0 || C == 0) return;
   using D = device_t<E>;
   constexpr int W = pack_width<D>;
-  cudaStream_t stream = context().compute;
-  if (C % W == 0 && all_aligned({out, wte, wpe}, 16)) {
-    embedding_forward_kernel<W><<<blocks_for(BT * C / W, kThreads), kThreads, 0, stream>>>(
-        dev(out), tokens, dev(wte), dev(wpe), BT, T, C);
-  } else {
-    embedding_forward_kernel<1><<<blocks_for(BT * C, kThreads), kThreads, 0, stream>>>(dev(out), tokens, dev(wte),
-                                                                                     dev(wpe), BT, T, C);
-  }
+  const bool packed = C % W == 0 && all_aligned({out, wte, wpe}, 16);
+  const RandomStream first = first_dropout_stream(key);
+  const auto launch = [&](auto width, auto dropping) {
+    constexpr int w = decltype(width)::value;
+    embedding_forward_kernel<w, decltype(dropping)::value><<<blocks_for(BT * C / w, kThreads), kThreads, 0,
+                                                             context().compute>>>(
+        dev(out), tokens, dev(wte), dev(wpe), BT, T, C, DropoutRule(p), first);
+  };
+  if (packed && p > 0.0f) launch(std::integral_constant<int, W>{}, std::true_type{});
+  else if (packed) launch(std::integral_constant<int, W>{}, std::false_type{});
+  else if (p > 0.0f) launch(std::integral_constant<int, 1>{}, std::true_type{});
+  else launch(std::integral_constant<int, 1>{}, std::false_type{});
   CUDA_CHECK_LAUNCH();
 }
 
@@ -465,7 +483,8 @@ void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const 
                                               int64_t, int64_t, float, const DropoutKey&);                       \
   template void layernorm_backward<E>(E*, float*, float*, const E*, const E*, const E*, const float*,             \
                                       const float*, int64_t, int64_t, GradMode, const E*);                        \
-  template void embedding_forward<E>(E*, const int32_t*, const E*, const E*, int64_t, int64_t, int64_t, int64_t); \
+  template void embedding_forward<E>(E*, const int32_t*, const E*, const E*, int64_t, int64_t, int64_t, int64_t,  \
+                                     float, const DropoutKey&);                                                     \
   template void embedding_backward<E>(float*, float*, const E*, const int32_t*, int64_t, int64_t, int64_t,        \
                                       int64_t);                                                                   \
   template void crossentropy_forward<E>(float*, double*, const E*, const int32_t*, int64_t, int64_t);             \

@@ -61,11 +61,12 @@ void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, co
                         const float* mean, const float* rstd, int64_t N, int64_t C, GradMode mode,
                         const E* residual = nullptr);
 
-// out (B, T, C) = wte[tokens] + wpe[t]. Tokens must be < V: the datasets check them when
-// they load, and the device cannot report a bad one.
+// out (B, T, C) = wte[tokens] + wpe[t], then dropout (p > 0) in the same pass: the bits of
+// dropout_apply after it. Tokens must be < V: the datasets check them when they load, and
+// the device cannot report a bad one.
 template <class E>
 void embedding_forward(E* out, const int32_t* tokens, const E* wte, const E* wpe, int64_t B, int64_t T, int64_t C,
-                       int64_t V);
+                       int64_t V, float p = 0.0f, const DropoutKey& key = {});
 // dwte (V, C) and dwpe (T, C) accumulate. Deterministic: positions are sorted by token
 // (a stable radix sort), then each token's rows are summed in position order.
 template <class E>
