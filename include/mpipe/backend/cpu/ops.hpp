@@ -87,7 +87,7 @@ double crossentropy_forward(float* lse, const float* logits, const int32_t* targ
 void crossentropy_backward(float* dlogits, const float* logits, const float* lse,
                            const int32_t* targets, float scale, int64_t N, int64_t V);
 
-// A language-model head split over the vocabulary (nn/vocab_layers.hpp): each chunk's
+// A language-model head split over the vocabulary (nn/vocab_layers.hpp; vocab.cpp): each chunk's
 // logits z (N, V) for vocabulary entries [v0, v0 + V) update per-row statistics, kept as
 // four arrays of N: the running maximum m, the sum s of e^(z - m) so far, the target's
 // logit t (0 until its chunk) and the index a of the first largest logit, as a float.
