@@ -107,15 +107,23 @@ void gelu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, Gr
   else MPIPE_ON_GPU(inp, cuda::gelu_backward(ptr<E>(dinp), ptr<E>(dout), ptr<E>(inp), inp.numel(), mode));
 }
 
+namespace {
+// A LayerNorm forward's tensors: out, inp and the parameters alike, the statistics fp32 beside them.
+void layernorm_arguments(const char* op, const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& inp,
+                         const Tensor& weight, const Tensor& bias) {
+  same_place(op, out, inp);
+  same_place(op, inp, weight);
+  same_place(op, weight, bias);
+  same_device(op, mean, inp);
+  is_f32(op, mean);
+  is_f32(op, rstd);
+}
+}  // namespace
+
 void layernorm_forward(const Tensor& out, const Tensor& mean, const Tensor& rstd, const Tensor& inp,
                        const Tensor& weight, const Tensor& bias) {
   const OpTimer timer(OpKind::normalization, __func__);
-  same_place("layernorm", out, inp);
-  same_place("layernorm", inp, weight);
-  same_place("layernorm", weight, bias);
-  same_device("layernorm", mean, inp);
-  is_f32("layernorm", mean);
-  is_f32("layernorm", rstd);
+  layernorm_arguments("layernorm", out, mean, rstd, inp, weight, bias);
   const int64_t N = inp.shape.rows(), C = inp.shape[-1];
   if (inp.device == Device::cpu)
     cpu::layernorm_forward(out.f32(), mean.f32(), rstd.f32(), inp.f32(), weight.f32(), bias.f32(), N, C);
@@ -128,13 +136,8 @@ void residual_layernorm_forward(const Tensor& out, const Tensor& mean, const Ten
                                 const Tensor& residual, float p, const DropoutKey& key, const Tensor& weight,
                                 const Tensor& bias) {
   const OpTimer timer(OpKind::normalization, __func__);
-  same_place("residual layernorm", out, sum);
+  layernorm_arguments("residual layernorm", out, mean, rstd, sum, weight, bias);
   same_place("residual layernorm", sum, residual);
-  same_place("residual layernorm", sum, weight);
-  same_place("residual layernorm", weight, bias);
-  same_device("residual layernorm", mean, sum);
-  is_f32("residual layernorm", mean);
-  is_f32("residual layernorm", rstd);
   const int64_t N = sum.shape.rows(), C = sum.shape[-1], per_sample = N / sum.shape[0];
   if (sum.device == Device::cpu)
     cpu::residual_layernorm_forward(out.f32(), mean.f32(), rstd.f32(), sum.f32(), residual.f32(), weight.f32(),
