@@ -217,7 +217,8 @@ Progress::Ticket Progress::track(MPI_Request request, bool cancellable, bool wak
 bool Progress::wake_wanted() const {
   // While a caller waits the thread stays aside (and the waiter sweeps): waking it would
   // only cost two context switches on the rank's core, several per sum. So while the
-  // compute loop sweeps densely.
+  // compute loop sweeps densely. A post asks it, and so does the last waiter's leaving
+  // (only then can the thread have work).
   return mode_ == ProgressMode::thread && waiters_ == 0 && pending_ > 0 && !dense();
 }
 
@@ -371,8 +372,8 @@ Progress::Completion Progress::wait(Ticket& ticket, double timeout_s, const char
     ~Leave() {
       p.loop_swept(false);  // the waiter swept: the loop's next gap starts now
       if (!lock.owns_lock()) lock.lock();
-      // Only then can the thread have work (and a dense loop sweeps again soon itself).
-      const bool wake = --p.waiters_ == 0 && p.pending_ > 0 && !p.dense();
+      --p.waiters_;
+      const bool wake = p.wake_wanted();
       lock.unlock();
       if (wake) p.work_.notify_one();
     }
@@ -425,7 +426,8 @@ Progress::Attending::~Attending() {
   bool wake = false;
   {
     std::lock_guard lock(progress_.mutex_);
-    wake = --progress_.waiters_ == 0 && progress_.pending_ > 0 && !progress_.dense();  // as a wait's end
+    --progress_.waiters_;
+    wake = progress_.wake_wanted();  // as a wait's end
   }
   if (wake) progress_.work_.notify_one();
 }

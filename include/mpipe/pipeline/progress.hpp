@@ -166,7 +166,7 @@ class Progress {
     Clock::time_point posted, completed;
   };
   void run();    // the progress thread
-  bool wake_wanted() const;  // whether a post should wake the thread; under mutex_
+  bool wake_wanted() const;  // whether a post or a last waiter leaving wakes the thread; under mutex_
   // One MPI_Testsome over every tracked request, by the thread or a waiting caller;
   // true when it took long enough to have moved data.
   bool sweep(bool try_only = false);
