@@ -149,11 +149,9 @@ Tensor LayerNorm::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) 
 
 Tensor LayerNorm::forward_sum(const Tensor& sum, const Tensor& residual, float p, const DropoutKey& key,
                               Context& ctx, const Pass& pass) {
-  MPIPE_CHECK(residual.shape == sum.shape && sum.dtype == pass.dtype, "layernorm layer ", global_index(), ": sum ",
-              sum.shape.str(), " ", to_string(sum.dtype), ", residual ", residual.shape.str());
-  // What Layer::forward does before forward_impl.
-  ctx.input = sum;
-  if (pass.arena) ctx.begin = pass.arena->mark();
+  MPIPE_CHECK(residual.shape == sum.shape, "layernorm layer ", global_index(), ": sum ", sum.shape.str(),
+              ", residual ", residual.shape.str());
+  enter_forward(sum, ctx, pass);
   return normalize(sum, residual, p, key, ctx, pass);
 }
 

@@ -72,12 +72,16 @@ Tensor Spent::take(Shape shape, DType dtype, std::initializer_list<Tensor> also)
   return t;
 }
 
-Tensor Layer::forward(const Tensor& x, Context& ctx, const Pass& pass) {
+void Layer::enter_forward(const Tensor& x, Context& ctx, const Pass& pass) {
   const DType expected = input_dtype() == DType::i32 ? DType::i32 : pass.dtype;
   MPIPE_CHECK(x.dtype == expected, kind(), " layer ", global_index_, ": input is ", to_string(x.dtype), ", expected ",
               to_string(expected));
   ctx.input = x;
   if (pass.arena) ctx.begin = pass.arena->mark();
+}
+
+Tensor Layer::forward(const Tensor& x, Context& ctx, const Pass& pass) {
+  enter_forward(x, ctx, pass);
   Tensor y = forward_impl(x, ctx, pass);
   MPIPE_CHECK(y.shape == output_shape(x.shape), kind(), " layer ", global_index_, ": output ",
               y.shape.str(), " expected ", output_shape(x.shape).str());

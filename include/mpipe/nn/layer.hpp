@@ -260,6 +260,9 @@ class Layer {
   virtual void clear_step_sums() {}
 
  protected:
+  // What forward() does before forward_impl(), for a layer's other ways in (a LayerNorm's
+  // forward_sum): checks the input's type, and keeps it and the arena's mark in ctx.
+  void enter_forward(const Tensor& x, Context& ctx, const Pass& pass);
   virtual Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) = 0;
   virtual void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
                              GradMode mode, const Pass& pass) = 0;
