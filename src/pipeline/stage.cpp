@@ -53,6 +53,11 @@ Stage::Stage(Model& model, int index, int channel, int begin, int end, int model
   }
   skips_.assign(skips.size(), Tensor{});
   skip_grads_.assign(skips.size(), Tensor{});
+  // Which layers write their input gradient over their input: a property of the layers'
+  // kinds and ranks, the same at any micro-batch size.
+  const std::vector<Shape> shapes = model.shapes(1);
+  for (int i = begin; i < end; ++i)
+    gradient_over_input_.push_back(gradient_in_place(model, i, begin, shapes[static_cast<std::size_t>(i)]));
 }
 
 void Stage::receive_skips(Direction direction, int mb, bool wait) {
@@ -345,9 +350,7 @@ void Stage::run_backward(Context* contexts, Tensor dy, const Tensor& dx_first, c
       [&](std::size_t i, Shape shape, const Tensor& above) -> Tensor {
         // A loss writes its logits' gradient over the logits, which the layer before it
         // does not read again (gradient_in_place).
-        const Tensor& input = contexts[i].input;
-        if (input.shape == shape && gradient_in_place(model_, begin_ + static_cast<int>(i), begin_, shape))
-          return input;
+        if (gradient_over_input_[i]) return contexts[i].input;
         if (!spent) return {};
         Spent here = *spent;
         here.from = spent_from(static_cast<int>(i));

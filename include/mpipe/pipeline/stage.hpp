@@ -199,6 +199,7 @@ class Stage {
   enum class SkipRole : std::uint8_t { none, within, out, in };
   std::vector<SkipRole> skip_roles_;
   std::vector<int> stashes_;  // per layer of the stage
+  std::vector<bool> gradient_over_input_;  // per layer: gradient_in_place(), its input gradient over its input
   std::vector<Tensor> skips_, skip_grads_;
   double loss_sum_ = 0, correct_sum_ = 0;
 };
