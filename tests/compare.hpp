@@ -2,7 +2,9 @@
 #pragma once
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #include <span>
+#include <vector>
 
 namespace mpipe::test {
 
@@ -14,6 +16,12 @@ inline double relative_difference(std::span<const float> a, std::span<const floa
     norm += static_cast<double>(b[i]) * b[i];
   }
   return std::sqrt(diff / norm);
+}
+
+// Equal bit for bit (NaN payloads and the sign of zero included).
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
 }
 
 }  // namespace mpipe::test

@@ -73,11 +73,6 @@ float rounded(float x) {
   return rounded<E>(std::vector<float>{x})[0];
 }
 
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
-}
-
 template <class E>
 constexpr DType dtype_of = std::is_same_v<E, float> ? DType::f32 : DType::bf16;
 

@@ -2,8 +2,8 @@
 #include <doctest/doctest.h>
 
 #include <cstdlib>
-#include <cstring>
 
+#include "compare.hpp"
 #include "gradcheck.hpp"
 #include "mpipe/backend/ops.hpp"
 #include "mpipe/nn/residual.hpp"
@@ -204,10 +204,6 @@ TEST_CASE("parameter gradients accumulate across calls") {
 namespace {
 
 std::vector<float> values(const Tensor& t) { return std::vector<float>(t.f32(), t.f32() + t.numel()); }
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
 
 }  // namespace
 
