@@ -4,7 +4,7 @@
 // bit where the CPU's ops are single operations (add_dropped, the embedding), else within
 // the ops' tolerance. Rows of 99 channels (no packed loads; a sample of 5 x 99 elements is
 // not a multiple of 4, so a dropout group spans two rows) and of 64 and 1024 (packed),
-// with and without dropout.
+// with and without dropout. And cross-entropy's backward written over its own logits.
 #include <doctest/doctest.h>
 
 #include <vector>
@@ -116,4 +116,22 @@ TEST_CASE_TEMPLATE("cuda op: embedding_forward with dropout is embedding_forward
     if constexpr (std::is_same_v<E, float>) CHECK(same_bits(d_one.read(), cpu_out));
     else CHECK(error(download(d_one), cpu_out) < tolerance<E>);
   }
+}
+
+TEST_CASE_TEMPLATE("cuda op: crossentropy_backward over its own logits gives the bits of a separate output", E, float,
+                   bf16) {
+  // A loss writes its gradient over its logits (gradient_in_place): the kernel must read
+  // each element before it writes it.
+  const int64_t N = 37, V = 1003;
+  const auto logits = rounded<E>(normals(N * V, 72, 3.0f));
+  const auto targets = random_tokens(N, V, 73);
+  const DeviceArray<E> d_logits = upload<E>(logits);
+  const DeviceArray<int32_t> d_targets(targets);
+  DeviceArray<float> d_lse(N);
+  DeviceArray<double> d_loss(1);
+  cuda::crossentropy_forward(d_lse.get(), d_loss.get(), d_logits.get(), d_targets.get(), N, V);
+  DeviceArray<E> d_apart(N * V), d_over = upload<E>(logits);
+  cuda::crossentropy_backward(d_apart.get(), d_logits.get(), d_lse.get(), d_targets.get(), 0.25f, N, V);
+  cuda::crossentropy_backward(d_over.get(), d_over.get(), d_lse.get(), d_targets.get(), 0.25f, N, V);
+  CHECK(same_bits(d_over.read(), d_apart.read()));
 }

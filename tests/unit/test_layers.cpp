@@ -5,6 +5,7 @@
 
 #include "compare.hpp"
 #include "gradcheck.hpp"
+#include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/ops.hpp"
 #include "mpipe/nn/residual.hpp"
 #include "mpipe/nn/transformer_layers.hpp"
@@ -293,4 +294,17 @@ TEST_CASE("transformer block: the one-pass residual sums give the bits of MPIPE_
   CHECK(same_bits(inputs_grad[0], inputs_grad[1]));
   CHECK(same_bits(params_grad[0], params_grad[1]));
   CHECK(params_grad[0].size() > 1000);
+}
+
+TEST_CASE("crossentropy_backward over its own logits gives the bits of a separate output") {
+  // A loss writes its gradient over its logits (gradient_in_place).
+  const int64_t N = 6, V = 11;
+  const Input logits(Shape{N, V}, 31, 3.0f);
+  std::vector<std::int32_t> targets{0, 10, 3, 3, 7, 1};
+  std::vector<float> lse(N);
+  cpu::crossentropy_forward(lse.data(), logits.data.data(), targets.data(), N, V);
+  std::vector<float> apart(logits.data.size()), over = logits.data;
+  cpu::crossentropy_backward(apart.data(), logits.data.data(), lse.data(), targets.data(), 0.25f, N, V);
+  cpu::crossentropy_backward(over.data(), over.data(), lse.data(), targets.data(), 0.25f, N, V);
+  CHECK(same_bits(over, apart));
 }
