@@ -219,13 +219,4 @@ void upsample_nearest_backward(const Tensor& dinp, const Tensor& dout, std::int6
   else MPIPE_ON_GPU(dout, cuda::upsample_nearest_backward(ptr<E>(dinp), ptr<E>(dout), planes, H, W, scale));
 }
 
-void transpose_planes(const Tensor& out, const Tensor& inp, std::int64_t batch, std::int64_t rows, std::int64_t cols) {
-  const OpTimer timer(OpKind::copy, __func__);
-  same_place("transpose", out, inp);
-  MPIPE_CHECK(inp.numel() == batch * rows * cols && out.numel() == inp.numel(), "transpose: ", inp.shape.str(), " as ",
-              batch, " x ", rows, " x ", cols);
-  if (inp.device == Device::cpu) cpu::transpose_planes(out.f32(), inp.f32(), batch, rows, cols);
-  else MPIPE_ON_GPU(inp, cuda::transpose_planes(ptr<E>(out), ptr<E>(inp), batch, rows, cols));
-}
-
 }  // namespace mpipe::ops

@@ -249,14 +249,33 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qk
                                                T, C, heads));
 }
 
+ClassRows class_rows(const Shape& logits) {
+  if (logits.rank == 4) return {logits[0], logits[1], logits[2] * logits[3]};
+  return {logits.rows(), logits[-1], 1};
+}
+
+namespace {
+
+// The loss's rows of `logits`, checked against the targets' and the statistics' counts.
+ClassRows loss_rows(const char* op, const Tensor& logits, const Tensor& targets, const Tensor& lse) {
+  const ClassRows r = class_rows(logits.shape);
+  MPIPE_CHECK(targets.numel() == r.rows() && (lse.empty() || lse.numel() == r.rows()), op, ": ", targets.numel(),
+              " targets and ", lse.numel(), " statistics for ", r.rows(), " rows of ", logits.shape.str());
+  return r;
+}
+
+}  // namespace
+
 double crossentropy_forward(const Tensor& lse, const Tensor& logits, const Tensor& targets, double* device_loss_sum) {
   const OpTimer timer(OpKind::loss, __func__);
   same_device("cross-entropy", lse, logits);
   same_device("cross-entropy", targets, logits);
   is_f32("cross-entropy", lse);
-  const int64_t N = logits.shape.rows(), V = logits.shape[-1];
-  if (logits.device == Device::cpu) return cpu::crossentropy_forward(lse.f32(), logits.f32(), targets.i32(), N, V);
-  MPIPE_ON_GPU(logits, cuda::crossentropy_forward(lse.f32(), device_loss_sum, ptr<E>(logits), targets.i32(), N, V));
+  const ClassRows r = loss_rows("cross-entropy", logits, targets, lse);
+  if (logits.device == Device::cpu)
+    return cpu::crossentropy_forward(lse.f32(), logits.f32(), targets.i32(), r.outer, r.classes, r.plane);
+  MPIPE_ON_GPU(logits, cuda::crossentropy_forward(lse.f32(), device_loss_sum, ptr<E>(logits), targets.i32(), r.outer,
+                                                  r.classes, r.plane));
   return 0.0;
 }
 
@@ -265,12 +284,13 @@ void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Te
   const OpTimer timer(OpKind::loss, __func__);
   same_place("cross-entropy backward", dlogits, logits);
   same_device("cross-entropy backward", lse, logits);
-  const int64_t N = logits.shape.rows(), V = logits.shape[-1];
+  const ClassRows r = loss_rows("cross-entropy backward", logits, targets, lse);
   if (logits.device == Device::cpu)
-    cpu::crossentropy_backward(dlogits.f32(), logits.f32(), lse.f32(), targets.i32(), scale, N, V);
+    cpu::crossentropy_backward(dlogits.f32(), logits.f32(), lse.f32(), targets.i32(), scale, r.outer, r.classes,
+                               r.plane);
   else
     MPIPE_ON_GPU(logits, cuda::crossentropy_backward(ptr<E>(dlogits), ptr<E>(logits), lse.f32(), targets.i32(),
-                                                     scale, N, V));
+                                                     scale, r.outer, r.classes, r.plane));
 }
 
 void dropout_apply(const Tensor& out, const Tensor& inp, float p, const DropoutKey& key) {
@@ -301,11 +321,10 @@ void head_statistics(const char* op, const Tensor& stats, int64_t N) {
 
 int64_t count_correct(const Tensor& logits, const Tensor& targets) {
   const OpTimer timer(OpKind::loss, __func__);
-  const int64_t V = logits.shape[-1], N = logits.shape.rows();
-  MPIPE_CHECK(targets.numel() == N, "count_correct: ", targets.numel(), " targets for ", N, " rows");
-  if (logits.device == Device::cpu) return cpu::count_correct(logits.f32(), targets.i32(), N, V);
-  std::vector<float> host(static_cast<std::size_t>(N * V));
-  std::vector<std::int32_t> wanted(static_cast<std::size_t>(N));
+  const ClassRows r = loss_rows("count_correct", logits, targets, Tensor{});
+  if (logits.device == Device::cpu) return cpu::count_correct(logits.f32(), targets.i32(), r.outer, r.classes, r.plane);
+  std::vector<float> host(static_cast<std::size_t>(logits.numel()));
+  std::vector<std::int32_t> wanted(static_cast<std::size_t>(r.rows()));
   if (logits.dtype == DType::bf16) {
     std::vector<bf16> half(host.size());
     cuda::copy_to_host(half.data(), logits.data, half.size() * sizeof(bf16));
@@ -317,7 +336,7 @@ int64_t count_correct(const Tensor& logits, const Tensor& targets) {
     cuda::copy_to_host(wanted.data(), targets.data, wanted.size() * sizeof(std::int32_t));
     cuda::synchronize(cuda::StreamKind::compute);
   }
-  return cpu::count_correct(host.data(), wanted.data(), N, V);
+  return cpu::count_correct(host.data(), wanted.data(), r.outer, r.classes, r.plane);
 }
 
 void vocab_chunk_forward(const Tensor& out, const Tensor& in, const Tensor& z, const Tensor& targets, int64_t v0) {

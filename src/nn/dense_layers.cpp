@@ -213,36 +213,23 @@ void Dropout::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, Gr
 
 // ---- CrossEntropyLoss --------------------------------------------------------------
 
-// Per-pixel labels: (N, C, H, W) logits are read as N·H·W rows of C, channels last (a
-// copy kept for backward, whose gradient comes back through a second transpose).
-namespace {
-bool per_pixel(const Shape& in) { return in.rank == 4; }
-std::int64_t loss_rows(const Shape& in) { return per_pixel(in) ? in[0] * in[2] * in[3] : in.rows(); }
-}  // namespace
-
+// Per-pixel labels: (N, C, H, W) logits are N·H·W rows of C classes, read where they lie
+// (ops::class_rows), the gradient written the same way.
 Cost CrossEntropyLoss::cost(const Shape& in) const {
   const double n = static_cast<double>(in.numel());
-  Cost c{4 * n, 3 * n, 0, f32_bytes(static_cast<double>(loss_rows(in)) + (per_pixel(in) ? n : 0.0))};
+  Cost c{4 * n, 3 * n, 0, f32_bytes(static_cast<double>(ops::class_rows(in).rows()))};
   c.fixed_bytes = c.activation_bytes;  // fp32 whatever the precision
-  if (per_pixel(in)) c.backward_scratch_bytes = f32_bytes(n);
   return c;
 }
 
 Tensor CrossEntropyLoss::forward_impl(const Tensor& input, Context& ctx, const Pass& pass) {
-  const int64_t rows = loss_rows(input.shape);
+  const int64_t rows = ops::class_rows(input.shape).rows();
   MPIPE_CHECK(pass.targets.numel() == rows, "cross-entropy: ", pass.targets.numel(),
               " targets for ", rows, " rows");
-  Tensor x = input;
-  if (per_pixel(input.shape)) {  // (N, C, H, W) -> (N, H, W, C)
-    const Shape& s = input.shape;
-    x = pass.arena->tensor(Shape{s[0], s[2], s[3], s[1]}, input.dtype);
-    ops::transpose_planes(x, input, s[0], s[1], s[2] * s[3]);
-    ctx.saved[2] = x;
-  }
   ctx.saved[0] = pass.arena->tensor(Shape{rows});  // log-sum-exp (N), fp32
   ctx.saved[1] = pass.targets;
-  ctx.value = ops::crossentropy_forward(ctx.saved[0], x, pass.targets, pass.device_loss_sum);
-  if (!pass.training) ctx.correct = static_cast<double>(ops::count_correct(x, pass.targets));
+  ctx.value = ops::crossentropy_forward(ctx.saved[0], input, pass.targets, pass.device_loss_sum);
+  if (!pass.training) ctx.correct = static_cast<double>(ops::count_correct(input, pass.targets));
   // The summed loss on the CPU. On a GPU the sum went to pass.device_loss_sum, which the
   // executor reads once per step, and this output is zero.
   Tensor loss = pass.arena->zeros(Shape{1});
@@ -253,15 +240,8 @@ Tensor CrossEntropyLoss::forward_impl(const Tensor& input, Context& ctx, const P
 void CrossEntropyLoss::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
                                      GradMode mode, const Pass& pass) {
   MPIPE_CHECK(mode == GradMode::overwrite, "cross-entropy writes its gradient");
-  if (!per_pixel(ctx.input.shape)) {
-    ops::crossentropy_backward(dx, ctx.input, ctx.saved[0], ctx.saved[1], pass.loss_scale);
-    return;
-  }
   if (dx.empty()) return;
-  const Shape& s = ctx.input.shape;
-  const Tensor channels_last = pass.arena->tensor(ctx.saved[2].shape, dx.dtype);  // (N, H, W, C)
-  ops::crossentropy_backward(channels_last, ctx.saved[2], ctx.saved[0], ctx.saved[1], pass.loss_scale);
-  ops::transpose_planes(dx, channels_last, s[0], s[2] * s[3], s[1]);
+  ops::crossentropy_backward(dx, ctx.input, ctx.saved[0], ctx.saved[1], pass.loss_scale);
 }
 
 // ---- registry entries ----------------------------------------------------------------

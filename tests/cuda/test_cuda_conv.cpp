@@ -3,7 +3,8 @@
 // gradient and the weight and bias gradients, alone as a split backward does and together,
 // per GradMode; the fp32 weight and bias gradients added to nonzero ones, the weight's
 // twice), max and average pooling (padded, overlapping windows, global), BatchNorm
-// (training with running statistics, the deferred rule's sums, evaluation, backward).
+// (training with running statistics, the deferred rule's sums, evaluation, backward), and
+// the per-pixel cross-entropy over (N, C, H, W) as it lies.
 // Compared by normalized error as in test_cuda_ops.cpp; the gathers that add in the CPU's
 // order (pooling backward) bit for bit in fp32; every reducing op rerun for the same bits.
 #include <doctest/doctest.h>
@@ -350,7 +351,7 @@ TEST_CASE_TEMPLATE("cuda op: batchnorm's deferred sums gathered in device memory
   CHECK(magnitude > 1.0);  // sums that are not all zero
 }
 
-TEST_CASE_TEMPLATE("cuda op: copy_runs, nearest upsampling and transposes match the CPU", E, float, bf16) {
+TEST_CASE_TEMPLATE("cuda op: copy_runs and nearest upsampling match the CPU", E, float, bf16) {
   // A concatenation's halves: 3 samples of 4 and 2 channels of 5 x 5 into 6.
   const int64_t N = 3, plane = 25, cx = 4, cs = 2;
   const auto x = rounded<E>(normals(static_cast<std::size_t>(N * cx * plane), 31));
@@ -382,14 +383,30 @@ TEST_CASE_TEMPLATE("cuda op: copy_runs, nearest upsampling and transposes match 
     if constexpr (std::is_same_v<E, float>) CHECK(download(d_dinp) == dinp);
     else CHECK(error(download(d_dinp), dinp) < tolerance<E>);
   }
-  // (2, 7, 33) -> (2, 33, 7): a per-pixel loss's NCHW -> NHWC, and back.
-  const auto m = rounded<E>(normals(2 * 7 * 33, 35));
-  std::vector<float> t(m.size()), back(m.size());
-  cpu::transpose_planes(t.data(), m.data(), 2, 7, 33);
-  cpu::transpose_planes(back.data(), t.data(), 2, 33, 7);
-  CHECK(back == m);
-  const DeviceArray<E> d_m = upload<E>(m);
-  DeviceArray<E> d_t(t.size());
-  cuda::transpose_planes(d_t.get(), d_m.get(), 2, 7, 33);
-  CHECK(download(d_t) == t);
+}
+
+TEST_CASE_TEMPLATE("cuda op: crossentropy over planes (N, C, H, W), a label per pixel, meets the CPU's", E, float, bf16) {
+  // 3 x 5 classes x 300 positions: more than one block of threads, a partial last one.
+  const int64_t outer = 3, V = 5, plane = 300, rows = outer * plane;
+  const auto logits = rounded<E>(normals(static_cast<std::size_t>(outer * V * plane), 72, 3.0f));
+  const auto targets = random_tokens(static_cast<std::size_t>(rows), V, 73);
+  const float scale = 1.0f / static_cast<float>(rows);
+  std::vector<float> lse(static_cast<std::size_t>(rows)), dlogits(logits.size());
+  const double loss = cpu::crossentropy_forward(lse.data(), logits.data(), targets.data(), outer, V, plane);
+  cpu::crossentropy_backward(dlogits.data(), logits.data(), lse.data(), targets.data(), scale, outer, V, plane);
+
+  const DeviceArray<E> d_logits = upload<E>(logits);
+  const DeviceArray<int32_t> d_targets(targets);
+  DeviceArray<float> d_lse(rows);
+  DeviceArray<double> d_loss(1);
+  cuda::crossentropy_forward(d_lse.get(), d_loss.get(), d_logits.get(), d_targets.get(), outer, V, plane);
+  CHECK(d_loss.read()[0] == doctest::Approx(loss).epsilon(1e-6));
+  CHECK(error(d_lse.read(), lse) < fp32_tolerance);
+  DeviceArray<E> d_apart(logits.size());
+  cuda::crossentropy_backward(d_apart.get(), d_logits.get(), d_lse.get(), d_targets.get(), scale, outer, V, plane);
+  CHECK(error(download(d_apart), dlogits) < tolerance<E>);
+  // Written over its own logits, as the layer does: the bits of a separate output.
+  DeviceArray<E> d_over = upload<E>(logits);
+  cuda::crossentropy_backward(d_over.get(), d_over.get(), d_lse.get(), d_targets.get(), scale, outer, V, plane);
+  CHECK(same_bits(download(d_over), download(d_apart)));
 }

@@ -38,15 +38,12 @@ void batchnorm_forward_eval(const Tensor& out, const Tensor& inp, const Tensor& 
 void batchnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dbias, const Tensor& dout,
                         const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd, GradMode mode);
 
-// Layout, for skips (concatenation), U-Net decoders (nearest upsampling) and per-pixel
-// losses (channels last): the element type of the tensors, on either device.
+// Layout, for skips (concatenation) and U-Net decoders (nearest upsampling): the element type of the tensors, on either device.
 // dst's runs = src's (Runs, in elements).
 void copy_runs(const Tensor& dst, const Tensor& src, const Runs& runs);
 // (N, C, H, W) -> (N, C, H·scale, W·scale), each element a scale x scale block; the
 // gradient sums each block (overwrites dinp).
 void upsample_nearest_forward(const Tensor& out, const Tensor& inp, std::int64_t scale);
 void upsample_nearest_backward(const Tensor& dinp, const Tensor& dout, std::int64_t scale);
-// (B, rows, cols) -> (B, cols, rows): out's shape says how it is read.
-void transpose_planes(const Tensor& out, const Tensor& inp, std::int64_t batch, std::int64_t rows, std::int64_t cols);
 
 }  // namespace mpipe::ops

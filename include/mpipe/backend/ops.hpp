@@ -71,16 +71,27 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qk
 // positions [0, position + t), the new ones written), each over the keys at or before it.
 void attention_decode(const Tensor& out, const Tensor& cache, int64_t position, int64_t heads);
 
-// The summed -log p(target) of the rows. The CPU returns it; the GPU adds it to
+// How a loss reads its logits as rows of classes, each with a target: rows of the last
+// axis (.., V), or, for (N, C, H, W), a row of C classes per pixel, read where it lies
+// (classes plane apart: outer N, plane H·W). Row o · plane + p is position p of block o.
+struct ClassRows {
+  int64_t outer = 0, classes = 0, plane = 1;
+  int64_t rows() const { return outer * plane; }
+};
+ClassRows class_rows(const Shape& logits);
+
+// Softmax cross-entropy over class_rows(logits.shape): lse gets each row's log-sum-exp;
+// the summed -log p(target) of the rows. The CPU returns it; the GPU adds it to
 // *device_loss_sum (one double in device memory; null: not counted) and returns 0, so
 // that nothing waits for the GPU here.
 double crossentropy_forward(const Tensor& lse, const Tensor& logits, const Tensor& targets,
                             double* device_loss_sum);
+// dlogits (logits' shape; may be logits) = scale (softmax - onehot(target)).
 void crossentropy_backward(const Tensor& dlogits, const Tensor& logits, const Tensor& lse, const Tensor& targets,
                            float scale);
 
-// Rows of logits (.., V) whose largest entry is at the target: for accuracy. On a GPU
-// the logits and targets are copied to the host first (evaluation only).
+// Rows (class_rows) whose largest entry is at the target: for accuracy. On a GPU the
+// logits and targets are copied to the host first (evaluation only).
 int64_t count_correct(const Tensor& logits, const Tensor& targets);
 
 // A language-model head split over the vocabulary (cpu/ops.hpp has the rules); the

@@ -136,9 +136,8 @@ class CrossEntropyLoss final : public Layer {
  public:
   std::string kind() const override { return "cross_entropy"; }
   bool needs_targets() const override { return true; }
-  // Rows of logits (not per pixel, whose gradient comes back through a transpose): each
-  // element's gradient from that element alone.
-  bool gradient_over_input(const Shape& in) const override { return in.rank != 4; }
+  // Rows of logits, or a row per pixel: each element's gradient from that element alone.
+  bool gradient_over_input(const Shape& in) const override { return true; }
   Shape output_shape(const Shape& in) const override { return Shape{1}; }
   Cost cost(const Shape& in) const override;
 

@@ -1,5 +1,5 @@
 // Layout ops on the CPU: runs copied between layouts (a skip's concatenation), nearest
-// upsampling and its gradient, and batched transposes (a per-pixel loss's channels last).
+// upsampling and its gradient.
 #include <algorithm>
 #include <cstring>
 
@@ -55,20 +55,6 @@ void upsample_nearest_backward(float* dinp, const float* dout, std::int64_t plan
             for (std::int64_t j = 0; j < scale; ++j) d[w] += row[w * scale + j];
         }
       }
-    }
-}
-
-void transpose_planes(float* out, const float* inp, std::int64_t batch, std::int64_t rows, std::int64_t cols) {
-  // Tiles of 32 x 32 keep both sides' lines in cache.
-  constexpr std::int64_t tile = 32;
-#pragma omp parallel for collapse(2) schedule(static)
-  for (std::int64_t b = 0; b < batch; ++b)
-    for (std::int64_t r0 = 0; r0 < rows; r0 += tile) {
-      const float* in = inp + b * rows * cols;
-      float* o = out + b * rows * cols;
-      for (std::int64_t c0 = 0; c0 < cols; c0 += tile)
-        for (std::int64_t r = r0; r < std::min(rows, r0 + tile); ++r)
-          for (std::int64_t c = c0; c < std::min(cols, c0 + tile); ++c) o[c * rows + r] = in[r * cols + c];
     }
 }
 

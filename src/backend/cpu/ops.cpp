@@ -353,37 +353,6 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
   }
 }
 
-// ---- cross-entropy -----------------------------------------------------------------
-
-double crossentropy_forward(float* lse, const float* logits, const int32_t* targets,
-                            int64_t N, int64_t V) {
-  for (int64_t n = 0; n < N; ++n)
-    MPIPE_CHECK(targets[n] >= 0 && targets[n] < V, "target ", targets[n], " outside ", V, " classes");
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = logits + n * V;
-    float mx = row[0];
-    for (int64_t i = 1; i < V; ++i) mx = std::max(mx, row[i]);
-    float sum = 0.0f;
-    for (int64_t i = 0; i < V; ++i) sum += std::exp(row[i] - mx);
-    lse[n] = mx + std::log(sum);
-  }
-  double loss = 0.0;
-  for (int64_t n = 0; n < N; ++n) loss += static_cast<double>(lse[n]) - logits[n * V + targets[n]];
-  return loss;
-}
-
-void crossentropy_backward(float* dlogits, const float* logits, const float* lse,
-                           const int32_t* targets, float scale, int64_t N, int64_t V) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = logits + n * V;
-    float* d = dlogits + n * V;
-    for (int64_t i = 0; i < V; ++i) d[i] = scale * std::exp(row[i] - lse[n]);
-    d[targets[n]] -= scale;
-  }
-}
-
 // ---- dropout -----------------------------------------------------------------------
 
 namespace {
@@ -529,16 +498,6 @@ void sgd_update(float* params, const float* grads, float* velocity, int64_t n, f
     velocity[i] = vel;
     params[i] -= lr * (vel + weight_decay * params[i]);
   }
-}
-
-int64_t count_correct(const float* logits, const int32_t* targets, int64_t N, int64_t V) {
-  int64_t correct = 0;
-#pragma omp parallel for schedule(static) reduction(+ : correct)
-  for (int64_t n = 0; n < N; ++n) {
-    const float* row = logits + n * V;
-    correct += (std::max_element(row, row + V) - row) == targets[n] ? 1 : 0;
-  }
-  return correct;
 }
 
 }  // namespace mpipe::cpu

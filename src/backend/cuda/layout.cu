@@ -45,17 +45,6 @@ __global__ void upsample_backward_kernel(T* dinp, const T* dout, int64_t planes,
   }
 }
 
-template <class T>
-__global__ void transpose_kernel(T* out, const T* inp, int64_t batch, int64_t rows, int64_t cols) {
-  const int64_t total = batch * rows * cols;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    // i indexes the output (b, c, r): consecutive threads write consecutive elements.
-    const int64_t r = i % rows, c = (i / rows) % cols, b = i / (rows * cols);
-    out[i] = inp[(b * rows + r) * cols + c];
-  }
-}
-
 }  // namespace
 
 template <class E>
@@ -82,19 +71,10 @@ void upsample_nearest_backward(E* dinp, const E* dout, int64_t planes, int64_t H
   CUDA_CHECK_LAUNCH();
 }
 
-template <class E>
-void transpose_planes(E* out, const E* inp, int64_t batch, int64_t rows, int64_t cols) {
-  const int64_t total = batch * rows * cols;
-  if (total == 0) return;
-  transpose_kernel<<<grid_of(total), kThreads, 0, context().compute>>>(dev(out), dev(inp), batch, rows, cols);
-  CUDA_CHECK_LAUNCH();
-}
-
 #define MPIPE_LAYOUT_OPS(E)                                                                   \
   template void copy_runs<E>(E*, const E*, const Runs&);                                      \
   template void upsample_nearest_forward<E>(E*, const E*, int64_t, int64_t, int64_t, int64_t);  \
-  template void upsample_nearest_backward<E>(E*, const E*, int64_t, int64_t, int64_t, int64_t); \
-  template void transpose_planes<E>(E*, const E*, int64_t, int64_t, int64_t);
+  template void upsample_nearest_backward<E>(E*, const E*, int64_t, int64_t, int64_t, int64_t);
 MPIPE_LAYOUT_OPS(float)
 MPIPE_LAYOUT_OPS(bf16)
 #undef MPIPE_LAYOUT_OPS

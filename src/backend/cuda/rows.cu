@@ -287,6 +287,38 @@ __global__ void loss_finish(double* loss_sum, const double* row_loss, int64_t N)
   if (threadIdx.x == 0) *loss_sum += acc;
 }
 
+// A thread per position of planes (outer, V, plane): its classes plane apart, as the
+// CPU's planes (the maximum, then the exponentials summed in class order).
+template <class T>
+__global__ void crossentropy_planes_forward_kernel(float* lse, double* row_loss, const T* logits,
+                                                   const int32_t* targets, int64_t outer, int64_t V, int64_t plane) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (row >= outer * plane) return;
+  const T* x = logits + (row / plane) * V * plane + row % plane;
+  float mx = to_f32(x[0]);
+  for (int64_t c = 1; c < V; ++c) mx = fmaxf(mx, to_f32(x[c * plane]));
+  float sum = 0.0f;
+  for (int64_t c = 0; c < V; ++c) sum += expf(to_f32(x[c * plane]) - mx);
+  const float l = mx + logf(sum);
+  lse[row] = l;
+  row_loss[row] = static_cast<double>(l) - static_cast<double>(to_f32(x[targets[row] * plane]));
+}
+
+template <class T>
+__global__ void crossentropy_planes_backward_kernel(T* dlogits, const T* logits, const float* lse,
+                                                    const int32_t* targets, float scale, int64_t outer, int64_t V,
+                                                    int64_t plane) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (row >= outer * plane) return;
+  const int64_t at = (row / plane) * V * plane + row % plane, target = targets[row];
+  const float l = lse[row];
+  for (int64_t c = 0; c < V; ++c) {
+    float d = scale * expf(to_f32(logits[at + c * plane]) - l);
+    if (c == target) d -= scale;
+    dlogits[at + c * plane] = from_f32<T>(d);
+  }
+}
+
 template <class T>
 __global__ void crossentropy_backward_kernel(T* dlogits, const T* logits, const float* lse, const int32_t* targets,
                                              float scale, int64_t V) {
@@ -450,14 +482,20 @@ void embedding_backward(float* dwte, float* dwpe, const E* dout, const int32_t* 
 // ---- cross-entropy -----------------------------------------------------------------------
 
 template <class E>
-void crossentropy_forward(float* lse, double* loss_sum, const E* logits, const int32_t* targets, int64_t N,
-                          int64_t V) {
+void crossentropy_forward(float* lse, double* loss_sum, const E* logits, const int32_t* targets, int64_t outer,
+                          int64_t V, int64_t plane) {
+  const int64_t N = outer * plane;
   if (N == 0) return;
   MPIPE_CHECK(N <= INT32_MAX, "crossentropy_forward: ", N, " rows exceed one grid");
   cudaStream_t stream = context().compute;
   auto* row_loss = static_cast<double*>(scratch(static_cast<std::size_t>(N) * sizeof(double)));
-  crossentropy_forward_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(lse, row_loss, dev(logits),
-                                                                                   targets, V);
+  if (plane == 1) {
+    crossentropy_forward_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(lse, row_loss, dev(logits),
+                                                                                     targets, V);
+  } else {
+    crossentropy_planes_forward_kernel<<<blocks_for(N, kThreads), kThreads, 0, stream>>>(
+        lse, row_loss, dev(logits), targets, outer, V, plane);
+  }
   CUDA_CHECK_LAUNCH();
   if (loss_sum) {  // null for a recomputation, whose loss was counted in its forward
     loss_finish<<<1, kFinishThreads, 0, stream>>>(loss_sum, row_loss, N);
@@ -467,11 +505,17 @@ void crossentropy_forward(float* lse, double* loss_sum, const E* logits, const i
 
 template <class E>
 void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const int32_t* targets, float scale,
-                           int64_t N, int64_t V) {
+                           int64_t outer, int64_t V, int64_t plane) {
+  const int64_t N = outer * plane;
   if (N == 0) return;
   MPIPE_CHECK(N <= INT32_MAX, "crossentropy_backward: ", N, " rows exceed one grid");
-  crossentropy_backward_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, context().compute>>>(
-      dev(dlogits), dev(logits), lse, targets, scale, V);
+  if (plane == 1) {
+    crossentropy_backward_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, context().compute>>>(
+        dev(dlogits), dev(logits), lse, targets, scale, V);
+  } else {
+    crossentropy_planes_backward_kernel<<<blocks_for(N, kThreads), kThreads, 0, context().compute>>>(
+        dev(dlogits), dev(logits), lse, targets, scale, outer, V, plane);
+  }
   CUDA_CHECK_LAUNCH();
 }
 
@@ -487,8 +531,9 @@ void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const 
                                      float, const DropoutKey&);                                                     \
   template void embedding_backward<E>(float*, float*, const E*, const int32_t*, int64_t, int64_t, int64_t,        \
                                       int64_t);                                                                   \
-  template void crossentropy_forward<E>(float*, double*, const E*, const int32_t*, int64_t, int64_t);             \
-  template void crossentropy_backward<E>(E*, const E*, const float*, const int32_t*, float, int64_t, int64_t);
+  template void crossentropy_forward<E>(float*, double*, const E*, const int32_t*, int64_t, int64_t, int64_t);    \
+  template void crossentropy_backward<E>(E*, const E*, const float*, const int32_t*, float, int64_t, int64_t,     \
+                                         int64_t);
 
 MPIPE_CUDA_ROW_OPS(float)
 MPIPE_CUDA_ROW_OPS(bf16)

@@ -78,14 +78,21 @@ void attention_backward(float* dqkv, const float* dout, const float* qkv, const 
 void attention_decode(float* out, const float* cache, int64_t B, int64_t rows, int64_t position, int64_t capacity,
                       int64_t C, int64_t H);
 
-// Softmax cross-entropy. Overwrites lse (N) with each row's log-sum-exp; returns the sum
-// over rows of -log p(target), accumulated in a fixed order. Targets are checked < V.
-double crossentropy_forward(float* lse, const float* logits, const int32_t* targets,
-                            int64_t N, int64_t V);
-// dlogits (N, V) = scale * (softmax(logits) - onehot(target)). Overwrites; dlogits may be
-// logits (each element read before it is written: a loss's gradient over its input).
-void crossentropy_backward(float* dlogits, const float* logits, const float* lse,
-                           const int32_t* targets, float scale, int64_t N, int64_t V);
+// Softmax cross-entropy (loss.cpp) over rows of V classes: logits (outer, V, plane), row
+// o * plane + p the classes of position p (plane 1: rows (N, V); a per-pixel loss: (N, C,
+// H, W) as (N, C, H * W)). The same bits in either layout. Overwrites lse (outer * plane)
+// with each row's log-sum-exp; returns the sum over rows of -log p(target), accumulated in
+// row order. Targets (outer * plane) are checked < V.
+double crossentropy_forward(float* lse, const float* logits, const int32_t* targets, int64_t outer, int64_t V,
+                            int64_t plane = 1);
+// dlogits = scale * (softmax(logits) - onehot(target)), laid out as logits. Overwrites;
+// dlogits may be logits (each element read before it is written: a loss's gradient over
+// its input).
+void crossentropy_backward(float* dlogits, const float* logits, const float* lse, const int32_t* targets, float scale,
+                           int64_t outer, int64_t V, int64_t plane = 1);
+// Rows (laid out as crossentropy_forward's) whose largest logit, the first of equal ones,
+// is the target's: accuracy.
+int64_t count_correct(const float* logits, const int32_t* targets, int64_t outer, int64_t V, int64_t plane = 1);
 
 // A language-model head split over the vocabulary (nn/vocab_layers.hpp; vocab.cpp): each chunk's
 // logits z (N, V) for vocabulary entries [v0, v0 + V) update per-row statistics, kept as
@@ -146,17 +153,13 @@ void avgpool2d_forward(float* out, const float* inp, const Window2d& w);
 void avgpool2d_backward(float* dinp, const float* dout, const Window2d& w, GradMode mode);
 // Layout (cpu/layout.cpp): runs copied (Runs); nearest upsampling of `planes` H x W planes
 // by `scale` (each input element fills a scale x scale block) and its gradient, each
-// element the sum of its block's in (row, column) order; `batch` (rows, cols) matrices
-// transposed to (cols, rows).
+// element the sum of its block's in (row, column) order.
 void copy_runs(float* dst, const float* src, const Runs& runs);
 void upsample_nearest_forward(float* out, const float* inp, std::int64_t planes, std::int64_t H, std::int64_t W,
                               std::int64_t scale);
 void upsample_nearest_backward(float* dinp, const float* dout, std::int64_t planes, std::int64_t H, std::int64_t W,
                                std::int64_t scale);
-void transpose_planes(float* out, const float* inp, std::int64_t batch, std::int64_t rows, std::int64_t cols);
 
-// Rows whose largest logit (the first of equal ones) is the target's: accuracy.
-int64_t count_correct(const float* logits, const int32_t* targets, int64_t N, int64_t V);
 
 // BatchNorm over (N, C, plane) per channel, eps inside the root. Training: the batch's
 // mean and biased variance (mean, rstd (C) kept for backward); running statistics, when

@@ -101,17 +101,19 @@ template <class E>
 void attention_decode(E* out, const E* cache, int64_t B, int64_t rows, int64_t position, int64_t capacity, int64_t C,
                       int64_t H);
 
-// Softmax cross-entropy. Overwrites lse (N); adds the sum over rows of -log p(target) to
-// *loss_sum (one double on the device), summed in a fixed order, unless loss_sum is null. Differs from the CPU
-// op, which returns the sum: reading it back would stall the stream.
+// Softmax cross-entropy over logits (outer, V, plane), laid out as the CPU op's (plane 1:
+// rows (N, V), a block each; otherwise a thread per position, its V classes plane apart).
+// Overwrites lse (outer * plane); adds the sum over rows of -log p(target) to *loss_sum
+// (one double on the device), summed in a fixed order, unless loss_sum is null. Differs
+// from the CPU op, which returns the sum: reading it back would stall the stream.
 template <class E>
-void crossentropy_forward(float* lse, double* loss_sum, const E* logits, const int32_t* targets, int64_t N,
-                          int64_t V);
-// dlogits (N, V) = scale * (softmax(logits) - onehot(target)). Overwrites; dlogits may be
-// logits (each element read before it is written: a loss's gradient over its input).
+void crossentropy_forward(float* lse, double* loss_sum, const E* logits, const int32_t* targets, int64_t outer,
+                          int64_t V, int64_t plane = 1);
+// dlogits = scale * (softmax(logits) - onehot(target)), as logits. Overwrites; dlogits may
+// be logits (each element read before it is written: a loss's gradient over its input).
 template <class E>
 void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const int32_t* targets, float scale,
-                           int64_t N, int64_t V);
+                           int64_t outer, int64_t V, int64_t plane = 1);
 
 // A language-model head split over the vocabulary (vocab.cu), as the CPU ops
 // (cpu/ops.hpp): the statistics (4, N) are fp32 (m, s, t, first argmax as a float), the
@@ -164,8 +166,6 @@ template <class E>
 void upsample_nearest_forward(E* out, const E* inp, int64_t planes, int64_t H, int64_t W, int64_t scale);
 template <class E>
 void upsample_nearest_backward(E* dinp, const E* dout, int64_t planes, int64_t H, int64_t W, int64_t scale);
-template <class E>
-void transpose_planes(E* out, const E* inp, int64_t batch, int64_t rows, int64_t cols);
 // BatchNorm per channel of (N, C, plane), the CPU op's math (statistics in double; each
 // channel's sums split into segments of samples, one block each, added in segment order:
 // an order fixed by the sizes). weight and bias are E, the statistics and
