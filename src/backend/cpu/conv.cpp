@@ -102,6 +102,7 @@ int64_t conv2d_cols(const Window2d& w) {
 void conv2d_forward(float* out, const float* inp, const float* weight, const float* bias, float* cols,
                     const Window2d& w) {
   if (shifted(w)) return shifted_forward(out, inp, weight, bias, cols, w);
+  if (pointwise_tiled(w)) return pointwise_forward(out, inp, weight, bias, w);
   const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups, K = Cg * w.KH * w.KW, P = w.OH * w.OW;
   const int64_t lanes = conv_lanes(w);
 #pragma omp parallel for schedule(static) num_threads(static_cast<int>(lanes)) if (lanes > 1)
@@ -135,6 +136,7 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
         dbias[oc] += static_cast<float>(sum);
       }
   if (dweight && shifted(w) && shifted_weight_tiles(w)) shifted_weight_grad(dweight, dout, inp, cols, w);
+  else if (dweight && pointwise_tiled(w) && pointwise_weight_tiles(w)) pointwise_weight_grad(dweight, dout, inp, w);
   else if (dweight)
     for (int64_t n = 0; n < w.N; ++n)
       for (int64_t g = 0; g < w.groups; ++g) {
@@ -147,6 +149,7 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
       }
   if (!dinp) return;
   if (shifted(w)) return shifted_input_grad(dinp, dout, weight, cols, w, mode);
+  if (pointwise_tiled(w)) return pointwise_input_grad(dinp, dout, weight, w, mode);
   // The input gradient: each sample's own, side by side as the forward.
   const int64_t lanes = conv_lanes(w);
 #pragma omp parallel for schedule(static) num_threads(static_cast<int>(lanes)) if (lanes > 1)

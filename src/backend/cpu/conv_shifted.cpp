@@ -39,9 +39,10 @@ struct Taps {
 using v16 = float __attribute__((vector_size(64), aligned(4)));
 
 // out[m][j] (rows ldo apart) = sum over taps k, in order, of weight_k[m] * run_k[j], for
-// m in [0, MT) and j in [0, 16 NV): MT x NV vectors of sums in registers.
+// m in [0, MT) and j in [0, 16 NV): MT x NV vectors of sums in registers. With `add`, the
+// sum is added to out (out + sum: the bits of the sum written apart, then added).
 template <int MT, int NV>
-void taps_tile(float* out, int64_t ldo, const float* wt, const float* base, const Taps& t) {
+void taps_tile(float* out, int64_t ldo, const float* wt, const float* base, const Taps& t, bool add) {
   v16 acc[MT][NV];
   for (int m = 0; m < MT; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = v16{};
@@ -57,22 +58,27 @@ void taps_tile(float* out, int64_t ldo, const float* wt, const float* base, cons
       }
     }
   for (int m = 0; m < MT; ++m)
-    for (int v = 0; v < NV; ++v) *reinterpret_cast<v16*>(out + m * ldo + 16 * v) = acc[m][v];
+    for (int v = 0; v < NV; ++v) {
+      v16* o = reinterpret_cast<v16*>(out + m * ldo + 16 * v);
+      *o = add ? *o + acc[m][v] : acc[m][v];
+    }
 }
 
 // out (M, J; rows ldo apart) = the taps' sums: weights from wt, runs from base.
 template <int NV>
-void taps_rows(float* out, int64_t ldo, int64_t M, int64_t j, const float* wt, const float* base, const Taps& t) {
+void taps_rows(float* out, int64_t ldo, int64_t M, int64_t j, const float* wt, const float* base, const Taps& t,
+               bool add) {
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) taps_tile<8, NV>(out + m * ldo + j, ldo, wt + m * t.wm, base + j, t);
-  for (; m + 4 <= M; m += 4) taps_tile<4, NV>(out + m * ldo + j, ldo, wt + m * t.wm, base + j, t);
-  for (; m < M; ++m) taps_tile<1, NV>(out + m * ldo + j, ldo, wt + m * t.wm, base + j, t);
+  for (; m + 8 <= M; m += 8) taps_tile<8, NV>(out + m * ldo + j, ldo, wt + m * t.wm, base + j, t, add);
+  for (; m + 4 <= M; m += 4) taps_tile<4, NV>(out + m * ldo + j, ldo, wt + m * t.wm, base + j, t, add);
+  for (; m < M; ++m) taps_tile<1, NV>(out + m * ldo + j, ldo, wt + m * t.wm, base + j, t, add);
 }
 // J a multiple of 16 (the callers' runs are rounded up, their ends junk).
-void taps_sum(float* out, int64_t ldo, int64_t M, int64_t J, const float* wt, const float* base, const Taps& t) {
+void taps_sum(float* out, int64_t ldo, int64_t M, int64_t J, const float* wt, const float* base, const Taps& t,
+              bool add = false) {
   int64_t j = 0;
-  for (; j + 48 <= J; j += 48) taps_rows<3>(out, ldo, M, j, wt, base, t);
-  for (; j < J; j += 16) taps_rows<1>(out, ldo, M, j, wt, base, t);
+  for (; j + 48 <= J; j += 48) taps_rows<3>(out, ldo, M, j, wt, base, t, add);
+  for (; j < J; j += 16) taps_rows<1>(out, ldo, M, j, wt, base, t, add);
 }
 
 constexpr int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
@@ -290,6 +296,82 @@ void shifted_input_grad(float* dinp, const float* dout, const float* weight, flo
       }
     }
   });
+}
+
+// ---- pointwise windows: the same tiles, the input planes themselves the runs ----
+// Tap c of output position p reads channel c's plane at p: no padding, no junk columns,
+// no scratch, where the planes are whole vectors (positions a multiple of 16).
+
+bool pointwise_tiled(const Window2d& w) {
+  return pointwise(w) && (w.OH * w.OW) % 16 == 0 && w.C / w.groups <= 1152;
+}
+
+bool pointwise_weight_tiles(const Window2d& w) { return w.OH * w.OW >= 1024; }
+
+namespace {
+
+// body(n, g) for every sample and group, samples side by side, one a thread.
+template <class Body>
+void each_sample(const Window2d& w, Body body) {
+  const int64_t lanes = conv_lanes(w);
+#pragma omp parallel for schedule(static) num_threads(static_cast<int>(lanes)) if (lanes > 1)
+  for (int64_t n = 0; n < w.N; ++n)
+    for (int64_t g = 0; g < w.groups; ++g) body(n, g);
+}
+
+}  // namespace
+
+void pointwise_forward(float* out, const float* inp, const float* weight, const float* bias, const Window2d& w) {
+  const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups, P = w.OH * w.OW;
+  const Taps taps{1, Cg, 1, 0, P, 0, 0, 1, 0, Cg};  // taps c, rows oc: weight (oc, c)
+  each_sample(w, [&](int64_t n, int64_t g) {
+    float* o = out + (n * w.OC + g * OCg) * P;
+    taps_sum(o, P, OCg, P, weight + g * OCg * Cg, inp + (n * w.C + g * Cg) * P, taps);
+    if (!bias) return;
+    for (int64_t oc = 0; oc < OCg; ++oc) {
+      const float b = bias[g * OCg + oc];
+      float* row = o + oc * P;
+#pragma omp simd
+      for (int64_t p = 0; p < P; ++p) row[p] = row[p] + b;
+    }
+  });
+}
+
+void pointwise_input_grad(float* dinp, const float* dout, const float* weight, const Window2d& w, GradMode mode) {
+  const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups, P = w.OH * w.OW;
+  const Taps taps{1, OCg, 1, 0, P, 0, 0, Cg, 0, 1};  // taps oc, rows c: weight (oc, c)
+  each_sample(w, [&](int64_t n, int64_t g) {
+    taps_sum(dinp + (n * w.C + g * Cg) * P, P, Cg, P, weight + g * OCg * Cg, dout + (n * w.OC + g * OCg) * P, taps,
+             mode == GradMode::accumulate);
+  });
+}
+
+// Per sample in order, tiles of (output channel, input channel) sums over the positions,
+// threads splitting the tiles: each weight's sum the same for any thread count.
+void pointwise_weight_grad(float* dweight, const float* dout, const float* inp, const Window2d& w) {
+  constexpr int64_t MT = 4, NT = 6;
+  const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups, P = w.OH * w.OW;
+  const int64_t row_tiles = (OCg + MT - 1) / MT, tap_tiles = (Cg + NT - 1) / NT;
+  for (int64_t n = 0; n < w.N; ++n)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float* x = inp + (n * w.C + g * Cg) * P;
+      const float* dy = dout + (n * w.OC + g * OCg) * P;
+#pragma omp parallel for schedule(static)
+      for (int64_t tile = 0; tile < row_tiles * tap_tiles; ++tile) {
+        const int64_t m0 = tile / tap_tiles * MT, t0 = tile % tap_tiles * NT;
+        const int64_t rows = std::min(MT, OCg - m0), taps = std::min(NT, Cg - t0);
+        std::array<int64_t, NT> off{};
+        for (int64_t t = 0; t < taps; ++t) off[t] = (t0 + t) * P;
+        float* dw = dweight + (g * OCg + m0) * Cg + t0;
+        const float* d = dy + m0 * P;
+        if (rows == MT && taps == NT) {
+          grad_tile<MT, NT>(dw, Cg, d, P, x, off.data(), P);
+        } else {
+          for (int64_t m = 0; m < rows; ++m)
+            for (int64_t t = 0; t < taps; ++t) grad_tile<1, 1>(dw + m * Cg + t, Cg, d + m * P, P, x, &off[t], P);
+        }
+      }
+    }
 }
 
 }  // namespace mpipe::cpu::conv_parts

@@ -42,4 +42,14 @@ void shifted_input_grad(float* dinp, const float* dout, const float* weight, flo
                         GradMode mode);
 void shifted_weight_grad(float* dweight, const float* dout, const float* inp, float* cols, const Window2d& w);
 
+// ---- pointwise windows by the same tiles (conv_shifted.cpp) ----
+// Whether a pointwise window takes them: planes of whole vectors (positions a multiple of
+// 16), up to 1152 channels a group; else its GEMMs over the planes. No scratch either way.
+bool pointwise_tiled(const Window2d& w);
+// Whether its weight gradient is tiled too (planes of 1024 positions and more), else a GEMM.
+bool pointwise_weight_tiles(const Window2d& w);
+void pointwise_forward(float* out, const float* inp, const float* weight, const float* bias, const Window2d& w);
+void pointwise_input_grad(float* dinp, const float* dout, const float* weight, const Window2d& w, GradMode mode);
+void pointwise_weight_grad(float* dweight, const float* dout, const float* inp, const Window2d& w);
+
 }  // namespace mpipe::cpu::conv_parts
