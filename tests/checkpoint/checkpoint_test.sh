@@ -109,11 +109,12 @@ PY
   ;;
 preempt)
   # SIGUSR1 (Slurm's --signal) mid-run: a checkpoint, exit code 75, and resuming
-  # finishes exactly as an unbroken run.
+  # finishes exactly as an unbroken run. 200 steps of a few ms: with 40 the run could end
+  # before the signal reached it, the check polling every 50 ms on a loaded machine.
   mkdir "$work/full" "$work/cut"
-  run 2 "${model[@]}" --steps 40 --checkpoint-dir "$work/full" >/dev/null
+  run 2 "${model[@]}" --steps 200 --checkpoint-dir "$work/full" >/dev/null
   set +e
-  mpiexec -n 2 --oversubscribe "$mpipe" "${model[@]}" --steps 40 --checkpoint-dir "$work/cut" --metrics "$work/m.jsonl" \
+  mpiexec -n 2 --oversubscribe "$mpipe" "${model[@]}" --steps 200 --checkpoint-dir "$work/cut" --metrics "$work/m.jsonl" \
     > "$work/log" 2>&1 &
   pid=$!
   for _ in $(seq 200); do [[ -s "$work/m.jsonl" && $(wc -l < "$work/m.jsonl") -ge 3 ]] && break; sleep 0.05; done
@@ -123,9 +124,9 @@ preempt)
   [[ $rc -eq 75 ]] || fail "preempted run exited $rc, expected 75: $(cat "$work/log")"
   grep -q "stop signal received" "$work/log" || fail "no stop message"
   ls "$work/cut"/ckpt-*.h5 >/dev/null || fail "no checkpoint after the signal"
-  out=$(run 2 "${model[@]}" --steps 40 --checkpoint-dir "$work/cut")
+  out=$(run 2 "${model[@]}" --steps 200 --checkpoint-dir "$work/cut")
   grep "resumed from" <<<"$out" >/dev/null || fail "did not resume: $out"
-  same_tensors "$work/full/ckpt-00000040.h5" "$work/cut/ckpt-00000040.h5"
+  same_tensors "$work/full/ckpt-00000200.h5" "$work/cut/ckpt-00000200.h5"
   # SIGTERM to rank 1 alone: rank 0 says why it stops (the signal reached another rank;
   # it said "--time-limit reached" with no time limit given).
   mkdir "$work/rank1"
