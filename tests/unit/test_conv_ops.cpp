@@ -105,13 +105,14 @@ TEST_CASE("conv2d on the CPU: the direct sums, forward and backward, for every w
     const auto bias = normals(static_cast<std::size_t>(w.OC), 3);
     const auto dy = normals(static_cast<std::size_t>(w.N * w.OC * w.OH * w.OW), 4);
     const DirectConv want(w, x, kernel, bias, dy);
-    // One thread, then two (samples side by side): the same bits, but for a weight gradient
-    // over im2col's columns, OpenBLAS's GEMM threaded by OpenBLAS, whose edge kernels may
-    // then sum otherwise (1 and 2 threads differ at 128 channels over 6x10).
+    // One thread, then two (samples side by side), then four (more threads than the 3
+    // samples: each sample on all of them, one after another): the same bits, but for a
+    // weight gradient over im2col's columns, OpenBLAS's GEMM threaded by OpenBLAS, whose
+    // edge kernels may then sum otherwise (1 and 2 threads differ at 128 channels over 6x10).
     const bool blas_threads_dw = !(cpu::conv2d_shifted(w) && cpu::conv_parts::shifted_weight_tiles(w)) &&
                                  !(tiles_1x1 && cpu::conv_parts::pointwise_weight_tiles(w));
     std::vector<float> first_out, first_dinp, first_dweight;
-    for (const int threads : {1, 2}) {
+    for (const int threads : {1, 2, 4}) {
       CAPTURE(threads);
       cpu::set_threads(threads);
       std::vector<float> cols(static_cast<std::size_t>(std::max<int64_t>(1, cpu::conv2d_cols(w))));

@@ -133,27 +133,46 @@ void pad_plane(float* to, const float* in, const Shift& s, const Window2d& w) {
   std::fill(to + (w.H + w.padding) * s.Wp, to + s.plane, 0.0f);
 }
 
-// An output gradient (OCg, OH, OW) in the padded width (OCg rows `row` floats apart, OH Wp
-// of each written), its junk columns zero (they meet real input positions in the adjoint).
+// Output gradient row oc (OH, OW) in the padded width (OH Wp written), its junk columns
+// zero (they meet real input positions in the adjoint).
+void widen_row(float* to, const float* from, const Shift& s, const Window2d& w) {
+  for (int64_t oh = 0; oh < w.OH; ++oh, from += w.OW, to += s.Wp) {
+    std::copy(from, from + w.OW, to);
+    std::fill(to + w.OW, to + s.Wp, 0.0f);
+  }
+}
 void widen(float* wide, int64_t row, const float* d, const Shift& s, const Window2d& w) {
-  for (int64_t oc = 0; oc < s.OCg; ++oc)
-    for (int64_t oh = 0; oh < w.OH; ++oh) {
-      const float* from = d + (oc * w.OH + oh) * w.OW;
-      float* to = wide + oc * row + oh * s.Wp;
-      std::copy(from, from + w.OW, to);
-      std::fill(to + w.OW, to + s.Wp, 0.0f);
-    }
+  for (int64_t oc = 0; oc < s.OCg; ++oc) widen_row(wide + oc * row, d + oc * w.OH * w.OW, s, w);
 }
 
-// body(n, g, lane) for every sample and group, samples side by side (each thread its own lane).
+// body(n, g, lane, inner) for every sample and group. Samples side by side, each thread
+// its own lane (inner false); or, with fewer samples than threads (a pipeline's
+// micro-batch of one), one after another in the first lane, every thread inside each
+// (inner true: the body's loops split their channels and taps_par its positions). Each
+// output element is the same sum either way: the same bits for any thread count.
 template <class Body>
 void each_sample(const Shift& s, const Window2d& w, float* cols, Body body) {
+  if (w.N < threads()) {
+    for (int64_t n = 0; n < w.N; ++n)
+      for (int64_t g = 0; g < w.groups; ++g) body(n, g, cols, true);
+    return;
+  }
   const int64_t lanes = conv_lanes(w);
 #pragma omp parallel for schedule(static) num_threads(static_cast<int>(lanes)) if (lanes > 1)
   for (int64_t n = 0; n < w.N; ++n) {
     float* lane = lane_at(cols, lanes, s.lane(w));
-    for (int64_t g = 0; g < w.groups; ++g) body(n, g, lane);
+    for (int64_t g = 0; g < w.groups; ++g) body(n, g, lane, false);
   }
+}
+
+// taps_sum, its positions split in blocks of 192 (four 48-wide tiles) across the threads
+// when `inner`: each element's sum is the same in any block.
+void taps_par(bool inner, float* out, int64_t ldo, int64_t M, int64_t J, const float* wt, const float* base,
+              const Taps& t, bool add = false) {
+  constexpr int64_t block = 192;
+  if (!inner || J <= block) return taps_sum(out, ldo, M, J, wt, base, t, add);
+#pragma omp parallel for schedule(static)
+  for (int64_t j0 = 0; j0 < J; j0 += block) taps_sum(out + j0, ldo, M, std::min(block, J - j0), wt, base + j0, t, add);
 }
 
 }  // namespace
@@ -164,14 +183,16 @@ void shifted_forward(float* out, const float* inp, const float* weight, const fl
   const int64_t P = w.OH * w.OW;
   // Taps (kh, c, kw), rows oc: weight (oc, c, kh, kw).
   const Taps taps{w.KH, s.Cg, w.KW, s.Wp, s.plane, 1, w.KW, w.KH * w.KW, 1, s.Cg * w.KH * w.KW};
-  each_sample(s, w, cols, [&](int64_t n, int64_t g, float* lane) {
+  each_sample(s, w, cols, [&](int64_t n, int64_t g, float* lane, bool inner) {
     const float* wt = weight + g * s.OCg * s.Cg * w.KH * w.KW;
     float* planes = lane;
     float* wide = lane + s.Cg * s.plane + s.slack(w);
+#pragma omp parallel for schedule(static) if (inner)
     for (int64_t c = 0; c < s.Cg; ++c) pad_plane(planes + c * s.plane, inp + (n * w.C + g * s.Cg + c) * w.H * w.W, s, w);
     std::fill(planes + s.Cg * s.plane, wide, 0.0f);
-    taps_sum(wide, s.LR, s.OCg, s.LR, wt, planes, taps);
+    taps_par(inner, wide, s.LR, s.OCg, s.LR, wt, planes, taps);
     float* o = out + (n * w.OC + g * s.OCg) * P;
+#pragma omp parallel for schedule(static) if (inner)
     for (int64_t oc = 0; oc < s.OCg; ++oc) {
       const float b = bias ? bias[g * s.OCg + oc] : 0.0f;
       for (int64_t oh = 0; oh < w.OH; ++oh) {
@@ -271,16 +292,20 @@ void shifted_input_grad(float* dinp, const float* dout, const float* weight, flo
   // Taps (kh, oc, kw), rows c: weight (oc, c, kh, kw).
   const Taps taps{w.KH, s.OCg, w.KW, -s.Wp, s.LP, -1, w.KW, s.Cg * w.KH * w.KW, 1, w.KH * w.KW};
   const int64_t first = w.padding * s.Wp + w.padding;  // the padded position of input (0, 0)
-  each_sample(s, w, cols, [&](int64_t n, int64_t g, float* lane) {
+  each_sample(s, w, cols, [&](int64_t n, int64_t g, float* lane, bool inner) {
     const float* wt = weight + g * s.OCg * s.Cg * w.KH * w.KW;
     float* wide = lane;
     float* sums = lane + s.OCg * s.LP;
+    const float* dy = dout + (n * w.OC + g * s.OCg) * w.OH * w.OW;
+#pragma omp parallel for schedule(static) if (inner)
     for (int64_t oc = 0; oc < s.OCg; ++oc) {
-      std::fill(wide + oc * s.LP, wide + oc * s.LP + s.lead, 0.0f);
-      std::fill(wide + oc * s.LP + s.lead + s.L, wide + (oc + 1) * s.LP, 0.0f);
+      float* row = wide + oc * s.LP;
+      std::fill(row, row + s.lead, 0.0f);
+      widen_row(row + s.lead, dy + oc * w.OH * w.OW, s, w);
+      std::fill(row + s.lead + s.L, row + s.LP, 0.0f);
     }
-    widen(wide + s.lead, s.LP, dout + (n * w.OC + g * s.OCg) * w.OH * w.OW, s, w);
-    taps_sum(sums, s.J, s.Cg, s.J, wt, wide + s.lead + first, taps);
+    taps_par(inner, sums, s.J, s.Cg, s.J, wt, wide + s.lead + first, taps);
+#pragma omp parallel for schedule(static) if (inner)
     for (int64_t c = 0; c < s.Cg; ++c) {
       float* dx = dinp + (n * w.C + g * s.Cg + c) * w.H * w.W;
       const float* from = sums + c * s.J;
