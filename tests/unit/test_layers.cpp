@@ -313,39 +313,43 @@ TEST_CASE("crossentropy_backward over its own logits gives the bits of a separat
 }
 
 TEST_CASE("crossentropy over planes (outer, V, plane), a row per position, gives the bits of its rows laid out (N, V)") {
-  // 2 x 5 classes x 300 positions: more than one 256-position tile, a partial last one.
-  const int64_t outer = 2, V = 5, plane = 300, rows = outer * plane;
-  const Input planes(Shape{outer, V, plane}, 41, 4.0f);
-  std::vector<float> flat(planes.data.size());
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t c = 0; c < V; ++c)
-      for (int64_t p = 0; p < plane; ++p)
-        flat[static_cast<std::size_t>((o * plane + p) * V + c)] = planes.data[static_cast<std::size_t>((o * V + c) * plane + p)];
-  std::vector<std::int32_t> targets(static_cast<std::size_t>(rows));
-  for (int64_t n = 0; n < rows; ++n) targets[static_cast<std::size_t>(n)] = static_cast<std::int32_t>((n * 7) % V);
-  std::vector<float> lse_planes(static_cast<std::size_t>(rows)), lse_rows(lse_planes.size());
-  const double loss_planes =
-      cpu::crossentropy_forward(lse_planes.data(), planes.data.data(), targets.data(), outer, V, plane);
-  const double loss_rows = cpu::crossentropy_forward(lse_rows.data(), flat.data(), targets.data(), rows, V);
-  CHECK(loss_planes == loss_rows);
-  CHECK(same_bits(lse_planes, lse_rows));
-  // The gradient over the logits themselves, as the layer writes it, and apart.
-  std::vector<float> over = planes.data, apart(planes.data.size()), drows(flat.size());
-  cpu::crossentropy_backward(over.data(), over.data(), lse_planes.data(), targets.data(), 0.5f, outer, V, plane);
-  cpu::crossentropy_backward(apart.data(), planes.data.data(), lse_planes.data(), targets.data(), 0.5f, outer, V, plane);
-  cpu::crossentropy_backward(drows.data(), flat.data(), lse_rows.data(), targets.data(), 0.5f, rows, V);
-  CHECK(same_bits(over, apart));
-  int64_t mismatched = 0;
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t c = 0; c < V; ++c)
-      for (int64_t p = 0; p < plane; ++p)
-        mismatched += std::bit_cast<std::uint32_t>(apart[static_cast<std::size_t>((o * V + c) * plane + p)]) !=
-                      std::bit_cast<std::uint32_t>(drows[static_cast<std::size_t>((o * plane + p) * V + c)]);
-  CHECK(mismatched == 0);
-  const int64_t correct = cpu::count_correct(flat.data(), targets.data(), rows, V);
-  CHECK(cpu::count_correct(planes.data.data(), targets.data(), outer, V, plane) == correct);
-  CHECK(correct > 0);
-  CHECK(correct < rows);
+  // 2 x V classes x 300 positions: more than one 256-position tile, a partial last one; 5
+  // classes (fewer than the 16 running sums) and 37 (sums of three classes and two).
+  for (const int64_t V : {int64_t{5}, int64_t{37}}) {
+    CAPTURE(V);
+    const int64_t outer = 2, plane = 300, rows = outer * plane;
+    const Input planes(Shape{outer, V, plane}, 41, 4.0f);
+    std::vector<float> flat(planes.data.size());
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t c = 0; c < V; ++c)
+        for (int64_t p = 0; p < plane; ++p)
+          flat[static_cast<std::size_t>((o * plane + p) * V + c)] = planes.data[static_cast<std::size_t>((o * V + c) * plane + p)];
+    std::vector<std::int32_t> targets(static_cast<std::size_t>(rows));
+    for (int64_t n = 0; n < rows; ++n) targets[static_cast<std::size_t>(n)] = static_cast<std::int32_t>((n * 7) % V);
+    std::vector<float> lse_planes(static_cast<std::size_t>(rows)), lse_rows(lse_planes.size());
+    const double loss_planes =
+        cpu::crossentropy_forward(lse_planes.data(), planes.data.data(), targets.data(), outer, V, plane);
+    const double loss_rows = cpu::crossentropy_forward(lse_rows.data(), flat.data(), targets.data(), rows, V);
+    CHECK(loss_planes == loss_rows);
+    CHECK(same_bits(lse_planes, lse_rows));
+    // The gradient over the logits themselves, as the layer writes it, and apart.
+    std::vector<float> over = planes.data, apart(planes.data.size()), drows(flat.size());
+    cpu::crossentropy_backward(over.data(), over.data(), lse_planes.data(), targets.data(), 0.5f, outer, V, plane);
+    cpu::crossentropy_backward(apart.data(), planes.data.data(), lse_planes.data(), targets.data(), 0.5f, outer, V, plane);
+    cpu::crossentropy_backward(drows.data(), flat.data(), lse_rows.data(), targets.data(), 0.5f, rows, V);
+    CHECK(same_bits(over, apart));
+    int64_t mismatched = 0;
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t c = 0; c < V; ++c)
+        for (int64_t p = 0; p < plane; ++p)
+          mismatched += std::bit_cast<std::uint32_t>(apart[static_cast<std::size_t>((o * V + c) * plane + p)]) !=
+                        std::bit_cast<std::uint32_t>(drows[static_cast<std::size_t>((o * plane + p) * V + c)]);
+    CHECK(mismatched == 0);
+    const int64_t correct = cpu::count_correct(flat.data(), targets.data(), rows, V);
+    CHECK(cpu::count_correct(planes.data.data(), targets.data(), outer, V, plane) == correct);
+    CHECK(correct > 0);
+    CHECK(correct < rows);
+  }
 }
 
 TEST_CASE("crossentropy: the loss and gradient of wide rows within 4 ulp-scale of double precision") {
