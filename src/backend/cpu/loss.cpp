@@ -129,19 +129,19 @@ void crossentropy_backward(float* dlogits, const float* logits, const float* lse
     }
     return;
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t o = 0; o < outer; ++o) {
-    const float* l = lse + o * plane;
-    const int32_t* t = targets + o * plane;
+  // Every (sample, class) plane a work item (a micro-batch of one sample uses every
+  // thread), then the targets' entries.
+#pragma omp parallel for collapse(2) schedule(static)
+  for (int64_t o = 0; o < outer; ++o)
     for (int64_t c = 0; c < V; ++c) {
+      const float* l = lse + o * plane;
       const float* x = logits + (o * V + c) * plane;
       float* d = dlogits + (o * V + c) * plane;
 #pragma omp simd
       for (int64_t p = 0; p < plane; ++p) d[p] = scale * exp_clamped(x[p] - l[p]);
     }
-    float* d = dlogits + o * V * plane;
-    for (int64_t p = 0; p < plane; ++p) d[t[p] * plane + p] -= scale;
-  }
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < outer * plane; ++n) dlogits[((n / plane) * V + targets[n]) * plane + n % plane] -= scale;
 }
 
 int64_t count_correct(const float* logits, const int32_t* targets, int64_t outer, int64_t V, int64_t plane) {
