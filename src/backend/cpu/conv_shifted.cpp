@@ -165,14 +165,17 @@ void each_sample(const Shift& s, const Window2d& w, float* cols, Body body) {
   }
 }
 
-// taps_sum, its positions split in blocks of 192 (four 48-wide tiles) across the threads
-// when `inner`: each element's sum is the same in any block.
+// Positions a thread's work item takes where threads split a sample's: four 48-wide tiles.
+// Each element's sum is the same in any block.
+constexpr int64_t kPositionBlock = 192;
+
+// taps_sum, its positions split in blocks across the threads when `inner`.
 void taps_par(bool inner, float* out, int64_t ldo, int64_t M, int64_t J, const float* wt, const float* base,
               const Taps& t, bool add = false) {
-  constexpr int64_t block = 192;
-  if (!inner || J <= block) return taps_sum(out, ldo, M, J, wt, base, t, add);
+  if (!inner || J <= kPositionBlock) return taps_sum(out, ldo, M, J, wt, base, t, add);
 #pragma omp parallel for schedule(static)
-  for (int64_t j0 = 0; j0 < J; j0 += block) taps_sum(out + j0, ldo, M, std::min(block, J - j0), wt, base + j0, t, add);
+  for (int64_t j0 = 0; j0 < J; j0 += kPositionBlock)
+    taps_sum(out + j0, ldo, M, std::min(kPositionBlock, J - j0), wt, base + j0, t, add);
 }
 
 }  // namespace
@@ -242,6 +245,31 @@ void grad_tile(float* dw, int64_t ldw, const float* g, int64_t ldg, const float*
     }
 }
 
+// dw (M, T; rows ldw apart) += the tiles' sums over positions [0, J): rows of g (ldg
+// apart), tap t's run at base + off(t). Threads split the tiles of MT rows by NT taps:
+// each weight's sum the same for any thread count.
+template <class Offset>
+void grad_tiles(float* dw, int64_t ldw, int64_t M, int64_t T, const float* g, int64_t ldg, const float* base,
+                int64_t J, Offset off_of) {
+  constexpr int64_t MT = 4, NT = 6;
+  const int64_t row_tiles = (M + MT - 1) / MT, tap_tiles = (T + NT - 1) / NT;
+#pragma omp parallel for schedule(static)
+  for (int64_t tile = 0; tile < row_tiles * tap_tiles; ++tile) {
+    const int64_t m0 = tile / tap_tiles * MT, t0 = tile % tap_tiles * NT;
+    const int64_t rows = std::min(MT, M - m0), taps = std::min(NT, T - t0);
+    std::array<int64_t, NT> off{};
+    for (int64_t t = 0; t < taps; ++t) off[t] = off_of(t0 + t);
+    float* d = dw + m0 * ldw + t0;
+    const float* gm = g + m0 * ldg;
+    if (rows == MT && taps == NT) {
+      grad_tile<MT, NT>(d, ldw, gm, ldg, base, off.data(), J);
+    } else {
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t t = 0; t < taps; ++t) grad_tile<1, 1>(d + m * ldw + t, ldw, gm + m * ldg, ldg, base, &off[t], J);
+    }
+  }
+}
+
 }  // namespace
 
 // The weight gradient: per sample in order (every sum's order), the padded planes and the
@@ -250,8 +278,7 @@ void grad_tile(float* dw, int64_t ldw, const float* g, int64_t ldg, const float*
 // kw) are the weights' own order: the sums add to dweight in place.
 void shifted_weight_grad(float* dweight, const float* dout, const float* inp, float* cols, const Window2d& w) {
   const Shift s(w);
-  constexpr int64_t MT = 4, NT = 6;
-  const int64_t T = s.Cg * w.KH * w.KW, row_tiles = (s.OCg + MT - 1) / MT, tap_tiles = (T + NT - 1) / NT;
+  const int64_t T = s.Cg * w.KH * w.KW;
   float* planes = cols;
   float* wide = planes + s.Cg * s.plane + s.slack(w);
   std::fill(planes + s.Cg * s.plane, wide, 0.0f);
@@ -261,24 +288,10 @@ void shifted_weight_grad(float* dweight, const float* dout, const float* inp, fl
       for (int64_t c = 0; c < s.Cg; ++c) pad_plane(planes + c * s.plane, inp + (n * w.C + g * s.Cg + c) * w.H * w.W, s, w);
       widen(wide, s.LR, dout + (n * w.OC + g * s.OCg) * w.OH * w.OW, s, w);
       for (int64_t oc = 0; oc < s.OCg; ++oc) std::fill(wide + oc * s.LR + s.L, wide + (oc + 1) * s.LR, 0.0f);
-#pragma omp parallel for schedule(static)
-      for (int64_t tile = 0; tile < row_tiles * tap_tiles; ++tile) {
-        const int64_t m0 = tile / tap_tiles * MT, t0 = tile % tap_tiles * NT;
-        const int64_t rows = std::min(MT, s.OCg - m0), taps = std::min(NT, T - t0);
-        std::array<int64_t, NT> off{};
-        for (int64_t t = 0; t < taps; ++t) {
-          const int64_t tap = t0 + t, c = tap / (w.KH * w.KW), kh = tap / w.KW % w.KH, kw = tap % w.KW;
-          off[t] = c * s.plane + kh * s.Wp + kw;
-        }
-        float* dw = dweight + (g * s.OCg + m0) * T + t0;
-        const float* d = wide + m0 * s.LR;
-        if (rows == MT && taps == NT) {
-          grad_tile<MT, NT>(dw, T, d, s.LR, planes, off.data(), s.LR);
-        } else {
-          for (int64_t m = 0; m < rows; ++m)
-            for (int64_t t = 0; t < taps; ++t) grad_tile<1, 1>(dw + m * T + t, T, d + m * s.LR, s.LR, planes, &off[t], s.LR);
-        }
-      }
+      grad_tiles(dweight + g * s.OCg * T, T, s.OCg, T, wide, s.LR, planes, s.LR, [&](int64_t tap) {
+        const int64_t c = tap / (w.KH * w.KW), kh = tap / w.KW % w.KH, kw = tap % w.KW;
+        return c * s.plane + kh * s.Wp + kw;
+      });
     }
 }
 
@@ -335,19 +348,16 @@ bool pointwise_weight_tiles(const Window2d& w) { return w.OH * w.OW >= 1024; }
 
 namespace {
 
-// Positions a work item of the forward and the input gradient takes: four 48-wide tiles.
-constexpr int64_t kPointwiseBlock = 192;
-
 // body(n, g, j0, J) for every sample, group and block of positions [j0, j0 + J), threads
 // splitting them all: every output element is one tile's sum whatever the thread count,
 // and one sample on many threads still runs on all of them.
 template <class Body>
 void each_block(const Window2d& w, Body body) {
-  const int64_t P = w.OH * w.OW, blocks = (P + kPointwiseBlock - 1) / kPointwiseBlock;
+  const int64_t P = w.OH * w.OW, blocks = (P + kPositionBlock - 1) / kPositionBlock;
 #pragma omp parallel for schedule(static) if (threads() > 1)
   for (int64_t item = 0; item < w.N * w.groups * blocks; ++item) {
-    const int64_t b = item % blocks, ng = item / blocks, j0 = b * kPointwiseBlock;
-    body(ng / w.groups, ng % w.groups, j0, std::min(kPointwiseBlock, P - j0));
+    const int64_t b = item % blocks, ng = item / blocks, j0 = b * kPositionBlock;
+    body(ng / w.groups, ng % w.groups, j0, std::min(kPositionBlock, P - j0));
   }
 }
 
@@ -378,32 +388,14 @@ void pointwise_input_grad(float* dinp, const float* dout, const float* weight, c
   });
 }
 
-// Per sample in order, tiles of (output channel, input channel) sums over the positions,
-// threads splitting the tiles: each weight's sum the same for any thread count.
+// Per sample in order, tiles of (output channel, input channel) sums over the positions
+// (grad_tiles, as the shifted path's).
 void pointwise_weight_grad(float* dweight, const float* dout, const float* inp, const Window2d& w) {
-  constexpr int64_t MT = 4, NT = 6;
   const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups, P = w.OH * w.OW;
-  const int64_t row_tiles = (OCg + MT - 1) / MT, tap_tiles = (Cg + NT - 1) / NT;
   for (int64_t n = 0; n < w.N; ++n)
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const float* x = inp + (n * w.C + g * Cg) * P;
-      const float* dy = dout + (n * w.OC + g * OCg) * P;
-#pragma omp parallel for schedule(static)
-      for (int64_t tile = 0; tile < row_tiles * tap_tiles; ++tile) {
-        const int64_t m0 = tile / tap_tiles * MT, t0 = tile % tap_tiles * NT;
-        const int64_t rows = std::min(MT, OCg - m0), taps = std::min(NT, Cg - t0);
-        std::array<int64_t, NT> off{};
-        for (int64_t t = 0; t < taps; ++t) off[t] = (t0 + t) * P;
-        float* dw = dweight + (g * OCg + m0) * Cg + t0;
-        const float* d = dy + m0 * P;
-        if (rows == MT && taps == NT) {
-          grad_tile<MT, NT>(dw, Cg, d, P, x, off.data(), P);
-        } else {
-          for (int64_t m = 0; m < rows; ++m)
-            for (int64_t t = 0; t < taps; ++t) grad_tile<1, 1>(dw + m * Cg + t, Cg, d + m * P, P, x, &off[t], P);
-        }
-      }
-    }
+    for (int64_t g = 0; g < w.groups; ++g)
+      grad_tiles(dweight + g * OCg * Cg, Cg, OCg, Cg, dout + (n * w.OC + g * OCg) * P, P, inp + (n * w.C + g * Cg) * P, P,
+                 [P](int64_t c) { return c * P; });
 }
 
 }  // namespace mpipe::cpu::conv_parts
