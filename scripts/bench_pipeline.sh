@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Pipeline speed-up on this machine, one BLAS thread per rank. Prints four tables:
+# Pipeline speed-up on this machine, one BLAS thread per rank. Prints these tables:
 #  1. A K ladder (1, 2, 4, 8 stages where cores allow) of a GPT whose stages balance:
 #     tokens/s, speed-up over K = 1 beside the GPipe bound K*M/(M+K-1), measured and
 #     theoretical bubble; for Open MPI's shared memory as it comes (single-copy, CMA)
@@ -29,6 +29,8 @@
 #     link shaped, D = 2 x K = 2 in both
 #     rank orders and --rank-order auto for a model whose replica sums outweigh its
 #     boundaries and one the other way round.
+#  9. scripts/bench_unet.sh: a U-Net whose skips cross the cut at K = 2 (GPipe, 1F1B, zb-h1) against
+#     the GPipe bound and the machine's, and its skip bytes per rank.
 # Environment:
 #   KS="1 2 4 8"  stages (default: those <= cores)   M=16  micro-batches of the ladder
 #   LADDER_LAYERS=8  the ladder's blocks (2 with KS="1 2": one block a stage, issue 47's grain of K = 8);
@@ -47,6 +49,7 @@
 #   interleaved; tokens/s (samples/s for the ResNet) and peak activation memory per rank against never's; auto with
 #   --memory-per-rank the weights plus about half of never's peak: AUTO_Q=16.3MiB, AUTO_L=47.5MiB, AUTO_R=16MiB).
 #   BASELINE=PATH adds that binary's never and always rows (an older build) to the same rounds.
+#   UNET=0: skip table 9 (ROUNDS9=3 rounds)
 #   HOSTS=0: skip table 8 (ROUNDS8=6 rounds of STEPS8=12 steps, interleaved; RATE8=1gbit; ORDERS8=0 skips 8b; needs root)
 #   SHARD=0: skip table 7 (--shard-optimizer: resident memory per rank after the last step at D = 4 x K = 1 with AdamW and SGD,
 #   sharded and not, for the quickstart GPT, a GPT 4 x 512 and a ResNet-18 (width 128, 32x32), STEPS7M=3 steps,
@@ -612,4 +615,14 @@ for model in ("wide8", "long8"):
 PY
   fi
   fi
+fi
+
+# ---- 9. a network that is not a chain: scripts/bench_unet.sh ---------------------------------
+# The U-Net of inputs/unet.toml at K = 2 with both skips across the cut: speed-up against
+# K = 1 beside the GPipe bound and the machine's (two K = 1 runs at once), for GPipe, 1F1B
+# and zb-h1, measured against simulated bubble, and each rank's skip bytes.
+if [[ "${UNET:-1}" != 0 ]]; then
+  echo
+  echo "9. U-Net at K = 2, skips across the cut (scripts/bench_unet.sh, ${ROUNDS9:-3} rounds interleaved)"
+  MPIPE=build/release/mpipe ROUNDS="${ROUNDS9:-3}" bash scripts/bench_unet.sh | sed 's/^/   /'
 fi
