@@ -196,6 +196,11 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "recomputation is recorded and launched as one CUDA graph (updated in place each step: the same "
                  "bits, fewer launch gaps with small micro-batches); off: kernels launched one by one")
       ->capture_default_str();
+  cmd.add_option("--channels-last", c.channels_last,
+                 "on: images (N, C, H, W) lie in memory as NHWC in every image layer (on a GPU cuDNN's NHWC "
+                 "convolutions, with no transposes; on the CPU each image op swaps to channels first and back: the same "
+                 "bits, slower); off: NCHW")
+      ->capture_default_str();
   cmd.add_option("--checkpoint-dir", c.checkpoint_dir, "Write HDF5 checkpoints DIR/ckpt-<step>.h5 (created if missing)");
   cmd.add_option("--checkpoint-every", c.checkpoint_every, "Steps between checkpoints (0: only the final one)")
       ->capture_default_str();

@@ -92,6 +92,8 @@ void validate(const TrainConfig& c, int world) {
                 "unknown --cuda-graphs '", c.cuda_graphs, "'");
   MPIPE_REQUIRE(c.cuda_graphs == "off" || c.device != "cpu", "use --device cuda (or auto on GPU nodes) with --cuda-graphs on",
                 "--cuda-graphs on needs a GPU; the CPU backend launches no kernels");
+  MPIPE_REQUIRE(c.channels_last == "on" || c.channels_last == "off", "use --channels-last on or off",
+                "unknown --channels-last '", c.channels_last, "'");
   GridShape grid = p.grid;
   if (world > 0) grid = resolve_grid(grid, world);
   const int replicas = std::max(1, grid.replicas);
@@ -158,6 +160,7 @@ RunOptions run_options(const TrainConfig& c) {
   o.device = c.device == "cuda" ? Device::cuda : Device::cpu;
   o.precision = c.precision == "bf16" ? DType::bf16 : DType::f32;
   o.cuda_graphs = c.cuda_graphs == "on";
+  o.channels_last = c.channels_last == "on";
   o.trace_steps = c.trace.empty() ? 0 : c.trace_steps;
   return o;
 }

@@ -104,6 +104,7 @@ std::string to_toml(const TrainConfig& c) {
   line("device", toml_quoted(c.device));
   line("precision", toml_quoted(c.precision));
   line("cuda-graphs", toml_quoted(c.cuda_graphs));
+  line("channels-last", toml_quoted(c.channels_last));
   line("threads", cat(c.threads));
   line("optimizer", toml_quoted(p.kind));
   line("lr", toml_float(p.lr));

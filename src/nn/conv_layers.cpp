@@ -22,6 +22,12 @@ Conv2d::Conv2d(int64_t channels, int64_t out, int64_t kernel, int64_t stride, in
     : channels_(channels), out_(out), kernel_(kernel), stride_(stride), padding_(padding), groups_(groups),
       has_bias_(bias), init_std_(init_std) {}
 
+Window2d Conv2d::window(const Shape& in, const Pass& pass) const {
+  Window2d w = window(in);
+  w.channels_last = pass.channels_last;
+  return w;
+}
+
 Window2d Conv2d::window(const Shape& in) const {
   Window2d w;
   w.N = in[0];
@@ -72,7 +78,7 @@ void Conv2d::bind(std::span<const Tensor> params, std::span<const Tensor> grads)
 }
 
 Tensor Conv2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  const Window2d w = window(x.shape);
+  const Window2d w = window(x.shape, pass);
   Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);
   // The columns are dead once the forward returns: the arena takes them back (on a GPU
   // the next allocations reuse them in stream order, after this kernel).
@@ -83,7 +89,7 @@ Tensor Conv2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
 }
 
 void Conv2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
-  const Window2d w = window(ctx.input.shape);
+  const Window2d w = window(ctx.input.shape, pass);
   // The columns in spent memory where it has room (an unsplit backward), else scratch.
   const int64_t floats = ops::conv2d_scratch(w, dy.device);
   Tensor cols = pass.spent && floats > 0 ? pass.spent->take(Shape{floats}, DType::f32) : Tensor{};
@@ -100,7 +106,7 @@ void Conv2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, Gra
 
 void Conv2d::backward_weight_impl(Context& ctx, const Pass& pass) {
   MPIPE_CHECK(!ctx.output_grad.empty(), "conv2d layer ", global_index(), ": weight gradient without a split backward");
-  const Window2d w = window(ctx.input.shape);
+  const Window2d w = window(ctx.input.shape, pass);
   ops::conv2d_backward(Tensor{}, dweight_, dbias_, ctx.output_grad, ctx.input, weight_,
                        pass.arena->tensor(Shape{ops::conv2d_scratch(w, weight_.device)}), w, GradMode::accumulate);
   ctx.output_grad = Tensor{};
@@ -146,7 +152,8 @@ Cost Pool2d::cost(const Shape& in) const {
 }
 
 Tensor Pool2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
-  const Window2d w = window(x.shape);
+  Window2d w = window(x.shape);
+  w.channels_last = pass.channels_last;
   Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);
   if (op_ == Op::max) {
     ctx.saved[0] = pass.arena->tensor(Shape{w.N, w.C, w.OH, w.OW}, DType::i32);
@@ -159,7 +166,8 @@ Tensor Pool2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
 
 void Pool2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   if (dx.empty()) return;
-  const Window2d w = window(ctx.input.shape);
+  Window2d w = window(ctx.input.shape);
+  w.channels_last = pass.channels_last;
   if (op_ == Op::max) ops::maxpool2d_backward(dx, dy, ctx.saved[0], w, mode);
   else ops::avgpool2d_backward(dx, dy, w, mode);
 }
@@ -216,7 +224,7 @@ void BatchNorm2d::clear_step_sums() {
 Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   if (!pass.training) {
     Tensor y = pass.arena->tensor(x.shape, pass.dtype);
-    ops::batchnorm_forward_eval(y, x, weight_, bias_, running_mean_, running_var_, eps_);
+    ops::batchnorm_forward_eval(y, x, weight_, bias_, running_mean_, running_var_, eps_, pass.channels_last);
     return y;
   }
   // The statistics before the output, which is then the last allocation (output_last).
@@ -230,7 +238,8 @@ Tensor BatchNorm2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass
   ops::batchnorm_forward_train(y, ctx.saved[0], ctx.saved[1], update ? running_mean_ : Tensor{},
                                update ? running_var_ : Tensor{},
                                gather && !on_device ? std::span<double>(sums_) : std::span<double>(), x, weight_, bias_,
-                               eps_, momentum_, on_device ? device_sums_.as<double>() : nullptr, relu_);
+                               eps_, momentum_, on_device ? device_sums_.as<double>() : nullptr, relu_,
+                               pass.channels_last);
   device_newer_ = device_newer_ || on_device;
   device_used_ = device_used_ || on_device;
   return y;
@@ -242,16 +251,31 @@ void BatchNorm2d::apply_step_sums() {
 }
 
 void BatchNorm2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
-  ops::batchnorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode);
+  ops::batchnorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode,
+                          pass.channels_last);
 }
 
 // ---- Flatten -------------------------------------------------------------------------
 
 Cost Flatten::cost(const Shape& in) const { return {0, 0, 0, 0}; }  // a view: nothing computed or held
 
+namespace {
+// Whether a flatten of `in` must reorder: a channels-last image of planes over one
+// element, whose features are (C, H, W)-ordered (the next layer's weights are).
+bool reorders(const Shape& in, const Pass& pass) {
+  return pass.channels_last && in.rank == 4 && in[2] * in[3] > 1;
+}
+}  // namespace
+
 // A view of the input under the flat shape: the input's memory lives as long as this
 // micro-batch's contexts (it is the previous layer's output or the received message).
+// A channels-last image is swapped back to channels first, into an output of its own.
 Tensor Flatten::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  if (reorders(x.shape, pass)) {
+    const Tensor y = pass.arena->tensor(output_shape(x.shape), x.dtype);
+    ops::change_layout(y.view(x.shape), x, false);
+    return y;
+  }
   Tensor y = x;
   y.shape = output_shape(x.shape);
   return y;
@@ -261,7 +285,8 @@ void Flatten::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, Gr
   if (dx.empty()) return;
   Tensor d = dy;
   d.shape = dx.shape;
-  if (mode == GradMode::overwrite) ops::copy(dx, d);
+  if (reorders(dx.shape, pass)) ops::change_layout(dx, d, true, mode);
+  else if (mode == GradMode::overwrite) ops::copy(dx, d);
   else ops::add(dx, d);
 }
 

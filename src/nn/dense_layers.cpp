@@ -222,7 +222,17 @@ Cost CrossEntropyLoss::cost(const Shape& in) const {
   return c;
 }
 
-Tensor CrossEntropyLoss::forward_impl(const Tensor& input, Context& ctx, const Pass& pass) {
+namespace {
+// The logits as the loss reads them: a channels-last image's (N, C, H, W) are rows of C
+// classes (N H W, C), as the targets (N, H, W) run.
+Tensor class_view(const Tensor& logits, const Pass& pass) {
+  const Shape& s = logits.shape;
+  return pass.channels_last && s.rank == 4 ? logits.view(Shape{s[0] * s[2] * s[3], s[1]}) : logits;
+}
+}  // namespace
+
+Tensor CrossEntropyLoss::forward_impl(const Tensor& logits, Context& ctx, const Pass& pass) {
+  const Tensor input = class_view(logits, pass);
   const int64_t rows = ops::class_rows(input.shape).rows();
   MPIPE_CHECK(pass.targets.numel() == rows, "cross-entropy: ", pass.targets.numel(),
               " targets for ", rows, " rows");
@@ -241,7 +251,8 @@ void CrossEntropyLoss::backward_impl(Context& ctx, const Tensor& dy, const Tenso
                                      GradMode mode, const Pass& pass) {
   MPIPE_CHECK(mode == GradMode::overwrite, "cross-entropy writes its gradient");
   if (dx.empty()) return;
-  ops::crossentropy_backward(dx, ctx.input, ctx.saved[0], ctx.saved[1], pass.loss_scale);
+  ops::crossentropy_backward(class_view(dx, pass), class_view(ctx.input, pass), ctx.saved[0], ctx.saved[1],
+                             pass.loss_scale);
 }
 
 // ---- registry entries ----------------------------------------------------------------

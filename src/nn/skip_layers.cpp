@@ -9,9 +9,10 @@ namespace mpipe {
 int join_axis(const Shape& shape) { return shape.rank == 4 ? 1 : shape.rank - 1; }
 
 namespace {
-// Elements of one run along the join axis and what follows it: a sample's (or row's)
-// channels.
-std::int64_t run_of(const Shape& s) {
+// Elements of one run along the join axis and what follows it in memory: a sample's (or
+// row's) channels; a position's, for a channels-last image.
+std::int64_t run_of(const Shape& s, bool channels_last) {
+  if (channels_last && s.rank == 4) return s[1];
   std::int64_t n = 1;
   for (int d = join_axis(s); d < s.rank; ++d) n *= s[d];
   return n;
@@ -37,10 +38,11 @@ Cost SkipJoin::cost(const Shape& in) const {
   return {op_ == Op::add ? n : 0.0, 0.0, 0.0, 0.0};
 }
 
-Runs SkipJoin::runs(const Shape& in, bool skip) const {
+Runs SkipJoin::runs(const Shape& in, bool skip, bool channels_last) const {
   const Shape out = output_shape(in), s = skip_shape(in);
-  const std::int64_t count = out.numel() / run_of(out);
-  return Runs{count, skip ? run_of(s) : run_of(in), run_of(out), skip ? run_of(in) : 0, skip ? run_of(s) : run_of(in), 0};
+  const auto run = [channels_last](const Shape& x) { return run_of(x, channels_last); };
+  const std::int64_t count = out.numel() / run(out);
+  return Runs{count, skip ? run(s) : run(in), run(out), skip ? run(in) : 0, skip ? run(s) : run(in), 0};
 }
 
 Tensor SkipJoin::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
@@ -55,8 +57,8 @@ Tensor SkipJoin::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
     ops::copy(y, x);
     ops::add(y, s);
   } else {
-    ops::copy_runs(y, x, runs(x.shape, false));
-    ops::copy_runs(y, s, runs(x.shape, true));
+    ops::copy_runs(y, x, runs(x.shape, false, pass.channels_last));
+    ops::copy_runs(y, s, runs(x.shape, true, pass.channels_last));
   }
   return y;
 }
@@ -75,7 +77,7 @@ void SkipJoin::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, G
   }
   // Each part's runs read back out of the output's (the same Runs, dst and src swapped).
   for (const bool skip : {false, true}) {
-    const Runs r = runs(in, skip);
+    const Runs r = runs(in, skip, pass.channels_last);
     if (!skip && dx.empty()) continue;
     ops::copy_runs(skip ? ds : dx, dy, Runs{r.count, r.length, r.src_stride, r.src_offset, r.dst_stride, r.dst_offset});
   }
@@ -88,13 +90,13 @@ Cost Upsample2d::cost(const Shape& in) const {
 
 Tensor Upsample2d::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
   const Tensor y = pass.arena->tensor(output_shape(x.shape), x.dtype);
-  ops::upsample_nearest_forward(y, x, scale_);
+  ops::upsample_nearest_forward(y, x, scale_, pass.channels_last);
   return y;
 }
 
 void Upsample2d::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
   MPIPE_CHECK(mode == GradMode::overwrite, "upsample2d writes its gradient");
-  if (!dx.empty()) ops::upsample_nearest_backward(dx, dy, scale_);
+  if (!dx.empty()) ops::upsample_nearest_backward(dx, dy, scale_, pass.channels_last);
 }
 
 // ---- registry entries ----------------------------------------------------------------

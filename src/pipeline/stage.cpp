@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "mpipe/backend/conv_ops.hpp"
 #include "mpipe/backend/ops.hpp"
 
 namespace mpipe {
@@ -148,6 +149,7 @@ Pass Stage::make_pass(std::int64_t step, int mb, Arena* arena) const {
   pass.sample_begin = static_cast<std::uint64_t>(shared_.replica * plan.replica_batch() + mb * plan.micro_batch_size);
   pass.training = true;
   pass.deferred_statistics = plan.options.batchnorm == BatchNormRule::deferred;
+  pass.channels_last = plan.options.channels_last;
   pass.dtype = shared_.dtype;
   if (targets_) {
     const Shape tg = model_.target_shape(plan.micro_batch_size);
@@ -161,8 +163,8 @@ Pass Stage::make_pass(std::int64_t step, int mb, Arena* arena) const {
 }
 
 // What F of micro-batch mb reads: its share of the batch's inputs on the model's first
-// stage (tokens, or features converted for bf16 training), else what the previous model
-// stage sent.
+// stage (tokens, or features converted for bf16 training; images swapped to channels last
+// under --channels-last on), else what the previous model stage sent.
 Tensor Stage::input(const Pass& pass, int mb) {
   if (!first_) return shared_.transport->received(Direction::forward, channel_, mb);
   const Shape in = (*shared_.shapes)[0];
@@ -172,6 +174,11 @@ Tensor Stage::input(const Pass& pass, int mb) {
     const Tensor converted = pass.arena->tensor(in, shared_.dtype);
     ops::convert(converted, x);
     x = converted;
+  }
+  if (pass.channels_last && in.rank == 4) {
+    const Tensor swapped = pass.arena->tensor(in, x.dtype);
+    ops::change_layout(swapped, x, true);
+    x = swapped;
   }
   return x;
 }

@@ -79,6 +79,7 @@ mpipe_cli_test(unknown_precision 2 "error: unknown --precision 'fp8'; hint" trai
 mpipe_cli_test(bf16_on_cpu 2 "error: --precision bf16 needs a GPU.*; hint" train --device cpu --precision bf16)
 mpipe_cli_test(cuda_graphs_bad 2 "error: unknown --cuda-graphs 'yes'; hint" train --cuda-graphs yes)
 mpipe_cli_test(cuda_graphs_on_cpu 2 "error: --cuda-graphs on needs a GPU.*; hint: use --device cuda" train --device cpu --cuda-graphs on)
+mpipe_cli_test(channels_last_bad 2 "error: unknown --channels-last 'yes'; hint: use --channels-last on or off" train --channels-last yes)
 # Config files are TOML, read by a real parser: a broken one is one line naming the
 # file, line and column, exit 2 (a segfault once, for the first), and nothing blocks.
 set(CONFIGS ${CMAKE_CURRENT_SOURCE_DIR}/cli/configs)

@@ -4,7 +4,8 @@
 // per GradMode; the fp32 weight and bias gradients added to nonzero ones, the weight's
 // twice), max and average pooling (padded, overlapping windows, global), BatchNorm
 // (training with running statistics, the deferred rule's sums, evaluation, backward), and
-// the per-pixel cross-entropy over (N, C, H, W) as it lies.
+// the per-pixel cross-entropy over (N, C, H, W) as it lies; and every image op on
+// channels-last (NHWC) tensors against the CPU's channels-first ops (tests/image_ops.hpp).
 // Compared by normalized error as in test_cuda_ops.cpp; the gathers that add in the CPU's
 // order (pooling backward) bit for bit in fp32; every reducing op rerun for the same bits.
 #include <doctest/doctest.h>
@@ -12,12 +13,15 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <span>
+#include <string>
 #include <type_traits>
 #include <vector>
 
 #include "compare.hpp"
 #include "device_data.hpp"
+#include "image_ops.hpp"
 #include "mpipe/backend/conv_ops.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/ops.hpp"
@@ -409,4 +413,81 @@ TEST_CASE_TEMPLATE("cuda op: crossentropy over planes (N, C, H, W), a label per 
   DeviceArray<E> d_over = upload<E>(logits);
   cuda::crossentropy_backward(d_over.get(), d_over.get(), d_lse.get(), d_targets.get(), scale, outer, V, plane);
   CHECK(same_bits(download(d_over), download(d_apart)));
+}
+
+// ---- channels last -------------------------------------------------------------------------
+
+namespace {
+// image_ops.hpp's Memory: activations as E (cuda) or fp32 holding E's values (the CPU twin).
+template <class E, Device D>
+struct TestMemory {
+  std::deque<std::vector<float>> host;
+  std::deque<DeviceArray<E>> images;
+  std::deque<DeviceArray<float>> floats_;
+  std::deque<DeviceArray<int32_t>> ints;
+  std::deque<std::vector<int32_t>> host_ints;
+  Tensor image(const std::vector<float>& v, Shape s) {
+    if (D == Device::cpu) return floats(v, s);
+    images.emplace_back(to_elems<E>(v));
+    return Tensor{images.back().get(), s, dtype_of<E>, Device::cuda};
+  }
+  Tensor floats(const std::vector<float>& v, Shape s) {
+    if (D == Device::cpu) {
+      host.push_back(v);
+      return Tensor{host.back().data(), s, DType::f32, Device::cpu};
+    }
+    floats_.emplace_back(v);
+    return Tensor{floats_.back().get(), s, DType::f32, Device::cuda};
+  }
+  Tensor indices(Shape s) {
+    if (D == Device::cpu) {
+      host_ints.emplace_back(static_cast<std::size_t>(s.numel()));
+      return Tensor{host_ints.back().data(), s, DType::i32, Device::cpu};
+    }
+    ints.emplace_back(static_cast<std::size_t>(s.numel()));
+    return Tensor{ints.back().get(), s, DType::i32, Device::cuda};
+  }
+  Tensor scratch(int64_t n) { return n > 0 ? floats(std::vector<float>(static_cast<std::size_t>(n)), Shape{n}) : Tensor{}; }
+  std::vector<float> read(const Tensor& t) {
+    if (t.device == Device::cpu) return {t.f32(), t.f32() + t.numel()};
+    std::vector<float> out(static_cast<std::size_t>(t.numel()));
+    if (t.dtype == DType::bf16) {
+      std::vector<bf16> half(out.size());
+      cuda::copy_to_host(half.data(), t.data, t.bytes());
+      cuda::synchronize(cuda::StreamKind::compute);
+      for (std::size_t i = 0; i < out.size(); ++i) out[i] = to_float(half[i]);
+    } else {
+      cuda::copy_to_host(out.data(), t.data, t.bytes());
+      cuda::synchronize(cuda::StreamKind::compute);
+    }
+    return out;
+  }
+  float round(float v) const { return rounded<E>(v); }
+};
+}  // namespace
+
+// Under ctest's cuda.conv_gemm (MPIPE_CONV=gemm) the convolutions take the channels-first
+// path through swaps; otherwise cuDNN's NHWC convolutions.
+TEST_CASE_TEMPLATE("cuda op: channels last: conv2d, pooling, BatchNorm, upsampling and the swap on NHWC match the CPU", E,
+                   float, bf16) {
+  cpu::set_threads(2);
+  TestMemory<E, Device::cpu> cpu_memory;
+  const auto reference = run_image_ops(cpu_memory, false);
+  TestMemory<E, Device::cuda> gpu_memory, again_memory;
+  const auto gpu = run_image_ops(gpu_memory, true);
+  const auto again = run_image_ops(again_memory, true);
+  REQUIRE(gpu.size() == reference.size());
+  for (const auto& [name, want] : reference) {
+    CAPTURE(name);
+    REQUIRE(gpu.count(name) == 1);
+    const std::vector<float>& got = gpu.at(name);
+    const bool weights = name.find("dweight") != std::string::npos;
+    CHECK(error(got, want) < (weights ? weight_grad_tolerance<E>() : tolerance<E>));
+    // Every run the same bits (no atomics in any of them).
+    CHECK(std::memcmp(again.at(name).data(), got.data(), got.size() * sizeof(float)) == 0);
+  }
+  // The swaps and the max pool's choice are exact.
+  CHECK(gpu.at("swapped") == reference.at("swapped"));
+  CHECK(gpu.at("swapped back, added") == reference.at("swapped back, added"));
+  CHECK(gpu.at("maxpool out") == reference.at("maxpool out"));
 }

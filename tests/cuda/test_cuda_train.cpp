@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -370,6 +371,31 @@ TEST_CASE("the U-Net on the GPU matches the CPU, and K = 2 with its skips across
     if (world().rank() != 0) continue;
     check_close(one, reference, tolerance_for(precision, 1e-4, 3e-2));
     check_same_bits(one, two);
+  }
+}
+
+TEST_CASE("training with --channels-last on: a CNN with BatchNorm and the U-Net on the GPU match the CPU, and K = 2 gives K = 1's bits: fp32 and bf16") {
+  REQUIRE(world().size() >= 2);
+  cpu::set_threads(2);
+  const std::pair<const char*, TrainConfig> models[] = {{"cnn", small_cnn("cpu", "fp32", "deferred")},
+                                                        {"unet", small_unet("cpu", "fp32")}};
+  for (const auto& [name, base] : models) {
+    const Run reference = run(base, 1, 3);  // channels first, on the CPU
+    for (const std::string precision : {"fp32", "bf16"}) {
+      CAPTURE(name);
+      CAPTURE(precision);
+      TrainConfig config = base;
+      config.device = "cuda";
+      config.precision = precision;
+      config.channels_last = "on";
+      const Run one = run(config, 1, 3);
+      const Run one_skip = run(config, 1, 3, Grads::skip);
+      config.pipeline.grid.stages = 2;
+      const Run two = run(config, 2, 3);
+      if (world().rank() != 0) continue;
+      check_close(one, reference, tolerance_for(precision, 1e-4, 3e-2));
+      check_same_bits(one_skip, two);
+    }
   }
 }
 

@@ -154,3 +154,85 @@ TEST_CASE("skips with replicas: D = 2 x K = 2, both skips' messages in each repl
   // order pipeline), 2 and 3 (replica 1's) each send theirs.
   for (const std::uint64_t bytes : r.skip_bytes) CHECK(bytes > 0);
 }
+
+namespace {
+// A CNN with each image layer the U-Net and ResNet lack: both pools, a biased convolution
+// and a flatten over planes of 2 x 2 (which must swap a channels-last image back).
+const char* pools_cnn = R"(input = [3, 8, 8]
+[[layer]]
+kind = "conv2d"
+out = 8
+kernel = 3
+padding = 1
+[[layer]]
+kind = "relu"
+[[layer]]
+kind = "maxpool2d"
+kernel = 2
+[[layer]]
+kind = "conv2d"
+out = 6
+kernel = 3
+padding = 1
+[[layer]]
+kind = "batchnorm2d"
+[[layer]]
+kind = "relu"
+[[layer]]
+kind = "avgpool2d"
+kernel = 2
+[[layer]]
+kind = "flatten"
+[[layer]]
+kind = "linear"
+out = 4
+[[layer]]
+kind = "cross_entropy"
+)";
+}  // namespace
+
+TEST_CASE("--channels-last on: the U-Net, a ResNet under both BatchNorm rules and a CNN with pools and a flatten train bitwise as channels first, K = 1, 2, 4") {
+  if (world().size() != 4) return;
+  static const std::string cnn_path = [] {
+    const auto p = mpipe::testing::test_file("channels_last_cnn.toml");
+    std::ofstream(p) << pools_cnn;
+    return p.string();
+  }();
+  TrainConfig resnet;
+  resnet.model.kind = "resnet";
+  resnet.model.layers = 18;
+  resnet.model.width = 4;
+  resnet.model.image = 8;
+  resnet.model.classes = 3;
+  resnet.batch_size = 8;
+  resnet.micro_batches = 4;
+  resnet.steps = 3;
+  resnet.seed = 5;
+  resnet.threads = 1;
+  resnet.optimizer.lr = 1e-2f;
+  TrainConfig cnn = resnet;
+  cnn.model = ModelConfig{};
+  cnn.model.kind = cnn_path;
+  TrainConfig deferred = resnet;
+  deferred.pipeline.batchnorm = "deferred";
+  const std::pair<const char*, TrainConfig> models[] = {
+      {"unet", unet("gpipe", "never", "")}, {"resnet", resnet}, {"resnet deferred", deferred}, {"cnn", cnn}};
+  for (const auto& [name, base] : models) {
+    const Result reference = run(base, 1);
+    for (const char* schedule : {"gpipe", "zb-h1"})
+      for (const char* remat : {"never", "selective", "always"})
+        for (int K : {1, 2, 4}) {
+          TrainConfig c = base;
+          c.pipeline.schedule = schedule;
+          c.pipeline.remat = remat;
+          c.channels_last = "on";
+          const Result r = run(c, K);
+          if (world().rank() != 0) continue;
+          INFO(name << ", schedule " << schedule << ", remat " << remat << ", K " << K);
+          CHECK(r.losses == reference.losses);
+          REQUIRE(r.params.size() == reference.params.size());
+          CHECK(std::memcmp(r.params.data(), reference.params.data(), r.params.size() * sizeof(float)) == 0);
+        }
+    if (world().rank() == 0) CHECK(reference.losses.back() < reference.losses.front());
+  }
+}

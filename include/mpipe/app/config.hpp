@@ -78,6 +78,10 @@ struct TrainConfig {
   // on | off: on a GPU, each action of a micro-batch (F, B, W, a recomputation) recorded
   // and launched as one CUDA graph from the third step on (Stage::graphed).
   std::string cuda_graphs = "off";
+  // on | off: images (N, C, H, W) lie in memory as NHWC (channels last) in every image
+  // layer: on a GPU cuDNN's NHWC convolutions and kernels of its own, with no transposes;
+  // on the CPU each image op swaps to channels first and back (the same bits, slower).
+  std::string channels_last = "off";
 };
 
 // Checks everything that needs neither the model's layers nor communication; UserError

@@ -45,20 +45,25 @@ struct Runs {
   std::int64_t dst_stride = 0, dst_offset = 0, src_stride = 0, src_offset = 0;
 };
 
-// The geometry of a 2-D convolution or pooling window over NCHW tensors: input
-// (N, C, H, W), output (N, OC, OH, OW), kernel KH x KW, the same stride and zero
-// padding along both axes, C and OC split into `groups` (convolution only).
+// The geometry of a 2-D convolution or pooling window: input (N, C, H, W), output
+// (N, OC, OH, OW), kernel KH x KW, the same stride and zero padding along both axes, C
+// and OC split into `groups` (convolution only). The shapes are logical; the tensors lie
+// in memory as NCHW, or as NHWC (channels last: each position's channels side by side)
+// where `channels_last` is set (train --channels-last on). Weights are (OC, C/groups, KH,
+// KW) in either layout.
 struct Window2d {
   std::int64_t N = 0, C = 0, H = 0, W = 0, OC = 0, OH = 0, OW = 0;
   std::int64_t KH = 1, KW = 1, stride = 1, padding = 0, groups = 1;
+  bool channels_last = false;
 };
 
-// Output (oh, ow) of a max pool over one plane `in`, its elements read as floats by
+// Output (oh, ow) of a max pool over one plane `in` (a pointer, or anything indexed by
+// h W + x: a channels-last plane's strided view), its elements read as floats by
 // `load`: the first of equal maxima in (kh, kw) order, as PyTorch (a NaN first stays; a
 // later one is passed over), and in *at where it is (-1: no element in the window). The
 // CPU's and the GPU's kernels both choose by it, so their argmax agree.
-template <class T, class Load>
-MPIPE_HOST_DEVICE inline float max_window(const T* in, std::int64_t oh, std::int64_t ow, const Window2d& w, Load load,
+template <class In, class Load>
+MPIPE_HOST_DEVICE inline float max_window(In in, std::int64_t oh, std::int64_t ow, const Window2d& w, Load load,
                                           std::int32_t* at) {
   float best = -INFINITY;
   *at = -1;

@@ -31,6 +31,7 @@ class Conv2d final : public Layer {
 
  private:
   Window2d window(const Shape& in) const;
+  Window2d window(const Shape& in, const Pass& pass) const;  // with the pass's layout
   int64_t channels_, out_, kernel_, stride_, padding_, groups_;
   bool has_bias_;
   float init_std_;

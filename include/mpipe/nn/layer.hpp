@@ -134,6 +134,10 @@ struct Pass {
   bool training = true;
   bool recompute = false;          // a forward again for backward (remat): no state updates
   bool deferred_statistics = false;  // --batchnorm deferred: gather a step's sums, apply them at its end
+  // --channels-last on: images (N, C, H, W) lie in memory as NHWC, each position's channels
+  // side by side (the image layers pass it to their ops; a flatten swaps back to the
+  // channels-first order its (N, C H W) features have). Shapes stay (N, C, H, W).
+  bool channels_last = false;
   Tensor targets;                  // (B, T) or (B) int32, for the loss layer
   float loss_scale = 1.0f;         // d(total loss)/d(per-row loss): 1 / rows in the step
   DType dtype = DType::f32;        // of activations and their gradients (bf16 on a GPU)

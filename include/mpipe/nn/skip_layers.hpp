@@ -38,8 +38,9 @@ class SkipJoin final : public Layer {
   void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) override;
 
  private:
-  // The runs of x's (skip: the skip's) part of the output, for concat.
-  Runs runs(const Shape& in, bool skip) const;
+  // The runs of x's (skip: the skip's) part of the output, for concat; channels last, an
+  // image's runs are each position's channels.
+  Runs runs(const Shape& in, bool skip, bool channels_last) const;
   Op op_;
   std::string from_;
   Shape skip_;  // batch 1

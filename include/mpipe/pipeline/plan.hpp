@@ -89,6 +89,7 @@ struct RunOptions {
   Device device = Device::cpu;         // resolved: never "auto" here
   DType precision = DType::f32;        // of activations, their gradients and the messages
   bool cuda_graphs = false;            // --cuda-graphs on (a GPU): actions launched as CUDA graphs
+  bool channels_last = false;          // --channels-last on: images NHWC in memory (Pass::channels_last)
   int trace_steps = 0;                 // steps traced after the first (--trace); 0: no trace
 };
 

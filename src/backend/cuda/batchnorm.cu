@@ -8,6 +8,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "batchnorm.cuh"
 #include "kernels.cuh"
 #include "mpipe/backend/cuda/ops.hpp"
 
@@ -182,16 +183,7 @@ __global__ void batchnorm_normalize_kernel(T* out, float* mean, float* rstd, flo
   if (s != 0 || threadIdx.x != 0) return;
   mean[c] = static_cast<float>(m);
   rstd[c] = r;
-  if (running_mean) {
-    const double unbiased = n > 1 ? sq / (n - 1) : var;
-    running_mean[c] = (1 - momentum) * running_mean[c] + momentum * static_cast<float>(m);
-    running_var[c] = (1 - momentum) * running_var[c] + momentum * static_cast<float>(unbiased);
-  }
-  if (sums_out) {
-    if (c == 0) sums_out[0] += n;
-    sums_out[1 + c] += sum;
-    sums_out[1 + sh.C + c] += sq + n * m * m;
-  }
+  record_statistics(running_mean, running_var, sums_out, c, sh.C, n, sum, sq, momentum);
 }
 
 __global__ void batchnorm_apply_sums_kernel(float* running_mean, float* running_var, const double* sums, int64_t C,

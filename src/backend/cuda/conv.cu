@@ -1,5 +1,7 @@
 // CUDA convolution and pooling over NCHW: the CPU ops of src/backend/cpu/conv.cpp on the
-// GPU (contracts in include/mpipe/backend/cuda/ops.hpp; BatchNorm: batchnorm.cu).
+// GPU (contracts in include/mpipe/backend/cuda/ops.hpp; BatchNorm: batchnorm.cu). Pooling
+// also over NHWC (Window2d::channels_last); channels-last convolutions are cuDNN's alone
+// (conv_dnn.cu), and their bias gradient is here.
 //
 // Convolution's forward, input gradient and weight gradient run on cuDNN where it offers
 // a deterministic algorithm for the shape (conv_dnn.cu; in bf16 cuDNN rounds the weight
@@ -264,15 +266,59 @@ __global__ void bias_grad_nchw(float* dbias, const T* dout, int64_t N, int64_t O
   if (threadIdx.x == 0) dbias[oc] += sum;
 }
 
+// bias_grad over channels-last dout (rows, OC): block oc sums column oc, thread t rows t,
+// t + blockDim.x, ... (strided reads: a bias beside a channels-last convolution is rare,
+// BatchNorm taking its place).
+template <class T>
+__global__ void bias_grad_rows(float* dbias, const T* dout, int64_t rows, int64_t OC) {
+  __shared__ float shared[32];
+  const int64_t oc = blockIdx.x;
+  float sum = 0.0f;
+  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) sum += to_f32(dout[r * OC + oc]);
+  sum = block_reduce(sum, Sum{}, 0.0f, shared);
+  if (threadIdx.x == 0) dbias[oc] += sum;
+}
+
 // ---- pooling -----------------------------------------------------------------------------
 
+// Element (n, c, h, x) of an image of C channels and H x W planes, in either layout, and
+// the element at a memory index.
+struct ImageAt {
+  int64_t C, H, W;
+  bool last;  // channels last (NHWC)
+  __device__ int64_t operator()(int64_t n, int64_t c, int64_t h, int64_t x) const {
+    return last ? ((n * H + h) * W + x) * C + c : ((n * C + c) * H + h) * W + x;
+  }
+  __device__ void split(int64_t i, int64_t& n, int64_t& c, int64_t& h, int64_t& x) const {
+    if (last) {
+      c = i % C, x = (i / C) % W, h = (i / (C * W)) % H, n = i / (C * W * H);
+    } else {
+      x = i % W, h = (i / W) % H, c = (i / (W * H)) % C, n = i / (W * H * C);
+    }
+  }
+};
+__device__ __forceinline__ ImageAt input_at(const Window2d& w) { return {w.C, w.H, w.W, w.channels_last}; }
+__device__ __forceinline__ ImageAt output_at(const Window2d& w) { return {w.C, w.OH, w.OW, w.channels_last}; }
+
+// One plane of either layout indexed by h W + x (max_window's view).
+template <class T>
+struct PlaneView {
+  const T* base;
+  int64_t step;
+  __device__ T operator[](int64_t i) const { return base[i * step]; }
+};
+
+// Threads over the outputs in memory order (channels last: consecutive threads on
+// consecutive channels, coalesced).
 template <class T>
 __global__ void maxpool_forward_kernel(T* out, int32_t* argmax, const T* inp, Window2d w) {
   const int64_t total = w.N * w.C * w.OH * w.OW;
+  const ImageAt in_at = input_at(w), out_at = output_at(w);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int64_t ow = i % w.OW, oh = (i / w.OW) % w.OH, plane = i / (w.OW * w.OH);
-    const T* in = inp + plane * w.H * w.W;
+    int64_t n, c, oh, ow;
+    out_at.split(i, n, c, oh, ow);
+    const PlaneView<T> in{inp + in_at(n, c, 0, 0), w.channels_last ? w.C : 1};
     int32_t at;  // the first of equal maxima, as the CPU and PyTorch (backend/op_types.hpp)
     const float best = max_window(in, oh, ow, w, [](T v) { return to_f32(v); }, &at);
     out[i] = from_f32<T>(best);
@@ -285,9 +331,11 @@ __global__ void maxpool_forward_kernel(T* out, int32_t* argmax, const T* inp, Wi
 template <class T>
 __global__ void maxpool_backward_kernel(T* dinp, const T* dout, const int32_t* argmax, Window2d w, bool accumulate) {
   const int64_t total = w.N * w.C * w.H * w.W;
+  const ImageAt in_at = input_at(w), out_at = output_at(w);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int64_t x = i % w.W, h = (i / w.W) % w.H, plane = i / (w.W * w.H);
+    int64_t n, c, h, x;
+    in_at.split(i, n, c, h, x);
     const int32_t self = static_cast<int32_t>(h * w.W + x);
     int64_t oh0, oh1, ow0, ow1;
     covering(h, w.KH, w.stride, w.padding, w.OH, oh0, oh1);
@@ -295,7 +343,7 @@ __global__ void maxpool_backward_kernel(T* dinp, const T* dout, const int32_t* a
     float sum = accumulate ? to_f32(dinp[i]) : 0.0f;
     for (int64_t oh = oh0; oh < oh1; ++oh)
       for (int64_t ow = ow0; ow < ow1; ++ow) {
-        const int64_t o = (plane * w.OH + oh) * w.OW + ow;
+        const int64_t o = out_at(n, c, oh, ow);
         if (argmax[o] == self) sum += to_f32(dout[o]);
       }
     dinp[i] = from_f32<T>(sum);
@@ -306,17 +354,18 @@ template <class T>
 __global__ void avgpool_forward_kernel(T* out, const T* inp, Window2d w) {
   const int64_t total = w.N * w.C * w.OH * w.OW;
   const float inv = 1.0f / static_cast<float>(w.KH * w.KW);
+  const ImageAt in_at = input_at(w), out_at = output_at(w);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int64_t ow = i % w.OW, oh = (i / w.OW) % w.OH, plane = i / (w.OW * w.OH);
-    const T* in = inp + plane * w.H * w.W;
+    int64_t n, c, oh, ow;
+    out_at.split(i, n, c, oh, ow);
     float sum = 0.0f;
     for (int64_t kh = 0; kh < w.KH; ++kh) {
       const int64_t h = oh * w.stride - w.padding + kh;
       if (h < 0 || h >= w.H) continue;
       for (int64_t kw = 0; kw < w.KW; ++kw) {
         const int64_t x = ow * w.stride - w.padding + kw;
-        if (x >= 0 && x < w.W) sum += to_f32(in[h * w.W + x]);
+        if (x >= 0 && x < w.W) sum += to_f32(inp[in_at(n, c, h, x)]);
       }
     }
     out[i] = from_f32<T>(sum * inv);
@@ -340,15 +389,17 @@ template <class T>
 __global__ void avgpool_backward_kernel(T* dinp, const T* dout, Window2d w, bool accumulate) {
   const int64_t total = w.N * w.C * w.H * w.W;
   const float inv = 1.0f / static_cast<float>(w.KH * w.KW);
+  const ImageAt in_at = input_at(w), out_at = output_at(w);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
-    const int64_t x = i % w.W, h = (i / w.W) % w.H, plane = i / (w.W * w.H);
+    int64_t n, c, h, x;
+    in_at.split(i, n, c, h, x);
     int64_t oh0, oh1, ow0, ow1;
     covering(h, w.KH, w.stride, w.padding, w.OH, oh0, oh1);
     covering(x, w.KW, w.stride, w.padding, w.OW, ow0, ow1);
     float sum = accumulate ? to_f32(dinp[i]) : 0.0f;
     for (int64_t oh = oh0; oh < oh1; ++oh)
-      for (int64_t ow = ow0; ow < ow1; ++ow) sum += to_f32(dout[(plane * w.OH + oh) * w.OW + ow]) * inv;
+      for (int64_t ow = ow0; ow < ow1; ++ow) sum += to_f32(dout[out_at(n, c, oh, ow)]) * inv;
     dinp[i] = from_f32<T>(sum);
   }
 }
@@ -449,6 +500,14 @@ void conv2d_backward(E* dinp, float* dweight, float* dbias, const E* dout, const
   }
 }
 
+template <class E>
+void conv2d_bias_gradient_last(float* dbias, const E* dout, int64_t rows, int64_t OC) {
+  if (rows == 0 || OC == 0) return;
+  MPIPE_CHECK(OC <= INT32_MAX, "conv2d: ", OC, " channels exceed one launch");
+  bias_grad_rows<<<static_cast<unsigned>(OC), kChannelThreads, 0, context().compute>>>(dbias, dev(dout), rows, OC);
+  CUDA_CHECK_LAUNCH();
+}
+
 // ---- pooling -----------------------------------------------------------------------------
 
 template <class E>
@@ -472,7 +531,7 @@ template <class E>
 void avgpool2d_forward(E* out, const E* inp, const Window2d& w) {
   const int64_t total = w.N * w.C * w.OH * w.OW;
   if (total == 0) return;
-  if (w.OH == 1 && w.OW == 1 && w.KH == w.H && w.KW == w.W && w.padding == 0) {  // global average pooling
+  if (!w.channels_last && w.OH == 1 && w.OW == 1 && w.KH == w.H && w.KW == w.W && w.padding == 0) {  // global
     const int64_t planes = w.N * w.C;
     plane_mean_kernel<<<static_cast<unsigned>(ceil_div(planes, kRowsPerBlock)), kThreads, 0, context().compute>>>(
         dev(out), dev(inp), planes, w.H * w.W);
@@ -494,6 +553,7 @@ void avgpool2d_backward(E* dinp, const E* dout, const Window2d& w, GradMode mode
 #define MPIPE_CONV_OPS(E)                                                                                          \
   template void conv2d_forward<E>(E*, const E*, const E*, const E*, const Window2d&);                           \
   template void conv2d_backward<E>(E*, float*, float*, const E*, const E*, const E*, const Window2d&, GradMode);  \
+  template void conv2d_bias_gradient_last<E>(float*, const E*, int64_t, int64_t);                                \
   template void maxpool2d_forward<E>(E*, int32_t*, const E*, const Window2d&);                                   \
   template void maxpool2d_backward<E>(E*, const E*, const int32_t*, const Window2d&, GradMode);                  \
   template void avgpool2d_forward<E>(E*, const E*, const Window2d&);                                             \

@@ -8,6 +8,14 @@
 // weight gradient in bf16 (its inputs' type): that gradient is rounded to bf16 once,
 // then added to the fp32 one. MPIPE_CONV=gemm turns cuDNN off (for comparisons): conv.cu's
 // GEMM path then does all; MPIPE_CONV=verbose prints each shape's choice.
+//
+// Channels last (Window2d::channels_last): the activations are described as NHWC and
+// the filter as NHWC too ((OC, KH, KW, C/groups), cuDNN's layout for its tensor-core
+// kernels, which then need no transposes of their own). The weights stay (OC, C/groups,
+// KH, KW) everywhere else (optimizer, checkpoints): each call swaps them into scratch
+// (swap_inner), and the weight gradient comes back in the filter's layout and is added
+// to the fp32 one swapped back. A channels-last shape cuDNN declines is the caller's to
+// run through channels first (conv_ops.cpp).
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +28,7 @@
 
 #include "conv_dnn.cuh"
 #include "kernels.cuh"
+#include "mpipe/backend/cuda/ops.hpp"
 
 namespace mpipe::cuda {
 
@@ -70,9 +79,9 @@ struct DnnConv {
 };
 
 using DnnKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          bool>;
+                          bool, bool>;
 DnnKey key_of(const Window2d& w, bool bf16) {
-  return {w.N, w.C, w.H, w.W, w.OC, w.KH, w.KW, w.stride, w.padding, w.groups, bf16};
+  return {w.N, w.C, w.H, w.W, w.OC, w.KH, w.KW, w.stride, w.padding, w.groups, bf16, w.channels_last};
 }
 
 bool ok(cudnnStatus_t status) { return status == CUDNN_STATUS_SUCCESS; }
@@ -130,13 +139,15 @@ std::unique_ptr<DnnConv> build_dnn(const Window2d& w, bool bf16) {
   cudnnHandle_t handle = context().dnn;
   const cudnnDataType_t type = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
   const cudnnMathType_t math = bf16 ? CUDNN_TENSOR_OP_MATH : CUDNN_FMA_MATH;
+  const cudnnTensorFormat_t format = w.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
   const auto i = [](int64_t v) { return static_cast<int>(v); };
+  // The 4-d setters take the sizes in N, C, H, W order whatever the format.
   if (!ok(l.cudnnCreateTensorDescriptor(&plan->x)) ||
-      !ok(l.cudnnSetTensor4dDescriptor(plan->x, CUDNN_TENSOR_NCHW, type, i(w.N), i(w.C), i(w.H), i(w.W))) ||
+      !ok(l.cudnnSetTensor4dDescriptor(plan->x, format, type, i(w.N), i(w.C), i(w.H), i(w.W))) ||
       !ok(l.cudnnCreateTensorDescriptor(&plan->y)) ||
-      !ok(l.cudnnSetTensor4dDescriptor(plan->y, CUDNN_TENSOR_NCHW, type, i(w.N), i(w.OC), i(w.OH), i(w.OW))) ||
+      !ok(l.cudnnSetTensor4dDescriptor(plan->y, format, type, i(w.N), i(w.OC), i(w.OH), i(w.OW))) ||
       !ok(l.cudnnCreateFilterDescriptor(&plan->w)) ||
-      !ok(l.cudnnSetFilter4dDescriptor(plan->w, type, CUDNN_TENSOR_NCHW, i(w.OC), i(w.C / w.groups), i(w.KH), i(w.KW))))
+      !ok(l.cudnnSetFilter4dDescriptor(plan->w, type, format, i(w.OC), i(w.C / w.groups), i(w.KH), i(w.KW))))
     return plan;
 
   // Forward.
@@ -199,10 +210,10 @@ DnnConv* dnn_conv(const Window2d& w, bool bf16) {
     plan = build_dnn(w, bf16);
     if (verbose())
       std::fprintf(stderr,
-                   "mpipe conv %s N %lld C %lld %lldx%lld -> OC %lld %lldx%lld, kernel %lldx%lld stride %lld pad %lld "
+                   "mpipe conv %s%s N %lld C %lld %lldx%lld -> OC %lld %lldx%lld, kernel %lldx%lld stride %lld pad %lld "
                    "groups %lld: forward %s (algorithm %d, %zu B), input gradient %s (algorithm %d, %zu B), "
                    "weight gradient %s (algorithm %d, %zu B)\n",
-                   bf16 ? "bf16" : "fp32", static_cast<long long>(w.N), static_cast<long long>(w.C),
+                   bf16 ? "bf16" : "fp32", w.channels_last ? " channels-last" : "", static_cast<long long>(w.N), static_cast<long long>(w.C),
                    static_cast<long long>(w.H), static_cast<long long>(w.W), static_cast<long long>(w.OC),
                    static_cast<long long>(w.OH), static_cast<long long>(w.OW), static_cast<long long>(w.KH),
                    static_cast<long long>(w.KW), static_cast<long long>(w.stride), static_cast<long long>(w.padding),
@@ -235,12 +246,30 @@ __global__ void add_bias(T* out, const T* bias, int64_t OC, int64_t plane, int64
     out[i] = from_f32<T>(to_f32(out[i]) + to_f32(bias[(i / plane) % OC]));
 }
 
-// sum[i] += part[i]: a bf16 weight gradient from cuDNN into the fp32 one.
-__global__ void add_into_f32(float* sum, const __nv_bfloat16* part, int64_t total) {
+// sum (OC, Cg, KK) += part: a weight gradient from cuDNN into the fp32 one, part in the
+// same layout, or (swapped, channels last) in (OC, KK, Cg).
+template <class T>
+__global__ void add_into_f32(float* sum, const T* part, int64_t total, int64_t Cg, int64_t KK, bool swapped) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride)
-    sum[i] += __bfloat162float(part[i]);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    int64_t from = i;
+    if (swapped) {
+      const int64_t k = i % KK, c = (i / KK) % Cg, o = i / (KK * Cg);
+      from = (o * KK + k) * Cg + c;
+    }
+    sum[i] += to_f32(part[from]);
+  }
 }
+
+// The filter cuDNN reads: the weights themselves (channels first), or swapped into
+// `swapped` (channels last: (OC, Cg, KK) -> (OC, KK, Cg)).
+template <class E>
+const E* filter_of(const E* weight, E* swapped, const Window2d& w) {
+  if (!w.channels_last) return weight;
+  swap_inner(swapped, weight, w.OC, w.C / w.groups, w.KH * w.KW, false);
+  return swapped;
+}
+int64_t filter_count(const Window2d& w) { return w.OC * (w.C / w.groups) * w.KH * w.KW; }
 
 }  // namespace
 
@@ -249,8 +278,14 @@ bool dnn_conv_input_gradient(E* dinp, const E* dout, const E* weight, const Wind
   DnnConv* dnn = dnn_conv(w, std::is_same_v<E, bf16>);
   if (!dnn || !dnn->has_backward) return false;
   const float alpha = 1.0f, beta = mode == GradMode::accumulate ? 1.0f : 0.0f;
-  void* workspace = dnn->backward_bytes ? scratch(dnn->backward_bytes) : nullptr;
-  return ran(lib().cudnnConvolutionBackwardData(context().dnn, &alpha, dnn->w, weight, dnn->y, dout,
+  // The workspace and a swapped filter from one scratch() call (a second may move the first).
+  ScratchPlan plan;
+  const std::size_t workspace_at = plan.reserve<char>(static_cast<int64_t>(dnn->backward_bytes));
+  const std::size_t filter_at = plan.reserve<E>(w.channels_last ? filter_count(w) : 0);
+  void* base = scratch(plan.bytes());
+  void* workspace = dnn->backward_bytes ? place<char>(base, workspace_at) : nullptr;
+  const E* filter = filter_of(weight, place<E>(base, filter_at), w);
+  return ran(lib().cudnnConvolutionBackwardData(context().dnn, &alpha, dnn->w, filter, dnn->y, dout,
                                                dnn->backward_conv, dnn->backward, workspace, dnn->backward_bytes, &beta,
                                                dnn->x, dinp),
              dnn->has_backward, "input gradient");
@@ -261,7 +296,7 @@ bool dnn_conv_weight_gradient(float* dweight, const E* dout, const E* inp, const
   DnnConv* dnn = dnn_conv(w, std::is_same_v<E, bf16>);
   if (!dnn || !dnn->has_weight_grad) return false;
   const float alpha = 1.0f;
-  if constexpr (std::is_same_v<E, float>) {
+  if (std::is_same_v<E, float> && !w.channels_last) {
     const float beta = 1.0f;  // accumulates, as the GEMM path does
     void* workspace = dnn->weight_grad_bytes ? scratch(dnn->weight_grad_bytes) : nullptr;
     return ran(lib().cudnnConvolutionBackwardFilter(context().dnn, &alpha, dnn->x, inp, dnn->y, dout,
@@ -269,23 +304,25 @@ bool dnn_conv_weight_gradient(float* dweight, const E* dout, const E* inp, const
                                                     dnn->weight_grad_bytes, &beta, dnn->w, dweight),
                dnn->has_weight_grad, "weight gradient");
   } else {
-    // The gradient in bf16 (the filter descriptor's type), overwritten, beside the
-    // workspace: both from one scratch() call, since a second call may reallocate the
-    // region under the first's pointer.
-    const int64_t count = w.OC * (w.C / w.groups) * w.KH * w.KW;
+    // The gradient in the inputs' type (the filter descriptor's) and layout, overwritten,
+    // beside the workspace: both from one scratch() call, since a second call may
+    // reallocate the region under the first's pointer.
+    using T = device_t<E>;
+    const int64_t count = filter_count(w);
     ScratchPlan plan;
     const std::size_t workspace_at = plan.reserve<char>(static_cast<int64_t>(dnn->weight_grad_bytes));
-    const std::size_t part_at = plan.reserve<__nv_bfloat16>(count);
+    const std::size_t part_at = plan.reserve<T>(count);
     void* base = scratch(plan.bytes());
     void* workspace = dnn->weight_grad_bytes ? place<char>(base, workspace_at) : nullptr;
-    auto* part = place<__nv_bfloat16>(base, part_at);
+    auto* part = place<T>(base, part_at);
     const float beta = 0.0f;
     if (!ran(lib().cudnnConvolutionBackwardFilter(context().dnn, &alpha, dnn->x, inp, dnn->y, dout,
                                                   dnn->weight_grad_conv, dnn->weight_grad, workspace,
                                                   dnn->weight_grad_bytes, &beta, dnn->w, part),
              dnn->has_weight_grad, "weight gradient"))
       return false;
-    add_into_f32<<<blocks_for(count, kThreads), kThreads, 0, context().compute>>>(dweight, part, count);
+    add_into_f32<<<blocks_for(count, kThreads), kThreads, 0, context().compute>>>(
+        dweight, part, count, w.C / w.groups, w.KH * w.KW, w.channels_last);
     CUDA_CHECK_LAUNCH();
     return true;
   }
@@ -296,23 +333,51 @@ bool dnn_conv_forward(E* out, const E* inp, const E* weight, const E* bias, cons
   DnnConv* dnn = dnn_conv(w, std::is_same_v<E, bf16>);
   if (!dnn || !dnn->has_forward) return false;
   const float alpha = 1.0f, beta = 0.0f;
-  void* workspace = dnn->forward_bytes ? scratch(dnn->forward_bytes) : nullptr;
-  if (!ran(lib().cudnnConvolutionForward(context().dnn, &alpha, dnn->x, inp, dnn->w, weight, dnn->forward_conv,
+  ScratchPlan plan;  // as the input gradient's
+  const std::size_t workspace_at = plan.reserve<char>(static_cast<int64_t>(dnn->forward_bytes));
+  const std::size_t filter_at = plan.reserve<E>(w.channels_last ? filter_count(w) : 0);
+  void* base = scratch(plan.bytes());
+  void* workspace = dnn->forward_bytes ? place<char>(base, workspace_at) : nullptr;
+  const E* filter = filter_of(weight, place<E>(base, filter_at), w);
+  if (!ran(lib().cudnnConvolutionForward(context().dnn, &alpha, dnn->x, inp, dnn->w, filter, dnn->forward_conv,
                                          dnn->forward, workspace, dnn->forward_bytes, &beta, dnn->y, out),
            dnn->has_forward, "forward"))
     return false;
   if (bias) {
+    // A channel's outputs are a plane apart (channels first) or side by side (last).
     const int64_t plane = w.OH * w.OW, total = w.N * w.OC * plane;
-    add_bias<<<blocks_for(total, kThreads), kThreads, 0, context().compute>>>(dev(out), dev(bias), w.OC, plane, total);
+    add_bias<<<blocks_for(total, kThreads), kThreads, 0, context().compute>>>(dev(out), dev(bias), w.OC,
+                                                                              w.channels_last ? 1 : plane, total);
     CUDA_CHECK_LAUNCH();
   }
   return true;
 }
 
+template <class E>
+bool conv2d_forward_last(E* out, const E* inp, const E* weight, const E* bias, const Window2d& w) {
+  MPIPE_CHECK(w.channels_last, "conv2d_forward_last: a channels-first window");
+  return w.N * w.OH * w.OW == 0 || w.OC == 0 || dnn_conv_forward(out, inp, weight, bias, w);
+}
+
+template <class E>
+bool conv2d_input_gradient_last(E* dinp, const E* dout, const E* weight, const Window2d& w, GradMode mode) {
+  MPIPE_CHECK(w.channels_last, "conv2d_input_gradient_last: a channels-first window");
+  return w.N * w.OH * w.OW == 0 || w.OC == 0 || dnn_conv_input_gradient(dinp, dout, weight, w, mode);
+}
+
+template <class E>
+bool conv2d_weight_gradient_last(float* dweight, const E* dout, const E* inp, const Window2d& w) {
+  MPIPE_CHECK(w.channels_last, "conv2d_weight_gradient_last: a channels-first window");
+  return w.N * w.OH * w.OW == 0 || w.OC == 0 || dnn_conv_weight_gradient(dweight, dout, inp, w);
+}
+
 #define MPIPE_DNN_CONV_OPS(E)                                                                  \
   template bool dnn_conv_forward<E>(E*, const E*, const E*, const E*, const Window2d&);         \
   template bool dnn_conv_input_gradient<E>(E*, const E*, const E*, const Window2d&, GradMode); \
-  template bool dnn_conv_weight_gradient<E>(float*, const E*, const E*, const Window2d&);
+  template bool dnn_conv_weight_gradient<E>(float*, const E*, const E*, const Window2d&);                 \
+  template bool conv2d_forward_last<E>(E*, const E*, const E*, const E*, const Window2d&);                \
+  template bool conv2d_input_gradient_last<E>(E*, const E*, const E*, const Window2d&, GradMode);        \
+  template bool conv2d_weight_gradient_last<E>(float*, const E*, const E*, const Window2d&);
 MPIPE_DNN_CONV_OPS(float)
 MPIPE_DNN_CONV_OPS(bf16)
 #undef MPIPE_DNN_CONV_OPS

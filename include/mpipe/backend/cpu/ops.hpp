@@ -159,6 +159,9 @@ void upsample_nearest_forward(float* out, const float* inp, std::int64_t planes,
                               std::int64_t scale);
 void upsample_nearest_backward(float* dinp, const float* dout, std::int64_t planes, std::int64_t H, std::int64_t W,
                                std::int64_t scale);
+// dst (N, B, A) = src (N, A, B) with its inner two axes swapped (an image between
+// channels first and channels last: A, B = C, H W or H W, C); accumulate adds to dst.
+void swap_inner(float* dst, const float* src, std::int64_t N, std::int64_t A, std::int64_t B, bool accumulate);
 
 
 // BatchNorm over (N, C, plane) per channel, eps inside the root. Training: the batch's

@@ -149,7 +149,23 @@ void conv2d_forward(E* out, const E* inp, const E* weight, const E* bias, const 
 template <class E>
 void conv2d_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
                      const Window2d& w, GradMode mode);
-// As the CPU ops: argmax (N, C, OH, OW) keeps the input offset within its plane. The
+// Channels last (NHWC activations; weights (OC, C/groups, KH, KW) as ever), on cuDNN's
+// NHWC convolutions, its filters (OC, KH, KW, C/groups) swapped from the weights per
+// call: false (nothing written) where cuDNN declines the shape or direction, which the
+// caller then runs through channels first. The weight gradient comes back swapped and is
+// added to the fp32 one (in bf16 rounded to bf16 first, as channels first).
+template <class E>
+bool conv2d_forward_last(E* out, const E* inp, const E* weight, const E* bias, const Window2d& w);
+template <class E>
+bool conv2d_input_gradient_last(E* dinp, const E* dout, const E* weight, const Window2d& w, GradMode mode);
+template <class E>
+bool conv2d_weight_gradient_last(float* dweight, const E* dout, const E* inp, const Window2d& w);
+// dbias (OC) += the column sums of dout (rows, OC), each channel's rows in a fixed order.
+template <class E>
+void conv2d_bias_gradient_last(float* dbias, const E* dout, int64_t rows, int64_t OC);
+// As the CPU ops: argmax (N, C, OH, OW) keeps the input offset within its plane.
+// Channels last (w.channels_last): every tensor NHWC, argmax (N, OH, OW, C), the same
+// offsets and the same choice. The
 // backward gathers, for each input element, the windows that chose it (no atomics).
 template <class E>
 void maxpool2d_forward(E* out, int32_t* argmax, const E* inp, const Window2d& w);
@@ -166,6 +182,14 @@ template <class E>
 void upsample_nearest_forward(E* out, const E* inp, int64_t planes, int64_t H, int64_t W, int64_t scale);
 template <class E>
 void upsample_nearest_backward(E* dinp, const E* dout, int64_t planes, int64_t H, int64_t W, int64_t scale);
+// The same over (N, H, W, C): each position's C channels copied, the gradient summed.
+template <class E>
+void upsample_nearest_forward_last(E* out, const E* inp, int64_t N, int64_t H, int64_t W, int64_t C, int64_t scale);
+template <class E>
+void upsample_nearest_backward_last(E* dinp, const E* dout, int64_t N, int64_t H, int64_t W, int64_t C, int64_t scale);
+// dst (N, B, A) = (or +=) src (N, A, B): an image between channels first and last.
+template <class E>
+void swap_inner(E* dst, const E* src, int64_t N, int64_t A, int64_t B, bool accumulate);
 // BatchNorm per channel of (N, C, plane), the CPU op's math (statistics in double; each
 // channel's sums split into segments of samples, one block each, added in segment order:
 // an order fixed by the sizes). weight and bias are E, the statistics and
@@ -183,6 +207,18 @@ void batchnorm_forward_eval(E* out, const E* inp, const E* weight, const E* bias
 template <class E>
 void batchnorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
                         const float* mean, const float* rstd, int64_t N, int64_t C, int64_t plane, GradMode mode);
+
+// BatchNorm over channels-last (rows, C) (batchnorm_last.cu): the same statistics and
+// rules, each channel's sums over segments of rows (a block a segment and 32 channels,
+// partials added in segment order). Evaluation is batchnorm_forward_eval with N = rows,
+// plane 1.
+template <class E>
+void batchnorm_forward_train_last(E* out, float* mean, float* rstd, float* running_mean, float* running_var,
+                                  double* sums, const E* inp, const E* weight, const E* bias, int64_t rows, int64_t C,
+                                  float eps, float momentum, bool relu);
+template <class E>
+void batchnorm_backward_last(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
+                             const float* mean, const float* rstd, int64_t rows, int64_t C, GradMode mode);
 
 // Same masks as the CPU op, bit for bit (the same Philox4x32-10 words). out may alias inp.
 template <class E>
