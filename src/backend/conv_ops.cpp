@@ -181,8 +181,9 @@ void conv2d_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& db
   Window2d first = w;
   first.channels_last = false;
   const Tensor dx = Swapped::gradient(input_grad, mode);
+  // The input is read for the weight gradient alone (on either device).
   conv2d_backward_first(dx, weight_grad, bias_grad, Swapped::first(dout, Swapped::output_grad),
-                        Swapped::first(inp, Swapped::input), weight, cols, first, mode);
+                        weight_grad.empty() ? Tensor{} : Swapped::first(inp, Swapped::input), weight, cols, first, mode);
   Swapped::back(input_grad, dx);
 }
 

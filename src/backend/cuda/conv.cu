@@ -430,6 +430,7 @@ Gemm per_group(int64_t groups, int64_t M, int64_t N, int64_t K, const void* a, b
 
 template <class E>
 void conv2d_forward(E* out, const E* inp, const E* weight, const E* bias, const Window2d& w) {
+  MPIPE_CHECK(!w.channels_last, "conv2d_forward: a channels-last window on the channels-first op");
   const int64_t P = w.N * w.OH * w.OW, plane = w.OH * w.OW;
   if (P == 0 || w.OC == 0) return;
   cudaStream_t stream = context().compute;
@@ -455,6 +456,7 @@ void conv2d_forward(E* out, const E* inp, const E* weight, const E* bias, const 
 template <class E>
 void conv2d_backward(E* dinp, float* dweight, float* dbias, const E* dout, const E* inp, const E* weight,
                      const Window2d& w, GradMode mode) {
+  MPIPE_CHECK(!w.channels_last, "conv2d_backward: a channels-last window on the channels-first op");
   const int64_t P = w.N * w.OH * w.OW, plane = w.OH * w.OW;
   if (P == 0 || w.OC == 0) return;
   // cuDNN's gradients first: their workspace may grow scratch(), which the GEMM path

@@ -482,6 +482,14 @@ void embedding_backward(float* dwte, float* dwpe, const E* dout, const int32_t* 
 
 // ---- cross-entropy -----------------------------------------------------------------------
 
+// Whether a row of V classes (plane apart) takes one thread (the planes kernels) rather
+// than a block of kRowThreads: planes (a per-pixel loss as it lies), and rows of at most a
+// warp's classes (a classifier's, a channels-last per-pixel loss's), where a block would
+// leave most of its threads idle.
+namespace {
+bool thread_per_row(int64_t V, int64_t plane) { return plane > 1 || V <= 32; }
+}  // namespace
+
 template <class E>
 void crossentropy_forward(float* lse, double* loss_sum, const E* logits, const int32_t* targets, int64_t outer,
                           int64_t V, int64_t plane) {
@@ -490,7 +498,7 @@ void crossentropy_forward(float* lse, double* loss_sum, const E* logits, const i
   MPIPE_CHECK(N <= INT32_MAX, "crossentropy_forward: ", N, " rows exceed one grid");
   cudaStream_t stream = context().compute;
   auto* row_loss = static_cast<double*>(scratch(static_cast<std::size_t>(N) * sizeof(double)));
-  if (plane == 1) {
+  if (!thread_per_row(V, plane)) {
     crossentropy_forward_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(lse, row_loss, dev(logits),
                                                                                      targets, V);
   } else {
@@ -510,7 +518,7 @@ void crossentropy_backward(E* dlogits, const E* logits, const float* lse, const 
   const int64_t N = outer * plane;
   if (N == 0) return;
   MPIPE_CHECK(N <= INT32_MAX, "crossentropy_backward: ", N, " rows exceed one grid");
-  if (plane == 1) {
+  if (!thread_per_row(V, plane)) {
     crossentropy_backward_kernel<<<static_cast<unsigned>(N), kRowThreads, 0, context().compute>>>(
         dev(dlogits), dev(logits), lse, targets, scale, V);
   } else {
