@@ -1,4 +1,5 @@
-// Convolutional layers over NCHW tensors: conv2d, max and average pooling, global
+// Convolutional layers over (N, C, H, W) tensors, NCHW in memory or NHWC under
+// --channels-last on (Pass::channels_last): conv2d, max and average pooling, global
 // average pooling, flatten, BatchNorm; on the CPU and the GPU (backend/cuda/conv.cu).
 #pragma once
 #include <algorithm>
