@@ -12,7 +12,10 @@
 // CPU's convolution columns; empty on a GPU), std::vector<float> read(tensor) (memory
 // order), and float round(float) (what an element of the run's type holds).
 #pragma once
+#include <doctest/doctest.h>
+
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <string>
 #include <vector>
@@ -22,23 +25,43 @@
 
 namespace mpipe::test {
 
-// (N, C, P) channels first -> (N, P, C) channels last, and back.
-inline std::vector<float> to_last(const std::vector<float>& x, std::int64_t N, std::int64_t C, std::int64_t P) {
+// x (N, A, B) with its inner two axes swapped, (N, B, A), element by element.
+inline std::vector<float> swapped(const std::vector<float>& x, std::int64_t N, std::int64_t A, std::int64_t B) {
   std::vector<float> y(x.size());
   for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t c = 0; c < C; ++c)
-      for (std::int64_t p = 0; p < P; ++p)
-        y[static_cast<std::size_t>((n * P + p) * C + c)] = x[static_cast<std::size_t>((n * C + c) * P + p)];
+    for (std::int64_t a = 0; a < A; ++a)
+      for (std::int64_t b = 0; b < B; ++b)
+        y[static_cast<std::size_t>((n * B + b) * A + a)] = x[static_cast<std::size_t>((n * A + a) * B + b)];
   return y;
 }
-inline std::vector<float> to_first(const std::vector<float>& y, std::int64_t N, std::int64_t C, std::int64_t P) {
-  std::vector<float> x(y.size());
-  for (std::int64_t n = 0; n < N; ++n)
-    for (std::int64_t c = 0; c < C; ++c)
-      for (std::int64_t p = 0; p < P; ++p)
-        x[static_cast<std::size_t>((n * C + c) * P + p)] = y[static_cast<std::size_t>((n * P + p) * C + c)];
-  return x;
+// (N, C, P) channels first -> (N, P, C) channels last, and back.
+inline std::vector<float> to_last(const std::vector<float>& x, std::int64_t N, std::int64_t C, std::int64_t P) {
+  return swapped(x, N, C, P);
 }
+inline std::vector<float> to_first(const std::vector<float>& y, std::int64_t N, std::int64_t C, std::int64_t P) {
+  return swapped(y, N, P, C);
+}
+
+// The Memory of a CPU run: fp32 everywhere, each drawn value as `rounding` leaves it
+// (null: as drawn; a GPU test's twin: what its element type holds).
+struct HostMemory {
+  float (*rounding)(float) = nullptr;
+  std::deque<std::vector<float>> values;
+  std::deque<std::vector<std::int32_t>> ints;
+  Tensor image(const std::vector<float>& v, Shape s) { return floats(v, s); }
+  Tensor floats(const std::vector<float>& v, Shape s) {
+    REQUIRE(static_cast<std::int64_t>(v.size()) == s.numel());
+    values.push_back(v);
+    return Tensor{values.back().data(), s, DType::f32, Device::cpu};
+  }
+  Tensor indices(Shape s) {
+    ints.emplace_back(static_cast<std::size_t>(s.numel()), -7);
+    return Tensor{ints.back().data(), s, DType::i32, Device::cpu};
+  }
+  Tensor scratch(std::int64_t n) { return floats(std::vector<float>(static_cast<std::size_t>(n)), Shape{n}); }
+  std::vector<float> read(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
+  float round(float v) const { return rounding ? rounding(v) : v; }
+};
 
 template <class Memory>
 std::map<std::string, std::vector<float>> run_image_ops(Memory& m, bool last) {

@@ -9,7 +9,6 @@
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/backend/dispatch.hpp"
 #include "mpipe/backend/op_profile.hpp"
-#include "mpipe/backend/ops.hpp"
 #if MPIPE_HAVE_CUDA
 #include "mpipe/backend/cuda/ops.hpp"
 #endif
@@ -217,11 +216,11 @@ void avgpool2d_forward(const Tensor& out, const Tensor& inp, const Window2d& w) 
   const OpTimer timer(OpKind::elementwise, __func__);
   same_place("avgpool2d", out, inp);
   if (inp.device == Device::cpu && w.channels_last) {
-    // A global pool's (N, C) output is the same in either layout; swapping it back is a copy.
-    const Tensor y = Swapped::like(out, Swapped::output);
+    // A global pool's (N, C) output is the same in either layout: written in place.
+    const bool image = out.shape.rank == 4;
+    const Tensor y = image ? Swapped::like(out, Swapped::output) : out;
     cpu::avgpool2d_forward(y.f32(), Swapped::first(inp, Swapped::input).f32(), w);
-    if (out.shape.rank == 4) Swapped::back(out, y);
-    else copy(out, y);
+    if (image) Swapped::back(out, y);
   } else if (inp.device == Device::cpu) {
     cpu::avgpool2d_forward(out.f32(), inp.f32(), w);
   } else MPIPE_ON_GPU(inp, cuda::avgpool2d_forward(ptr<E>(out), ptr<E>(inp), w));
@@ -371,10 +370,10 @@ void upsample_nearest_forward(const Tensor& out, const Tensor& inp, std::int64_t
     Swapped::back(out, y);
   } else if (inp.device == Device::cpu) {
     cpu::upsample_nearest_forward(out.f32(), inp.f32(), planes, H, W, scale);
-  } else if (channels_last) {
-    MPIPE_ON_GPU(inp, cuda::upsample_nearest_forward_last(ptr<E>(out), ptr<E>(inp), inp.shape[0], H, W, inp.shape[1], scale));
   } else {
-    MPIPE_ON_GPU(inp, cuda::upsample_nearest_forward(ptr<E>(out), ptr<E>(inp), planes, H, W, scale));
+    const std::int64_t C = inp.shape[1];
+    MPIPE_ON_GPU(inp, cuda::upsample_nearest_forward(ptr<E>(out), ptr<E>(inp), channels_last ? planes / C : planes, H, W,
+                                                     scale, channels_last ? C : 1));
   }
 }
 
@@ -390,11 +389,10 @@ void upsample_nearest_backward(const Tensor& dinp, const Tensor& dout, std::int6
     Swapped::back(dinp, dx);
   } else if (dout.device == Device::cpu) {
     cpu::upsample_nearest_backward(dinp.f32(), dout.f32(), planes, H, W, scale);
-  } else if (channels_last) {
-    MPIPE_ON_GPU(dout, cuda::upsample_nearest_backward_last(ptr<E>(dinp), ptr<E>(dout), dinp.shape[0], H, W,
-                                                            dinp.shape[1], scale));
   } else {
-    MPIPE_ON_GPU(dout, cuda::upsample_nearest_backward(ptr<E>(dinp), ptr<E>(dout), planes, H, W, scale));
+    const std::int64_t C = dinp.shape[1];
+    MPIPE_ON_GPU(dout, cuda::upsample_nearest_backward(ptr<E>(dinp), ptr<E>(dout), channels_last ? planes / C : planes, H,
+                                                       W, scale, channels_last ? C : 1));
   }
 }
 

@@ -32,11 +32,13 @@
 #include "mpipe/pipeline/pair_sum.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
+#include "resnet18.hpp"
 #include "temp_dir.hpp"
 
 using namespace mpipe;
 using mpipe::test::gather_params;
 using mpipe::test::relative_difference;
+using mpipe::test::resnet18;
 using mpipe::test::world;
 
 namespace {
@@ -186,21 +188,6 @@ TrainConfig batchnorm_cnn(const std::string& path, const std::string& mode, int 
   c.optimizer.lr = lr;
   c.pipeline.grid.replicas = 2;
   c.pipeline.batchnorm = mode;
-  return c;
-}
-
-// A ResNet-18 of `width` on `image` x `image` inputs, `batch` samples in 4 micro-batches,
-// `steps` steps, one thread per rank.
-TrainConfig resnet18(int width, int image, int batch, int steps) {
-  TrainConfig c;
-  c.model.kind = "resnet";
-  c.model.layers = 18;
-  c.model.width = width;
-  c.model.image = image;
-  c.batch_size = batch;
-  c.micro_batches = 4;
-  c.steps = steps;
-  c.threads = 1;
   return c;
 }
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gather.hpp"
+#include "resnet18.hpp"
 #include "mpipe/app/config.hpp"
 #include "temp_dir.hpp"
 #include "unet_model.hpp"
@@ -198,17 +199,9 @@ TEST_CASE("--channels-last on: the U-Net, a ResNet under both BatchNorm rules an
     std::ofstream(p) << pools_cnn;
     return p.string();
   }();
-  TrainConfig resnet;
-  resnet.model.kind = "resnet";
-  resnet.model.layers = 18;
-  resnet.model.width = 4;
-  resnet.model.image = 8;
+  TrainConfig resnet = mpipe::test::resnet18(4, 8, 8, 3);
   resnet.model.classes = 3;
-  resnet.batch_size = 8;
-  resnet.micro_batches = 4;
-  resnet.steps = 3;
   resnet.seed = 5;
-  resnet.threads = 1;
   resnet.optimizer.lr = 1e-2f;
   TrainConfig cnn = resnet;
   cnn.model = ModelConfig{};

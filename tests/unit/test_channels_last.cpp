@@ -4,7 +4,6 @@
 #include <doctest/doctest.h>
 
 #include <cstring>
-#include <deque>
 #include <vector>
 
 #include "image_ops.hpp"
@@ -12,27 +11,6 @@
 #include "mpipe/backend/cpu/ops.hpp"
 
 using namespace mpipe;
-
-namespace {
-// image_ops.hpp's Memory on the CPU: fp32 everywhere.
-struct HostMemory {
-  std::deque<std::vector<float>> floats_;
-  std::deque<std::vector<std::int32_t>> ints_;
-  Tensor image(const std::vector<float>& v, Shape s) { return floats(v, s); }
-  Tensor floats(const std::vector<float>& v, Shape s) {
-    REQUIRE(static_cast<std::int64_t>(v.size()) == s.numel());
-    floats_.push_back(v);
-    return Tensor{floats_.back().data(), s, DType::f32, Device::cpu};
-  }
-  Tensor indices(Shape s) {
-    ints_.emplace_back(static_cast<std::size_t>(s.numel()), -7);
-    return Tensor{ints_.back().data(), s, DType::i32, Device::cpu};
-  }
-  Tensor scratch(std::int64_t n) { return floats(std::vector<float>(static_cast<std::size_t>(n)), Shape{n}); }
-  std::vector<float> read(const Tensor& t) { return {t.f32(), t.f32() + t.numel()}; }
-  float round(float v) const { return v; }
-};
-}  // namespace
 
 TEST_CASE("change_layout puts element (n, c, h, w) of NCHW at ((n H + h) W + w) C + c and back, adding per mode") {
   const std::int64_t N = 2, C = 3, H = 4, W = 5;
@@ -68,7 +46,7 @@ TEST_CASE("every image op on channels-last tensors gives the channels-first op's
   for (const int threads : {1, 2}) {
     CAPTURE(threads);
     cpu::set_threads(threads);
-    HostMemory first_memory, last_memory;
+    test::HostMemory first_memory, last_memory;
     const auto first = test::run_image_ops(first_memory, false);
     const auto last = test::run_image_ops(last_memory, true);
     cpu::set_threads(1);

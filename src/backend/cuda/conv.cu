@@ -1,7 +1,7 @@
 // CUDA convolution and pooling over NCHW: the CPU ops of src/backend/cpu/conv.cpp on the
 // GPU (contracts in include/mpipe/backend/cuda/ops.hpp; BatchNorm: batchnorm.cu). Pooling
 // also over NHWC (Window2d::channels_last); channels-last convolutions are cuDNN's alone
-// (conv_dnn.cu), and their bias gradient is here.
+// (conv_dnn.cu); their bias gradient is bias_grad's, by columns.
 //
 // Convolution's forward, input gradient and weight gradient run on cuDNN where it offers
 // a deterministic algorithm for the shape (conv_dnn.cu; in bf16 cuDNN rounds the weight
@@ -230,13 +230,17 @@ __global__ void fold_output(T* out, const float* product, const T* bias, int64_t
 // Threads per bias-gradient block.
 constexpr int kChannelThreads = 512;
 
-// dbias[oc] += the sum of row oc of dout_t (OC, P): one block per channel.
+// dbias[oc] += the sum of channel oc's P elements, element i at oc channel_step + i
+// element_step: a row of dout_t (OC, P) (steps P, 1), or a column of channels-last dout
+// (P, OC) (steps 1, OC; strided reads, a bias beside a channels-last convolution being
+// rare, BatchNorm taking its place). One block per channel, thread t elements t, t +
+// blockDim.x, ..., then the block's sum.
 template <class T>
-__global__ void bias_grad(float* dbias, const T* dout_t, int64_t P) {
+__global__ void bias_grad(float* dbias, const T* dout, int64_t P, int64_t channel_step, int64_t element_step) {
   __shared__ float shared[32];
   const int64_t oc = blockIdx.x;
   float sum = 0.0f;
-  for (int64_t i = threadIdx.x; i < P; i += blockDim.x) sum += to_f32(dout_t[oc * P + i]);
+  for (int64_t i = threadIdx.x; i < P; i += blockDim.x) sum += to_f32(dout[oc * channel_step + i * element_step]);
   sum = block_reduce(sum, Sum{}, 0.0f, shared);
   if (threadIdx.x == 0) dbias[oc] += sum;
 }
@@ -262,19 +266,6 @@ __global__ void bias_grad_nchw(float* dbias, const T* dout, int64_t N, int64_t O
       ++n;
     }
   }
-  sum = block_reduce(sum, Sum{}, 0.0f, shared);
-  if (threadIdx.x == 0) dbias[oc] += sum;
-}
-
-// bias_grad over channels-last dout (rows, OC): block oc sums column oc, thread t rows t,
-// t + blockDim.x, ... (strided reads: a bias beside a channels-last convolution is rare,
-// BatchNorm taking its place).
-template <class T>
-__global__ void bias_grad_rows(float* dbias, const T* dout, int64_t rows, int64_t OC) {
-  __shared__ float shared[32];
-  const int64_t oc = blockIdx.x;
-  float sum = 0.0f;
-  for (int64_t r = threadIdx.x; r < rows; r += blockDim.x) sum += to_f32(dout[r * OC + oc]);
   sum = block_reduce(sum, Sum{}, 0.0f, shared);
   if (threadIdx.x == 0) dbias[oc] += sum;
 }
@@ -483,7 +474,7 @@ void conv2d_backward(E* dinp, float* dweight, float* dbias, const E* dout, const
 
   permute_rows(dev(dout_t), dev(dout), w.OC, w.N, plane, stream);  // (N, OC, plane) -> (OC, N, plane)
   if (dbias) {
-    bias_grad<<<static_cast<unsigned>(w.OC), kChannelThreads, 0, stream>>>(dbias, dev(dout_t), P);
+    bias_grad<<<static_cast<unsigned>(w.OC), kChannelThreads, 0, stream>>>(dbias, dev(dout_t), P, P, 1);
     CUDA_CHECK_LAUNCH();
   }
   if (dweight) {
@@ -506,7 +497,7 @@ template <class E>
 void conv2d_bias_gradient_last(float* dbias, const E* dout, int64_t rows, int64_t OC) {
   if (rows == 0 || OC == 0) return;
   MPIPE_CHECK(OC <= INT32_MAX, "conv2d: ", OC, " channels exceed one launch");
-  bias_grad_rows<<<static_cast<unsigned>(OC), kChannelThreads, 0, context().compute>>>(dbias, dev(dout), rows, OC);
+  bias_grad<<<static_cast<unsigned>(OC), kChannelThreads, 0, context().compute>>>(dbias, dev(dout), rows, 1, OC);
   CUDA_CHECK_LAUNCH();
 }
 

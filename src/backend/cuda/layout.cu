@@ -1,8 +1,8 @@
 // CUDA layout ops: the CPU ops of src/backend/cpu/layout.cpp on the GPU (contracts in
 // include/mpipe/backend/cuda/ops.hpp). Each output element is written by one thread and
-// each upsampling gradient sums its block in the CPU's order: the same bits. Also the
-// channels-last twins of upsampling, and the swap of an image's inner two axes (NCHW <->
-// NHWC) through 32 x 32 tiles in shared memory.
+// each upsampling gradient sums its block in the CPU's order: the same bits. Upsampling
+// takes channels-last images too (`inner` values an element), and images swap their inner
+// two axes (NCHW <-> NHWC) through 32 x 32 tiles in shared memory.
 #include <algorithm>
 
 #include "kernels.cuh"
@@ -24,54 +24,31 @@ __global__ void copy_runs_kernel(T* dst, const T* src, Runs runs) {
   }
 }
 
+// Planes of H x W elements, each `inner` values side by side (1: channels first, an
+// element a value; C: channels last, an element a position's channels).
 template <class T>
-__global__ void upsample_forward_kernel(T* out, const T* inp, int64_t planes, int64_t H, int64_t W, int64_t scale) {
-  const int64_t OH = H * scale, OW = W * scale, total = planes * OH * OW;
+__global__ void upsample_forward_kernel(T* out, const T* inp, int64_t planes, int64_t H, int64_t W, int64_t scale,
+                                        int64_t inner) {
+  const int64_t OH = H * scale, OW = W * scale, total = planes * OH * OW * inner;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t ow = i % OW, oh = (i / OW) % OH, p = i / (OW * OH);
-    out[i] = inp[(p * H + oh / scale) * W + ow / scale];
+    const int64_t c = i % inner, ow = (i / inner) % OW, oh = (i / (inner * OW)) % OH, p = i / (inner * OW * OH);
+    out[i] = inp[((p * H + oh / scale) * W + ow / scale) * inner + c];
   }
 }
 
+// Each input value sums its block in (row, column) order.
 template <class T>
-__global__ void upsample_backward_kernel(T* dinp, const T* dout, int64_t planes, int64_t H, int64_t W, int64_t scale) {
-  const int64_t OW = W * scale, total = planes * H * W;
+__global__ void upsample_backward_kernel(T* dinp, const T* dout, int64_t planes, int64_t H, int64_t W, int64_t scale,
+                                         int64_t inner) {
+  const int64_t OW = W * scale, total = planes * H * W * inner;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t w = i % W, h = (i / W) % H, p = i / (W * H);
+    const int64_t c = i % inner, w = (i / inner) % W, h = (i / (inner * W)) % H, p = i / (inner * W * H);
     float sum = 0.0f;
     for (int64_t r = 0; r < scale; ++r) {
-      const T* row = dout + (p * H * scale + h * scale + r) * OW + w * scale;
-      for (int64_t c = 0; c < scale; ++c) sum += to_f32(row[c]);
-    }
-    dinp[i] = from_f32<T>(sum);
-  }
-}
-
-template <class T>
-__global__ void upsample_forward_last_kernel(T* out, const T* inp, int64_t N, int64_t H, int64_t W, int64_t C,
-                                             int64_t scale) {
-  const int64_t OH = H * scale, OW = W * scale, total = N * OH * OW * C;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = i % C, ow = (i / C) % OW, oh = (i / (C * OW)) % OH, n = i / (C * OW * OH);
-    out[i] = inp[((n * H + oh / scale) * W + ow / scale) * C + c];
-  }
-}
-
-// Each input element sums its block in (row, column) order, as the channels-first kernel.
-template <class T>
-__global__ void upsample_backward_last_kernel(T* dinp, const T* dout, int64_t N, int64_t H, int64_t W, int64_t C,
-                                              int64_t scale) {
-  const int64_t OW = W * scale, total = N * H * W * C;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t c = i % C, w = (i / C) % W, h = (i / (C * W)) % H, n = i / (C * W * H);
-    float sum = 0.0f;
-    for (int64_t r = 0; r < scale; ++r) {
-      const T* row = dout + ((n * H * scale + h * scale + r) * OW + w * scale) * C + c;
-      for (int64_t k = 0; k < scale; ++k) sum += to_f32(row[k * C]);
+      const T* row = dout + ((p * H * scale + h * scale + r) * OW + w * scale) * inner + c;
+      for (int64_t k = 0; k < scale; ++k) sum += to_f32(row[k * inner]);
     }
     dinp[i] = from_f32<T>(sum);
   }
@@ -109,23 +86,6 @@ __global__ void swap_inner_kernel(T* dst, const T* src, int64_t N, int64_t A, in
 }  // namespace
 
 template <class E>
-void upsample_nearest_forward_last(E* out, const E* inp, int64_t N, int64_t H, int64_t W, int64_t C, int64_t scale) {
-  const int64_t total = N * H * W * C * scale * scale;
-  if (total == 0) return;
-  upsample_forward_last_kernel<<<grid_of(total), kThreads, 0, context().compute>>>(dev(out), dev(inp), N, H, W, C, scale);
-  CUDA_CHECK_LAUNCH();
-}
-
-template <class E>
-void upsample_nearest_backward_last(E* dinp, const E* dout, int64_t N, int64_t H, int64_t W, int64_t C, int64_t scale) {
-  const int64_t total = N * H * W * C;
-  if (total == 0) return;
-  upsample_backward_last_kernel<<<grid_of(total), kThreads, 0, context().compute>>>(dev(dinp), dev(dout), N, H, W, C,
-                                                                                    scale);
-  CUDA_CHECK_LAUNCH();
-}
-
-template <class E>
 void swap_inner(E* dst, const E* src, int64_t N, int64_t A, int64_t B, bool accumulate) {
   const int64_t tiles = N * ceil_div(A, kTile) * ceil_div(B, kTile);
   if (tiles == 0) return;
@@ -143,27 +103,28 @@ void copy_runs(E* dst, const E* src, const Runs& runs) {
 }
 
 template <class E>
-void upsample_nearest_forward(E* out, const E* inp, int64_t planes, int64_t H, int64_t W, int64_t scale) {
-  const int64_t total = planes * H * W * scale * scale;
+void upsample_nearest_forward(E* out, const E* inp, int64_t planes, int64_t H, int64_t W, int64_t scale, int64_t inner) {
+  const int64_t total = planes * H * W * scale * scale * inner;
   if (total == 0) return;
-  upsample_forward_kernel<<<grid_of(total), kThreads, 0, context().compute>>>(dev(out), dev(inp), planes, H, W, scale);
+  upsample_forward_kernel<<<grid_of(total), kThreads, 0, context().compute>>>(dev(out), dev(inp), planes, H, W, scale,
+                                                                               inner);
   CUDA_CHECK_LAUNCH();
 }
 
 template <class E>
-void upsample_nearest_backward(E* dinp, const E* dout, int64_t planes, int64_t H, int64_t W, int64_t scale) {
-  const int64_t total = planes * H * W;
+void upsample_nearest_backward(E* dinp, const E* dout, int64_t planes, int64_t H, int64_t W, int64_t scale,
+                               int64_t inner) {
+  const int64_t total = planes * H * W * inner;
   if (total == 0) return;
-  upsample_backward_kernel<<<grid_of(total), kThreads, 0, context().compute>>>(dev(dinp), dev(dout), planes, H, W, scale);
+  upsample_backward_kernel<<<grid_of(total), kThreads, 0, context().compute>>>(dev(dinp), dev(dout), planes, H, W, scale,
+                                                                                inner);
   CUDA_CHECK_LAUNCH();
 }
 
 #define MPIPE_LAYOUT_OPS(E)                                                                   \
   template void copy_runs<E>(E*, const E*, const Runs&);                                      \
-  template void upsample_nearest_forward<E>(E*, const E*, int64_t, int64_t, int64_t, int64_t);  \
-  template void upsample_nearest_backward<E>(E*, const E*, int64_t, int64_t, int64_t, int64_t);              \
-  template void upsample_nearest_forward_last<E>(E*, const E*, int64_t, int64_t, int64_t, int64_t, int64_t);  \
-  template void upsample_nearest_backward_last<E>(E*, const E*, int64_t, int64_t, int64_t, int64_t, int64_t); \
+  template void upsample_nearest_forward<E>(E*, const E*, int64_t, int64_t, int64_t, int64_t, int64_t);  \
+  template void upsample_nearest_backward<E>(E*, const E*, int64_t, int64_t, int64_t, int64_t, int64_t); \
   template void swap_inner<E>(E*, const E*, int64_t, int64_t, int64_t, bool);
 MPIPE_LAYOUT_OPS(float)
 MPIPE_LAYOUT_OPS(bf16)

@@ -178,15 +178,14 @@ void avgpool2d_backward(E* dinp, const E* dout, const Window2d& w, GradMode mode
 // Layout (layout.cu): the CPU ops' (cpu/ops.hpp), the same sums in the same order.
 template <class E>
 void copy_runs(E* dst, const E* src, const Runs& runs);
+// Upsampling's elements are `inner` values side by side: 1 channels first (planes N C),
+// C channels last (planes N, each position's channels copied and summed together).
 template <class E>
-void upsample_nearest_forward(E* out, const E* inp, int64_t planes, int64_t H, int64_t W, int64_t scale);
+void upsample_nearest_forward(E* out, const E* inp, int64_t planes, int64_t H, int64_t W, int64_t scale,
+                              int64_t inner = 1);
 template <class E>
-void upsample_nearest_backward(E* dinp, const E* dout, int64_t planes, int64_t H, int64_t W, int64_t scale);
-// The same over (N, H, W, C): each position's C channels copied, the gradient summed.
-template <class E>
-void upsample_nearest_forward_last(E* out, const E* inp, int64_t N, int64_t H, int64_t W, int64_t C, int64_t scale);
-template <class E>
-void upsample_nearest_backward_last(E* dinp, const E* dout, int64_t N, int64_t H, int64_t W, int64_t C, int64_t scale);
+void upsample_nearest_backward(E* dinp, const E* dout, int64_t planes, int64_t H, int64_t W, int64_t scale,
+                               int64_t inner = 1);
 // dst (N, B, A) = (or +=) src (N, A, B): an image between channels first and last.
 template <class E>
 void swap_inner(E* dst, const E* src, int64_t N, int64_t A, int64_t B, bool accumulate);
