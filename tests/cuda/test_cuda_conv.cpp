@@ -415,6 +415,28 @@ TEST_CASE_TEMPLATE("cuda op: crossentropy over planes (N, C, H, W), a label per 
   CHECK(same_bits(download(d_over), download(d_apart)));
 }
 
+// Rows of at most 32 classes take a thread each (rows.cu's thread_per_row): a classifier's.
+TEST_CASE_TEMPLATE("cuda op: crossentropy over rows of few classes (a thread a row) meets the CPU's", E, float, bf16) {
+  const int64_t N = 300, V = 10;
+  const auto logits = rounded<E>(normals(N * V, 72, 3.0f));
+  const auto targets = random_tokens(N, V, 73);
+  const float scale = 1.0f / static_cast<float>(N);
+  std::vector<float> lse(N), dlogits(N * V);
+  const double loss = cpu::crossentropy_forward(lse.data(), logits.data(), targets.data(), N, V);
+  cpu::crossentropy_backward(dlogits.data(), logits.data(), lse.data(), targets.data(), scale, N, V);
+
+  const DeviceArray<E> d_logits = upload<E>(logits);
+  const DeviceArray<int32_t> d_targets(targets);
+  DeviceArray<float> d_lse(N);
+  DeviceArray<double> d_loss(1);
+  cuda::crossentropy_forward(d_lse.get(), d_loss.get(), d_logits.get(), d_targets.get(), N, V);
+  CHECK(d_loss.read()[0] == doctest::Approx(loss).epsilon(1e-6));
+  CHECK(error(d_lse.read(), lse) < fp32_tolerance);
+  DeviceArray<E> d_dlogits(N * V);
+  cuda::crossentropy_backward(d_dlogits.get(), d_logits.get(), d_lse.get(), d_targets.get(), scale, N, V);
+  CHECK(error(download(d_dlogits), dlogits) < tolerance<E>);
+}
+
 // ---- channels last -------------------------------------------------------------------------
 
 namespace {
