@@ -22,6 +22,21 @@
 
 namespace mpipe {
 
+namespace {
+// --seed: digits from 0 to 2^64-1 (CLI11 would take -1 or 2^64 and wrap them).
+CLI::Validator seed_check() {
+  return CLI::Validator(
+      [](std::string& text) {
+        const std::size_t start = std::min(text.find_first_not_of('0'), text.size() - (text.empty() ? 0 : 1));
+        const std::string digits = text.substr(start);
+        const bool number = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
+        const bool fits = digits.size() < 20 || (digits.size() == 20 && digits <= "18446744073709551615");
+        return number && fits ? std::string() : "must be an integer from 0 to 2^64-1, got " + text;
+      },
+      "SEED");
+}
+}  // namespace
+
 void add_train_options(CLI::App& cmd, TrainConfig& c) {
   c.device = "auto";  // the library default is the CPU; users get the GPU when there is one
   // An option given twice takes the last value, so scripts can append overrides.
@@ -73,14 +88,7 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--warmup", o.warmup, "Steps of linear learning-rate warm-up")->capture_default_str();
   cmd.add_option("--clip-grad", o.clip_grad, "Clip the global gradient norm to this (0: off)")->capture_default_str();
   cmd.add_option("--steps", c.steps, "Train up to this step")->capture_default_str();
-  cmd.add_option("--seed", c.seed, "Seed of initialisation, data and dropout")
-      ->check(CLI::Validator(
-          [](std::string& text) {
-            const bool digits = !text.empty() && text.find_first_not_of("0123456789") == std::string::npos;
-            return digits ? std::string() : "must be an integer from 0 to 2^64-1, got " + text;
-          },
-          "SEED"))
-      ->capture_default_str();
+  cmd.add_option("--seed", c.seed, "Seed of initialisation, data and dropout")->check(seed_check())->capture_default_str();
   cmd.add_option("--threads", c.threads, "Threads per rank (BLAS and loops); 0: the cores given to the rank")
       ->capture_default_str();
   cmd.add_option("--log-every", c.log_every, "Print a line every N steps")->capture_default_str();
@@ -237,13 +245,14 @@ void add_generate_options(CLI::App& cmd, GenerateOptions& g) {
   cmd.add_option("--top-k", g.sampling.top_k, "Draw from the K most likely tokens only (0: all)")->capture_default_str();
   cmd.add_option("--top-p", g.sampling.top_p, "Draw from the most likely tokens that together reach this probability (1: all)")
       ->capture_default_str();
-  cmd.add_option("--seed", g.seed, "Seed of the draws: the same seed, the same text")->capture_default_str();
+  cmd.add_option("--seed", g.seed, "Seed of the draws: the same seed, the same text")->check(seed_check())->capture_default_str();
   cmd.add_option("--output", g.output, "text (the tokens' bytes), ids, or auto: text for a vocabulary of bytes given --prompt")
       ->capture_default_str();
   cmd.add_option("--device", g.device, "cpu, cuda or auto")->capture_default_str();
   cmd.add_option("--precision", g.precision, "fp32, or bf16 on a GPU")->capture_default_str();
   cmd.add_option("--threads", g.threads, "Threads per rank (a wide model may gain from more); 0: the cores given to the rank")
       ->capture_default_str();
+  cmd.add_option("--p2p-timeout", g.p2p_timeout, "Seconds a rank may stop answering before the job ends naming it")->capture_default_str();
 }
 
 int run_main(int argc, char** argv) {

@@ -222,17 +222,24 @@ double parse_memory_size(const std::string& text) {
   }
   const std::string unit = text.substr(used);
   double scale = 0;
-  const std::pair<const char*, double> units[] = {{"", 1},      {"B", 1},        {"KB", 1e3},     {"MB", 1e6},
-                                                  {"GB", 1e9},  {"TB", 1e12},    {"KiB", 0x1p10}, {"MiB", 0x1p20},
-                                                  {"GiB", 0x1p30}, {"TiB", 0x1p40}};
+  const std::pair<const char*, double> units[] = {{"", 1},          {"B", 1},          {"KB", 1e3},       {"MB", 1e6},
+                                                  {"GB", 1e9},       {"TB", 1e12},      {"PB", 1e15},      {"EB", 1e18},
+                                                  {"KiB", 0x1p10},   {"MiB", 0x1p20},   {"GiB", 0x1p30},   {"TiB", 0x1p40},
+                                                  {"PiB", 0x1p50},   {"EiB", 0x1p60}};
   for (const auto& [name, factor] : units)
     if (unit == name) scale = factor;
   MPIPE_REQUIRE(scale > 0, hint, "--memory-per-rank '", text, "': unknown unit '", unit, "'");
   MPIPE_REQUIRE(std::isfinite(number) && number > 0, hint, "--memory-per-rank must be positive, got '", text, "'");
   // Beyond what 64 bits address, a size is a typo (or would overflow where it is counted).
-  MPIPE_REQUIRE(number * scale < 0x1p64, hint, "--memory-per-rank '", text, "' is more than a 64-bit machine addresses (16 EiB)");
+  MPIPE_REQUIRE(number * scale <= 0x1p64, hint, "--memory-per-rank '", text, "' is more than a 64-bit machine addresses (16 EiB)");
+  MPIPE_REQUIRE(number * scale < 0x1p64, hint, "--memory-per-rank '", text,
+                "' is all that a 64-bit machine addresses (16 EiB = 2^64 bytes), one byte more than a size can be");
   return number * scale;
 }
+
+namespace {
+constexpr double max_time_limit_s = 365.0 * 86400;
+}  // namespace
 
 double parse_time_limit(const std::string& text) {
   if (text.empty()) return 0;
@@ -284,6 +291,10 @@ double parse_time_limit(const std::string& text) {
   }
   seconds += days * 86400;
   if (!(seconds > 0)) throw UserError(cat("--time-limit '", text, "' must be positive"), "e.g. --time-limit 90");
+  // Beyond a year no job is given (and the seconds would overflow where they are counted).
+  if (seconds > max_time_limit_s)
+    throw UserError(cat("--time-limit '", text, "' is more than a year (365-00:00:00, ", max_time_limit_s / 60, " minutes)"),
+                    "give the job's time limit, or leave --time-limit out: no limit");
   return seconds;
 }
 
@@ -308,6 +319,20 @@ void check_output_files(const TrainConfig& c) {
   if (!c.metrics.empty()) outputs.push_back({"--metrics", c.metrics, "metrics.jsonl"});
   if (!c.trace.empty()) outputs.push_back({"--trace", c.trace, "trace.json"});
   if (!c.summary.empty()) outputs.push_back({"--summary", c.summary, "summary.json"});
+  // One file by its path (links resolved), or by its inode (a hard link is another name of it).
+  auto same = [](const std::string& a, const std::string& b) {
+    std::error_code ec1, ec2;
+    const fs::path pa = fs::weakly_canonical(a, ec1), pb = fs::weakly_canonical(b, ec2);
+    const bool one = (!ec1 && !ec2 && pa == pb) || (fs::equivalent(a, b, ec1) && !ec1);
+    return one && !fs::is_character_file(a, ec2);  // /dev/null may take them all
+  };
+  // No output may be the checkpoint directory's lock (io/checkpoint_dir.cpp's DIR/.mpipe.lock): written
+  // over, the next run would find it held by nobody it can name, and a run taking it over
+  // would delete the output.
+  const std::string lock = c.checkpoint_dir.empty() ? "" : (fs::path(c.checkpoint_dir) / ".mpipe.lock").string();
+  for (const Output& o : outputs)
+    MPIPE_REQUIRE(lock.empty() || !same(o.path, lock), cat("choose another file for ", o.option), o.option, " '", o.path,
+                  "' is the lock file of --checkpoint-dir '", c.checkpoint_dir, "', which keeps a second job out of it");
   for (const Output& o : outputs) {
     std::error_code ec;
     const fs::file_status st = fs::status(o.path, ec);
@@ -329,12 +354,6 @@ void check_output_files(const TrainConfig& c) {
                     o.path, "': directory '", parent.string(), "' is not writable");
     }
   }
-  auto same = [](const std::string& a, const std::string& b) {
-    std::error_code ec1, ec2;
-    const fs::path pa = fs::weakly_canonical(a, ec1), pb = fs::weakly_canonical(b, ec2);
-    if (ec1 || ec2 || pa != pb) return false;
-    return !fs::is_character_file(pa, ec1);  // /dev/null may take them all
-  };
   // No output may be a checkpoint: one under a checkpoint's name in the checkpoint
   // directory (it would replace the file a run resumes from), or any HDF5 file.
   for (const Output& o : outputs) {

@@ -17,8 +17,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <memory>
+#include <optional>
 
+#include "mpipe/app/output.hpp"
 #include "mpipe/app/process.hpp"
 #include "mpipe/app/startup.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
@@ -26,6 +29,8 @@
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/io/checkpoint_format.hpp"
 #include "mpipe/nn/params.hpp"
+#include "mpipe/pipeline/hosts.hpp"
+#include "mpipe/pipeline/watchdog.hpp"
 
 namespace mpipe {
 
@@ -51,6 +56,13 @@ struct Loaded {
 };
 
 std::vector<std::int32_t> read_token_file(const std::string& path, std::int64_t vocab) {
+  // Only a regular file: a directory reads as an error of the stream's, a FIFO may block.
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  MPIPE_REQUIRE(std::filesystem::exists(status), "give a file of little-endian uint16 token ids", "--prompt-tokens: no file '",
+                path, "'");
+  MPIPE_REQUIRE(std::filesystem::is_regular_file(status), "give a file of little-endian uint16 token ids", "--prompt-tokens '",
+                path, "' is ", std::filesystem::is_directory(status) ? "a directory" : "not a regular file");
   std::ifstream in(path, std::ios::binary);
   MPIPE_REQUIRE(in.good(), "give a file of little-endian uint16 token ids", "cannot read --prompt-tokens '", path, "'");
   const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -139,10 +151,15 @@ class Run {
       : o_(o), world_(world), l_(l), d_(*l.decoder), first_(world.rank() == 0), last_(world.rank() == world.size() - 1) {}
 
   // The first rank: every sample's tokens to the end, printed; the others: forwards until
-  // told to stop.
-  void operator()() {
-    if (!first_) return serve();
+  // told to stop. Returns the exit code: standard output that failed (a full disk, its
+  // reader gone) ends the generation at once, the forwards in flight drained, with its line.
+  int operator()() {
+    if (!first_) {
+      serve();
+      return 0;
+    }
     const auto start = std::chrono::steady_clock::now();
+    auto checked = start;
     sequences_.assign(static_cast<std::size_t>(o_.samples), Sequence{l_.prompt, 0});
     if (o_.samples == 1) print_tokens(l_.prompt, true);
     for (int s = 0; s < o_.samples; ++s) feed(s);
@@ -155,9 +172,18 @@ class Run {
         receive(world_, bytes_of(drawn), world_.size() - 1, tag_token);
       }
       Sequence& q = sequences_[static_cast<std::size_t>(drawn.sequence)];
-      q.tokens.push_back(static_cast<std::int32_t>(drawn.token));
-      if (o_.samples == 1) print_tokens({q.tokens.end() - 1, q.tokens.end()}, false);
-      if (++q.generated == o_.tokens) {
+      if (output_error_.empty()) {
+        q.tokens.push_back(static_cast<std::int32_t>(drawn.token));
+        if (o_.samples == 1) print_tokens({q.tokens.end() - 1, q.tokens.end()}, false);
+        // Whatever SIGPIPE's disposition, and with nothing printed yet (several samples, or
+        // under mpirun, whose own writes fail): a reader gone ends the run.
+        if (const auto now = std::chrono::steady_clock::now(); now - checked > std::chrono::milliseconds(200)) {
+          checked = now;
+          check_output();
+        }
+      }
+      // Each active sequence has one forward in flight: after a failure, each comes back.
+      if (!output_error_.empty() || ++q.generated == o_.tokens) {
         --active;
         continue;
       }
@@ -168,6 +194,10 @@ class Run {
       send(world_, bytes_of(stop), 1, tag_forward);
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!output_error_.empty()) {
+      std::fprintf(stderr, "%s\n", output_error_.c_str());
+      return output_code_;
+    }
     if (o_.samples == 1) {
       if (!l_.text) std::fputc('\n', stdout);
     } else {
@@ -177,13 +207,18 @@ class Run {
         std::fputc('\n', stdout);
       }
     }
-    std::fflush(stdout);
+    check_output();
+    if (!output_error_.empty()) {
+      std::fprintf(stderr, "%s\n", output_error_.c_str());
+      return output_code_;
+    }
     const double made = static_cast<double>(o_.tokens) * o_.samples;
     std::fprintf(stderr,
                  "mpipe: generated %.0f tokens (%d sample%s of %lld after a prompt of %zu) in %.3f s: %.1f tokens/s on %d "
                  "rank%s\n",
                  made, o_.samples, o_.samples == 1 ? "" : "s", static_cast<long long>(o_.tokens), l_.prompt.size(), seconds,
                  made / seconds, world_.size(), world_.size() == 1 ? "" : "s");
+    return 0;
   }
 
  private:
@@ -257,7 +292,11 @@ class Run {
       if (l_.text) std::fputc(tokens[i], stdout);
       else std::printf(i == 0 && from_start ? "%d" : " %d", tokens[i]);
     }
-    std::fflush(stdout);
+    if (output_error_.empty()) stdout_failed(&output_error_, &output_code_);
+  }
+
+  void check_output() {
+    if (output_error_.empty()) stdout_failed(&output_error_, &output_code_, /*readers=*/true);
   }
 
   const GenerateOptions& o_;
@@ -274,6 +313,8 @@ class Run {
   };
   std::deque<Outgoing> tokens_out_;  // the last rank's tokens in flight (a deque: they stay put)
   HostBuffer host_;
+  std::string output_error_;  // standard output's failure, said once the forwards in flight are back
+  int output_code_ = 0;
   std::vector<std::int32_t> order_;
   std::vector<double> weights_;
 };
@@ -295,6 +336,8 @@ void validate(const GenerateOptions& o) {
                 "--output must be auto, text or ids, got '", o.output, "'");
   MPIPE_REQUIRE(!o.prompt_given || o.prompt_tokens.empty(), "give one of them", "--prompt and --prompt-tokens both given");
   MPIPE_REQUIRE(o.threads >= 0, hint, "--threads must be from 0, got ", o.threads);
+  MPIPE_REQUIRE(std::isfinite(o.p2p_timeout) && o.p2p_timeout > 0, "e.g. --p2p-timeout 600",
+                "--p2p-timeout must be positive, got ", o.p2p_timeout);
   MPIPE_REQUIRE(o.device == "cpu" || o.device == "cuda" || o.device == "auto", "use cpu, cuda or auto",
                 "--device must be cpu, cuda or auto, got '", o.device, "'");
   MPIPE_REQUIRE(o.precision == "fp32" || o.precision == "bf16", "use fp32, or bf16 on a GPU",
@@ -307,9 +350,16 @@ int run_generate(const GenerateOptions& o, const Communicator& world) {
   device_config.device = o.device;
   device_config.precision = o.precision;
   resolve_device(device_config, world);
-  cpu::set_threads(o.threads > 0 ? o.threads : default_threads(world));
+  cpu::set_threads(rank_threads(o.threads, world));
   const Device device = device_config.device == "cuda" ? Device::cuda : Device::cpu;
   const DType dtype = device_config.precision == "bf16" ? DType::bf16 : DType::f32;
+  // As in train: heartbeats from here to the end, so that a rank stopped while the others
+  // wait for it in a blocking call (the load's collectives, a token's messages) is named
+  // within --p2p-timeout and the job ends. The hosts first: the line names the rank's node.
+  learn_hosts(world);
+  Watchdog watchdog(world, rank_on_host(world.rank()), o.p2p_timeout);
+  disarm_startup_deadline();  // the watchdog names a stopped rank from here on
+  std::optional<Watchdog::Guard> guard(watchdog.arm("loading the checkpoint", std::numeric_limits<double>::infinity()));
   // Every rank loads its layers; the lowest rank with a problem says it, once.
   // Rank 0 first: it picks the checkpoint (a directory's newest that verifies) and checks
   // it; the others then read the same file.
@@ -335,7 +385,6 @@ int run_generate(const GenerateOptions& o, const Communicator& world) {
   if (world.rank() != 0 && !path.empty()) load_here(path);
   int first = code != 0 ? world.rank() : world.size();
   world.allreduce(std::span<int>(&first, 1), Reduce::min);
-  disarm_startup_deadline();
   if (first < world.size()) {
     if (world.rank() == first) std::fprintf(stderr, "mpipe: error: %s\n", problem.c_str());
     world.broadcast(std::span<int>(&code, 1), first);
@@ -348,8 +397,9 @@ int run_generate(const GenerateOptions& o, const Communicator& world) {
     for (std::size_t r = 0; r + 1 < l.stages.size(); ++r) std::fprintf(stderr, " %d-%d", l.stages[r], l.stages[r + 1] - 1);
     std::fprintf(stderr, " on %d rank%s, %s\n", world.size(), world.size() == 1 ? "" : "s", device_config.device.c_str());
   }
+  watchdog.doing("generating");
   try {
-    Run(o, world, *loaded)();
+    code = Run(o, world, *loaded)();
   } catch (const std::exception& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "mpipe: error on rank %d: %s\n", world.rank(), e.what());
@@ -357,7 +407,12 @@ int run_generate(const GenerateOptions& o, const Communicator& world) {
     if (world.size() > 1) MPI_Abort(world.get(), exit_internal_error);
     return exit_internal_error;
   }
-  return 0;
+  // Every rank's work is done: a rank stopped now is named, not waited for; then every
+  // rank ends with rank 0's code (its standard output may have failed).
+  guard.reset();
+  rendezvous(world, "the end of generation", o.p2p_timeout, &watchdog);
+  world.broadcast(std::span<int>(&code, 1), 0);
+  return code;
 }
 
 }  // namespace mpipe

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <set>
 #include <vector>
 
 #include "mpipe/io/checkpoint_format.hpp"
@@ -30,7 +31,13 @@ std::string type_name(hid_t type) {
 
 int run_inspect(const std::string& path, bool stats, bool verify, const std::string& print) {
   quiet_hdf5();
-  MPIPE_REQUIRE(fs::is_regular_file(path), "give the path of a checkpoint file", "no file '", path, "'");
+  {
+    std::error_code ec;
+    const fs::file_status status = fs::status(path, ec);
+    MPIPE_REQUIRE(fs::exists(status), "give the path of a checkpoint file", "no file '", path, "'");
+    MPIPE_REQUIRE(fs::is_regular_file(status), "give the path of a checkpoint file (ckpt-*.h5)", "'", path, "' is ",
+                  fs::is_directory(status) ? "a directory" : "not a regular file");
+  }
   MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)",
                 "'", path, "' is not an HDF5 file");
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
@@ -59,8 +66,9 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
     }
   }
   // The datasets the file's model says it holds: --stats reads only those, and only once
-  // their structure checks out (check_dataset: nothing is allocated by a size the file
-  // merely claims).
+  // their structure checks out, and checks their data against its checksum as --verify
+  // does (read_checked: nothing is allocated by a size the file merely claims); a dataset
+  // that breaks a rule is marked FAILED and the command ends with exit 2.
   std::map<std::string, Shape> expected;
   std::string no_model;  // why there are none
   try {
@@ -78,7 +86,10 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
     std::vector<std::pair<std::string, long long>> per_layer;
     long long total = 0;
     std::vector<float> values;
-  } walk{file.get(), stats, expected, {}, 0, {}};
+    const std::string& no_model;
+    std::vector<std::string> failed;  // --stats: the problems of the datasets that broke a rule
+    std::set<std::string> seen;       // the model's datasets the walk met under their own names
+  } walk{file.get(), stats, expected, {}, 0, {}, no_model, {}, {}};
   std::printf("tree:\n");
   H5Ovisit2(
       file.get(), H5_INDEX_NAME, H5_ITER_NATIVE,
@@ -108,13 +119,22 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
           w->per_layer.back().second += count;
         }
         if (w->stats) {
-          const auto problem = wanted == w->expected.end() ? std::optional<std::string>("not one of the model's datasets")
-                                                           : check_dataset(w->file, "/" + n, wanted->second);
-          w->values.resize(problem ? 0 : static_cast<std::size_t>(count));
-          if (problem) {
-            std::printf(" (not read: %s)", problem->c_str());
-          } else if (H5Dread(set.get(), H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, w->values.data()) < 0) {
-            std::printf(" (cannot be read)");
+          // Why a dataset is not read: no usable layer list (the file's training state or
+          // list is damaged, or it predates them), or it is none of the list's.
+          const bool model_dataset = n.rfind("model/", 0) == 0 || n.rfind("optimizer/", 0) == 0;
+          std::optional<std::string> problem;
+          if (wanted != w->expected.end()) {  // sized by the model, not by the file
+            w->seen.insert(wanted->first);
+            w->values.assign(static_cast<std::size_t>(wanted->second.numel()), 0.0f);
+            problem = read_checked(w->file, "/" + n, wanted->second, w->values.data());
+          }
+          if (wanted == w->expected.end()) {
+            std::printf(" (not read: %s)", !w->no_model.empty() && model_dataset
+                                               ? "no usable layer list to check it against; see below"
+                                               : "not one of the model's datasets");
+          } else if (problem) {
+            std::printf(" FAILED (%s)", problem->c_str());
+            w->failed.push_back(*problem);
           } else if (count > 0) {
             const std::vector<float>& v = w->values;
             double lo = v[0], hi = v[0], sum = 0, sq = 0;
@@ -133,6 +153,15 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
         return 0;
       },
       &walk, H5O_INFO_BASIC);
+  // The model's datasets the walk did not meet (missing, or reached only through a link):
+  // as --verify, each is a failure, said by the rule it breaks.
+  if (stats)
+    for (const auto& [name, shape] : expected)
+      if (!walk.seen.contains(name)) {
+        const std::string problem = check_dataset(file.get(), name, shape).value_or(cat("dataset ", name, " cannot be read"));
+        std::printf("  %-41s FAILED (%s)\n", name.c_str(), problem.c_str());
+        walk.failed.push_back(problem);
+      }
   if (!no_model.empty()) std::printf("layer list: none usable (%s)\n", no_model.c_str());
   std::printf("parameters per layer:");
   for (const auto& [layer, count] : walk.per_layer) std::printf(" %s:%lld", layer.c_str(), count);
@@ -141,9 +170,19 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
   if (verify) {
     if (auto bad = verify_checkpoint(path)) {
       std::printf("verify: FAILED\n");
+      std::fflush(stdout);  // before the error line on stderr
       throw UserError(cat("checkpoint damaged: ", *bad), "use an older checkpoint");
     }
     std::printf("verify: every checksum matches\n");
+  }
+  // A training state that fails its checksum is damage too (the datasets were not read).
+  if (stats && no_model.find("fails its checksum") != std::string::npos) walk.failed.push_back(no_model);
+  if (!walk.failed.empty()) {
+    std::printf("stats: FAILED (%zu problem%s)\n", walk.failed.size(), walk.failed.size() == 1 ? "" : "s");
+    std::fflush(stdout);  // before the error line on stderr
+    throw UserError(cat("checkpoint damaged: ", walk.failed.front(),
+                        walk.failed.size() > 1 ? cat(" (and ", walk.failed.size() - 1, " more, marked FAILED above)") : ""),
+                    "use an older checkpoint");
   }
   return 0;
 }

@@ -1,7 +1,9 @@
 // mpipe's entry point.
+#include <cstdio>
 #include <cstring>
 
 #include "mpipe/app/cli.hpp"
+#include "mpipe/app/output.hpp"
 #include "mpipe/app/process.hpp"
 #include "mpipe/backend/cpu/blas_core.hpp"
 #include "mpipe/core/sanitizer.hpp"
@@ -17,6 +19,12 @@ void early_stop_handlers(int argc, char** argv, char** envp) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Every command writes to standard output: a closed one is refused before any work.
+  if (!mpipe::standard_output_open()) {
+    std::fprintf(stderr, "%s\n", mpipe::closed_stdout_line().c_str());
+    return mpipe::exit_user_error;
+  }
   mpipe::cpu::choose_blas_core(argv);  // may re-execute this program with OpenBLAS's better kernels
-  return mpipe::run_main(argc, argv);
+  // A write to standard output that failed (a full disk, a reader gone) is said, never exit 0.
+  return mpipe::finish_stdout(mpipe::run_main(argc, argv));
 }

@@ -131,6 +131,24 @@ int default_threads(const Communicator& world) {
   return std::max(1, visible / local);
 }
 
+int rank_threads(int requested, const Communicator& world) {
+  if (requested <= 0) return default_threads(world);
+  cpu_set_t set;
+  int cores = static_cast<int>(sysconf(_SC_NPROCESSORS_ONLN));
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cores = CPU_COUNT(&set);
+  cores = std::max(1, cores);
+  // More threads than cores only wait on each other (a step 100 times slower at 100000):
+  // each rank runs as many as it has cores, and the lowest rank that had to says so once.
+  const int capped = std::min(requested, cores);
+  int first = capped < requested ? world.rank() : world.size();
+  if (world.size() > 1) world.allreduce(std::span<int>(&first, 1), Reduce::min);
+  if (first == world.rank())
+    std::fprintf(stderr, "mpipe: warning: --threads %d is more than the %d core%s rank %d may use; it runs %d thread%s (a rank "
+                 "runs no more threads than it has cores)\n", requested, cores, cores == 1 ? "" : "s", world.rank(), capped,
+                 capped == 1 ? "" : "s");
+  return capped;
+}
+
 double resident_bytes() {
   double pages = 0, resident = 0;
   if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {

@@ -21,6 +21,12 @@ struct Packed {
 
 }  // namespace
 
+std::string sampling_hint(const std::string& problem) {
+  return problem.starts_with("--sample-prompt") ? "give --sample-prompt one byte or more of the model's vocabulary "
+                                                  "(default: a newline)"
+                                                : "sample a GPT's training, or leave --sample-every out";
+}
+
 std::string sampling_problem(const TrainConfig& config, const Model& model) {
   if (std::string problem = generation_problem(model); !problem.empty()) return problem;
   for (const char c : config.sample_prompt)

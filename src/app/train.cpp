@@ -466,7 +466,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     const Model model(run.model);
     if (config.sample_every > 0)
       if (const std::string problem = sampling_problem(config, model); !problem.empty())
-        throw UserError(cat("--sample-every: ", problem), "sample a GPT's training, or leave --sample-every out");
+        throw UserError(cat("--sample-every: ", problem), sampling_hint(problem));
     plan = make_plan(run, world.size(), Model(run.model));
     time_limit_s = parse_time_limit(config.time_limit);
     if (root) check_checkpoint_options(config, /*create=*/true);
@@ -486,7 +486,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
          const Model model(run.model);
     if (config.sample_every > 0)
       if (const std::string problem = sampling_problem(config, model); !problem.empty())
-        throw UserError(cat("--sample-every: ", problem), "sample a GPT's training, or leave --sample-every out");
+        throw UserError(cat("--sample-every: ", problem), sampling_hint(problem));
     plan = make_plan(run, world.size(), Model(run.model));
          order_line = cat("rank order ", plan.grid.rank_order, " (--rank-order auto; bytes a step sends out of its busiest host: ",
                           why, ")");
@@ -515,7 +515,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   config.pipeline.grid = plan.grid;
   checkpoint_dir.set_config_text(to_toml(config));
   std::unique_ptr<MetricsWriter> metrics;
-  cpu::set_threads(config.threads > 0 ? config.threads : default_threads(world));
+  cpu::set_threads(rank_threads(config.threads, world));
   if (needs_measurement(plan.options) && (code = start_up->phase("measure", [&] {
                                              plan = make_plan(plan.options, world.size(), Model(plan.options.model),
                                                               measure_costs(plan.options, world));

@@ -224,7 +224,10 @@ void write_train_state(hid_t file, const TrainState& state, const Model& model) 
 
 std::optional<std::string> read_train_state(hid_t file, const std::string& path, TrainState& s) {
   s.version = read_scalar_attribute<int>(file, "format_version", H5T_NATIVE_INT).value_or(-1);
-  if (s.version < checkpoint_oldest_readable_version || s.version > checkpoint_format_version)
+  if (s.version > checkpoint_format_version)
+    return cat("'", path, "' has checkpoint format version ", s.version, ", newer than this mpipe's (it reads versions ",
+               checkpoint_oldest_readable_version, " to ", checkpoint_format_version, ")");
+  if (s.version < checkpoint_oldest_readable_version)
     return cat("'", path, "' has checkpoint format version ", s.version, "; this mpipe reads versions ",
                checkpoint_oldest_readable_version, " to ", checkpoint_format_version);
   if (H5Lexists(file, "/train", H5P_DEFAULT) <= 0) return cat("'", path, "' has no /train group");
@@ -403,7 +406,15 @@ CheckpointToRead open_checkpoint_to_read(const std::string& checkpoint, const st
   MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)", "'", path,
                 "' is not an HDF5 file");
   // The whole file first, as resume checks it: nothing is read from a damaged one.
-  if (auto bad = verify ? verify_checkpoint(path) : std::nullopt) throw UserError(*bad, cat(verb, " an older checkpoint (mpipe inspect --verify finds one)"));
+  if (auto bad = verify ? verify_checkpoint(path) : std::nullopt) {
+    // An older checkpoint helps where this one is damaged, not where it is none of
+    // mpipe's, or one of a newer mpipe's.
+    const bool foreign = bad->find("is not an mpipe checkpoint") != std::string::npos;
+    const bool newer = bad->find(", newer than this mpipe's") != std::string::npos;
+    throw UserError(*bad, foreign ? "give a checkpoint file mpipe wrote (ckpt-*.h5), or a run's --checkpoint-dir"
+                          : newer ? "use the mpipe that wrote it, or a newer one"
+                                  : cat(verb, " an older checkpoint (mpipe inspect --verify finds one)"));
+  }
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   MPIPE_REQUIRE(file.ok(), "the file is damaged; use an older checkpoint", "'", path, "' cannot be opened");
   Model model = checkpoint_model(file.get(), path);

@@ -599,7 +599,8 @@ PY
 hostile)
   # Files an attacker or a bad tool might make of a good checkpoint: `inspect --verify`
   # refuses each for the reason resume does (one set of rules), `--stats` reads none of
-  # the bad datasets (no allocation by a size the file claims), and nothing crashes.
+  # the bad datasets (no allocation by a size the file claims) and marks them FAILED, and
+  # nothing crashes.
   mkdir "$work/d" "$work/bad"
   run 1 "${model[@]}" --steps 2 --checkpoint-dir "$work/d" >/dev/null
   good="$work/d/ckpt-00000002.h5"
@@ -642,9 +643,12 @@ PY
     expect_error 2 "checkpoint damaged: '$f': dataset ${why[$name]}|checkpoint damaged: '$f': ${why[$name]}" \
       "$mpipe" inspect "$f" --verify
     expect_error 2 "cannot resume: '$f': (dataset )?${why[$name]}" run 1 "${model[@]}" --steps 3 --resume "$f"
+    # --stats applies the same rules (issue 64): the dataset marked FAILED, exit 2 at the end.
     set +e; out=$("$mpipe" inspect "$f" --stats 2>&1); rc=$?; set -e
-    [[ $rc -eq 0 ]] || fail "inspect --stats of $name: exit $rc: $out"
-    ! grep -q "error" <<<"$out" || fail "inspect --stats of $name: $out"
+    [[ $rc -eq 2 ]] || fail "inspect --stats of $name: exit $rc: $out"
+    [[ $(grep -c "error" <<<"$out") -eq 1 ]] || fail "inspect --stats of $name: not one error line: $out"
+    grep -Eq "FAILED \((dataset )?${why[$name]}" <<<"$out" || fail "inspect --stats of $name: not marked FAILED: $out"
+    grep -Eq "mpipe: error: checkpoint damaged: (dataset )?${why[$name]}" <<<"$out" || fail "inspect --stats of $name: $out"
   done
   "$mpipe" inspect "$good" --verify --stats >/dev/null || fail "the good file does not verify"
   # A layer list that no longer gives the parameters the signature names.

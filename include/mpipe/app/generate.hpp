@@ -25,12 +25,15 @@ struct GenerateOptions {
   // on 2 cores beside other work 2 threads made it 60 times slower (OpenMP's and
   // OpenBLAS's threads waiting on each other).
   int threads = 1;
+  double p2p_timeout = 600;  // seconds a rank may be silent before the job ends naming it
 };
 
 // Checks the options alone; UserError naming the first problem.
 void validate(const GenerateOptions& options);
 // Collective over `world`: every rank loads its layers; an error on any rank is said
-// once (by the lowest rank that has it) and ends every rank with the same exit code.
+// once (by the lowest rank that has it) and ends every rank with the same exit code; a rank
+// that stops answering is named within --p2p-timeout (the watchdog's heartbeats, as in
+// train) and the job ends; standard output that fails ends it with exit 1 (app/output.hpp).
 int run_generate(const GenerateOptions& options, const Communicator& world);
 
 }  // namespace mpipe

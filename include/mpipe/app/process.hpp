@@ -40,6 +40,10 @@ double mpirun_lost_node_s();
 // when it did not bind (all cores visible), the node's cores shared by its ranks.
 // Collective over `world`.
 int default_threads(const Communicator& world);
+// Threads per rank for --threads `requested`: default_threads for 0; else as many, but no
+// more than the cores this rank may use (a warning, once, by the lowest rank capped).
+// Collective over `world`.
+int rank_threads(int requested, const Communicator& world);
 
 // Bytes of memory this process may still take: MemAvailable, or less where a cgroup
 // (a Slurm job, a container) limits it. 0 when neither can be read.

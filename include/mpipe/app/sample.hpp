@@ -17,6 +17,8 @@ class Executor;
 // Why the run's model cannot be sampled with --sample-every (a prompt byte past its
 // vocabulary included); empty when it can.
 std::string sampling_problem(const TrainConfig& config, const Model& model);
+// The hint for a problem of sampling_problem's: the prompt's, or the model's.
+std::string sampling_hint(const std::string& problem);
 
 // Tokens as a log line: the bytes of a vocabulary of bytes, quoted, with \n, \t, \\, \"
 // and \xNN for the rest; else the ids.
