@@ -15,12 +15,12 @@ import tomllib
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mpipe_torch import GPT, MLP, Sequential  # noqa: E402
+from mpipe_torch import GPT, MLP, Llama, Sequential  # noqa: E402
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True, help="gpt, mlp or a model file (TOML)")
+    ap.add_argument("--model", required=True, help="gpt, llama, mlp or a model file (TOML)")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--layers", type=int, default=4)
@@ -28,6 +28,9 @@ def main():
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
+    ap.add_argument("--kv-heads", type=int, default=0, help="llama: key/value heads (0: as --heads)")
+    ap.add_argument("--ffn", type=int, default=0, help="llama: the SwiGLU width (0: Llama's rule)")
+    ap.add_argument("--tie-embeddings", default="off", help="llama: on or off")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--inputs", type=int, default=1024)
     ap.add_argument("--classes", type=int, default=16)
@@ -42,6 +45,15 @@ def main():
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, 0.02)
+        x = torch.randint(0, a.vocab, (a.batch_size, a.seq_len))
+        y = torch.randint(0, a.vocab, (a.batch_size, a.seq_len))
+    elif a.model == "llama":
+        model = Llama(a.layers, a.d_model, a.heads, a.seq_len, a.vocab, kv_heads=a.kv_heads, ffn=a.ffn,
+                      tie=a.tie_embeddings == "on")
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:  # the norms stay 1, as mpipe's
+                    p.normal_(0, 0.02)
         x = torch.randint(0, a.vocab, (a.batch_size, a.seq_len))
         y = torch.randint(0, a.vocab, (a.batch_size, a.seq_len))
     elif a.model.endswith(".toml"):

@@ -3,10 +3,11 @@
 # training-step time and the peak activation memory of the same model, with the same
 # threads, micro-batches, AdamW and clipping. Prints one table; ratios are mpipe / PyTorch.
 #   STEPS=N   steps per measurement (default 30; the first 3 are excluded)
+#   LLAMA_STEPS=N  the same for the llama row (default 8: a step takes seconds there)
 #   ROUNDS=N  measurements of each row, alternating mpipe and PyTorch (default 1); the
 #             median step of each side over its rounds is reported
 #   THREADS="1 2"  thread counts (default: 1 and 2)
-#   ROWS=REGEX  only the rows whose model name matches (e.g. ROWS=resnet)
+#   ROWS=REGEX  only the rows whose model name matches (e.g. ROWS=resnet, ROWS=llama)
 #   BASELINE=PATH  an older mpipe binary: its step time and memory in the same rounds, and
 #             this build's as a ratio of them
 # Memory: mpipe's own "peak activation memory" line (what its arenas hold at once at most: what a
@@ -80,6 +81,10 @@ PY
 build/release/mpipe plan --model resnet --layers 18 --image 64 --width 16 --print-model > "$tmp/resnet18.toml"
 mlp=(--model mlp --layers 4 --hidden 1024 --inputs 1024 --classes 16 --batch-size 256 --micro-batches 1)
 gpt=(--model gpt --layers 4 --d-model 128 --heads 4 --seq-len 64 --vocab 256 --batch-size 16 --micro-batches 4)
+# A small Llama of real proportions (57M parameters, most in the 32000-token table and its
+# untied head): a batch of 4 x 256 tokens takes seconds a step on one core.
+llama=(--model llama --layers 8 --d-model 512 --heads 8 --kv-heads 2 --ffn 1536 --seq-len 256 --vocab 32000
+       --batch-size 4 --micro-batches 2)
 resnet=(--model inputs/resnet-small.toml --batch-size 64 --micro-batches 1)
 cnn=(--model inputs/cnn.toml --batch-size 32 --micro-batches 4)
 resnet18=(--model "$tmp/resnet18.toml" --batch-size 32 --micro-batches 1)
@@ -87,6 +92,7 @@ for threads in ${THREADS:-1 2}; do
   row "mlp 4x1024, batch 256" "$threads" "${mlp[@]}" -- "${mlp[@]}"
   # PyTorch runs each micro-batch's backward after its forward: 1F1B's order on one rank.
   row "gpt quickstart (4x128, 16x64 tok, M 4)" "$threads" "${gpt[@]}" --schedule 1f1b -- "${gpt[@]}"
+  steps=${LLAMA_STEPS:-8} row "llama 8x512 kv2, 4x256 tok, V 32k, M 2" "$threads" "${llama[@]}" --schedule 1f1b -- "${llama[@]}"
   row "resnet-small (97k), 32x32, batch 64" "$threads" "${resnet[@]}" -- "${resnet[@]}"
   row "inputs/cnn.toml, 32x32, batch 32, M 4" "$threads" "${cnn[@]}" -- "${cnn[@]}"
   row "resnet-18 width 16, 64x64, batch 32" "$threads" "${resnet18[@]}" -- "${resnet18[@]}"

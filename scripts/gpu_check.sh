@@ -18,6 +18,9 @@
 #         one rank, mpipe against its own M = 1 and PyTorch's gradient accumulation over the
 #         same 8 pieces, and mpipe's M = 8 again with --cuda-graphs on (no torch.compile of ResNet-50 yet: its compilation would take the
 #         ladder's time);
+#      d. (after b) a Llama: Llama-3.2-1B's block shape (C 2048, 32 heads, 8 key/value heads,
+#         SwiGLU 8192, RMSNorm, RoPE) cut to 8 blocks, T 1024, V 32000, batch 8, eager and
+#         torch.compile, against mpipe's --model llama of the same shape: tokens/s, memory;
 #   2b. generation: a GPT-2-small-shaped checkpoint (one step), `mpipe generate --device cuda`
 #      in fp32 and bf16 against PyTorch's KV-cache loop over its export: tokens/s, greedy ids;
 #   (4a, 4b, 4c with each mpipe run's last step timed by kind of op: --profile-ops)
@@ -253,6 +256,7 @@ say "PyTorch: $torch_line" \
 
 # Values the targets table reads; empty when not measured.
 mfu="" mr_rc=-1 m_ips="" att_f="" att_b="" gpt_compile_ratio="" gpt_eager_ratio="" resnet_ratio="" ladder_speedup="" deep_speedup=""
+llama_eager_ratio="" llama_compile_ratio="" llama_mem=""
 micro_ratio="" micro_torch_ratio="" graphs_ratio="" graphs_micro_ratio=""
 deep_machine="" deep_k4="" unet_of_bound="" unet_row=""
 gpt_mem="" gpt_mem_ok="" resnet_mem="" resnet_mem_ok=""
@@ -595,6 +599,52 @@ else
   step_rc=$re_rc step_status=$re_status; ((re_rc > 0)) && name_of_step="PyTorch ResNet-50" failure "$logs/torch-resnet-eager.log"
   step_rc=$mr_rc step_status=$mr_status; ((mr_rc > 0)) && name_of_step="mpipe ResNet-50" failure "$logs/mpipe-resnet.log"
   step_rc=$mc_rc step_status=$mc_status; ((mc_rc > 0)) && name_of_step="mpipe ResNet-50 channels last" failure "$logs/mpipe-resnet-cl.log"
+
+  # -- 4d. A Llama: Llama-3.2-1B's block (C 2048, 32 heads, 8 key/value heads, SwiGLU 8192)
+  # cut to 8 of its 16 blocks, so that eager, torch.compile and mpipe each fit the GPU and
+  # the budget; untied head, V 32000 (Llama 2's), RoPE base 500000, RMSNorm eps 1e-5.
+  llama_shape=(--layers 8 --d-model 2048 --heads 32 --kv-heads 8 --ffn 8192 --vocab 32000 --seq-len 1024 --batch-size 8
+    --rope-theta 500000 --norm-eps 1e-5 --tie-embeddings off)
+  cap=150; name_of_step="PyTorch Llama eager"
+  torch_run "PyTorch Llama (8 x 2048, GQA 32/8) eager" torch-llama-eager llama --mode eager "${llama_shape[@]}"
+  le_rc=$step_rc le_status=$step_status le_smi=$smi_peak
+  cap=300; name_of_step="PyTorch Llama torch.compile"
+  if ((compile)); then
+    torch_run "PyTorch Llama (8 x 2048, GQA 32/8) torch.compile" torch-llama-compile llama --mode compile "${llama_shape[@]}"
+    lc_rc=$step_rc lc_status=$step_status lc_smi=$smi_peak
+  else
+    lc_rc=-1 lc_status="not run (--no-compile)" lc_smi=""
+    step_rows+=("| PyTorch Llama torch.compile | not run (--no-compile) | 0 |")
+  fi
+  cap=150; name_of_step="mpipe Llama"
+  mpipe_run "mpipe Llama (8 x 2048, GQA 32/8), 1 rank" mpipe-llama --model llama "${llama_shape[@]}" --micro-batches 1
+  ml_rc=$step_rc ml_status=$step_status ml_smi=$smi_peak
+  say "" "### 4d. Llama: Llama-3.2-1B's blocks (C 2048, 32 heads, 8 key/value heads, SwiGLU 8192) cut to 8, T 1024, V 32000, batch 8, bf16, AdamW" "" \
+      "PyTorch: \`scripts/torch_gpu_bench.py llama\` (RMSNorm, RoPE rotate-half, grouped-query attention through" \
+      "scaled_dot_product_attention, SwiGLU, no biases, untied head; bf16 autocast, fused AdamW, 3 warm-up steps untimed," \
+      "median of 10). mpipe: \`mpipe train --model llama --layers 8 --d-model 2048 --heads 32 --kv-heads 8 --ffn 8192" \
+      "--vocab 32000 --seq-len 1024 --batch-size 8 --rope-theta 500000 --norm-eps 1e-5 --tie-embeddings off" \
+      "--micro-batches 1 --steps 12\` on 1 rank, unbound; synthetic tokens on both." "" \
+      "| run | tokens/s | median step | GPU memory (nvidia-smi) | allocator / own count |" "|---|---|---|---|---|"
+  side_row "PyTorch eager" "$le_rc" "$logs/torch-llama-eager.json" tokens_per_s "$le_smi" \
+    "$(gib "$(json "$logs/torch-llama-eager.json" "s.get('peak_allocated_bytes')")") allocated, $(gib "$(json "$logs/torch-llama-eager.json" "s.get('peak_reserved_bytes')")") reserved" "$le_status"
+  side_row "PyTorch torch.compile" "$lc_rc" "$logs/torch-llama-compile.json" tokens_per_s "$lc_smi" \
+    "$(gib "$(json "$logs/torch-llama-compile.json" "s.get('peak_allocated_bytes')")") allocated, $(gib "$(json "$logs/torch-llama-compile.json" "s.get('peak_reserved_bytes')")") reserved" "$lc_status"
+  side_row "mpipe, 1 rank" "$ml_rc" "$logs/mpipe-llama.json" tokens_per_s "$ml_smi" \
+    "$(mpipe_mem "$logs/mpipe-llama.log" "$logs/mpipe-llama.json")" "$ml_status"
+  ml_tps=$( ((ml_rc == 0)) && json "$logs/mpipe-llama.json" "s['tokens_per_s']")
+  le_tps=$( ((le_rc == 0)) && json "$logs/torch-llama-eager.json" "s['tokens_per_s']")
+  lc_tps=$( ((lc_rc == 0)) && json "$logs/torch-llama-compile.json" "s['tokens_per_s']")
+  llama_eager_ratio=$(ratio "$ml_tps" "$le_tps")
+  llama_compile_ratio=$(ratio "$ml_tps" "$lc_tps")
+  say "" "mpipe / eager: $(x "$llama_eager_ratio"); mpipe / torch.compile: $(x "$llama_compile_ratio")"
+  op_table "$logs/mpipe-llama.log" "mpipe Llama, M = 1"
+  if [[ -n $ml_smi && -n $le_smi ]] && ((ml_rc == 0 && le_rc == 0)); then
+    llama_mem="$(mib_gib "$ml_smi") vs $(mib_gib "$le_smi")"
+  fi
+  step_rc=$le_rc step_status=$le_status; ((le_rc > 0)) && name_of_step="PyTorch Llama eager" failure "$logs/torch-llama-eager.log"
+  step_rc=$lc_rc step_status=$lc_status; ((lc_rc > 0)) && name_of_step="PyTorch Llama torch.compile" failure "$logs/torch-llama-compile.log"
+  step_rc=$ml_rc step_status=$ml_status; ((ml_rc > 0)) && name_of_step="mpipe Llama" failure "$logs/mpipe-llama.log"
 fi
 
 # ---- 5. CPU K ladder -------------------------------------------------------------------------
@@ -654,6 +704,9 @@ verdict() {  # VALUE OP TARGET -> met / missed / not measured
 say "" "## Targets" "" "| target | measured | |" "|---|---|---|" \
     "| GPT-2 medium: mpipe ≥ 1.0x torch.compile | ${gpt_compile_ratio:+${gpt_compile_ratio}x} | $(verdict "$gpt_compile_ratio" '>=' 1.0) |" \
     "| GPT-2 medium: mpipe / eager (for reference) | ${gpt_eager_ratio:+${gpt_eager_ratio}x} | |" \
+    "| Llama (8 x 2048, GQA 32/8): mpipe / torch.compile (for reference) | ${llama_compile_ratio:+${llama_compile_ratio}x} | |" \
+    "| Llama: mpipe / eager (for reference) | ${llama_eager_ratio:+${llama_eager_ratio}x} | |" \
+    "| Llama: peak GPU memory, mpipe vs eager (nvidia-smi, for reference) | $llama_mem | |" \
     "| MFU ≥ 50% (bench_gpu whole step) | ${mfu:+${mfu}%} | $(verdict "$mfu" '>=' 50) |" \
     "| attention forward ≥ 50% of the GEMM rate | ${att_f:+${att_f}%} | $(verdict "$att_f" '>=' 50) |" \
     "| attention backward ≥ 40% of the GEMM rate | ${att_b:+${att_b}%} | $(verdict "$att_b" '>=' 40) |" \

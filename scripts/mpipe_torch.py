@@ -2,8 +2,10 @@
 by tests/reference/check_reference.py and the PyTorch side of scripts/bench_cpu.sh.
 
 Global layer indices and parameter names follow mpipe's: GPT is layer 0 embedding,
-1..N blocks, N+1 final LayerNorm, N+2 the head tied to wte; the MLP is Linear/ReLU
-pairs then the output Linear. named() maps (layer, name) to the torch parameter.
+1..N blocks, N+1 final LayerNorm, N+2 the head tied to wte; Llama the same list with
+RMSNorms, RoPE, grouped-query attention and SwiGLU, its head its own matrix or wte; the
+MLP is Linear/ReLU pairs then the output Linear. named() maps (layer, name) to the torch
+parameter.
 """
 import math
 
@@ -146,29 +148,164 @@ class GPT2HF(torch.nn.Module):
 
     @torch.no_grad()
     def generate_greedy(self, prompt, n):
-        """`mpipe generate --temperature 0`'s loop: the prompt (its last context's worth),
-        then a token a step with the cache; with the context full, the last half of the
-        tokens again from position 0. Returns the n new tokens."""
+        """`mpipe generate --temperature 0`'s loop (greedy_loop) over decode. Returns the n
+        new tokens."""
         w = self.transformer.wte.weight  # its device and type are the loop's
         T, C = self.transformer.wpe.weight.shape[0], w.shape[1]
         cache = [torch.zeros(2, 1, self.H, T, C // self.H, device=w.device, dtype=w.dtype) for _ in self.transformer.h]
-        tokens = list(prompt)
-        count = min(len(tokens), T)
-        ids = lambda n: torch.tensor([tokens[-n:]], device=w.device)  # noqa: E731
-        logits = self.decode(ids(count), cache, 0)
-        position = count
-        for i in range(n):
-            tokens.append(int(torch.argmax(logits)))
-            if i + 1 == n:
-                break
-            if position == T:
-                count = T // 2 + T % 2
-                logits = self.decode(ids(count), cache, 0)
-                position = count
-            else:
-                logits = self.decode(ids(1), cache, position)
-                position += 1
-        return tokens[len(prompt):]
+        return greedy_loop(lambda ids, position: self.decode(ids, cache, position), T, w.device, prompt, n)
+
+
+def greedy_loop(decode, T, device, prompt, n):
+    """`mpipe generate --temperature 0`'s loop: the prompt (its last context's worth), then
+    a token a step with the cache; with the context full, the last half of the tokens again
+    from position 0. decode(ids (1, t), position) gives the logits (V) of the last of them.
+    Returns the n new tokens."""
+    tokens = list(prompt)
+    count = min(len(tokens), T)
+    ids = lambda n: torch.tensor([tokens[-n:]], device=device)  # noqa: E731
+    logits = decode(ids(count), 0)
+    position = count
+    for i in range(n):
+        tokens.append(int(torch.argmax(logits)))
+        if i + 1 == n:
+            break
+        if position == T:
+            count = T // 2 + T % 2
+            logits = decode(ids(count), 0)
+            position = count
+        else:
+            logits = decode(ids(1), position)
+            position += 1
+    return tokens[len(prompt):]
+
+
+def llama_ffn(C):
+    """mpipe's --ffn 0: Llama's rule, int(8C / 3) rounded up to a multiple of 256."""
+    return (8 * C // 3 + 255) // 256 * 256
+
+
+class Llama(torch.nn.Module):
+    """The Llama family as mpipe builds it (--model llama): layer 0 the token table (no
+    positions), 1..N pre-RMSNorm blocks (RoPE on q and k, grouped-query attention, SwiGLU,
+    no biases), N+1 the final RMSNorm, N+2 the head (its own matrix, or wte with tie), N+3
+    the loss; parameters named as in mpipe. c_attn's rows are q (H heads), k, v (KVH heads
+    each); c_fc's are gate, then up. dtype: float32 as mpipe, or float64 (the reference
+    test's exact side); RoPE's angles are float64 either way."""
+
+    def __init__(self, n_layer, C, H, T, V, kv_heads=0, ffn=0, rope_theta=10000.0, eps=1e-5, tie=False,
+                 dtype=torch.float32):
+        super().__init__()
+        self.H, self.KVH, self.T, self.eps = H, kv_heads or H, T, eps
+        self.F = ffn or llama_ffn(C)
+        hs = C // H
+        assert C % H == 0 and H % self.KVH == 0 and hs % 2 == 0
+        kw = {"dtype": dtype}
+        self.wte = torch.nn.Parameter(torch.zeros(V, C, **kw))
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(n_layer):
+            b = torch.nn.Module()
+            b.ln_1 = torch.nn.Parameter(torch.ones(C, **kw))
+            b.c_attn = torch.nn.Linear(C, (H + 2 * self.KVH) * hs, bias=False, **kw)
+            b.c_proj = torch.nn.Linear(C, C, bias=False, **kw)
+            b.ln_2 = torch.nn.Parameter(torch.ones(C, **kw))
+            b.c_fc = torch.nn.Linear(C, 2 * self.F, bias=False, **kw)
+            b.mlp_proj = torch.nn.Linear(self.F, C, bias=False, **kw)
+            self.blocks.append(b)
+        self.ln_f = torch.nn.Parameter(torch.ones(C, **kw))
+        self.head = None if tie else torch.nn.Parameter(torch.zeros(V, C, **kw))
+        # angle p · theta^(-2i/hs) of position p, pair i: float64, then the model's type.
+        i = torch.arange(hs // 2, dtype=torch.float64)
+        angle = torch.arange(T, dtype=torch.float64)[:, None] * torch.pow(float(rope_theta), -2.0 * i / hs)
+        self.register_buffer("cos", angle.cos().to(dtype), persistent=False)  # (T, hs/2)
+        self.register_buffer("sin", angle.sin().to(dtype), persistent=False)
+
+    def named(self):
+        """(global layer, mpipe name) -> torch parameter."""
+        n = len(self.blocks)
+        out = {(0, "wte"): self.wte}
+        for i, b in enumerate(self.blocks):
+            for name, p in [("ln_1.weight", b.ln_1), ("attn.c_attn.weight", b.c_attn.weight),
+                            ("attn.c_proj.weight", b.c_proj.weight), ("ln_2.weight", b.ln_2),
+                            ("mlp.c_fc.weight", b.c_fc.weight), ("mlp.c_proj.weight", b.mlp_proj.weight)]:
+                out[(1 + i, name)] = p
+        out[(n + 1, "weight")] = self.ln_f
+        if self.head is not None:
+            out[(n + 2, "weight")] = self.head
+        return out
+
+    def rms(self, x, weight):
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps) * weight
+
+    def rope(self, u, position):
+        """u (B, heads, t, hs) at positions [position, position + t): pair i with i + hs/2."""
+        t, half = u.shape[2], u.shape[3] // 2
+        cos, sin = self.cos[position:position + t], self.sin[position:position + t]
+        u1, u2 = u[..., :half], u[..., half:]
+        return torch.cat([u1 * cos - u2 * sin, u2 * cos + u1 * sin], dim=-1)
+
+    def qkv(self, b, x, position):
+        """The block's rotated queries (B, H, t, hs), keys and values (B, KVH, t, hs)."""
+        B, t, C = x.shape
+        hs = C // self.H
+        q, k, v = b.c_attn(self.rms(x, b.ln_1)).split([C, self.KVH * hs, self.KVH * hs], dim=2)
+        q = q.view(B, t, self.H, hs).transpose(1, 2)
+        k, v = (u.view(B, t, self.KVH, hs).transpose(1, 2) for u in (k, v))
+        return self.rope(q, position), self.rope(k, position), v
+
+    def attend(self, b, x, q, k, v, mask):
+        """x plus the attention of q over k, v (query head h reads key/value head
+        h // (H / KVH)), then x plus the SwiGLU MLP."""
+        B, t, C = x.shape
+        group = self.H // self.KVH
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(C // self.H)
+        if mask is not None:
+            att = att.masked_fill(mask, float("-inf"))
+        x = x + b.c_proj((att.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, t, C))
+        gate, up = b.c_fc(self.rms(x, b.ln_2)).split(self.F, dim=-1)
+        return x + b.mlp_proj(F.silu(gate) * up)
+
+    def head_of(self, x):
+        return self.rms(x, self.ln_f) @ (self.wte if self.head is None else self.head).t()
+
+    def forward(self, idx, targets):
+        logits = self.logits(idx)
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def logits(self, idx):
+        T = idx.shape[1]
+        x = self.wte[idx]
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=idx.device), diagonal=1)
+        for b in self.blocks:
+            x = self.attend(b, x, *self.qkv(b, x, 0), mask)
+        return self.head_of(x)
+
+    @torch.no_grad()
+    def decode(self, idx, cache, position):
+        """The logits (V) of the last of the new tokens idx (1, t) at positions [position,
+        position + t), with a key/value cache: per block a (2, 1, KVH, context, hs) tensor
+        of the rotated keys and the values so far, which takes the new ones."""
+        t = idx.shape[1]
+        end = position + t
+        x = self.wte[idx]
+        mask = torch.ones(t, end, dtype=torch.bool, device=idx.device).triu(diagonal=position + 1) if t > 1 else None
+        for b, kv in zip(self.blocks, cache):
+            q, k, v = self.qkv(b, x, position)
+            kv[0, :, :, position:end] = k
+            kv[1, :, :, position:end] = v
+            x = self.attend(b, x, q, kv[0, :, :, :end], kv[1, :, :, :end], mask)
+        return self.head_of(x[:, -1])[0]
+
+    @torch.no_grad()
+    def generate_greedy(self, prompt, n):
+        """`mpipe generate --temperature 0`'s loop (greedy_loop) with the key/value cache.
+        Returns the n new tokens."""
+        w = self.wte
+        hs = w.shape[1] // self.H
+        cache = [torch.zeros(2, 1, self.KVH, self.T, hs, device=w.device, dtype=w.dtype) for _ in self.blocks]
+        return greedy_loop(lambda ids, position: self.decode(ids, cache, position), self.T, w.device, prompt, n)
+
 
 def read_safetensors(path):
     """A safetensors file's float32 and int64 tensors {name: numpy array} and its metadata,

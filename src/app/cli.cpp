@@ -46,15 +46,20 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   auto& m = c.model;
   auto& o = c.optimizer;
   auto& p = c.pipeline;
-  cmd.add_option("--model", m.kind, "Model: a preset (gpt, mlp or resnet, sized by the options below) or a model file (TOML: see plan --print-model and --layer-kinds)")->capture_default_str();
-  cmd.add_option("--layers", m.layers, "Transformer blocks (gpt), hidden blocks (mlp) or depth (resnet: 18, 34, 50, 101 or 152; default 18)")->capture_default_str();
-  cmd.add_option("--d-model", m.d_model, "Channels of the residual stream (gpt)")->capture_default_str();
-  cmd.add_option("--heads", m.heads, "Attention heads (gpt)")->capture_default_str();
-  cmd.add_option("--seq-len", m.seq_len, "Tokens per sample (gpt)")->capture_default_str();
-  cmd.add_option("--vocab", m.vocab, "Vocabulary size (gpt)")->capture_default_str();
+  cmd.add_option("--model", m.kind, "Model: a preset (gpt, llama, mlp or resnet, sized by the options below) or a model file (TOML: see plan --print-model and --layer-kinds)")->capture_default_str();
+  cmd.add_option("--layers", m.layers, "Transformer blocks (gpt, llama), hidden blocks (mlp) or depth (resnet: 18, 34, 50, 101 or 152; default 18)")->capture_default_str();
+  cmd.add_option("--d-model", m.d_model, "Channels of the residual stream (gpt, llama)")->capture_default_str();
+  cmd.add_option("--heads", m.heads, "Attention heads (gpt, llama)")->capture_default_str();
+  cmd.add_option("--kv-heads", m.kv_heads, "Key/value heads, dividing --heads (llama; grouped-query attention, 1: multi-query, 0: as --heads)")->capture_default_str();
+  cmd.add_option("--ffn", m.ffn, "Width of the SwiGLU MLP (llama; 0: Llama's rule, 8/3 --d-model rounded up to 256)")->capture_default_str();
+  cmd.add_option("--rope-theta", m.rope_theta, "RoPE's base (llama; Llama 2 10000, Llama 3 500000)")->capture_default_str();
+  cmd.add_option("--norm-eps", m.norm_eps, "RMSNorm's eps (llama)")->capture_default_str();
+  cmd.add_option("--tie-embeddings", m.tie_embeddings, "The LM head is the token table, on or off (llama; gpt always ties)")->capture_default_str();
+  cmd.add_option("--seq-len", m.seq_len, "Tokens per sample (gpt, llama)")->capture_default_str();
+  cmd.add_option("--vocab", m.vocab, "Vocabulary size (gpt, llama)")->capture_default_str();
   cmd.add_option("--head-chunks", m.head_chunks,
                  "The LM head as this many vocabulary chunks, layers a pipeline can put on different stages "
-                 "(gpt; 1: one linear layer)")->capture_default_str();
+                 "(gpt, llama; 1: one linear layer)")->capture_default_str();
   cmd.add_option("--head-logits", m.head_logits,
                  "With --head-chunks: keep each chunk's logits for the backward (keep), or compute them again there "
                  "(recompute: one more GEMM a chunk, no batch x tokens x vocabulary logits held)")->capture_default_str();

@@ -77,13 +77,20 @@ std::string to_toml(const TrainConfig& c) {
   auto line = [&](const char* key, const std::string& value) { o += cat(key, " = ", value, "\n"); };
   line("model", toml_quoted(m.kind));
   if (is_preset(m.kind)) line("layers", cat(m.layers));  // a model file has its own sizes
-  if (m.kind == "gpt") {
+  if (m.kind == "gpt" || m.kind == "llama") {
     line("d-model", cat(m.d_model));
     line("heads", cat(m.heads));
     line("seq-len", cat(m.seq_len));
     line("vocab", cat(m.vocab));
     line("head-chunks", cat(m.head_chunks));
     line("head-logits", toml_quoted(m.head_logits));
+  }
+  if (m.kind == "llama") {
+    line("kv-heads", cat(m.kv_heads));
+    line("ffn", cat(m.ffn));
+    line("rope-theta", toml_float(m.rope_theta));
+    line("norm-eps", toml_float(m.norm_eps));
+    line("tie-embeddings", toml_quoted(m.tie_embeddings));
   } else if (m.kind == "mlp") {
     line("hidden", cat(m.hidden));
     line("inputs", cat(m.inputs));

@@ -166,7 +166,7 @@ namespace {
 // them (the FLOPs partition): a GPT by its blocks at this width, a ResNet by its width
 // at this depth. Unsharded, and with replicas also with --shard-optimizer.
 void print_largest(const RunOptions& options, int ranks) {
-  const bool gpt = options.model.kind == "gpt", resnet = options.model.kind == "resnet";
+  const bool gpt = options.model.kind == "gpt" || options.model.kind == "llama", resnet = options.model.kind == "resnet";
   if (options.memory_per_rank <= 0 || (!gpt && !resnet)) return;
   struct Fit {
     int size = 0;
@@ -263,6 +263,11 @@ int run_plan(const TrainConfig& config, int ranks, const std::string& write_sche
   std::printf("layers (%d):", model.size());
   for (int i = 0; i < model.size(); ++i) std::printf(" %d:%s", i, model.layer(i).kind().c_str());
   std::printf("\n");
+  // Counted as Hugging Face counts them: a tied weight once.
+  const std::string count = std::to_string(model.parameter_count());
+  std::string grouped;
+  for (std::size_t i = 0; i < count.size(); ++i) grouped += cat(i > 0 && (count.size() - i) % 3 == 0 ? "," : "", count[i]);
+  std::printf("parameters: %s%s\n", grouped.c_str(), model.ties().empty() ? "" : " (a tied weight once)");
   print_plan(plan, model);
   if (!order_line.empty()) std::printf("%s\n", order_line.c_str());
   print_largest(options, ranks);

@@ -176,6 +176,98 @@ void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor&
   }
 }
 
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps) {
+  const OpTimer timer(OpKind::normalization, __func__);
+  layernorm_arguments("rmsnorm", out, rstd, rstd, inp, weight, Tensor{});
+  const int64_t N = inp.shape.rows(), C = inp.shape[-1];
+  MPIPE_CHECK(weight.numel() == C && rstd.numel() == N, "rmsnorm: weight ", weight.shape.str(), ", rstd ", rstd.shape.str());
+  if (inp.device == Device::cpu)
+    cpu::rmsnorm_forward(out.f32(), rstd.f32(), inp.f32(), weight.f32(), N, C, eps);
+  else
+    MPIPE_ON_GPU(inp, cuda::rmsnorm_forward(ptr<E>(out), rstd.f32(), ptr<E>(inp), ptr<E>(weight), N, C, eps));
+}
+
+void residual_rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& sum, const Tensor& residual,
+                              float p, const DropoutKey& key, const Tensor& weight, float eps) {
+  const OpTimer timer(OpKind::normalization, __func__);
+  layernorm_arguments("residual rmsnorm", out, rstd, rstd, sum, weight, Tensor{});
+  same_place("residual rmsnorm", sum, residual);
+  const int64_t N = sum.shape.rows(), C = sum.shape[-1], per_sample = N / sum.shape[0];
+  if (sum.device == Device::cpu)
+    cpu::residual_rmsnorm_forward(out.f32(), rstd.f32(), sum.f32(), residual.f32(), weight.f32(), N, C, per_sample, p,
+                                  key, eps);
+  else
+    MPIPE_ON_GPU(sum, cuda::residual_rmsnorm_forward(ptr<E>(out), rstd.f32(), ptr<E>(sum), ptr<E>(residual),
+                                                     ptr<E>(weight), N, C, per_sample, p, key, eps));
+}
+
+void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                      const Tensor& weight, const Tensor& rstd, GradMode mode, const Tensor& residual) {
+  const OpTimer timer(OpKind::normalization, __func__);
+  same_place("rmsnorm backward", dinp, inp);
+  same_place("rmsnorm backward", residual, dinp);
+  MPIPE_CHECK(residual.empty() || (mode == GradMode::overwrite && residual.shape == dinp.shape && residual.data != dinp.data),
+              "rmsnorm backward: a residual needs overwrite mode, dinp's shape and its own memory");
+  same_place("rmsnorm backward", dout, inp);
+  same_place("rmsnorm backward", inp, weight);
+  same_device("rmsnorm backward", dweight, inp);
+  is_f32("rmsnorm backward", dweight);
+  is_f32("rmsnorm backward", rstd);
+  const int64_t N = inp.shape.rows(), C = inp.shape[-1];
+  if (inp.device == Device::cpu) {
+    if (!residual.empty()) {
+      copy(dinp, residual);
+      mode = GradMode::accumulate;
+    }
+    cpu::rmsnorm_backward(dinp.f32(), dweight.f32(), dout.f32(), inp.f32(), weight.f32(), rstd.f32(), N, C, mode);
+  } else {
+    MPIPE_ON_GPU(inp, cuda::rmsnorm_backward(ptr<E>(dinp), dweight.f32(), ptr<E>(dout), ptr<E>(inp), ptr<E>(weight),
+                                             rstd.f32(), N, C, mode, ptr_or_null<E>(residual)));
+  }
+}
+
+int64_t kv_heads_of(int64_t width, int64_t C, int64_t heads) {
+  MPIPE_CHECK(heads > 0 && C % heads == 0 && width > C && (width - C) % 2 == 0 && ((width - C) / 2) % (C / heads) == 0,
+              "attention: qkv width ", width, " for ", C, " channels in ", heads, " heads");
+  const int64_t kv_heads = (width - C) / 2 / (C / heads);
+  MPIPE_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "attention: ", kv_heads, " key/value heads for ", heads, " heads");
+  return kv_heads;
+}
+
+void rope_apply(const Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t position, float theta, bool inverse) {
+  const OpTimer timer(OpKind::elementwise, __func__);
+  MPIPE_CHECK(qkv.shape.rank == 3, "rope: qkv ", qkv.shape.str());
+  const int64_t B = qkv.shape[0], T = qkv.shape[1], width = qkv.shape[2];
+  const int64_t C = width * heads / (heads + 2 * kv_heads);  // width = C + 2 C kv_heads / heads
+  MPIPE_CHECK(C * (heads + 2 * kv_heads) == width * heads && kv_heads_of(width, C, heads) == kv_heads &&
+                  (C / heads) % 2 == 0,
+              "rope: qkv ", qkv.shape.str(), " for ", heads, " heads, ", kv_heads, " key/value heads");
+  if (qkv.device == Device::cpu)
+    cpu::rope_apply(qkv.f32(), B, T, C, heads, kv_heads, position, theta, inverse);
+  else
+    MPIPE_ON_GPU(qkv, cuda::rope_apply(ptr<E>(qkv), B, T, C, heads, kv_heads, position, theta, inverse));
+}
+
+void swiglu_forward(const Tensor& out, const Tensor& inp) {
+  const OpTimer timer(OpKind::elementwise, __func__);
+  same_place("swiglu", out, inp);
+  const int64_t N = inp.shape.rows(), F = out.shape[-1];
+  MPIPE_CHECK(inp.shape[-1] == 2 * F && out.shape.rows() == N, "swiglu: out ", out.shape.str(), ", inp ", inp.shape.str());
+  if (inp.device == Device::cpu) cpu::swiglu_forward(out.f32(), inp.f32(), N, F);
+  else MPIPE_ON_GPU(inp, cuda::swiglu_forward(ptr<E>(out), ptr<E>(inp), N, F));
+}
+
+void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, GradMode mode) {
+  const OpTimer timer(OpKind::elementwise, __func__);
+  same_place("swiglu backward", dinp, inp);
+  same_place("swiglu backward", dout, inp);
+  const int64_t N = inp.shape.rows(), F = dout.shape[-1];
+  MPIPE_CHECK(inp.shape[-1] == 2 * F && dinp.shape == inp.shape && dout.shape.rows() == N, "swiglu backward: dout ",
+              dout.shape.str(), ", inp ", inp.shape.str());
+  if (inp.device == Device::cpu) cpu::swiglu_backward(dinp.f32(), dout.f32(), inp.f32(), N, F, mode);
+  else MPIPE_ON_GPU(inp, cuda::swiglu_backward(ptr<E>(dinp), ptr<E>(dout), ptr<E>(inp), N, F, mode));
+}
+
 void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe, float p,
                        const DropoutKey& key) {
   const OpTimer timer(OpKind::elementwise, __func__);
@@ -184,10 +276,11 @@ void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wt
   same_device("embedding", tokens, wte);
   const int64_t B = tokens.shape[0], T = tokens.shape[1], C = wte.shape[1], V = wte.shape[0];
   if (wte.device == Device::cpu) {
-    cpu::embedding_forward(out.f32(), tokens.i32(), wte.f32(), wpe.f32(), B, T, C, V);
+    cpu::embedding_forward(out.f32(), tokens.i32(), wte.f32(), ptr_or_null<float>(wpe), B, T, C, V);
     if (p > 0.0f) cpu::dropout_apply(out.f32(), out.f32(), B, T * C, p, key);  // rows in cache: two passes
   } else {
-    MPIPE_ON_GPU(wte, cuda::embedding_forward(ptr<E>(out), tokens.i32(), ptr<E>(wte), ptr<E>(wpe), B, T, C, V, p, key));
+    MPIPE_ON_GPU(wte, cuda::embedding_forward(ptr<E>(out), tokens.i32(), ptr<E>(wte), ptr_or_null<E>(wpe), B, T, C, V, p,
+                                              key));
   }
 }
 
@@ -200,9 +293,10 @@ void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& do
   const int64_t B = tokens.shape[0], T = tokens.shape[1], C = dwte.shape[1];
   [[maybe_unused]] const int64_t V = dwte.shape[0];  // the GPU op sizes its sort by it
   if (dout.device == Device::cpu)
-    cpu::embedding_backward(dwte.f32(), dwpe.f32(), dout.f32(), tokens.i32(), B, T, C);
+    cpu::embedding_backward(dwte.f32(), ptr_or_null<float>(dwpe), dout.f32(), tokens.i32(), B, T, C);
   else
-    MPIPE_ON_GPU(dout, cuda::embedding_backward(dwte.f32(), dwpe.f32(), ptr<E>(dout), tokens.i32(), B, T, C, V));
+    MPIPE_ON_GPU(dout, cuda::embedding_backward(dwte.f32(), ptr_or_null<float>(dwpe), ptr<E>(dout), tokens.i32(), B, T, C,
+                                                V));
 }
 
 Shape attention_state_shape(int64_t B, int64_t H, int64_t T) { return Shape{B, H, T}; }
@@ -212,25 +306,29 @@ void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv
   same_place("attention", out, qkv);
   same_device("attention", state, qkv);
   is_f32("attention", state);
-  const int64_t B = out.shape[0], T = out.shape[1], C = out.shape[2];
+  const int64_t B = out.shape[0], T = out.shape[1], C = out.shape[2], KVH = kv_heads_of(qkv.shape[-1], C, heads);
   MPIPE_CHECK(state.shape == attention_state_shape(B, heads, T), "attention state ", state.shape.str());
   if (qkv.device == Device::cpu)
-    cpu::attention_forward(out.f32(), state.f32(), qkv.f32(), B, T, C, heads);
+    cpu::attention_forward(out.f32(), state.f32(), qkv.f32(), B, T, C, heads, KVH);
   else
-    MPIPE_ON_GPU(qkv, cuda::attention_forward(ptr<E>(out), state.f32(), ptr<E>(qkv), B, T, C, heads));
+    MPIPE_ON_GPU(qkv, cuda::attention_forward(ptr<E>(out), state.f32(), ptr<E>(qkv), B, T, C, heads, KVH));
 }
 
-void attention_decode(const Tensor& out, const Tensor& cache, int64_t position, int64_t heads) {
+void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& cache, int64_t position, int64_t heads) {
   const OpTimer timer(OpKind::attention, __func__);
   same_place("attention decode", out, cache);
+  same_place("attention decode", qkv, cache);
   const int64_t B = out.shape[0], t = out.shape[1], C = out.shape[2], capacity = cache.shape[1];
-  MPIPE_CHECK(cache.shape.rank == 3 && cache.shape[0] == B && cache.shape[2] == 3 * C && position >= 0 &&
-                  position + t <= capacity && heads > 0 && C % heads == 0,
-              "attention decode: out ", out.shape.str(), ", cache ", cache.shape.str(), ", position ", position);
+  const int64_t KVH = kv_heads_of(qkv.shape[-1], C, heads), KV = KVH * (C / heads);
+  MPIPE_CHECK(cache.shape.rank == 3 && cache.shape[0] == B && cache.shape[2] == 2 * KV && qkv.shape[0] == B &&
+                  qkv.shape[1] == t && position >= 0 && position + t <= capacity,
+              "attention decode: out ", out.shape.str(), ", qkv ", qkv.shape.str(), ", cache ", cache.shape.str(),
+              ", position ", position);
   if (cache.device == Device::cpu)
-    cpu::attention_decode(out.f32(), cache.f32(), B, t, position, capacity, C, heads);
+    cpu::attention_decode(out.f32(), qkv.f32(), cache.f32(), B, t, position, capacity, C, heads, KVH);
   else
-    MPIPE_ON_GPU(cache, cuda::attention_decode(ptr<E>(out), ptr<E>(cache), B, t, position, capacity, C, heads));
+    MPIPE_ON_GPU(cache, cuda::attention_decode(ptr<E>(out), ptr<E>(qkv), ptr<E>(cache), B, t, position, capacity, C,
+                                               heads, KVH));
 }
 
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
@@ -241,12 +339,14 @@ void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qk
   same_place("attention backward", out, qkv);
   same_device("attention backward", state, qkv);
   const int64_t B = dout.shape[0], T = dout.shape[1], C = dout.shape[2], heads = state.shape[1];
-  MPIPE_CHECK(state.shape == attention_state_shape(B, heads, T), "attention state ", state.shape.str());
+  const int64_t KVH = kv_heads_of(qkv.shape[-1], C, heads);
+  MPIPE_CHECK(state.shape == attention_state_shape(B, heads, T) && dqkv.shape == qkv.shape, "attention state ",
+              state.shape.str(), ", dqkv ", dqkv.shape.str(), ", qkv ", qkv.shape.str());
   if (qkv.device == Device::cpu)
-    cpu::attention_backward(dqkv.f32(), dout.f32(), qkv.f32(), out.f32(), state.f32(), B, T, C, heads);
+    cpu::attention_backward(dqkv.f32(), dout.f32(), qkv.f32(), out.f32(), state.f32(), B, T, C, heads, KVH);
   else
     MPIPE_ON_GPU(qkv, cuda::attention_backward(ptr<E>(dqkv), ptr<E>(dout), ptr<E>(qkv), ptr<E>(out), state.f32(), B,
-                                               T, C, heads));
+                                               T, C, heads, KVH));
 }
 
 ClassRows class_rows(const Shape& logits) {

@@ -303,6 +303,9 @@ std::string model_signature(const Model& model) {
   std::string s;
   if (c.kind == "gpt") {
     s = cat("gpt layers=", c.layers, " d_model=", c.d_model, " heads=", c.heads, " seq_len=", c.seq_len, " vocab=", c.vocab);
+  } else if (c.kind == "llama") {
+    s = cat("llama layers=", c.layers, " d_model=", c.d_model, " heads=", c.heads, " kv_heads=", c.kv_heads == 0 ? c.heads : c.kv_heads,
+            " seq_len=", c.seq_len, " vocab=", c.vocab, " tied=", c.tie_embeddings);
   } else if (c.kind == "mlp") {
     s = cat("mlp layers=", c.layers, " hidden=", c.hidden, " inputs=", c.inputs, " classes=", c.classes);
   } else if (c.kind == "resnet") {

@@ -30,8 +30,8 @@ int head_begin(const Model& model) {
 
 std::string generation_problem(const Model& model) {
   if (model.tokens() <= 0) return "it is not a model of tokens (generation needs an embedding first)";
-  static const std::set<std::string> kinds = {"embedding", "block", "attention", "layernorm", "linear", "gelu",
-                                              "relu", "dropout", "vocab-chunk", "cross_entropy"};
+  static const std::set<std::string> kinds = {"embedding", "block", "attention", "layernorm", "rmsnorm", "linear",
+                                              "gelu", "swiglu", "relu", "dropout", "vocab-chunk", "cross_entropy"};
   for (int i = 0; i < model.size(); ++i)
     if (!kinds.contains(model.layer(i).kind()))
       return cat("layer ", i, " is a ", model.layer(i).kind(), ", which generation does not run");
@@ -72,13 +72,11 @@ Decoder::Decoder(Model& model, int begin, int end, int sequences, Device device,
   MPIPE_CHECK(0 <= begin && begin < end && end <= model.size() && sequences >= 1, "decoder of layers ", begin, "..", end);
   caches_.resize(static_cast<std::size_t>(sequences), std::vector<Tensor>(static_cast<std::size_t>(model.size())));
   filled_.assign(static_cast<std::size_t>(sequences), 0);
-  const std::vector<Shape> shapes = model.shapes(1);
   for (int i = begin; i < end; ++i) {
-    const std::string kind = model.layer(i).kind();
-    if (kind != "block" && kind != "attention") continue;
-    const std::int64_t channels = shapes[static_cast<std::size_t>(i)][-1];
+    const std::int64_t width = model.layer(i).cache_width();  // (1, capacity, 2 KV): keys and values
+    if (width == 0) continue;
     for (auto& caches : caches_)
-      caches[static_cast<std::size_t>(i)] = caches_arena_.tensor(Shape{1, capacity_, 3 * channels}, dtype);
+      caches[static_cast<std::size_t>(i)] = caches_arena_.tensor(Shape{1, capacity_, width}, dtype);
   }
   input_ = caches_arena_.tensor(input_shape(capacity_), input_dtype());
   logit_values_.resize(static_cast<std::size_t>(vocab_));

@@ -124,22 +124,49 @@ void GELU::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradM
 
 // ---- LayerNorm ---------------------------------------------------------------------
 
+Shape SwiGLU::output_shape(const Shape& in) const {
+  Shape out = in;
+  out[-1] = in[-1] / 2;
+  return out;
+}
+
+Cost SwiGLU::cost(const Shape& in) const {
+  const double n = static_cast<double>(in.numel()) / 2;  // outputs
+  return {6 * n, 14 * n, 0, f32_bytes(n)};
+}
+
+Tensor SwiGLU::forward_impl(const Tensor& x, Context& ctx, const Pass& pass) {
+  MPIPE_CHECK(x.shape[-1] % 2 == 0, "swiglu layer ", global_index(), ": input ", x.shape.str(), " has an odd width");
+  Tensor y = pass.arena->tensor(output_shape(x.shape), pass.dtype);  // (N, F)
+  ops::swiglu_forward(y, x);
+  return y;
+}
+
+void SwiGLU::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode, const Pass& pass) {
+  ops::swiglu_backward(dx, dy, ctx.input, mode);
+}
+
 Cost LayerNorm::cost(const Shape& in) const {
   const double n = static_cast<double>(in.numel());
-  Cost c{8 * n, 12 * n, f32_bytes(2.0 * channels_), f32_bytes(n + 2.0 * in.rows())};
-  c.fixed_bytes = f32_bytes(2.0 * in.rows());  // the mean and 1 / std of each row, fp32
+  // The statistics of each row, fp32: LayerNorm's mean and 1 / std, RMSNorm's 1 / rms.
+  const double statistics = norm_ == NormKind::rms ? 1.0 : 2.0;
+  Cost c{(norm_ == NormKind::rms ? 5 : 8) * n, (norm_ == NormKind::rms ? 9 : 12) * n,
+         f32_bytes(statistics * static_cast<double>(channels_)), f32_bytes(n + statistics * in.rows())};
+  c.fixed_bytes = f32_bytes(statistics * in.rows());
   return c;
 }
 
 std::vector<ParamSpec> LayerNorm::param_specs() const {
+  if (norm_ == NormKind::rms) return {{"weight", Shape{channels_}, Init::ones, 0.0f, false}};
   return {{"weight", Shape{channels_}, Init::ones, 0.0f, false},
           {"bias", Shape{channels_}, Init::zeros, 0.0f, false}};
 }
 
 void LayerNorm::bind(std::span<const Tensor> params, std::span<const Tensor> grads) {
   weight_ = params[0];
-  bias_ = params[1];
   dweight_ = grads[0];
+  if (norm_ == NormKind::rms) return;
+  bias_ = params[1];
   dbias_ = grads[1];
 }
 
@@ -160,6 +187,12 @@ Tensor LayerNorm::normalize(const Tensor& x, const Tensor& residual, float p, co
   MPIPE_CHECK(x.shape[-1] == channels_, "layernorm: input ", x.shape.str());
   const int64_t rows = x.shape.rows();
   Tensor y = pass.arena->tensor(x.shape, pass.dtype);
+  if (norm_ == NormKind::rms) {
+    ctx.saved[0] = pass.arena->tensor(Shape{rows});  // rstd (N), fp32
+    if (residual.empty()) ops::rmsnorm_forward(y, ctx.saved[0], x, weight_, eps_);
+    else ops::residual_rmsnorm_forward(y, ctx.saved[0], x, residual, p, key, weight_, eps_);
+    return y;
+  }
   ctx.saved[0] = pass.arena->tensor(Shape{rows});  // mean (N), fp32
   ctx.saved[1] = pass.arena->tensor(Shape{rows});  // rstd (N), fp32
   if (residual.empty()) ops::layernorm_forward(y, ctx.saved[0], ctx.saved[1], x, weight_, bias_);
@@ -169,14 +202,18 @@ Tensor LayerNorm::normalize(const Tensor& x, const Tensor& residual, float p, co
 
 void LayerNorm::backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx,
                               GradMode mode, const Pass& pass) {
-  ops::layernorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode);
+  if (norm_ == NormKind::rms) ops::rmsnorm_backward(dx, dweight_, dy, ctx.input, weight_, ctx.saved[0], mode);
+  else ops::layernorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], mode);
 }
 
 void LayerNorm::backward_onto(Context& ctx, const Tensor& dy, const Tensor& dx, const Tensor& residual) {
   MPIPE_CHECK(dy.shape == ctx.input.shape && dx.shape == ctx.input.shape, "layernorm layer ", global_index(), ": dy ",
               dy.shape.str(), ", dx ", dx.shape.str(), " expected ", ctx.input.shape.str());
-  ops::layernorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1], GradMode::overwrite,
-                          residual);
+  if (norm_ == NormKind::rms)
+    ops::rmsnorm_backward(dx, dweight_, dy, ctx.input, weight_, ctx.saved[0], GradMode::overwrite, residual);
+  else
+    ops::layernorm_backward(dx, dweight_, dbias_, dy, ctx.input, weight_, ctx.saved[0], ctx.saved[1],
+                            GradMode::overwrite, residual);
 }
 
 // ---- Dropout -----------------------------------------------------------------------
@@ -266,6 +303,13 @@ std::vector<LayerKind> dense_layer_kinds() {
   k.push_back({"layernorm", "layer normalisation over the channels", {}, false,
                [](const LayerArgs& a) -> std::unique_ptr<Layer> { return std::make_unique<LayerNorm>(a.channels()); },
                true});
+  k.push_back({"rmsnorm", "RMS normalisation over the channels (Llama's): x / sqrt(mean(x²) + eps) · weight",
+               {{"eps", T::number, 1e-5, "added to the mean square inside the root"}},
+               false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 return std::make_unique<LayerNorm>(a.channels(), NormKind::rms, norm_eps(a));
+               },
+               true});
   k.push_back({"linear", "y = x W^T + b over the last dimension: (.., in) -> (.., out)",
                {{"out", T::integer, std::nullopt, "output features"},
                 {"bias", T::boolean, true, "add a learned bias"},
@@ -283,6 +327,13 @@ std::vector<LayerKind> dense_layer_kinds() {
   k.push_back({"relu", "max(x, 0)", {}, false, [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<ReLU>(); }, true});
   k.push_back({"gelu", "GELU (tanh approximation)", {}, false,
                [](const LayerArgs&) -> std::unique_ptr<Layer> { return std::make_unique<GELU>(); }, true});
+  k.push_back({"swiglu", "silu(gate) · up of the halves [gate | up]: (.., 2F) -> (.., F)", {}, false,
+               [](const LayerArgs& a) -> std::unique_ptr<Layer> {
+                 if (a.channels() % 2 != 0)
+                   a.refuse("kind", cat("needs an even width ([gate | up]), gets ", a.input.str()), "put it after a linear layer of out = 2F");
+                 return std::make_unique<SwiGLU>();
+               },
+               true});
   k.push_back({"dropout", "inverted dropout (masks from a counter-based generator, recomputed in backward)",
                {{"p", T::number, std::nullopt, "probability of dropping an element, in [0, 1)"}},
                false,

@@ -7,10 +7,11 @@
 #include <map>
 
 #include "mpipe/nn/skip_layers.hpp"
+#include "mpipe/nn/transformer_layers.hpp"
 
 namespace mpipe {
 
-bool is_preset(const std::string& kind) { return kind == "gpt" || kind == "mlp" || kind == "resnet"; }
+bool is_preset(const std::string& kind) { return kind == "gpt" || kind == "llama" || kind == "mlp" || kind == "resnet"; }
 
 namespace {
 
@@ -78,20 +79,54 @@ void resnet_layers(const ModelConfig& c, ModelSpec& spec) {
   spec.layers.push_back({"linear", Options{{"out", std::int64_t{c.classes}}}});
 }
 
+// The Llama family (Touvron et al. 2023; Hugging Face's LlamaForCausalLM): a token table
+// without positions, pre-RMSNorm blocks with RoPE, grouped-query attention and a SwiGLU
+// MLP, no biases, a final RMSNorm and the head, its own matrix or the token table. Every
+// weight starts normal(0, 0.02), as Hugging Face's initializer_range.
+void llama_layers(const ModelConfig& c, ModelSpec& spec) {
+  spec.tokens = c.seq_len;
+  spec.layers.push_back({"embedding", Options{{"vocab", std::int64_t{c.vocab}}, {"out", std::int64_t{c.d_model}},
+                                              {"positions", std::string("none")}, {"dropout", static_cast<double>(c.dropout)}}});
+  const Options block{{"heads", std::int64_t{c.heads}},
+                      {"kv-heads", std::int64_t{c.kv_heads == 0 ? c.heads : c.kv_heads}},
+                      {"positions", std::string("rope")},
+                      {"rope-theta", c.rope_theta},
+                      {"bias", false},
+                      {"norm", std::string("rms")},
+                      {"eps", c.norm_eps},
+                      {"mlp", std::string("swiglu")},
+                      {"ffn", std::int64_t{c.ffn > 0 ? c.ffn : llama_ffn(c.d_model)}},
+                      {"proj-std", 0.02},
+                      {"dropout", static_cast<double>(c.dropout)}};
+  for (int i = 0; i < c.layers; ++i) spec.layers.push_back({"block", block});
+  spec.layers.push_back({"rmsnorm", Options{{"eps", c.norm_eps}}});
+  if (c.head_chunks == 1) {
+    Options head{{"out", std::int64_t{c.vocab}}, {"bias", false}};
+    if (c.tie_embeddings == "on") head["tie"] = std::int64_t{0};
+    spec.layers.push_back({"linear", head});
+  }
+  for (int i = 0; c.head_chunks > 1 && i < c.head_chunks; ++i) {
+    Options chunk{{"vocab", std::int64_t{c.vocab}}, {"chunk", std::int64_t{i}}, {"chunks", std::int64_t{c.head_chunks}},
+                  {"logits", c.head_logits}};
+    if (c.tie_embeddings == "on") chunk["tie"] = std::int64_t{0};
+    spec.layers.push_back({"vocab-chunk", chunk});
+  }
+}
+
 }  // namespace
 
 bool is_resnet_depth(int layers) { return resnet_blocks(layers)[0] > 0; }
 
 void validate(const ModelConfig& c) {
   const std::string hint = "check the model options";
-  MPIPE_REQUIRE(!c.kind.empty(), "use --model gpt, mlp, resnet or the path of a model file", "--model is empty");
+  MPIPE_REQUIRE(!c.kind.empty(), "use --model gpt, llama, mlp, resnet or the path of a model file", "--model is empty");
   MPIPE_REQUIRE(c.layers > 0, hint, "--layers must be positive, got ", c.layers);
   // Beyond any real network; and the layer list alone would not fit in memory.
   constexpr int max_layers = 100000;
   MPIPE_REQUIRE(c.layers <= max_layers, cat("give at most ", max_layers), "--layers ", c.layers,
                 " is more than mpipe builds (", max_layers, ")");
   MPIPE_REQUIRE(c.dropout >= 0.0f && c.dropout < 1.0f, hint, "--dropout must be in [0, 1), got ", c.dropout);
-  if (c.kind == "gpt") {
+  if (c.kind == "gpt" || c.kind == "llama") {
     MPIPE_REQUIRE(c.d_model > 0, hint, "--d-model must be positive, got ", c.d_model);
     MPIPE_REQUIRE(c.heads > 0, hint, "--heads must be positive, got ", c.heads);
     MPIPE_REQUIRE(c.d_model % c.heads == 0, "pick --heads dividing --d-model",
@@ -104,6 +139,22 @@ void validate(const ModelConfig& c) {
                   "--head-logits must be keep or recompute, got '", c.head_logits, "'");
     MPIPE_REQUIRE(c.head_logits == "keep" || c.head_chunks > 1, "split the head with --head-chunks 2 or more",
                   "--head-logits recompute applies to a head in vocabulary chunks, and --head-chunks is 1");
+  }
+  if (c.kind == "llama") {
+    const int kv = c.kv_heads == 0 ? c.heads : c.kv_heads;
+    MPIPE_REQUIRE(kv >= 1 && kv <= c.heads && c.heads % kv == 0,
+                  "give --kv-heads dividing --heads (1: multi-query; 0 or --heads: multi-head)", "--kv-heads ", c.kv_heads,
+                  " does not divide --heads ", c.heads);
+    MPIPE_REQUIRE((c.d_model / c.heads) % 2 == 0, "pick --heads giving an even head size", "RoPE needs an even head size, and --d-model ",
+                  c.d_model, " over --heads ", c.heads, " gives ", c.d_model / c.heads);
+    MPIPE_REQUIRE(c.ffn >= 0, "give a positive width, or 0 for Llama's rule (8/3 d-model rounded up to 256)",
+                  "--ffn must be 0 or positive, got ", c.ffn);
+    MPIPE_REQUIRE(c.rope_theta > 1.0 && c.rope_theta <= 1e9, "e.g. --rope-theta 10000 (Llama 2) or 500000 (Llama 3)",
+                  "--rope-theta must be in (1, 1e9], got ", c.rope_theta);
+    MPIPE_REQUIRE(c.norm_eps > 0.0 && c.norm_eps <= 0.1, "e.g. --norm-eps 1e-5 (Llama 3) or 1e-6 (Llama 2)",
+                  "--norm-eps must be in (0, 0.1], got ", c.norm_eps);
+    MPIPE_REQUIRE(c.tie_embeddings == "on" || c.tie_embeddings == "off", "use --tie-embeddings on or off",
+                  "unknown --tie-embeddings '", c.tie_embeddings, "'");
   } else if (c.kind == "mlp") {
     MPIPE_REQUIRE(c.hidden > 0, hint, "--hidden must be positive, got ", c.hidden);
     MPIPE_REQUIRE(c.inputs > 0, hint, "--inputs must be positive, got ", c.inputs);
@@ -141,6 +192,8 @@ ModelSpec model_spec(const ModelConfig& c) {
       spec.layers.push_back({"vocab-chunk", Options{{"vocab", std::int64_t{c.vocab}}, {"chunk", std::int64_t{i}},
                                                     {"chunks", std::int64_t{c.head_chunks}}, {"tie", std::int64_t{0}},
                                                     {"logits", c.head_logits}}});
+  } else if (c.kind == "llama") {
+    llama_layers(c, spec);
   } else {
     spec.input = {c.inputs};
     for (int i = 0; i < c.layers; ++i) {

@@ -115,6 +115,12 @@ double LayerArgs::deviation(const std::string& name, bool automatic) const {
   return v;
 }
 
+float norm_eps(const LayerArgs& a) {
+  const double eps = a.number("eps");
+  if (!(eps > 0 && eps <= 0.1)) a.refuse("eps", cat("must be in (0, 0.1], got ", eps), "e.g. eps = 1e-5 (Llama 3) or 1e-6 (Llama 2)");
+  return static_cast<float>(eps);
+}
+
 bool LayerArgs::boolean(const std::string& name) const { return std::get<bool>(spec.options.at(name)); }
 
 const std::string& LayerArgs::text(const std::string& name) const { return std::get<std::string>(spec.options.at(name)); }

@@ -1,7 +1,8 @@
 // GPU benchmark (scripts/bench_gpu.sh): the measured bf16 GEMM rate of this GPU, then
 // per-op and whole-step throughput of a GPT-2-medium-sized stage in bf16 as a fraction
-// of that rate (model FLOPs utilisation), and convolution and BatchNorm at ResNet-50's
-// shapes. Prints a Markdown table; exits 77 without a GPU.
+// of that rate (model FLOPs utilisation), a Llama block's own ops at the same size
+// (grouped-query attention with --kv-heads, RMSNorm, RoPE, SwiGLU), and convolution and
+// BatchNorm at ResNet-50's shapes. Prints a Markdown table; exits 77 without a GPU.
 #include <mpi.h>
 
 #include <algorithm>
@@ -64,11 +65,13 @@ int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   CLI::App app{"mpipe GPU benchmark"};
   int batch = 8, seq = 1024, channels = 1024, heads = 16, layers = 24, vocab = 50257, micro_batches = 4, steps = 5;
+  int kv_heads = 4;
   int repeats = 20;
   app.add_option("--batch", batch, "Micro-batch, in samples")->capture_default_str();
   app.add_option("--seq-len", seq)->capture_default_str();
   app.add_option("--d-model", channels)->capture_default_str();
   app.add_option("--heads", heads)->capture_default_str();
+  app.add_option("--kv-heads", kv_heads, "Key/value heads of the grouped-query attention rows")->capture_default_str();
   app.add_option("--layers", layers, "Blocks in the whole-step stage")->capture_default_str();
   app.add_option("--vocab", vocab)->capture_default_str();
   app.add_option("--micro-batches", micro_batches)->capture_default_str();
@@ -121,25 +124,46 @@ int main(int argc, char** argv) {
     const double attention = 4.0 * B * C * (T * (T + 1) / 2.0);
     // The default engine first (cuDNN's fused attention where it took the shape), then
     // the FlashAttention-2 kernel beside it where cuDNN did.
+    // KVH key/value heads (the GPT's rows: KVH = H, qkv (N, 3C)); qkv and dqkv hold 3C.
+    std::int64_t KVH = H;
     const auto engine = [&](bool backward) {
-      return std::string(cuda::attention_on_cudnn(B, T, C, H, backward) ? " (cuDNN)" : " (FlashAttention-2 kernel)");
+      return std::string(cuda::attention_on_cudnn(B, T, C, H, KVH, backward) ? " (cuDNN)" : " (FlashAttention-2 kernel)");
     };
     const auto attention_rows = [&](const std::string& forward_name, const std::string& backward_name) {
-      const double forward = time_gpu([&] { cuda::attention_forward(p(y), lse.as<float>(), p(qkv), B, T, C, H); }, repeats);
+      const double forward = time_gpu([&] { cuda::attention_forward(p(y), lse.as<float>(), p(qkv), B, T, C, H, KVH); }, repeats);
       rows.push_back({forward_name + engine(false), forward, attention, 0});
-      const double backward = time_gpu([&] { cuda::attention_backward(p(dqkv), p(x), p(qkv), p(y), lse.as<float>(), B, T, C, H); }, repeats);
+      const double backward = time_gpu([&] { cuda::attention_backward(p(dqkv), p(x), p(qkv), p(y), lse.as<float>(), B, T, C, H, KVH); }, repeats);
       rows.push_back({backward_name + engine(true), backward, 2.5 * attention, 0});
     };
-    attention_rows("attention forward", "attention backward");
-    if (cuda::attention_on_cudnn(B, T, C, H, false) || cuda::attention_on_cudnn(B, T, C, H, true)) {
-      cuda::set_attention_engine(cuda::AttentionEngine::kernel);
-      attention_rows("kernel attention fwd", "kernel attention bwd");
-      cuda::set_attention_engine(cuda::AttentionEngine::automatic);
-    }
+    const auto both_engines = [&](const std::string& forward_name, const std::string& backward_name) {
+      attention_rows(forward_name, backward_name);
+      if (cuda::attention_on_cudnn(B, T, C, H, KVH, false) || cuda::attention_on_cudnn(B, T, C, H, KVH, true)) {
+        cuda::set_attention_engine(cuda::AttentionEngine::kernel);
+        attention_rows("kernel " + forward_name, "kernel " + backward_name);
+        cuda::set_attention_engine(cuda::AttentionEngine::automatic);
+      }
+    };
+    both_engines("attention forward", "attention backward");
     rows.push_back({"layernorm forward", time_gpu([&] { cuda::layernorm_forward(p(y), mean.as<float>(), rstd.as<float>(), p(x), p(ln_w), p(ln_b), N, C); }, repeats), 0, 2.0 * N * C * 2});
     rows.push_back({"layernorm backward", time_gpu([&] { cuda::layernorm_backward(p(y), dln.as<float>(), dln.as<float>() + C, p(x), p(x), p(ln_w), mean.as<float>(), rstd.as<float>(), N, C, GradMode::overwrite); }, repeats), 0, 3.0 * N * C * 2});
     rows.push_back({"gelu backward (4C)", time_gpu([&] { cuda::gelu_backward(p(wide), p(wide), p(pre), N * 4 * C, GradMode::overwrite); }, repeats), 0, 3.0 * N * 4 * C * 2});
     rows.push_back({"add (residual)", time_gpu([&] { cuda::add(p(y), p(x), N * C); }, repeats), 0, 3.0 * N * C * 2});
+
+    // A Llama block's own ops at the same size: grouped-query attention (qkv of C + 2 KV
+    // fits the GPT's 3C buffers), RMSNorm, RoPE over the queries and keys, SwiGLU of F = 2C
+    // (its (N, 2F) input in `wide`).
+    if (kv_heads > 0 && H % kv_heads == 0 && kv_heads != H) {
+      KVH = kv_heads;
+      both_engines("GQA attention fwd (KVH " + std::to_string(KVH) + ")", "GQA attention bwd");
+    }
+    KVH = H;
+    const std::int64_t F = 2 * C, KV = kv_heads > 0 ? C / H * kv_heads : C;
+    rows.push_back({"rmsnorm forward", time_gpu([&] { cuda::rmsnorm_forward(p(y), rstd.as<float>(), p(x), p(ln_w), N, C, 1e-5f); }, repeats), 0, 2.0 * N * C * 2});
+    rows.push_back({"rmsnorm backward", time_gpu([&] { cuda::rmsnorm_backward(p(y), dln.as<float>(), p(x), p(x), p(ln_w), rstd.as<float>(), N, C, GradMode::overwrite); }, repeats), 0, 3.0 * N * C * 2});
+    if (kv_heads > 0 && H % kv_heads == 0 && (C / H) % 2 == 0)
+      rows.push_back({"rope (queries and keys, in place)", time_gpu([&] { cuda::rope_apply(p(qkv), B, T, C, H, kv_heads, 0, 10000.0f, false); }, repeats), 0, 2.0 * N * (C + KV) * 2});
+    rows.push_back({"swiglu forward (F 2C)", time_gpu([&] { cuda::swiglu_forward(p(pre), p(wide), N, F); }, repeats), 0, 3.0 * N * F * 2});
+    rows.push_back({"swiglu backward (over its input)", time_gpu([&] { cuda::swiglu_backward(p(wide), p(pre), p(wide), N, F, GradMode::overwrite); }, repeats), 0, 5.0 * N * F * 2});
   }
   {
     cuda::DeviceBuffer logits = bf16_buffer(N * V), lse(static_cast<std::size_t>(N) * 4), loss(8),

@@ -216,3 +216,17 @@ mpipe_cli_test(plan_nodes_data 0 "^nodes: 2 of 2 ranks; bytes a step sends out o
 mpipe_cli_test(plan_nodes_data_ranks 0 "^ranks: 0=s0/r0 1=s0/r1 2=s1/r0 3=s1/r1$" plan ${WIDE_GPT} --ranks 4 --replicas 2 --ranks-per-node 2)
 mpipe_cli_test(plan_nodes_pipeline_ranks 0 "^ranks: 0=s0/r0 1=s1/r0 2=s0/r1 3=s1/r1$" plan ${LONG_GPT} --ranks 4 --replicas 2 --ranks-per-node 2)
 mpipe_cli_test(plan_nodes_given 0 "^nodes: 2 of 2 ranks; .*data order 0.1 MB[^;]*\\)$" plan ${WIDE_GPT} --ranks 4 --replicas 2 --ranks-per-node 2 --rank-order pipeline)
+# The Llama family's options: one line naming the file, layer and key, or the flag.
+mpipe_cli_test(model_file_kv_heads 2 "error: model file '.*', layer 1 \\(block\\): 'kv-heads': 3 does not divide the 4 heads; hint" plan --model ${MODELS}/kv_heads_divide.toml)
+mpipe_cli_test(model_file_rope_odd 2 "error: model file '.*', layer 1 \\(block\\): 'positions': RoPE needs an even head size, and 16 channels over 16 heads give 1; hint" plan --model ${MODELS}/rope_odd_head.toml)
+mpipe_cli_test(model_file_bad_norm 2 "error: model file '.*', layer 1 \\(block\\): 'norm': must be \"layer\" or \"rms\", got \"batch\"; hint" plan --model ${MODELS}/bad_norm.toml)
+mpipe_cli_test(model_file_bad_mlp 2 "error: model file '.*', layer 1 \\(block\\): 'mlp': must be \"gelu\" or \"swiglu\", got \"relu\"; hint" plan --model ${MODELS}/bad_mlp.toml)
+mpipe_cli_test(model_file_bad_eps 2 "error: model file '.*', layer 1 \\(block\\): 'eps': must be in \\(0, 0.1\\], got -1; hint" plan --model ${MODELS}/bad_eps.toml)
+mpipe_cli_test(model_file_llama 0 "layers \\(5\\): 0:embedding 1:block 2:rmsnorm 3:linear 4:cross_entropy" plan --model ${MODELS}/llama_tiny.toml)
+mpipe_cli_test(llama_kv_heads 2 "error: --kv-heads 3 does not divide --heads 4; hint" plan --model llama --kv-heads 3)
+mpipe_cli_test(llama_tie_word 2 "error: unknown --tie-embeddings 'maybe'; hint: use --tie-embeddings on or off" plan --model llama --tie-embeddings maybe)
+mpipe_cli_test(llama_odd_head 2 "error: RoPE needs an even head size, and --d-model 128 over --heads 128 gives 1; hint" plan --model llama --heads 128 --d-model 128)
+# Llama 3.2 1B's shape: Hugging Face's parameter count (the tied head once), sized on 8 ranks.
+mpipe_cli_test(llama_1b_count 0 "parameters: 1,235,814,400 \\(a tied weight once\\)" plan --model llama --layers 16 --d-model 2048 --heads 32 --kv-heads 8 --ffn 8192 --vocab 128256 --tie-embeddings on --ranks 8)
+mpipe_cli_test(layer_kinds_llama 0 "mlp +\"gelu\" \\(fc, GELU, proj\\) or \"swiglu\"" plan --layer-kinds)
+mpipe_cli_test(llama_trains 0 "step +3/3 \\| loss" train --model llama --layers 2 --d-model 32 --heads 4 --kv-heads 2 --seq-len 16 --vocab 64 --batch-size 4 --micro-batches 2 --steps 3 --threads 1)

@@ -133,19 +133,22 @@ std::vector<float> download(const DeviceArray<E>& d) {
   return to_floats(d.read());
 }
 
-// Reference log-sum-exp of each causal score row (B, H, T) of qkv (B, T, 3C), in double.
-inline std::vector<float> attention_lse(const std::vector<float>& qkv, int64_t B, int64_t T, int64_t C, int64_t H) {
-  const int64_t hs = C / H;
+// Reference log-sum-exp of each causal score row (B, H, T) of qkv (B, T, C + 2 KV), in
+// double: query head h against key head h / (H / KVH) (KVH 0: H, qkv (B, T, 3C)).
+inline std::vector<float> attention_lse(const std::vector<float>& qkv, int64_t B, int64_t T, int64_t C, int64_t H,
+                                        int64_t KVH = 0) {
+  if (KVH == 0) KVH = H;
+  const int64_t hs = C / H, ld = C + 2 * KVH * hs;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
   std::vector<float> lse(static_cast<std::size_t>(B * H * T));
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t i = 0; i < T; ++i) {
-        const float* q = qkv.data() + (b * T + i) * 3 * C + h * hs;
+        const float* q = qkv.data() + (b * T + i) * ld + h * hs;
         std::vector<double> s(static_cast<std::size_t>(i + 1));
         double mx = -std::numeric_limits<double>::infinity();
         for (int64_t j = 0; j <= i; ++j) {
-          const float* k = qkv.data() + (b * T + j) * 3 * C + C + h * hs;
+          const float* k = qkv.data() + (b * T + j) * ld + C + (h / (H / KVH)) * hs;
           double dot = 0.0;
           for (int64_t d = 0; d < hs; ++d) dot += static_cast<double>(q[d]) * k[d];
           s[static_cast<std::size_t>(j)] = dot * scale;

@@ -296,14 +296,14 @@ TEST_CASE_TEMPLATE("cuda op: attention forward (out, lse) and backward (dqkv)", 
     const auto qkv = rounded<E>(normals(B * T * 3 * C, 60));
     const auto dout = rounded<E>(normals(B * T * C, 61));
     std::vector<float> out(B * T * C), lse(B * H * T), dqkv(B * T * 3 * C);
-    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, H);
-    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, H);
+    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, H, H);
+    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, H, H);
 
     const DeviceArray<E> d_qkv = upload<E>(qkv), d_dout = upload<E>(dout);
     DeviceArray<E> d_out(B * T * C), d_dqkv(B * T * 3 * C);
     DeviceArray<float> d_lse(B * H * T);
-    cuda::attention_forward(d_out.get(), d_lse.get(), d_qkv.get(), B, T, C, H);
-    cuda::attention_backward(d_dqkv.get(), d_dout.get(), d_qkv.get(), d_out.get(), d_lse.get(), B, T, C, H);
+    cuda::attention_forward(d_out.get(), d_lse.get(), d_qkv.get(), B, T, C, H, H);
+    cuda::attention_backward(d_dqkv.get(), d_dout.get(), d_qkv.get(), d_out.get(), d_lse.get(), B, T, C, H, H);
     CHECK(error(download(d_out), out) < tolerance<E>);
     CHECK(error(d_lse.read(), attention_lse(qkv, B, T, C, H)) < fp32_tolerance);
     CHECK(error(lse, attention_lse(qkv, B, T, C, H)) < fp32_tolerance);
@@ -570,7 +570,7 @@ TEST_CASE_TEMPLATE("cuda op: reducing backward ops give the same bits when rerun
   DeviceArray<E> d_ln(N * C), d_att(N * C);
   DeviceArray<float> d_mean(N), d_rstd(N), d_lse(B * H * T);
   cuda::layernorm_forward(d_ln.get(), d_mean.get(), d_rstd.get(), d_inp.get(), d_weight.get(), d_bias.get(), N, C);
-  cuda::attention_forward(d_att.get(), d_lse.get(), d_qkv.get(), B, T, C, H);
+  cuda::attention_forward(d_att.get(), d_lse.get(), d_qkv.get(), B, T, C, H, H);
 
   struct Run {
     std::vector<float> dwte, dwpe, dweight, dbias;
@@ -582,7 +582,7 @@ TEST_CASE_TEMPLATE("cuda op: reducing backward ops give the same bits when rerun
     cuda::embedding_backward(dwte.get(), dwpe.get(), d_dout.get(), d_tokens.get(), B, T, C, V);
     cuda::layernorm_backward(dinp.get(), dweight.get(), dbias.get(), d_dout.get(), d_inp.get(), d_weight.get(),
                              d_mean.get(), d_rstd.get(), N, C, GradMode::overwrite);
-    cuda::attention_backward(dqkv.get(), d_dout.get(), d_qkv.get(), d_att.get(), d_lse.get(), B, T, C, H);
+    cuda::attention_backward(dqkv.get(), d_dout.get(), d_qkv.get(), d_att.get(), d_lse.get(), B, T, C, H, H);
     return Run{dwte.read(), dwpe.read(), dweight.read(), dbias.read(), dinp.read(), dqkv.read()};
   };
   const Run first = run(), second = run();

@@ -33,6 +33,7 @@
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 #include "resnet18.hpp"
+#include "run_pipeline.hpp"
 #include "temp_dir.hpp"
 
 using namespace mpipe;
@@ -40,6 +41,10 @@ using mpipe::test::gather_params;
 using mpipe::test::relative_difference;
 using mpipe::test::resnet18;
 using mpipe::test::world;
+using mpipe::test::run;
+using mpipe::test::RunResult;
+using mpipe::test::peak_memory;
+using mpipe::test::PeakMemory;
 
 namespace {
 
@@ -54,60 +59,6 @@ TrainConfig tiny_gpt(const std::string& schedule, const std::string& remat, int 
   c.pipeline.remat = remat;
   c.pipeline.partition = "uniform";  // with K = 4: the head on stage 2, the embedding on stage 0
   return c;
-}
-
-struct RunResult {
-  std::vector<double> losses, norms;
-  std::vector<int> skipped;
-  std::int64_t speculated = 0, rolled_back = 0;  // --overlap-steps
-  std::vector<float> params;  // every parameter in global layer order (rank 0 of the run)
-  std::vector<float> replica_params;  // the same gathered from the last replica
-  std::vector<std::vector<float>> tied;  // on the last stage: (owner values, copy values)
-  std::size_t state_floats = 0, store_floats = 0;  // rank 0's optimizer state and parameter store
-  bool prefetching = false;  // rank 0 read each next batch during the step before (--prefetch)
-  std::int64_t prefetched = 0;  // batches it so read and used
-};
-
-// Runs `config` on the first `ranks` world ranks; the others sit this one out.
-RunResult run(const TrainConfig& config, int ranks) {
-  const Communicator sub = Communicator::split(world(), world().rank() < ranks ? 0 : MPI_UNDEFINED, world().rank());
-  RunResult result;
-  if (sub.null()) return result;
-  try {
-    Executor e(plan_run(config, sub), sub);
-    e.connect();
-    e.allocate();
-    auto take = [&](const StepResult& r) {
-      // Results come in step order, each once, with or without --overlap-steps.
-      if (r.step != static_cast<std::int64_t>(result.losses.size())) throw Error(cat("result of step ", r.step, " out of order"));
-      result.losses.push_back(r.loss);
-      result.norms.push_back(r.grad_norm);
-      result.skipped.push_back(r.skipped ? 1 : 0);
-    };
-    for (int step = 0; step < config.steps; ++step) {
-      if (!config.pipeline.overlap_steps) {
-        take(e.step(step));
-        continue;
-      }
-      for (const StepResult& r : e.advance(step)) take(r);
-      if (step % 3 == 1)  // a settle in the middle, as before a checkpoint
-        if (const auto r = e.settle()) take(*r);
-    }
-    if (const auto r = e.settle()) take(*r);
-    result.speculated = e.speculated();
-    result.rolled_back = e.rolled_back();
-    result.params = gather_params(e, sub, 0);
-    result.replica_params = gather_params(e, sub, e.grid().replicas() - 1);
-    result.state_floats = e.optimizer().state(0).size();
-    result.store_floats = e.params().params().size();
-    result.prefetching = e.prefetching();
-    result.prefetched = e.prefetched();
-  } catch (const std::exception& e) {
-    // The other ranks would wait forever in a collective: fail the whole run now.
-    std::fprintf(stderr, "rank %d: %s\n", world().rank(), e.what());
-    MPI_Abort(MPI_COMM_WORLD, 1);
-  }
-  return result;
 }
 
 // A directory for checkpoints, named on rank 0 and known to every rank.
@@ -1213,18 +1164,6 @@ namespace {
 
 // Two steps of `c` on this world: this rank's stage, its measured peak activation memory
 // and the plan's figure for it.
-struct PeakMemory {
-  int stage = 0;
-  double measured = 0, predicted = 0;
-};
-PeakMemory peak_memory(const TrainConfig& c) {
-  const Plan plan = plan_run(c, world());
-  Executor exec(plan, world());
-  exec.connect();
-  exec.allocate();
-  for (int step = 0; step < 2; ++step) exec.step(step);
-  return {exec.grid().stage(), static_cast<double>(exec.peak_activation_bytes()), plan.activation_bytes(exec.grid().stage())};
-}
 
 }  // namespace
 

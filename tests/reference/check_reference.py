@@ -1,10 +1,12 @@
 #!/usr/bin/python3
-"""The reference test: the same GPT / MLP in PyTorch, against mpipe.
+"""The reference test: the same GPT / Llama / MLP in PyTorch, against mpipe.
 
-Runs mpipe's reference_dump (initial weights, batches, step-0 gradients, 10 AdamW
-steps), rebuilds the model in PyTorch from those weights, and compares the loss and
-every gradient (relative error below 1e-4), then the losses of 10 AdamW steps with the
-same learning rates. Exits non-zero on any mismatch.
+Runs mpipe's reference_dump (initial weights, batches, step-0 gradients and logits, 10
+AdamW steps), rebuilds the model in PyTorch from those weights, and compares the logits,
+the loss and every gradient (relative error below 1e-4, --tol), then the losses of 10
+AdamW steps (--steps) with the same learning rates and the parameters after them
+(--final-tol). --float64 runs the twin in float64: the comparison is then with the exact
+math, mpipe's float32 rounding alone. Exits non-zero on any mismatch.
 """
 import argparse
 import os
@@ -17,10 +19,9 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
-from mpipe_torch import GPT, MLP, Sequential  # noqa: E402
+from mpipe_torch import GPT, MLP, Llama, Sequential  # noqa: E402
 
 torch.set_num_threads(2)
-TOL = 1e-4
 
 
 def keyed(group):
@@ -43,29 +44,47 @@ def rel(a, b):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--dump", required=True)
-    ap.add_argument("--model", required=True, help="gpt, mlp or a model file (TOML) of non-sequence layers")
+    ap.add_argument("--model", required=True, help="gpt, llama, mlp or a model file (TOML) of non-sequence layers")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--batchnorm", default="micro", help="micro or deferred (mpipe's --batchnorm)")
     ap.add_argument("--lr", default="1e-2", help="the peak learning rate of the 10 steps")
     ap.add_argument("--final-tol", type=float, default=1e-3,
                     help="relative error allowed in the parameters after the 10 steps (see below)")
+    ap.add_argument("--tol", type=float, default=1e-4, help="relative error allowed in the logits, losses and gradients")
+    ap.add_argument("--float64", action="store_true", help="the twin in float64 (mpipe's float32 against the exact math)")
+    # Passed on to reference_dump: the steps, the vocabulary, the Llama family's options.
+    passed = ["--steps", "--vocab", "--seq-len", "--kv-heads", "--ffn", "--tie-embeddings", "--rope-theta", "--norm-eps"]
+    for option in passed:
+        ap.add_argument(option)
     args = ap.parse_args()
+    tol = args.tol
     os.makedirs(args.workdir, exist_ok=True)
     name = os.path.splitext(os.path.basename(args.model))[0]
     path = os.path.join(args.workdir, f"reference-{name}.h5")
-    subprocess.run([args.dump, "--model", args.model, "--out", path, "--batchnorm", args.batchnorm, "--lr", args.lr], check=True)
+    extra = [word for option in passed if getattr(args, option[2:].replace("-", "_")) is not None
+             for word in (option, getattr(args, option[2:].replace("-", "_")))]
+    subprocess.run([args.dump, "--model", args.model, "--out", path, "--batchnorm", args.batchnorm, "--lr", args.lr, *extra],
+                   check=True)
 
     f = h5py.File(path, "r")
     n_layer, C, H, T, V, hidden, inputs, classes, batch = (int(v) for v in f["config/sizes"][()])
     beta1, beta2, eps, wd = (float(v) for v in f["config/adamw"][()])
     if args.model == "gpt":
         model = GPT(n_layer, C, H, T, V)
+    elif args.model == "llama":
+        kv_heads, ffn, tie = (int(v) for v in f["config/llama"][()])
+        theta, norm_eps = (float(v) for v in f["config/llama_reals"][()])
+        model = Llama(n_layer, C, H, T, V, kv_heads=kv_heads, ffn=ffn, rope_theta=theta, eps=norm_eps, tie=bool(tie))
+        print(f"llama: {n_layer} blocks, C {C}, {H} heads, {kv_heads} key/value heads, ffn {ffn}, T {T}, V {V}, "
+              f"rope-theta {theta:g}, eps {norm_eps:g}, {'tied' if tie else 'untied'} head")
     elif args.model == "mlp":
         model = MLP(n_layer, hidden, inputs, classes)
     else:
         with open(args.model, "rb") as spec:
             model = Sequential(tomllib.load(spec), micro_batches=int(f["config/micro_batches"][0]),
                                batchnorm=args.batchnorm)
+    if args.float64:
+        model.double()
     if int(f["config/deferred_batchnorm"][0]) != (args.batchnorm == "deferred"):
         sys.exit("reference_dump did not take --batchnorm")
     params = model.named()
@@ -85,7 +104,17 @@ def main():
         g = f[f"batch/{step}"]
         x = torch.from_numpy(g["inputs"][()])
         y = torch.from_numpy(g["targets"][()]).long()
-        return (x.long() if args.model == "gpt" else x), y
+        return (x.long() if args.model in ("gpt", "llama") else x.to(model_dtype)), y
+
+    model_dtype = torch.float64 if args.float64 else torch.float32
+    # The logits of step 0's batch (a model of tokens).
+    if "logits" in f:
+        with torch.no_grad():
+            logits = model.logits(batch_of(0)[0])
+        e = rel(f["logits"][()], logits.numpy())
+        print(f"logits {tuple(logits.shape)}: rel error {e:.2e}")
+        if e > tol:
+            failures.append(f"logits rel error {e:.2e}")
 
     # Loss and every gradient at step 0.
     model.zero_grad()
@@ -96,15 +125,16 @@ def main():
     loss0 = float(f["loss0"][0])
     err = abs(loss0 - loss.item()) / abs(loss.item())
     print(f"loss at init: mpipe {loss0:.9g} torch {loss.item():.9g} rel {err:.2e}")
-    if err > TOL:
+    if err > tol:
         failures.append(f"initial loss rel error {err:.2e}")
-    worst = 0.0
+    worst, worst_key = 0.0, None
     for key, p in sorted(trained.items()):
         e = rel(grads[key], p.grad.numpy())
-        worst = max(worst, e)
-        if e > TOL:
+        if e >= worst:
+            worst, worst_key = e, key
+        if e > tol:
             failures.append(f"gradient of layer {key[0]} {key[1]}: rel error {e:.2e}")
-    print(f"gradients: {len(trained)} tensors, worst rel error {worst:.2e}")
+    print(f"gradients: {len(trained)} tensors, worst rel error {worst:.2e} (layer {worst_key[0]} {worst_key[1]})")
 
     # 10 AdamW steps with mpipe's learning rates; decay on mpipe's decay set. The running
     # statistics carry on from the step-0 pass, as mpipe's do.
@@ -126,7 +156,7 @@ def main():
             model.apply_deferred()  # deferred BatchNorm: once per step, as mpipe
         e = abs(ours[step] - loss.item()) / abs(loss.item())
         print(f"step {step}: lr {lr:.3e} loss mpipe {ours[step]:.9g} torch {loss.item():.9g} rel {e:.2e}")
-        if e > TOL:
+        if e > tol:
             failures.append(f"loss at step {step}: rel error {e:.2e}")
     # The key third of an attention's c_attn.bias has a true gradient of exactly zero
     # (softmax ignores a shift of all keys): both sides step it by float noise that Adam

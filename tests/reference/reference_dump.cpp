@@ -1,7 +1,10 @@
 // Writes what the PyTorch reference needs to rebuild and check our model: initial
 // parameters (keyed by global layer and name), every step's batch, the gradients of
-// step 0, and the loss and learning rate of 10 training steps. HDF5, read with h5py.
-// Usage: reference_dump --model gpt|mlp|FILE --out FILE.h5 [--batchnorm micro|deferred] [--lr PEAK]
+// step 0 (and, for a model of tokens, the logits of its batch), and the loss and learning
+// rate of 10 training steps (--steps). HDF5, read with h5py.
+// Usage: reference_dump --model gpt|llama|mlp|FILE --out FILE.h5 [--batchnorm micro|deferred] [--lr PEAK]
+//        [--steps N] [--vocab V] [--seq-len T]; llama: [--kv-heads N] [--ffn F] [--tie-embeddings on|off]
+//        [--rope-theta X] [--norm-eps X]
 #include <hdf5.h>
 
 #include <cstring>
@@ -12,6 +15,7 @@
 #include "mpipe/backend/cpu/blas_core.hpp"
 #include "mpipe/app/config.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/core/arena.hpp"
 #include "mpipe/core/sanitizer.hpp"
 #include "mpipe/pipeline/executor.hpp"
 
@@ -43,17 +47,32 @@ int main(int argc, char** argv) {
   mpipe::cpu::choose_blas_core(argv);  // mpipe's kernels
   std::string model = "gpt", out = "reference.h5", batchnorm = "micro";
   float lr = 1e-2f;
+  int steps = 10, vocab = 50, seq_len = 16;
+  ModelConfig llama;  // the Llama family's options (--model llama)
   for (int i = 1; i + 1 < argc; i += 2) {
     if (std::strcmp(argv[i], "--model") == 0) model = argv[i + 1];
     if (std::strcmp(argv[i], "--out") == 0) out = argv[i + 1];
     if (std::strcmp(argv[i], "--batchnorm") == 0) batchnorm = argv[i + 1];
     if (std::strcmp(argv[i], "--lr") == 0) lr = std::stof(argv[i + 1]);
+    if (std::strcmp(argv[i], "--steps") == 0) steps = std::stoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--vocab") == 0) vocab = std::stoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--seq-len") == 0) seq_len = std::stoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--kv-heads") == 0) llama.kv_heads = std::stoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--ffn") == 0) llama.ffn = std::stoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--tie-embeddings") == 0) llama.tie_embeddings = argv[i + 1];
+    if (std::strcmp(argv[i], "--rope-theta") == 0) llama.rope_theta = std::stod(argv[i + 1]);
+    if (std::strcmp(argv[i], "--norm-eps") == 0) llama.norm_eps = std::stod(argv[i + 1]);
   }
-  // The GPT's sizes, and the MLP's (a model file has its own).
-  TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 32, .heads = 4, .seq_len = 16, .vocab = 50, .dropout = 0.0f,
-                                  .batch_size = 8, .micro_batches = 2, .steps = 10, .seed = 3, .lr = lr,
+  // The GPT's sizes (the Llama's too), and the MLP's (a model file has its own).
+  TrainConfig c = test::tiny_gpt({.layers = 2, .d_model = 32, .heads = 4, .seq_len = seq_len, .vocab = vocab,
+                                  .dropout = 0.0f, .batch_size = 8, .micro_batches = 2, .steps = steps, .seed = 3, .lr = lr,
                                   .weight_decay = 0.1f});
   c.model.kind = model;
+  c.model.kv_heads = llama.kv_heads;
+  c.model.ffn = llama.ffn;
+  c.model.tie_embeddings = llama.tie_embeddings;
+  c.model.rope_theta = llama.rope_theta;
+  c.model.norm_eps = llama.norm_eps;
   c.pipeline.batchnorm = batchnorm;
   c.model.hidden = 48;
   c.model.inputs = 20;
@@ -80,6 +99,15 @@ int main(int argc, char** argv) {
   write(file, "/config/deferred_batchnorm", &deferred, H5T_NATIVE_INT, {1});
   const float opt[] = {c.optimizer.beta1, c.optimizer.beta2, c.optimizer.eps, c.optimizer.weight_decay};
   write(file, "/config/adamw", opt, H5T_NATIVE_FLOAT, {4});
+  // The Llama family's options as the model has them (kv-heads 0 resolved, ffn 0 Llama's rule).
+  if (model == "llama") {
+    const LayerSpec& block = trainer.model().spec().layers[1];
+    auto integer = [&](const char* name) { return static_cast<int>(std::get<std::int64_t>(block.options.at(name))); };
+    const int llama_sizes[] = {integer("kv-heads"), integer("ffn"), c.model.tie_embeddings == "on"};
+    write(file, "/config/llama", llama_sizes, H5T_NATIVE_INT, {3});
+    const double llama_reals[] = {c.model.rope_theta, c.model.norm_eps};
+    write(file, "/config/llama_reals", llama_reals, H5T_NATIVE_DOUBLE, {2});
+  }
 
   // which: initial parameters (with their decay flags), gradients, or final parameters.
   enum Which { initial, grads, final };
@@ -107,6 +135,24 @@ int main(int argc, char** argv) {
     const std::string base = "/batch/" + std::to_string(step);
     write(file, base + "/inputs", x.data, tokens ? H5T_NATIVE_INT32 : H5T_NATIVE_FLOAT, dims_of(in));
     write(file, base + "/targets", targets.data(), H5T_NATIVE_INT32, dims_of(tg));
+  }
+
+  // A model of tokens: the logits (B, T, V) of step 0's batch, one forward of the whole
+  // batch through the layers before the loss (no dropout: evaluation).
+  if (trainer.model().tokens() > 0) {
+    Arena arena;
+    Pass pass;
+    pass.arena = &arena;
+    pass.training = false;
+    Tensor x = make_tensor(in_i.data(), in);
+    trainer.dataset()->fill(0, c.batch_size, x, make_tensor(targets.data(), tg));
+    pass.stage_input = x.data;
+    Tensor y = x;
+    for (int i = 0; i < trainer.model().size() && trainer.model().layer(i).kind() != "cross_entropy"; ++i) {
+      Context* ctx = arena.objects<Context>(1);
+      y = trainer.model().layer(i).forward(y, *ctx, pass);
+    }
+    write(file, "/logits", y.data, H5T_NATIVE_FLOAT, dims_of(y.shape));
   }
 
   const double loss0 = trainer.compute_gradients(0);

@@ -96,22 +96,32 @@ void check_decoder_matches_full_forward(int head_chunks) {
 }  // namespace
 
 TEST_CASE("attention over a key/value cache equals the training forward's rows") {
-  const std::int64_t B = 2, T = 150, H = 3, hs = 16, C = H * hs;  // keys over two blocks of 128
-  const std::vector<float> qkv = random_vector(static_cast<std::size_t>(B * T * 3 * C), 41);
-  std::vector<float> full(static_cast<std::size_t>(B * T * C)), lse(static_cast<std::size_t>(B * H * T));
-  cpu::attention_forward(full.data(), lse.data(), qkv.data(), B, T, C, H);
-  // The whole sequence at once (a prompt), then row by row (a token at a time).
-  std::vector<float> prompt(full.size());
-  cpu::attention_decode(prompt.data(), qkv.data(), B, T, 0, T, C, H);
-  CHECK(worst(prompt.data(), full.data(), full.size()) < 1e-5);
-  std::vector<float> row(static_cast<std::size_t>(B * C));
-  double diff = 0;
-  for (std::int64_t p = 0; p < T; ++p) {
-    cpu::attention_decode(row.data(), qkv.data(), B, 1, p, T, C, H);
-    for (std::int64_t b = 0; b < B; ++b)
-      diff = std::max(diff, worst(row.data() + b * C, full.data() + (b * T + p) * C, static_cast<std::size_t>(C)));
+  // Every head its own keys (3C wide rows), and grouped-query attention (1 key/value head
+  // for 3 query heads: multi-query).
+  for (const std::int64_t KVH : {std::int64_t{3}, std::int64_t{1}}) {
+    INFO("key/value heads " << KVH);
+    const std::int64_t B = 2, T = 150, H = 3, hs = 16, C = H * hs, KV = KVH * hs, W = C + 2 * KV;  // keys over two blocks of 128
+    const std::vector<float> qkv = random_vector(static_cast<std::size_t>(B * T * W), 41);
+    std::vector<float> full(static_cast<std::size_t>(B * T * C)), lse(static_cast<std::size_t>(B * H * T));
+    cpu::attention_forward(full.data(), lse.data(), qkv.data(), B, T, C, H, KVH);
+    // The cache: each row's keys and values (B, T, 2 KV).
+    std::vector<float> cache(static_cast<std::size_t>(B * T * 2 * KV));
+    for (std::int64_t r = 0; r < B * T; ++r)
+      std::copy_n(qkv.begin() + r * W + C, 2 * KV, cache.begin() + r * 2 * KV);
+    // The whole sequence at once (a prompt), then row by row (a token at a time).
+    std::vector<float> prompt(full.size());
+    cpu::attention_decode(prompt.data(), qkv.data(), cache.data(), B, T, 0, T, C, H, KVH);
+    CHECK(worst(prompt.data(), full.data(), full.size()) < 1e-5);
+    std::vector<float> row(static_cast<std::size_t>(B * C)), queries(static_cast<std::size_t>(B * W));
+    double diff = 0;
+    for (std::int64_t p = 0; p < T; ++p) {
+      for (std::int64_t b = 0; b < B; ++b) std::copy_n(qkv.begin() + (b * T + p) * W, W, queries.begin() + b * W);
+      cpu::attention_decode(row.data(), queries.data(), cache.data(), B, 1, p, T, C, H, KVH);
+      for (std::int64_t b = 0; b < B; ++b)
+        diff = std::max(diff, worst(row.data() + b * C, full.data() + (b * T + p) * C, static_cast<std::size_t>(C)));
+    }
+    CHECK(diff < 1e-5);
   }
-  CHECK(diff < 1e-5);
 }
 
 TEST_CASE("generation: logits token by token equal one forward over the sequence (linear head)") {

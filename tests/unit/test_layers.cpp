@@ -109,6 +109,25 @@ TEST_CASE("dropout: the mask of a sample does not depend on how the batch is spl
   CHECK(differ > 10);
 }
 
+namespace {
+
+// GPT-2's block (LayerNorm, GELU MLP of 4C, biases) and a Llama one (RMSNorm, RoPE over 2
+// key/value heads for 4 query heads, SwiGLU of 12, no biases) of 8 channels.
+BlockOptions gpt_block(int64_t heads, float dropout) {
+  return {.attention = {.heads = heads, .init_std = 0.3f, .proj_std = 0.2f}, .dropout = dropout};
+}
+BlockOptions llama_block(float dropout) {
+  return {.attention = {.heads = 4, .kv_heads = 2, .rope = true, .rope_theta = 100.0f, .bias = false, .init_std = 0.3f,
+                        .proj_std = 0.2f},
+          .norm = NormKind::rms,
+          .norm_eps = 1e-5f,
+          .swiglu = true,
+          .ffn = 12,
+          .dropout = dropout};
+}
+
+}  // namespace
+
 TEST_CASE("embedding: parameter gradients match finite differences, dropout on") {
   Embedding embedding(11, 6, 8, 0.1f);
   embedding.set_global_index(0);
@@ -120,13 +139,13 @@ TEST_CASE("embedding: parameter gradients match finite differences, dropout on")
 }
 
 TEST_CASE("attention: gradients match finite differences") {
-  CausalSelfAttention attention(8, 2, 0.3f, 0.3f);
+  CausalSelfAttention attention(8, AttentionOptions{.heads = 2, .init_std = 0.3f, .proj_std = 0.3f});
   Input x(Shape{2, 5, 8});
   gradcheck(attention, x.tensor);
 }
 
 TEST_CASE("attention: causal, the output at t does not depend on later tokens") {
-  CausalSelfAttention attention(8, 2, 0.3f, 0.3f);
+  CausalSelfAttention attention(8, AttentionOptions{.heads = 2, .init_std = 0.3f, .proj_std = 0.3f});
   LayerHarness h(attention);
   Input x(Shape{1, 6, 8});
   Pass pass = training_pass();
@@ -140,12 +159,89 @@ TEST_CASE("attention: causal, the output at t does not depend on later tokens") 
 }
 
 TEST_CASE("transformer block: gradients match finite differences, dropout on") {
-  TransformerBlock block(8, 2, 0.1f, 0.3f, 0.2f);
+  TransformerBlock block(8, gpt_block(2, 0.1f));
   block.set_global_index(1);
   Input x(Shape{2, 5, 8});
   GradCheckOptions opt;
   opt.pass = training_pass();
   gradcheck(block, x.tensor, opt);
+}
+
+TEST_CASE("llama's parts: RMSNorm, SwiGLU, grouped-query attention with RoPE and no biases, the block: gradients match finite differences") {
+  SUBCASE("rmsnorm") {
+    LayerNorm rms(8, NormKind::rms, 1e-5f);
+    CHECK(rms.kind() == "rmsnorm");
+    CHECK(rms.param_specs().size() == 1);  // a weight, no bias
+    Input x(Shape{2, 3, 8});
+    gradcheck(rms, x.tensor);
+  }
+  SUBCASE("swiglu") {
+    SwiGLU swiglu;
+    Input x(Shape{2, 3, 10});
+    CHECK(swiglu.output_shape(x.tensor.shape) == Shape{2, 3, 5});
+    gradcheck(swiglu, x.tensor);
+  }
+  SUBCASE("attention: 4 heads over 1 and 2 key/value heads, RoPE, no bias") {
+    for (const int64_t kv_heads : {int64_t{1}, int64_t{2}}) {
+      CAPTURE(kv_heads);
+      CausalSelfAttention attention(
+          8, AttentionOptions{.heads = 4, .kv_heads = kv_heads, .rope = true, .rope_theta = 100.0f, .bias = false,
+                              .init_std = 0.3f, .proj_std = 0.3f});
+      CHECK(attention.qkv_width() == 8 + 2 * kv_heads * 2);
+      CHECK(attention.cache_width() == 2 * kv_heads * 2);
+      CHECK(attention.param_specs().size() == 2);  // c_attn and c_proj weights alone
+      Input x(Shape{2, 5, 8});
+      gradcheck(attention, x.tensor);
+    }
+  }
+  SUBCASE("block, dropout on") {
+    TransformerBlock block(8, llama_block(0.1f));
+    block.set_global_index(1);
+    CHECK(block.param_specs().size() == 6);  // ln_1, c_attn, c_proj, ln_2, c_fc, c_proj: weights only
+    Input x(Shape{2, 5, 8});
+    GradCheckOptions opt;
+    opt.pass = training_pass();
+    gradcheck(block, x.tensor, opt);
+  }
+  SUBCASE("embedding without a position table") {
+    Embedding embedding(11, 6, 8, 0.0f, false);
+    embedding.set_global_index(0);
+    CHECK(embedding.param_specs().size() == 1);
+    std::vector<std::int32_t> tokens{1, 5, 5, 10, 0, 3, 3, 3, 7, 2};
+    GradCheckOptions opt;
+    opt.input_gradient = false;
+    gradcheck(embedding, make_tensor(tokens.data(), Shape{2, 5}), opt);
+  }
+}
+
+TEST_CASE("RoPE: the inverse rotation undoes the rotation, and a query-key product depends on their distance alone") {
+  const int64_t H = 2, KVH = 1, hs = 8, C = H * hs, W = C + 2 * KVH * hs, T = 6;
+  std::vector<float> qkv = random_vector(static_cast<std::size_t>(T * W), 5), rotated = qkv;
+  cpu::rope_apply(rotated.data(), 1, T, C, H, KVH, 0, 10000.0f, false);
+  // Position 0 is not rotated; every later one is; v never.
+  CHECK(std::equal(rotated.begin(), rotated.begin() + W, qkv.begin()));
+  CHECK_FALSE(std::equal(rotated.begin() + W, rotated.begin() + W + C, qkv.begin() + W));
+  for (int64_t t = 0; t < T; ++t)
+    CHECK(std::equal(rotated.begin() + t * W + C + KVH * hs, rotated.begin() + (t + 1) * W, qkv.begin() + t * W + C + KVH * hs));
+  std::vector<float> back = rotated;
+  cpu::rope_apply(back.data(), 1, T, C, H, KVH, 0, 10000.0f, true);
+  for (std::size_t i = 0; i < qkv.size(); ++i) CHECK(back[i] == doctest::Approx(qkv[i]).epsilon(1e-5));
+  // The same q and k at positions (p, p + 2), for several p: q·k the same.
+  std::vector<float> same(static_cast<std::size_t>(T * W));
+  for (int64_t t = 0; t < T; ++t) std::copy_n(qkv.begin(), W, same.begin() + t * W);
+  cpu::rope_apply(same.data(), 1, T, C, H, KVH, 0, 10000.0f, false);
+  auto dot = [&](int64_t tq, int64_t tk) {
+    double d = 0;
+    for (int64_t i = 0; i < hs; ++i) d += static_cast<double>(same[static_cast<std::size_t>(tq * W + i)]) * same[static_cast<std::size_t>(tk * W + C + i)];
+    return d;
+  };
+  CHECK(dot(2, 0) == doctest::Approx(dot(3, 1)).epsilon(1e-5));
+  CHECK(dot(2, 0) == doctest::Approx(dot(5, 3)).epsilon(1e-5));
+  // Hugging Face's pairing: dimension i with i + hs/2, angle p theta^(-2i/hs).
+  const double angle = 1.0 * std::pow(10000.0, -2.0 * 1 / hs);
+  const float x1 = qkv[static_cast<std::size_t>(W + 1)], x2 = qkv[static_cast<std::size_t>(W + 1 + hs / 2)];
+  CHECK(rotated[static_cast<std::size_t>(W + 1)] == doctest::Approx(x1 * std::cos(angle) - x2 * std::sin(angle)).epsilon(1e-6));
+  CHECK(rotated[static_cast<std::size_t>(W + 1 + hs / 2)] == doctest::Approx(x2 * std::cos(angle) + x1 * std::sin(angle)).epsilon(1e-6));
 }
 
 TEST_CASE("cross-entropy: gradients match finite differences") {
@@ -160,8 +256,9 @@ TEST_CASE("cross-entropy: gradients match finite differences") {
 
 TEST_CASE("backward: accumulate adds to dx what overwrite writes") {
   LayerNorm ln(8);
-  TransformerBlock block(8, 2, 0.0f, 0.3f, 0.2f);
-  for (Layer* layer : std::initializer_list<Layer*>{&ln, &block}) {
+  TransformerBlock block(8, gpt_block(2, 0.0f));
+  TransformerBlock llama(8, llama_block(0.0f));
+  for (Layer* layer : std::initializer_list<Layer*>{&ln, &block, &llama}) {
     LayerHarness h(*layer);
     Input x(Shape{2, 3, 8});
     Pass pass = training_pass();
@@ -272,9 +369,9 @@ TEST_CASE("residual_layernorm_forward: the sum, its dropout and the LayerNorm af
 
 TEST_CASE("transformer block: the one-pass residual sums give the bits of MPIPE_FUSE=off's, forward and backward") {
   ::setenv("MPIPE_FUSE", "off", 1);
-  TransformerBlock apart(16, 2, 0.2f, 0.3f, 0.2f);
+  TransformerBlock apart(16, gpt_block(2, 0.2f));
   ::unsetenv("MPIPE_FUSE");
-  TransformerBlock fused(16, 2, 0.2f, 0.3f, 0.2f);
+  TransformerBlock fused(16, gpt_block(2, 0.2f));
   std::vector<float> outputs[2], inputs_grad[2], params_grad[2];
   int i = 0;
   for (TransformerBlock* block : {&apart, &fused}) {

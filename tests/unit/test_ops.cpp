@@ -306,13 +306,17 @@ namespace {
 struct AttentionReference {
   std::vector<double> out, lse, dqkv;
 };
+// Grouped-query attention in float64: query head h reads key/value head h / (H / KVH);
+// rows of W = C + 2 KV (q, k, v).
 AttentionReference attention_reference(const std::vector<float>& qkv, const std::vector<float>& dout, int64_t B,
-                                       int64_t T, int64_t C, int64_t H) {
-  const int64_t hs = C / H;
+                                       int64_t T, int64_t C, int64_t H, int64_t KVH) {
+  const int64_t hs = C / H, KV = KVH * hs, W = C + 2 * KV, group = H / KVH;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hs));
-  AttentionReference r{std::vector<double>(B * T * C), std::vector<double>(B * H * T), std::vector<double>(B * T * 3 * C)};
+  AttentionReference r{std::vector<double>(B * T * C), std::vector<double>(B * H * T), std::vector<double>(B * T * W)};
+  // part 0: query head h; 1 and 2: the key and value head of h's group.
+  auto offset = [&](int64_t part, int64_t h) { return part == 0 ? h * hs : C + (part - 1) * KV + (h / group) * hs; };
   auto at = [&](int64_t b, int64_t t, int64_t part, int64_t h, int64_t d) {
-    return static_cast<double>(qkv[static_cast<std::size_t>((b * T + t) * 3 * C + part * C + h * hs + d)]);
+    return static_cast<double>(qkv[static_cast<std::size_t>((b * T + t) * W + offset(part, h) + d)]);
   };
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
@@ -337,7 +341,7 @@ AttentionReference attention_reference(const std::vector<float>& qkv, const std:
       }
       auto dy = [&](int64_t t, int64_t d) { return static_cast<double>(dout[static_cast<std::size_t>((b * T + t) * C + h * hs + d)]); };
       auto grad = [&](int64_t t, int64_t part, int64_t d) -> double& {
-        return r.dqkv[static_cast<std::size_t>((b * T + t) * 3 * C + part * C + h * hs + d)];
+        return r.dqkv[static_cast<std::size_t>((b * T + t) * W + offset(part, h) + d)];
       };
       for (int64_t i = 0; i < T; ++i) {
         std::vector<double> dp(static_cast<std::size_t>(i + 1));
@@ -367,36 +371,38 @@ double max_relative_error(const std::vector<float>& got, const std::vector<doubl
 }
 }  // namespace
 
-TEST_CASE("attention: the tiled CPU kernel (no T x T stored) meets float64 attention at tile edges, and a sample's result does not depend on its batch") {
+TEST_CASE("attention: the tiled CPU kernel (no T x T stored) meets float64 attention at tile edges, with every head its own keys or grouped, and a sample's result does not depend on its batch") {
   struct Case {
-    int64_t B, T, C, H;
+    int64_t B, T, C, H, KVH;
   };
-  // One tile, one short of two, two exactly, two and a row, several with a partial last; hs 8, 20 and 64.
-  for (const Case c : {Case{2, 1, 16, 2}, Case{1, 63, 16, 2}, Case{2, 64, 40, 2}, Case{1, 65, 16, 2}, Case{2, 150, 24, 3},
-                       Case{1, 200, 64, 1}}) {
+  // One tile, one short of two, two exactly, two and a row, several with a partial last; hs 8, 20 and 64; grouped
+  // query heads (2 of 4 key/value heads, multi-query).
+  for (const Case c : {Case{2, 1, 16, 2, 2}, Case{1, 63, 16, 2, 2}, Case{2, 64, 40, 2, 2}, Case{1, 65, 16, 2, 2},
+                       Case{2, 150, 24, 3, 3}, Case{1, 200, 64, 1, 1}, Case{2, 70, 32, 4, 2}, Case{2, 130, 24, 3, 1}}) {
     CAPTURE(c.T);
     CAPTURE(c.C);
-    const int64_t B = c.B, T = c.T, C = c.C, H = c.H;
-    std::vector<float> qkv(static_cast<std::size_t>(B * T * 3 * C)), dout(static_cast<std::size_t>(B * T * C));
+    CAPTURE(c.KVH);
+    const int64_t B = c.B, T = c.T, C = c.C, H = c.H, KVH = c.KVH, W = C + 2 * KVH * (C / H);
+    std::vector<float> qkv(static_cast<std::size_t>(B * T * W)), dout(static_cast<std::size_t>(B * T * C));
     for (std::size_t i = 0; i < qkv.size(); ++i) qkv[i] = 1.5f * std::sin(0.731f * static_cast<float>(i) + 0.3f);
     for (std::size_t i = 0; i < dout.size(); ++i) dout[i] = std::cos(0.417f * static_cast<float>(i));
     std::vector<float> out(static_cast<std::size_t>(B * T * C)), lse(static_cast<std::size_t>(B * H * T)),
         dqkv(qkv.size(), 123.0f);  // overwritten, not accumulated into
-    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, H);
-    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, H);
-    const AttentionReference want = attention_reference(qkv, dout, B, T, C, H);
+    cpu::attention_forward(out.data(), lse.data(), qkv.data(), B, T, C, H, KVH);
+    cpu::attention_backward(dqkv.data(), dout.data(), qkv.data(), out.data(), lse.data(), B, T, C, H, KVH);
+    const AttentionReference want = attention_reference(qkv, dout, B, T, C, H, KVH);
     CHECK(max_relative_error(out, want.out) < 1e-5);
     CHECK(max_relative_error(lse, want.lse) < 1e-5);
     CHECK(max_relative_error(dqkv, want.dqkv) < 1e-5);
     if (B < 2) continue;
     // The second sample alone: bitwise its part of the batch (partition transparency).
-    const std::vector<float> qkv1(qkv.begin() + T * 3 * C, qkv.end()), dout1(dout.begin() + T * C, dout.end());
+    const std::vector<float> qkv1(qkv.begin() + T * W, qkv.end()), dout1(dout.begin() + T * C, dout.end());
     std::vector<float> out1(static_cast<std::size_t>(T * C)), lse1(static_cast<std::size_t>(H * T)), dqkv1(qkv1.size());
-    cpu::attention_forward(out1.data(), lse1.data(), qkv1.data(), 1, T, C, H);
-    cpu::attention_backward(dqkv1.data(), dout1.data(), qkv1.data(), out1.data(), lse1.data(), 1, T, C, H);
+    cpu::attention_forward(out1.data(), lse1.data(), qkv1.data(), 1, T, C, H, KVH);
+    cpu::attention_backward(dqkv1.data(), dout1.data(), qkv1.data(), out1.data(), lse1.data(), 1, T, C, H, KVH);
     CHECK(std::equal(out1.begin(), out1.end(), out.begin() + T * C));
     CHECK(std::equal(lse1.begin(), lse1.end(), lse.begin() + H * T));
-    CHECK(std::equal(dqkv1.begin(), dqkv1.end(), dqkv.begin() + T * 3 * C));
+    CHECK(std::equal(dqkv1.begin(), dqkv1.end(), dqkv.begin() + T * W));
   }
 }
 

@@ -117,7 +117,8 @@ TEST_CASE("a residual block takes the kinds marked nestable inside, and refuses 
     if (said) CHECK(refused.find(kind.name) != std::string::npos);  // the message names the kind
     nestable += kind.nestable ? 1 : 0;
   }
-  CHECK(nestable == 9);  // conv2d, batchnorm2d, relu, gelu, maxpool2d, avgpool2d, linear, layernorm, attention
+  // conv2d, batchnorm2d, relu, gelu, swiglu, maxpool2d, avgpool2d, linear, layernorm, rmsnorm, attention
+  CHECK(nestable == 11);
 }
 
 TEST_CASE("every registered layer kind builds from its options and is the layer it names") {

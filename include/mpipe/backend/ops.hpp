@@ -53,7 +53,23 @@ void layernorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor&
                         const Tensor& inp, const Tensor& weight, const Tensor& mean, const Tensor& rstd,
                         GradMode mode, const Tensor& residual = Tensor{});
 
+// RMSNorm (Llama's), rstd (N) fp32 on either device; the residual forms as LayerNorm's.
+void rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& inp, const Tensor& weight, float eps);
+void residual_rmsnorm_forward(const Tensor& out, const Tensor& rstd, const Tensor& sum, const Tensor& residual,
+                              float p, const DropoutKey& key, const Tensor& weight, float eps);
+void rmsnorm_backward(const Tensor& dinp, const Tensor& dweight, const Tensor& dout, const Tensor& inp,
+                      const Tensor& weight, const Tensor& rstd, GradMode mode, const Tensor& residual = Tensor{});
+
+// RoPE in place over the queries and keys of qkv (B, T, C + 2·KV) at positions
+// [position, position + T) (cpu/ops.hpp's rope_apply); `inverse` for their gradients.
+void rope_apply(const Tensor& qkv, int64_t heads, int64_t kv_heads, int64_t position, float theta, bool inverse);
+
+// SwiGLU: out (.., F) = silu(gate) · up of inp (.., 2F) = [gate | up]; dinp per mode.
+void swiglu_forward(const Tensor& out, const Tensor& inp);
+void swiglu_backward(const Tensor& dinp, const Tensor& dout, const Tensor& inp, GradMode mode);
+
 // With p > 0, dropout after the sum (dropout_apply's bits): in the same pass on the GPU.
+// wpe may be empty (no position table: RoPE's models); so may dwpe then.
 void embedding_forward(const Tensor& out, const Tensor& tokens, const Tensor& wte, const Tensor& wpe, float p = 0.0f,
                        const DropoutKey& key = {});
 void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& dout, const Tensor& tokens);
@@ -61,15 +77,20 @@ void embedding_backward(const Tensor& dwte, const Tensor& dwpe, const Tensor& do
 // What the attention core keeps for backward: the scores' log-sum-exp (B, H, T), fp32,
 // on either device (no (T, T) matrix is stored: the backward recomputes it tile by tile).
 Shape attention_state_shape(int64_t B, int64_t H, int64_t T);
+// qkv (B, T, C + 2·KV): `heads` query heads over C, key/value heads as many as qkv's
+// width leaves (KV = (width - C) / 2; grouped-query attention where fewer than heads).
 void attention_forward(const Tensor& out, const Tensor& state, const Tensor& qkv, int64_t heads);
 // `out` is the forward's output (each row's dO·O).
 void attention_backward(const Tensor& dqkv, const Tensor& dout, const Tensor& qkv, const Tensor& out,
                         const Tensor& state);
+// The key/value heads of a qkv of `width` over C channels in `heads` heads.
+int64_t kv_heads_of(int64_t width, int64_t C, int64_t heads);
 
-// Generation with a key/value cache: out (B, t, C) = the attention of the queries at
-// positions [position, position + t) of `cache` (B, capacity, 3C: the q, k, v rows of
-// positions [0, position + t), the new ones written), each over the keys at or before it.
-void attention_decode(const Tensor& out, const Tensor& cache, int64_t position, int64_t heads);
+// Generation with a key/value cache: out (B, t, C) = the attention of the queries of qkv
+// (B, t, C + 2·KV: the new rows, at positions [position, position + t)) over `cache`
+// (B, capacity, 2·KV: the k and v rows of positions [0, position + t), the new ones
+// written), each over the keys at or before it.
+void attention_decode(const Tensor& out, const Tensor& qkv, const Tensor& cache, int64_t position, int64_t heads);
 
 // How a loss reads its logits as rows of classes, each with a target: rows of the last
 // axis (.., V), or, for (N, C, H, W), a row of C classes per pixel, read where it lies

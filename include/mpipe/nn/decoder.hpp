@@ -7,8 +7,8 @@
 // The layers the model's training forward runs, with the same ops: a sequence's logits
 // at a position equal those of a full forward over its prefix up to the attention's
 // order of summation. Past the model's context (the embedding's positions) a sequence
-// keeps its last half and runs it again from position 0 (Decoder::slide): learned
-// positions do not shift, so every cached row would change.
+// keeps its last half and runs it again from position 0 (Decoder::next_feed): learned
+// positions do not shift, so every cached row would change; nor do RoPE's rotated keys.
 #pragma once
 #include <cstdint>
 #include <span>
@@ -75,7 +75,7 @@ class Decoder {
   DType dtype_;
   Arena caches_arena_, work_;
   std::vector<std::int64_t> filled_;         // [sequence]: positions in its caches (next_feed)
-  std::vector<std::vector<Tensor>> caches_;  // [sequence][global layer]: (1, capacity, 3C) or empty
+  std::vector<std::vector<Tensor>> caches_;  // [sequence][global layer]: (1, capacity, 2 KV) or empty
   Tensor input_;  // input_shape(context) of input_dtype()
   std::vector<float> logit_values_;
   Tensor logits_;  // (V) fp32 on the host, over logit_values_ (a GPU's copied there)

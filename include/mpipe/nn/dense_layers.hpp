@@ -75,10 +75,28 @@ class GELU final : public Layer {
                      const Pass& pass) override;
 };
 
+// SwiGLU (Llama's MLP activation): (.., 2F) = [gate | up] -> (.., F) = silu(gate) · up.
+class SwiGLU final : public Layer {
+ public:
+  std::string kind() const override { return "swiglu"; }
+  Shape output_shape(const Shape& in) const override;
+  Cost cost(const Shape& in) const override;
+
+ protected:
+  Tensor forward_impl(const Tensor& x, Context& ctx, const Pass& pass) override;
+  void backward_impl(Context& ctx, const Tensor& dy, const Tensor& dx, GradMode mode,
+                     const Pass& pass) override;
+};
+
+// Normalisation over the channels: LayerNorm ((x - mean) / std · weight + bias, eps 1e-5)
+// or RMSNorm (x / sqrt(mean(x²) + eps) · weight, no bias: Llama's), statistics in fp32.
+enum class NormKind { layer, rms };
+
 class LayerNorm final : public Layer {
  public:
-  explicit LayerNorm(int64_t channels) : channels_(channels) {}
-  std::string kind() const override { return "layernorm"; }
+  explicit LayerNorm(int64_t channels, NormKind norm = NormKind::layer, float eps = 1e-5f)
+      : channels_(channels), norm_(norm), eps_(eps) {}
+  std::string kind() const override { return norm_ == NormKind::rms ? "rmsnorm" : "layernorm"; }
   Shape output_shape(const Shape& in) const override { return in; }
   Cost cost(const Shape& in) const override;
   std::vector<ParamSpec> param_specs() const override;
@@ -104,6 +122,8 @@ class LayerNorm final : public Layer {
   Tensor normalize(const Tensor& x, const Tensor& residual, float p, const DropoutKey& key, Context& ctx,
                    const Pass& pass);
   int64_t channels_;
+  NormKind norm_;
+  float eps_;  // RMSNorm's (LayerNorm's op has its own 1e-5)
   Tensor weight_, bias_, dweight_, dbias_;
 };
 

@@ -249,6 +249,9 @@ class Layer {
   // --remat selective a composite keeps its input instead and recomputes it in backward
   // (a residual block's inner BatchNorm and ReLU).
   virtual bool output_recomputable() const { return false; }
+  // Generation (Decode): the width of a row of this layer's key/value cache, one row a
+  // position (0: it keeps none).
+  virtual std::int64_t cache_width() const { return 0; }
 
   int global_index() const { return global_index_; }
   // Composite layers pass the index on to their parts (it keys dropout masks).

@@ -1,6 +1,6 @@
 // Models: a flat, ordered list of layers with global indices, built through the layer
-// registry from a ModelSpec: a preset's (gpt, mlp: sizes from the options) or a model
-// file's. A pipeline stage is a contiguous range of it.
+// registry from a ModelSpec: a preset's (gpt, llama, mlp, resnet: sizes from the options)
+// or a model file's. A pipeline stage is a contiguous range of it.
 #pragma once
 #include <memory>
 #include <string>
@@ -12,12 +12,19 @@
 namespace mpipe {
 
 struct ModelConfig {
-  std::string kind = "gpt";  // a preset (gpt | mlp | resnet) or the path of a model file
-  int layers = 4;            // transformer blocks (gpt), hidden blocks (mlp) or depth (resnet); presets only
+  std::string kind = "gpt";  // a preset (gpt | llama | mlp | resnet) or the path of a model file
+  int layers = 4;            // transformer blocks (gpt, llama), hidden blocks (mlp) or depth (resnet); presets only
   int d_model = 128;
   int heads = 4;
   int seq_len = 64;
   int vocab = 256;
+  // llama: key/value heads (0: heads), the SwiGLU width (0: Llama's rule, llama_ffn),
+  // RoPE's base, RMSNorm's eps, and whether the head is the token table ("on"/"off").
+  int kv_heads = 0;
+  int ffn = 0;
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  std::string tie_embeddings = "off";
   int hidden = 256;   // mlp width
   int inputs = 64;    // mlp input features
   int classes = 10;   // mlp and resnet classes
@@ -25,10 +32,10 @@ struct ModelConfig {
   int channels = 3;   // resnet: input channels
   int width = 64;     // resnet: channels of the first stage (64, 128, 256, 512 by default)
   float dropout = 0.0f;
-  // gpt: the LM head as this many vocabulary chunks (layers a pipeline can put on
+  // gpt, llama: the LM head as this many vocabulary chunks (layers a pipeline can put on
   // different stages; nn/vocab_layers.hpp), 1: one linear layer.
   int head_chunks = 1;
-  // gpt, head chunks: keep each chunk's logits for its backward (fastest), or recompute
+  // gpt, llama, head chunks: keep each chunk's logits for its backward (fastest), or recompute
   // them there (one more GEMM; no rows x vocab logits held between forward and backward).
   std::string head_logits = "keep";
   bool operator==(const ModelConfig&) const = default;

@@ -84,6 +84,9 @@ struct LayerArgs {
   [[noreturn]] void refuse(const std::string& name, const std::string& problem, const std::string& hint) const;
 };
 
+// A normalisation's `eps` option: in (0, 0.1]; refused otherwise.
+float norm_eps(const LayerArgs& a);
+
 struct LayerKind {
   std::string name;  // as Layer::kind() says it
   std::string help;

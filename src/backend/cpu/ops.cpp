@@ -179,6 +179,152 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
   }
 }
 
+// ---- rmsnorm -----------------------------------------------------------------------
+
+namespace {
+
+// The sum over a row of term(c), in 16 running sums (element c into sum c mod 16, the
+// sums then added pairwise): a fixed order the loop vectorises, whatever the thread count.
+template <class Term>
+inline float row_sum(Term term, int64_t C) {
+  constexpr int64_t lanes = 16;
+  alignas(64) float sums[lanes] = {};
+  int64_t c = 0;
+  for (; c + lanes <= C; c += lanes)
+#pragma omp simd
+    for (int64_t j = 0; j < lanes; ++j) sums[j] += term(c + j);
+  for (int64_t j = 0; c + j < C; ++j) sums[j] += term(c + j);
+  for (int64_t half = lanes / 2; half >= 1; half /= 2)
+    for (int64_t j = 0; j < half; ++j) sums[j] += sums[j + half];
+  return sums[0];
+}
+
+}  // namespace
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    const float s = 1.0f / std::sqrt(row_sum([x](int64_t c) { return x[c] * x[c]; }, C) / static_cast<float>(C) + eps);
+    float* y = out + n * C;
+#pragma omp simd
+    for (int64_t c = 0; c < C; ++c) y[c] = x[c] * s * weight[c];
+    rstd[n] = s;
+  }
+}
+
+void residual_rmsnorm_forward(float* out, float* rstd, float* sum, const float* residual, const float* weight,
+                              int64_t N, int64_t C, int64_t rows_per_sample, float p, const DropoutKey& key, float eps) {
+  add_dropped(sum, residual, sum, N / rows_per_sample, rows_per_sample * C, p, key);  // as residual_layernorm_forward
+  rmsnorm_forward(out, rstd, sum, weight, N, C, eps);
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, GradMode mode) {
+  // y = w x s with s = (mean(x²) + eps)^(-1/2): dx = s (w dy - x s · mean(w dy x s)).
+  const bool accumulate = mode == GradMode::accumulate;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* x = inp + n * C;
+    const float* dy = dout + n * C;
+    const float s = rstd[n];
+    const float mean = row_sum([=](int64_t c) { return weight[c] * dy[c] * x[c]; }, C) * s / static_cast<float>(C);
+    float* dx = dinp + n * C;
+    if (accumulate) {
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) dx[c] += (weight[c] * dy[c] - x[c] * s * mean) * s;
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < C; ++c) dx[c] = (weight[c] * dy[c] - x[c] * s * mean) * s;
+    }
+  }
+  // The weight's gradient: each channel strip summed over rows in row order by one thread.
+  constexpr int64_t strip = 64;
+#pragma omp parallel for schedule(static)
+  for (int64_t c0 = 0; c0 < C; c0 += strip) {
+    const int64_t c1 = std::min(C, c0 + strip);
+    float dw[strip] = {};
+    for (int64_t n = 0; n < N; ++n) {
+      const float* x = inp + n * C;
+      const float* dy = dout + n * C;
+      const float s = rstd[n];
+#pragma omp simd
+      for (int64_t c = c0; c < c1; ++c) dw[c - c0] += x[c] * s * dy[c];
+    }
+    for (int64_t c = c0; c < c1; ++c) dweight[c] += dw[c - c0];
+  }
+}
+
+// ---- rotary position embedding -------------------------------------------------------
+
+void rope_apply(float* qkv, int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH, int64_t position, float theta,
+                bool inverse) {
+  const int64_t hs = C / H, half = hs / 2, KV = KVH * hs, ld = C + 2 * KV;
+  constexpr int64_t max_half = 512;
+  MPIPE_CHECK(hs % 2 == 0 && half <= max_half, "rope: head size ", hs);
+  double frequencies[max_half];  // theta^(-2i/hs)
+  for (int64_t i = 0; i < half; ++i)
+    frequencies[i] = std::pow(static_cast<double>(theta), -2.0 * static_cast<double>(i) / static_cast<double>(hs));
+  // A row's angles depend on its position alone: computed once per position, applied to
+  // every sample's queries and keys there (the H + KVH heads side by side at the row's start).
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    alignas(64) float cosines[max_half], sines[max_half];
+    const double p = static_cast<double>(position + t);
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = p * frequencies[i];
+      cosines[i] = static_cast<float>(std::cos(angle));
+      sines[i] = static_cast<float>(inverse ? -std::sin(angle) : std::sin(angle));
+    }
+    for (int64_t b = 0; b < B; ++b) {
+      float* row = qkv + (b * T + t) * ld;
+      for (int64_t head = 0; head < H + KVH; ++head) {
+        float* x = row + head * hs;
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          x[i] = x1 * cosines[i] - x2 * sines[i];
+          x[i + half] = x2 * cosines[i] + x1 * sines[i];
+        }
+      }
+    }
+  }
+}
+
+// ---- SwiGLU --------------------------------------------------------------------------
+// silu(g) = g sigmoid(g), the exponential through vmath.hpp's exp_clamped (vectorised;
+// sigmoid then never divides by infinity).
+
+void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* gate = inp + n * 2 * F;
+    const float* up = gate + F;
+    float* y = out + n * F;
+#pragma omp simd
+    for (int64_t f = 0; f < F; ++f) y[f] = gate[f] / (1.0f + exp_clamped(-gate[f])) * up[f];
+  }
+}
+
+void swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int64_t F, GradMode mode) {
+  const bool accumulate = mode == GradMode::accumulate;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    const float* gate = inp + n * 2 * F;
+    const float* up = gate + F;
+    const float* dy = dout + n * F;
+    float* dgate = dinp + n * 2 * F;
+    float* dup = dgate + F;
+#pragma omp simd
+    for (int64_t f = 0; f < F; ++f) {
+      const float g = gate[f], sg = 1.0f / (1.0f + exp_clamped(-g)), silu = g * sg;
+      const float dg = dy[f] * up[f] * (sg * (1.0f + g * (1.0f - sg))), du = dy[f] * silu;
+      dgate[f] = accumulate ? dgate[f] + dg : dg;
+      dup[f] = accumulate ? dup[f] + du : du;
+    }
+  }
+}
+
 // ---- embedding ---------------------------------------------------------------------
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
@@ -188,8 +334,12 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < B * T; ++i) {
     const float* te = wte + static_cast<int64_t>(tokens[i]) * C;
-    const float* pe = wpe + (i % T) * C;
     float* y = out + i * C;
+    if (!wpe) {  // no position table (RoPE rotates inside attention)
+      std::copy_n(te, C, y);
+      continue;
+    }
+    const float* pe = wpe + (i % T) * C;
     for (int64_t c = 0; c < C; ++c) y[c] = te[c] + pe[c];
   }
 }
@@ -205,6 +355,10 @@ void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32
     for (int64_t i = 0; i < B * T; ++i) {
       const float* dy = dout + i * C;
       float* te = dwte + static_cast<int64_t>(tokens[i]) * C;
+      if (!dwpe) {
+        for (int64_t c = c0; c < c1; ++c) te[c] += dy[c];
+        continue;
+      }
       float* pe = dwpe + (i % T) * C;
       for (int64_t c = c0; c < c1; ++c) {
         te[c] += dy[c];
@@ -229,16 +383,17 @@ namespace {
 constexpr int64_t attention_tile = 64;
 }
 
-void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t H) {
-  const int64_t hs = C / H, ld = 3 * C;
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t H,
+                       int64_t KVH) {
+  const int64_t hs = C / H, KV = KVH * hs, ld = C + 2 * KV, group = H / KVH;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   constexpr int64_t tile = attention_tile;
 #pragma omp parallel for schedule(static)
   for (int64_t bh = 0; bh < B * H; ++bh) {
     const int64_t b = bh / H, h = bh % H;
     const float* q = qkv + b * T * ld + h * hs;
-    const float* k = q + C;
-    const float* v = q + 2 * C;
+    const float* k = qkv + b * T * ld + C + (h / group) * hs;  // its group's key/value head
+    const float* v = k + KV;
     float* o = out + b * T * C + h * hs;
     float* row_lse = lse + bh * T;
     float s[tile * tile];          // (rows, keys) scores, then probabilities
@@ -288,66 +443,71 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t C, int64_t H) {
-  const int64_t hs = C / H, ld = 3 * C;
+                        int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH) {
+  const int64_t hs = C / H, KV = KVH * hs, ld = C + 2 * KV, group = H / KVH;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   constexpr int64_t tile = attention_tile;
+  // A thread per (sample, key/value head): the group's query heads add into its dk and dv
+  // one after another, in ascending order (no two threads write one head's gradient).
 #pragma omp parallel for schedule(static)
-  for (int64_t bh = 0; bh < B * H; ++bh) {
-    const int64_t b = bh / H, h = bh % H;
-    const float* q = qkv + b * T * ld + h * hs;
-    const float* k = q + C;
-    const float* v = q + 2 * C;
-    const float* o = out + b * T * C + h * hs;
-    const float* dy = dout + b * T * C + h * hs;
-    const float* row_lse = lse + bh * T;
-    float* dq = dqkv + b * T * ld + h * hs;
-    float* dk = dq + C;
-    float* dv = dq + 2 * C;
+  for (int64_t bg = 0; bg < B * KVH; ++bg) {
+    const int64_t b = bg / KVH, g = bg % KVH;
+    const float* k = qkv + b * T * ld + C + g * hs;
+    const float* v = k + KV;
+    float* dk = dqkv + b * T * ld + C + g * hs;
+    float* dv = dk + KV;
     for (int64_t t = 0; t < T; ++t) {
-      std::fill_n(dq + t * ld, hs, 0.0f);
       std::fill_n(dk + t * ld, hs, 0.0f);
       std::fill_n(dv + t * ld, hs, 0.0f);
     }
-    float p[tile * tile], dp[tile * tile];  // (rows, keys): probabilities; their gradient, then dS
-    float delta[tile];                      // each row's dO · O (= rowsum(P * dP))
-    for (int64_t i0 = 0; i0 < T; i0 += tile) {
-      const int64_t rows = std::min(tile, T - i0);
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* dyrow = dy + (i0 + r) * C;
-        const float* orow = o + (i0 + r) * C;
-        float dot = 0.0f;
-        for (int64_t c = 0; c < hs; ++c) dot += dyrow[c] * orow[c];
-        delta[r] = dot;
-      }
-      for (int64_t j0 = 0; j0 < i0 + rows; j0 += tile) {
-        const int64_t keys = std::min(tile, i0 + rows - j0);
-        // P = exp(S - lse), zero where masked.
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, scale, q + i0 * ld, ld, k + j0 * ld, ld,
-                    0.0f, p, tile);
+    for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+      const int64_t bh = b * H + h;
+      const float* q = qkv + b * T * ld + h * hs;
+      const float* o = out + b * T * C + h * hs;
+      const float* dy = dout + b * T * C + h * hs;
+      const float* row_lse = lse + bh * T;
+      float* dq = dqkv + b * T * ld + h * hs;
+      for (int64_t t = 0; t < T; ++t) std::fill_n(dq + t * ld, hs, 0.0f);
+      float p[tile * tile], dp[tile * tile];  // (rows, keys): probabilities; their gradient, then dS
+      float delta[tile];                      // each row's dO · O (= rowsum(P * dP))
+      for (int64_t i0 = 0; i0 < T; i0 += tile) {
+        const int64_t rows = std::min(tile, T - i0);
         for (int64_t r = 0; r < rows; ++r) {
-          float* row = p + r * tile;
-          const int64_t seen = std::clamp<int64_t>(i0 + r - j0 + 1, 0, keys);
-          const float row_max = row_lse[i0 + r];
-          for (int64_t c = 0; c < seen; ++c) row[c] = std::exp(row[c] - row_max);
-          std::fill(row + seen, row + keys, 0.0f);
+          const float* dyrow = dy + (i0 + r) * C;
+          const float* orow = o + (i0 + r) * C;
+          float dot = 0.0f;
+          for (int64_t c = 0; c < hs; ++c) dot += dyrow[c] * orow[c];
+          delta[r] = dot;
         }
-        // dV_j += P^T dO_i ; dP = dO_i V_j^T
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, hs, rows, 1.0f, p, tile, dy + i0 * C, C, 1.0f,
-                    dv + j0 * ld, ld);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, 1.0f, dy + i0 * C, C, v + j0 * ld, ld,
-                    0.0f, dp, tile);
-        // dS = P * (dP - delta), in place over dP (zero where P is).
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* prow = p + r * tile;
-          float* drow = dp + r * tile;
-          for (int64_t c = 0; c < keys; ++c) drow[c] = prow[c] * (drow[c] - delta[r]);
+        for (int64_t j0 = 0; j0 < i0 + rows; j0 += tile) {
+          const int64_t keys = std::min(tile, i0 + rows - j0);
+          // P = exp(S - lse), zero where masked.
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, scale, q + i0 * ld, ld, k + j0 * ld, ld,
+                      0.0f, p, tile);
+          for (int64_t r = 0; r < rows; ++r) {
+            float* row = p + r * tile;
+            const int64_t seen = std::clamp<int64_t>(i0 + r - j0 + 1, 0, keys);
+            const float row_max = row_lse[i0 + r];
+            for (int64_t c = 0; c < seen; ++c) row[c] = std::exp(row[c] - row_max);
+            std::fill(row + seen, row + keys, 0.0f);
+          }
+          // dV_j += P^T dO_i ; dP = dO_i V_j^T
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, hs, rows, 1.0f, p, tile, dy + i0 * C, C, 1.0f,
+                      dv + j0 * ld, ld);
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, rows, keys, hs, 1.0f, dy + i0 * C, C, v + j0 * ld, ld,
+                      0.0f, dp, tile);
+          // dS = P * (dP - delta), in place over dP (zero where P is).
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* prow = p + r * tile;
+            float* drow = dp + r * tile;
+            for (int64_t c = 0; c < keys; ++c) drow[c] = prow[c] * (drow[c] - delta[r]);
+          }
+          // dQ_i += scale dS K_j ; dK_j += scale dS^T Q_i
+          cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, keys, scale, dp, tile, k + j0 * ld, ld, 1.0f,
+                      dq + i0 * ld, ld);
+          cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, hs, rows, scale, dp, tile, q + i0 * ld, ld, 1.0f,
+                      dk + j0 * ld, ld);
         }
-        // dQ_i += scale dS K_j ; dK_j += scale dS^T Q_i
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, rows, hs, keys, scale, dp, tile, k + j0 * ld, ld, 1.0f,
-                    dq + i0 * ld, ld);
-        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, keys, hs, rows, scale, dp, tile, q + i0 * ld, ld, 1.0f,
-                    dk + j0 * ld, ld);
       }
     }
   }

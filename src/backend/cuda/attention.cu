@@ -1,5 +1,7 @@
 // Causal self-attention, the ops: attention_forward and attention_backward pick a path
-// per call, and the backward first computes D = rowsum(dO * O).
+// per call, and the backward first computes D = rowsum(dO * O). Every path takes
+// grouped-query attention (KVH key/value heads, qkv (B, T, C + 2 KV)); with KVH = H each
+// runs the kernels and the order of sums it ran before groups existed.
 //
 //   bf16              cuDNN's fused attention (attention_dnn.cu) where it builds a
 //                     deterministic plan for the shape and, at the shape's first call,
@@ -11,6 +13,8 @@
 //   hs > 128, or a    the unfused cuBLASLt path (gemm_attention_*, here): the full
 //   GPU whose shared  scores in scratch, correct but O(T^2) memory.
 //   memory is short
+//
+// Generation's attention over a key/value cache is attention_decode.cu's.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -64,51 +68,87 @@ unsigned row_blocks(int64_t rows) { return static_cast<unsigned>(ceil_div(rows, 
 
 // ---- unfused fallback (hs > 128) ---------------------------------------------------------
 // cuBLASLt batched GEMMs, one batch entry per (b, h), with the softmax and its gradient as
-// row kernels in between. q, k, v are first split into contiguous heads (B, H, T, hs);
-// the scores S (B, H, T, T) are fp32, the probabilities P are E for the P·V GEMM. All
-// temporaries live in one scratch() region, and the full T x T products are computed
-// (the masked half is set to zero).
+// row kernels in between. q, k, v are first split into contiguous heads (B, H, T, hs),
+// each query head given its own copy of the key and value head it reads; the scores S
+// (B, H, T, T) are fp32, the probabilities P are E for the P·V GEMM. All temporaries live
+// in one scratch() region, and the full T x T products are computed (the masked half is
+// set to zero). Under grouped-query attention dK and dV come out per query head in fp32
+// and a key/value head's are summed over its group in ascending order (reduce_kv_heads).
 
-// src (B, T, mats, H, hs) -> dst (mats, B, H, T, hs); W elements at a time (hs % W == 0).
+// Where matrix m (0 q, 1 k, 2 v) of query head h lies in a row of H query heads, then
+// KV = H / group key heads and as many value heads: a key/value head serves `group` query
+// heads side by side. group 1: m C + h hs, the (B, T, 3, H, hs) layout.
+__device__ __forceinline__ int64_t head_column(int64_t m, int64_t h, int64_t H, int64_t hs, int64_t group) {
+  return m == 0 ? h * hs : H * hs + ((m - 1) * (H / group) + h / group) * hs;
+}
+
+// src rows of ld elements (B, T, ld) -> dst (mats, B, H, T, hs); W elements at a time
+// (hs % W == 0).
 template <int W, class T>
-__global__ void split_heads(T* dst, const T* src, int64_t B, int64_t T_, int64_t H, int64_t hs, int mats) {
+__global__ void split_heads(T* dst, const T* src, int64_t B, int64_t T_, int64_t H, int64_t hs, int mats, int64_t ld,
+                            int64_t group) {
   const int64_t total = mats * B * H * T_ * hs;
   const int64_t stride = (static_cast<int64_t>(gridDim.x) * blockDim.x) * W;
   for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * W; i < total; i += stride) {
     const int64_t d = i % hs, t = (i / hs) % T_, h = (i / (hs * T_)) % H, b = (i / (hs * T_ * H)) % B,
                   m = i / (hs * T_ * H * B);
-    store_pack<W>(dst + i, load_pack<W>(src + ((b * T_ + t) * mats + m) * H * hs + h * hs + d));
+    store_pack<W>(dst + i, load_pack<W>(src + (b * T_ + t) * ld + head_column(m, h, H, hs, group) + d));
   }
 }
 
-// The inverse: src (mats, B, H, T, hs) -> dst (B, T, mats, H, hs).
+// The inverse (each query head's own matrices: group 1): src (mats, B, H, T, hs) -> dst
+// rows of ld.
 template <int W, class T>
-__global__ void merge_heads(T* dst, const T* src, int64_t B, int64_t T_, int64_t H, int64_t hs, int mats) {
+__global__ void merge_heads(T* dst, const T* src, int64_t B, int64_t T_, int64_t H, int64_t hs, int mats,
+                            int64_t ld) {
   const int64_t total = mats * B * H * T_ * hs;
   const int64_t stride = (static_cast<int64_t>(gridDim.x) * blockDim.x) * W;
   for (int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * W; i < total; i += stride) {
     const int64_t d = i % hs, t = (i / hs) % T_, h = (i / (hs * T_)) % H, b = (i / (hs * T_ * H)) % B,
                   m = i / (hs * T_ * H * B);
-    store_pack<W>(dst + ((b * T_ + t) * mats + m) * H * hs + h * hs + d, load_pack<W>(src + i));
+    store_pack<W>(dst + (b * T_ + t) * ld + head_column(m, h, H, hs, 1) + d, load_pack<W>(src + i));
   }
 }
 
+// dst (B, T, ld) rows, ld = mats C: the (B, T, mats, H, hs) layout; split reads key and
+// value heads a group of query heads share (ld = C + 2 KV).
 template <class T>
-void rearrange_heads(bool split, T* dst, const T* src, int64_t B, int64_t T_, int64_t H, int64_t hs, int mats) {
+void rearrange_heads(bool split, T* dst, const T* src, int64_t B, int64_t T_, int64_t H, int64_t hs, int mats,
+                     int64_t ld, int64_t group = 1) {
   using D = device_t<T>;
   constexpr int W = pack_width<D>;
   cudaStream_t stream = context().compute;
   const int64_t total = mats * B * H * T_ * hs;
   if (hs % W == 0 && all_aligned({dst, src}, 16)) {
     const unsigned blocks = blocks_for(total / W, kThreads);
-    if (split) split_heads<W><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats);
-    else merge_heads<W><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats);
+    if (split) split_heads<W><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats, ld, group);
+    else merge_heads<W><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats, ld);
   } else {
     const unsigned blocks = blocks_for(total, kThreads);
-    if (split) split_heads<1><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats);
-    else merge_heads<1><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats);
+    if (split) split_heads<1><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats, ld, group);
+    else merge_heads<1><<<blocks, kThreads, 0, stream>>>(dev(dst), dev(src), B, T_, H, hs, mats, ld);
   }
   CUDA_CHECK_LAUNCH();
+}
+
+// Grouped-query attention's dK and dV: src (2, B, H, T, hs) fp32, each query head's
+// share, -> dqkv's key and value heads (B, T, C + 2 KV), each the sum of its group's
+// `group` query heads in ascending order, rounded to T once. Every element of them is
+// written.
+template <class T>
+__global__ void reduce_kv_heads(T* dqkv, const float* src, int64_t B, int64_t T_, int64_t H, int64_t hs,
+                                int64_t group) {
+  const int64_t KVH = H / group, C = H * hs, KV = KVH * hs, ld = C + 2 * KV;
+  const int64_t total = 2 * B * KVH * T_ * hs, per = B * H * T_ * hs;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += stride) {
+    const int64_t d = i % hs, t = (i / hs) % T_, j = (i / (hs * T_)) % KVH, b = (i / (hs * T_ * KVH)) % B,
+                  m = i / (hs * T_ * KVH * B);
+    const float* from = src + m * per + ((b * H + j * group) * T_ + t) * hs + d;
+    float acc = 0.0f;
+    for (int64_t g = 0; g < group; ++g) acc += from[g * T_ * hs];
+    dqkv[(b * T_ + t) * ld + C + m * KV + j * hs + d] = from_f32<T>(acc);
+  }
 }
 
 // Row i of S (rows = B*H*T, each of length T) -> its log-sum-exp over j <= i and
@@ -176,7 +216,8 @@ Gemm per_head(int64_t heads, int64_t M, int64_t N, int64_t K, const void* a, boo
 }
 
 template <class E>
-void gemm_attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t H, int64_t hs) {
+void gemm_attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t H, int64_t KVH,
+                            int64_t hs) {
   const int64_t BH = B * H, per = BH * T * hs, rows = BH * T;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   constexpr cudaDataType_t e_type = data_type<E>();
@@ -195,18 +236,19 @@ void gemm_attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t
   auto* S = place<float>(base, s_at);
   E* P = place<E>(base, p_at);
 
-  rearrange_heads(true, q, qkv, B, T, H, hs, 3);
+  const int64_t C = H * hs, ld = C + 2 * KVH * hs;
+  rearrange_heads(true, q, qkv, B, T, H, hs, 3, ld, H / KVH);
   gemm(per_head(BH, T, T, hs, q, false, k, true, S, e_type, CUDA_R_32F, scale));  // S = q k^T / sqrt(hs)
   causal_softmax<<<row_blocks(rows), kThreads, 0, stream>>>(dev(P), lse, S, rows, T);
   CUDA_CHECK_LAUNCH();
   gemm(per_head(BH, T, hs, T, P, false, v, false, o, e_type, e_type, 1.0f));  // O = P v
-  rearrange_heads(false, out, static_cast<const E*>(o), B, T, H, hs, 1);
+  rearrange_heads(false, out, static_cast<const E*>(o), B, T, H, hs, 1, C);
 }
 
 template <class E>
 void gemm_attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B,
-                             int64_t T, int64_t H, int64_t hs) {
-  const int64_t BH = B * H, per = BH * T * hs, rows = BH * T;
+                             int64_t T, int64_t H, int64_t KVH, int64_t hs) {
+  const int64_t BH = B * H, per = BH * T * hs, rows = BH * T, group = H / KVH, C = H * hs, ld = C + 2 * KVH * hs;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hs));
   constexpr cudaDataType_t e_type = data_type<E>();
   cudaStream_t stream = context().compute;
@@ -218,6 +260,8 @@ void gemm_attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out,
   const std::size_t dots_at = plan.reserve<float>(rows);   // D (B, H, T)
   const std::size_t s_at = plan.reserve<float>(rows * T);  // S, then dP (B, H, T, T)
   const std::size_t p_at = plan.reserve<E>(rows * T);      // P, then dS (B, H, T, T)
+  // Grouped: dK, dV per query head (2, B, H, T, hs), fp32 until their group is summed.
+  const std::size_t dkv_at = group > 1 ? plan.reserve<float>(2 * per) : 0;
   void* base = scratch(plan.bytes());
   E* q = place<E>(base, heads_at);
   E* k = q + per;
@@ -230,20 +274,33 @@ void gemm_attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out,
   auto* S = place<float>(base, s_at);
   E* P = place<E>(base, p_at);
 
-  rearrange_heads(true, q, qkv, B, T, H, hs, 3);
-  rearrange_heads(true, dO, dout, B, T, H, hs, 1);
+  float* dkv = group > 1 ? place<float>(base, dkv_at) : nullptr;
+  // dK and dV: E straight into place (one head each), or fp32 per query head (grouped).
+  void* dk_out = group > 1 ? static_cast<void*>(dkv) : dk;
+  void* dv_out = group > 1 ? static_cast<void*>(dkv + per) : dv;
+  const cudaDataType_t dkv_type = group > 1 ? CUDA_R_32F : e_type;
+
+  rearrange_heads(true, q, qkv, B, T, H, hs, 3, ld, group);
+  rearrange_heads(true, dO, dout, B, T, H, hs, 1, C);
   attention_row_dots<<<row_blocks(rows), kThreads, 0, stream>>>(dots, dev(dout), dev(out), B, T, H, hs);
   CUDA_CHECK_LAUNCH();
   gemm(per_head(BH, T, T, hs, q, false, k, true, S, e_type, CUDA_R_32F, scale));  // S = q k^T / sqrt(hs)
   causal_probs<<<row_blocks(rows), kThreads, 0, stream>>>(dev(P), S, lse, rows, T);
   CUDA_CHECK_LAUNCH();
-  gemm(per_head(BH, T, hs, T, P, true, dO, false, dv, e_type, e_type, 1.0f));     // dV = P^T dO
-  gemm(per_head(BH, T, T, hs, dO, false, v, true, S, e_type, CUDA_R_32F, 1.0f));  // dP = dO V^T
+  gemm(per_head(BH, T, hs, T, P, true, dO, false, dv_out, e_type, dkv_type, 1.0f));  // dV = P^T dO
+  gemm(per_head(BH, T, T, hs, dO, false, v, true, S, e_type, CUDA_R_32F, 1.0f));     // dP = dO V^T
   causal_softmax_backward<<<row_blocks(rows), kThreads, 0, stream>>>(dev(P), S, dots, rows, T);
   CUDA_CHECK_LAUNCH();
-  gemm(per_head(BH, T, hs, T, P, false, k, false, dq, e_type, e_type, scale));  // dQ = dS K / sqrt(hs)
-  gemm(per_head(BH, T, hs, T, P, true, q, false, dk, e_type, e_type, scale));   // dK = dS^T Q / sqrt(hs)
-  rearrange_heads(false, dqkv, static_cast<const E*>(dq), B, T, H, hs, 3);
+  gemm(per_head(BH, T, hs, T, P, false, k, false, dq, e_type, e_type, scale));       // dQ = dS K / sqrt(hs)
+  gemm(per_head(BH, T, hs, T, P, true, q, false, dk_out, e_type, dkv_type, scale));  // dK = dS^T Q / sqrt(hs)
+  if (group == 1) {
+    rearrange_heads(false, dqkv, static_cast<const E*>(dq), B, T, H, hs, 3, ld);
+    return;
+  }
+  rearrange_heads(false, dqkv, static_cast<const E*>(dq), B, T, H, hs, 1, ld);
+  reduce_kv_heads<<<blocks_for(2 * B * KVH * T * hs, kThreads), kThreads, 0, stream>>>(dev(dqkv), dkv, B, T, H, hs,
+                                                                                       group);
+  CUDA_CHECK_LAUNCH();
 }
 
 // ---- dispatch ----------------------------------------------------------------------------
@@ -252,45 +309,46 @@ void gemm_attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out,
 // memory fits this GPU; otherwise the cuBLASLt path does. A tile grid beyond grid y's
 // 65535 (T past 2 million steps) is refused.
 template <class E>
-bool use_fused(int64_t B, int64_t T, int64_t H, int64_t hs) {
-  const int HD = padded_head_dim(hs);
+bool use_fused(const Heads& a) {
+  const int HD = padded_head_dim(a.hs);
   if (HD == 0) return false;
   if (Fused<E>::smem(HD) > context().properties.sharedMemPerBlockOptin) return false;
   // Every bf16 grid has a tile of at least 64 rows per y, every fp32 grid one of 32.
   const int64_t rows = std::is_same_v<E, float> ? kF32Rows : kBlockRows<128>;
-  MPIPE_CHECK(ceil_div(T, rows) <= kMaxTiles && B * H <= INT32_MAX, "attention: ", B, " x ", H, " heads of ", T,
-              " steps exceed one fused launch");
+  MPIPE_CHECK(ceil_div(a.T, rows) <= kMaxTiles && a.B * a.H <= INT32_MAX, "attention: ", a.B, " x ", a.H,
+              " heads of ", a.T, " steps exceed one fused launch");
   return true;
 }
 
-template <class E>
-Flash flash_sizes(int64_t B, int64_t T, int64_t H, int64_t hs) {
+Flash flash_sizes(const Heads& a) {
   Flash f;
-  f.BH = static_cast<int>(B * H);
-  f.T = static_cast<int>(T);
-  f.H = static_cast<int>(H);
-  f.hs = static_cast<int>(hs);
-  f.scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  f.BH = static_cast<int>(a.B * a.H);
+  f.T = static_cast<int>(a.T);
+  f.H = static_cast<int>(a.H);
+  f.hs = static_cast<int>(a.hs);
+  f.KVH = static_cast<int>(a.KVH);
+  f.BKV = static_cast<int>(a.B * a.KVH);
+  f.scale = 1.0f / std::sqrt(static_cast<float>(a.hs));
   f.scale_log2 = f.scale * kLog2e;
   return f;
 }
 
 // The kernels' paths (fused where the head fits, else cuBLASLt).
 template <class E>
-void kernel_attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t H, int64_t hs) {
-  if (!use_fused<E>(B, T, H, hs)) return gemm_attention_forward(out, lse, qkv, B, T, H, hs);
-  Fused<E>::forward(out, lse, qkv, flash_sizes<E>(B, T, H, hs));
+void kernel_attention_forward(E* out, float* lse, const E* qkv, const Heads& a) {
+  if (!use_fused<E>(a)) return gemm_attention_forward(out, lse, qkv, a.B, a.T, a.H, a.KVH, a.hs);
+  Fused<E>::forward(out, lse, qkv, flash_sizes(a));
 }
 template <class E>
-void kernel_attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B,
-                               int64_t T, int64_t H, int64_t hs) {
-  if (!use_fused<E>(B, T, H, hs)) return gemm_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs);
+void kernel_attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, const Heads& a) {
+  if (!use_fused<E>(a)) return gemm_attention_backward(dqkv, dout, qkv, out, lse, a.B, a.T, a.H, a.KVH, a.hs);
   // D = rowsum(dO * O) first: both fused kernels subtract it from dP.
-  const int64_t rows = B * H * T;
+  const int64_t rows = a.B * a.H * a.T;
   auto* dots = static_cast<float*>(scratch(static_cast<std::size_t>(rows) * sizeof(float)));
-  attention_row_dots<<<row_blocks(rows), kThreads, 0, context().compute>>>(dots, dev(dout), dev(out), B, T, H, hs);
+  attention_row_dots<<<row_blocks(rows), kThreads, 0, context().compute>>>(dots, dev(dout), dev(out), a.B, a.T, a.H,
+                                                                          a.hs);
   CUDA_CHECK_LAUNCH();
-  Fused<E>::backward(dqkv, dout, qkv, lse, dots, flash_sizes<E>(B, T, H, hs));
+  Fused<E>::backward(dqkv, dout, qkv, lse, dots, flash_sizes(a));
 }
 
 // ---- cuDNN or the kernel -------------------------------------------------------------
@@ -302,7 +360,7 @@ void kernel_attention_backward(E* dqkv, const E* dout, const E* qkv, const E* ou
 // on it. A disagreement is said on stderr, once per shape.
 
 enum class Choice { unchecked, dnn, kernel };
-using ChoiceKey = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;  // B, T, H, hs, backward
+using ChoiceKey = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>;  // B, T, H, KVH, hs, backward
 std::map<ChoiceKey, Choice>& choices() {
   static std::map<ChoiceKey, Choice> map;  // one compute thread per rank: no lock
   return map;
@@ -349,52 +407,50 @@ constexpr float kOutputTolerance = 1.0f / 32, kGradientTolerance = 1.0f / 16, kL
 
 bool agrees(std::pair<float, float> d, float tolerance) { return d.first <= tolerance * std::max(d.second, 1e-6f); }
 
-void say_check(const char* direction, int64_t B, int64_t T, int64_t H, int64_t hs, bool ok, const std::string& detail) {
+void say_check(const char* direction, const Heads& a, bool ok, const std::string& detail) {
   if (ok && !dnn_attention_verbose()) return;
-  std::fprintf(stderr, "mpipe attention B %lld T %lld H %lld hs %lld %s: cuDNN %s the FlashAttention-2 kernel (%s)%s\n",
-               static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(H),
-               static_cast<long long>(hs), direction, ok ? "agrees with" : "DISAGREES with", detail.c_str(),
+  std::fprintf(stderr, "mpipe attention %s %s: cuDNN %s the FlashAttention-2 kernel (%s)%s\n", a.text().c_str(),
+               direction, ok ? "agrees with" : "DISAGREES with", detail.c_str(),
                ok ? "" : "; the kernel takes this shape");
 }
 
 // The shape's choice, or null where the kernel is asked for (set_attention_engine,
 // MPIPE_ATTENTION=flash).
-Choice* choice_of(int64_t B, int64_t T, int64_t H, int64_t hs, bool backward) {
+Choice* choice_of(const Heads& a, bool backward) {
   if (engine_setting() == AttentionEngine::kernel || !dnn_attention_wanted()) return nullptr;
-  return &choices().try_emplace(ChoiceKey{B, T, H, hs, backward}, Choice::unchecked).first->second;
+  return &choices().try_emplace(ChoiceKey{a.B, a.T, a.H, a.KVH, a.hs, backward}, Choice::unchecked).first->second;
 }
 
 // bf16 forward: true when cuDNN ran it (checked at the shape's first call).
-bool dnn_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t H, int64_t hs) {
-  const int64_t C = H * hs;
-  if (!all_aligned({qkv, qkv + C, qkv + 2 * C, out, lse}, 16)) return false;  // this call's pointers, not the shape
-  Choice* chosen = choice_of(B, T, H, hs, false);
+bool dnn_forward(bf16* out, float* lse, const bf16* qkv, const Heads& a) {
+  const int64_t C = a.C(), KV = a.KV();
+  if (!all_aligned({qkv, qkv + C, qkv + C + KV, out, lse}, 16)) return false;  // this call's pointers, not the shape
+  Choice* chosen = choice_of(a, false);
   if (!chosen || *chosen == Choice::kernel) return false;
   // A shape's check waits for the GPU, which a CUDA graph being recorded cannot: its
   // first call is never recorded (steps 1 and 2 are not), and should one be, the kernel
   // takes that call.
   if (*chosen == Choice::unchecked && capturing()) return false;
   Choice& choice = *chosen;
-  if (!dnn_attention_forward(out, lse, qkv, B, T, H, hs)) {
+  if (!dnn_attention_forward(out, lse, qkv, a)) {
     choice = Choice::kernel;
     return false;
   }
   if (choice == Choice::dnn) return true;
-  const int64_t n = B * T * C, rows = B * H * T;
+  const int64_t n = a.B * a.T * C, rows = a.B * a.H * a.T;
   ScratchPlan layout;  // the kernel's results and the comparison's, for a shape's first call only
   const std::size_t out_at = layout.reserve<bf16>(n), lse_at = layout.reserve<float>(rows),
                     result_at = layout.reserve<unsigned>(2);
   const DeviceBuffer memory(layout.bytes());
   bf16* out_kernel = place<bf16>(memory.data(), out_at);
   auto* lse_kernel = place<float>(memory.data(), lse_at);
-  kernel_attention_forward(out_kernel, lse_kernel, qkv, B, T, H, hs);
+  kernel_attention_forward(out_kernel, lse_kernel, qkv, a);
   const auto d_out = difference(dev(static_cast<const bf16*>(out)), dev(static_cast<const bf16*>(out_kernel)), n,
                                 place<unsigned>(memory.data(), result_at));
   const auto d_lse = difference(static_cast<const float*>(lse), static_cast<const float*>(lse_kernel), rows,
                                 place<unsigned>(memory.data(), result_at));
   const bool ok = agrees(d_out, kOutputTolerance) && d_lse.first <= kLseTolerance;
-  say_check("forward", B, T, H, hs, ok,
-            cat("output ", d_out.first, " of ", d_out.second, ", lse ", d_lse.first));
+  say_check("forward", a, ok, cat("output ", d_out.first, " of ", d_out.second, ", lse ", d_lse.first));
   choice = ok ? Choice::dnn : Choice::kernel;
   if (!ok) {  // the kernel's results are the call's
     CUDA_CHECK(cudaMemcpyAsync(out, out_kernel, static_cast<std::size_t>(n) * sizeof(bf16), cudaMemcpyDeviceToDevice,
@@ -405,32 +461,31 @@ bool dnn_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, i
   return true;
 }
 
-bool dnn_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, int64_t B,
-                  int64_t T, int64_t H, int64_t hs) {
-  const int64_t C = H * hs;
-  if (!all_aligned({qkv, qkv + C, qkv + 2 * C, out, dout, lse, dqkv, dqkv + C, dqkv + 2 * C}, 16)) return false;
-  Choice* chosen = choice_of(B, T, H, hs, true);
+bool dnn_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse, const Heads& a) {
+  const int64_t C = a.C(), KV = a.KV();
+  if (!all_aligned({qkv, qkv + C, qkv + C + KV, out, dout, lse, dqkv, dqkv + C, dqkv + C + KV}, 16)) return false;
+  Choice* chosen = choice_of(a, true);
   if (!chosen || *chosen == Choice::kernel) return false;
   // A shape's check waits for the GPU, which a CUDA graph being recorded cannot: its
   // first call is never recorded (steps 1 and 2 are not), and should one be, the kernel
   // takes that call.
   if (*chosen == Choice::unchecked && capturing()) return false;
   Choice& choice = *chosen;
-  if (!dnn_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs)) {
+  if (!dnn_attention_backward(dqkv, dout, qkv, out, lse, a)) {
     choice = Choice::kernel;
     return false;
   }
   if (choice == Choice::dnn) return true;
-  const int64_t n = B * T * 3 * C;
+  const int64_t n = a.B * a.T * (C + 2 * KV);  // every q, k and v gradient
   ScratchPlan layout;  // as the forward's
   const std::size_t dqkv_at = layout.reserve<bf16>(n), result_at = layout.reserve<unsigned>(2);
   const DeviceBuffer memory(layout.bytes());
   bf16* dqkv_kernel = place<bf16>(memory.data(), dqkv_at);
-  kernel_attention_backward(dqkv_kernel, dout, qkv, out, lse, B, T, H, hs);
+  kernel_attention_backward(dqkv_kernel, dout, qkv, out, lse, a);
   const auto d = difference(dev(static_cast<const bf16*>(dqkv)), dev(static_cast<const bf16*>(dqkv_kernel)), n,
                             place<unsigned>(memory.data(), result_at));
   const bool ok = agrees(d, kGradientTolerance);
-  say_check("backward", B, T, H, hs, ok, cat("gradient ", d.first, " of ", d.second));
+  say_check("backward", a, ok, cat("gradient ", d.first, " of ", d.second));
   choice = ok ? Choice::dnn : Choice::kernel;
   if (!ok)
     CUDA_CHECK(cudaMemcpyAsync(dqkv, dqkv_kernel, static_cast<std::size_t>(n) * sizeof(bf16), cudaMemcpyDeviceToDevice,
@@ -438,96 +493,51 @@ bool dnn_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out
   return true;
 }
 
+// The call's shape, checked: C channels in H heads, KVH key/value heads dividing them.
+Heads heads_of(int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH) {
+  MPIPE_CHECK(H > 0 && C > 0 && C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
+  MPIPE_CHECK(KVH > 0 && H % KVH == 0, "attention: ", KVH, " key/value heads do not divide ", H, " heads");
+  return Heads{B, T, H, KVH, C / H};
+}
+
 }  // namespace
+
+std::string Heads::text() const {
+  return cat("B ", B, " T ", T, " H ", H, KVH != H ? cat(" KVH ", KVH) : std::string(), " hs ", hs);
+}
 
 void set_attention_engine(AttentionEngine engine) { engine_setting() = engine; }
 
-bool attention_on_cudnn(int64_t B, int64_t T, int64_t C, int64_t H, bool backward) {
-  if (H <= 0 || C % H != 0) return false;
-  const auto found = choices().find(ChoiceKey{B, T, H, C / H, backward});
+bool attention_on_cudnn(int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH, bool backward) {
+  if (H <= 0 || C % H != 0 || KVH <= 0 || H % KVH != 0) return false;
+  const auto found = choices().find(ChoiceKey{B, T, H, KVH, C / H, backward});
   return engine_setting() == AttentionEngine::automatic && found != choices().end() && found->second == Choice::dnn;
 }
 
 template <class E>
-void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t C, int64_t H) {
+void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH) {
   if (B == 0 || T == 0) return;
-  MPIPE_CHECK(H > 0 && C > 0 && C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
-  const int64_t hs = C / H;
+  const Heads a = heads_of(B, T, C, H, KVH);
   if constexpr (std::is_same_v<E, bf16>)
-    if (dnn_forward(out, lse, qkv, B, T, H, hs)) return;
-  kernel_attention_forward(out, lse, qkv, B, T, H, hs);
+    if (dnn_forward(out, lse, qkv, a)) return;
+  kernel_attention_forward(out, lse, qkv, a);
 }
 
 template <class E>
 void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B, int64_t T,
-                        int64_t C, int64_t H) {
+                        int64_t C, int64_t H, int64_t KVH) {
   if (B == 0 || T == 0) return;
-  MPIPE_CHECK(H > 0 && C > 0 && C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
-  const int64_t hs = C / H;
+  const Heads a = heads_of(B, T, C, H, KVH);
   if constexpr (std::is_same_v<E, bf16>)
-    if (dnn_backward(dqkv, dout, qkv, out, lse, B, T, H, hs)) return;
-  kernel_attention_backward(dqkv, dout, qkv, out, lse, B, T, H, hs);
+    if (dnn_backward(dqkv, dout, qkv, out, lse, a)) return;
+  kernel_attention_backward(dqkv, dout, qkv, out, lse, a);
 }
 
-// ---- generation: queries against a key/value cache ------------------------------------
-// One block per (sequence, head, query row): its threads take the keys in turn for the
-// scores (kept in shared memory), then the channels for the weighted sum of values. The
-// reductions are block_reduce's fixed trees: the same bits on every run.
-template <class T>
-__global__ void attention_decode_kernel(T* out, const T* cache, int64_t rows, int64_t position, int64_t capacity,
-                                        int64_t C, int64_t H) {
-  extern __shared__ float scores[];  // (keys)
-  __shared__ float reduce[32];
-  const int64_t i = blockIdx.x % rows, bh = blockIdx.x / rows, b = bh / H, h = bh % H;
-  const int64_t hs = C / H, ld = 3 * C, row = position + i, keys = row + 1;
-  const T* base = cache + b * capacity * ld + h * hs;
-  const T* q = base + row * ld;
-  const float scale = rsqrtf(static_cast<float>(hs));
-  float mx = -INFINITY;
-  for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) {
-    const T* k = base + j * ld + C;
-    float dot = 0.0f;
-    for (int64_t c = 0; c < hs; ++c) dot += to_f32(q[c]) * to_f32(k[c]);
-    scores[j] = dot * scale;
-    mx = fmaxf(mx, scores[j]);
-  }
-  mx = block_reduce(mx, Max{}, -INFINITY, reduce);
-  float sum = 0.0f;
-  for (int64_t j = threadIdx.x; j < keys; j += blockDim.x) {
-    scores[j] = __expf(scores[j] - mx);
-    sum += scores[j];
-  }
-  sum = block_reduce(sum, Sum{}, 0.0f, reduce);  // its __syncthreads also publishes the weights
-  const float inv = 1.0f / sum;
-  T* o = out + (b * rows + i) * C + h * hs;
-  for (int64_t c = threadIdx.x; c < hs; c += blockDim.x) {
-    float acc = 0.0f;
-    for (int64_t j = 0; j < keys; ++j) acc += scores[j] * to_f32(base[j * ld + 2 * C + c]);
-    o[c] = from_f32<T>(acc * inv);
-  }
-}
-
-template <class E>
-void attention_decode(E* out, const E* cache, int64_t B, int64_t rows, int64_t position, int64_t capacity, int64_t C,
-                      int64_t H) {
-  if (B == 0 || rows == 0) return;
-  MPIPE_CHECK(H > 0 && C % H == 0, "attention: ", C, " channels do not split into ", H, " heads");
-  MPIPE_CHECK(position + rows <= kMaxDecodeKeys, "attention decode: ", position + rows, " positions; the GPU takes up to ",
-              kMaxDecodeKeys);
-  const std::size_t shared = static_cast<std::size_t>(position + rows) * sizeof(float);
-  attention_decode_kernel<<<static_cast<unsigned>(B * H * rows), 128, shared, context().compute>>>(
-      dev(out), dev(cache), rows, position, capacity, C, H);
-  CUDA_CHECK_LAUNCH();
-}
-
-template void attention_decode<float>(float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
-template void attention_decode<bf16>(bf16*, const bf16*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t);
-
-template void attention_forward<float>(float*, float*, const float*, int64_t, int64_t, int64_t, int64_t);
-template void attention_forward<bf16>(bf16*, float*, const bf16*, int64_t, int64_t, int64_t, int64_t);
+template void attention_forward<float>(float*, float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t);
+template void attention_forward<bf16>(bf16*, float*, const bf16*, int64_t, int64_t, int64_t, int64_t, int64_t);
 template void attention_backward<float>(float*, const float*, const float*, const float*, const float*, int64_t,
-                                        int64_t, int64_t, int64_t);
+                                        int64_t, int64_t, int64_t, int64_t);
 template void attention_backward<bf16>(bf16*, const bf16*, const bf16*, const bf16*, const float*, int64_t, int64_t,
-                                       int64_t, int64_t);
+                                       int64_t, int64_t, int64_t);
 
 }  // namespace mpipe::cuda

@@ -17,7 +17,12 @@
 // A plan is built once per shape and direction. Where cuDNN declines (no engine, no
 // deterministic one, workspace over kMaxWorkspace), dnn_attention_* return false and
 // attention.cu's FlashAttention-2 kernel takes the call. q, k and v are read where they
-// lie in qkv (B, T, 3C): the strides say which head is where, no copies.
+// lie in qkv (B, T, C + 2 KV): the strides say which head is where, no copies.
+//
+// Grouped-query attention as the frontend writes it: k and v of KVH heads (strides into
+// the same rows), broadcast by the matmuls over each group of H / KVH query heads; the
+// backward's dK and dV per query head (virtual, bf16), a reduction adding each group
+// into its key/value head (in a fixed order: deterministic engines only, as above).
 #include <array>
 #include <cmath>
 #include <cstddef>
@@ -322,16 +327,16 @@ void finish(DnnAttention& a, GraphBuilder& g) {
   throw Declined{cat("no usable engine:", passed)};
 }
 
-// Shapes: b, h, T, hs; C = h · hs; q, k, v in qkv (B, T, 3C); o, do in (B, T, C).
-struct Shape {
-  int64_t B, T, H, hs;
-  int64_t C() const { return H * hs; }
+// Shapes: b, h, T, hs; C = h · hs; q, k, v in qkv (B, T, C + 2 KV) (k and v of KVH
+// heads); o, do in (B, T, C).
+struct Shape : Heads {
   Dims heads() const { return {B, H, T, hs}; }
-  Dims heads_t() const { return {B, H, hs, T}; }  // K^T, V^T
+  Dims kv_heads() const { return {B, KVH, T, hs}; }
+  Dims kv_heads_t() const { return {B, KVH, hs, T}; }  // K^T, V^T
   Dims scores() const { return {B, H, T, T}; }
   Dims rows() const { return {B, H, T, 1}; }
-  Dims in_qkv() const { return {T * 3 * C(), hs, 3 * C(), 1}; }
-  Dims in_qkv_t() const { return {T * 3 * C(), hs, 1, 3 * C()}; }
+  Dims in_qkv() const { return {T * ld(), hs, ld(), 1}; }  // a head's rows in qkv, q's or k's or v's
+  Dims in_qkv_t() const { return {T * ld(), hs, 1, ld()}; }
   Dims in_out() const { return {T * C(), hs, C(), 1}; }
   Dims row_strides() const { return {H * T, T, 1, 1}; }
 };
@@ -345,9 +350,9 @@ struct Bound {
 };
 Bound bind_common(GraphBuilder& g, const Shape& s, bool v_transposed) {
   return {g.tensor(kQ, kBf16, s.heads(), s.in_qkv(), false),
-          g.tensor(kK, kBf16, s.heads_t(), s.in_qkv_t(), false),
-          v_transposed ? g.tensor(kV, kBf16, s.heads_t(), s.in_qkv_t(), false)
-                       : g.tensor(kV, kBf16, s.heads(), s.in_qkv(), false),
+          g.tensor(kK, kBf16, s.kv_heads_t(), s.in_qkv_t(), false),
+          v_transposed ? g.tensor(kV, kBf16, s.kv_heads_t(), s.in_qkv_t(), false)
+                       : g.tensor(kV, kBf16, s.kv_heads(), s.in_qkv(), false),
           g.tensor(kO, kBf16, s.heads(), s.in_out(), false),
           g.tensor(kStats, CUDNN_DATA_FLOAT, s.rows(), s.row_strides(), false),
           g.scalar(kScale),
@@ -388,8 +393,16 @@ void build_backward(DnnAttention& a, const Shape& s) {
   const auto [q, kt, vt, o, stats, scale, neg_inf] = bind_common(g, s, true);
   auto d_o = g.tensor(kDO, bf, s.heads(), s.in_out(), false);
   auto dq = g.tensor(kDQ, bf, s.heads(), s.in_qkv(), false);
-  auto dk = g.tensor(kDK, bf, s.heads(), s.in_qkv(), false);
-  auto dv = g.tensor(kDV, bf, s.heads(), s.in_qkv(), false);
+  auto dk = g.tensor(kDK, bf, s.kv_heads(), s.in_qkv(), false);
+  auto dv = g.tensor(kDV, bf, s.kv_heads(), s.in_qkv(), false);
+  // A product for dK or dV: straight into it, or grouped, per query head (virtual,
+  // (B, H, T, hs) packed, bf16 as the frontend's) and each group's heads added into it.
+  const auto into = [&](cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t out) {
+    if (s.KVH == s.H) return g.matmul(a, b, out);
+    auto per_head = g.tensor(0, bf, s.heads(), {s.H * s.T * s.hs, s.T * s.hs, s.hs, 1}, true);
+    g.matmul(a, b, per_head);
+    g.reduction(CUDNN_REDUCE_TENSOR_ADD, per_head, out);
+  };
   auto row_dots = g.tensor(kRowDots, CUDNN_DATA_FLOAT, s.rows(), s.row_strides(), false);
   const Dims scores_t = {s.B, s.H, s.T, s.T}, scores_t_strides = {s.H * s.T * s.T, s.T * s.T, 1, s.T};
 
@@ -415,7 +428,7 @@ void build_backward(DnnAttention& a, const Shape& s) {
   // dV = P^T dO
   auto probs_t = g.tensor(0, bf, scores_t, scores_t_strides, true);
   g.reshape(probs, probs_t);
-  g.matmul(probs_t, d_o, dv);
+  into(probs_t, d_o, dv);
   // dS = P · (dO V^T - D) · scale
   auto dprobs = g.temp(s.scores());
   g.matmul(d_o, vt, dprobs);
@@ -428,9 +441,9 @@ void build_backward(DnnAttention& a, const Shape& s) {
   // dK = dS^T Q
   auto dscores_t = g.tensor(0, bf, scores_t, scores_t_strides, true);
   g.reshape(dscores_scaled, dscores_t);
-  g.matmul(dscores_t, q, dk);
-  // dQ = dS K: K^T read back as K (b, h, T, hs)
-  auto k = g.tensor(0, bf, s.heads(), s.in_qkv(), true);
+  into(dscores_t, q, dk);
+  // dQ = dS K: K^T read back as K (b, kvh, T, hs)
+  auto k = g.tensor(0, bf, s.kv_heads(), s.in_qkv(), true);
   g.reshape(kt, k);
   g.matmul(dscores_scaled, k, dq);
   a.uids = {kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kRowDots};
@@ -447,7 +460,7 @@ const char* attention_mode() {
   return mode;
 }
 
-using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, bool>;  // B, T, H, hs, backward
+using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, bool>;  // B, T, H, KVH, hs, backward
 
 // What the frontend refuses or works around before it builds (its SDPA validation), here
 // a decline, so that cuDNN never runs a shape it may not handle: one token (s_q = s_kv =
@@ -467,30 +480,28 @@ void refuse_known_limits(int64_t T, int64_t hs, bool backward, DnnAttention& a) 
 
 // The shape's plan for a direction, built at its first use (one compute thread per rank:
 // no lock); null where cuDNN declined it.
-DnnAttention* plan_for(int64_t B, int64_t T, int64_t H, int64_t hs, bool backward) {
+DnnAttention* plan_for(const Heads& a, bool backward) {
   static std::map<Key, std::unique_ptr<DnnAttention>> plans;  // null: declined
-  const Key key{B, T, H, hs, backward};
+  const Key key{a.B, a.T, a.H, a.KVH, a.hs, backward};
   if (auto found = plans.find(key); found != plans.end()) return found->second.get();
   auto built = std::make_unique<DnnAttention>();
-  built->scale = 1.0f / std::sqrt(static_cast<float>(hs));
+  built->scale = 1.0f / std::sqrt(static_cast<float>(a.hs));
   const char* direction = backward ? "backward" : "forward";
   try {
-    refuse_known_limits(T, hs, backward, *built);
-    const Shape shape{B, T, H, hs};
+    refuse_known_limits(a.T, a.hs, backward, *built);
+    const Shape shape{a};
     if (backward) build_backward(*built, shape);
     else build_forward(*built, shape);
   } catch (const Declined& d) {
     plans[key] = nullptr;
     if (dnn_attention_verbose())
-      std::fprintf(stderr, "mpipe attention B %lld T %lld H %lld hs %lld %s: cuDNN declined (%s)\n",
-                   static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(H),
-                   static_cast<long long>(hs), direction, d.why.c_str());
+      std::fprintf(stderr, "mpipe attention %s %s: cuDNN declined (%s)\n", a.text().c_str(), direction,
+                   d.why.c_str());
     return nullptr;
   }
   if (dnn_attention_verbose())
-    std::fprintf(stderr, "mpipe attention B %lld T %lld H %lld hs %lld %s: cuDNN engine %lld, workspace %zu B\n",
-                 static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(H),
-                 static_cast<long long>(hs), direction, static_cast<long long>(built->engine), built->workspace);
+    std::fprintf(stderr, "mpipe attention %s %s: cuDNN engine %lld, workspace %zu B\n", a.text().c_str(), direction,
+                 static_cast<long long>(built->engine), built->workspace);
   return (plans[key] = std::move(built)).get();
 }
 
@@ -555,10 +566,9 @@ bool run(DnnAttention& a, const Pointers& bound, void* workspace) {
 bool dnn_attention_wanted() { return std::strcmp(attention_mode(), "flash") != 0; }
 bool dnn_attention_verbose() { return std::strcmp(attention_mode(), "verbose") == 0; }
 
-bool dnn_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, int64_t T, int64_t H, int64_t hs) {
-  const int64_t C = H * hs;
-  const bf16 *q = qkv, *k = qkv + C, *v = qkv + 2 * C;
-  DnnAttention* a = plan_for(B, T, H, hs, false);
+bool dnn_attention_forward(bf16* out, float* lse, const bf16* qkv, const Heads& shape) {
+  const bf16 *q = qkv, *k = qkv + shape.C(), *v = k + shape.KV();
+  DnnAttention* a = plan_for(shape, false);
   if (!a) return false;
   void* workspace = a->workspace ? scratch(a->workspace) : nullptr;
   Pointers bound{};
@@ -568,15 +578,14 @@ bool dnn_attention_forward(bf16* out, float* lse, const bf16* qkv, int64_t B, in
 }
 
 bool dnn_attention_backward(bf16* dqkv, const bf16* dout, const bf16* qkv, const bf16* out, const float* lse,
-                            int64_t B, int64_t T, int64_t H, int64_t hs) {
-  const int64_t C = H * hs;
-  const bf16 *q = qkv, *k = qkv + C, *v = qkv + 2 * C;
-  bf16 *dq = dqkv, *dk = dqkv + C, *dv = dqkv + 2 * C;
-  DnnAttention* a = plan_for(B, T, H, hs, true);
+                            const Heads& shape) {
+  const bf16 *q = qkv, *k = qkv + shape.C(), *v = k + shape.KV();
+  bf16 *dq = dqkv, *dk = dqkv + shape.C(), *dv = dk + shape.KV();
+  DnnAttention* a = plan_for(shape, true);
   if (!a) return false;
   // The row dots D (B, H, T) and the workspace, carved from one scratch() region.
   ScratchPlan plan;
-  const std::size_t dots_at = plan.reserve<float>(B * H * T);
+  const std::size_t dots_at = plan.reserve<float>(shape.B * shape.H * shape.T);
   const std::size_t workspace_at = plan.reserve<char>(static_cast<int64_t>(a->workspace));
   void* base = scratch(plan.bytes());
   Pointers bound{};

@@ -1,11 +1,19 @@
 // FlashAttention-2 for causal self-attention: no (T, T) matrix ever reaches global
 // memory. The forward walks each query tile over its key tiles up to the diagonal with an
 // online softmax and keeps only O and each row's log-sum-exp; the backward recomputes
-// P = exp(S - lse) tile by tile. q, k and v are read in place from the (B, T, 3C) layout.
+// P = exp(S - lse) tile by tile. q, k and v are read in place from the (B, T, C + 2 KV)
+// layout: per row H query heads, then KVH key heads, then KVH value heads, each hs wide
+// (KV = KVH hs); query head h reads key/value head h / (H / KVH) (grouped-query
+// attention; KVH = H: multi-head, rows of 3C).
 //
 // Determinism: no atomics. The backward splits into a kernel per key tile that sums dK
 // and dV over the query tiles in order, and a kernel per query tile that sums dQ over
-// the key tiles in order; every reduction (row max, row sum) has a fixed shape.
+// the key tiles in order; every reduction (row max, row sum) has a fixed shape. Under
+// grouped-query attention the key tile's block walks its group's H / KVH query heads in
+// ascending order, each over its query tiles in order, into the same accumulators: dK
+// and dV of a key/value head are whole when the block ends, written once (no partials,
+// no second pass). With KVH = H the group is one head and every kernel does what it did
+// before groups existed, in the same order: the same bits.
 //
 // This header: the constants and the launch shared by the fused kernels, the tensor-core
 // building blocks of the bf16 kernels (PTX wrappers, shared-memory tiles, warp tiles),
@@ -256,10 +264,24 @@ __device__ __forceinline__ void fill_factor(float (&mul)[MS][2], float value) {
 
 // ---- launches ----------------------------------------------------------------------------
 
-// The fused kernels' sizes: T and the tile counts in int, (b, h) pairs on grid x.
+// The fused kernels' sizes: T and the tile counts in int; (b, h) pairs on grid x, or
+// (b, key/value head) pairs for the dK, dV kernels.
 struct Flash {
   int BH, T, H, hs;
+  int KVH, BKV;  // key/value heads, B KVH
   float scale, scale_log2;
+};
+
+// Where a row's heads lie in qkv (B, T, C + 2 KV): row stride ld, query head h at h hs,
+// key head j at C + j hs, value head j at C + KV + j hs.
+struct HeadLayout {
+  int64_t C, KV, ld;
+  int group;  // query heads per key/value head, H / KVH
+  __host__ __device__ HeadLayout(int H, int KVH, int hs)
+      : C(static_cast<int64_t>(H) * hs), KV(static_cast<int64_t>(KVH) * hs), ld(C + 2 * KV), group(H / KVH) {}
+  // Offsets within a row of the key and the value head query head h reads.
+  __host__ __device__ int64_t k_at(int h, int hs) const { return C + static_cast<int64_t>(h / group) * hs; }
+  __host__ __device__ int64_t v_at(int h, int hs) const { return C + KV + static_cast<int64_t>(h / group) * hs; }
 };
 
 // The head dimension a fused kernel pads hs to; 0 where none does.

@@ -29,7 +29,7 @@ constexpr std::size_t forward_smem_bf16 =
 
 template <int HD, bool VEC>
 __global__ void __launch_bounds__(kFlashThreads)
-    flash_forward_bf16(bf16_t* out, float* lse, const bf16_t* qkv, int T, int H, int hs, float scale_log2) {
+    flash_forward_bf16(bf16_t* out, float* lse, const bf16_t* qkv, int T, int H, int KVH, int hs, float scale_log2) {
   constexpr int LD = tile_stride<HD>, MS = kSlabs<HD>, BR = kBlockRows<HD>, BC = kFwdKeys, NB = HD / 8,
                 KS = HD / 16;
   extern __shared__ __align__(128) unsigned char flash_smem[];
@@ -40,10 +40,12 @@ __global__ void __launch_bounds__(kFlashThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
   const int m = static_cast<int>(gridDim.y - 1 - blockIdx.y);  // the longest rows start first
   const int bh = static_cast<int>(blockIdx.x), b = bh / H, h = bh % H;
-  const int64_t C = static_cast<int64_t>(H) * hs, ld = 3 * C;
-  const bf16_t* q = qkv + static_cast<int64_t>(b) * T * ld + static_cast<int64_t>(h) * hs;
-  const bf16_t* k = q + C;
-  const bf16_t* v = q + 2 * C;
+  const HeadLayout heads(H, KVH, hs);
+  const int64_t C = heads.C, ld = heads.ld;
+  const bf16_t* sample = qkv + static_cast<int64_t>(b) * T * ld;
+  const bf16_t* q = sample + static_cast<int64_t>(h) * hs;
+  const bf16_t* k = sample + heads.k_at(h, hs);
+  const bf16_t* v = sample + heads.v_at(h, hs);
   const int q0 = m * BR, wrow = warp * kWarpRows<HD>;
   // This lane's rows: q0 + wrow + 16 ms + g + 8 r, r = 0, 1 (accumulator halves).
   const int row_base = q0 + wrow + g;
@@ -167,8 +169,10 @@ __global__ void __launch_bounds__(kFlashThreads)
 }
 
 // ---- bf16 backward: dK, dV ---------------------------------------------------------------
-// Block: one tile of keys (128 for HD <= 64, 64 for HD 128) of one (b, h), looping over
-// the query tiles of 32 that see them (from the diagonal to T) in order. Each warp
+// Block: one tile of keys (128 for HD <= 64, 64 for HD 128) of one (b, key/value head),
+// looping over the query tiles of 32 that see them (from the diagonal to T) in order, of
+// each query head of its group in ascending order (one step sequence, so the double
+// buffering runs on across a change of head). Each warp
 // computes S^T = K Q^T directly, so P^T and dS^T are already the left operands of
 // dV += P^T dO and dK += dS^T Q. Query tiles (Q, dO, their lse and D) are double
 // buffered. Shared memory: K + V + 2 Q + 2 dO tiles, (2 keys + 128) x (HD + 8) bf16, and
@@ -183,7 +187,7 @@ constexpr std::size_t kv_smem_bf16 =
 template <int HD, bool VEC>
 __global__ void __launch_bounds__(kFlashThreads)
     flash_backward_kv_bf16(bf16_t* dqkv, const bf16_t* dout, const bf16_t* qkv, const float* lse, const float* dots,
-                           int T, int H, int hs, float scale_log2, float scale) {
+                           int T, int H, int KVH, int hs, float scale_log2, float scale) {
   constexpr int LD = tile_stride<HD>, MS = kSlabs<HD>, BC = kBlockRows<HD>, BR = kKvQueries, NQ = BR / 8;
   extern __shared__ __align__(128) unsigned char flash_smem[];
   bf16_t* Ks = reinterpret_cast<bf16_t*>(flash_smem);
@@ -195,38 +199,47 @@ __global__ void __launch_bounds__(kFlashThreads)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
   const int n = static_cast<int>(blockIdx.y);  // the first key tiles see the most queries: first
-  const int bh = static_cast<int>(blockIdx.x), b = bh / H, h = bh % H;
-  const int64_t C = static_cast<int64_t>(H) * hs, ld = 3 * C;
-  const int64_t q_at = static_cast<int64_t>(b) * T * ld + static_cast<int64_t>(h) * hs;
-  const bf16_t* q = qkv + q_at;
-  const bf16_t* dO = dout + static_cast<int64_t>(b) * T * C + static_cast<int64_t>(h) * hs;
-  const float* lse_row = lse + static_cast<int64_t>(bh) * T;
-  const float* dot_row = dots + static_cast<int64_t>(bh) * T;
+  const int bkv = static_cast<int>(blockIdx.x), b = bkv / KVH, kv_head = bkv % KVH;
+  const HeadLayout heads(H, KVH, hs);
+  const int64_t C = heads.C, ld = heads.ld;
+  // The group's first query head h0: its q and dO rows, lse and D; head h0 + j lies j hs
+  // (j T) on.
+  const int h0 = kv_head * heads.group;
+  const bf16_t* q = qkv + static_cast<int64_t>(b) * T * ld + static_cast<int64_t>(h0) * hs;
+  const bf16_t* dO = dout + static_cast<int64_t>(b) * T * C + static_cast<int64_t>(h0) * hs;
+  const float* lse_row = lse + (static_cast<int64_t>(b) * H + h0) * T;
+  const float* dot_row = dots + (static_cast<int64_t>(b) * H + h0) * T;
+  const int64_t kv_at = static_cast<int64_t>(b) * T * ld + heads.k_at(h0, hs);  // the key head; its values KV on
   const int k0 = n * BC, wrow = warp * kWarpRows<HD>;
   const int key_base = k0 + wrow + g;  // this lane's keys: key_base + 16 ms + 8 r
   // Query tiles before k0 / BR end before the first key: all masked.
   const int m_first = k0 / BR, m_count = static_cast<int>(ceil_div(T, BR));
+  // Step i: query head h0 + i / per_head (the group's in ascending order), its query tile
+  // m_first + i % per_head. KVH = H: one head, step i is tile m_first + i.
+  const int per_head = m_count - m_first, steps = heads.group * per_head;
 
   // Queries beyond T get lse = +inf: P = exp2(-inf) = 0 there, and dO, D are zero.
-  const auto load_queries = [&](int m, int buf) {
-    load_tile<BR, HD, VEC>(Qs + buf * BR * LD, q, ld, m * BR, T, hs);
-    load_tile<BR, HD, VEC>(dOs + buf * BR * LD, dO, C, m * BR, T, hs);
+  const auto load_queries = [&](int step, int buf) {
+    const int j = step / per_head, m = m_first + (step - j * per_head);
+    load_tile<BR, HD, VEC>(Qs + buf * BR * LD, q + static_cast<int64_t>(j) * hs, ld, m * BR, T, hs);
+    load_tile<BR, HD, VEC>(dOs + buf * BR * LD, dO + static_cast<int64_t>(j) * hs, C, m * BR, T, hs);
     if (threadIdx.x < BR) {
       const int t = m * BR + static_cast<int>(threadIdx.x);
-      lse_s[buf * BR + threadIdx.x] = t < T ? lse_row[t] * kLog2e : INFINITY;
-      dot_s[buf * BR + threadIdx.x] = t < T ? dot_row[t] : 0.0f;
+      const int64_t at = static_cast<int64_t>(j) * T + t;
+      lse_s[buf * BR + threadIdx.x] = t < T ? lse_row[at] * kLog2e : INFINITY;
+      dot_s[buf * BR + threadIdx.x] = t < T ? dot_row[at] : 0.0f;
     }
   };
-  load_tile<BC, HD, VEC>(Ks, q + C, ld, k0, T, hs);
-  load_tile<BC, HD, VEC>(Vs, q + 2 * C, ld, k0, T, hs);
-  load_queries(m_first, 0);
+  load_tile<BC, HD, VEC>(Ks, qkv + kv_at, ld, k0, T, hs);
+  load_tile<BC, HD, VEC>(Vs, qkv + kv_at + heads.KV, ld, k0, T, hs);
+  load_queries(0, 0);
   cp_async_commit();
 
   float dk[MS][HD / 8][4] = {}, dv[MS][HD / 8][4] = {};
-  for (int m = m_first; m < m_count; ++m) {
-    const int buf = (m - m_first) & 1;
-    if (m + 1 < m_count) {
-      load_queries(m + 1, buf ^ 1);
+  for (int step = 0; step < steps; ++step) {
+    const int buf = step & 1;
+    if (step + 1 < steps) {
+      load_queries(step + 1, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
     } else {
@@ -237,7 +250,7 @@ __global__ void __launch_bounds__(kFlashThreads)
     const bf16_t* dOt = dOs + buf * BR * LD;
     const float* lt = lse_s + buf * BR;
     const float* dt = dot_s + buf * BR;
-    const int q0 = m * BR;
+    const int q0 = (m_first + step % per_head) * BR;
 
     // P^T = exp(S^T scale - lse): keys (rows) x queries (columns). Masked entries are
     // selected away (never multiplied: exp2 of a masked score may overflow).
@@ -278,8 +291,8 @@ __global__ void __launch_bounds__(kFlashThreads)
   stage_accumulators(Ks + wrow * LD, LD, dk, k_factor);
   stage_accumulators(Vs + wrow * LD, LD, dv, v_factor);
   __syncthreads();
-  store_tile<BC, HD, VEC>(dqkv + q_at + C, ld, Ks, k0, T, hs);
-  store_tile<BC, HD, VEC>(dqkv + q_at + 2 * C, ld, Vs, k0, T, hs);
+  store_tile<BC, HD, VEC>(dqkv + kv_at, ld, Ks, k0, T, hs);
+  store_tile<BC, HD, VEC>(dqkv + kv_at + heads.KV, ld, Vs, k0, T, hs);
 }
 
 // ---- bf16 backward: dQ -------------------------------------------------------------------
@@ -297,7 +310,7 @@ constexpr std::size_t q_smem_bf16 =
 template <int HD, bool VEC>
 __global__ void __launch_bounds__(kFlashThreads)
     flash_backward_q_bf16(bf16_t* dqkv, const bf16_t* dout, const bf16_t* qkv, const float* lse, const float* dots,
-                          int T, int H, int hs, float scale_log2, float scale) {
+                          int T, int H, int KVH, int hs, float scale_log2, float scale) {
   constexpr int LD = tile_stride<HD>, MS = kSlabs<HD>, BR = kBlockRows<HD>, BC = kDqKeys<HD>, NK = BC / 8;
   extern __shared__ __align__(128) unsigned char flash_smem[];
   bf16_t* Qs = reinterpret_cast<bf16_t*>(flash_smem);
@@ -308,11 +321,12 @@ __global__ void __launch_bounds__(kFlashThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = 2 * (lane % 4);
   const int m = static_cast<int>(gridDim.y - 1 - blockIdx.y);  // the longest rows start first
   const int bh = static_cast<int>(blockIdx.x), b = bh / H, h = bh % H;
-  const int64_t C = static_cast<int64_t>(H) * hs, ld = 3 * C;
-  const int64_t q_at = static_cast<int64_t>(b) * T * ld + static_cast<int64_t>(h) * hs;
+  const HeadLayout heads(H, KVH, hs);
+  const int64_t C = heads.C, ld = heads.ld;
+  const int64_t sample = static_cast<int64_t>(b) * T * ld, q_at = sample + static_cast<int64_t>(h) * hs;
   const bf16_t* q = qkv + q_at;
-  const bf16_t* k = q + C;
-  const bf16_t* v = q + 2 * C;
+  const bf16_t* k = qkv + sample + heads.k_at(h, hs);
+  const bf16_t* v = qkv + sample + heads.v_at(h, hs);
   const int q0 = m * BR, wrow = warp * kWarpRows<HD>;
   const int row_base = q0 + wrow + g;  // this lane's rows: row_base + 16 ms + 8 r
   const int tiles = static_cast<int>(std::min(ceil_div(q0 + BR, BC), ceil_div(T, BC)));
@@ -389,15 +403,15 @@ __global__ void __launch_bounds__(kFlashThreads)
 template <int HD, bool VEC>
 void forward_at(bf16_t* out, float* lse, const bf16_t* qkv, const Flash& f) {
   launch(flash_forward_bf16<HD, VEC>, ceil_div(f.T, kBlockRows<HD>), f.BH, forward_smem_bf16<HD>, out, lse, qkv, f.T,
-         f.H, f.hs, f.scale_log2);
+         f.H, f.KVH, f.hs, f.scale_log2);
 }
 template <int HD, bool VEC>
 void backward_at(bf16_t* dqkv, const bf16_t* dout, const bf16_t* qkv, const float* lse, const float* dots,
                  const Flash& f) {
-  launch(flash_backward_kv_bf16<HD, VEC>, ceil_div(f.T, kBlockRows<HD>), f.BH, kv_smem_bf16<HD>, dqkv, dout, qkv, lse,
-         dots, f.T, f.H, f.hs, f.scale_log2, f.scale);
+  launch(flash_backward_kv_bf16<HD, VEC>, ceil_div(f.T, kBlockRows<HD>), f.BKV, kv_smem_bf16<HD>, dqkv, dout, qkv,
+         lse, dots, f.T, f.H, f.KVH, f.hs, f.scale_log2, f.scale);
   launch(flash_backward_q_bf16<HD, VEC>, ceil_div(f.T, kBlockRows<HD>), f.BH, q_smem_bf16<HD>, dqkv, dout, qkv, lse,
-         dots, f.T, f.H, f.hs, f.scale_log2, f.scale);
+         dots, f.T, f.H, f.KVH, f.hs, f.scale_log2, f.scale);
 }
 template <int HD>
 void forward_vec(bool vec, bf16_t* out, float* lse, const bf16_t* qkv, const Flash& f) {
@@ -421,7 +435,7 @@ std::size_t Fused<bf16>::smem(int HD) {
 
 void Fused<bf16>::forward(bf16* out, float* lse, const bf16* qkv, const Flash& f) {
   // 16-byte copies: whole 8-element chunks per head, at 16-byte aligned addresses
-  // (the row strides C and 3C are then multiples of 8 elements as well).
+  // (the row strides C and C + 2 KV are then multiples of 8 elements as well).
   const bool vec = f.hs % 8 == 0 && all_aligned({out, qkv}, 16);
   const int HD = padded_head_dim(f.hs);
   if (HD == 32) forward_vec<32>(vec, dev(out), lse, dev(qkv), f);

@@ -37,7 +37,7 @@ constexpr std::size_t forward_smem_f32 =
 
 template <int HD>
 __global__ void __launch_bounds__(kFlashThreads)
-    flash_forward_f32(float* out, float* lse, const float* qkv, int T, int H, int hs, float scale_log2) {
+    flash_forward_f32(float* out, float* lse, const float* qkv, int T, int H, int KVH, int hs, float scale_log2) {
   constexpr int LD = f32_stride<HD>, BR = kF32Rows, BC = kF32Rows, SL = kF32ScoreStride, DK = HD / 4;
   extern __shared__ __align__(128) unsigned char flash_smem[];
   float* Qs = reinterpret_cast<float*>(flash_smem);
@@ -48,8 +48,12 @@ __global__ void __launch_bounds__(kFlashThreads)
   const int r = threadIdx.x / 4, c4 = threadIdx.x % 4;
   const int m = static_cast<int>(gridDim.y - 1 - blockIdx.y);
   const int bh = static_cast<int>(blockIdx.x), b = bh / H, h = bh % H;
-  const int64_t C = static_cast<int64_t>(H) * hs, ld = 3 * C;
-  const float* q = qkv + static_cast<int64_t>(b) * T * ld + static_cast<int64_t>(h) * hs;
+  const HeadLayout heads(H, KVH, hs);
+  const int64_t C = heads.C, ld = heads.ld;
+  const float* sample = qkv + static_cast<int64_t>(b) * T * ld;
+  const float* q = sample + static_cast<int64_t>(h) * hs;
+  const float* k = sample + heads.k_at(h, hs);
+  const float* v = sample + heads.v_at(h, hs);
   const int q0 = m * BR, row = q0 + r;
   load_tile_f32<BR, HD>(Qs, q, ld, q0, T, hs);
 
@@ -57,8 +61,8 @@ __global__ void __launch_bounds__(kFlashThreads)
   float row_max = -INFINITY, row_sum = 0.0f;
   for (int n = 0; n <= m; ++n) {
     __syncthreads();  // the previous tile's readers are done
-    load_tile_f32<BC, HD>(Ks, q + C, ld, n * BC, T, hs);
-    load_tile_f32<BC, HD>(Vs, q + 2 * C, ld, n * BC, T, hs);
+    load_tile_f32<BC, HD>(Ks, k, ld, n * BC, T, hs);
+    load_tile_f32<BC, HD>(Vs, v, ld, n * BC, T, hs);
     __syncthreads();
     float s[BC / 4] = {};
     for (int d = 0; d < HD; ++d) {
@@ -109,11 +113,12 @@ constexpr std::size_t kv_smem_f32 = (std::size_t{4} * kF32Rows * f32_stride<HD> 
                                      std::size_t{2} * kF32Rows * kF32ScoreStride + std::size_t{2} * kF32Rows) *
                                     sizeof(float);
 
-// Block: 32 keys; thread rows are keys, score columns are queries.
+// Block: 32 keys of one key/value head; thread rows are keys, score columns are queries,
+// of each query head of the group in turn.
 template <int HD>
 __global__ void __launch_bounds__(kFlashThreads)
     flash_backward_kv_f32(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* dots, int T,
-                          int H, int hs, float scale_log2, float scale) {
+                          int H, int KVH, int hs, float scale_log2, float scale) {
   constexpr int LD = f32_stride<HD>, BR = kF32Rows, BC = kF32Rows, SL = kF32ScoreStride, DK = HD / 4;
   extern __shared__ __align__(128) unsigned char flash_smem[];
   float* Ks = reinterpret_cast<float*>(flash_smem);
@@ -127,18 +132,23 @@ __global__ void __launch_bounds__(kFlashThreads)
 
   const int r = threadIdx.x / 4, c4 = threadIdx.x % 4;
   const int n = static_cast<int>(blockIdx.y);
-  const int bh = static_cast<int>(blockIdx.x), b = bh / H, h = bh % H;
-  const int64_t C = static_cast<int64_t>(H) * hs, ld = 3 * C;
-  const int64_t q_at = static_cast<int64_t>(b) * T * ld + static_cast<int64_t>(h) * hs;
-  const float* q = qkv + q_at;
-  const float* dO = dout + static_cast<int64_t>(b) * T * C + static_cast<int64_t>(h) * hs;
+  const int bkv = static_cast<int>(blockIdx.x), b = bkv / KVH, kv_head = bkv % KVH;
+  const HeadLayout heads(H, KVH, hs);
+  const int64_t C = heads.C, ld = heads.ld;
+  const int64_t sample = static_cast<int64_t>(b) * T * ld, kv_at = sample + heads.k_at(kv_head * heads.group, hs);
   const int k0 = n * BC, key = k0 + r;
   const int m_count = static_cast<int>(ceil_div(T, BR));
-  load_tile_f32<BC, HD>(Ks, q + C, ld, k0, T, hs);
-  load_tile_f32<BC, HD>(Vs, q + 2 * C, ld, k0, T, hs);
+  load_tile_f32<BC, HD>(Ks, qkv + kv_at, ld, k0, T, hs);
+  load_tile_f32<BC, HD>(Vs, qkv + kv_at + heads.KV, ld, k0, T, hs);
 
   float dk[DK] = {}, dv[DK] = {};
-  for (int m = n; m < m_count; ++m) {  // BR == BC: query tile n holds the diagonal
+  // The group's query heads in ascending order (one, the block's own, when KVH = H),
+  // each over its query tiles from the diagonal (BR == BC: query tile n holds it) on.
+  const int per_head = m_count - n;
+  for (int step = 0; step < heads.group * per_head; ++step) {
+    const int m = n + step % per_head, h = kv_head * heads.group + step / per_head, bh = b * H + h;
+    const float* q = qkv + sample + static_cast<int64_t>(h) * hs;
+    const float* dO = dout + static_cast<int64_t>(b) * T * C + static_cast<int64_t>(h) * hs;
     const int q0 = m * BR;
     __syncthreads();  // the previous tile's readers are done
     load_tile_f32<BR, HD>(Qs, q, ld, q0, T, hs);
@@ -177,12 +187,12 @@ __global__ void __launch_bounds__(kFlashThreads)
     }
   }
   if (key >= T) return;
-  float* dst = dqkv + q_at + static_cast<int64_t>(key) * ld;
+  float* dst = dqkv + kv_at + static_cast<int64_t>(key) * ld;
 #pragma unroll
   for (int k = 0; k < DK; ++k)
     if (c4 + 4 * k < hs) {
-      dst[C + c4 + 4 * k] = dk[k] * scale;
-      dst[2 * C + c4 + 4 * k] = dv[k];
+      dst[c4 + 4 * k] = dk[k] * scale;
+      dst[heads.KV + c4 + 4 * k] = dv[k];
     }
 }
 
@@ -194,7 +204,7 @@ constexpr std::size_t q_smem_f32 =
 template <int HD>
 __global__ void __launch_bounds__(kFlashThreads)
     flash_backward_q_f32(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* dots, int T,
-                         int H, int hs, float scale_log2, float scale) {
+                         int H, int KVH, int hs, float scale_log2, float scale) {
   constexpr int LD = f32_stride<HD>, BR = kF32Rows, BC = kF32Rows, SL = kF32ScoreStride, DK = HD / 4;
   extern __shared__ __align__(128) unsigned char flash_smem[];
   float* Qs = reinterpret_cast<float*>(flash_smem);
@@ -206,9 +216,12 @@ __global__ void __launch_bounds__(kFlashThreads)
   const int r = threadIdx.x / 4, c4 = threadIdx.x % 4;
   const int m = static_cast<int>(gridDim.y - 1 - blockIdx.y);
   const int bh = static_cast<int>(blockIdx.x), b = bh / H, h = bh % H;
-  const int64_t C = static_cast<int64_t>(H) * hs, ld = 3 * C;
-  const int64_t q_at = static_cast<int64_t>(b) * T * ld + static_cast<int64_t>(h) * hs;
+  const HeadLayout heads(H, KVH, hs);
+  const int64_t C = heads.C, ld = heads.ld;
+  const int64_t sample = static_cast<int64_t>(b) * T * ld, q_at = sample + static_cast<int64_t>(h) * hs;
   const float* q = qkv + q_at;
+  const float* k = qkv + sample + heads.k_at(h, hs);
+  const float* v = qkv + sample + heads.v_at(h, hs);
   const int q0 = m * BR, row = q0 + r;
   load_tile_f32<BR, HD>(Qs, q, ld, q0, T, hs);
   load_tile_f32<BR, HD>(dOs, dout + static_cast<int64_t>(b) * T * C + static_cast<int64_t>(h) * hs, C, q0, T, hs);
@@ -218,8 +231,8 @@ __global__ void __launch_bounds__(kFlashThreads)
   float dq[DK] = {};
   for (int n = 0; n <= m; ++n) {
     __syncthreads();  // the previous tile's readers are done
-    load_tile_f32<BC, HD>(Ks, q + C, ld, n * BC, T, hs);
-    load_tile_f32<BC, HD>(Vs, q + 2 * C, ld, n * BC, T, hs);
+    load_tile_f32<BC, HD>(Ks, k, ld, n * BC, T, hs);
+    load_tile_f32<BC, HD>(Vs, v, ld, n * BC, T, hs);
     __syncthreads();
     float s[BC / 4] = {}, dp[BC / 4] = {};
     for (int d = 0; d < HD; ++d) {
@@ -255,16 +268,16 @@ __global__ void __launch_bounds__(kFlashThreads)
 
 template <int HD>
 void forward_at(float* out, float* lse, const float* qkv, const Flash& f) {
-  launch(flash_forward_f32<HD>, ceil_div(f.T, kF32Rows), f.BH, forward_smem_f32<HD>, out, lse, qkv, f.T, f.H, f.hs,
-         f.scale_log2);
+  launch(flash_forward_f32<HD>, ceil_div(f.T, kF32Rows), f.BH, forward_smem_f32<HD>, out, lse, qkv, f.T, f.H, f.KVH,
+         f.hs, f.scale_log2);
 }
 template <int HD>
 void backward_at(float* dqkv, const float* dout, const float* qkv, const float* lse, const float* dots,
                  const Flash& f) {
-  launch(flash_backward_kv_f32<HD>, ceil_div(f.T, kF32Rows), f.BH, kv_smem_f32<HD>, dqkv, dout, qkv, lse, dots, f.T,
-         f.H, f.hs, f.scale_log2, f.scale);
+  launch(flash_backward_kv_f32<HD>, ceil_div(f.T, kF32Rows), f.BKV, kv_smem_f32<HD>, dqkv, dout, qkv, lse, dots, f.T,
+         f.H, f.KVH, f.hs, f.scale_log2, f.scale);
   launch(flash_backward_q_f32<HD>, ceil_div(f.T, kF32Rows), f.BH, q_smem_f32<HD>, dqkv, dout, qkv, lse, dots, f.T,
-         f.H, f.hs, f.scale_log2, f.scale);
+         f.H, f.KVH, f.hs, f.scale_log2, f.scale);
 }
 
 }  // namespace

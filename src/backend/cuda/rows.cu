@@ -1,6 +1,7 @@
 // CUDA per-row ops: LayerNorm, the token and position embedding, and cross-entropy over
-// logits. See include/mpipe/backend/cuda/ops.hpp for the contracts and
-// src/backend/cpu/ops.cpp for the math each kernel mirrors.
+// logits (RMSNorm is in rmsnorm.cu, sharing rows.cuh's residual sum). See
+// include/mpipe/backend/cuda/ops.hpp for the contracts and src/backend/cpu/ops.cpp for
+// the math each kernel mirrors.
 //
 // Determinism: every sum runs in an order fixed by the sizes alone. Reductions across
 // rows are two-stage (fixed row chunks into scratch, then the chunks in order), and the
@@ -12,6 +13,7 @@
 
 #include "kernels.cuh"
 #include "mpipe/backend/cuda/ops.hpp"
+#include "rows.cuh"
 
 namespace mpipe::cuda {
 
@@ -70,10 +72,8 @@ __global__ void layernorm_forward_kernel(T* out, float* mean, float* rstd, const
   layernorm_row<W>(out + row * C, mean, rstd, x, weight, bias, C, row, lane, sum);
 }
 
-// The residual sum first, row by row: x = residual + dropout(x) in place (dropout_apply's
-// rounded value, then AddF's sum), summed as it is stored; then the LayerNorm of the row,
-// which reads back what this lane stored. Element e of a sample's (rows_per_sample, C)
-// takes word e % 4 of its group e / 4, as dropout_kernel.
+// The residual sum first (residual_sum_row, rows.cuh), then the LayerNorm of the row,
+// which reads back what this lane stored.
 template <int W, bool Drop, class T>
 __global__ void residual_layernorm_forward_kernel(T* out, float* mean, float* rstd, T* sum_io, const T* residual,
                                                   const T* weight, const T* bias, int64_t N, int64_t C,
@@ -83,30 +83,8 @@ __global__ void residual_layernorm_forward_kernel(T* out, float* mean, float* rs
   const int lane = threadIdx.x % 32;
   if (row >= N) return;  // the whole warp
   T* x = sum_io + row * C;
-  const T* r = residual + row * C;
-  const int64_t b = row / rows_per_sample, e_row = (row % rows_per_sample) * C;
-  float sum = 0.0f;
-  for (int64_t c = lane * W; c < C; c += 32 * W) {
-    auto v = load_pack<W>(x + c);
-    const auto rv = load_run<W>(r + c, residual_packed);
-    Philox4 words{};
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      float d = to_f32(v.v[k]);
-      if constexpr (Drop && W >= 4) {
-        // C and c are multiples of W, so a pack starts a group: word k % 4, known here.
-        if (k % 4 == 0) words = dropout_words(first, b, (e_row + c + k) / 4);
-        d = dropped<T>(d, words[k % 4], rule.threshold, rule.keep_scale);
-      } else if constexpr (Drop) {
-        const int64_t e = e_row + c + k;
-        words = dropout_words(first, b, e / 4);
-        d = dropped<T>(d, words[e % 4], rule.threshold, rule.keep_scale);
-      }
-      v.v[k] = from_f32<T>(d + to_f32(rv.v[k]));
-      sum += to_f32(v.v[k]);
-    }
-    store_pack<W>(x + c, v);
-  }
+  const float sum = residual_sum_row<W, Drop>(x, residual + row * C, C, row, rows_per_sample, lane, rule, first,
+                                              residual_packed, ValueSum{});
   layernorm_row<W>(out + row * C, mean, rstd, x, weight, bias, C, row, lane, sum);
 }
 
@@ -187,7 +165,9 @@ __global__ void layernorm_param_finish(float* dweight, float* dbias, const float
 
 // With Drop, dropout_kernel's mask after the sum: element e = t C + c of sample b (row
 // b T + t) takes word e % 4 of Philox block e / 4, the sum rounded to T before it is
-// scaled (the bits of the two kernels in turn).
+// scaled (the bits of the two kernels in turn). wpe null (no position table: RoPE
+// rotates inside attention): the token's row as it is, the CPU's copy (te + 0 would turn
+// a -0 into +0).
 template <int W, bool Drop, class T>
 __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T* wte, const T* wpe, int64_t BT,
                                          int64_t T_, int64_t C, DropoutRule rule, RandomStream first) {
@@ -197,13 +177,14 @@ __global__ void embedding_forward_kernel(T* out, const int32_t* tokens, const T*
        p += stride) {
     const int64_t row = p / packs_per_row, c = (p % packs_per_row) * W;
     const auto te = load_pack<W>(wte + static_cast<int64_t>(tokens[row]) * C + c);
-    const auto pe = load_pack<W>(wpe + (row % T_) * C + c);
+    Pack<T, W> pe{};
+    if (wpe) pe = load_pack<W>(wpe + (row % T_) * C + c);
     const int64_t b = row / T_, e0 = (row % T_) * C + c;  // the pack's first element in its sample
     Philox4 words{};
     Pack<T, W> o;
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      o.v[k] = from_f32<T>(to_f32(te.v[k]) + to_f32(pe.v[k]));
+      o.v[k] = wpe ? from_f32<T>(to_f32(te.v[k]) + to_f32(pe.v[k])) : te.v[k];
       if constexpr (Drop && W >= 4) {  // C and c multiples of W: the pack starts a group
         if (k % 4 == 0) words = dropout_words(first, b, (e0 + k) / 4);
         o.v[k] = from_f32<T>(dropped<T>(to_f32(o.v[k]), words[k % 4], rule.threshold, rule.keep_scale));
@@ -476,6 +457,7 @@ void embedding_backward(float* dwte, float* dwpe, const E* dout, const int32_t* 
   embedding_token_grads<<<static_cast<unsigned>(BT), kThreads, 0, stream>>>(dwte, dev(dout), sorted_tokens,
                                                                             sorted_positions, BT, C);
   CUDA_CHECK_LAUNCH();
+  if (!dwpe) return;  // no position table
   embedding_position_grads<<<blocks_for(T * C, kThreads), kThreads, 0, stream>>>(dwpe, dev(dout), B, T, C);
   CUDA_CHECK_LAUNCH();
 }

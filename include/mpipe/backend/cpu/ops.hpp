@@ -54,29 +54,60 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
                         const float* inp, const float* weight, const float* mean,
                         const float* rstd, int64_t N, int64_t C, GradMode mode);
 
-// out (B, T, C) = wte[tokens] + wpe[t]. Overwrites out. Tokens are checked < V.
+// RMSNorm over the last dimension (Llama's): out = inp · rstd · weight, rstd = 1 /
+// sqrt(mean(inp²) + eps), summed in a fixed order. Overwrites out (N, C) and rstd (N).
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps);
+// residual_layernorm_forward's sum, then rmsnorm_forward of it.
+void residual_rmsnorm_forward(float* out, float* rstd, float* sum, const float* residual, const float* weight,
+                              int64_t N, int64_t C, int64_t rows_per_sample, float p, const DropoutKey& key, float eps);
+// dinp per mode; dweight accumulates.
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, GradMode mode);
+
+// Rotary position embedding (RoPE, Hugging Face's rotate-half pairing) in place over the
+// queries and keys of qkv (B, T, C + 2·KV): q is the row's first C = H·hs values, k the
+// next KV = KVH·hs, v (untouched) the last KV. Within a head of hs values, i < hs/2 pairs
+// with i + hs/2: (x_i, x_{i+hs/2}) is rotated by the angle (position + t) · theta^(-2i/hs)
+// (cos and sin computed in double, rounded to fp32). `inverse`: rotated back, the
+// gradient of the rotation (the backward of dq, dk).
+void rope_apply(float* qkv, int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH, int64_t position, float theta,
+                bool inverse);
+
+// SwiGLU (Shazeer 2020, Llama's MLP): out (N, F) = silu(gate) · up, where inp (N, 2F) holds
+// each row's gate (first F) and up (last F). Overwrites out.
+void swiglu_forward(float* out, const float* inp, int64_t N, int64_t F);
+// dinp (N, 2F) per mode: dgate = dout · up · silu'(gate), dup = dout · silu(gate).
+void swiglu_backward(float* dinp, const float* dout, const float* inp, int64_t N, int64_t F, GradMode mode);
+
+// out (B, T, C) = wte[tokens] + wpe[t] (wpe null: no position table). Overwrites out. Tokens are checked < V.
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
                        int64_t B, int64_t T, int64_t C, int64_t V);
-// dwte (V, C) and dwpe (T, C) accumulate.
+// dwte (V, C) and dwpe (T, C; null: none) accumulate.
 void embedding_backward(float* dwte, float* dwpe, const float* dout, const int32_t* tokens,
                         int64_t B, int64_t T, int64_t C);
 
 // Causal multi-head self-attention core, FlashAttention's algorithm: no (T, T) matrix is
-// ever stored. qkv (B, T, 3C) holds q, k, v side by side. The forward runs over tiles
-// of queries and keys with an online softmax and overwrites out (B, T, C) and lse
-// (B, H, T), each row's log-sum-exp of its scaled scores (kept for backward).
-void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t H);
-// Overwrites dqkv (B, T, 3C), recomputing the probabilities tile by tile from q, k and
-// lse; `out` is the forward's output (for each row's dO·O).
+// ever stored. qkv (B, T, C + 2·KV) holds q (H heads of hs = C / H), k and v (KVH heads
+// each, KV = KVH·hs) side by side; query head h reads key/value head h / (H / KVH)
+// (grouped-query attention; KVH = H: multi-head, 1: multi-query; qkv then (B, T, 3C)).
+// The forward runs over tiles of queries and keys with an online softmax and overwrites
+// out (B, T, C) and lse (B, H, T), each row's log-sum-exp of its scaled scores (kept for
+// backward).
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t C, int64_t H,
+                       int64_t KVH);
+// Overwrites dqkv (B, T, C + 2·KV), recomputing the probabilities tile by tile from q, k
+// and lse; `out` is the forward's output (for each row's dO·O). A key/value head's
+// gradient sums its group's query heads in ascending order.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-                        int64_t B, int64_t T, int64_t C, int64_t H);
+                        int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH);
 
-// Generation with a key/value cache (cpu/decode.cpp): cache (B, capacity, 3C) holds the
-// q, k, v rows of positions [0, position + rows) of B sequences; out (B, rows, C) gets the
-// attention of queries [position, position + rows), each over the keys at or before it.
-// No log-sum-exp is kept (nothing runs backward). Overwrites out.
-void attention_decode(float* out, const float* cache, int64_t B, int64_t rows, int64_t position, int64_t capacity,
-                      int64_t C, int64_t H);
+// Generation with a key/value cache (cpu/decode.cpp): qkv (B, rows, C + 2·KV) the new
+// rows (their queries read here), cache (B, capacity, 2·KV) the k and v rows of positions
+// [0, position + rows) of B sequences (the new ones written already); out (B, rows, C)
+// gets the attention of queries [position, position + rows), each over the keys at or
+// before it. No log-sum-exp is kept (nothing runs backward). Overwrites out.
+void attention_decode(float* out, const float* qkv, const float* cache, int64_t B, int64_t rows, int64_t position,
+                      int64_t capacity, int64_t C, int64_t H, int64_t KVH);
 
 // Softmax cross-entropy (loss.cpp) over rows of V classes: logits (outer, V, plane), row
 // o * plane + p the classes of position p (plane 1: rows (N, V); a per-pixel loss: (N, C,

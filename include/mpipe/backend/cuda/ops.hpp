@@ -61,29 +61,60 @@ void layernorm_backward(E* dinp, float* dweight, float* dbias, const E* dout, co
                         const float* mean, const float* rstd, int64_t N, int64_t C, GradMode mode,
                         const E* residual = nullptr);
 
-// out (B, T, C) = wte[tokens] + wpe[t], then dropout (p > 0) in the same pass: the bits of
+// RMSNorm over the last dimension (the CPU's rmsnorm_forward), statistics in fp32, one
+// warp a row; the weight applied after the normalised value is rounded to E (Hugging
+// Face's LlamaRMSNorm).
+template <class E>
+void rmsnorm_forward(E* out, float* rstd, const E* inp, const E* weight, int64_t N, int64_t C, float eps);
+// residual_layernorm_forward's sum (its bits), then RMSNorm of it, in one pass.
+template <class E>
+void residual_rmsnorm_forward(E* out, float* rstd, E* sum, const E* residual, const E* weight, int64_t N, int64_t C,
+                              int64_t rows_per_sample, float p, const DropoutKey& key, float eps);
+// dinp per mode (with `residual`, mode overwrite: dinp = residual + the input gradient, as
+// layernorm_backward); dweight accumulates in fp32 (deterministic: per-block partials
+// summed in a fixed order).
+template <class E>
+void rmsnorm_backward(E* dinp, float* dweight, const E* dout, const E* inp, const E* weight, const float* rstd,
+                      int64_t N, int64_t C, GradMode mode, const E* residual = nullptr);
+
+// RoPE in place over qkv's queries and keys (the CPU's rope_apply: the same pairing, the
+// angles, cosines and sines in double, rounded to fp32), the rotation in fp32, rounded to E.
+template <class E>
+void rope_apply(E* qkv, int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH, int64_t position, float theta,
+                bool inverse);
+
+// SwiGLU (the CPU's swiglu_forward and swiglu_backward), in fp32 arithmetic.
+template <class E>
+void swiglu_forward(E* out, const E* inp, int64_t N, int64_t F);
+template <class E>
+void swiglu_backward(E* dinp, const E* dout, const E* inp, int64_t N, int64_t F, GradMode mode);
+
+// out (B, T, C) = wte[tokens] + wpe[t] (wpe null: none), then dropout (p > 0) in the same pass: the bits of
 // dropout_apply after it. Tokens must be < V: the datasets check them when they load, and
 // the device cannot report a bad one.
 template <class E>
 void embedding_forward(E* out, const int32_t* tokens, const E* wte, const E* wpe, int64_t B, int64_t T, int64_t C,
                        int64_t V, float p = 0.0f, const DropoutKey& key = {});
-// dwte (V, C) and dwpe (T, C) accumulate. Deterministic: positions are sorted by token
+// dwte (V, C) and dwpe (T, C; null: none) accumulate. Deterministic: positions are sorted by token
 // (a stable radix sort), then each token's rows are summed in position order.
 template <class E>
 void embedding_backward(float* dwte, float* dwpe, const E* dout, const int32_t* tokens, int64_t B, int64_t T,
                         int64_t C, int64_t V);
 
-// Causal multi-head self-attention core, qkv (B, T, 3C) holding q, k, v side by side.
+// Causal multi-head self-attention core, qkv (B, T, C + 2·KV) holding q, k, v side by side
+// (grouped-query attention as the CPU op: KVH key/value heads, query head h reads head
+// h / (H / KVH); KVH = H: qkv (B, T, 3C)).
 // Differs from the CPU op in what it keeps for backward: the log-sum-exp of each score
 // row, lse (B, H, T) in fp32, instead of the probabilities (B, H, T, T). Backward
 // recomputes the scores from q and k, so the memory kept per call is O(B·H·T).
 // Overwrites out (B, T, C) and lse.
 template <class E>
-void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t C, int64_t H);
-// Overwrites dqkv (B, T, 3C). `out` is the forward's output.
+void attention_forward(E* out, float* lse, const E* qkv, int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH);
+// Overwrites dqkv (B, T, C + 2·KV). `out` is the forward's output. A key/value head's
+// gradient is the sum over its group's query heads in a fixed order (no atomics).
 template <class E>
 void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, const float* lse, int64_t B, int64_t T,
-                        int64_t C, int64_t H);
+                        int64_t C, int64_t H, int64_t KVH);
 
 // Which engine bf16 attention runs on: `automatic` (the default), cuDNN's fused attention
 // for each shape where cuDNN builds a deterministic plan and its first call agrees with
@@ -92,14 +123,16 @@ void attention_backward(E* dqkv, const E* dout, const E* qkv, const E* out, cons
 enum class AttentionEngine { automatic, kernel };
 void set_attention_engine(AttentionEngine engine);
 // Whether calls of this shape and direction run on cuDNN (known after the first one).
-bool attention_on_cudnn(int64_t B, int64_t T, int64_t C, int64_t H, bool backward);
+bool attention_on_cudnn(int64_t B, int64_t T, int64_t C, int64_t H, int64_t KVH, bool backward);
 
 // Generation: the CPU's attention_decode (cpu/ops.hpp), one block per (sequence, head,
 // query), the scores in shared memory (keys up to kMaxDecodeKeys).
 inline constexpr int64_t kMaxDecodeKeys = 8192;
+// qkv (B, rows, C + 2·KV) the new rows (their queries), cache (B, capacity, 2·KV) the keys
+// and values so far (the new ones written).
 template <class E>
-void attention_decode(E* out, const E* cache, int64_t B, int64_t rows, int64_t position, int64_t capacity, int64_t C,
-                      int64_t H);
+void attention_decode(E* out, const E* qkv, const E* cache, int64_t B, int64_t rows, int64_t position,
+                      int64_t capacity, int64_t C, int64_t H, int64_t KVH);
 
 // Softmax cross-entropy over logits (outer, V, plane), laid out as the CPU op's (plane 1:
 // rows (N, V), a block each; otherwise a thread per position, its V classes plane apart).
