@@ -229,9 +229,10 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--resume", c.resume, "auto (newest good checkpoint in --checkpoint-dir), never, or a file")
       ->capture_default_str();
   cmd.add_option("--init-from", c.init_from,
-                 "Start a fresh run (step 0, a fresh optimizer) from the weights of a safetensors file that 'mpipe export' "
-                 "wrote (GPT: Hugging Face GPT-2's names); every name, shape and dtype checked. A run that resumes a "
-                 "checkpoint goes on from it instead");
+                 "Start a fresh run (step 0, a fresh optimizer) from the weights of a safetensors file, a sharded "
+                 "checkpoint's *.safetensors.index.json or a directory holding either (what 'mpipe export' writes; GPT and "
+                 "Llama: Hugging Face's names, F32, BF16 or F16, a config.json beside them checked); every name, shape and "
+                 "dtype checked. A run that resumes a checkpoint goes on from it instead");
   cmd.add_flag("--overwrite", c.overwrite,
                "Let this run replace the checkpoints of another run in --checkpoint-dir (deleted once its first "
                "checkpoint is in place); without it such a directory is refused");
@@ -324,11 +325,14 @@ int run_main(int argc, char** argv) {
                     "Print only the model's layer list, as a model file for 'train --model' (mpipe inspect CKPT --model > "
                     "m.toml)");
   CLI::App* export_command = app.add_subcommand(
-      "export", "Write a checkpoint's weights as safetensors (GPT: Hugging Face GPT-2's names; else the layer list's)");
+      "export", "Write a checkpoint's weights as safetensors (GPT, Llama: Hugging Face's names; ResNet: torchvision's; else the layer list's)");
   std::string export_from, export_to;
   export_command->add_option("checkpoint", export_from, "Checkpoint file, or a run's --checkpoint-dir (its newest that verifies)")
       ->required();
-  export_command->add_option("out", export_to, "The .safetensors file to write")->required();
+  export_command->add_option("out", export_to,
+                             "The .safetensors file to write, or a directory (a name ending in '/', or one that exists): "
+                             "DIR/model.safetensors and, for GPT and Llama, the config.json Hugging Face reads")
+      ->required();
   CLI::App* generate = app.add_subcommand(
       "generate", "Continue a prompt with a GPT checkpoint (under mpirun/srun: the layers split over the ranks)");
   GenerateOptions g;

@@ -33,7 +33,7 @@
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/io/trace.hpp"
-#include "mpipe/io/weights.hpp"
+#include "mpipe/io/init_from.hpp"
 #include "mpipe/pipeline/hosts.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
@@ -440,6 +440,14 @@ int Training::finish() {
   return preempted_ ? exit_preempted : 0;
 }
 
+// Whether a run may resume a checkpoint (--resume a file, or auto over a checkpoint
+// directory holding one), which --init-from then gives way to.
+bool may_resume(const TrainConfig& config) {
+  if (config.resume == "never") return false;
+  if (config.resume != "auto") return true;
+  return !config.checkpoint_dir.empty() && !checkpoint_files(config.checkpoint_dir).empty();
+}
+
 }  // namespace
 
 int run_train(const TrainConfig& options, const Communicator& world) {
@@ -471,6 +479,9 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     time_limit_s = parse_time_limit(config.time_limit);
     if (root) check_checkpoint_options(config, /*create=*/true);
     if (root) check_output_files(config);
+    // --init-from's files, before anything is allocated, where no checkpoint can stand in
+    // for them (one that will be resumed makes them unused: they need not exist any more).
+    if (!config.init_from.empty() && !may_resume(config)) check_weights(model, config.init_from);
   });
   if (code) return code;
   // --rank-order auto on several hosts: the order that sends fewer bytes between them.

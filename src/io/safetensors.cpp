@@ -1,5 +1,6 @@
 // Writing and reading safetensors files: the 8-byte header length, the JSON header and
-// the raw tensors, every claim of a file read checked against the file.
+// the raw tensors, every claim of a file read checked against the file; float16 and
+// bfloat16 read as float32; a sharded checkpoint's index and its shards.
 #include "mpipe/io/safetensors.hpp"
 
 #include <algorithm>
@@ -61,23 +62,29 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsEnt
   }
   std::string text = header.dump();
   text.append((header_alignment - text.size() % header_alignment) % header_alignment, ' ');
+  write_file_atomically(path, "safetensors", [&](std::FILE* out) {
+    const std::uint64_t length = text.size();
+    std::fwrite(&length, sizeof length, 1, out);
+    std::fwrite(text.data(), 1, text.size(), out);
+    for (const SafetensorsEntry& e : entries) std::fwrite(e.bytes.data(), 1, e.bytes.size(), out);
+  });
+}
+
+void write_file_atomically(const std::string& path, const char* what, const std::function<void(std::FILE*)>& write) {
   // Under a temporary name, renamed once complete and on disk; removed on any failure.
   const std::string temp = cat(path, ".tmp-", ::getpid());
   try {
     std::FILE* out = std::fopen(temp.c_str(), "wb");
     int synced = 0;  // fsync's errno
     if (out) {
-      const std::uint64_t length = text.size();
-      std::fwrite(&length, sizeof length, 1, out);
-      std::fwrite(text.data(), 1, text.size(), out);
-      for (const SafetensorsEntry& e : entries) std::fwrite(e.bytes.data(), 1, e.bytes.size(), out);
+      write(out);
       if (std::fflush(out) == 0 && ::fsync(::fileno(out)) != 0) synced = errno;
     }
-    close_output(out, path, "safetensors", "OUT");
-    if (synced) throw write_error(path, "safetensors", "OUT", synced);
+    close_output(out, path, what, "OUT");
+    if (synced) throw write_error(path, what, "OUT", synced);
     std::error_code ec;
     fs::rename(temp, path, ec);
-    if (ec) throw write_error(path, "safetensors", "OUT", ec.value());
+    if (ec) throw write_error(path, what, "OUT", ec.value());
   } catch (const UserError&) {
     std::error_code ec;
     fs::remove(temp, ec);
@@ -160,18 +167,100 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   data_start_ = sizeof length + length;
 }
 
+bool float_dtype(const std::string& dtype) { return dtype == "F32" || dtype == "BF16" || dtype == "F16"; }
+
+float half_to_float(std::uint16_t h) {
+  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
+  const std::uint32_t exponent = (h >> 10) & 0x1fu;
+  std::uint32_t mantissa = h & 0x3ffu;
+  // float16: 5 exponent bits biased by 15, 10 mantissa bits; float32: 8 by 127, 23.
+  constexpr std::uint32_t rebias = 127 - 15;
+  if (exponent == 0x1f) return std::bit_cast<float>(sign | 0x7f800000u | (mantissa << 13));  // inf, NaN
+  if (exponent != 0) return std::bit_cast<float>(sign | ((exponent + rebias) << 23) | (mantissa << 13));
+  if (mantissa == 0) return std::bit_cast<float>(sign);  // +-0
+  // A subnormal, mantissa x 2^-24: normal in float32 once its leading 1 is shifted to bit 10.
+  std::uint32_t shifts = 0;
+  while ((mantissa & 0x400u) == 0) mantissa <<= 1, ++shifts;
+  return std::bit_cast<float>(sign | ((rebias + 1 - shifts) << 23) | ((mantissa & 0x3ffu) << 13));
+}
+
 std::vector<float> SafetensorsFile::floats(const std::string& name) const {
   const auto it = tensors_.find(name);
   MPIPE_CHECK(it != tensors_.end(), "safetensors: no tensor '", name, "'");
   const Tensor& t = it->second;
-  MPIPE_REQUIRE(t.dtype == "F32", "export it as float32 (mpipe export writes F32)", "'", path_, "': tensor '", name, "' is ",
-                t.dtype, ", not F32");
-  std::vector<float> out((t.end - t.begin) / sizeof(float));
+  MPIPE_REQUIRE(float_dtype(t.dtype), "convert it to float32, bfloat16 or float16", "'", path_, "': tensor '", name, "' is ",
+                t.dtype, ", not F32, BF16 or F16");
+  const std::uint64_t word = dtype_bytes(t.dtype);
+  std::vector<float> out((t.end - t.begin) / word);
+  std::vector<std::uint16_t> halves(word == 2 ? out.size() : 0);
+  char* into = word == 2 ? reinterpret_cast<char*>(halves.data()) : reinterpret_cast<char*>(out.data());
   std::ifstream in(path_, std::ios::binary);
   in.seekg(static_cast<std::streamoff>(data_start_ + t.begin));
-  MPIPE_REQUIRE(in.good() && in.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(t.end - t.begin)),
-                hint_damaged, "cannot read tensor '", name, "' of '", path_, "' (the file changed or was cut short)");
+  MPIPE_REQUIRE(in.good() && in.read(into, static_cast<std::streamsize>(t.end - t.begin)), hint_damaged,
+                "cannot read tensor '", name, "' of '", path_, "' (the file changed or was cut short)");
+  if (t.dtype == "BF16") std::transform(halves.begin(), halves.end(), out.begin(), bfloat16_to_float);
+  if (t.dtype == "F16") std::transform(halves.begin(), halves.end(), out.begin(), half_to_float);
   return out;
+}
+
+SafetensorsSet::SafetensorsSet(const std::string& path) {
+  const std::string index_suffix = ".index.json";
+  if (!path.ends_with(index_suffix)) {
+    files_.emplace_back(path);
+    for (const auto& [name, t] : files_[0].tensors()) file_[name] = 0, tensors_[name] = t;
+    return;
+  }
+  const std::string hint = "give the index and its shards as Hugging Face's save_pretrained writes them";
+  std::error_code ec;
+  MPIPE_REQUIRE(fs::is_regular_file(path, ec), hint, "no file '", path, "'");
+  Json index;
+  try {
+    std::ifstream in(path);
+    MPIPE_REQUIRE(in.good(), "give a file you can read", "cannot open '", path, "'");
+    index = Json::parse(in);
+  } catch (const Json::exception& e) {
+    throw UserError(cat("'", path, "' is not JSON (", e.what(), ")"), hint);
+  }
+  MPIPE_REQUIRE(index.is_object() && index.contains("weight_map") && index["weight_map"].is_object(), hint, "'", path,
+                "' has no weight_map object");
+  const fs::path dir = fs::path(path).parent_path();
+  std::map<std::string, std::size_t> shard_index;  // shard file name -> files_
+  std::map<std::string, std::string> mapped;       // tensor -> shard file name
+  for (const auto& [name, shard] : index["weight_map"].items()) {
+    MPIPE_REQUIRE(shard.is_string(), hint, "'", path, "': weight_map's '", name, "' is not a file name: ", shard.dump());
+    const std::string file = shard.get<std::string>();
+    MPIPE_REQUIRE(!file.empty() && file.find('/') == std::string::npos && file != "." && file != "..", hint, "'", path,
+                  "' names shard '", file, "' for tensor '", name, "': not a file beside the index");
+    mapped[name] = file;
+    if (shard_index.count(file)) continue;
+    const std::string shard_path = (dir / file).string();
+    MPIPE_REQUIRE(fs::exists(shard_path, ec), cat("put the index's shards beside it (", dir.empty() ? "." : dir.string(), ")"),
+                  "'", path, "' names shard '", file, "', which is not there");
+    shard_index[file] = files_.size();
+    files_.emplace_back(shard_path);
+  }
+  for (const auto& [name, file] : mapped) {
+    const SafetensorsFile& shard = files_[shard_index.at(file)];
+    const auto it = shard.tensors().find(name);
+    MPIPE_REQUIRE(it != shard.tensors().end(), hint, "'", path, "' puts tensor '", name, "' in '", shard.path(),
+                  "', which has no such tensor");
+    file_[name] = shard_index.at(file);
+    tensors_[name] = it->second;
+  }
+  for (const SafetensorsFile& shard : files_)
+    for (const auto& [name, t] : shard.tensors()) {
+      const auto it = file_.find(name);
+      MPIPE_REQUIRE(it != file_.end() && &files_[it->second] == &shard, hint, "'", shard.path(), "' holds tensor '", name,
+                    "', which '", path, "' ", it == file_.end() ? "does not map" : "maps to another shard");
+    }
+}
+
+const std::string& SafetensorsSet::file_of(const std::string& name) const { return files_.at(file_.at(name)).path(); }
+
+std::vector<float> SafetensorsSet::floats(const std::string& name) const {
+  const auto it = file_.find(name);
+  MPIPE_CHECK(it != file_.end(), "safetensors: no tensor '", name, "'");
+  return files_[it->second].floats(name);
 }
 
 }  // namespace mpipe

@@ -24,7 +24,7 @@
 #include "gather.hpp"
 #include "mpipe/app/config.hpp"
 #include "mpipe/app/export.hpp"
-#include "mpipe/io/weights.hpp"
+#include "mpipe/io/init_from.hpp"
 
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/pipeline/executor.hpp"

@@ -178,10 +178,12 @@ def main():
             f.seek(offset)
             f.write(bytes([byte[0] ^ 0x40]))
         before = open(ckpt, "rb").read()
+        taken = os.path.join(work, "taken")  # OUT a directory: OUT/model.safetensors (check_hf.py)
+        os.makedirs(os.path.join(taken, "model.safetensors"))
         for what, args, says in [
                 ("a damaged checkpoint", [damaged, os.path.join(work, "d.safetensors")], "export an older checkpoint"),
                 ("OUT the checkpoint itself", [ckpt, ckpt], "is the checkpoint itself"),
-                ("OUT a directory", [ckpt, work], "is not a file"),
+                ("OUT a directory whose model.safetensors is not a file", [ckpt, taken], "is not a file"),
                 ("no such checkpoint", [os.path.join(work, "none.h5"), os.path.join(work, "n.safetensors")], "no file"),
                 ("not a checkpoint", [spec_path, os.path.join(work, "s.safetensors")], "not an HDF5 file"),
                 ("no OUT", [ckpt], "out is required")]:

@@ -2,11 +2,15 @@
 // 8-byte little-endian header length, a JSON header naming each tensor's dtype, shape
 // and byte range, then the tensors' raw little-endian bytes. No Python package is
 // needed to write or read it. mpipe writes float32 tensors (`mpipe export`) and reads
-// them back with every claim of the header checked against the file before a byte of
-// data is trusted.
+// float32, bfloat16 and float16 ones as float32, with every claim of the header checked
+// against the file before a byte of data is trusted; a checkpoint sharded over files
+// with an index (Hugging Face's model.safetensors.index.json) reads as one.
 #pragma once
+#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <functional>
 #include <map>
 #include <span>
 #include <string>
@@ -32,6 +36,10 @@ inline SafetensorsEntry f32_entry(std::string name, std::vector<std::int64_t> sh
 // problem (naming the file), or on a duplicate or empty name.
 void write_safetensors(const std::string& path, const std::vector<SafetensorsEntry>& entries,
                        const std::map<std::string, std::string>& metadata);
+// Writes `path` through `write` into a temporary beside it, synced and renamed into place
+// once complete (write_safetensors' way, for a config.json beside it); `what` names the
+// file in errors ("safetensors"). UserError on a write problem; the temporary is removed.
+void write_file_atomically(const std::string& path, const char* what, const std::function<void(std::FILE*)>& write);
 
 // A safetensors file's header, read and checked against the file: its length within the
 // file and under a bound, valid JSON of the format's form, every tensor's dtype known,
@@ -48,8 +56,9 @@ class SafetensorsFile {
   explicit SafetensorsFile(const std::string& path);
   const std::map<std::string, Tensor>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
-  // A float32 tensor's values (UserError where it is another dtype, or the file can no
-  // longer be read).
+  const std::string& path() const { return path_; }
+  // A float32, bfloat16 or float16 tensor's values as float32 (each exactly; UserError
+  // where it is another dtype, or the file can no longer be read).
   std::vector<float> floats(const std::string& name) const;
 
  private:
@@ -57,6 +66,34 @@ class SafetensorsFile {
   std::uint64_t data_start_ = 0;  // the data's offset in the file
   std::map<std::string, Tensor> tensors_;
   std::map<std::string, std::string> metadata_;
+};
+
+// Whether floats() reads `dtype` ("F32", "BF16", "F16").
+bool float_dtype(const std::string& dtype);
+// One float16 or bfloat16 value's bits as float32 (exact: every such value is a float32).
+float half_to_float(std::uint16_t bits);
+inline float bfloat16_to_float(std::uint16_t bits) {
+  return std::bit_cast<float>(static_cast<std::uint32_t>(bits) << 16);
+}
+
+// The tensors of one safetensors file, or of the shards an index names (Hugging Face's
+// *.safetensors.index.json: {"metadata": ..., "weight_map": {tensor: shard file}}, the
+// shards beside it): each shard checked as a file, and the index against them (every
+// shard it names present and a plain file name beside it, every tensor it maps in its
+// shard, every shard's tensor mapped to that shard). UserError naming the index or the
+// shard and the first problem.
+class SafetensorsSet {
+ public:
+  explicit SafetensorsSet(const std::string& path);
+  const std::map<std::string, SafetensorsFile::Tensor>& tensors() const { return tensors_; }
+  // The file holding tensor `name` (for messages).
+  const std::string& file_of(const std::string& name) const;
+  std::vector<float> floats(const std::string& name) const;  // SafetensorsFile::floats
+
+ private:
+  std::vector<SafetensorsFile> files_;
+  std::map<std::string, std::size_t> file_;  // tensor -> files_ index
+  std::map<std::string, SafetensorsFile::Tensor> tensors_;
 };
 
 }  // namespace mpipe
