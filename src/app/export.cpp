@@ -30,6 +30,12 @@ void check_output(const std::string& out, const std::string& checkpoint) {
   }
   MPIPE_REQUIRE(!fs::is_symlink(out, ec) || fs::exists(out, ec), "give a file name for OUT", "'", out,
                 "' is a link to nothing");
+  // Nor a checkpoint directory's lock (io/checkpoint_dir), by its name or another of its
+  // inode: written over, it would let a second job into the directory.
+  const fs::path lock = fs::path(checkpoint).parent_path() / ".mpipe.lock";
+  const bool is_lock = fs::path(out).filename() == ".mpipe.lock" || (fs::exists(lock, ec) && fs::equivalent(out, lock, ec));
+  MPIPE_REQUIRE(!is_lock, "give OUT a file name of its own", "'", out,
+                "' is a checkpoint directory's lock file, which keeps a second job out of it");
 }
 
 }  // namespace

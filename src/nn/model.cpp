@@ -220,6 +220,7 @@ void Model::build_layers(const std::string& file) {
     const auto from = l.options.find("from");
     if ((l.kind == "concat" || l.kind == "add") && from != l.options.end() && std::holds_alternative<std::string>(from->second)) {
       const std::string& name = std::get<std::string>(from->second);
+      MPIPE_REQUIRE(!name.empty(), "give the name an earlier layer stashes, e.g. from = \"down1\"", where, ": 'from' is empty");
       const auto it = stashed.find(name);
       if (it == stashed.end()) {
         int later = -1;

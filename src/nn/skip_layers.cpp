@@ -136,8 +136,9 @@ std::vector<LayerKind> skip_layer_kinds() {
                {{"scale", T::integer, std::int64_t{2}, "the factor of both sides"}}, false,
                [](const LayerArgs& a) -> std::unique_ptr<Layer> {
                  if (a.input.rank != 4) a.refuse("kind", cat("needs images (batch, channels, height, width), gets ", a.input.str()), "put it after a convolution");
-                 const std::int64_t scale = a.integer("scale");
-                 if (scale > 64) a.refuse("scale", cat("must be at most 64, got ", scale), "e.g. scale = 2");
+                 constexpr std::int64_t most = 64;  // an image grows by scale² in memory
+                 const std::int64_t scale = std::get<std::int64_t>(a.spec.options.at("scale"));
+                 if (scale < 1 || scale > most) a.refuse("scale", cat("must be from 1 to ", most, ", got ", scale), "e.g. scale = 2");
                  return std::make_unique<Upsample2d>(scale);
                }});
   return k;

@@ -132,6 +132,8 @@ mpipe_cli_test(model_file_heads 2 "error: model file '.*', layer 1 \\(block\\): 
 mpipe_cli_test(model_file_both_inputs 2 "error: model file '.*both_inputs.toml' has both 'tokens' and 'input'; hint" train --model ${MODELS}/both_inputs.toml)
 # Skips: a join's name stashed nowhere, one name stashed twice, shapes that do not
 # concatenate or add, a join before its stash, a stash never taken; one line, exit 2.
+mpipe_cli_test(skip_from_empty 2 "error: model file '.*skip_from_empty.toml', layer 1 \\(concat\\): 'from' is empty; hint: give the name an earlier layer stashes" train --model ${MODELS}/skip_from_empty.toml)
+mpipe_cli_test(upsample_scale_zero 2 "error: model file '.*upsample_scale_zero.toml', layer 0 \\(upsample2d\\): 'scale': must be from 1 to 64, got 0; hint" train --model ${MODELS}/upsample_scale_zero.toml)
 mpipe_cli_test(skip_from_nothing 2 "error: model file '.*skip_from_nothing.toml', layer 1 \\(concat\\): 'from': no layer stashes 'dwon'; hint: stash it first" train --model ${MODELS}/skip_from_nothing.toml)
 mpipe_cli_test(skip_stashed_twice 2 "error: model file '.*skip_stashed_twice.toml', layer 1 \\(relu\\): 'stash': 'down' is stashed already by layer 0; hint" train --model ${MODELS}/skip_stashed_twice.toml)
 mpipe_cli_test(skip_shapes 2 "error: model file '.*skip_shapes.toml', layer 2 \\(concat\\): 'from': the skip 'down' is \\(4, 8, 8\\) a sample and the input \\(4, 4, 4\\): they do not concatenate along the channels; hint" train --model ${MODELS}/skip_shapes.toml)

@@ -160,6 +160,15 @@ lock-output)
   ln "$work/d/.mpipe.lock" "$work/other"
   expect 2 "$(lock metrics)" "$(train "$work/d") --metrics '$work/other'"
   [[ $(cat "$work/d/.mpipe.lock") == "host x pid 1" ]] || fail "the lock was written over"
+  # export's OUT: the lock by its name, or by a hard link to it.
+  bash -c "$(train "$work/e")" >/dev/null 2>&1 || fail "the run for export failed"
+  echo "host x pid 1" > "$work/e/.mpipe.lock"
+  ln "$work/e/.mpipe.lock" "$work/e-lock"
+  for out in "$work/e/.mpipe.lock" "$work/e-lock"; do
+    expect 2 "error: '.*' is a checkpoint directory's lock file, which keeps a second job out of it; hint" \
+      "'$mpipe' export '$work/e' '$out'"
+  done
+  [[ $(cat "$work/e/.mpipe.lock") == "host x pid 1" ]] || fail "export wrote over the lock"
   ;;
 minor)
   # --threads above the cores: one warning that says what runs, and the run goes on.
