@@ -307,9 +307,11 @@ class Llama(torch.nn.Module):
         return greedy_loop(lambda ids, position: self.decode(ids, cache, position), self.T, w.device, prompt, n)
 
 
-def read_safetensors(path):
-    """A safetensors file's float32 and int64 tensors {name: numpy array} and its metadata,
-    read with numpy alone (the format: an 8-byte length, a JSON header, raw little-endian data)."""
+def read_safetensors(path, dtypes=None):
+    """A safetensors file's tensors {name: numpy array} and its metadata, read with numpy
+    alone (the format: an 8-byte length, a JSON header, raw little-endian data): F32 and
+    I64 as they are, F16 and BF16 widened exactly to float32. `dtypes`, a dict, gets each
+    tensor's dtype as the file names it."""
     import json
     import struct
 
@@ -321,9 +323,15 @@ def read_safetensors(path):
     meta = header.pop("__metadata__", {})
     out = {}
     for name, t in header.items():
-        dtype = {"F32": "<f4", "I64": "<i8"}[t["dtype"]]
         b, e = t["data_offsets"]
-        out[name] = np.frombuffer(data[b:e], dtype=dtype).reshape(t["shape"]).copy()
+        raw = np.frombuffer(data[b:e], dtype={"F32": "<f4", "I64": "<i8", "F16": "<f2", "BF16": "<u2"}[t["dtype"]])
+        if t["dtype"] == "BF16":  # the high half of a float32
+            raw = (raw.astype(np.uint32) << 16).view(np.float32)
+        elif t["dtype"] == "F16":
+            raw = raw.astype(np.float32)
+        out[name] = raw.reshape(t["shape"]).copy()
+        if dtypes is not None:
+            dtypes[name] = t["dtype"]
     return out, meta
 
 

@@ -32,7 +32,7 @@ here = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, here)
 sys.path.insert(0, os.path.join(here, "..", "..", "scripts"))
 from check_export import check, failures, keyed  # noqa: E402
-from mpipe_torch import GPT2HF  # noqa: E402
+from mpipe_torch import GPT2HF, read_safetensors  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -40,20 +40,10 @@ torch.set_num_threads(1)
 # ---- safetensors, read and written here (no safetensors package) ----
 
 def read_tensors(path):
-    """{name: float32 torch tensor} of a safetensors file (F32, BF16, F16) and its metadata."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        data = f.read()
-    meta = header.pop("__metadata__", {})
-    out = {}
-    for name, t in header.items():
-        b, e = t["data_offsets"]
-        raw = np.frombuffer(data[b:e], dtype={"F32": "<f4", "F16": "<f2", "BF16": "<i2"}[t["dtype"]]).copy()
-        value = torch.from_numpy(raw)
-        value = value.view(torch.bfloat16) if t["dtype"] == "BF16" else value
-        out[name] = value.float().reshape(t["shape"])
-    return out, meta, {name: t["dtype"] for name, t in header.items()}
+    """{name: float32 torch tensor} of a safetensors file (F32, BF16, F16), its metadata and dtypes."""
+    dtypes = {}
+    arrays, meta = read_safetensors(path, dtypes)
+    return {name: torch.from_numpy(a) for name, a in arrays.items()}, meta, dtypes
 
 
 def write_tensors(path, tensors):

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 
+#include "mpipe/backend/cpu/reduce.hpp"
 #include "mpipe/backend/cpu/vmath.hpp"
 #include "mpipe/core/error.hpp"
 #include "mpipe/core/rng.hpp"
@@ -158,26 +159,11 @@ void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* 
     }
   }
   // Parameter gradients: each channel strip summed over rows in row order by one thread.
-  constexpr int64_t strip = 64;
-#pragma omp parallel for schedule(static)
-  for (int64_t c0 = 0; c0 < C; c0 += strip) {
-    const int64_t c1 = std::min(C, c0 + strip);
-    float dw[strip] = {}, db[strip] = {};
-    for (int64_t n = 0; n < N; ++n) {
-      const float* x = inp + n * C;
-      const float* dy = dout + n * C;
-      const float m = mean[n], s = rstd[n];
-      for (int64_t c = c0; c < c1; ++c) {
-        dw[c - c0] += (x[c] - m) * s * dy[c];
-        db[c - c0] += dy[c];
-      }
-    }
-    for (int64_t c = c0; c < c1; ++c) {
-      dweight[c] += dw[c - c0];
-      dbias[c] += db[c - c0];
-    }
-  }
-}
+  channel_strip_sums(dweight, dbias, N, C, [=](int64_t n, int64_t c, float& dw, float& db) {
+    const float dy = dout[n * C + c];
+    dw += (inp[n * C + c] - mean[n]) * rstd[n] * dy;
+    db += dy;
+  });}
 
 // ---- embedding ---------------------------------------------------------------------
 

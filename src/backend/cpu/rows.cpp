@@ -4,32 +4,13 @@
 #include <cmath>
 
 #include "mpipe/backend/cpu/ops.hpp"
+#include "mpipe/backend/cpu/reduce.hpp"
 #include "mpipe/backend/cpu/vmath.hpp"
 #include "mpipe/core/error.hpp"
 
 namespace mpipe::cpu {
 
 // ---- rmsnorm -----------------------------------------------------------------------
-
-namespace {
-
-// The sum over a row of term(c), in 16 running sums (element c into sum c mod 16, the
-// sums then added pairwise): a fixed order the loop vectorises, whatever the thread count.
-template <class Term>
-inline float row_sum(Term term, int64_t C) {
-  constexpr int64_t lanes = 16;
-  alignas(64) float sums[lanes] = {};
-  int64_t c = 0;
-  for (; c + lanes <= C; c += lanes)
-#pragma omp simd
-    for (int64_t j = 0; j < lanes; ++j) sums[j] += term(c + j);
-  for (int64_t j = 0; c + j < C; ++j) sums[j] += term(c + j);
-  for (int64_t half = lanes / 2; half >= 1; half /= 2)
-    for (int64_t j = 0; j < half; ++j) sums[j] += sums[j + half];
-  return sums[0];
-}
-
-}  // namespace
 
 void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
 #pragma omp parallel for schedule(static)
@@ -69,20 +50,9 @@ void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const floa
     }
   }
   // The weight's gradient: each channel strip summed over rows in row order by one thread.
-  constexpr int64_t strip = 64;
-#pragma omp parallel for schedule(static)
-  for (int64_t c0 = 0; c0 < C; c0 += strip) {
-    const int64_t c1 = std::min(C, c0 + strip);
-    float dw[strip] = {};
-    for (int64_t n = 0; n < N; ++n) {
-      const float* x = inp + n * C;
-      const float* dy = dout + n * C;
-      const float s = rstd[n];
-#pragma omp simd
-      for (int64_t c = c0; c < c1; ++c) dw[c - c0] += x[c] * s * dy[c];
-    }
-    for (int64_t c = c0; c < c1; ++c) dweight[c] += dw[c - c0];
-  }
+  channel_strip_sums(dweight, nullptr, N, C, [=](int64_t n, int64_t c, float& dw, float&) {
+    dw += inp[n * C + c] * rstd[n] * dout[n * C + c];
+  });
 }
 
 // ---- rotary position embedding -------------------------------------------------------
