@@ -28,16 +28,9 @@ bool fd_open(int fd) { return fcntl(fd, F_GETFD) != -1 || errno != EBADF; }
 pid_t launcher() {
   // Rank 0 alone speaks for the job's output.
   if (const char* rank = std::getenv("OMPI_COMM_WORLD_RANK"); rank && std::strcmp(rank, "0") != 0) return 0;
-  const pid_t parent = getppid();
-  std::string name;
-  if (std::FILE* f = std::fopen(cat("/proc/", parent, "/comm").c_str(), "r")) {
-    char text[64] = {};
-    if (std::fgets(text, sizeof text, f)) name = text;
-    std::fclose(f);
-  }
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  const std::string name = parent_name();
   static const char* const launchers[] = {"mpirun", "mpiexec", "orterun", "prterun"};
-  return std::find(std::begin(launchers), std::end(launchers), name) != std::end(launchers) ? parent : 0;
+  return std::find(std::begin(launchers), std::end(launchers), name) != std::end(launchers) ? getppid() : 0;
 }
 
 // Whether `fd` is the writing end of a pipe nobody reads any more: poll says POLLERR.

@@ -182,6 +182,17 @@ double available_memory() {
   return available;
 }
 
+std::string parent_name() {
+  std::string name;
+  if (std::FILE* f = std::fopen(cat("/proc/", getppid(), "/comm").c_str(), "r")) {
+    char text[64] = {};
+    if (std::fgets(text, sizeof text, f)) name = text;
+    std::fclose(f);
+  }
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  return name;
+}
+
 // Whether a person watches rank 0's standard output. Open MPI forwards every rank's
 // stdout through a pseudo-terminal of its own, a terminal even when mpirun's output goes
 // to a file; there it is the launcher's stdout that counts. The launcher is the parent
@@ -190,18 +201,11 @@ double available_memory() {
 bool show_progress(const std::string& mode) {
   if (mode != "auto") return mode == "on";
   if (!isatty(STDOUT_FILENO)) return false;
-  const pid_t parent = getppid();
-  std::string name;
-  if (std::FILE* f = std::fopen(cat("/proc/", parent, "/comm").c_str(), "r")) {
-    char text[64] = {};
-    if (std::fgets(text, sizeof text, f)) name = text;
-    std::fclose(f);
-  }
-  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  const std::string name = parent_name();
   static const char* const launchers[] = {"mpirun", "mpiexec", "orterun", "prterun", "orted", "prted"};
   if (std::find(std::begin(launchers), std::end(launchers), name) == std::end(launchers)) return true;
   char target[256] = {};
-  const ssize_t n = readlink(cat("/proc/", parent, "/fd/1").c_str(), target, sizeof target - 1);
+  const ssize_t n = readlink(cat("/proc/", getppid(), "/fd/1").c_str(), target, sizeof target - 1);
   if (n <= 0) return false;
   const std::string where(target, static_cast<std::size_t>(n));
   return where.rfind("/dev/pts/", 0) == 0 || where.rfind("/dev/tty", 0) == 0;

@@ -53,6 +53,9 @@ double resident_bytes();
 
 // Whether a person watches rank 0's standard output (--progress auto), or on / off.
 bool show_progress(const std::string& mode);
+// The command name of this process's parent (/proc/PPID/comm: "mpirun", "orted", "bash"),
+// empty where it cannot be read.
+std::string parent_name();
 
 // Collective over `world`: resolves config.device ("auto": CUDA when every rank has a
 // GPU), binds each rank to GPU (node-local rank modulo visible GPUs) and initialises it.
