@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -14,6 +15,7 @@
 #include "gather.hpp"
 #include "mpipe/app/config.hpp"
 #include "run_pipeline.hpp"
+#include "temp_dir.hpp"
 
 using namespace mpipe;
 using mpipe::test::peak_memory;
@@ -96,6 +98,21 @@ TEST_CASE("llama: interleaved and zbv (two model stages a rank) train bitwise as
     if (world().rank() != 0) continue;
     INFO(k.schedule << " on " << k.ranks << " ranks, remat " << k.remat);
     CHECK(same_bits(r, reference));
+  }
+}
+
+TEST_CASE("llama: the preset written out by plan --print-model trains bitwise as the preset, on 1 and 2 ranks") {
+  if (world().size() != 4) return;
+  const TrainConfig preset = tiny_llama("1f1b", "selective");
+  TrainConfig from_file = preset;
+  from_file.model.kind = mpipe::testing::test_file("llama_print_model.toml").string();
+  std::ofstream(from_file.model.kind) << model_spec(preset.model).to_toml();  // each rank's own directory
+  for (int K : {1, 2}) {
+    const RunResult want = run(preset, K);
+    const RunResult got = run(from_file, K);
+    if (world().rank() != 0) continue;
+    INFO("K " << K);
+    CHECK(same_bits(got, want));
   }
 }
 

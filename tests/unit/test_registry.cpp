@@ -142,9 +142,11 @@ TEST_CASE("every registered layer kind builds from its options and is the layer 
 }
 
 TEST_CASE("a preset written as a model file reads back as the same layer list") {
-  for (const std::string preset : {"gpt", "mlp", "resnet"}) {
+  for (const std::string preset : {"gpt", "llama", "mlp", "resnet"}) {
     ModelConfig c;
     c.kind = preset;
+    c.kv_heads = 2;  // llama's: grouped-query attention, the head tied
+    c.tie_embeddings = "on";
     c.layers = preset == "resnet" ? 50 : 3;
     c.dropout = preset == "resnet" ? 0.0f : 0.125f;
     const ModelSpec spec = model_spec(c);
