@@ -232,3 +232,6 @@ mpipe_cli_test(llama_odd_head 2 "error: RoPE needs an even head size, and --d-mo
 mpipe_cli_test(llama_1b_count 0 "parameters: 1,235,814,400 \\(a tied weight once\\)" plan --model llama --layers 16 --d-model 2048 --heads 32 --kv-heads 8 --ffn 8192 --vocab 128256 --tie-embeddings on --ranks 8)
 mpipe_cli_test(layer_kinds_llama 0 "mlp +\"gelu\" \\(fc, GELU, proj\\) or \"swiglu\"" plan --layer-kinds)
 mpipe_cli_test(llama_trains 0 "step +3/3 \\| loss" train --model llama --layers 2 --d-model 32 --heads 4 --kv-heads 2 --seq-len 16 --vocab 64 --batch-size 4 --micro-batches 2 --steps 3 --threads 1)
+# --ffn 0: Llama's rule, int(8C/3) rounded up to a multiple of 256 (C 2048: 5461 -> 5632; C 4096, Llama 2 7B: 11008).
+mpipe_cli_test(llama_ffn_rule 0 "ffn = 5632" plan --model llama --d-model 2048 --heads 32 --print-model)
+mpipe_cli_test(llama_ffn_rule_7b 0 "ffn = 11008" plan --model llama --d-model 4096 --heads 32 --print-model)
