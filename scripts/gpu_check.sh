@@ -50,9 +50,10 @@
 #             of a short lease); mpipe is then compared with eager only
 # Environment: PYTHON  the python3 with torch (default: python3, then /usr/bin/python3).
 set -uo pipefail
+called_from=$PWD  # --out and --logs are paths as the caller typed them, from here
 cd "$(dirname "$0")/.." || exit 2
 
-out=build/gpu-check-report.md
+out=""
 logs=""
 budget=540
 build=0
@@ -74,13 +75,15 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 [[ $budget =~ ^[0-9]+$ ]] || { echo "gpu_check.sh: --budget takes seconds, got '$budget'" >&2; exit 2; }
+if [[ -z $out ]]; then out=build/gpu-check-report.md; elif [[ $out != /* ]]; then out=$called_from/$out; fi
+[[ -z $logs || $logs == /* ]] || logs=$called_from/$logs
 [[ -n $logs ]] || logs=${out%.md}-logs
 # The report is written afresh, so never over anything but an earlier report (a checkpoint
 # or a model file given by mistake), nor to a device, a directory or a dangling link.
 refuse() { echo "gpu_check.sh: $1; hint: $2" >&2; exit 2; }
 if [[ -e $out || -L $out ]]; then
   [[ -f $out ]] || refuse "--out '$out' is not a regular file" "give the path of a report to write, e.g. --out build/gpu.md"
-  [[ ! -s $out || $(head -c 17 "$out") == "# mpipe GPU check" ]] ||
+  [[ ! -s $out || $(head -c 17 "$out" | tr -d '\0') == "# mpipe GPU check" ]] ||
     refuse "--out '$out' exists and is not a gpu_check report" "give a new name, or remove the file first"
 fi
 [[ ! -e $logs || -d $logs ]] || refuse "--logs '$logs' exists and is not a directory" "give --logs DIR"

@@ -10,6 +10,7 @@
 #include <set>
 #include <vector>
 
+#include "mpipe/core/file_kind.hpp"
 #include "mpipe/io/checkpoint_format.hpp"
 
 namespace mpipe {
@@ -32,11 +33,8 @@ std::string type_name(hid_t type) {
 int run_inspect(const std::string& path, bool stats, bool verify, const std::string& print) {
   quiet_hdf5();
   {
-    std::error_code ec;
-    const fs::file_status status = fs::status(path, ec);
-    MPIPE_REQUIRE(fs::exists(status), "give the path of a checkpoint file", "no file '", path, "'");
-    MPIPE_REQUIRE(fs::is_regular_file(status), "give the path of a checkpoint file (ckpt-*.h5)", "'", path, "' is ",
-                  fs::is_directory(status) ? "a directory" : "not a regular file");
+    const std::string kind = not_a_file(path);
+    MPIPE_REQUIRE(kind.empty(), "give the path of a checkpoint file (ckpt-*.h5)", "'", path, "' ", kind);
   }
   MPIPE_REQUIRE(H5Fis_hdf5(path.c_str()) > 0, "mpipe checkpoints are HDF5 files (ckpt-*.h5)",
                 "'", path, "' is not an HDF5 file");

@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <sstream>
 
+#include "mpipe/core/file_kind.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/core/toml_text.hpp"
 #include "mpipe/nn/optimizer.hpp"
@@ -59,6 +60,13 @@ std::string model_text(const Model& model) {
 }
 
 
+
+std::string disk_reason(int error) {
+  switch (error) {
+    case ENOSPC: case EDQUOT: case EIO: case EROFS: case EFBIG: return cat(": ", std::strerror(error));
+    default: return "";
+  }
+}
 
 std::uint32_t crc32_of(const void* data, std::size_t bytes) {
   return static_cast<std::uint32_t>(crc32_z(0L, static_cast<const Bytef*>(data), bytes));
@@ -341,7 +349,7 @@ Model checkpoint_model(hid_t file, const std::string& path) {
 
 std::optional<std::string> verify_checkpoint(const std::string& path, const Model* model, bool read_data) {
   quiet_hdf5();
-  if (!fs::is_regular_file(path)) return cat("no file '", path, "'");
+  if (const std::string kind = not_a_file(path); !kind.empty()) return cat("'", path, "' ", kind);
   if (H5Fis_hdf5(path.c_str()) <= 0) return cat("'", path, "' is not an HDF5 file");
   Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
   if (!file.ok()) return cat("'", path, "' cannot be opened as HDF5 (truncated or damaged)");

@@ -2,6 +2,8 @@
 // directory's) under the names of the model's family, with its config.json checked.
 #include "mpipe/io/init_from.hpp"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -158,6 +160,11 @@ void load_weights(Executor& exec, const std::string& path) {
       if (cached_name != t.name) {
         cached_name.clear();
         cached = w.files->floats(w.in_file.at(t.name));
+        // A NaN or inf would make every step's loss non-finite, each step then skipped.
+        const auto bad = std::find_if(cached.begin(), cached.end(), [](float v) { return !std::isfinite(v); });
+        MPIPE_REQUIRE(bad == cached.end(), "give weights saved before the run that wrote them diverged",
+                      "--init-from '", w.files->file_of(w.in_file.at(t.name)), "': tensor '", w.in_file.at(t.name),
+                      "' holds ", std::isnan(*bad) ? "NaN" : "inf", " at element ", bad - cached.begin());
         if (t.transposed) cached = transposed(cached, t.shape[0], t.shape[1]);
         cached_name = t.name;
       }

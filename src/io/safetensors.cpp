@@ -13,6 +13,7 @@
 #include <limits>
 #include <unistd.h>
 
+#include "mpipe/core/file_kind.hpp"
 #include "mpipe/io/json.hpp"
 
 namespace mpipe {
@@ -94,8 +95,8 @@ void write_file_atomically(const std::string& path, const char* what, const std:
 
 SafetensorsFile::SafetensorsFile(const std::string& path) : path_(path) {
   std::error_code ec;
-  MPIPE_REQUIRE(fs::is_regular_file(path, ec), "give the path of a .safetensors file (mpipe export writes one)", "no file '",
-                path, "'");
+  const std::string kind = not_a_file(path);
+  MPIPE_REQUIRE(kind.empty(), "give the path of a .safetensors file (mpipe export writes one)", "'", path, "' ", kind);
   const std::uint64_t size = fs::file_size(path, ec);
   MPIPE_REQUIRE(!ec, hint_damaged, "cannot read '", path, "': ", ec.message());
   std::ifstream in(path, std::ios::binary);
@@ -212,7 +213,8 @@ SafetensorsSet::SafetensorsSet(const std::string& path) {
   }
   const std::string hint = "give the index and its shards as Hugging Face's save_pretrained writes them";
   std::error_code ec;
-  MPIPE_REQUIRE(fs::is_regular_file(path, ec), hint, "no file '", path, "'");
+  const std::string kind = not_a_file(path);
+  MPIPE_REQUIRE(kind.empty(), hint, "'", path, "' ", kind);
   Json index;
   try {
     std::ifstream in(path);

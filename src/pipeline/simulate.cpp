@@ -90,9 +90,11 @@ Simulation simulate(const Schedule& s, const StageCosts& costs, int steps) {
     if (next[st] < s.actions[st].size() * static_cast<std::size_t>(steps)) {
       sim.deadlock = true;
       const Action& a = s.actions[st][next[st] % s.actions[st].size()];
-      sim.blocked += cat(sim.blocked.empty() ? "" : "; ", "stage ", st, " waits at ", to_string(a), " (",
-                         a.kind == ActionKind::recv_act ? "the activation" : "the gradient", " of micro-batch ", a.micro_batch,
-                         ")");
+      // Said in the schedule's own words (F and B), not the lowered receive (RF, RB).
+      const bool activation = a.kind == ActionKind::recv_act;
+      sim.blocked += cat(sim.blocked.empty() ? "" : "; ", "stage ", st, " waits before ", activation ? "F" : "B",
+                         a.micro_batch, " for the ", activation ? "activation" : "gradient", " of micro-batch ",
+                         a.micro_batch);
     }
     sim.makespan = std::max(sim.makespan, clock[st]);
   }

@@ -752,6 +752,22 @@ PY
   [[ "$(cat "$work/full.ls")" == "ckpt-00000100.h5" ]] || fail "the directory after the failure: $(cat "$work/full.ls")"
   grep -q "ckpt-00000100.h5 verifies" "$work/full.verify" || fail "the checkpoint before the failure does not verify"
   echo "a failed background write of step 200: reported at step $stopped, ckpt-00000100.h5 in place"
+  # The final checkpoint, written at the end (not in the background), on a disk with room
+  # for half of it: the error line says the disk is full, whichever HDF5 call met it (a
+  # flush said only "cannot flush").
+  mkdir "$work/half"
+  unshare --mount --propagation private bash -c '
+    mpipe=$1 work=$2 size=$3; shift 3
+    mount -t tmpfs -o size=$size tmpfs "$work/half" || exit 99
+    mpiexec -n 2 --oversubscribe "$mpipe" "$@" --checkpoint-dir "$work/half" > "$work/half.log" 2>&1
+    echo $? > "$work/half.rc"
+  ' _ "$mpipe" "$work" "$((size / 2))" "${model[@]}" --steps 3 \
+    || fail "cannot run in a mount namespace with a tmpfs (exit $?)"
+  rc=$(cat "$work/half.rc")
+  [[ $rc -ne 0 ]] || fail "a final checkpoint on a full disk: exit 0: $(cat "$work/half.log")"
+  grep -Eq "error: .*No space left on device" "$work/half.log" \
+    || fail "the final checkpoint's failure does not say the disk is full: $(cat "$work/half.log")"
+  echo "a final checkpoint on a full disk: exit $rc, $(grep -o 'error: .*' "$work/half.log" | head -1 | cut -c1-120)"
   # kill -9 of the whole job while writes run in the background (one every step): every
   # checkpoint left verifies, and the run resumes to the end with the unbroken run's
   # final weights.

@@ -33,7 +33,7 @@ mpipe_mpi_test(summary_dir 2 2 "error: --summary '.*' is a directory; hint: give
 mpipe_mpi_test(outputs_same_file 2 2 "error: --metrics and --trace name the same file '.*/out.json'; hint: give each output its own file" ${SMALL} --micro-batches 2 --metrics ${CMAKE_CURRENT_BINARY_DIR}/out.json --trace ${CMAKE_CURRENT_BINARY_DIR}/./out.json)
 mpipe_mpi_test(output_no_dir 2 2 "error: --trace '/no/such/dir/t.json': no directory '/no/such/dir'; hint" ${SMALL} --micro-batches 2 --trace /no/such/dir/t.json)
 # A schedule file that deadlocks: refused on every rank before training, one line.
-mpipe_mpi_test(schedule_file_deadlock 2 2 "error: schedule file '.*deadlock.txt': deadlock: stage 0 waits at RB0 \\(the gradient of micro-batch 0\\); stage 1 waits at RF1" train --schedule file:${CMAKE_CURRENT_SOURCE_DIR}/cli/schedules/deadlock.txt --micro-batches 2 --steps 1)
+mpipe_mpi_test(schedule_file_deadlock 2 2 "error: schedule file '.*deadlock.txt': deadlock: stage 0 waits before B0 for the gradient of micro-batch 0; stage 1 waits before F1 for the activation of micro-batch 1" train --schedule file:${CMAKE_CURRENT_SOURCE_DIR}/cli/schedules/deadlock.txt --micro-batches 2 --steps 1)
 # --shard-optimizer: a replica stopped after its update, before the others have its rows
 # of the values: its partner names it within --p2p-timeout, one line.
 mpipe_mpi_test(gather_stopped 2 1 "error: rank 1 stopped answering .* waiting for replica 1's updated values of layer" ${SMALL} --micro-batches 2 --replicas 2 --shard-optimizer --p2p-timeout 2)

@@ -23,7 +23,10 @@ mpipe_cli_test(memory_16_eib 2 "error: --memory-per-rank '16EiB' is all that a 6
 mpipe_cli_test(memory_1_eib 0 "bubble" plan --memory-per-rank 1EiB)
 mpipe_cli_test(memory_1e30 2 "error: --memory-per-rank '1e30' is more than a 64-bit machine addresses \\(16 EiB\\); hint" plan --memory-per-rank 1e30)
 mpipe_cli_test(inspect_directory 2 "error: '.*' is a directory; hint: give the path of a checkpoint file" inspect ${CMAKE_CURRENT_SOURCE_DIR} --verify)
-mpipe_cli_test(inspect_device 2 "error: '/dev/null' is not a regular file; hint" inspect /dev/null --verify)
+mpipe_cli_test(inspect_device 2 "error: '/dev/null' is a device; hint" inspect /dev/null --verify)
+add_test(NAME cli.inspect_fifo COMMAND bash ${EXPECT} 2 "error: '.*' is a FIFO \\(named pipe\\); hint" --
+  bash -c "f=$(mktemp -u) && mkfifo $f && trap 'rm -f $f' EXIT && ${MPIPE} inspect $f --verify")
+set_tests_properties(cli.inspect_fifo PROPERTIES LABELS unit TIMEOUT 60)
 add_test(NAME cli.outputs.minor COMMAND bash ${OUTPUTS_TEST} $<TARGET_FILE:mpipe> minor)
 set_tests_properties(cli.outputs.minor PROPERTIES LABELS "unit;cli" TIMEOUT 120)
 mpipe_cli_test(generate_p2p_timeout_zero 2 "error: --p2p-timeout must be positive, got 0; hint" generate --checkpoint x --p2p-timeout 0)

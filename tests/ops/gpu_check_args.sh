@@ -40,3 +40,16 @@ done
 grep -q "Nothing was measured" "$work/report.md" || fail "the report: $(cat "$work/report.md")"
 [[ $(grep -c "^# mpipe GPU check" "$work/report.md") -eq 1 ]] || fail "the report was appended to, not written afresh"
 echo "ok: an earlier report written over"
+# Relative paths are the caller's: --out rel.md from another directory writes there, not
+# into the repository; a file of binary (NUL bytes) is refused without a shell warning.
+mkdir "$work/elsewhere"
+out=$(cd "$work/elsewhere" && CUDA_VISIBLE_DEVICES= bash "$root/scripts/gpu_check.sh" --out rel.md 2>&1) ||
+  fail "--out rel.md: exit $?: $out"
+[[ -f "$work/elsewhere/rel.md" && -d "$work/elsewhere/rel-logs" ]] || fail "--out rel.md not written in the caller's directory"
+[[ ! -e "$root/rel.md" ]] || { rm -rf "$root/rel.md" "$root/rel-logs"; fail "--out rel.md was written into the repository root"; }
+echo "ok: --out relative to the caller's directory"
+printf '\0\0\0binary' > "$work/nul.md"
+refused "--out a file of NUL bytes" "exists and is not a gpu_check report" --out "$work/nul.md"
+out=$(bash "$root/scripts/gpu_check.sh" --out "$work/nul.md" 2>&1)
+! grep -q "null byte" <<<"$out" || fail "a shell warning: $out"
+echo "ok: no null-byte warning"

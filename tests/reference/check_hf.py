@@ -279,6 +279,22 @@ def main():
         os.remove(os.path.join(bad, "model-00002-of-00002.safetensors"))
         refused("a shard missing", bad, [f"'{bad}/model.safetensors.index.json' names shard 'model-00002-of-00002.safetensors', which is not there"])
         refused("no such path", os.path.join(work, "gone") + "/", ["no file or directory"])
+        fifo = os.path.join(work, "fifo.safetensors")
+        os.mkfifo(fifo)
+        refused("a FIFO (never opened: it would block)", fifo, [f"'{fifo}' is a FIFO"])
+        # A NaN among the weights (a run that diverged): refused by tensor and element, not
+        # loaded to skip every step.
+        nan_dir = os.path.join(work, "nan-weights")
+        shutil.copytree(shards, nan_dir)
+        with open(os.path.join(nan_dir, "model-00001-of-00002.safetensors"), "r+b") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+            name = sorted(k for k in header if k != "__metadata__")[0]
+            nan = {"F32": struct.pack("<I", 0x7FC00000), "BF16": struct.pack("<H", 0x7FC0), "F16": struct.pack("<H", 0x7E00)}
+            dtype = header[name]["dtype"]
+            f.seek(8 + n + header[name]["data_offsets"][0] + 3 * len(nan[dtype]))
+            f.write(nan[dtype])
+        refused("a NaN weight", nan_dir, [f"tensor '{name}' holds NaN at element 3"])
         refused("a model of 3 layers", shards, ["config.json", "num_hidden_layers is 2, this model's is 3"],
                 [*args[:args.index("--layers") + 1], "3", *args[args.index("--layers") + 2:]])
 

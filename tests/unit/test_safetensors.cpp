@@ -108,7 +108,7 @@ TEST_CASE("a safetensors file whose header lies is refused by name, before its d
     CHECK(said.find(c.says) != std::string::npos);
     CHECK(said.find('\n') == std::string::npos);
   }
-  CHECK(problem(testing::test_file("missing.safetensors").string()).find("no file") != std::string::npos);
+  CHECK(problem(testing::test_file("missing.safetensors").string()).find("does not exist") != std::string::npos);
   {
     std::ofstream(testing::test_file("short.safetensors"), std::ios::binary) << "abc";
     CHECK(problem(testing::test_file("short.safetensors").string()).find("too short") != std::string::npos);

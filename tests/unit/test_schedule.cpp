@@ -475,8 +475,8 @@ TEST_CASE("the validator finds broken schedules and says where") {
     std::rotate(list.begin(), list.begin() + 2, list.begin() + 3);  // RB0 F0 SF0 B0
     const auto problem = validate(broken);
     REQUIRE(problem);
-    CHECK(problem->find("deadlock: stage 0 waits at RB0") != std::string::npos);
-    CHECK(problem->find("stage 1 waits at RF0") != std::string::npos);
+    CHECK(problem->find("deadlock: stage 0 waits before B0 for the gradient of micro-batch 0") != std::string::npos);
+    CHECK(problem->find("stage 1 waits before F0 for the activation of micro-batch 0") != std::string::npos);
   }
 }
 
@@ -725,7 +725,7 @@ TEST_CASE("schedule files: a broken one is one user error naming the file, the l
     const char* says;
   };
   for (const Case& c : {
-           Case{"stage 0: F0 B0 F1 B1\nstage 1: F0 F1 B0 B1\n", 2, 2, "schedule.txt': deadlock: stage 0 waits at RB0"},
+           Case{"stage 0: F0 B0 F1 B1\nstage 1: F0 F1 B0 B1\n", 2, 2, "schedule.txt': deadlock: stage 0 waits before B0 for the gradient"},
            Case{"stage 0: F0 F1 B1 B0\n", 1, 2, "': stage 0: B0 after B1 (backwards must ascend)"},
            Case{"stage 0: F1 F0 B0 B1\n", 1, 2, "': stage 0: F1 before F0 (forwards must ascend)"},
            Case{"stage 0: F0 B1 F1 B0\n", 1, 2, "': stage 0: B1 before its forward"},

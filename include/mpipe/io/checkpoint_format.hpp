@@ -7,6 +7,7 @@
 #pragma once
 #include <hdf5.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -65,10 +66,16 @@ Model checkpoint_model(hid_t file, const std::string& path);
 
 // ---- the format's pieces ------------------------------------------------------------
 
-#define H5_CHECK(expr, ...)                                  \
-  do {                                                       \
-    if ((expr) < 0) throw Error(cat("HDF5: ", __VA_ARGS__)); \
+// A failed call's message ends with the system's reason where the disk gave one (HDF5's
+// own message leaves it out: a full disk at a flush read "cannot flush" alone).
+#define H5_CHECK(expr, ...)                                                    \
+  do {                                                                         \
+    errno = 0;                                                                 \
+    if ((expr) < 0) throw Error(cat("HDF5: ", __VA_ARGS__, disk_reason(errno))); \
   } while (0)
+// ": No space left on device" for errno values a disk gives (ENOSPC, EDQUOT, EIO, EROFS,
+// EFBIG), else "" (HDF5 leaves other values behind from its probes).
+std::string disk_reason(int error);
 
 std::uint32_t crc32_of(const void* data, std::size_t bytes);
 std::string layer_key(int layer);  // "0004": a layer's group under /model and /optimizer/<state>
