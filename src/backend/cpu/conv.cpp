@@ -35,8 +35,7 @@ Span inside(int64_t kw, const Window2d& w) {
 // The columns of one sample's group: rows (c, kh, kw) of Cg*KH*KW, columns (oh, ow).
 void im2col(float* cols, const float* plane, int64_t Cg, const Window2d& w) {
   const int64_t P = w.OH * w.OW;
-#pragma omp parallel for schedule(static)
-  for (int64_t row = 0; row < Cg * w.KH * w.KW; ++row) {
+  for_each_index(threads_here(), Cg * w.KH * w.KW, [&](int64_t row) {
     const int64_t c = row / (w.KH * w.KW), kh = row / w.KW % w.KH, kw = row % w.KW;
     const float* in = plane + c * w.H * w.W;
     float* dst = cols + row * P;
@@ -55,15 +54,14 @@ void im2col(float* cols, const float* plane, int64_t Cg, const Window2d& w) {
         for (int64_t ow = s.lo; ow < s.hi; ++ow) d[ow] = src[ow * w.stride];
       std::fill(d + s.hi, d + w.OW, 0.0f);
     }
-  }
+  });
 }
 
 // The adjoint: adds each column entry back to its input position. Channels are
 // independent, so threads split them and every sum runs in (kh, kw, oh, ow) order.
 void col2im_add(float* plane, const float* cols, int64_t Cg, const Window2d& w) {
   const int64_t P = w.OH * w.OW;
-#pragma omp parallel for schedule(static)
-  for (int64_t c = 0; c < Cg; ++c) {
+  for_each_index(threads_here(), Cg, [&](int64_t c) {
     float* in = plane + c * w.H * w.W;
     for (int64_t k = 0; k < w.KH * w.KW; ++k) {
       const int64_t kh = k / w.KW, kw = k % w.KW;
@@ -82,7 +80,7 @@ void col2im_add(float* plane, const float* cols, int64_t Cg, const Window2d& w) 
         }
       }
     }
-  }
+  });
 }
 
 }  // namespace

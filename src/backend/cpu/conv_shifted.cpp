@@ -190,13 +190,13 @@ void shifted_forward(float* out, const float* inp, const float* weight, const fl
     const float* wt = weight + g * s.OCg * s.Cg * w.KH * w.KW;
     float* planes = lane;
     float* wide = lane + s.Cg * s.plane + s.slack(w);
-#pragma omp parallel for schedule(static) if (inner)
-    for (int64_t c = 0; c < s.Cg; ++c) pad_plane(planes + c * s.plane, inp + (n * w.C + g * s.Cg + c) * w.H * w.W, s, w);
+    for_each_index(inner, s.Cg, [&](int64_t c) {
+      pad_plane(planes + c * s.plane, inp + (n * w.C + g * s.Cg + c) * w.H * w.W, s, w);
+    });
     std::fill(planes + s.Cg * s.plane, wide, 0.0f);
     taps_par(inner, wide, s.LR, s.OCg, s.LR, wt, planes, taps);
     float* o = out + (n * w.OC + g * s.OCg) * P;
-#pragma omp parallel for schedule(static) if (inner)
-    for (int64_t oc = 0; oc < s.OCg; ++oc) {
+    for_each_index(inner, s.OCg, [&](int64_t oc) {
       const float b = bias ? bias[g * s.OCg + oc] : 0.0f;
       for (int64_t oh = 0; oh < w.OH; ++oh) {
         const float* from = wide + oc * s.LR + oh * s.Wp;
@@ -208,7 +208,7 @@ void shifted_forward(float* out, const float* inp, const float* weight, const fl
           std::copy(from, from + w.OW, to);
         }
       }
-    }
+    });
   });
 }
 
@@ -253,8 +253,7 @@ void grad_tiles(float* dw, int64_t ldw, int64_t M, int64_t T, const float* g, in
                 int64_t J, Offset off_of) {
   constexpr int64_t MT = 4, NT = 6;
   const int64_t row_tiles = (M + MT - 1) / MT, tap_tiles = (T + NT - 1) / NT;
-#pragma omp parallel for schedule(static)
-  for (int64_t tile = 0; tile < row_tiles * tap_tiles; ++tile) {
+  for_each_index(threads_here(), row_tiles * tap_tiles, [&](int64_t tile) {
     const int64_t m0 = tile / tap_tiles * MT, t0 = tile % tap_tiles * NT;
     const int64_t rows = std::min(MT, M - m0), taps = std::min(NT, T - t0);
     std::array<int64_t, NT> off{};
@@ -267,7 +266,7 @@ void grad_tiles(float* dw, int64_t ldw, int64_t M, int64_t T, const float* g, in
       for (int64_t m = 0; m < rows; ++m)
         for (int64_t t = 0; t < taps; ++t) grad_tile<1, 1>(d + m * ldw + t, ldw, gm + m * ldg, ldg, base, &off[t], J);
     }
-  }
+  });
 }
 
 }  // namespace
@@ -310,16 +309,14 @@ void shifted_input_grad(float* dinp, const float* dout, const float* weight, flo
     float* wide = lane;
     float* sums = lane + s.OCg * s.LP;
     const float* dy = dout + (n * w.OC + g * s.OCg) * w.OH * w.OW;
-#pragma omp parallel for schedule(static) if (inner)
-    for (int64_t oc = 0; oc < s.OCg; ++oc) {
+    for_each_index(inner, s.OCg, [&](int64_t oc) {
       float* row = wide + oc * s.LP;
       std::fill(row, row + s.lead, 0.0f);
       widen_row(row + s.lead, dy + oc * w.OH * w.OW, s, w);
       std::fill(row + s.lead + s.L, row + s.LP, 0.0f);
-    }
+    });
     taps_par(inner, sums, s.J, s.Cg, s.J, wt, wide + s.lead + first, taps);
-#pragma omp parallel for schedule(static) if (inner)
-    for (int64_t c = 0; c < s.Cg; ++c) {
+    for_each_index(inner, s.Cg, [&](int64_t c) {
       float* dx = dinp + (n * w.C + g * s.Cg + c) * w.H * w.W;
       const float* from = sums + c * s.J;
       for (int64_t h = 0; h < w.H; ++h) {
@@ -332,7 +329,7 @@ void shifted_input_grad(float* dinp, const float* dout, const float* weight, flo
           for (int64_t x = 0; x < w.W; ++x) d[x] += r[x];
         }
       }
-    }
+    });
   });
 }
 

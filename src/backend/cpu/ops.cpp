@@ -27,6 +27,7 @@ void set_threads(int threads) {
   openblas_set_num_threads(g_threads);
 }
 int threads() { return g_threads; }
+bool threads_here() { return omp_get_max_threads() > 1 && !omp_in_parallel(); }
 
 // ---- matmul ------------------------------------------------------------------------
 
