@@ -4,24 +4,24 @@
 # same run on one tiny shard, with --data-packing windows and documents. Prints a table;
 # the 2 GiB directory is deleted at the end (and on any exit).
 # Usage: scripts/bench_shards.sh [MPIPE]   (default build/cpu/mpipe)
-# Environment: GIB=2 corpus size   SHARDS=8 files   STEPS=40   RANKS=2   WORK=dir for the corpus (default /tmp)
+# Environment: MIB=2048 corpus size   SHARDS=8 files   STEPS=40   RANKS=2   WORK=dir for the corpus (default /tmp)
 set -euo pipefail
 mpipe=$(realpath "${1:-build/cpu/mpipe}")
-gib=${GIB:-2} shards=${SHARDS:-8} steps=${STEPS:-40} ranks=${RANKS:-2}
+mib=${MIB:-2048} shards=${SHARDS:-8} steps=${STEPS:-40} ranks=${RANKS:-2}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 work=$(mktemp -d "${WORK:-/tmp}/bench_shards.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 vocab=512 eot=511
-need_kib=$(( (gib + 1) * 1024 * 1024 ))
+need_kib=$(( (mib + 1024) * 1024 ))
 free_kib=$(df -Pk "$work" | awk 'NR == 2 {print $4}')
 (( free_kib > need_kib )) || { echo "bench_shards: $work has $((free_kib / 1024)) MiB free, needs $((need_kib / 1024))"; exit 1; }
 df -h "$work" | tail -1 | awk '{print "disk before: " $4 " free on " $6}'
 
 # llm.c GPT-2 shards (magic 20240520, version 1, uint16), ids uniform below the vocabulary
 # (the end-of-text id, the last, every 512 tokens on average: ~2 M documents in 2 GiB).
-/usr/bin/python3 - "$work" "$gib" "$shards" "$vocab" <<'PY'
+/usr/bin/python3 - "$work" "$mib" "$shards" "$vocab" <<'PY'
 import os, sys, numpy as np
-work, gib, shards, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+work, mib, shards, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = np.random.default_rng(1)
 def shard(path, n):
     header = np.zeros(256, dtype="<i4"); header[:3] = (20240520, 1, n)
@@ -29,7 +29,7 @@ def shard(path, n):
         f.write(header.tobytes())
         for start in range(0, n, 1 << 26):
             f.write(rng.integers(0, vocab, min(1 << 26, n - start), dtype="<u2").tobytes())
-per = gib * (1 << 30) // 2 // shards
+per = mib * (1 << 20) // 2 // shards
 os.makedirs(f"{work}/big"); os.makedirs(f"{work}/tiny")
 for i in range(shards): shard(f"{work}/big/train_{i:03d}.bin", per)
 shard(f"{work}/tiny/train_000.bin", 100_000)
@@ -48,7 +48,7 @@ for row in "tiny windows" "big windows" "tiny documents" "big documents"; do
     "$mpipe" "${gpt[@]}" --data "tokens:$work/$data" --data-packing "$packing" --summary "$work/summary.json" > "$work/log" 2>&1 \
     || { echo "run failed:"; tail -5 "$work/log"; exit 1; }
   wall=$(echo "$(date +%s.%N) - $start" | bc)
-  tokens=$(grep -o "[0-9]* tokens" "$work/log" | head -1 | cut -d' ' -f1)
+  tokens=$(grep -oE "[0-9]+ tokens" "$work/log" | head -1 | cut -d' ' -f1)
   r0=$(( $(cat "$rss.0") / 1024 )) r1=$(( $(cat "$rss.1" 2>/dev/null || echo 0) / 1024 ))
   step_ms=$(/usr/bin/python3 -c "import json,sys; print('%.1f' % (1000 * json.load(open(sys.argv[1]))['step_time_s']))" "$work/summary.json")
   [[ $data == tiny ]] && base=$(( r0 > r1 ? r0 : r1 ))

@@ -13,6 +13,10 @@
 
 namespace mpipe {
 
+namespace {
+constexpr std::uint64_t fault_around_bytes = 64 * 1024;  // /sys/kernel/debug/fault_around_bytes' default
+}  // namespace
+
 void check_unchanged(int fd, const struct stat& opened, const std::string& what) {
   struct stat now {};
   const bool same = ::fstat(fd, &now) == 0 && now.st_size == opened.st_size && now.st_mtim.tv_sec == opened.st_mtim.tv_sec &&
@@ -63,8 +67,10 @@ MappedFile::~MappedFile() {
 }
 
 void MappedFile::drop(std::uint64_t at, std::uint64_t count) const {
-  static const std::uint64_t page = static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-  const std::uint64_t first = at / page * page, end = std::min(size(), (at + count + page - 1) / page * page);
+  // A page fault maps the page cache's pages around it too (Linux's fault-around, 64 KiB
+  // by default, aligned): those go as well, or every window would leave ~64 KiB behind.
+  static const std::uint64_t block = std::max<std::uint64_t>(static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE)), fault_around_bytes);
+  const std::uint64_t first = at / block * block, end = std::min(size(), (at + count + block - 1) / block * block);
   if (end > first) ::madvise(const_cast<unsigned char*>(bytes_) + first, end - first, MADV_DONTNEED);
 }
 

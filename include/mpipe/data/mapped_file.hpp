@@ -31,7 +31,8 @@ class MappedFile {
   const std::string& path() const { return path_; }
   int descriptor() const { return fd_; }
   void check_unchanged(const std::string& what) const { mpipe::check_unchanged(fd_, opened_, what); }
-  // Unmaps bytes [at, at + count) from this process (the page cache keeps them): the
+  // Unmaps bytes [at, at + count), widened to 64 KiB blocks, from this process (the page
+  // cache keeps them): the
   // pages a window touched leave the resident set once it is copied.
   void drop(std::uint64_t at, std::uint64_t count) const;
   // Bytes [at, at + count) by pread, not through the map (a pass over the whole file
