@@ -4,10 +4,10 @@
 # same run on one tiny shard, with --data-packing windows and documents. Prints a table;
 # the 2 GiB directory is deleted at the end (and on any exit).
 # Usage: scripts/bench_shards.sh [MPIPE]   (default build/cpu/mpipe)
-# Environment: MIB=2048 corpus size   SHARDS=8 files   STEPS=40   RANKS=2   WORK=dir for the corpus (default /tmp)
+# Environment: MIB=2048 corpus size   SHARDS=8 files   STEPS=200   RANKS=2   WORK=dir for the corpus (default /tmp)
 set -euo pipefail
 mpipe=$(realpath "${1:-build/cpu/mpipe}")
-mib=${MIB:-2048} shards=${SHARDS:-8} steps=${STEPS:-40} ranks=${RANKS:-2}
+mib=${MIB:-2048} shards=${SHARDS:-8} steps=${STEPS:-200} ranks=${RANKS:-2}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 work=$(mktemp -d "${WORK:-/tmp}/bench_shards.XXXXXX")
 trap 'rm -rf "$work"' EXIT
