@@ -71,7 +71,8 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--width", m.width, "Channels of the first of the four stages (resnet)")->capture_default_str();
   cmd.add_option("--dropout", m.dropout, "Dropout probability")->capture_default_str();
   cmd.add_option("--data", c.data,
-                 "synthetic, text:PATH (bytes), tokens:PATH (uint16) or hdf5:PATH (/inputs and /labels; docs/data.md)")
+                 "synthetic, text:PATH (bytes), tokens:PATH (an llm.c shard, a directory or glob of them, or flat uint16 ids) or "
+                 "hdf5:PATH (/inputs and /labels; docs/data.md)")
       ->capture_default_str();
   cmd.add_option("--batch-size", c.batch_size, "Global mini-batch, in samples")->capture_default_str();
   cmd.add_option("--micro-batches", c.micro_batches, "Micro-batches per mini-batch and replica")->capture_default_str();
@@ -100,6 +101,14 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
   cmd.add_option("--eval-data", c.eval_data,
                  "Held-out data to evaluate on (synthetic, text:PATH, tokens:PATH or hdf5:PATH; empty: none): forward "
                  "only, dropout off; loss and accuracy")
+      ->capture_default_str();
+  cmd.add_option("--data-packing", c.data_packing,
+                 "Where a window of text or token data starts: windows (any position) or documents (a document's start: "
+                 "a shard's first token or the one after an end-of-text id; docs/data.md)")
+      ->capture_default_str();
+  cmd.add_option("--eot-id", c.eot_id,
+                 "The end-of-text id that separates documents (--data-packing documents); -1: the llm.c shards' own "
+                 "(GPT-2 50256, Llama 3 128001)")
       ->capture_default_str();
   cmd.add_option("--sample-every", c.sample_every,
                  "A GPT: every N steps print a continuation of --sample-prompt (temperature 0.8, top-k 40; rank 0 gathers "

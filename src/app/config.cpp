@@ -61,6 +61,10 @@ void validate(const TrainConfig& c, int world) {
                 "--eval-every and --eval-batches need --eval-data");
   MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
                 "unknown --progress '", c.progress, "'");
+  MPIPE_REQUIRE(word_index(c.data_packing, packing_names) >= 0, "use --data-packing windows or documents",
+                "unknown --data-packing '", c.data_packing, "'");
+  MPIPE_REQUIRE(c.eot_id >= -1, "give the end-of-text id, e.g. --eot-id 50256 (-1: the shards' own)", "--eot-id must be >= 0, got ",
+                c.eot_id);
   MPIPE_REQUIRE(word_index(c.prefetch, prefetch_names) >= 0, "use --prefetch auto, on or off", "unknown --prefetch '",
                 c.prefetch, "'");
   MPIPE_REQUIRE(word_index(p.remat, remat_names) >= 0,
@@ -134,6 +138,7 @@ RunOptions run_options(const TrainConfig& c) {
   o.optimizer = c.optimizer;
   o.data = c.data;
   o.eval_data = c.eval_data;
+  o.tokens = {.packing = parsed<Packing>(c.data_packing, packing_names), .eot_id = c.eot_id};
   o.eval_batches = c.eval_batches;
   o.prefetch = parsed<PrefetchMode>(c.prefetch, prefetch_names);
   o.batch_size = c.batch_size;

@@ -103,6 +103,8 @@ std::string to_toml(const TrainConfig& c) {
   }
   if (is_preset(m.kind)) line("dropout", toml_float(m.dropout));
   line("data", toml_quoted(c.data));
+  line("data-packing", toml_quoted(c.data_packing));
+  if (c.eot_id >= 0) line("eot-id", cat(c.eot_id));
   line("prefetch", toml_quoted(c.prefetch));
   line("batch-size", cat(c.batch_size));
   line("micro-batches", cat(c.micro_batches));

@@ -539,7 +539,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
          // problems first (an input), then whether this rank's share fits.
          const Model model(plan.options.model);
          for (const auto& [spec, held_out] : {std::pair{config.data, false}, std::pair{config.eval_data, true}})
-           if (!data_file(spec).empty()) make_dataset(spec, model, plan.options.seed, held_out);
+           if (!data_file(spec).empty()) make_dataset(spec, model, plan.options.seed, held_out, plan.options.tokens);
          check_memory(plan, world.rank(), node_ranks);
          if (root && !config.metrics.empty()) metrics = std::make_unique<MetricsWriter>(config.metrics);
          exec = std::make_unique<Executor>(plan, world);

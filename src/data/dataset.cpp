@@ -4,12 +4,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <vector>
 
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/rng.hpp"
+#include "mpipe/data/token_data.hpp"
 
 namespace mpipe {
 
@@ -264,58 +263,6 @@ class HeldOut final : public Dataset {
   std::unique_ptr<Dataset> data_;
 };
 
-// ---- token files -------------------------------------------------------------------
-// Each sample is a window of seq_len + 1 tokens at a position drawn from (seed, sample).
-class TokenFile final : public Dataset {
- public:
-  TokenFile(std::vector<int32_t> tokens, std::string what, int seq_len, std::uint64_t seed)
-      : tokens_(std::move(tokens)), what_(std::move(what)), seq_len_(seq_len), seed_(seed) {}
-
-  void fill(std::uint64_t first, std::int64_t count, const Tensor& inputs, const Tensor& targets) const override {
-    const int64_t T = seq_len_;
-    const std::uint64_t positions = tokens_.size() - static_cast<std::size_t>(T);  // windows of T + 1
-    for (int64_t s = 0; s < count; ++s) {
-      const std::uint64_t sample = first + static_cast<std::uint64_t>(s);
-      const RandomStream rng = make_stream(seed_, Stream::data, static_cast<std::uint32_t>(sample),
-                                           static_cast<std::uint32_t>(sample >> 32), 0);
-      const int32_t* window = tokens_.data() + rng.below(0, positions);
-      std::memcpy(inputs.i32() + s * T, window, T * sizeof(int32_t));
-      std::memcpy(targets.i32() + s * T, window + 1, T * sizeof(int32_t));
-    }
-  }
-
-  std::string describe() const override { return cat(what_, ", ", tokens_.size(), " tokens"); }
-
- private:
-  std::vector<int32_t> tokens_;
-  std::string what_;
-  int seq_len_;
-  std::uint64_t seed_;
-};
-
-std::vector<char> read_file(const std::string& path, const std::string& option) {
-  const std::string noun = option == "--data" ? "data file" : option + " file";
-  // Only regular files: a FIFO with no writer would block the open for ever, a directory
-  // or a device (/dev/zero) has no size to read.
-  namespace fs = std::filesystem;
-  std::error_code ec;
-  const fs::file_status status = fs::status(path, ec);
-  MPIPE_REQUIRE(fs::exists(status), cat("no such file: check the path given to ", option), "cannot open ", noun, " '", path,
-                "'");
-  MPIPE_REQUIRE(!fs::is_directory(status), "give one file of text or tokens, not a directory",
-                noun, " '", path, "' is a directory");
-  MPIPE_REQUIRE(fs::is_regular_file(status), "give a regular file (not a FIFO, socket or device)",
-                noun, " '", path, "' is not a regular file");
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  MPIPE_REQUIRE(in, cat("check the path given to ", option), "cannot open ", noun, " '", path, "'");
-  const std::streamsize size = in.tellg();
-  MPIPE_REQUIRE(size > 0, "give a file with data in it", noun, " '", path, "' is empty");
-  std::vector<char> bytes(static_cast<std::size_t>(size));
-  in.seekg(0);
-  MPIPE_REQUIRE(in.read(bytes.data(), size), "check the file", "cannot read ", noun, " '", path, "'");
-  return bytes;
-}
-
 }  // namespace
 
 std::string data_file(const std::string& spec) {
@@ -323,7 +270,8 @@ std::string data_file(const std::string& spec) {
   return colon == std::string::npos ? std::string() : spec.substr(colon + 1);
 }
 
-std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed, bool held_out) {
+std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed, bool held_out,
+                                      const TokenOptions& tokens) {
   const std::string option = held_out ? "--eval-data" : "--data";  // the one the messages name
   const std::string hint = cat("use ", option, " synthetic, text:PATH, tokens:PATH or hdf5:PATH");
   // A model of tokens predicts tokens of its vocabulary (the loss's classes).
@@ -351,30 +299,7 @@ std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& mode
   MPIPE_REQUIRE(kind == "text" || kind == "tokens", hint, "unknown data kind '", kind, "' in ", option);
   MPIPE_REQUIRE(seq_len > 0, "use --data synthetic with a model of inputs (mlp)",
                 option, " ", kind, ": files of tokens are for models of tokens (gpt)");
-  const std::vector<char> bytes = read_file(path, option);
-  std::vector<int32_t> tokens;
-  if (kind == "text") {
-    MPIPE_REQUIRE(vocab >= 256, "use --vocab 256 or more with text data",
-                  option, " text: needs byte tokens (vocabulary 256), but the model's vocabulary is ", vocab);
-    tokens.assign(reinterpret_cast<const unsigned char*>(bytes.data()),
-                  reinterpret_cast<const unsigned char*>(bytes.data()) + bytes.size());
-  } else {
-    MPIPE_REQUIRE(bytes.size() % 2 == 0, "the file must hold little-endian uint16 token ids",
-                  "token file '", path, "' has an odd size (", bytes.size(), " bytes)");
-    tokens.resize(bytes.size() / 2);
-    int32_t largest = 0;
-    for (std::size_t i = 0; i < tokens.size(); ++i) {
-      const auto lo = static_cast<unsigned char>(bytes[2 * i]), hi = static_cast<unsigned char>(bytes[2 * i + 1]);
-      tokens[i] = lo | (hi << 8);
-      largest = std::max(largest, tokens[i]);
-    }
-    MPIPE_REQUIRE(largest < vocab, cat("use --vocab ", largest + 1, " or more"), "token file '", path,
-                  "' holds token id ", largest, ", outside the model's vocabulary of ", vocab);
-  }
-  MPIPE_REQUIRE(tokens.size() > static_cast<std::size_t>(seq_len),
-                "use a longer file or a smaller --seq-len", "data file '", path, "' has ", tokens.size(),
-                " tokens, too short for one sample of ", seq_len, " tokens (needs ", seq_len + 1, ")");
-  return std::make_unique<TokenFile>(std::move(tokens), cat(kind, " file ", path), static_cast<int>(seq_len), seed);
+  return make_token_data(kind == "text", path, seq_len, vocab, seed, held_out, tokens);
 }
 
 }  // namespace mpipe

@@ -8,6 +8,7 @@
 #include "mpipe/core/rng.hpp"
 #include "mpipe/data/dataset.hpp"
 #include "mpipe/data/hdf5.hpp"
+#include "mpipe/data/mapped_file.hpp"
 
 namespace mpipe {
 
@@ -62,15 +63,7 @@ class LabelledFile final : public Dataset {
   // in place as whatever is there now, without an error: the run would train on nothing.
   // So each read first checks that the file is the one opened (one fstat a batch).
   void check_unchanged() const {
-    const Source& src = source_;
-    struct stat now {};
-    if (src.fd < 0) return;  // a driver without a descriptor: HDF5's own errors stand
-    const bool same = ::fstat(src.fd, &now) == 0 && now.st_size == src.opened.st_size &&
-                      now.st_mtim.tv_sec == src.opened.st_mtim.tv_sec && now.st_mtim.tv_nsec == src.opened.st_mtim.tv_nsec;
-    if (!same)
-      throw UserError(cat(what_, " changed while training read it (", static_cast<long long>(src.opened.st_size), " bytes when opened, ",
-                          static_cast<long long>(now.st_size), " now", now.st_size == src.opened.st_size ? ", modified" : "", ")"),
-                      "leave a data file alone while a run reads it (write a new file and rename it over); resume from the last checkpoint");
+    if (source_.fd >= 0) mpipe::check_unchanged(source_.fd, source_.opened, what_);  // else HDF5's own errors stand
   }
 
   // Row `row` of /inputs into x (per_sample floats), scaled and normalised.

@@ -66,9 +66,9 @@ void Executor::connect() {
   grid_->connect_tied(tied_stages);
   // The data is an input: its problems are said before anything large is allocated.
   if (needs_batch()) {
-    dataset_ = make_dataset(plan_.options.data, model_, plan_.options.seed);
+    dataset_ = make_dataset(plan_.options.data, model_, plan_.options.seed, false, plan_.options.tokens);
     if (!plan_.options.eval_data.empty())
-      eval_dataset_ = make_dataset(plan_.options.eval_data, model_, plan_.options.seed, true);
+      eval_dataset_ = make_dataset(plan_.options.eval_data, model_, plan_.options.seed, true, plan_.options.tokens);
   }
   // A held-out file is evaluated in whole batches, each sample at most once: it must
   // hold one batch, and every batch asked for.

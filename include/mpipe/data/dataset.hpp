@@ -3,8 +3,9 @@
 //   synthetic  gpt: an order-2 Markov chain with a known entropy floor;
 //              mlp: labels from a fixed random teacher network
 //   text:PATH  byte-level tokens of any file (gpt)
-//   tokens:PATH flat little-endian uint16 token ids (gpt)
+//   tokens:PATH llm.c token shards (a file, directory or glob) or flat uint16 ids (gpt)
 #pragma once
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -26,12 +27,21 @@ class Dataset {
   // Distinct samples (a file's), or 0 for an endless source (synthetic, token windows).
   virtual std::int64_t size() const { return 0; }
   // Whether fill() takes an empty inputs tensor and then fills only the targets (a
-  // labelled file: the last stage reads its labels, not its inputs).
+  // labelled file, token windows: the last stage reads its labels, not its inputs).
   virtual bool targets_alone() const { return false; }
   // Whether fill() may run on a thread of its own while the rank computes and writes
   // checkpoints (--prefetch): not where it calls HDF5, whose Debian build is not
   // thread-safe, or BLAS, which the CPU's compute calls meanwhile.
   virtual bool fills_aside() const { return true; }
+};
+
+// --data-packing: where a window of token data starts (docs/data.md): at any position
+// (windows) or at a document's start (documents: after an end-of-text id).
+enum class Packing { windows, documents };
+inline constexpr std::array<const char*, 2> packing_names{"windows", "documents"};
+struct TokenOptions {
+  Packing packing = Packing::windows;
+  std::int64_t eot_id = -1;  // --eot-id; -1: the shards' format's (none for flat files and text)
 };
 
 // The file a --data spec names (PATH of text:PATH or tokens:PATH), or "" for none.
@@ -40,8 +50,9 @@ std::string data_file(const std::string& spec);
 // Parses --data (synthetic | text:PATH | tokens:PATH | hdf5:PATH) for the model (what
 // it takes and predicts); UserError on a bad spec or file. `held_out`: the data of
 // --eval-data: a file in its own order, synthetic samples the training never sees.
+// `tokens`: how text and token files are cut into windows.
 std::unique_ptr<Dataset> make_dataset(const std::string& spec, const Model& model, std::uint64_t seed,
-                                      bool held_out = false);
+                                      bool held_out = false, const TokenOptions& tokens = {});
 // hdf5:PATH: /inputs (N, ...) of the model's input shape, uint8 (scaled to [0, 1]) or
 // float, normalised by its optional per-channel attributes mean and std; /labels (N)
 // integers below the model's classes. The labels are read whole, the inputs by part (the

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "mpipe/core/tensor.hpp"
+#include "mpipe/data/dataset.hpp"
 #include "mpipe/nn/model.hpp"
 #include "mpipe/nn/optimizer.hpp"
 #include "mpipe/pipeline/grid.hpp"
@@ -63,6 +64,7 @@ struct RunOptions {
   OptimizerConfig optimizer;
   std::string data = "synthetic";  // data spec (data/dataset.hpp)
   std::string eval_data;           // held-out data; empty: no evaluation
+  TokenOptions tokens;             // --data-packing, --eot-id: how text and token files are cut
   int eval_batches = 0;            // batches per evaluation; 0: a file's every whole batch, 8 of endless data
   PrefetchMode prefetch = PrefetchMode::automatic;  // the next batch read while a step computes
   int batch_size = 32;             // global mini-batch, in samples
