@@ -60,7 +60,11 @@ def main():
     ax.set_xlim(0, span)
     fig.tight_layout()
     fig.savefig(a.png, dpi=120)
-    print(f"wrote {a.png}: {len(ranks)} ranks, {len(boxes)} events, {span:.1f} ms")
+    # Each rank has its compute row and its communication rows ("rank r: ...: communication"):
+    # the ranks are the compute rows.
+    rank_count = sum(1 for name in names.values() if ": communication" not in name)
+    print(f"wrote {a.png}: {rank_count} ranks ({len(ranks)} rows: compute and communication), "
+          f"{len(boxes)} events, {span:.1f} ms")
 
 
 if __name__ == "__main__":

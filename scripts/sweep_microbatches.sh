@@ -41,7 +41,10 @@ if [[ -n "$slurm_config" ]]; then
   echo "submitted; rows go to $out as the array tasks finish"
   exit 0
 fi
-[[ -x build/release/mpipe ]] || { bash scripts/setup.sh; cmake --preset release >/dev/null; cmake --build --preset release --target mpipe >/dev/null; }
+# The release build's binary, else an mpipe on PATH (the manual's examples put one there), else build it.
+mpipe=build/release/mpipe
+[[ -x $mpipe ]] || ! command -v mpipe >/dev/null || mpipe=$(command -v mpipe)
+[[ -x $mpipe ]] || { bash scripts/setup.sh; cmake --preset release >/dev/null; cmake --build --preset release --target mpipe >/dev/null; }
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -51,7 +54,7 @@ bind=(--bind-to core)
 run() {  # ranks schedule[:virtual stages] M -> summary JSON line
   local n=$1 schedule=${2%%:*} v=1 M=$3 D=$4
   [[ $2 == *:* ]] && v=${2#*:}
-  mpirun -n "$n" "${bind[@]}" build/release/mpipe train --threads 1 --log-every 1000000 "${extra[@]}" \
+  mpirun -n "$n" "${bind[@]}" "$mpipe" train --threads 1 --log-every 1000000 "${extra[@]}" \
     --schedule "$schedule" --virtual-stages "$v" --micro-batches "$M" --replicas "$D" --batch-size $((M * D * micro)) \
     --summary "$tmp/summary.json" > "$tmp/log" || { cat "$tmp/log" >&2; exit 1; }
   cat "$tmp/summary.json"

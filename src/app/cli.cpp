@@ -5,8 +5,10 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <vector>
 
 #include "mpipe/app/config_file.hpp"
 #include "mpipe/app/export.hpp"
@@ -35,6 +37,79 @@ CLI::Validator seed_check() {
       },
       "SEED");
 }
+
+// Edits (insert, delete, replace) from one word to another: the distance "did you mean" ranks by.
+std::size_t edit_distance(const std::string& from, const std::string& to) {
+  std::vector<std::size_t> row(to.size() + 1);
+  for (std::size_t j = 0; j <= to.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= from.size(); ++i) {
+    std::size_t diagonal = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= to.size(); ++j) {
+      const std::size_t above = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (from[i - 1] == to[j - 1] ? 0 : 1)});
+      diagonal = above;
+    }
+  }
+  return row[to.size()];
+}
+
+// For an unknown option typed to a command: "did you mean --micro-batches? ", naming the
+// command's option nearest to the first --word it does not know; empty when none is near.
+std::string did_you_mean(const CLI::App& command, int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string word = argv[i];
+    if (word.rfind("--", 0) != 0 || word.size() < 3) continue;
+    const std::string typed = word.substr(0, word.find('='));
+    if (command.get_option_no_throw(typed) != nullptr) continue;
+    // In half edits: at most a third of the word's letters (2 at least) may differ, and a
+    // word that begins a known option (--micro) counts one and a half, so that a typo
+    // (--rank for --ranks) wins over a longer option it begins (--rank-order).
+    std::string best;
+    std::size_t best_score = 2 * std::max<std::size_t>(2, typed.size() / 3) + 1;
+    for (const CLI::Option* option : command.get_options()) {
+      for (const std::string& name : option->get_lnames()) {
+        const std::string known = "--" + name;
+        std::size_t score = 2 * edit_distance(typed, known);
+        if (known.rfind(typed, 0) == 0) score = std::min<std::size_t>(score, 3);
+        if (score < best_score) best = known, best_score = score;
+      }
+    }
+    return best.empty() ? std::string() : "did you mean " + best + "? ";
+  }
+  return {};
+}
+
+// Each command's --help ends with a few lines to copy (docs/README.md is the manual).
+constexpr const char* kAppExamples =
+    "\nExamples (as root, first: export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1):\n"
+    "  mpipe train --config inputs/quickstart.toml\n"
+    "  mpirun -n 4 --oversubscribe mpipe train --config inputs/quickstart.toml --micro-batches 8 --schedule 1f1b\n"
+    "  mpipe plan --config inputs/quickstart.toml --ranks 4 --micro-batches 8\n"
+    "Manual: docs/README.md\n";
+constexpr const char* kTrainExamples =
+    "\nExamples:\n"
+    "  mpipe train --config inputs/quickstart.toml --steps 100\n"
+    "  mpirun -n 4 --oversubscribe mpipe train --config inputs/quickstart.toml --stages 2 --replicas 2 --remat always\n"
+    "  mpipe train --config inputs/quickstart.toml --data text:README.md --checkpoint-dir runs/text";
+constexpr const char* kPlanExamples =
+    "\nExamples:\n"
+    "  mpipe plan --config inputs/quickstart.toml --ranks 4 --micro-batches 8 --schedule 1f1b\n"
+    "  mpipe plan --model resnet --layers 50 --image 224 --classes 1000 --ranks 8 --micro-batches 32 --batch-size 256\n"
+    "  mpipe plan --model gpt --layers 12 --print-model > runs/gpt12.toml";
+constexpr const char* kInspectExamples =
+    "\nExamples:\n"
+    "  mpipe inspect runs/ckpt/ckpt-00000100.h5 --stats --verify\n"
+    "  mpipe inspect runs/ckpt/ckpt-00000100.h5 --config > runs/run.toml";
+constexpr const char* kExportExamples =
+    "\nExamples:\n"
+    "  mpipe export runs/ckpt runs/model.safetensors\n"
+    "  mpipe export runs/ckpt runs/hf/     # model.safetensors and config.json";
+constexpr const char* kGenerateExamples =
+    "\nExamples:\n"
+    "  mpipe generate --checkpoint runs/text --prompt \"Each MPI rank\" --tokens 200 --top-k 40\n"
+    "  mpipe generate --checkpoint runs/text --prompt \"The\" --temperature 0\n"
+    "  mpirun -n 2 mpipe generate --checkpoint runs/text --prompt \"The\" --samples 4";
 }  // namespace
 
 void add_train_options(CLI::App& cmd, TrainConfig& c) {
@@ -346,6 +421,12 @@ int run_main(int argc, char** argv) {
       "generate", "Continue a prompt with a GPT checkpoint (under mpirun/srun: the layers split over the ranks)");
   GenerateOptions g;
   add_generate_options(*generate, g);
+  app.footer(kAppExamples);
+  train->footer(kTrainExamples);
+  plan->footer(kPlanExamples);
+  inspect->footer(kInspectExamples);
+  export_command->footer(kExportExamples);
+  generate->footer(kGenerateExamples);
 
   try {
     app.parse(argc, argv);
@@ -383,8 +464,15 @@ int run_main(int argc, char** argv) {
                      argv[1]);
       return finish(exit_user_error);
     }
+    const CLI::App* typed_to = train->parsed()            ? train
+                               : plan->parsed()           ? plan
+                               : inspect->parsed()        ? inspect
+                               : export_command->parsed() ? export_command
+                               : generate->parsed()       ? generate
+                                                          : &app;
+    const std::string suggestion = did_you_mean(*typed_to, argc, argv);
     if (rank == 0)
-      std::fprintf(stderr, "mpipe: error: %s; hint: see 'mpipe %s--help'\n", e.what(),
+      std::fprintf(stderr, "mpipe: error: %s; hint: %ssee 'mpipe %s--help'\n", e.what(), suggestion.c_str(),
                    train->parsed()            ? "train "
                    : plan->parsed()           ? "plan "
                    : inspect->parsed()        ? "inspect "

@@ -199,7 +199,9 @@ class Run {
       return output_code_;
     }
     if (o_.samples == 1) {
-      if (!l_.text) std::fputc('\n', stdout);
+      // The status line goes to standard error after it: the text ends its own line.
+      const std::vector<std::int32_t>& text = sequences_.front().tokens;
+      if (!l_.text || text.empty() || text.back() != '\n') std::fputc('\n', stdout);
     } else {
       for (int s = 0; s < o_.samples; ++s) {
         std::printf("== sample %d ==\n", s + 1);

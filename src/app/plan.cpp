@@ -91,6 +91,9 @@ void print_plan(const Plan& plan, const Model& model) {
                 human_bytes(f.held(live, false, split, true)).c_str(),
                 human_bytes(f.held(plan.send_ring(live_remat), true, split)).c_str());
   }
+  if (shards)
+    std::printf("* the optimizer state this run keeps per rank: whole, or 1/%d of it with --shard-optimizer (%s)\n", D,
+                sharded ? "on" : "off");
   if (!plan.stage_remat.empty()) {
     // --remat auto's choice per stage, what each rank then holds, and what recomputing costs.
     std::printf("remat auto (--memory-per-rank %s):", human_bytes(plan.options.memory_per_rank).c_str());

@@ -218,6 +218,7 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
   int gpus = config.device == "cpu" ? 0 : cuda::device_count(&why);
   int fewest = gpus;
   world.allreduce(std::span<int>(&fewest, 1), Reduce::min);
+  const std::string asked = config.device;  // "auto" is resolved here; errors name what was asked
   if (config.device == "auto") config.device = fewest > 0 ? "cuda" : "cpu";
   if (config.device == "cuda" && fewest == 0) {
     // Name the first rank without a GPU, and its reason, on every rank.
@@ -230,8 +231,8 @@ std::string resolve_device(TrainConfig& config, const Communicator& world) {
   }
   MPIPE_REQUIRE(config.device == "cuda" || config.precision == "fp32",
                 "use --precision fp32 on the CPU, or run on GPU nodes",
-                "--precision bf16 needs a GPU, and --device ", config.device == "cpu" ? "cpu" : "auto",
-                " chose the CPU");
+                "--precision bf16 needs a GPU, and ",
+                asked == "auto" ? "--device auto found none on every rank, so it chose the CPU" : "--device cpu chose the CPU");
   MPIPE_REQUIRE(config.device == "cuda" || config.cuda_graphs == "off", "use --cuda-graphs off on the CPU, or run on GPU nodes",
                 "--cuda-graphs on needs a GPU, and --device ", config.device == "cpu" ? "cpu" : "auto", " chose the CPU");
   if (config.device == "cpu") return "device: cpu; BLAS " + cpu::blas_description();

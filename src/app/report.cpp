@@ -82,6 +82,10 @@ std::vector<StagePhases> phase_table(const PhaseStats& mine, const Communicator&
     std::printf("\n");
   }
   *simulated = bubble_fraction(schedule, measured, overlapped);
+  if (stages == 1) {
+    std::printf("bubble: none, one pipeline stage (no stage waits on another; idle above is waiting for replicas)\n");
+    return rows;
+  }
   std::printf("bubble: measured %.1f%% (mean over steps; every rank's idle up to the slowest one's end%s), schedule's "
               "theoretical %.1f%% (unit costs), %.1f%% simulated with the measured action times\n",
               100 * mine.bubble / mine.steps, overlapped ? ", steps back to back" : "", 100 * theory, 100 * *simulated);
@@ -93,7 +97,8 @@ void print_header(const TrainConfig& config, const Executor& exec, const std::st
                   const std::string& order_line, double time_limit_s,
                   const std::string& resumed_from, std::int64_t first_step, double load_seconds) {
   const Grid& grid = exec.grid();
-  std::printf("mpipe %s (git %s): %s model, %d layers, %lld parameters, %d thread%s per rank\n", version(), git_hash(),
+  // The model's entries, not --layers: a GPT of 4 blocks is 8 (embedding, 4 blocks, norm, head, loss).
+  std::printf("mpipe %s (git %s): %s model, %d layer entries (mpipe plan lists them), %lld parameters, %d thread%s per rank\n", version(), git_hash(),
               config.model.kind.c_str(), exec.model().size(), static_cast<long long>(exec.model().parameter_count()),
               cpu::threads(), cpu::threads() > 1 ? "s" : "");
   std::printf("%s\n", device_line.c_str());

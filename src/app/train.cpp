@@ -182,9 +182,10 @@ void Training::report(const StepResult& r) {
                 static_cast<long long>(step + 1), r.grad_norm);
   if (progress_) std::printf("\r\033[K");  // the progress line gives way to a log line
   if ((step + 1) % config_.log_every == 0 || step == first_step_ || step + 1 == config_.steps) {
-    std::printf("step %6lld/%d | loss %.6f | lr %.3e | grad norm %8.4f | %8.2f ms | bubble %4.1f%% | ",
-                static_cast<long long>(step + 1), config_.steps, r.loss, r.lr, r.grad_norm, r.seconds * 1e3,
-                100 * r.bubble_fraction);
+    std::printf("step %6lld/%d | loss %.6f | lr %.3e | grad norm %8.4f | %8.2f ms | ",
+                static_cast<long long>(step + 1), config_.steps, r.loss, r.lr, r.grad_norm, r.seconds * 1e3);
+    // A bubble is a pipeline's: with one stage nothing waits on a neighbour, so none is shown.
+    if (exec_.grid().stages() > 1) std::printf("bubble %4.1f%% | ", 100 * r.bubble_fraction);
     if (tokens_per_sample_ > 0) std::printf("%.0f tok/s\n", tokens_per_s);
     else std::printf("%.0f samples/s\n", samples_per_s);
     std::fflush(stdout);

@@ -28,7 +28,7 @@ mpipe_cli_test(unwritable_metrics 2 "error: --metrics '/no/such/dir/m.jsonl': no
 mpipe_cli_test(missing_config 2 "error: .*no/such.toml" train --config /no/such.toml)
 mpipe_cli_test(quickstart_config 0 "step +3/3 \\| loss" train --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --steps 3 --threads 1)
 mpipe_cli_test(mlp_config 0 "step +2/2 \\| loss .* samples/s" train --config ${CMAKE_SOURCE_DIR}/inputs/mlp.toml --steps 2 --threads 1)
-mpipe_cli_test(gpt_small_config 0 "gpt model, 19 layers, 123702528 parameters" train --config ${CMAKE_SOURCE_DIR}/inputs/gpt-small.toml --steps 1 --threads 2 --batch-size 1 --micro-batches 1 --seq-len 64)
+mpipe_cli_test(gpt_small_config 0 "gpt model, 19 layer entries \\(mpipe plan lists them\\), 123702528 parameters" train --config ${CMAKE_SOURCE_DIR}/inputs/gpt-small.toml --steps 1 --threads 2 --batch-size 1 --micro-batches 1 --seq-len 64)
 # 2.5 GiB and 12-24 s in a release build: not in the sanitizer pass (scripts/test.sh -LE large),
 # where it ran into its timeout on a busy machine.
 set_tests_properties(cli.gpt_small_config PROPERTIES LABELS "unit;large")
@@ -113,8 +113,8 @@ mpipe_cli_test(plan_huge_model 0 "stage  layers" plan --model mlp --hidden 10000
 # trains; a broken one is one line naming the file, the layer and the key, exit 2,
 # before anything is allocated.
 set(MODELS ${CMAKE_CURRENT_SOURCE_DIR}/cli/models)
-mpipe_cli_test(model_file_lm 0 "tiny_lm.toml model, 10 layers, 25920 parameters" train --model ${MODELS}/tiny_lm.toml --steps 2 --threads 1 --batch-size 4 --micro-batches 2)
-mpipe_cli_test(model_file_classifier 0 "classifier.toml model, 6 layers, 1157 parameters" train --model ${MODELS}/classifier.toml --steps 2 --threads 1 --batch-size 4 --micro-batches 2)
+mpipe_cli_test(model_file_lm 0 "tiny_lm.toml model, 10 layer entries \\(mpipe plan lists them\\), 25920 parameters" train --model ${MODELS}/tiny_lm.toml --steps 2 --threads 1 --batch-size 4 --micro-batches 2)
+mpipe_cli_test(model_file_classifier 0 "classifier.toml model, 6 layer entries \\(mpipe plan lists them\\), 1157 parameters" train --model ${MODELS}/classifier.toml --steps 2 --threads 1 --batch-size 4 --micro-batches 2)
 mpipe_cli_test(model_file_plan 0 "partition \\(flops\\): 0-1 \\| 2-9" plan --model ${MODELS}/tiny_lm.toml --ranks 2)
 mpipe_cli_test(print_model 0 "^kind = \"cross_entropy\"$" plan --model gpt --layers 2 --d-model 32 --heads 4 --seq-len 16 --vocab 64 --print-model)
 mpipe_cli_test(layer_kinds 0 "^  out +output features \\(required\\)$" plan --layer-kinds)
@@ -153,7 +153,7 @@ mpipe_cli_test(model_file_identity_skip 2 "error: model file '.*', layer 0 \\(re
 mpipe_cli_test(model_file_children 2 "error: model file '.*', layer 0 \\(conv2d\\): a conv2d has inner layers; hint: only a residual block" plan --model ${MODELS}/children_not_residual.toml)
 # The resnet preset: trains (CIFAR-sized, a narrow ResNet-18), plans an ImageNet ResNet-50
 # without allocating it, and takes only ResNet depths.
-mpipe_cli_test(resnet_train 0 "resnet model, 22 layers, 177602 parameters" train --model resnet --width 8 --image 16 --classes 10 --steps 2 --threads 1 --batch-size 8 --micro-batches 2)
+mpipe_cli_test(resnet_train 0 "resnet model, 22 layer entries \\(mpipe plan lists them\\), 177602 parameters" train --model resnet --width 8 --image 16 --classes 10 --steps 2 --threads 1 --batch-size 8 --micro-batches 2)
 mpipe_cli_test(resnet_plan 0 "7      31-38     relu,residual,global-avgp... +10.99M" plan --model resnet --layers 50 --image 224 --classes 1000 --ranks 8 --micro-batches 32 --batch-size 256)
 mpipe_cli_test(resnet_depth 2 "error: --layers 20 is not a ResNet depth; hint: give --layers 18, 34, 50, 101 or 152" train --model resnet --layers 20)
 mpipe_cli_test(resnet_image 2 "error: --image must be from 8 to 4096, got 4; hint" plan --model resnet --image 4 --ranks 2)
@@ -235,3 +235,24 @@ mpipe_cli_test(llama_trains 0 "step +3/3 \\| loss" train --model llama --layers 
 # --ffn 0: Llama's rule, int(8C/3) rounded up to a multiple of 256 (C 2048: 5461 -> 5632; C 4096, Llama 2 7B: 11008).
 mpipe_cli_test(llama_ffn_rule 0 "ffn = 5632" plan --model llama --d-model 2048 --heads 32 --print-model)
 mpipe_cli_test(llama_ffn_rule_7b 0 "ffn = 11008" plan --model llama --d-model 4096 --heads 32 --print-model)
+# Issue 66: a mistyped option names the nearest known one; every --help ends with examples;
+# the bf16 refusal names the device that was asked for (auto here, where there is no GPU).
+mpipe_cli_test(did_you_mean_typo 2 "error: .*--micro-batchs.*; hint: did you mean --micro-batches\\? see 'mpipe train --help'"
+  train --micro-batchs 4)
+mpipe_cli_test(did_you_mean_prefix 2 "hint: did you mean --checkpoint-dir\\? see 'mpipe train --help'" train --checkpoint-di x)
+mpipe_cli_test(did_you_mean_plan 2 "hint: did you mean --ranks\\? see 'mpipe plan --help'" plan --rank 4)
+mpipe_cli_test(did_you_mean_generate 2 "hint: did you mean --temperature\\? see 'mpipe generate --help'"
+  generate --checkpoint x --temprature 0)
+mpipe_cli_test(did_you_mean_none 2 "error: .*--zzzzzzzzzz.*; hint: see 'mpipe train --help'" train --zzzzzzzzzz 1)
+mpipe_cli_test(help_examples 0 "^Examples \\(as root, first: export OMPI_ALLOW_RUN_AS_ROOT=1" --help)
+mpipe_cli_test(help_examples_train 0 "^  mpipe train --config inputs/quickstart.toml --steps 100$" train --help)
+mpipe_cli_test(help_examples_plan 0 "^  mpipe plan --model gpt --layers 12 --print-model" plan --help)
+mpipe_cli_test(help_examples_inspect 0 "^  mpipe inspect runs/ckpt/ckpt-00000100.h5 --stats --verify$" inspect --help)
+mpipe_cli_test(help_examples_export 0 "^  mpipe export runs/ckpt runs/model.safetensors$" export --help)
+mpipe_cli_test(help_examples_generate 0 "^  mpipe generate --checkpoint runs/text --prompt" generate --help)
+mpipe_cli_test(bf16_auto_no_gpu 2 "error: --precision bf16 needs a GPU, and --device auto found none on every rank, so it chose the CPU; hint"
+  train --precision bf16 --steps 1)
+mpipe_cli_test(plan_optimizer_footnote 0 "^\\* the optimizer state this run keeps per rank: whole, or 1/2 of it with --shard-optimizer \\(off\\)"
+  plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2)
+mpipe_cli_test(one_stage_no_bubble 0 "^bubble: none, one pipeline stage"
+  train --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --steps 2 --threads 1)

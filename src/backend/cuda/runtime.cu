@@ -81,7 +81,13 @@ int device_count(std::string* why) {
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess) {
     cudaGetLastError();  // clear the sticky-free error so later calls start clean
-    if (why) *why = cat("cudaGetDeviceCount: ", cudaGetErrorString(status));
+    // Without NVIDIA's kernel driver the runtime reports an "insufficient driver version",
+    // which reads as an upgrade to make: on a node without a GPU there is no driver at all.
+    std::FILE* driver = std::fopen("/proc/driver/nvidia/version", "r");
+    if (driver) std::fclose(driver);
+    if (why)
+      *why = driver ? cat("cudaGetDeviceCount: ", cudaGetErrorString(status))
+                    : std::string("no NVIDIA driver on this node (no /proc/driver/nvidia/version): no GPU here");
     return 0;
   }
   if (count == 0 && why) {
