@@ -11,7 +11,7 @@ build_pkgs=(build-essential cmake ninja-build pkg-config git
             libcli11-dev libtomlplusplus-dev nlohmann-json3-dev doctest-dev libopenblas-openmp-dev libopenblas0-openmp zlib1g-dev
             libsentencepiece-dev libpcre2-dev)  # tokenizers: SentencePiece models, BPE's split regex
 test_pkgs=(python3 python3-torch python3-torchvision python3-h5py python3-numpy python3-matplotlib python3-sklearn
-           sentencepiece python3-sentencepiece  # spm_train and the Python twin of tokenizer tests
+           sentencepiece python3-sentencepiece python3-regex  # spm_train and the Python twins of tokenizer tests
            slurmctld slurmd slurm-client munge
            iproute2 util-linux bc)  # multinode: network namespaces, unshare/taskset, timings
 
