@@ -9,9 +9,10 @@ set -euo pipefail
 build_pkgs=(build-essential cmake ninja-build pkg-config git
             openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools
             libcli11-dev libtomlplusplus-dev nlohmann-json3-dev doctest-dev libopenblas-openmp-dev libopenblas0-openmp zlib1g-dev
-            libsentencepiece-dev libpcre2-dev)  # tokenizers: SentencePiece models, BPE's split regex
+            libsentencepiece-dev libpcre2-dev  # tokenizers: SentencePiece models, BPE's split regex
+            sentencepiece)  # spm_train, for scripts/train_tokenizer.sh
 test_pkgs=(python3 python3-torch python3-torchvision python3-h5py python3-numpy python3-matplotlib python3-sklearn
-           sentencepiece python3-sentencepiece  # spm_train and the Python twin of tokenizer tests
+           python3-sentencepiece python3-regex  # the Python twins of tokenizer tests
            slurmctld slurmd slurm-client munge
            iproute2 util-linux bc)  # multinode: network namespaces, unshare/taskset, timings
 

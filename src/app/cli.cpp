@@ -17,6 +17,7 @@
 #include "mpipe/app/plan.hpp"
 #include "mpipe/app/process.hpp"
 #include "mpipe/app/startup.hpp"
+#include "mpipe/app/tokenize.hpp"
 #include "mpipe/pipeline/progress.hpp"
 #include "mpipe/app/train.hpp"
 #include "mpipe/core/version.hpp"
@@ -110,6 +111,11 @@ constexpr const char* kGenerateExamples =
     "  mpipe generate --checkpoint runs/text --prompt \"Each MPI rank\" --tokens 200 --top-k 40\n"
     "  mpipe generate --checkpoint runs/text --prompt \"The\" --temperature 0\n"
     "  mpirun -n 2 mpipe generate --checkpoint runs/text --prompt \"The\" --samples 4";
+constexpr const char* kTokenizeExamples =
+    "\nExamples:\n"
+    "  scripts/train_tokenizer.sh README.md docs/*.md --vocab 2000 --out runs/tok\n"
+    "  mpipe tokenize --tokenizer runs/tok/tokenizer.model corpus/*.txt --out runs/shards\n"
+    "  mpipe train --data 'tokens:runs/shards/*.bin' --vocab 2000 --data-packing documents";
 }  // namespace
 
 void add_train_options(CLI::App& cmd, TrainConfig& c) {
@@ -327,6 +333,9 @@ void add_generate_options(CLI::App& cmd, GenerateOptions& g) {
       ->required();
   cmd.add_option("--prompt", g.prompt, "The prompt as text, its bytes the tokens (a vocabulary of bytes; default: a newline)");
   cmd.add_option("--prompt-tokens", g.prompt_tokens, "The prompt as a file of little-endian uint16 token ids");
+  cmd.add_option("--tokenizer", g.tokenizer,
+                 "A tokenizer (tokenizer.model, tokenizer.json or a directory holding one): --prompt is encoded by it and "
+                 "the continuation decoded (--output ids keeps ids); its vocabulary must not exceed the model's");
   cmd.add_option("--tokens", g.tokens, "Tokens to generate per sample")->capture_default_str();
   cmd.add_option("--samples", g.samples, "Continuations of the prompt (in flight together: across ranks the stages overlap)")
       ->capture_default_str();
@@ -336,13 +345,35 @@ void add_generate_options(CLI::App& cmd, GenerateOptions& g) {
   cmd.add_option("--top-p", g.sampling.top_p, "Draw from the most likely tokens that together reach this probability (1: all)")
       ->capture_default_str();
   cmd.add_option("--seed", g.seed, "Seed of the draws: the same seed, the same text")->check(seed_check())->capture_default_str();
-  cmd.add_option("--output", g.output, "text (the tokens' bytes), ids, or auto: text for a vocabulary of bytes given --prompt")
+  cmd.add_option("--output", g.output, "text (the tokens' bytes, or with --tokenizer their text), ids, or auto: text for a "
+                 "vocabulary of bytes given --prompt, or with --tokenizer")
       ->capture_default_str();
   cmd.add_option("--device", g.device, "cpu, cuda or auto")->capture_default_str();
   cmd.add_option("--precision", g.precision, "fp32, or bf16 on a GPU")->capture_default_str();
   cmd.add_option("--threads", g.threads, "Threads per rank (a wide model may gain from more); 0: the cores given to the rank")
       ->capture_default_str();
   cmd.add_option("--p2p-timeout", g.p2p_timeout, "Seconds a rank may stop answering before the job ends naming it")->capture_default_str();
+}
+
+void add_tokenize_options(CLI::App& cmd, TokenizeOptions& t) {
+  cmd.add_option("--tokenizer", t.tokenizer,
+                 "A SentencePiece model (tokenizer.model), a Hugging Face byte-level BPE tokenizer.json, or a directory "
+                 "holding one")
+      ->required();
+  cmd.add_option("inputs", t.inputs, "Text files, each one document unless --document-separator splits it; - reads standard input")
+      ->required();
+  cmd.add_option("--out", t.out, "Directory of the shards, OUT/PREFIX_000000.bin, ... (created if missing)")->required();
+  cmd.add_option("--prefix", t.prefix, "The shards' name before _000000.bin")->capture_default_str();
+  cmd.add_option("--document-separator", t.document_separator,
+                 "Split each input into documents at this text (e.g. a blank line written with $'\\n\\n'); each "
+                 "document follows an end-of-text id");
+  cmd.add_option("--shard-size", t.shard_size, "Tokens per shard")->capture_default_str();
+  cmd.add_option("--threads", t.threads, "Threads encoding documents (a document is never split); 0: the cores")
+      ->capture_default_str();
+  cmd.add_option("--eot-id", t.eot_id, "The id before each document (default: the tokenizer's end-of-text)");
+  cmd.add_flag("--bos", t.bos, "Also begin each document with the tokenizer's begin-of-text id");
+  cmd.add_option("--progress", t.progress, "A live progress line on standard error: auto (a terminal), on or off")
+      ->capture_default_str();
 }
 
 int run_main(int argc, char** argv) {
@@ -421,12 +452,16 @@ int run_main(int argc, char** argv) {
       "generate", "Continue a prompt with a GPT checkpoint (under mpirun/srun: the layers split over the ranks)");
   GenerateOptions g;
   add_generate_options(*generate, g);
+  CLI::App* tokenize = app.add_subcommand("tokenize", "Encode text files with a tokenizer into llm.c token shards (docs/tokenizers.md)");
+  TokenizeOptions tokenize_options;
+  add_tokenize_options(*tokenize, tokenize_options);
   app.footer(kAppExamples);
   train->footer(kTrainExamples);
   plan->footer(kPlanExamples);
   inspect->footer(kInspectExamples);
   export_command->footer(kExportExamples);
   generate->footer(kGenerateExamples);
+  tokenize->footer(kTokenizeExamples);
 
   try {
     app.parse(argc, argv);
@@ -457,10 +492,10 @@ int run_main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     // No subcommand parsed: name what was typed (a mistyped "trian" is not a subcommand).
     const bool none = !train->parsed() && !plan->parsed() && !inspect->parsed() && !export_command->parsed() &&
-                      !generate->parsed();
+                      !generate->parsed() && !tokenize->parsed();
     if (none && argc > 1 && argv[1][0] != '-') {
       if (rank == 0)
-        std::fprintf(stderr, "mpipe: error: unknown command '%s'; hint: use mpipe train, plan, inspect, export or generate (mpipe --help)\n",
+        std::fprintf(stderr, "mpipe: error: unknown command '%s'; hint: use mpipe train, plan, inspect, export, generate or tokenize (mpipe --help)\n",
                      argv[1]);
       return finish(exit_user_error);
     }
@@ -478,6 +513,7 @@ int run_main(int argc, char** argv) {
                    : inspect->parsed()        ? "inspect "
                    : export_command->parsed() ? "export "
                    : generate->parsed()       ? "generate "
+                   : tokenize->parsed()       ? "tokenize "
                                               : "");
     return finish(exit_user_error);
   } catch (const UserError& e) {
@@ -512,6 +548,7 @@ int run_main(int argc, char** argv) {
   }
   try {
     if (export_command->parsed()) return run_export(export_from, export_to);
+    if (tokenize->parsed()) return run_tokenize(tokenize_options);
     if (inspect->parsed())
       return run_inspect(inspect_path, inspect_stats, inspect_verify, inspect_config ? "config" : inspect_model ? "model" : "");
     if (layer_kinds_help) return print_layer_kinds();

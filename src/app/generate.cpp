@@ -31,6 +31,7 @@
 #include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/hosts.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
+#include "mpipe/text/tokenizer.hpp"
 
 namespace mpipe {
 
@@ -53,6 +54,7 @@ struct Loaded {
   std::unique_ptr<Decoder> decoder;
   std::vector<std::int32_t> prompt;  // the first rank's
   bool text = false;
+  std::unique_ptr<Tokenizer> tokenizer;  // the first rank's, with --tokenizer
 };
 
 std::vector<std::int32_t> read_token_file(const std::string& path, std::int64_t vocab) {
@@ -78,7 +80,17 @@ std::vector<std::int32_t> read_token_file(const std::string& path, std::int64_t 
 }
 
 // The prompt's tokens, and whether the output is text (the tokens' bytes).
-std::vector<std::int32_t> prompt_tokens(const GenerateOptions& o, std::int64_t vocab, bool& text) {
+std::vector<std::int32_t> prompt_tokens(const GenerateOptions& o, std::int64_t vocab, bool& text, const Tokenizer* tokenizer) {
+  if (tokenizer) {  // words in and out, unless --output ids
+    MPIPE_REQUIRE(tokenizer->vocab_size() <= vocab, "give the tokenizer the model was trained with",
+                  "tokenizer '", o.tokenizer, "' has ", tokenizer->vocab_size(), " tokens, more than the model's vocabulary of ",
+                  vocab);
+    text = o.output != "ids";
+    if (!o.prompt_tokens.empty()) return read_token_file(o.prompt_tokens, vocab);
+    std::vector<std::int32_t> ids = tokenizer->encode(o.prompt_given ? o.prompt : "\n");
+    MPIPE_REQUIRE(!ids.empty(), "give a prompt of at least one token", "--prompt is empty");
+    return ids;
+  }
   text = o.output == "text" || (o.output == "auto" && vocab <= 256 && o.prompt_tokens.empty());
   MPIPE_REQUIRE(!text || vocab <= 256, "use --output ids", "--output text prints tokens as bytes, and the model's ",
                 vocab, " tokens are more than bytes");
@@ -120,7 +132,10 @@ std::unique_ptr<Loaded> load(const GenerateOptions& o, const std::string& checkp
   }
   if (device == Device::cuda) l->store->to_device(dtype);
   l->decoder = std::make_unique<Decoder>(model, begin, end, o.samples, device, dtype);
-  if (world.rank() == 0) l->prompt = prompt_tokens(o, l->decoder->vocab(), l->text);
+  if (world.rank() == 0) {
+    if (!o.tokenizer.empty()) l->tokenizer = load_tokenizer(o.tokenizer);
+    l->prompt = prompt_tokens(o, l->decoder->vocab(), l->text, l->tokenizer.get());
+  }
   return l;
 }
 
@@ -199,9 +214,13 @@ class Run {
       return output_code_;
     }
     if (o_.samples == 1) {
+      if (stream_) std::fputs(stream_->finish().c_str(), stdout);
       // The status line goes to standard error after it: the text ends its own line.
       const std::vector<std::int32_t>& text = sequences_.front().tokens;
-      if (!l_.text || text.empty() || text.back() != '\n') std::fputc('\n', stdout);
+      const bool ends_line =
+          l_.text && !text.empty() &&
+          (l_.tokenizer ? l_.tokenizer->decode(std::span(&text.back(), 1)).ends_with('\n') : text.back() == '\n');
+      if (!ends_line) std::fputc('\n', stdout);
     } else {
       for (int s = 0; s < o_.samples; ++s) {
         std::printf("== sample %d ==\n", s + 1);
@@ -290,6 +309,16 @@ class Run {
   }
 
   void print_tokens(std::span<const std::int32_t> tokens, bool from_start) {
+    if (l_.text && l_.tokenizer) {  // decoded: one sample's stream whole characters at a time, a sample's whole text
+      if (o_.samples == 1) {
+        if (!stream_) stream_ = std::make_unique<StreamDecoder>(*l_.tokenizer);
+        for (const std::int32_t id : tokens) std::fputs(stream_->put(id).c_str(), stdout);
+      } else {
+        std::fputs(l_.tokenizer->decode(tokens).c_str(), stdout);
+      }
+      if (output_error_.empty()) stdout_failed(&output_error_, &output_code_);
+      return;
+    }
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       if (l_.text) std::fputc(tokens[i], stdout);
       else std::printf(i == 0 && from_start ? "%d" : " %d", tokens[i]);
@@ -319,6 +348,7 @@ class Run {
   int output_code_ = 0;
   std::vector<std::int32_t> order_;
   std::vector<double> weights_;
+  std::unique_ptr<StreamDecoder> stream_;  // --tokenizer, one sample
 };
 
 }  // namespace

@@ -93,7 +93,7 @@ add_test(NAME cli.config_fifo COMMAND bash ${EXPECT} 2 "error: config file '.*' 
   bash -c "f=$(mktemp -u) && mkfifo $f && trap 'rm -f $f' EXIT && ${MPIPE} train --config $f")
 set_tests_properties(cli.config_fifo PROPERTIES LABELS unit TIMEOUT 60)
 # Numbers that would make a run meaningless are refused; a mistyped command is named.
-mpipe_cli_test(unknown_command 2 "error: unknown command 'trian'; hint: use mpipe train, plan, inspect, export or generate" trian --steps 3)
+mpipe_cli_test(unknown_command 2 "error: unknown command 'trian'; hint: use mpipe train, plan, inspect, export, generate or tokenize" trian --steps 3)
 mpipe_cli_test(negative_seed 2 "error: --seed: must be an integer from 0 to 2\\^64-1, got -1" train --seed -1)
 mpipe_cli_test(infinite_weight_decay 2 "error: --weight-decay must be finite and >= 0, got inf" train --weight-decay inf)
 mpipe_cli_test(nan_min_lr_ratio 2 "error: --min-lr-ratio must be in \\[0, 1\\], got nan" train --min-lr-ratio nan)

@@ -14,6 +14,7 @@ struct GenerateOptions {
   std::string prompt;         // bytes, for a vocabulary of bytes
   bool prompt_given = false;  // --prompt was given (an empty one included)
   std::string prompt_tokens;  // a file of little-endian uint16 ids
+  std::string tokenizer;      // a tokenizer file (text/tokenizer.hpp): the prompt encoded, the output decoded
   std::int64_t tokens = 128;  // to generate per sample
   int samples = 1;            // continuations of the prompt (in flight together across ranks)
   Sampling sampling;
