@@ -103,6 +103,7 @@ std::string to_toml(const TrainConfig& c) {
   }
   if (is_preset(m.kind)) line("dropout", toml_float(m.dropout));
   line("data", toml_quoted(c.data));
+  if (!c.tokenizer.empty()) line("tokenizer", toml_quoted(c.tokenizer));
   line("prefetch", toml_quoted(c.prefetch));
   line("batch-size", cat(c.batch_size));
   line("micro-batches", cat(c.micro_batches));

@@ -42,6 +42,7 @@ struct TrainConfig {
   std::string config_file;  // --config, if given: an input no output may overwrite
   std::string data = "synthetic";
   std::string eval_data;    // held-out data (same specs as data); empty: no evaluation
+  std::string tokenizer;    // --tokenizer: the file that turns text: data into ids (kept in each checkpoint); empty: none
   std::string prefetch = "auto";  // auto | on | off: the next step's batch read while a step computes
   int eval_every = 0;       // steps between evaluations (and one at the end); 0: only at the end
   int eval_batches = 0;     // batches per evaluation; 0: a file's every whole batch, 8 of synthetic data
