@@ -262,5 +262,26 @@ TEST_CASE("a tokenizer kept in a checkpoint file reads back, loads from its byte
   }
 }
 
+TEST_CASE("a BPE tokenizer.json kept in a checkpoint file: kind bpe, the same bytes, the same ids") {
+  quiet_hdf5();
+  TokenizerFile kept;
+  const auto from_file = load_run_tokenizer(write_file("kept.json", tiny_bpe_json(true)), 260, &kept);
+  CHECK(kept.kind == "bpe");
+  CHECK(kept.name == "kept.json");
+  const std::string path = testing::test_file("with-bpe.h5").string();
+  {
+    Handle file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+    write_checkpoint_tokenizer(file.get(), kept);
+  }
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  std::string problem;
+  const std::optional<TokenizerFile> back = read_checkpoint_tokenizer(file.get(), &problem);
+  REQUIRE_MESSAGE(back.has_value(), problem);
+  CHECK(back->kind == "bpe");
+  CHECK(back->bytes == kept.bytes);
+  CHECK(tokenizer_from_bytes(back->bytes, "checkpoint")->encode("the,<|endoftext|>the") ==
+        from_file->encode("the,<|endoftext|>the"));
+}
+
 }  // namespace
 }  // namespace mpipe
