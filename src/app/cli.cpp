@@ -155,6 +155,9 @@ void add_train_options(CLI::App& cmd, TrainConfig& c) {
                  "synthetic, text:PATH (bytes), tokens:PATH (an llm.c shard, a directory or glob of them, or flat uint16 ids) or "
                  "hdf5:PATH (/inputs and /labels; docs/data.md)")
       ->capture_default_str();
+  cmd.add_option("--tokenizer", c.tokenizer,
+                 "A tokenizer file (SentencePiece tokenizer.model or Hugging Face BPE tokenizer.json; docs/tokenizers.md) "
+                 "that turns --data text:PATH into token ids; kept in each checkpoint, which generate and export then use");
   cmd.add_option("--batch-size", c.batch_size, "Global mini-batch, in samples")->capture_default_str();
   cmd.add_option("--micro-batches", c.micro_batches, "Micro-batches per mini-batch and replica")->capture_default_str();
   cmd.add_option("--optimizer", o.kind, "adamw or sgd")->capture_default_str();

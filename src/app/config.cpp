@@ -59,6 +59,9 @@ void validate(const TrainConfig& c, int world) {
                 c.eval_batches);
   MPIPE_REQUIRE(!c.eval_data.empty() || (c.eval_every == 0 && c.eval_batches == 0), "give --eval-data, e.g. hdf5:test.h5",
                 "--eval-every and --eval-batches need --eval-data");
+  MPIPE_REQUIRE(c.tokenizer.empty() || c.data.rfind("text:", 0) == 0,
+                "tokens: files are already ids (write them with 'mpipe tokenize'); give --data text:PATH, or drop --tokenizer",
+                "--tokenizer '", c.tokenizer, "' turns text into ids, and --data '", c.data, "' is not text: data");
   MPIPE_REQUIRE(c.progress == "auto" || c.progress == "on" || c.progress == "off", "use --progress auto, on or off",
                 "unknown --progress '", c.progress, "'");
   MPIPE_REQUIRE(word_index(c.data_packing, packing_names) >= 0, "use --data-packing windows or documents",
@@ -377,6 +380,7 @@ void check_output_files(const TrainConfig& c) {
   if (const std::string data = data_file(c.data); !data.empty()) inputs.push_back({"--data", data, ""});
   if (const std::string eval = data_file(c.eval_data); !eval.empty()) inputs.push_back({"--eval-data", eval, ""});
   if (!c.init_from.empty()) inputs.push_back({"--init-from", c.init_from, ""});
+  if (!c.tokenizer.empty()) inputs.push_back({"--tokenizer", c.tokenizer, ""});
   for (std::size_t i = 0; i < outputs.size(); ++i)
     for (std::size_t j = i + 1; j < outputs.size(); ++j)
       MPIPE_REQUIRE(!same(outputs[i].path, outputs[j].path), "give each output its own file", outputs[i].option, " and ",

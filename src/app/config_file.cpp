@@ -105,6 +105,7 @@ std::string to_toml(const TrainConfig& c) {
   line("data", toml_quoted(c.data));
   line("data-packing", toml_quoted(c.data_packing));
   if (c.eot_id >= 0) line("eot-id", cat(c.eot_id));
+  if (!c.tokenizer.empty()) line("tokenizer", toml_quoted(c.tokenizer));
   line("prefetch", toml_quoted(c.prefetch));
   line("batch-size", cat(c.batch_size));
   line("micro-batches", cat(c.micro_batches));

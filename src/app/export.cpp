@@ -11,6 +11,7 @@
 
 #include "mpipe/core/version.hpp"
 #include "mpipe/io/checkpoint_format.hpp"
+#include "mpipe/io/checkpoint_tokenizer.hpp"
 #include "mpipe/io/safetensors.hpp"
 #include "mpipe/io/weights.hpp"
 
@@ -52,8 +53,16 @@ int run_export(const std::string& checkpoint, const std::string& out) {
   const std::string weights = directory ? (fs::path(out) / "model.safetensors").string() : out;
   const Json config = directory ? hf_config(model) : Json();
   const std::string config_path = config.is_null() ? "" : (fs::path(out) / "config.json").string();
+  // The tokenizer the run trained with (train --tokenizer), under Hugging Face's name for
+  // its kind: the directory form only, where from_pretrained looks for it.
+  std::string problem;
+  const std::optional<TokenizerFile> tokenizer = directory ? read_checkpoint_tokenizer(file.get(), &problem) : std::nullopt;
+  MPIPE_REQUIRE(problem.empty(), "export an older checkpoint (mpipe inspect --verify finds one)", "'", path, "': ", problem);
+  const std::string tokenizer_path =
+      tokenizer ? (fs::path(out) / (tokenizer->kind == "bpe" ? "tokenizer.json" : "tokenizer.model")).string() : "";
   check_output(weights, path);
   if (!config_path.empty()) check_output(config_path, path);
+  if (!tokenizer_path.empty()) check_output(tokenizer_path, path);
   if (directory && !fs::is_directory(out, ec)) {
     fs::create_directories(out, ec);
     MPIPE_REQUIRE(!ec, "give OUT a directory you can write", "cannot make directory '", out, "': ", ec.message());
@@ -118,11 +127,16 @@ int run_export(const std::string& checkpoint, const std::string& out) {
     const std::string text = config.dump(2) + "\n";
     write_file_atomically(config_path, "config.json", [&](std::FILE* f) { std::fwrite(text.data(), 1, text.size(), f); });
   }
+  if (tokenizer)
+    write_file_atomically(tokenizer_path, "tokenizer", [&](std::FILE* f) {
+      std::fwrite(tokenizer->bytes.data(), 1, tokenizer->bytes.size(), f);
+    });
   double count = 0;
   for (const auto& v : values) count += static_cast<double>(v.size());
-  std::printf("exported %zu tensors, %.0f values (%s names) from %s to %s%s\n", entries.size(), count,
+  std::printf("exported %zu tensors, %.0f values (%s names) from %s to %s%s%s\n", entries.size(), count,
               family_title(weight_family(model)), path.c_str(), weights.c_str(),
-              config_path.empty() ? "" : cat(" and ", config_path).c_str());
+              config_path.empty() ? "" : cat(" and ", config_path).c_str(),
+              tokenizer_path.empty() ? "" : cat(" and ", tokenizer_path).c_str());
   return 0;
 }
 

@@ -23,11 +23,13 @@
 
 #include "mpipe/app/output.hpp"
 #include "mpipe/app/process.hpp"
+#include "mpipe/app/tokenize.hpp"
 #include "mpipe/app/startup.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/io/checkpoint_format.hpp"
+#include "mpipe/io/checkpoint_tokenizer.hpp"
 #include "mpipe/nn/params.hpp"
 #include "mpipe/pipeline/hosts.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
@@ -54,7 +56,10 @@ struct Loaded {
   std::unique_ptr<Decoder> decoder;
   std::vector<std::int32_t> prompt;  // the first rank's
   bool text = false;
-  std::unique_ptr<Tokenizer> tokenizer;  // the first rank's, with --tokenizer
+  std::unique_ptr<Tokenizer> tokenizer;  // the first rank's: --tokenizer's, or the checkpoint's
+  // Ids the last rank draws from: the tokenizer's, which may be fewer than the model's
+  // padded vocabulary (an id past them decodes to nothing); 0: all of the model's.
+  std::int64_t drawable = 0;
 };
 
 std::vector<std::int32_t> read_token_file(const std::string& path, std::int64_t vocab) {
@@ -80,11 +85,11 @@ std::vector<std::int32_t> read_token_file(const std::string& path, std::int64_t 
 }
 
 // The prompt's tokens, and whether the output is text (the tokens' bytes).
-std::vector<std::int32_t> prompt_tokens(const GenerateOptions& o, std::int64_t vocab, bool& text, const Tokenizer* tokenizer) {
+// `tokenizer_source` names the tokenizer in errors: --tokenizer's file, or the checkpoint's.
+std::vector<std::int32_t> prompt_tokens(const GenerateOptions& o, std::int64_t vocab, bool& text, const Tokenizer* tokenizer,
+                                        const std::string& tokenizer_source) {
   if (tokenizer) {  // words in and out, unless --output ids
-    MPIPE_REQUIRE(tokenizer->vocab_size() <= vocab, "give the tokenizer the model was trained with",
-                  "tokenizer '", o.tokenizer, "' has ", tokenizer->vocab_size(), " tokens, more than the model's vocabulary of ",
-                  vocab);
+    require_tokenizer_fits(*tokenizer, tokenizer_source, vocab);
     text = o.output != "ids";
     if (!o.prompt_tokens.empty()) return read_token_file(o.prompt_tokens, vocab);
     std::vector<std::int32_t> ids = tokenizer->encode(o.prompt_given ? o.prompt : "\n");
@@ -133,8 +138,20 @@ std::unique_ptr<Loaded> load(const GenerateOptions& o, const std::string& checkp
   if (device == Device::cuda) l->store->to_device(dtype);
   l->decoder = std::make_unique<Decoder>(model, begin, end, o.samples, device, dtype);
   if (world.rank() == 0) {
-    if (!o.tokenizer.empty()) l->tokenizer = load_tokenizer(o.tokenizer);
-    l->prompt = prompt_tokens(o, l->decoder->vocab(), l->text, l->tokenizer.get());
+    // --tokenizer wins; else the one the checkpoint keeps (train --tokenizer), if any.
+    std::string source = o.tokenizer;
+    if (!o.tokenizer.empty()) {
+      l->tokenizer = load_tokenizer(o.tokenizer);
+    } else {
+      std::string problem;
+      if (std::optional<TokenizerFile> kept = read_checkpoint_tokenizer(l->source.file.get(), &problem)) {
+        source = cat(l->source.path, ":", checkpoint_tokenizer_path, " (", kept->name, ")");
+        l->tokenizer = tokenizer_from_bytes(kept->bytes, source);
+      }
+      MPIPE_REQUIRE(problem.empty(), "generate from an older checkpoint, or give --tokenizer", "'", l->source.path, "': ",
+                    problem);
+    }
+    l->prompt = prompt_tokens(o, l->decoder->vocab(), l->text, l->tokenizer.get(), source);
   }
   return l;
 }
@@ -272,7 +289,9 @@ class Run {
       return;
     }
     std::int64_t& drawn = drawn_[static_cast<std::size_t>(s)];
-    const std::int32_t token = sample_token(y.span(), o_.sampling, sampling_uniform(o_.seed, s, drawn++), order_, weights_);
+    std::span<const float> logits = y.span();  // (V)
+    if (l_.drawable > 0) logits = logits.first(static_cast<std::size_t>(l_.drawable));
+    const std::int32_t token = sample_token(logits, o_.sampling, sampling_uniform(o_.seed, s, drawn++), order_, weights_);
     if (first_) {
       local_.push_back({s, token});
       return;
@@ -422,6 +441,10 @@ int run_generate(const GenerateOptions& o, const Communicator& world) {
     world.broadcast(std::span<int>(&code, 1), first);
     return code;
   }
+  // (a tokenizer's vocabulary fits an int: ids are int32)
+  int drawable = world.rank() == 0 && loaded->tokenizer ? static_cast<int>(loaded->tokenizer->vocab_size()) : 0;
+  world.broadcast(std::span<int>(&drawable, 1), 0);
+  loaded->drawable = drawable;
   if (world.rank() == 0) {
     const Loaded& l = *loaded;
     std::fprintf(stderr, "mpipe: generating from %s (step %lld), layers", l.source.path.c_str(),

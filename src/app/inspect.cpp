@@ -12,6 +12,7 @@
 
 #include "mpipe/core/file_kind.hpp"
 #include "mpipe/io/checkpoint_format.hpp"
+#include "mpipe/io/checkpoint_tokenizer.hpp"
 
 namespace mpipe {
 
@@ -62,6 +63,14 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
                     static_cast<long long>(read_scalar_attribute<int64_t>(train.get(), a, H5T_NATIVE_INT64).value_or(-1)));
       std::printf("  %-16s %s\n", "run_id", read_string_attribute(train.get(), "run_id").value_or("(none)").c_str());
     }
+  }
+  {  // The tokenizer the run trained with, if it kept one (its checksum checked as it is read).
+    std::string problem;
+    if (const auto tokenizer = read_checkpoint_tokenizer(file.get(), &problem))
+      std::printf("  %-16s %s (%s, %zu bytes, crc32 %08x)\n", "tokenizer", tokenizer->name.c_str(), tokenizer->kind.c_str(),
+                  tokenizer->bytes.size(), static_cast<unsigned>(tokenizer->crc32()));
+    else
+      std::printf("  %-16s %s\n", "tokenizer", problem.empty() ? "(none)" : cat("FAILED (", problem, ")").c_str());
   }
   // The datasets the file's model says it holds: --stats reads only those, and only once
   // their structure checks out, and checks their data against its checksum as --verify
@@ -126,7 +135,9 @@ int run_inspect(const std::string& path, bool stats, bool verify, const std::str
             w->values.assign(static_cast<std::size_t>(wanted->second.numel()), 0.0f);
             problem = read_checked(w->file, "/" + n, wanted->second, w->values.data());
           }
-          if (wanted == w->expected.end()) {
+          if (n == std::string(checkpoint_tokenizer_path).substr(1)) {
+            std::printf(" (the tokenizer: read and checked above)");
+          } else if (wanted == w->expected.end()) {
             std::printf(" (not read: %s)", !w->no_model.empty() && model_dataset
                                                ? "no usable layer list to check it against; see below"
                                                : "not one of the model's datasets");

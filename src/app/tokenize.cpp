@@ -240,4 +240,21 @@ int run_tokenize(const TokenizeOptions& o) {
   return 0;
 }
 
+void require_tokenizer_fits(const Tokenizer& tokenizer, const std::string& source, std::int64_t vocab) {
+  MPIPE_REQUIRE(tokenizer.vocab_size() <= vocab,
+                cat("give the tokenizer the model was trained with, or a model of --vocab ", tokenizer.vocab_size(), " or more"),
+                "tokenizer '", source, "' has ", tokenizer.vocab_size(), " tokens, more than the model's vocabulary of ", vocab);
+}
+
+std::unique_ptr<Tokenizer> load_run_tokenizer(const std::string& path, std::int64_t vocab, TokenizerFile* kept) {
+  std::string bytes, file;
+  std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(path, &bytes, &file);
+  require_tokenizer_fits(*tokenizer, file, vocab);
+  *kept = TokenizerFile{.name = std::filesystem::path(file).filename().string(),
+                        .kind = tokenizer->file_name() == "tokenizer.json" ? "bpe" : "sentencepiece",
+                        .bytes = std::move(bytes),
+                        .source = file};
+  return tokenizer;
+}
+
 }  // namespace mpipe

@@ -25,6 +25,7 @@
 #include "mpipe/app/startup.hpp"
 #include "mpipe/app/report.hpp"
 #include "mpipe/app/sample.hpp"
+#include "mpipe/app/tokenize.hpp"
 #include "mpipe/io/checkpoint_async.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
@@ -469,6 +470,9 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   // The plan, made by each rank alone: a bad schedule, --balance or model is said before
   // anything is created or locked. It stands unless --partition time measures (below).
   Plan plan;
+  // --tokenizer: what turns text: data into ids, and the file each checkpoint keeps.
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::optional<TokenizerFile> tokenizer_kept;
   int code = start_up->phase("options", [&] {
     validate(config, world.size());
     const RunOptions run = run_options(config);
@@ -483,6 +487,8 @@ int run_train(const TrainConfig& options, const Communicator& world) {
     // --init-from's files, before anything is allocated, where no checkpoint can stand in
     // for them (one that will be resumed makes them unused: they need not exist any more).
     if (!config.init_from.empty() && !may_resume(config)) check_weights(model, config.init_from);
+    // Every rank reads --tokenizer, checked as the data file is, before anything is made.
+    if (!config.tokenizer.empty()) tokenizer = load_run_tokenizer(config.tokenizer, model.classes(), &tokenizer_kept.emplace());
   });
   if (code) return code;
   // --rank-order auto on several hosts: the order that sends fewer bytes between them.
@@ -526,6 +532,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   // Each checkpoint says how to continue it: the options as resolved (the device, the grid).
   config.pipeline.grid = plan.grid;
   checkpoint_dir.set_config_text(to_toml(config));
+  checkpoint_dir.set_tokenizer(std::move(tokenizer_kept));
   std::unique_ptr<MetricsWriter> metrics;
   cpu::set_threads(rank_threads(config.threads, world));
   if (needs_measurement(plan.options) && (code = start_up->phase("measure", [&] {

@@ -240,6 +240,7 @@ WriteTimes write_file(const Executor& exec, const SaveSource& source, const Comm
     state.optimizer = options.optimizer.kind;
     state.config = dir.options().config_text;
     write_train_state(file.get(), state, model);
+    if (dir.options().tokenizer) write_checkpoint_tokenizer(file.get(), *dir.options().tokenizer, comm.rank() == 0);
     H5_CHECK(H5Fflush(file.get(), H5F_SCOPE_GLOBAL), "cannot flush '", temp_path, "'");
   }  // the file is closed (collectively) here; HDF5 writes nothing more
   // A collective close may return on one writer while another still writes metadata:
@@ -487,6 +488,8 @@ std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step) {
         throw Refused(cat("checkpoint '", path, "' is at step ", *step, ", beyond --steps ", exec.options().steps,
                           "; nothing to do"),
                       cat("give --steps more than ", *step, " to train on, or --resume never to start again"));
+      if (const std::string refusal = dir.adopt_tokenizer(path, world); !refusal.empty())
+        throw Refused(refusal, "give the checkpoint's tokenizer ('mpipe export' writes it out), or --resume never to start again");
       dir.adopt(run_id);
       return path;
     } catch (const Refused&) {

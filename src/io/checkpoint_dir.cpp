@@ -17,6 +17,7 @@
 #include <random>
 #include <sstream>
 
+#include "mpipe/data/hdf5.hpp"
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/pipeline/hosts.hpp"
 
@@ -25,6 +26,12 @@ namespace mpipe {
 namespace fs = std::filesystem;
 
 namespace {
+
+std::string crc_text(std::uint32_t crc) {
+  char text[16];
+  std::snprintf(text, sizeof text, "%08x", static_cast<unsigned>(crc));
+  return text;
+}
 
 std::string env_or(const char* name, const char* fallback) {
   const char* v = std::getenv(name);
@@ -190,6 +197,44 @@ void CheckpointDir::begin(const Communicator& world) {
 
 void CheckpointDir::adopt(const std::string& run_id) {
   if (!run_id.empty()) run_id_ = run_id;
+}
+
+std::string CheckpointDir::adopt_tokenizer(const std::string& path, const Communicator& world) {
+  const std::optional<TokenizerFile>& mine = options_.tokenizer;
+  std::string refusal, bytes, name, kind;
+  int held = 0;  // the checkpoint holds one
+  if (world.rank() == 0) {
+    quiet_hdf5();
+    const Hdf5Lock hdf5;
+    Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    std::string problem;
+    std::optional<TokenizerFile> theirs = file.ok() ? read_checkpoint_tokenizer(file.get(), &problem) : std::nullopt;
+    if (!problem.empty()) {
+      refusal = cat("checkpoint '", path, "': ", problem);
+    } else if (theirs && mine && theirs->bytes != mine->bytes) {
+      refusal = cat("checkpoint '", path, "' was trained with tokenizer '", theirs->name, "' (crc32 ",
+                    crc_text(theirs->crc32()), "); --tokenizer '", mine->source, "' is another file (crc32 ",
+                    crc_text(mine->crc32()), ")");
+    } else if (!theirs && mine) {
+      refusal = cat("checkpoint '", path, "' holds no tokenizer (its run had none); --tokenizer '", mine->source,
+                    "' would change what its token ids mean");
+    } else if (theirs && !mine) {
+      held = 1;
+      bytes = std::move(theirs->bytes);
+      name = theirs->name;
+      kind = theirs->kind;
+    }
+  }
+  world.broadcast(refusal, 0);
+  if (!refusal.empty()) return refusal;
+  world.broadcast(std::span<int>(&held, 1), 0);
+  if (!held) return "";
+  world.broadcast(bytes, 0);
+  world.broadcast(name, 0);
+  world.broadcast(kind, 0);
+  options_.tokenizer =
+      TokenizerFile{.name = name, .kind = kind, .bytes = std::move(bytes), .source = cat(path, ":", checkpoint_tokenizer_path)};
+  return "";
 }
 
 void CheckpointDir::claim() {

@@ -13,6 +13,7 @@
 #include "mpipe/core/file_kind.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/core/toml_text.hpp"
+#include "mpipe/io/checkpoint_tokenizer.hpp"
 #include "mpipe/nn/optimizer.hpp"
 
 namespace mpipe {
@@ -369,6 +370,9 @@ std::optional<std::string> verify_checkpoint(const std::string& path, const Mode
     const std::string difference = list ? first_difference(*list, model_text(*model)) : std::string();
     return cat("'", path, "' holds another model (", difference.empty() ? state.signature : difference, ")");
   }
+  std::string tokenizer_problem;  // its bytes are few: read and checked whatever read_data says
+  read_checkpoint_tokenizer(file.get(), &tokenizer_problem);
+  if (!tokenizer_problem.empty()) return cat("'", path, "': ", tokenizer_problem);
   if (!state.optimizer.empty() && state.optimizer != "adamw" && state.optimizer != "sgd")
     return cat("'", path, "' holds the state of an unknown optimizer '", printable_line(state.optimizer), "'");
   std::vector<float> buffer;

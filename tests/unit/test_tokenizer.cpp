@@ -1,6 +1,7 @@
 // Tokenizers: byte-level BPE on a tokenizer.json written here, SentencePiece on a model
 // spm_train learns here from the docs' text, round trips on random bytes and Unicode,
-// streaming decode, and the errors of files that are not tokenizers.
+// streaming decode, the errors of files that are not tokenizers, and a tokenizer kept in
+// a checkpoint file (io/checkpoint_tokenizer.hpp) and loaded back from its bytes.
 #include <doctest/doctest.h>
 
 #include <cstdlib>
@@ -8,7 +9,11 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "mpipe/app/tokenize.hpp"
 #include "mpipe/core/error.hpp"
+#include "mpipe/data/hdf5.hpp"
+#include "mpipe/io/checkpoint_format.hpp"
+#include "mpipe/io/checkpoint_tokenizer.hpp"
 #include "mpipe/text/bpe.hpp"
 #include "mpipe/text/tokenizer.hpp"
 #include "temp_dir.hpp"
@@ -189,6 +194,93 @@ TEST_CASE("files that are not tokenizers: one UserError naming the file") {
   CHECK(message(testing::test_file("absent.model").string()).find("no tokenizer file") != std::string::npos);
   std::filesystem::create_directories(testing::test_file("empty-dir"));
   CHECK(message(testing::test_file("empty-dir").string()).find("holds neither") != std::string::npos);
+}
+
+// A checkpoint keeps the tokenizer file's bytes (/tokenizer/file, uint8, name, kind,
+// crc32): read back whole, loaded from memory it encodes as the file does; a file without
+// one reads as none; a changed byte or a link in its place is refused by name.
+TEST_CASE("a tokenizer kept in a checkpoint file reads back, loads from its bytes, and its damage is found") {
+  quiet_hdf5();
+  TokenizerFile kept;
+  const auto from_file = load_run_tokenizer(trained_sentencepiece(), 512, &kept);
+  CHECK(kept.kind == "sentencepiece");
+  CHECK(kept.name == "spm.model");
+  CHECK_THROWS_WITH_AS(load_run_tokenizer(trained_sentencepiece(), 300, &kept),
+                       doctest::Contains("has 400 tokens, more than the model's vocabulary of 300"), UserError);
+  const std::string path = testing::test_file("with-tokenizer.h5").string();
+  {
+    Handle file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+    REQUIRE(file.ok());
+    std::string problem;
+    CHECK_FALSE(read_checkpoint_tokenizer(file.get(), &problem).has_value());  // none: as every older checkpoint
+    CHECK(problem.empty());
+    write_checkpoint_tokenizer(file.get(), kept);
+  }
+  std::string problem;
+  {
+    Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    const std::optional<TokenizerFile> back = read_checkpoint_tokenizer(file.get(), &problem);
+    REQUIRE_MESSAGE(back.has_value(), problem);
+    CHECK(back->bytes == kept.bytes);
+    CHECK(back->name == "spm.model");
+    CHECK(back->kind == "sentencepiece");
+    const auto from_bytes = tokenizer_from_bytes(back->bytes, "checkpoint");
+    const std::string text = "The pipeline's stages send activations — ünïcode too.";
+    CHECK(from_bytes->encode(text) == from_file->encode(text));
+    CHECK(from_bytes->vocab_size() == from_file->vocab_size());
+  }
+  // One byte of the data changed, in place: its checksum fails.
+  {
+    Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    Handle set(H5Dopen2(file.get(), checkpoint_tokenizer_path, H5P_DEFAULT), H5Dclose);
+    const haddr_t offset = H5Dget_offset(set.get());
+    REQUIRE(offset != HADDR_UNDEF);
+    std::fstream raw(path, std::ios::in | std::ios::out | std::ios::binary);
+    raw.seekg(static_cast<std::streamoff>(offset + 1000));
+    const char byte = static_cast<char>(raw.get());
+    raw.seekp(static_cast<std::streamoff>(offset + 1000));
+    raw.put(static_cast<char>(byte ^ 0x10));
+  }
+  {
+    Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    CHECK_FALSE(read_checkpoint_tokenizer(file.get(), &problem).has_value());
+    CHECK(problem == "the tokenizer /tokenizer/file fails its checksum (altered or damaged)");
+  }
+  // A soft link standing in for the data: refused, not followed.
+  const std::string linked = testing::test_file("linked.h5").string();
+  {
+    Handle file(H5Fcreate(linked.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+    write_checkpoint_tokenizer(file.get(), TokenizerFile{.name = "t.model", .kind = "sentencepiece", .bytes = kept.bytes},
+                               true);
+    REQUIRE(H5Lmove(file.get(), checkpoint_tokenizer_path, file.get(), "/elsewhere", H5P_DEFAULT, H5P_DEFAULT) >= 0);
+    REQUIRE(H5Lcreate_soft("/elsewhere", file.get(), checkpoint_tokenizer_path, H5P_DEFAULT, H5P_DEFAULT) >= 0);
+  }
+  {
+    Handle file(H5Fopen(linked.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    CHECK_FALSE(read_checkpoint_tokenizer(file.get(), &problem).has_value());
+    CHECK(problem.find("is reached through a link") != std::string::npos);
+  }
+}
+
+TEST_CASE("a BPE tokenizer.json kept in a checkpoint file: kind bpe, the same bytes, the same ids") {
+  quiet_hdf5();
+  TokenizerFile kept;
+  const auto from_file = load_run_tokenizer(write_file("kept.json", tiny_bpe_json(true)), 260, &kept);
+  CHECK(kept.kind == "bpe");
+  CHECK(kept.name == "kept.json");
+  const std::string path = testing::test_file("with-bpe.h5").string();
+  {
+    Handle file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
+    write_checkpoint_tokenizer(file.get(), kept);
+  }
+  Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+  std::string problem;
+  const std::optional<TokenizerFile> back = read_checkpoint_tokenizer(file.get(), &problem);
+  REQUIRE_MESSAGE(back.has_value(), problem);
+  CHECK(back->kind == "bpe");
+  CHECK(back->bytes == kept.bytes);
+  CHECK(tokenizer_from_bytes(back->bytes, "checkpoint")->encode("the,<|endoftext|>the") ==
+        from_file->encode("the,<|endoftext|>the"));
 }
 
 }  // namespace

@@ -44,6 +44,7 @@ struct TrainConfig {
   std::string eval_data;    // held-out data (same specs as data); empty: no evaluation
   std::string data_packing = "windows";  // packing_names: where a window of text or tokens starts
   std::int64_t eot_id = -1;  // the end-of-text id of --data-packing documents; -1: the shards' format's
+  std::string tokenizer;    // --tokenizer: the file that turns text: data into ids (kept in each checkpoint); empty: none
   std::string prefetch = "auto";  // auto | on | off: the next step's batch read while a step computes
   int eval_every = 0;       // steps between evaluations (and one at the end); 0: only at the end
   int eval_batches = 0;     // batches per evaluation; 0: a file's every whole batch, 8 of synthetic data

@@ -1,8 +1,12 @@
 // `mpipe tokenize`: text files to llm.c-format token shards (docs/tokenizers.md).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "mpipe/io/checkpoint_tokenizer.hpp"
+#include "mpipe/text/tokenizer.hpp"
 
 namespace mpipe {
 
@@ -33,5 +37,12 @@ struct TokenizeOptions {
 
 // Returns the exit code; UserError for bad options, inputs or a failed write.
 int run_tokenize(const TokenizeOptions& options);
+
+// A tokenizer fits a model whose vocabulary has `vocab` ids when its ids are all below it:
+// UserError naming `source` (the file, or the checkpoint that holds it) otherwise.
+void require_tokenizer_fits(const Tokenizer& tokenizer, const std::string& source, std::int64_t vocab);
+// train --tokenizer: the file loaded and checked against the model's vocabulary, and
+// what each checkpoint keeps of it (*kept: its base name, kind and bytes).
+std::unique_ptr<Tokenizer> load_run_tokenizer(const std::string& path, std::int64_t vocab, TokenizerFile* kept);
 
 }  // namespace mpipe

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mpipe/io/checkpoint_format.hpp"
+#include "mpipe/io/checkpoint_tokenizer.hpp"
 #include "mpipe/pipeline/executor.hpp"
 #include "mpipe/pipeline/watchdog.hpp"
 
@@ -29,6 +30,7 @@ struct CheckpointOptions {
   std::string resume = "auto"; // auto | never | PATH
   bool overwrite = false;      // the directory may hold another run's checkpoints: replace them
   std::string config_text;     // TOML that `train --config` reads (app/config_file.hpp)
+  std::optional<TokenizerFile> tokenizer;  // --tokenizer's file (or the resumed checkpoint's), kept in each checkpoint
 };
 
 // A training run's hold on --checkpoint-dir (docs/checkpoint-format.md, "Ownership").
@@ -53,10 +55,17 @@ class CheckpointDir {
   void begin(const Communicator& world);
   // A resumed run continues the run of its checkpoint (an empty id keeps the fresh one).
   void adopt(const std::string& run_id);
+  // Collective, once checkpoint `path` is loaded: its tokenizer against the run's. A run
+  // without --tokenizer keeps the checkpoint's (its checkpoints hold it too). Returns why
+  // the run must not continue it ("" when it may; the same on every rank): --tokenizer
+  // gives another file's bytes than the checkpoint's, or the checkpoint holds none.
+  std::string adopt_tokenizer(const std::string& path, const Communicator& world);
   const std::string& run_id() const { return run_id_; }
   const CheckpointOptions& options() const { return options_; }
   // The run's options as text, once they are final (the device resolved).
   void set_config_text(const std::string& text) { options_.config_text = text; }
+  // The tokenizer each checkpoint keeps (nothing: none).
+  void set_tokenizer(std::optional<TokenizerFile> tokenizer) { options_.tokenizer = std::move(tokenizer); }
   // Rank 0, once resuming is decided: lists the checkpoints in DIR of another run.
   // UserError unless --overwrite; with it, they are deleted (each named) once this
   // run's first checkpoint is in place.
