@@ -471,7 +471,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
   // anything is created or locked. It stands unless --partition time measures (below).
   Plan plan;
   // --tokenizer: what turns text: data into ids, and the file each checkpoint keeps.
-  std::unique_ptr<Tokenizer> tokenizer;
+  std::shared_ptr<const Tokenizer> tokenizer;
   std::optional<TokenizerFile> tokenizer_kept;
   int code = start_up->phase("options", [&] {
     validate(config, world.size());
@@ -546,6 +546,7 @@ int run_train(const TrainConfig& options, const Communicator& world) {
          // Before the executor allocates anything (synthetic data included): a data file's
          // problems first (an input), then whether this rank's share fits.
          const Model model(plan.options.model);
+         plan.options.tokens.tokenizer = tokenizer;  // text: data encoded by it, on every rank that reads it
          for (const auto& [spec, held_out] : {std::pair{config.data, false}, std::pair{config.eval_data, true}})
            if (!data_file(spec).empty()) make_dataset(spec, model, plan.options.seed, held_out, plan.options.tokens);
          check_memory(plan, world.rank(), node_ranks);

@@ -10,16 +10,18 @@
 
 #include "mpipe/core/rng.hpp"
 #include "mpipe/data/mapped_file.hpp"
+#include "mpipe/text/tokenizer.hpp"
 
 namespace mpipe {
 
 namespace {
 
-enum class Format { bytes, flat16, gpt2_shard, llama3_shard };
+enum class Format { bytes, encoded, flat16, gpt2_shard, llama3_shard };
 
 const char* format_name(Format f) {
   switch (f) {
     case Format::bytes: return "bytes";
+    case Format::encoded: return "text encoded by a tokenizer";
     case Format::flat16: return "flat uint16";
     case Format::gpt2_shard: return "llm.c GPT-2 shard, uint16";
     case Format::llama3_shard: return "llm.c Llama 3 shard, uint32";
@@ -32,15 +34,18 @@ std::int32_t little_int32(const unsigned char* p) {
                                    std::uint32_t{p[3]} << 24);
 }
 
-// One file of tokens: its map, where its tokens start and how wide each is.
+// One file of tokens: its map, where its tokens start and how wide each is; or, for text
+// encoded by a tokenizer, the ids in memory (the map kept for the file's changed check).
 struct Shard {
   MappedFile file;
   Format format = Format::bytes;
   std::uint64_t offset = 0;  // bytes before token 0 (an llm.c header)
   std::uint64_t tokens = 0;
   int width = 1;             // bytes a token
+  std::vector<std::uint32_t> ids;  // Format::encoded
 
   std::uint32_t token(std::uint64_t i) const {
+    if (format == Format::encoded) return ids[i];
     const unsigned char* p = file.bytes() + offset + i * static_cast<std::uint64_t>(width);
     if (width == 1) return p[0];
     if (width == 2) return std::uint32_t{p[0]} | std::uint32_t{p[1]} << 8;
@@ -138,7 +143,7 @@ class TokenData final : public Dataset {
       // The window's pages leave this process (the page cache keeps them): resident
       // memory stays flat over a corpus larger than memory.
       const auto width = static_cast<std::uint64_t>(shard.width);
-      shard.file.drop(shard.offset + at * width, static_cast<std::uint64_t>(T + 1) * width);
+      if (shard.format != Format::encoded) shard.file.drop(shard.offset + at * width, static_cast<std::uint64_t>(T + 1) * width);
     }
   }
 
@@ -174,13 +179,16 @@ class TokenData final : public Dataset {
     std::uint32_t largest = 0;
     std::uint64_t largest_at = 0;
     starts_.push_back(0);
+    const bool encoded = shard.format == Format::encoded;
     for (std::uint64_t first = 0; first < shard.tokens; first += chunk_tokens) {
       const std::uint64_t n = std::min(chunk_tokens, shard.tokens - first), width = static_cast<std::uint64_t>(shard.width);
-      shard.file.read(shard.offset + first * width, n * width, chunk.data());
+      if (!encoded) shard.file.read(shard.offset + first * width, n * width, chunk.data());
       for (std::uint64_t i = 0; i < n; ++i) {
         const unsigned char* p = chunk.data() + i * width;
-        const std::uint32_t id = width == 1 ? p[0] : width == 2 ? (std::uint32_t{p[0]} | std::uint32_t{p[1]} << 8)
-                                                                : static_cast<std::uint32_t>(little_int32(p));
+        const std::uint32_t id = encoded ? shard.ids[first + i]
+                                 : width == 1 ? p[0]
+                                 : width == 2 ? (std::uint32_t{p[0]} | std::uint32_t{p[1]} << 8)
+                                              : static_cast<std::uint32_t>(little_int32(p));
         if (id > largest) largest = id, largest_at = first + i;
         if (id == static_cast<std::uint64_t>(eot_) && first + i + 1 <= last_start) starts_.push_back(first + i + 1);
       }
@@ -235,12 +243,22 @@ std::unique_ptr<Dataset> make_token_data(bool text, const std::string& path, std
   const std::string noun = held_out ? "--eval-data file" : "data file";
   bool listed = false;
   const std::vector<std::string> files = text ? std::vector<std::string>{path} : token_files(path, option, listed);
-  if (text)
-    MPIPE_REQUIRE(vocab >= 256, "use --vocab 256 or more with text data", option,
+  const Tokenizer* tokenizer = text ? options.tokenizer.get() : nullptr;
+  if (text && !tokenizer) {
+    MPIPE_REQUIRE(vocab >= 256, "use --vocab 256 or more with text data, or a --tokenizer", option,
                   " text: needs byte tokens (vocabulary 256), but the model's vocabulary is ", vocab);
+  }
   std::vector<Shard> shards;
   for (const std::string& file : files) {
     shards.push_back(open_shard(file, text, listed, option));
+    if (tokenizer) {  // the file encoded whole, as tokenize encodes a document (no end-of-text added)
+      Shard& shard = shards.back();
+      const std::vector<std::int32_t> ids = tokenize_text_file(*tokenizer, file);
+      shard.ids.assign(ids.begin(), ids.end());
+      shard.format = Format::encoded;
+      shard.tokens = shard.ids.size();
+      shard.width = 4;
+    }
     MPIPE_REQUIRE(shards.back().format == shards.front().format, "give shards of one tokenizer (all uint16 or all uint32)",
                   "token shard '", file, "' is a ", format_name(shards.back().format), ", '", files.front(), "' a ",
                   format_name(shards.front().format));
@@ -248,6 +266,7 @@ std::unique_ptr<Dataset> make_token_data(bool text, const std::string& path, std
   const Format format = shards.front().format;
   std::int64_t eot = options.eot_id;
   if (eot < 0) eot = format == Format::gpt2_shard ? gpt2_eot_id : format == Format::llama3_shard ? llama3_eot_id : -1;
+  if (eot < 0 && tokenizer && tokenizer->eot_id()) eot = *tokenizer->eot_id();
   if (options.packing == Packing::documents) {
     MPIPE_REQUIRE(eot >= 0, "give --eot-id N, the id that ends each document", "--data-packing documents on ", format_name(format),
                   " data needs --eot-id (only llm.c shards have a default)");
@@ -257,6 +276,7 @@ std::unique_ptr<Dataset> make_token_data(bool text, const std::string& path, std
   std::uint64_t tokens = 0;
   for (const Shard& shard : shards) tokens += shard.tokens;
   std::string what = text ? cat("text file ", path) : cat("tokens file ", path, " (", format_name(format), ")");
+  if (tokenizer) what = cat("text file ", path, " (tokenizer: ", tokenizer->describe(), ")");
   if (listed) what = cat("tokens ", path, ": ", shards.size(), " shards (", format_name(format), ")");
   auto data = std::make_unique<TokenData>(std::move(shards), what, noun, seq_len, vocab, seed, held_out, options.packing, eot);
   if (data->candidates() == 0) {

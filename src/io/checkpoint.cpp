@@ -488,7 +488,8 @@ std::string resume(Executor& exec, CheckpointDir& dir, std::int64_t* step) {
         throw Refused(cat("checkpoint '", path, "' is at step ", *step, ", beyond --steps ", exec.options().steps,
                           "; nothing to do"),
                       cat("give --steps more than ", *step, " to train on, or --resume never to start again"));
-      if (const std::string refusal = dir.adopt_tokenizer(path, world); !refusal.empty())
+      if (const std::string refusal = dir.adopt_tokenizer(path, world, exec.options().data.starts_with("text:"));
+          !refusal.empty())
         throw Refused(refusal, "give the checkpoint's tokenizer ('mpipe export' writes it out), or --resume never to start again");
       dir.adopt(run_id);
       return path;

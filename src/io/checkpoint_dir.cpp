@@ -199,7 +199,7 @@ void CheckpointDir::adopt(const std::string& run_id) {
   if (!run_id.empty()) run_id_ = run_id;
 }
 
-std::string CheckpointDir::adopt_tokenizer(const std::string& path, const Communicator& world) {
+std::string CheckpointDir::adopt_tokenizer(const std::string& path, const Communicator& world, bool text_data) {
   const std::optional<TokenizerFile>& mine = options_.tokenizer;
   std::string refusal, bytes, name, kind;
   int held = 0;  // the checkpoint holds one
@@ -218,6 +218,9 @@ std::string CheckpointDir::adopt_tokenizer(const std::string& path, const Commun
     } else if (!theirs && mine) {
       refusal = cat("checkpoint '", path, "' holds no tokenizer (its run had none); --tokenizer '", mine->source,
                     "' would change what its token ids mean");
+    } else if (theirs && !mine && text_data) {
+      refusal = cat("checkpoint '", path, "' was trained on text encoded by tokenizer '", theirs->name,
+                    "'; without --tokenizer this run would read the text's bytes as its ids");
     } else if (theirs && !mine) {
       held = 1;
       bytes = std::move(theirs->bytes);

@@ -30,6 +30,10 @@ gpt=(--model gpt --layers 2 --d-model 32 --heads 2 --seq-len 32 --vocab 512 --ba
      --log-every 1 --data "text:$source/README.md")
 train() { "$mpipe" train "${gpt[@]}" "$@"; }
 train --tokenizer "$tok" --steps 4 --checkpoint-dir "$dir/run" --checkpoint-every 2 > "$dir/log" 2>&1 || fail "train: $(cat "$dir/log")"
+# The text is the tokenizer's ids, not its bytes: the data line says so and counts fewer tokens.
+grep -Eq "^data: text file .*README.md \(tokenizer: SentencePiece.*\), [0-9]+ tokens" "$dir/log" || fail "the data line: $(grep ^data "$dir/log")"
+ids=$(sed -n 's/^data: text file .*), \([0-9]*\) tokens.*/\1/p' "$dir/log")
+(( ids > 0 && ids < $(stat -c %s "$source/README.md") * 3 / 4 )) || fail "$ids ids for $(stat -c %s "$source/README.md") bytes of text"
 bytes=$(stat -c %s "$tok")
 for c in "$dir"/run/ckpt-0000000{2,4}.h5; do
   "$mpipe" inspect --verify "$c" > "$dir/inspect" 2>&1 || fail "inspect --verify $c: $(cat "$dir/inspect")"
@@ -69,9 +73,11 @@ done
 # Resuming: another tokenizer refused, naming both; none given keeps the checkpoint's.
 expect_error "checkpoint '$dir/run/ckpt-00000004.h5' was trained with tokenizer 'tokenizer.model' \(crc32 [0-9a-f]+\); --tokenizer '$dir/other/tokenizer.model' is another file" \
   train --tokenizer "$dir/other/tokenizer.model" --steps 6 --checkpoint-dir "$dir/run"
-train --steps 6 --checkpoint-dir "$dir/run" > "$dir/log" 2>&1 || fail "resume without --tokenizer: $(cat "$dir/log")"
+expect_error "checkpoint '$dir/run/ckpt-00000004.h5' was trained on text encoded by tokenizer 'tokenizer.model'; without --tokenizer this run would read the text's bytes as its ids" \
+  train --steps 6 --checkpoint-dir "$dir/run"
+train --tokenizer "$tok" --steps 6 --checkpoint-dir "$dir/run" > "$dir/log" 2>&1 || fail "resume, same tokenizer: $(cat "$dir/log")"
+grep -q "resumed from" "$dir/log" || fail "did not resume: $(cat "$dir/log")"
 h5diff "$dir/run/ckpt-00000006.h5" "$dir/run/ckpt-00000004.h5" /tokenizer /tokenizer || fail "the resumed run dropped the tokenizer"
-train --tokenizer "$tok" --steps 8 --checkpoint-dir "$dir/run" > "$dir/log" 2>&1 || fail "resume, same tokenizer: $(cat "$dir/log")"
 train --steps 2 --checkpoint-dir "$dir/plain" > /dev/null 2>&1 || fail "train without a tokenizer"
 "$mpipe" inspect "$dir/plain/ckpt-00000002.h5" | grep -Eq "^  tokenizer +\(none\)$" || fail "a checkpoint without one"
 expect_error "checkpoint '$dir/plain/ckpt-00000002.h5' holds no tokenizer \(its run had none\); --tokenizer '$tok' would change" \

@@ -15,6 +15,8 @@
 
 namespace mpipe {
 
+class Tokenizer;  // mpipe/text/tokenizer.hpp
+
 class Dataset {
  public:
   virtual ~Dataset() = default;
@@ -41,7 +43,10 @@ enum class Packing { windows, documents };
 inline constexpr std::array<const char*, 2> packing_names{"windows", "documents"};
 struct TokenOptions {
   Packing packing = Packing::windows;
-  std::int64_t eot_id = -1;  // --eot-id; -1: the shards' format's (none for flat files and text)
+  std::int64_t eot_id = -1;  // --eot-id; -1: the shards' format's or the tokenizer's (none for flat files and raw text)
+  // --tokenizer, loaded and checked against the model's vocabulary (train's options
+  // phase): text: files are encoded with it (docs/tokenizers.md), not read as bytes.
+  std::shared_ptr<const Tokenizer> tokenizer;
 };
 
 // The file a --data spec names (PATH of text:PATH or tokens:PATH), or "" for none.

@@ -58,8 +58,10 @@ class CheckpointDir {
   // Collective, once checkpoint `path` is loaded: its tokenizer against the run's. A run
   // without --tokenizer keeps the checkpoint's (its checkpoints hold it too). Returns why
   // the run must not continue it ("" when it may; the same on every rank): --tokenizer
-  // gives another file's bytes than the checkpoint's, or the checkpoint holds none.
-  std::string adopt_tokenizer(const std::string& path, const Communicator& world);
+  // gives another file's bytes than the checkpoint's, or the checkpoint holds none; or
+  // `text_data` (the run reads text: data) without --tokenizer where the checkpoint's run
+  // encoded its text with one (this run would read the text's bytes as ids).
+  std::string adopt_tokenizer(const std::string& path, const Communicator& world, bool text_data);
   const std::string& run_id() const { return run_id_; }
   const CheckpointOptions& options() const { return options_; }
   // The run's options as text, once they are final (the device resolved).
