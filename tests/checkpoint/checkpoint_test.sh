@@ -730,17 +730,24 @@ PY
   # two) is reported at the next step, not at the next checkpoint or the end: one error
   # line, exit 1, the checkpoint before it in place and verifying. In a mount namespace
   # of its own, so that no mount outlives the test (the files are checked in it).
+  # on_tmpfs NAME BYTES ARGS...: a 2-rank run of ARGS whose --checkpoint-dir is a tmpfs of
+  # BYTES at $work/NAME; NAME.log and NAME.rc, and what the tmpfs held, read before it
+  # goes: NAME.ls and NAME.verify (each checkpoint that verifies).
+  on_tmpfs() {
+    local name=$1 bytes=$2; shift 2
+    mkdir "$work/$name"
+    unshare --mount --propagation private bash -c '
+      mpipe=$1 dir=$2 bytes=$3; shift 3
+      mount -t tmpfs -o size=$bytes tmpfs "$dir" || exit 99
+      mpiexec -n 2 --oversubscribe "$mpipe" "$@" --checkpoint-dir "$dir" > "$dir.log" 2>&1
+      echo $? > "$dir.rc"
+      ls "$dir" > "$dir.ls"
+      for f in "$dir"/ckpt-*.h5; do "$mpipe" inspect "$f" --verify > /dev/null && echo "$(basename "$f") verifies"; done > "$dir.verify"
+      exit 0
+    ' _ "$mpipe" "$work/$name" "$bytes" "$@" || fail "cannot run in a mount namespace with a tmpfs (exit $?)"
+  }
   size=$(stat -c %s "$work/async/ckpt-00000002.h5")
-  mkdir "$work/full"
-  unshare --mount --propagation private bash -c '
-    mpipe=$1 work=$2 size=$3; shift 3
-    mount -t tmpfs -o size=$size tmpfs "$work/full" || exit 99
-    mpiexec -n 2 --oversubscribe "$mpipe" "$@" --checkpoint-dir "$work/full" > "$work/full.log" 2>&1
-    echo $? > "$work/full.rc"
-    ls "$work/full" > "$work/full.ls"
-    for f in "$work"/full/ckpt-*.h5; do "$mpipe" inspect "$f" --verify > /dev/null && echo "$(basename "$f") verifies"; done > "$work/full.verify"
-  ' _ "$mpipe" "$work" "$((size * 3 / 2))" "${model[@]}" --steps 400 --checkpoint-every 100 --keep 1 --checkpoint-async on --log-every 100 \
-    || fail "cannot run in a mount namespace with a tmpfs (exit $?)"
+  on_tmpfs full "$((size * 3 / 2))" "${model[@]}" --steps 400 --checkpoint-every 100 --keep 1 --checkpoint-async on --log-every 100
   rc=$(cat "$work/full.rc")
   [[ $rc -eq 1 ]] || fail "a failed background write: exit $rc: $(cat "$work/full.log")"
   [[ $(grep -c "error" "$work/full.log") -eq 1 ]] || fail "a failed background write: not one error line: $(cat "$work/full.log")"
@@ -755,14 +762,7 @@ PY
   # The final checkpoint, written at the end (not in the background), on a disk with room
   # for half of it: the error line says the disk is full, whichever HDF5 call met it (a
   # flush said only "cannot flush").
-  mkdir "$work/half"
-  unshare --mount --propagation private bash -c '
-    mpipe=$1 work=$2 size=$3; shift 3
-    mount -t tmpfs -o size=$size tmpfs "$work/half" || exit 99
-    mpiexec -n 2 --oversubscribe "$mpipe" "$@" --checkpoint-dir "$work/half" > "$work/half.log" 2>&1
-    echo $? > "$work/half.rc"
-  ' _ "$mpipe" "$work" "$((size / 2))" "${model[@]}" --steps 3 \
-    || fail "cannot run in a mount namespace with a tmpfs (exit $?)"
+  on_tmpfs half "$((size / 2))" "${model[@]}" --steps 3
   rc=$(cat "$work/half.rc")
   [[ $rc -ne 0 ]] || fail "a final checkpoint on a full disk: exit 0: $(cat "$work/half.log")"
   grep -Eq "error: .*No space left on device" "$work/half.log" \
