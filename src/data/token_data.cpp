@@ -175,11 +175,11 @@ class TokenData final : public Dataset {
     const std::size_t before = starts_.size();
     if (shard.tokens <= T) return 0;
     const std::uint64_t last_start = shard.tokens - T - 1;
-    std::vector<unsigned char> chunk(chunk_tokens * static_cast<std::uint64_t>(shard.width));
+    const bool encoded = shard.format == Format::encoded;  // ids in memory: no file to read
+    std::vector<unsigned char> chunk(encoded ? 0 : chunk_tokens * static_cast<std::uint64_t>(shard.width));
     std::uint32_t largest = 0;
     std::uint64_t largest_at = 0;
     starts_.push_back(0);
-    const bool encoded = shard.format == Format::encoded;
     for (std::uint64_t first = 0; first < shard.tokens; first += chunk_tokens) {
       const std::uint64_t n = std::min(chunk_tokens, shard.tokens - first), width = static_cast<std::uint64_t>(shard.width);
       if (!encoded) shard.file.read(shard.offset + first * width, n * width, chunk.data());
