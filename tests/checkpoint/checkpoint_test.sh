@@ -8,7 +8,9 @@ mpipe=$1 case=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 work=$(mktemp -d)
 # On any exit: the jobs this script left in the background (a failed check mid-trial) go first.
-trap 'for j in $(jobs -p); do pkill -9 -P "$j" 2>/dev/null; kill -9 "$j" 2>/dev/null; done; chattr -i "$work"/* 2>/dev/null || true; rm -rf "$work"' EXIT
+# The clean-up keeps the script's status: a job already gone (kill fails) must not turn a pass
+# into exit 1 under set -e.
+trap 'rc=$?; set +e; for j in $(jobs -p); do pkill -9 -P "$j"; kill -9 "$j"; done 2>/dev/null; chattr -i "$work"/* 2>/dev/null; rm -rf "$work"; exit $rc' EXIT
 model=(train --model gpt --layers 3 --d-model 32 --heads 4 --seq-len 16 --vocab 64 --dropout 0.1
        --batch-size 8 --micro-batches 4 --threads 1 --lr 3e-3 --log-every 1)
 run() { local n=$1; shift; mpiexec -n "$n" --oversubscribe "$mpipe" "$@"; }

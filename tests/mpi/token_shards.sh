@@ -10,7 +10,9 @@ set -euo pipefail
 mpipe=$1 make_shards=$2
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 work=$(mktemp -d)
-trap 'for j in $(jobs -p); do pkill -9 -P "$j" 2>/dev/null; kill -9 "$j" 2>/dev/null; done; rm -rf "$work"' EXIT
+# The clean-up keeps the script's status: a job already gone (kill fails) must not turn a pass
+# into exit 1 under set -e, as it did once in CI.
+trap 'rc=$?; set +e; for j in $(jobs -p); do pkill -9 -P "$j"; kill -9 "$j"; done 2>/dev/null; rm -rf "$work"; exit $rc' EXIT
 fail() { echo "FAIL: $*"; exit 1; }
 run() { local n=$1; shift; mpiexec -n "$n" --oversubscribe "$mpipe" "$@"; }
 /usr/bin/python3 "$make_shards" "$work/s"
