@@ -7,7 +7,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 namespace mpipe::test {
 

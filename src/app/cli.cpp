@@ -18,7 +18,7 @@
 #include "mpipe/app/process.hpp"
 #include "mpipe/app/startup.hpp"
 #include "mpipe/app/tokenize.hpp"
-#include "mpipe/pipeline/progress.hpp"
+#include "mpipe/pipeline/comm/progress.hpp"
 #include "mpipe/app/train.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/nn/registry.hpp"

@@ -10,7 +10,7 @@
 #include <toml++/toml.h>
 
 #include "mpipe/core/error.hpp"
-#include "mpipe/pipeline/schedule.hpp"
+#include "mpipe/pipeline/schedule/schedule.hpp"
 
 namespace mpipe {
 

@@ -31,8 +31,8 @@
 #include "mpipe/io/checkpoint_format.hpp"
 #include "mpipe/io/checkpoint_tokenizer.hpp"
 #include "mpipe/nn/params.hpp"
-#include "mpipe/pipeline/hosts.hpp"
-#include "mpipe/pipeline/watchdog.hpp"
+#include "mpipe/pipeline/comm/hosts.hpp"
+#include "mpipe/pipeline/comm/watchdog.hpp"
 #include "mpipe/text/tokenizer.hpp"
 
 namespace mpipe {

@@ -10,7 +10,7 @@
 #include "mpipe/core/toml_text.hpp"
 #include "mpipe/core/version.hpp"
 #include "mpipe/nn/registry.hpp"
-#include "mpipe/pipeline/hosts.hpp"
+#include "mpipe/pipeline/comm/hosts.hpp"
 
 namespace mpipe {
 

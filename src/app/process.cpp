@@ -22,7 +22,7 @@
 
 #include "mpipe/backend/cpu/blas_core.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
-#include "mpipe/pipeline/watchdog.hpp"
+#include "mpipe/pipeline/comm/watchdog.hpp"
 
 namespace mpipe {
 

@@ -12,7 +12,7 @@
 #include "mpipe/core/version.hpp"
 #include "mpipe/data/dataset.hpp"
 #include "mpipe/io/checkpoint.hpp"
-#include "mpipe/pipeline/hosts.hpp"
+#include "mpipe/pipeline/comm/hosts.hpp"
 
 namespace mpipe {
 

@@ -7,7 +7,7 @@
 #include <limits>
 
 #include "mpipe/backend/cpu/ops.hpp"
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 namespace mpipe {
 

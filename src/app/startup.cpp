@@ -24,7 +24,7 @@
 
 #include "mpipe/app/process.hpp"
 #include "mpipe/core/error.hpp"
-#include "mpipe/pipeline/hosts.hpp"
+#include "mpipe/pipeline/comm/hosts.hpp"
 
 namespace mpipe {
 

@@ -35,8 +35,8 @@
 #include "mpipe/io/metrics.hpp"
 #include "mpipe/io/trace.hpp"
 #include "mpipe/io/init_from.hpp"
-#include "mpipe/pipeline/hosts.hpp"
-#include "mpipe/pipeline/watchdog.hpp"
+#include "mpipe/pipeline/comm/hosts.hpp"
+#include "mpipe/pipeline/comm/watchdog.hpp"
 
 namespace mpipe {
 

@@ -20,7 +20,7 @@
 #include <sstream>
 
 #include "mpipe/data/hdf5.hpp"
-#include "mpipe/pipeline/watchdog.hpp"
+#include "mpipe/pipeline/comm/watchdog.hpp"
 
 namespace mpipe {
 

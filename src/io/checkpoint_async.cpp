@@ -11,7 +11,7 @@
 
 #include "mpipe/core/background.hpp"
 #include "mpipe/data/hdf5.hpp"
-#include "mpipe/pipeline/watchdog.hpp"
+#include "mpipe/pipeline/comm/watchdog.hpp"
 
 namespace mpipe {
 

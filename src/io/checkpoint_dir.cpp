@@ -19,7 +19,7 @@
 
 #include "mpipe/data/hdf5.hpp"
 #include "mpipe/io/checkpoint.hpp"
-#include "mpipe/pipeline/hosts.hpp"
+#include "mpipe/pipeline/comm/hosts.hpp"
 
 namespace mpipe {
 

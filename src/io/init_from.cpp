@@ -13,7 +13,7 @@
 #include "mpipe/io/json.hpp"
 #include "mpipe/io/safetensors.hpp"
 #include "mpipe/io/weights.hpp"
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 namespace mpipe {
 

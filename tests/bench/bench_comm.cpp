@@ -23,10 +23,10 @@
 #include <string>
 #include <vector>
 
-#include "mpipe/pipeline/comm.hpp"
-#include "mpipe/pipeline/group_sum.hpp"
-#include "mpipe/pipeline/pair_sum.hpp"
-#include "mpipe/pipeline/progress.hpp"
+#include "mpipe/pipeline/comm/comm.hpp"
+#include "mpipe/pipeline/comm/group_sum.hpp"
+#include "mpipe/pipeline/comm/pair_sum.hpp"
+#include "mpipe/pipeline/comm/progress.hpp"
 
 using namespace mpipe;
 using Clock = std::chrono::steady_clock;

@@ -19,7 +19,7 @@
 #include "mpipe/backend/cuda/ops.hpp"
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/nn/transformer_layers.hpp"
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 using namespace mpipe;
 

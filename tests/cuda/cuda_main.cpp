@@ -10,7 +10,7 @@
 
 #include "mpipe/backend/cuda/runtime.hpp"
 #include "mpipe/core/sanitizer.hpp"
-#include "mpipe/pipeline/comm.hpp"
+#include "mpipe/pipeline/comm/comm.hpp"
 
 int main(int argc, char** argv) {
   int provided = 0;  // MULTIPLE: the executor's communication progress thread

@@ -19,7 +19,7 @@
 #include "mpipe/app/config.hpp"
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/error.hpp"
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 #include "temp_dir.hpp"
 
 using namespace mpipe;

@@ -9,7 +9,7 @@
 
 #include "gather.hpp"
 #include "mpipe/app/config.hpp"
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 namespace mpipe::test {
 

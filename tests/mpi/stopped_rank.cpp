@@ -12,7 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "mpipe/pipeline/watchdog.hpp"
+#include "mpipe/pipeline/comm/watchdog.hpp"
 
 int main(int argc, char** argv) {
   int provided = 0;

@@ -17,7 +17,7 @@
 #include "mpipe/backend/cpu/ops.hpp"
 #include "mpipe/core/arena.hpp"
 #include "mpipe/core/sanitizer.hpp"
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 using namespace mpipe;
 

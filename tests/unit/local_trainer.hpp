@@ -1,7 +1,7 @@
 // The executor on one process (MPI_COMM_SELF): the single-process trainer of the tests.
 #pragma once
 #include "mpipe/app/config.hpp"
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 namespace mpipe::test {
 

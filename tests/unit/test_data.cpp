@@ -15,7 +15,7 @@
 
 #include "mpipe/core/error.hpp"
 #include "mpipe/data/dataset.hpp"
-#include "mpipe/pipeline/prefetch.hpp"
+#include "mpipe/pipeline/run/prefetch.hpp"
 #include "documented_rng.hpp"
 #include "hdf5_data_file.hpp"
 #include "temp_dir.hpp"

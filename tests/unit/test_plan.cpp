@@ -6,9 +6,9 @@
 #include <numeric>
 
 #include "mpipe/app/config.hpp"
-#include "mpipe/pipeline/hosts.hpp"
+#include "mpipe/pipeline/comm/hosts.hpp"
 #include "mpipe/nn/dense_layers.hpp"
-#include "mpipe/pipeline/plan.hpp"
+#include "mpipe/pipeline/plan/plan.hpp"
 #include "tiny_gpt.hpp"
 
 using namespace mpipe;

@@ -13,8 +13,8 @@
 
 #include "mpipe/app/config.hpp"
 #include "mpipe/core/run_clock.hpp"
-#include "mpipe/pipeline/executor.hpp"
-#include "mpipe/pipeline/progress.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
+#include "mpipe/pipeline/comm/progress.hpp"
 
 using namespace mpipe;
 

@@ -18,8 +18,8 @@
 #include "mpipe/nn/params.hpp"
 #include "mpipe/nn/registry.hpp"
 #include "mpipe/nn/transformer_layers.hpp"
-#include "mpipe/pipeline/progress.hpp"
-#include "mpipe/pipeline/stage.hpp"
+#include "mpipe/pipeline/comm/progress.hpp"
+#include "mpipe/pipeline/run/stage.hpp"
 #include "temp_dir.hpp"
 
 using namespace mpipe;

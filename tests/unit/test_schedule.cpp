@@ -11,8 +11,8 @@
 #include <random>
 
 #include "mpipe/nn/model.hpp"
-#include "mpipe/pipeline/partition.hpp"
-#include "mpipe/pipeline/schedule.hpp"
+#include "mpipe/pipeline/plan/partition.hpp"
+#include "mpipe/pipeline/schedule/schedule.hpp"
 #include "temp_dir.hpp"
 
 using namespace mpipe;

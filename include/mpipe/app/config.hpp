@@ -8,8 +8,8 @@
 #include "mpipe/io/checkpoint.hpp"
 #include "mpipe/nn/model.hpp"
 #include "mpipe/nn/optimizer.hpp"
-#include "mpipe/pipeline/grid.hpp"
-#include "mpipe/pipeline/plan.hpp"
+#include "mpipe/pipeline/plan/grid.hpp"
+#include "mpipe/pipeline/plan/plan.hpp"
 
 namespace mpipe {
 
@@ -26,7 +26,7 @@ struct PipelineConfig {
   std::string balance;             // "a,b,..." layers per stage; overrides partition
   std::string link_bandwidth = "auto";  // auto | off | GB/s: links counted by --partition time
   double p2p_timeout = default_p2p_timeout;  // seconds a point-to-point wait may block
-  std::string comm_progress = "auto";  // auto | thread | layers | waits (pipeline/progress.hpp)
+  std::string comm_progress = "auto";  // auto | thread | layers | waits (pipeline/comm/progress.hpp)
   double comm_poll_us = 5000;      // the progress thread's poll interval while nothing moves, microseconds
   std::string comm_wait = "sleep";  // comm_wait_names: how a wait passes the time once nothing moves
   int in_flight = 0;               // zero-bubble schedules: micro-batches (zbv: model stages) held from F to W; 0: the schedule's own

@@ -5,7 +5,7 @@
 #include <string>
 
 #include "mpipe/nn/decoder.hpp"
-#include "mpipe/pipeline/comm.hpp"
+#include "mpipe/pipeline/comm/comm.hpp"
 
 namespace mpipe {
 

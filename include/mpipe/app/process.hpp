@@ -4,7 +4,7 @@
 #include <string>
 
 #include "mpipe/app/config.hpp"
-#include "mpipe/pipeline/comm.hpp"
+#include "mpipe/pipeline/comm/comm.hpp"
 
 namespace mpipe {
 

@@ -9,7 +9,7 @@
 #include "mpipe/app/config.hpp"
 #include "mpipe/backend/op_profile.hpp"
 #include "mpipe/io/metrics.hpp"
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 namespace mpipe {
 

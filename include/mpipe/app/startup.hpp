@@ -2,7 +2,7 @@
 // heartbeats run, and the fault points tests stop ranks at; after it, the phases every
 // rank runs and agrees on (StartUp).
 //
-// From its construction on, the watchdog (pipeline/watchdog.hpp) names a rank that stops
+// From its construction on, the watchdog (pipeline/comm/watchdog.hpp) names a rank that stops
 // answering. Before it, a rank stopped inside MPI_Init (or before it, or in the first
 // collective) leaves the others waiting in Open MPI's start-up, which has no timeout. So a
 // thread armed before MPI_Init gives start-up `--p2p-timeout` of run time (a stop of this
@@ -14,8 +14,8 @@
 #pragma once
 #include <functional>
 
-#include "mpipe/pipeline/comm.hpp"
-#include "mpipe/pipeline/watchdog.hpp"
+#include "mpipe/pipeline/comm/comm.hpp"
+#include "mpipe/pipeline/comm/watchdog.hpp"
 
 namespace mpipe {
 

@@ -1,7 +1,7 @@
 // The train command.
 #pragma once
 #include "mpipe/app/config.hpp"
-#include "mpipe/pipeline/comm.hpp"
+#include "mpipe/pipeline/comm/comm.hpp"
 
 namespace mpipe {
 

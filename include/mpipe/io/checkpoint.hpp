@@ -13,8 +13,8 @@
 
 #include "mpipe/io/checkpoint_format.hpp"
 #include "mpipe/io/checkpoint_tokenizer.hpp"
-#include "mpipe/pipeline/executor.hpp"
-#include "mpipe/pipeline/watchdog.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
+#include "mpipe/pipeline/comm/watchdog.hpp"
 
 namespace mpipe {
 

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 namespace mpipe {
 

@@ -4,7 +4,7 @@
 #include <string>
 #include <vector>
 
-#include "mpipe/pipeline/executor.hpp"
+#include "mpipe/pipeline/run/executor.hpp"
 
 namespace mpipe {
 

@@ -2,7 +2,7 @@
 // taken by a later layer (`from = "name"`) that joins it to its own input: `concat` along
 // the channels (U-Net's decoder taking the encoder's features) or `add`. The stashed
 // tensor reaches its consumer through Pass::skips, its gradient goes back through
-// Pass::skip_grads; the stage (pipeline/stage.cpp) fills both, sending a skip that
+// Pass::skip_grads; the stage (pipeline/run/stage.cpp) fills both, sending a skip that
 // crosses stages straight from its producer's rank to its consumer's. And `upsample2d`,
 // a decoder's nearest upsampling.
 #pragma once
