@@ -130,12 +130,17 @@ void print_plan(const Plan& plan, const Model& model) {
       std::printf(" %s", human_bytes(plan.weight_memory(p, plan.options.shard_optimizer).checkpoint_copy).c_str());
     std::printf(" (values and %s state, in host memory)\n", plan.options.optimizer.kind.c_str());
   }
-  std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n",
-              100 * plan.equal_bubble, plan.bubble_formula.c_str(), 100 * plan.predicted_bubble);
-  // Post-validation: a stage starts the next step once its own part of this one is done.
-  std::printf("bubble with --overlap-steps (steps back to back, no clipping or skip): %.1f%% for equal stages, %.1f%% "
-              "predicted from this partition's FLOPs\n",
-              100 * plan.equal_overlap_bubble, 100 * plan.predicted_overlap_bubble);
+  if (K == 1) {
+    // One pipeline stage waits on no other: a percentage (always 0) suggested there could be.
+    std::printf("bubble: none, one pipeline stage (no stage waits on another)\n");
+  } else {
+    std::printf("bubble: %.1f%% for equal stages (%s), %.1f%% predicted from this partition's FLOPs\n",
+                100 * plan.equal_bubble, plan.bubble_formula.c_str(), 100 * plan.predicted_bubble);
+    // Post-validation: a stage starts the next step once its own part of this one is done.
+    std::printf("bubble with --overlap-steps (steps back to back, no clipping or skip): %.1f%% for equal stages, %.1f%% "
+                "predicted from this partition's FLOPs\n",
+                100 * plan.equal_overlap_bubble, 100 * plan.predicted_overlap_bubble);
+  }
   // Split backwards: the last stage's top layers whose W is cheap (weights_in_backward_from).
   for (int s = 0; s < part.stages(); ++s) {
     const WeightsInBackward whole = weights_in_backward(model, part.begin(s), part.end(s));

@@ -256,3 +256,7 @@ mpipe_cli_test(plan_optimizer_footnote 0 "^\\* the optimizer state this run keep
   plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 4 --replicas 2)
 mpipe_cli_test(one_stage_no_bubble 0 "^bubble: none, one pipeline stage"
   train --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --steps 2 --threads 1)
+# The plan's bubble line on one pipeline stage: 'none', not a percentage of 0.0 (the
+# plan's form ends at the parenthesis; the end-of-run table's goes on).
+mpipe_cli_test(plan_one_stage_no_bubble 0 "^bubble: none, one pipeline stage \\(no stage waits on another\\)$"
+  plan --config ${CMAKE_SOURCE_DIR}/inputs/quickstart.toml --ranks 1)
