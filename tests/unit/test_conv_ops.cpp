@@ -79,14 +79,15 @@ TEST_CASE("conv2d on the CPU: the direct sums, forward and backward, for every w
   // 128 channels at 3x3 (1152 taps, the most the path takes) against 129 (im2col again);
   // then 1x1 over planes of whole vectors (pointwise tiles): 32 positions (a 16-wide tile),
   // 48 (a 48-wide one) over 13 rows (tiles of 8, 4 and 1), and 1024 positions grouped (the
-  // weight gradient in tiles, partial ones: 5 rows, 12 channels a group).
+  // weight gradient in tiles, partial ones: 5 rows, 12 channels a group); last 20 output
+  // channels (the bias gradient's two blocks of 8 and a remainder of 4).
   for (const Case k : {Case{3, 4, 9, 7, 3, 1, 1, 1}, Case{4, 6, 9, 8, 3, 2, 1, 1}, Case{5, 3, 6, 7, 1, 1, 0, 1},
                        Case{4, 8, 7, 7, 1, 2, 0, 1}, Case{3, 4, 13, 12, 7, 2, 3, 1}, Case{2, 3, 6, 5, 3, 1, 0, 1},
                        Case{4, 6, 9, 9, 5, 2, 2, 2}, Case{2, 2, 2, 3, 3, 1, 1, 1}, Case{16, 8, 9, 9, 3, 1, 1, 1},
                        Case{16, 5, 6, 10, 3, 1, 0, 1}, Case{32, 6, 7, 9, 3, 1, 1, 2}, Case{16, 4, 8, 16, 5, 1, 2, 1},
                        Case{17, 3, 2, 12, 3, 1, 1, 1}, Case{17, 5, 30, 32, 3, 1, 1, 1}, Case{128, 4, 6, 10, 3, 1, 1, 1},
                        Case{129, 3, 5, 9, 3, 1, 1, 1}, Case{5, 3, 4, 8, 1, 1, 0, 1}, Case{9, 13, 8, 6, 1, 1, 0, 1},
-                       Case{24, 10, 32, 32, 1, 1, 0, 2}}) {
+                       Case{24, 10, 32, 32, 1, 1, 0, 2}, Case{3, 20, 8, 8, 3, 1, 1, 1}}) {
     Window2d w;
     w.N = 3, w.C = k.C, w.H = k.H, w.W = k.W, w.OC = k.OC, w.KH = w.KW = k.K, w.stride = k.stride, w.padding = k.padding;
     w.groups = k.groups;
@@ -111,6 +112,15 @@ TEST_CASE("conv2d on the CPU: the direct sums, forward and backward, for every w
     // edge kernels may then sum otherwise (1 and 2 threads differ at 128 channels over 6x10).
     const bool blas_threads_dw = !(cpu::conv2d_shifted(w) && cpu::conv_parts::shifted_weight_tiles(w)) &&
                                  !(tiles_1x1 && cpu::conv_parts::pointwise_weight_tiles(w));
+    // The bias gradient's rule, bit for bit at any thread count: per channel, the samples in
+    // order, each sample's plane summed in double in order, rounded, then added.
+    std::vector<float> rule_dbias(bias.size(), 0.0f);
+    for (int64_t n = 0; n < w.N; ++n)
+      for (int64_t oc = 0; oc < w.OC; ++oc) {
+        double sum = 0;
+        for (int64_t p = 0; p < w.OH * w.OW; ++p) sum += dy[static_cast<std::size_t>((n * w.OC + oc) * w.OH * w.OW + p)];
+        rule_dbias[static_cast<std::size_t>(oc)] += static_cast<float>(sum);
+      }
     std::vector<float> first_out, first_dinp, first_dweight;
     for (const int threads : {1, 2, 4}) {
       CAPTURE(threads);
@@ -126,6 +136,7 @@ TEST_CASE("conv2d on the CPU: the direct sums, forward and backward, for every w
       check_close(dinp, want.dinp, "dinp");
       check_close(dweight, want.dweight, "dweight");
       check_close(dbias, want.dbias, "dbias");
+      CHECK(dbias == rule_dbias);
       if (threads == 1) {
         first_out = out, first_dinp = dinp, first_dweight = dweight;
       } else {

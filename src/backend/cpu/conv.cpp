@@ -92,6 +92,41 @@ float* lane_cols(float* cols, int64_t lanes, const Window2d& w) {
 
 bool conv2d_shifted(const Window2d& w) { return shifted(w); }
 
+namespace {
+
+// The bias gradient: dbias[oc] += each sample's sum of its plane (P values, in double, in
+// order), the samples in order. Threads split blocks of 8 channels, and a block's 8 sums
+// run side by side: 8 chains of additions, so one add's latency hides behind the others
+// (one chain at a time was 0.8 ms of the small CNN's 9 ms step at 2 threads, on the
+// calling thread while the others waited). Each channel's additions are the same sequence
+// as one channel at a time: the same bits for any thread count.
+void bias_grad(float* dbias, const float* dout, int64_t N, int64_t OC, int64_t P) {
+  constexpr int64_t B = 8;
+  const int64_t blocks = (OC + B - 1) / B;
+  for_each_index(threads_here() && blocks > 1, blocks, [&](int64_t block) {
+    const int64_t o0 = block * B;
+    if (o0 + B <= OC) {
+      for (int64_t n = 0; n < N; ++n) {
+        const float* d = dout + (n * OC + o0) * P;
+        double sum[B] = {};
+        for (int64_t p = 0; p < P; ++p)
+          for (int64_t k = 0; k < B; ++k) sum[k] += d[k * P + p];
+        for (int64_t k = 0; k < B; ++k) dbias[o0 + k] += static_cast<float>(sum[k]);
+      }
+      return;
+    }
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t oc = o0; oc < OC; ++oc) {
+        const float* d = dout + (n * OC + oc) * P;
+        double sum = 0;
+        for (int64_t p = 0; p < P; ++p) sum += d[p];
+        dbias[oc] += static_cast<float>(sum);
+      }
+  });
+}
+
+}  // namespace
+
 int64_t conv2d_cols(const Window2d& w) {
   if (shifted(w)) return shifted_cols(w);
   return pointwise(w) ? 0 : conv_lanes(w) * columns(w);
@@ -125,14 +160,7 @@ void conv2d_backward(float* dinp, float* dweight, float* dbias, const float* dou
   const int64_t Cg = w.C / w.groups, OCg = w.OC / w.groups, K = Cg * w.KH * w.KW, P = w.OH * w.OW;
   // Parameter gradients: the samples in order (the order of every sum), threads inside
   // each sample's im2col and GEMM.
-  if (dbias)
-    for (int64_t n = 0; n < w.N; ++n)
-      for (int64_t oc = 0; oc < w.OC; ++oc) {
-        const float* d = dout + (n * w.OC + oc) * P;
-        double sum = 0;
-        for (int64_t p = 0; p < P; ++p) sum += d[p];
-        dbias[oc] += static_cast<float>(sum);
-      }
+  if (dbias) bias_grad(dbias, dout, w.N, w.OC, P);
   if (dweight && shifted(w) && shifted_weight_tiles(w)) shifted_weight_grad(dweight, dout, inp, cols, w);
   else if (dweight && pointwise_tiled(w) && pointwise_weight_tiles(w)) pointwise_weight_grad(dweight, dout, inp, w);
   else if (dweight)
