@@ -4,11 +4,14 @@
 #include <unistd.h>
 
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <hdf5.h>
@@ -334,41 +337,75 @@ TEST_CASE("hdf5 data: a run's batches follow the rule docs/data.md states, shuff
 }
 
 TEST_CASE("prefetch: a batch read ahead is taken once by its key, its error comes at its take, others are dropped") {
-  // The reader fills element 0 of inputs with the step (and targets with the training
-  // flag), and fails at step 3. As any thread (a GPU's reader) and of the idle class on
-  // any core (the CPU's).
+  // The reader fills each sample s of inputs with step * 10 + s (and its target with the
+  // training flag), and fails at step 3's sample 2. As any thread in one piece (a GPU's
+  // reader) and of the idle class on any core in pieces of one sample (the CPU's).
   for (const bool background : {false, true}) {
     CAPTURE(background);
     std::vector<float> a(4, -1.0f), b(4, -1.0f);
-    std::vector<std::int32_t> ta(1, -1), tb(1, -1);
+    std::vector<std::int32_t> ta(4, -1), tb(4, -1);
     Prefetch reader(
-        [](std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) {
-          if (step == 3) throw UserError("step 3 is broken", "a hint");
-          inputs.f32()[0] = static_cast<float>(step);
-          targets.i32()[0] = training ? 1 : 0;
+        [](std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets, std::int64_t begin,
+           std::int64_t end) {
+          for (std::int64_t s = begin; s < end; ++s) {
+            if (step == 3 && s == 2) throw UserError("step 3 sample 2 is broken", "a hint");
+            inputs.f32()[s] = static_cast<float>(step * 10 + s);
+            targets.i32()[s] = training ? 1 : 0;
+          }
         },
-        2, background);
+        2, background, background ? 1 : 0);
     const auto in = [](std::vector<float>& v) { return make_tensor(v.data(), Shape{4}); };
-    const auto tg = [](std::vector<std::int32_t>& v) { return Tensor{v.data(), Shape{1}, DType::i32, Device::cpu}; };
+    const auto tg = [](std::vector<std::int32_t>& v) { return Tensor{v.data(), Shape{4}, DType::i32, Device::cpu}; };
     CHECK_FALSE(reader.take(0, true));  // nothing read ahead
-    reader.start(1, true, in(a), tg(ta));
+    reader.start(1, true, in(a), tg(ta), 4);
     CHECK(reader.take(1, true));
-    CHECK(a[0] == 1.0f);
-    CHECK(ta[0] == 1);
+    CHECK(a == std::vector<float>{10, 11, 12, 13});  // every sample, by the reader or by take()
+    CHECK(ta == std::vector<std::int32_t>{1, 1, 1, 1});
     CHECK_FALSE(reader.take(1, true));  // taken once
-    reader.start(2, true, in(b), tg(tb));
+    reader.start(2, true, in(b), tg(tb), 4);
     CHECK_FALSE(reader.take(2, false));  // another key: dropped (an evaluation batch asked for)
     CHECK_FALSE(reader.take(2, true));
-    reader.start(3, true, in(a), tg(ta));
-    CHECK_THROWS_WITH_AS(reader.take(3, true), doctest::Contains("step 3 is broken"), UserError);
-    reader.start(3, true, in(a), tg(ta));
+    reader.start(3, true, in(a), tg(ta), 4);
+    CHECK_THROWS_WITH_AS(reader.take(3, true), doctest::Contains("step 3 sample 2 is broken"), UserError);
+    reader.start(3, true, in(a), tg(ta), 4);
     CHECK_FALSE(reader.take(4, true));  // a failed read not asked for says nothing
-    reader.start(7, false, in(b), tg(tb));
+    reader.start(7, false, in(b), tg(tb), 4);
     CHECK(reader.take(7, false));
-    CHECK(b[0] == 7.0f);
-    CHECK(tb[0] == 0);
+    CHECK(b == std::vector<float>{70, 71, 72, 73});
+    CHECK(tb == std::vector<std::int32_t>{0, 0, 0, 0});
     CHECK(reader.started() == 5);
     CHECK(reader.taken() == 2);
-    reader.start(8, true, in(a), tg(ta));  // in flight at the end: the destructor waits for it
+    CHECK(reader.read_ahead() + reader.read_late() == 8);  // the two taken batches' samples
+    reader.start(8, true, in(a), tg(ta), 4);  // in flight at the end: the destructor stops it
   }
+}
+
+TEST_CASE("prefetch: take() stops the reader after its piece in flight and fills the rest on its own thread") {
+  // The reader's first piece (sample 0) waits until take() has been called and a moment
+  // has passed; take() must not let it start another piece, and fills samples 1-3 itself.
+  std::atomic<bool> entered{false}, release{false};
+  std::array<std::thread::id, 4> filled_by{};
+  Prefetch reader(
+      [&](std::int64_t, bool, const Tensor&, const Tensor&, std::int64_t begin, std::int64_t end) {
+        if (begin == 0) {
+          entered = true;
+          while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+        for (std::int64_t s = begin; s < end; ++s) filled_by[static_cast<std::size_t>(s)] = std::this_thread::get_id();
+      },
+      1, true, 1);
+  std::vector<float> x(4);
+  std::vector<std::int32_t> y(4);
+  reader.start(5, true, make_tensor(x.data(), Shape{4}), Tensor{y.data(), Shape{4}, DType::i32, Device::cpu}, 4);
+  while (!entered) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    release = true;
+  });
+  CHECK(reader.take(5, true));
+  releaser.join();
+  CHECK(reader.read_ahead() == 1);
+  CHECK(reader.read_late() == 3);
+  CHECK(filled_by[0] != std::this_thread::get_id());
+  for (std::size_t s = 1; s < 4; ++s) CHECK(filled_by[s] == std::this_thread::get_id());
 }

@@ -79,6 +79,17 @@ struct Tensor {
     t.shape = new_shape;
     return t;
   }
+  // Rows [begin, end) of the first dimension (samples of a batch); empty stays empty.
+  Tensor samples(std::int64_t begin, std::int64_t end) const {
+    if (empty()) return *this;
+    MPIPE_CHECK(shape.rank >= 1 && 0 <= begin && begin <= end && end <= shape[0], "samples ", begin, "-", end, " of ",
+                shape.str());
+    const std::int64_t per = shape[0] == 0 ? 0 : numel() / shape[0];
+    Tensor t = *this;
+    t.data = static_cast<std::byte*>(data) + static_cast<std::size_t>(begin * per) * dtype_size(dtype);
+    t.shape[0] = end - begin;
+    return t;
+  }
   // Its first new_shape.numel() elements seen with that shape.
   Tensor head(Shape new_shape) const {
     MPIPE_CHECK(new_shape.numel() <= numel(), "head ", new_shape.str(), " of ", shape.str());

@@ -106,12 +106,14 @@ void Executor::allocate() {
     device_ops_->allocate_batch(model_.input_shape(share), model_.input_dtype(), model_.target_shape(share), prefetch);
     if (prefetch)
       prefetch_ = std::make_unique<Prefetch>(
-          [this](std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) {
-            fill_batch(step, training, inputs, targets);
-          },
-          // A GPU's rank leaves the host idle: the reader takes the rank's threads. On
-          // the CPU it shares the cores with compute: one thread, of the idle class.
-          device_ == Device::cuda ? cpu::threads() : 1, device_ == Device::cpu);
+          [this](std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets, std::int64_t begin,
+                 std::int64_t end) { fill_batch(step, training, inputs, targets, begin, end); },
+          // A GPU's rank leaves the host idle: the reader takes the rank's threads and the
+          // whole batch. On the CPU it shares the cores with compute: one thread, of the
+          // idle class, in eighths of the batch, so that take() fills what it did not reach
+          // with the rank's threads (on cores that compute kept busy, that is all of it).
+          device_ == Device::cuda ? cpu::threads() : 1, device_ == Device::cpu,
+          device_ == Device::cpu ? std::max(1, share / 8) : 0);
   }
   slots_ = std::make_unique<SlotPool>(in_flight(schedule_, grid_->stage()), device_, &activations_);
   reducer_ = std::make_unique<Reducer>(*grid_, model_, partition_, *params_, layers(), *device_ops_,
@@ -220,11 +222,15 @@ void Executor::end_compute(ComputeKind kind, int micro_batch, int stage, Clock::
 
 // This replica's share of the step's batch (of the held-out data's batch `step`), read
 // on the host and moved to the device.
-void Executor::fill_batch(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) const {
+void Executor::fill_batch(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets,
+                          std::int64_t begin, std::int64_t end) const {
   const Dataset* data = training ? dataset_.get() : eval_dataset_.get();
   const int share = plan_.replica_batch();
-  data->fill(static_cast<std::uint64_t>(step) * plan_.options.batch_size + static_cast<std::uint64_t>(grid_->replica() * share),
-             share, holds_first() || !data->targets_alone() ? inputs : Tensor{}, targets);
+  if (end < 0) end = share;
+  const Tensor in = holds_first() || !data->targets_alone() ? inputs : Tensor{};
+  data->fill(static_cast<std::uint64_t>(step) * plan_.options.batch_size + static_cast<std::uint64_t>(grid_->replica() * share) +
+                 static_cast<std::uint64_t>(begin),
+             end - begin, in.samples(begin, end), targets.samples(begin, end));
 }
 
 void Executor::read_batch(std::int64_t step, bool training) {
@@ -239,7 +245,8 @@ void Executor::read_batch(std::int64_t step, bool training) {
   device_ops_->upload_batch();
   // The next batch, into the other half while this step computes (and, on a GPU, while
   // this half is copied over: the copy is queued ahead of the step's work).
-  if (prefetch_) prefetch_->start(step + 1, training, device_ops_->spare_inputs(), device_ops_->spare_targets());
+  if (prefetch_)
+    prefetch_->start(step + 1, training, device_ops_->spare_inputs(), device_ops_->spare_targets(), plan_.replica_batch());
 }
 
 void Executor::run_pipeline(std::int64_t step, bool training) {

@@ -1,6 +1,7 @@
 // The reader thread of --prefetch (pipeline/run/prefetch.hpp).
 #include "mpipe/pipeline/run/prefetch.hpp"
 
+#include <algorithm>
 #include <utility>
 
 #include "mpipe/core/background.hpp"
@@ -11,32 +12,38 @@
 
 namespace mpipe {
 
-Prefetch::Prefetch(Fill fill, int threads, bool background)
-    : fill_(std::move(fill)), threads_(threads), background_(background), thread_([this] { run(); }) {}
+Prefetch::Prefetch(Fill fill, int threads, bool background, std::int64_t piece)
+    : fill_(std::move(fill)), threads_(threads), background_(background), piece_(piece), thread_([this] { run(); }) {}
 
 Prefetch::~Prefetch() {
   {
     std::unique_lock lock(mutex_);
-    wait_idle(lock);
+    stop_read(lock);
     stop_ = true;
   }
   wake_.notify_one();
   thread_.join();
 }
 
-void Prefetch::wait_idle(std::unique_lock<std::mutex>& lock) {
-  done_.wait(lock, [this] { return !queued_ && !busy_; });
+void Prefetch::stop_read(std::unique_lock<std::mutex>& lock) {
+  claimed_ = true;
+  queued_ = false;  // a read the reader never woke for: none of it is the reader's
+  done_.wait(lock, [this] { return !busy_; });
 }
 
-void Prefetch::start(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) {
+void Prefetch::start(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets,
+                     std::int64_t samples) {
   {
     std::unique_lock lock(mutex_);
-    wait_idle(lock);
+    stop_read(lock);
     step_ = step;
     training_ = training;
     inputs_ = inputs;
     targets_ = targets;
+    samples_ = samples;
+    next_ = 0;
     error_ = nullptr;
+    claimed_ = false;
     queued_ = held_ = true;
     ++started_;
   }
@@ -45,12 +52,20 @@ void Prefetch::start(std::int64_t step, bool training, const Tensor& inputs, con
 
 bool Prefetch::take(std::int64_t step, bool training) {
   std::unique_lock lock(mutex_);
-  wait_idle(lock);
+  stop_read(lock);
   const bool hit = held_ && step_ == step && training_ == training;
   held_ = false;
   if (!hit) return false;
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  const std::int64_t begin = next_, end = samples_;
+  const Tensor inputs = inputs_, targets = targets_;
+  lock.unlock();
+  // The samples the reader did not reach, here, with this thread's OpenMP team (the
+  // counts are this thread's alone).
+  if (begin < end) fill_(step, training, inputs, targets, begin, end);
   ++taken_;
+  read_ahead_ += begin;
+  read_late_ += end - begin;
   return true;
 }
 
@@ -68,15 +83,23 @@ void Prefetch::run() {
     const std::int64_t step = step_;
     const bool training = training_;
     const Tensor inputs = inputs_, targets = targets_;
-    lock.unlock();
-    std::exception_ptr error;
-    try {
-      fill_(step, training, inputs, targets);
-    } catch (...) {
-      error = std::current_exception();
+    const std::int64_t piece = piece_ > 0 ? piece_ : std::max<std::int64_t>(samples_, 1);
+    // Pieces in sample order until take() claims the rest or one fails (the samples after
+    // a failed one are never read: the error is the first in sample order, as a
+    // synchronous read's).
+    while (!claimed_ && !error_ && next_ < samples_) {
+      const std::int64_t begin = next_, end = std::min(samples_, begin + piece);
+      next_ = end;
+      lock.unlock();
+      std::exception_ptr error;
+      try {
+        fill_(step, training, inputs, targets, begin, end);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      lock.lock();
+      error_ = error;
     }
-    lock.lock();
-    error_ = error;
     busy_ = false;
     done_.notify_all();
   }

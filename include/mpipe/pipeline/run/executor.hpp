@@ -213,8 +213,10 @@ class Executor : StageHooks {
   // This replica's share of batch `step` into the device's batch: read ahead by the
   // prefetch thread, or read now; then the next one's read started.
   void read_batch(std::int64_t step, bool training);
-  // The dataset's fill of this replica's share of batch `step` into (inputs, targets).
-  void fill_batch(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets) const;
+  // The dataset's fill of samples [begin, end) of this replica's share of batch `step`
+  // into those rows of (inputs, targets); end -1: to the share's end.
+  void fill_batch(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets, std::int64_t begin = 0,
+                  std::int64_t end = -1) const;
 
   // StageHooks: what the rank's stages tell it.
   void begin_compute(ComputeKind kind, int micro_batch, int stage) override;
