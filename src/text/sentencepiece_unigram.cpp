@@ -1,0 +1,595 @@
+// SentencePiece unigram models encoded by mpipe (include/mpipe/text/sentencepiece_unigram.hpp):
+// the model file's protobuf read by hand, the normaliser over the precompiled charsmap,
+// the pieces in a double-array trie, and the library's optimised Viterbi. Each step
+// follows libsentencepiece 0.1.97 (normalizer.cc, unigram_model.cc EncodeOptimized,
+// sentencepiece_processor.cc PopulateSentencePieceText); the unit tests compare the ids.
+#include "mpipe/text/sentencepiece_unigram.hpp"
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdio>
+#include <cstring>
+#include <unordered_map>
+#include <utility>
+
+namespace mpipe {
+
+namespace {
+
+// ModelProto.SentencePiece.Type.
+enum PieceType : std::uint8_t { kNormal = 1, kUnknown = 2, kControl = 3, kUserDefined = 4, kUnused = 5, kByte = 6 };
+
+// Protobuf's wire format, as far as a ModelProto needs: varints, 32- and 64-bit fixed
+// fields, length-delimited fields. Any malformation makes ok() false.
+class Wire {
+ public:
+  explicit Wire(std::string_view bytes)
+      : p_(reinterpret_cast<const unsigned char*>(bytes.data())), end_(p_ + bytes.size()) {}
+  bool more() const { return ok_ && p_ < end_; }
+  bool ok() const { return ok_; }
+  bool key(std::uint32_t* field, std::uint32_t* type) {
+    std::uint64_t k = 0;
+    if (!varint(&k)) return false;
+    *field = static_cast<std::uint32_t>(k >> 3);
+    *type = static_cast<std::uint32_t>(k & 7);
+    return *field != 0 || fail();
+  }
+  bool varint(std::uint64_t* v) {
+    std::uint64_t r = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+      if (p_ == end_) return fail();
+      const unsigned char b = *p_++;
+      r |= static_cast<std::uint64_t>(b & 0x7f) << shift;
+      if (!(b & 0x80)) {
+        *v = r;
+        return true;
+      }
+    }
+    return fail();
+  }
+  bool bytes(std::string_view* out) {
+    std::uint64_t n = 0;
+    if (!varint(&n)) return false;
+    if (n > static_cast<std::uint64_t>(end_ - p_)) return fail();
+    *out = std::string_view(reinterpret_cast<const char*>(p_), static_cast<std::size_t>(n));
+    p_ += n;
+    return true;
+  }
+  bool fixed32(std::uint32_t* v) {
+    if (end_ - p_ < 4) return fail();
+    *v = static_cast<std::uint32_t>(p_[0]) | static_cast<std::uint32_t>(p_[1]) << 8 |
+         static_cast<std::uint32_t>(p_[2]) << 16 | static_cast<std::uint32_t>(p_[3]) << 24;
+    p_ += 4;
+    return true;
+  }
+  bool skip(std::uint32_t type) {
+    std::uint64_t v = 0;
+    std::uint32_t f = 0;
+    std::string_view s;
+    switch (type) {
+      case 0: return varint(&v);
+      case 1:
+        if (end_ - p_ < 8) return fail();
+        p_ += 8;
+        return true;
+      case 2: return bytes(&s);
+      case 5: return fixed32(&f);
+      default: return fail();  // groups: not in a ModelProto
+    }
+  }
+
+ private:
+  bool fail() {
+    ok_ = false;
+    return false;
+  }
+  const unsigned char* p_;
+  const unsigned char* end_;
+  bool ok_ = true;
+};
+
+struct ProtoPiece {
+  std::string_view text;
+  float score = 0;
+  int type = kNormal;
+};
+
+struct Proto {
+  std::vector<ProtoPiece> pieces;
+  int model_type = 1;  // UNIGRAM
+  bool treat_whitespace_as_suffix = false, byte_fallback = false;
+  std::string_view charsmap;
+  bool add_dummy_prefix = true, remove_extra_whitespaces = true, escape_whitespaces = true;
+};
+
+// A message's fields; `on` reads a field it knows (true) or leaves it to be skipped (false).
+template <class On>
+bool read_message(std::string_view bytes, On on) {
+  Wire w(bytes);
+  while (w.more()) {
+    std::uint32_t field = 0, type = 0;
+    if (!w.key(&field, &type)) return false;
+    if (!on(w, field, type) && !w.skip(type)) return false;
+  }
+  return w.ok();
+}
+
+bool read_bool(Wire& w, std::uint32_t type, bool* out) {
+  std::uint64_t v = 0;
+  if (type != 0 || !w.varint(&v)) return false;
+  *out = v != 0;
+  return true;
+}
+
+// Wire-type mismatches fail the read (the library's protobuf would refuse them too).
+bool parse_proto(std::string_view bytes, Proto* proto) {
+  bool good = true;
+  const bool read = read_message(bytes, [&](Wire& w, std::uint32_t field, std::uint32_t type) {
+    std::string_view sub;
+    if (field < 1 || field > 3) return false;
+    if (type != 2 || !w.bytes(&sub)) return good = false, true;
+    if (field == 1) {
+      ProtoPiece piece;
+      good = good && read_message(sub, [&](Wire& p, std::uint32_t f, std::uint32_t t) {
+        std::uint64_t v = 0;
+        std::uint32_t bits = 0;
+        if (f == 1) return (t == 2 && p.bytes(&piece.text)) || (good = false, true);
+        if (f == 2) {
+          if (t != 5 || !p.fixed32(&bits)) return good = false, true;
+          std::memcpy(&piece.score, &bits, 4);
+          return true;
+        }
+        if (f == 3) {
+          if (t != 0 || !p.varint(&v)) return good = false, true;
+          piece.type = static_cast<int>(static_cast<std::int64_t>(v));
+          return true;
+        }
+        return false;
+      });
+      proto->pieces.push_back(piece);
+    } else if (field == 2) {
+      good = good && read_message(sub, [&](Wire& t, std::uint32_t f, std::uint32_t ty) {
+        std::uint64_t v = 0;
+        if (f == 3) {
+          if (ty != 0 || !t.varint(&v)) return good = false, true;
+          proto->model_type = static_cast<int>(static_cast<std::int64_t>(v));
+          return true;
+        }
+        if (f == 24) return read_bool(t, ty, &proto->treat_whitespace_as_suffix) || (good = false, true);
+        if (f == 35) return read_bool(t, ty, &proto->byte_fallback) || (good = false, true);
+        return false;
+      });
+    } else {
+      good = good && read_message(sub, [&](Wire& n, std::uint32_t f, std::uint32_t ty) {
+        if (f == 2) return (ty == 2 && n.bytes(&proto->charsmap)) || (good = false, true);
+        if (f == 3) return read_bool(n, ty, &proto->add_dummy_prefix) || (good = false, true);
+        if (f == 4) return read_bool(n, ty, &proto->remove_extra_whitespaces) || (good = false, true);
+        if (f == 5) return read_bool(n, ty, &proto->escape_whitespaces) || (good = false, true);
+        return false;
+      });
+    }
+    return true;
+  });
+  return read && good;
+}
+
+// A double-array trie over byte strings: child(node, byte) is one load and one compare.
+class Trie {
+ public:
+  // `keys`: distinct non-empty byte strings and their values (>= 0).
+  void build(std::vector<std::pair<std::string_view, std::int32_t>> keys) {
+    std::sort(keys.begin(), keys.end());
+    // A pointer trie first, its children in byte order (the keys are sorted).
+    struct Node {
+      std::vector<std::pair<unsigned char, std::int32_t>> kids;
+      std::int32_t value = -1;
+    };
+    std::vector<Node> nodes(1);
+    for (const auto& [key, value] : keys) {
+      std::int32_t n = 0;
+      for (const char ch : key) {
+        const auto c = static_cast<unsigned char>(ch);
+        auto& kids = nodes[static_cast<std::size_t>(n)].kids;
+        if (kids.empty() || kids.back().first != c) {
+          kids.emplace_back(c, static_cast<std::int32_t>(nodes.size()));
+          nodes.emplace_back();
+        }
+        n = nodes[static_cast<std::size_t>(n)].kids.back().second;
+      }
+      nodes[static_cast<std::size_t>(n)].value = value;
+    }
+    // Then the double array, breadth first: each node's children at base + byte.
+    units_.assign(256, Unit{});
+    units_[0].check = -2;
+    units_[0].value = nodes[0].value;
+    std::size_t first_free = 1;
+    std::vector<std::pair<std::int32_t, std::int32_t>> queue{{0, 0}};  // (pointer node, unit)
+    for (std::size_t q = 0; q < queue.size(); ++q) {
+      const auto [n, u] = queue[q];
+      const auto& kids = nodes[static_cast<std::size_t>(n)].kids;
+      if (kids.empty()) continue;
+      while (first_free < units_.size() && units_[first_free].check != -1) ++first_free;
+      std::size_t base = std::max<std::size_t>(1, first_free > kids[0].first ? first_free - kids[0].first : 1);
+      for (;; ++base) {
+        if (units_.size() < base + 256) units_.resize(base + 256, Unit{});
+        bool fits = true;
+        for (const auto& kid : kids)
+          if (units_[base + kid.first].check != -1) {
+            fits = false;
+            break;
+          }
+        if (fits) break;
+      }
+      units_[static_cast<std::size_t>(u)].base = static_cast<std::int32_t>(base);
+      for (const auto& [c, child] : kids) {
+        Unit& slot = units_[base + c];
+        slot.check = u;
+        slot.value = nodes[static_cast<std::size_t>(child)].value;
+        queue.emplace_back(child, static_cast<std::int32_t>(base + c));
+      }
+    }
+  }
+  bool empty() const { return units_.empty(); }
+  // The child of `node` by byte c, or -1.
+  std::int32_t child(std::int32_t node, unsigned char c) const {
+    const std::size_t i = static_cast<std::size_t>(units_[static_cast<std::size_t>(node)].base) + c;
+    return i < units_.size() && units_[i].check == node ? static_cast<std::int32_t>(i) : -1;
+  }
+  std::int32_t value(std::int32_t node) const { return units_[static_cast<std::size_t>(node)].value; }
+  // The longest key that is a prefix of s[0, n) among the first `max_results` prefixes
+  // found (shortest first), as darts-clone's commonPrefixSearch reports them; 0 if none.
+  std::size_t longest_prefix(const char* s, std::size_t n, std::size_t max_results) const {
+    std::size_t longest = 0, found = 0;
+    std::int32_t node = 0;
+    for (std::size_t i = 0; i < n; ++i) {
+      node = child(node, static_cast<unsigned char>(s[i]));
+      if (node < 0) break;
+      if (value(node) >= 0 && found++ < max_results) longest = i + 1;
+    }
+    return longest;
+  }
+
+ private:
+  struct Unit {
+    std::int32_t base = 0, check = -1, value = -1;
+  };
+  std::vector<Unit> units_;
+};
+
+constexpr std::string_view kSpaceSymbol = "\xe2\x96\x81";  // U+2581, SentencePiece's escaped space
+constexpr std::string_view kReplacement = "\xef\xbf\xbd";  // U+FFFD for a malformed UTF-8 byte
+
+// sentencepiece's string_util::OneCharLen: the length a leading byte announces.
+inline int one_char_len(unsigned char b) { return "\1\1\1\1\1\1\1\1\1\1\1\1\2\2\3\4"[b >> 4]; }
+
+inline bool is_trail(unsigned char b) { return (b & 0xc0) == 0x80; }
+inline bool valid_code_point(std::uint32_t c) { return c < 0xd800 || (c >= 0xe000 && c <= 0x10ffff); }
+
+// sentencepiece's string_util::IsValidDecodeUTF8: the length of a valid UTF-8 character at
+// s, or 0 for a malformed byte (U+FFFD itself is valid).
+inline std::size_t valid_utf8_len(const unsigned char* s, std::size_t n) {
+  const unsigned char b = s[0];
+  if (b < 0x80) return 1;
+  if (n >= 2 && (b & 0xe0) == 0xc0) {
+    const std::uint32_t c = (b & 0x1fu) << 6 | (s[1] & 0x3fu);
+    if (is_trail(s[1]) && c >= 0x80 && valid_code_point(c)) return 2;
+  } else if (n >= 3 && (b & 0xf0) == 0xe0) {
+    const std::uint32_t c = (b & 0x0fu) << 12 | (s[1] & 0x3fu) << 6 | (s[2] & 0x3fu);
+    if (is_trail(s[1]) && is_trail(s[2]) && c >= 0x800 && valid_code_point(c)) return 3;
+  } else if (n >= 4 && (b & 0xf8) == 0xf0) {
+    const std::uint32_t c = (b & 0x07u) << 18 | (s[1] & 0x3fu) << 12 | (s[2] & 0x3fu) << 6 | (s[3] & 0x3fu);
+    if (is_trail(s[1]) && is_trail(s[2]) && is_trail(s[3]) && c >= 0x10000 && valid_code_point(c)) return 4;
+  }
+  return 0;
+}
+
+// The precompiled charsmap: <uint32 trie size><darts-clone double array><strings, each
+// ended by NUL>, the trie's values offsets into the strings.
+class Charsmap {
+ public:
+  bool load(std::string_view blob) {
+    if (blob.empty()) return true;
+    if (blob.size() <= 4) return false;
+    std::uint32_t trie_bytes = 0;
+    std::memcpy(&trie_bytes, blob.data(), 4);  // little-endian, as the file stores it (x86, aarch64)
+    if (trie_bytes >= blob.size()) return false;
+    blob.remove_prefix(4);
+    if (trie_bytes > blob.size()) return false;
+    units_.resize(trie_bytes / 4);
+    if (!units_.empty()) std::memcpy(units_.data(), blob.data(), units_.size() * 4);
+    strings_.assign(blob.substr(trie_bytes));
+    return true;
+  }
+  bool empty() const { return units_.empty(); }
+  // Whether some rule starts with byte b (darts-clone's first step from the root).
+  bool starts_rule(unsigned char b) const {
+    if (units_.empty()) return false;
+    const std::size_t pos = offset(units_[0]) ^ b;
+    return pos < units_.size() && label(units_[pos]) == b;
+  }
+  // Normalizer::NormalizePrefix's search: the longest rule matching a prefix of s[0, n)
+  // among the first 32 found; its length (0: none) and replacement in *out.
+  std::size_t longest(const char* s, std::size_t n, std::string_view* out) const {
+    constexpr std::size_t kMaxResults = 32;  // Normalizer::kMaxTrieResultsSize
+    std::size_t longest = 0, found = 0, value = 0;
+    if (units_.empty()) return 0;
+    std::size_t pos = offset(units_[0]);
+    for (std::size_t i = 0; i < n; ++i) {
+      const auto c = static_cast<unsigned char>(s[i]);
+      pos ^= c;
+      if (pos >= units_.size()) break;
+      const std::uint32_t unit = units_[pos];
+      if (label(unit) != c) break;
+      pos ^= offset(unit);
+      if ((unit >> 8) & 1) {  // has a leaf
+        if (pos >= units_.size()) break;
+        if (found++ < kMaxResults) {
+          longest = i + 1;
+          value = units_[pos] & ((1u << 31) - 1);
+        }
+      }
+    }
+    if (longest == 0) return 0;
+    if (value >= strings_.size()) {
+      *out = {};
+    } else {
+      const char* begin = strings_.data() + value;
+      const void* nul = std::memchr(begin, 0, strings_.size() - value);
+      *out = std::string_view(begin, nul ? static_cast<std::size_t>(static_cast<const char*>(nul) - begin)
+                                         : strings_.size() - value);
+    }
+    return longest;
+  }
+
+ private:
+  static std::size_t offset(std::uint32_t unit) { return (unit >> 10) << ((unit & (1u << 9)) >> 6); }
+  static std::uint32_t label(std::uint32_t unit) { return unit & ((1u << 31) | 0xff); }
+  std::vector<std::uint32_t> units_;
+  std::string strings_;
+};
+
+struct BestPath {
+  float score;
+  std::int32_t starts_at;
+  std::int32_t id;
+};
+
+struct Scratch {
+  std::string normalized;
+  std::vector<BestPath> best;
+  std::vector<std::pair<std::int32_t, std::int32_t>> path;  // (start, id), last piece first
+};
+
+Scratch& scratch() {
+  thread_local Scratch s;
+  return s;
+}
+
+}  // namespace
+
+struct SentencePieceUnigram::Model {
+  // Pieces.
+  Trie pieces;  // NORMAL, USER_DEFINED and UNUSED pieces, as the library's trie
+  std::vector<float> score;
+  std::vector<std::uint8_t> type;
+  float min_score = FLT_MAX, max_score = FLT_MIN;  // over NORMAL pieces, the library's initial values
+  std::int32_t unk_id = -1;
+  bool byte_fallback = false;
+  std::int32_t byte_id[256] = {};
+  // Normaliser.
+  Charsmap charsmap;
+  Trie user_defined;  // the library's PrefixMatcher: user-defined pieces pass unnormalised
+  bool add_dummy_prefix = true, remove_extra_whitespaces = true, escape_whitespaces = true;
+  bool plain[128] = {};  // ASCII bytes that normalise to themselves alone
+
+  // Normalizer::NormalizePrefix: the normalised form of the text's first unit and the
+  // bytes it takes.
+  std::string_view prefix(const char* s, std::size_t n, std::size_t* consumed) const {
+    if (!user_defined.empty()) {
+      const std::size_t len = user_defined.longest_prefix(s, n, 64);  // PrefixMatcher's kResultSize
+      if (len > 0) {
+        *consumed = len;
+        return {s, len};
+      }
+    }
+    std::string_view out;
+    if (const std::size_t len = charsmap.longest(s, n, &out); len > 0) {
+      *consumed = len;
+      return out;
+    }
+    const std::size_t len = valid_utf8_len(reinterpret_cast<const unsigned char*>(s), n);
+    if (len == 0) {
+      *consumed = 1;
+      return kReplacement;
+    }
+    *consumed = len;
+    return {s, len};
+  }
+
+  // Normalizer::Normalize, without the offsets back into the input.
+  void normalize(std::string_view input, std::string& out) const {
+    out.clear();
+    if (input.empty()) return;
+    std::size_t consumed = 0;
+    if (remove_extra_whitespaces)
+      while (!input.empty()) {
+        const std::string_view p = prefix(input.data(), input.size(), &consumed);
+        if (p != " ") break;
+        input.remove_prefix(consumed);
+      }
+    if (input.empty()) return;
+    out.reserve(input.size() * 3 + 3);
+    const std::string_view space = escape_whitespaces ? kSpaceSymbol : std::string_view(" ");
+    if (add_dummy_prefix) out.append(space);
+    bool prev_space = remove_extra_whitespaces;
+    while (!input.empty()) {
+      const auto b = static_cast<unsigned char>(input[0]);
+      if (b < 0x80 && plain[b]) {  // the common case: an ASCII byte no rule touches
+        if (b == ' ') {
+          if (!prev_space) out.append(space);
+          prev_space = remove_extra_whitespaces;
+        } else {
+          out.push_back(static_cast<char>(b));
+          prev_space = false;
+        }
+        input.remove_prefix(1);
+        continue;
+      }
+      std::string_view sp = prefix(input.data(), input.size(), &consumed);
+      if (prev_space)
+        while (!sp.empty() && sp[0] == ' ') sp.remove_prefix(1);
+      if (!sp.empty()) {
+        for (const char c : sp) {
+          if (c == ' ' && escape_whitespaces)
+            out.append(kSpaceSymbol);
+          else
+            out.push_back(c);
+        }
+        prev_space = sp.back() == ' ';
+      }
+      input.remove_prefix(consumed);
+      if (!remove_extra_whitespaces) prev_space = false;
+    }
+    if (remove_extra_whitespaces)
+      while (out.size() >= space.size() && std::string_view(out).substr(out.size() - space.size()) == space)
+        out.resize(out.size() - space.size());
+  }
+
+  // unigram::Model::EncodeOptimized and PopulateSentencePieceText's ids.
+  void encode(std::string_view text, std::vector<std::int32_t>* ids) const {
+    Scratch& s = scratch();
+    normalize(text, s.normalized);
+    const std::string_view norm = s.normalized;
+    const auto size = static_cast<std::int32_t>(norm.size());
+    if (size == 0) return;
+    const float unk_score = min_score - 10.0f;  // kUnkPenalty
+    s.best.assign(static_cast<std::size_t>(size) + 1, BestPath{0.0f, -1, -1});
+    BestPath* const best = s.best.data();
+    const auto* const bytes = reinterpret_cast<const unsigned char*>(norm.data());
+    for (std::int32_t starts_at = 0; starts_at < size;) {
+      const float till_here = best[starts_at].score;
+      const std::int32_t mblen = std::min<std::int32_t>(one_char_len(bytes[starts_at]), size - starts_at);
+      bool has_single_node = false;
+      std::int32_t node = 0;
+      for (std::int32_t key_pos = starts_at; key_pos < size;) {
+        node = pieces.child(node, bytes[key_pos++]);
+        if (node < 0) break;
+        const std::int32_t id = pieces.value(node);
+        if (id < 0) continue;
+        const std::uint8_t t = type[static_cast<std::size_t>(id)];
+        if (t == kUnused) continue;
+        BestPath& target = best[key_pos];
+        const std::int32_t length = key_pos - starts_at;
+        // The library's `IsUserDefined ? length * max_score_ - 0.1 : score`: a double (the
+        // user-defined bonus a float product then double), added to the float best score
+        // in double, compared in double and kept as float.
+        const double piece_score =
+            t == kUserDefined
+                ? static_cast<double>(static_cast<float>(static_cast<std::size_t>(length)) * max_score) - 0.1
+                : static_cast<double>(score[static_cast<std::size_t>(id)]);
+        const double candidate = piece_score + static_cast<double>(till_here);
+        if (target.starts_at == -1 || candidate > static_cast<double>(target.score))
+          target = BestPath{static_cast<float>(candidate), starts_at, id};
+        if (length == mblen) has_single_node = true;
+      }
+      if (!has_single_node) {
+        BestPath& target = best[starts_at + mblen];
+        const float candidate = unk_score + till_here;
+        if (target.starts_at == -1 || candidate > target.score) target = BestPath{candidate, starts_at, unk_id};
+      }
+      starts_at += mblen;
+    }
+    s.path.clear();
+    for (std::int32_t ends_at = size; ends_at > 0; ends_at = best[ends_at].starts_at)
+      s.path.emplace_back(best[ends_at].starts_at, best[ends_at].id);
+    // Unknown pieces: their bytes' pieces with byte fallback, else a run of them is one.
+    bool prev_unknown = false;
+    for (auto it = s.path.rbegin(); it != s.path.rend(); ++it) {
+      const std::int32_t id = it->second;
+      const bool unknown = type[static_cast<std::size_t>(id)] == kUnknown;
+      if (unknown && byte_fallback) {
+        const std::int32_t end = it + 1 == s.path.rend() ? size : (it + 1)->first;
+        for (std::int32_t i = it->first; i < end; ++i) ids->push_back(byte_id[bytes[i]]);
+      } else if (!(unknown && prev_unknown)) {
+        ids->push_back(id);
+      }
+      prev_unknown = unknown;
+    }
+  }
+};
+
+SentencePieceUnigram::SentencePieceUnigram(std::unique_ptr<Model> model) : model_(std::move(model)) {}
+SentencePieceUnigram::~SentencePieceUnigram() = default;
+
+std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::string_view bytes, std::string* why) {
+  Proto proto;
+  auto refuse = [&](const char* reason) {
+    if (why) *why = reason;
+    return std::unique_ptr<SentencePieceUnigram>();
+  };
+  if (!parse_proto(bytes, &proto)) return refuse("the model file does not parse");
+  if (proto.model_type != 1) return refuse("not a unigram model");
+  if (proto.treat_whitespace_as_suffix) return refuse("treat_whitespace_as_suffix");
+  if (proto.pieces.empty()) return refuse("no pieces");
+
+  auto m = std::make_unique<Model>();
+  const std::size_t n = proto.pieces.size();
+  m->score.resize(n);
+  m->type.resize(n);
+  std::vector<std::pair<std::string_view, std::int32_t>> trie_keys, user_keys;
+  std::unordered_map<std::string_view, std::int32_t> reserved, normal;  // the library's PieceToId
+  for (std::size_t i = 0; i < n; ++i) {
+    const ProtoPiece& p = proto.pieces[i];
+    const auto id = static_cast<std::int32_t>(i);
+    if (p.text.empty() || p.type < kNormal || p.type > kByte) return refuse("a piece the library refuses");
+    if (p.text.find('\0') != std::string_view::npos) return refuse("a piece with a NUL byte");
+    m->score[i] = p.score;
+    m->type[i] = static_cast<std::uint8_t>(p.type);
+    const bool is_normal = p.type == kNormal || p.type == kUserDefined || p.type == kUnused;
+    if (!(is_normal ? normal : reserved).emplace(p.text, id).second) return refuse("a piece defined twice");
+    if (is_normal) trie_keys.emplace_back(p.text, id);
+    if (p.type == kUserDefined) user_keys.emplace_back(p.text, id);
+    if (p.type == kUnknown) {
+      if (m->unk_id >= 0) return refuse("two unknown pieces");
+      m->unk_id = id;
+    }
+    if (p.type == kNormal) {
+      m->min_score = std::min(m->min_score, p.score);
+      m->max_score = std::max(m->max_score, p.score);
+    }
+  }
+  if (m->unk_id < 0) return refuse("no unknown piece");
+  if (trie_keys.empty()) return refuse("no pieces to match");
+  m->byte_fallback = proto.byte_fallback;
+  for (int b = 0; b < 256; ++b) {
+    char piece[8];
+    std::snprintf(piece, sizeof piece, "<0x%02X>", b);
+    if (auto it = reserved.find(piece); it != reserved.end())
+      m->byte_id[b] = it->second;
+    else if (auto jt = normal.find(piece); jt != normal.end())
+      m->byte_id[b] = jt->second;
+    else
+      m->byte_id[b] = m->unk_id;
+  }
+  m->pieces.build(std::move(trie_keys));
+  if (!user_keys.empty()) m->user_defined.build(std::move(user_keys));
+  if (!m->charsmap.load(proto.charsmap)) return refuse("a broken precompiled charsmap");
+  m->add_dummy_prefix = proto.add_dummy_prefix;
+  m->remove_extra_whitespaces = proto.remove_extra_whitespaces;
+  m->escape_whitespaces = proto.escape_whitespaces;
+  for (int b = 0; b < 128; ++b) {
+    const auto c = static_cast<unsigned char>(b);
+    m->plain[b] = !m->charsmap.starts_rule(c) && (m->user_defined.empty() || m->user_defined.child(0, c) < 0);
+  }
+  return std::unique_ptr<SentencePieceUnigram>(new SentencePieceUnigram(std::move(m)));
+}
+
+void SentencePieceUnigram::encode(std::string_view text, std::vector<std::int32_t>* ids) const {
+  model_->encode(text, ids);
+}
+
+void SentencePieceUnigram::normalize(std::string_view text, std::string* out) const {
+  model_->normalize(text, *out);
+}
+
+}  // namespace mpipe
