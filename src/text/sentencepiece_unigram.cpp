@@ -173,19 +173,32 @@ bool parse_proto(std::string_view bytes, Proto* proto) {
   return read && good;
 }
 
-// A double-array trie over byte strings: child(node, byte) is one load and one compare.
+struct TrieKey {
+  std::string_view key;
+  std::int32_t value;  // >= 0
+  float score;
+  bool operator<(const TrieKey& o) const { return key < o.key; }
+};
+
+// A double-array trie over byte strings: child(node, byte) is one load and one compare,
+// and the node of a key holds its value and score.
 class Trie {
  public:
-  // `keys`: distinct non-empty byte strings and their values (>= 0).
-  void build(std::vector<std::pair<std::string_view, std::int32_t>> keys) {
+  struct Unit {
+    std::int32_t base = 0, check = -1, value = -1;
+    float score = 0;
+  };
+  // `keys`: distinct non-empty byte strings without NUL.
+  void build(std::vector<TrieKey> keys) {
     std::sort(keys.begin(), keys.end());
     // A pointer trie first, its children in byte order (the keys are sorted).
     struct Node {
       std::vector<std::pair<unsigned char, std::int32_t>> kids;
       std::int32_t value = -1;
+      float score = 0;
     };
     std::vector<Node> nodes(1);
-    for (const auto& [key, value] : keys) {
+    for (const auto& [key, value, score] : keys) {
       std::int32_t n = 0;
       for (const char ch : key) {
         const auto c = static_cast<unsigned char>(ch);
@@ -197,8 +210,10 @@ class Trie {
         n = nodes[static_cast<std::size_t>(n)].kids.back().second;
       }
       nodes[static_cast<std::size_t>(n)].value = value;
+      nodes[static_cast<std::size_t>(n)].score = score;
     }
-    // Then the double array, breadth first: each node's children at base + byte.
+    // Then the double array, breadth first: each node's children at base + byte. The
+    // array always reaches 256 past every base (a leaf's is 0), so base + byte is inside.
     units_.assign(256, Unit{});
     units_[0].check = -2;
     units_[0].value = nodes[0].value;
@@ -225,6 +240,7 @@ class Trie {
         Unit& slot = units_[base + c];
         slot.check = u;
         slot.value = nodes[static_cast<std::size_t>(child)].value;
+        slot.score = nodes[static_cast<std::size_t>(child)].score;
         queue.emplace_back(child, static_cast<std::int32_t>(base + c));
       }
     }
@@ -233,9 +249,10 @@ class Trie {
   // The child of `node` by byte c, or -1.
   std::int32_t child(std::int32_t node, unsigned char c) const {
     const std::size_t i = static_cast<std::size_t>(units_[static_cast<std::size_t>(node)].base) + c;
-    return i < units_.size() && units_[i].check == node ? static_cast<std::int32_t>(i) : -1;
+    return units_[i].check == node ? static_cast<std::int32_t>(i) : -1;
   }
   std::int32_t value(std::int32_t node) const { return units_[static_cast<std::size_t>(node)].value; }
+  const Unit* units() const { return units_.data(); }
   // The longest key that is a prefix of s[0, n) among the first `max_results` prefixes
   // found (shortest first), as darts-clone's commonPrefixSearch reports them; 0 if none.
   std::size_t longest_prefix(const char* s, std::size_t n, std::size_t max_results) const {
@@ -250,9 +267,6 @@ class Trie {
   }
 
  private:
-  struct Unit {
-    std::int32_t base = 0, check = -1, value = -1;
-  };
   std::vector<Unit> units_;
 };
 
@@ -307,6 +321,22 @@ class Charsmap {
     const std::size_t pos = offset(units_[0]) ^ b;
     return pos < units_.size() && label(units_[pos]) == b;
   }
+  // Whether byte b before an ASCII byte (or the end) is no rule's start: neither b alone
+  // nor b and an ASCII byte begin a rule. NFKC's rules that start with a letter need a
+  // combining mark after it (a non-ASCII byte).
+  bool ascii_before_ascii_safe(unsigned char b) const {
+    if (units_.empty()) return true;
+    const std::size_t pos = offset(units_[0]) ^ b;
+    if (pos >= units_.size() || label(units_[pos]) != b) return true;
+    const std::uint32_t unit = units_[pos];
+    if ((unit >> 8) & 1) return false;
+    const std::size_t base = pos ^ offset(unit);
+    for (unsigned c = 0; c < 0x80; ++c) {
+      const std::size_t p = base ^ c;
+      if (p < units_.size() && label(units_[p]) == c) return false;
+    }
+    return true;
+  }
   // Normalizer::NormalizePrefix's search: the longest rule matching a prefix of s[0, n)
   // among the first 32 found; its length (0: none) and replacement in *out.
   std::size_t longest(const char* s, std::size_t n, std::string_view* out) const {
@@ -354,8 +384,31 @@ struct BestPath {
   std::int32_t id;
 };
 
+// A byte buffer that grows and is never cleared or filled (std::string's resize would
+// write every byte).
+class Bytes {
+ public:
+  char* data() { return data_.get(); }
+  // Room for `need` bytes, the first `used` kept.
+  char* reserve(std::size_t need, std::size_t used) {
+    if (need > capacity_) {
+      const std::size_t capacity = std::max(need, capacity_ * 2);
+      std::unique_ptr<char[]> grown(new char[capacity]);
+      if (used) std::memcpy(grown.get(), data_.get(), used);
+      data_ = std::move(grown);
+      capacity_ = capacity;
+    }
+    return data_.get();
+  }
+
+ private:
+  std::unique_ptr<char[]> data_;
+  std::size_t capacity_ = 0;
+};
+
+// Each thread's work buffers, kept from call to call.
 struct Scratch {
-  std::string normalized;
+  Bytes normalized;
   std::vector<BestPath> best;
   std::vector<std::pair<std::int32_t, std::int32_t>> path;  // (start, id), last piece first
 };
@@ -365,12 +418,13 @@ Scratch& scratch() {
   return s;
 }
 
+constexpr std::int32_t kUserDefinedBit = 1 << 30;  // in the pieces trie's values: id | this bit
+
 }  // namespace
 
 struct SentencePieceUnigram::Model {
   // Pieces.
-  Trie pieces;  // NORMAL, USER_DEFINED and UNUSED pieces, as the library's trie
-  std::vector<float> score;
+  Trie pieces;  // NORMAL and USER_DEFINED pieces (UNUSED ones, which the library skips, left out)
   std::vector<std::uint8_t> type;
   float min_score = FLT_MAX, max_score = FLT_MIN;  // over NORMAL pieces, the library's initial values
   std::int32_t unk_id = -1;
@@ -380,7 +434,8 @@ struct SentencePieceUnigram::Model {
   Charsmap charsmap;
   Trie user_defined;  // the library's PrefixMatcher: user-defined pieces pass unnormalised
   bool add_dummy_prefix = true, remove_extra_whitespaces = true, escape_whitespaces = true;
-  bool plain[128] = {};  // ASCII bytes that normalise to themselves alone
+  bool plain[128] = {};       // ASCII bytes that normalise to themselves alone
+  bool before_ascii[128] = {};  // ASCII bytes that do so before an ASCII byte or the end
 
   // Normalizer::NormalizePrefix: the normalised form of the text's first unit and the
   // bytes it takes.
@@ -406,10 +461,10 @@ struct SentencePieceUnigram::Model {
     return {s, len};
   }
 
-  // Normalizer::Normalize, without the offsets back into the input.
-  void normalize(std::string_view input, std::string& out) const {
-    out.clear();
-    if (input.empty()) return;
+  // Normalizer::Normalize, without the offsets back into the input: the normalised text
+  // in buf, its length returned.
+  std::size_t normalize(std::string_view input, Bytes& buf) const {
+    if (input.empty()) return 0;
     std::size_t consumed = 0;
     if (remove_extra_whitespaces)
       while (!input.empty()) {
@@ -417,79 +472,89 @@ struct SentencePieceUnigram::Model {
         if (p != " ") break;
         input.remove_prefix(consumed);
       }
-    if (input.empty()) return;
-    out.reserve(input.size() * 3 + 3);
-    const std::string_view space = escape_whitespaces ? kSpaceSymbol : std::string_view(" ");
-    if (add_dummy_prefix) out.append(space);
+    if (input.empty()) return 0;
+    const char* in = input.data();
+    const char* const end = in + input.size();
+    // The buffer always has room for 3 bytes per input byte left, and 3 more: an ASCII
+    // byte writes at most 3 (an escaped space), so the common path checks nothing.
+    char* out = buf.reserve(input.size() * 3 + 3, 0);
+    std::size_t n = 0;
+    const char* const space = escape_whitespaces ? kSpaceSymbol.data() : " ";
+    const std::size_t space_size = escape_whitespaces ? kSpaceSymbol.size() : 1;
+    auto put_space = [&] {
+      std::memcpy(out + n, space, space_size);
+      n += space_size;
+    };
+    if (add_dummy_prefix) put_space();
     bool prev_space = remove_extra_whitespaces;
-    while (!input.empty()) {
-      const auto b = static_cast<unsigned char>(input[0]);
-      if (b < 0x80 && plain[b]) {  // the common case: an ASCII byte no rule touches
+    while (in < end) {
+      const auto b = static_cast<unsigned char>(*in);
+      // The common case: an ASCII byte no rule or user-defined symbol touches.
+      if (b < 0x80 && (plain[b] || (before_ascii[b] && (in + 1 == end || static_cast<unsigned char>(in[1]) < 0x80)))) {
         if (b == ' ') {
-          if (!prev_space) out.append(space);
+          if (!prev_space) put_space();
           prev_space = remove_extra_whitespaces;
         } else {
-          out.push_back(static_cast<char>(b));
+          out[n++] = static_cast<char>(b);
           prev_space = false;
         }
-        input.remove_prefix(1);
+        ++in;
         continue;
       }
-      std::string_view sp = prefix(input.data(), input.size(), &consumed);
+      std::string_view sp = prefix(in, static_cast<std::size_t>(end - in), &consumed);
+      in += consumed;
+      out = buf.reserve(n + sp.size() * 3 + static_cast<std::size_t>(end - in) * 3 + 3, n);
       if (prev_space)
         while (!sp.empty() && sp[0] == ' ') sp.remove_prefix(1);
       if (!sp.empty()) {
         for (const char c : sp) {
           if (c == ' ' && escape_whitespaces)
-            out.append(kSpaceSymbol);
+            put_space();
           else
-            out.push_back(c);
+            out[n++] = c;
         }
         prev_space = sp.back() == ' ';
       }
-      input.remove_prefix(consumed);
       if (!remove_extra_whitespaces) prev_space = false;
     }
     if (remove_extra_whitespaces)
-      while (out.size() >= space.size() && std::string_view(out).substr(out.size() - space.size()) == space)
-        out.resize(out.size() - space.size());
+      while (n >= space_size && std::memcmp(out + n - space_size, space, space_size) == 0) n -= space_size;
+    return n;
   }
 
   // unigram::Model::EncodeOptimized and PopulateSentencePieceText's ids.
   void encode(std::string_view text, std::vector<std::int32_t>* ids) const {
     Scratch& s = scratch();
-    normalize(text, s.normalized);
-    const std::string_view norm = s.normalized;
-    const auto size = static_cast<std::int32_t>(norm.size());
+    const auto size = static_cast<std::int32_t>(normalize(text, s.normalized));
     if (size == 0) return;
+    const auto* const bytes = reinterpret_cast<const unsigned char*>(s.normalized.data());
     const float unk_score = min_score - 10.0f;  // kUnkPenalty
     s.best.assign(static_cast<std::size_t>(size) + 1, BestPath{0.0f, -1, -1});
     BestPath* const best = s.best.data();
-    const auto* const bytes = reinterpret_cast<const unsigned char*>(norm.data());
+    const Trie::Unit* const units = pieces.units();
     for (std::int32_t starts_at = 0; starts_at < size;) {
       const float till_here = best[starts_at].score;
       const std::int32_t mblen = std::min<std::int32_t>(one_char_len(bytes[starts_at]), size - starts_at);
       bool has_single_node = false;
       std::int32_t node = 0;
       for (std::int32_t key_pos = starts_at; key_pos < size;) {
-        node = pieces.child(node, bytes[key_pos++]);
-        if (node < 0) break;
-        const std::int32_t id = pieces.value(node);
-        if (id < 0) continue;
-        const std::uint8_t t = type[static_cast<std::size_t>(id)];
-        if (t == kUnused) continue;
+        const std::int32_t next = units[node].base + bytes[key_pos++];
+        if (units[next].check != node) break;
+        node = next;
+        const Trie::Unit& unit = units[node];
+        if (unit.value < 0) continue;
         BestPath& target = best[key_pos];
         const std::int32_t length = key_pos - starts_at;
         // The library's `IsUserDefined ? length * max_score_ - 0.1 : score`: a double (the
         // user-defined bonus a float product then double), added to the float best score
         // in double, compared in double and kept as float.
         const double piece_score =
-            t == kUserDefined
+            unit.value & kUserDefinedBit
                 ? static_cast<double>(static_cast<float>(static_cast<std::size_t>(length)) * max_score) - 0.1
-                : static_cast<double>(score[static_cast<std::size_t>(id)]);
+                : static_cast<double>(unit.score);
         const double candidate = piece_score + static_cast<double>(till_here);
         if (target.starts_at == -1 || candidate > static_cast<double>(target.score))
-          target = BestPath{static_cast<float>(candidate), starts_at, id};
+          target = BestPath{static_cast<float>(candidate), starts_at, unit.value & ~kUserDefinedBit};
         if (length == mblen) has_single_node = true;
       }
       if (!has_single_node) {
@@ -534,21 +599,25 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
 
   auto m = std::make_unique<Model>();
   const std::size_t n = proto.pieces.size();
-  m->score.resize(n);
+  if (n >= static_cast<std::size_t>(kUserDefinedBit)) return refuse("too many pieces");
   m->type.resize(n);
-  std::vector<std::pair<std::string_view, std::int32_t>> trie_keys, user_keys;
+  std::vector<TrieKey> trie_keys, user_keys;
+  bool any_matchable = false;  // the library's trie holds UNUSED pieces too, and must not be empty
   std::unordered_map<std::string_view, std::int32_t> reserved, normal;  // the library's PieceToId
   for (std::size_t i = 0; i < n; ++i) {
     const ProtoPiece& p = proto.pieces[i];
     const auto id = static_cast<std::int32_t>(i);
     if (p.text.empty() || p.type < kNormal || p.type > kByte) return refuse("a piece the library refuses");
     if (p.text.find('\0') != std::string_view::npos) return refuse("a piece with a NUL byte");
-    m->score[i] = p.score;
     m->type[i] = static_cast<std::uint8_t>(p.type);
     const bool is_normal = p.type == kNormal || p.type == kUserDefined || p.type == kUnused;
     if (!(is_normal ? normal : reserved).emplace(p.text, id).second) return refuse("a piece defined twice");
-    if (is_normal) trie_keys.emplace_back(p.text, id);
-    if (p.type == kUserDefined) user_keys.emplace_back(p.text, id);
+    any_matchable = any_matchable || is_normal;
+    if (p.type == kNormal) trie_keys.push_back({p.text, id, p.score});
+    if (p.type == kUserDefined) {
+      trie_keys.push_back({p.text, id | kUserDefinedBit, p.score});
+      user_keys.push_back({p.text, id, 0.0f});
+    }
     if (p.type == kUnknown) {
       if (m->unk_id >= 0) return refuse("two unknown pieces");
       m->unk_id = id;
@@ -559,7 +628,7 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
     }
   }
   if (m->unk_id < 0) return refuse("no unknown piece");
-  if (trie_keys.empty()) return refuse("no pieces to match");
+  if (!any_matchable) return refuse("no pieces to match");
   m->byte_fallback = proto.byte_fallback;
   for (int b = 0; b < 256; ++b) {
     char piece[8];
@@ -579,7 +648,9 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
   m->escape_whitespaces = proto.escape_whitespaces;
   for (int b = 0; b < 128; ++b) {
     const auto c = static_cast<unsigned char>(b);
-    m->plain[b] = !m->charsmap.starts_rule(c) && (m->user_defined.empty() || m->user_defined.child(0, c) < 0);
+    const bool no_symbol = m->user_defined.empty() || m->user_defined.child(0, c) < 0;
+    m->plain[b] = !m->charsmap.starts_rule(c) && no_symbol;
+    m->before_ascii[b] = m->charsmap.ascii_before_ascii_safe(c) && no_symbol;
   }
   return std::unique_ptr<SentencePieceUnigram>(new SentencePieceUnigram(std::move(m)));
 }
@@ -589,7 +660,9 @@ void SentencePieceUnigram::encode(std::string_view text, std::vector<std::int32_
 }
 
 void SentencePieceUnigram::normalize(std::string_view text, std::string* out) const {
-  model_->normalize(text, *out);
+  Bytes buf;
+  const std::size_t n = model_->normalize(text, buf);
+  out->assign(n ? buf.data() : "", n);
 }
 
 }  // namespace mpipe
