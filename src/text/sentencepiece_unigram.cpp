@@ -217,16 +217,40 @@ class Trie {
     units_.assign(256, Unit{});
     units_[0].check = -2;
     units_[0].value = nodes[0].value;
-    std::size_t first_free = 1;
+    // Free slots found in order through `next`: next[i] == i marks i free, else points
+    // further on (path-compressed), so a base search steps over the filled parts.
+    std::vector<std::size_t> next(units_.size());
+    for (std::size_t i = 0; i < next.size(); ++i) next[i] = i;
+    next[0] = 1;
+    auto first_free_from = [&](std::size_t i) {
+      std::size_t r = i;
+      while (r < next.size() && next[r] != r) r = next[r];
+      while (i < next.size() && next[i] != i) {
+        const std::size_t t = next[i];
+        next[i] = r;
+        i = t;
+      }
+      return r;
+    };
+    auto grow = [&](std::size_t size) {
+      if (units_.size() >= size) return;
+      const std::size_t old = units_.size();
+      units_.resize(std::max(size, old + old / 2), Unit{});
+      next.resize(units_.size());
+      for (std::size_t i = old; i < next.size(); ++i) next[i] = i;
+    };
+    std::size_t last_used = 0;
     std::vector<std::pair<std::int32_t, std::int32_t>> queue{{0, 0}};  // (pointer node, unit)
     for (std::size_t q = 0; q < queue.size(); ++q) {
       const auto [n, u] = queue[q];
       const auto& kids = nodes[static_cast<std::size_t>(n)].kids;
       if (kids.empty()) continue;
-      while (first_free < units_.size() && units_[first_free].check != -1) ++first_free;
-      std::size_t base = std::max<std::size_t>(1, first_free > kids[0].first ? first_free - kids[0].first : 1);
-      for (;; ++base) {
-        if (units_.size() < base + 256) units_.resize(base + 256, Unit{});
+      // The first base >= 1 whose slots are all free, looking at the free slots for the
+      // first child; after 256 misses, past the last slot in use.
+      std::size_t slot = first_free_from(kids[0].first + 1u), base = 0;
+      for (int misses = 0;; ++misses) {
+        base = slot - kids[0].first;
+        grow(base + 256);
         bool fits = true;
         for (const auto& kid : kids)
           if (units_[base + kid.first].check != -1) {
@@ -234,13 +258,16 @@ class Trie {
             break;
           }
         if (fits) break;
+        slot = misses < 256 ? first_free_from(slot + 1) : last_used + 1 + kids[0].first;
       }
       units_[static_cast<std::size_t>(u)].base = static_cast<std::int32_t>(base);
       for (const auto& [c, child] : kids) {
-        Unit& slot = units_[base + c];
-        slot.check = u;
-        slot.value = nodes[static_cast<std::size_t>(child)].value;
-        slot.score = nodes[static_cast<std::size_t>(child)].score;
+        Unit& unit = units_[base + c];
+        unit.check = u;
+        unit.value = nodes[static_cast<std::size_t>(child)].value;
+        unit.score = nodes[static_cast<std::size_t>(child)].score;
+        next[base + c] = base + c + 1;
+        last_used = std::max(last_used, base + c);
         queue.emplace_back(child, static_cast<std::int32_t>(base + c));
       }
     }
