@@ -11,9 +11,11 @@
 #include <sentencepiece_processor.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <random>
+#include <set>
 
 #include "mpipe/core/error.hpp"
 #include "mpipe/text/sentencepiece_unigram.hpp"
@@ -201,6 +203,79 @@ TEST_CASE("SentencePiece unigram tokenizer, Llama's settings (identity, spaces k
   CHECK(llama.bytes > 1000);
   const Counts plain = compare(train("noprefix", "--model_type=unigram --add_dummy_prefix=false"), 2000);
   CHECK(plain.unknown > 500);
+}
+
+// A ModelProto written here, field by field (sentencepiece_model.proto): what spm_train
+// never writes. `pieces`: (text, score, type).
+std::string varint(std::uint64_t v) {
+  std::string out;
+  for (; v >= 0x80; v >>= 7) out += static_cast<char>((v & 0x7f) | 0x80);
+  return out + static_cast<char>(v);
+}
+std::string field_bytes(int field, const std::string& bytes) {
+  return varint(static_cast<std::uint64_t>(field) << 3 | 2) + varint(bytes.size()) + bytes;
+}
+std::string field_float(int field, float f) {
+  std::string out = varint(static_cast<std::uint64_t>(field) << 3 | 5) + std::string(4, '\0');
+  std::memcpy(out.data() + out.size() - 4, &f, 4);
+  return out;
+}
+struct SyntheticPiece {
+  std::string text;
+  float score;
+  int type;
+};
+std::string synthetic_model(const std::vector<SyntheticPiece>& pieces) {
+  std::string model;
+  for (const auto& p : pieces)
+    model += field_bytes(1, field_bytes(1, p.text) + field_float(2, p.score) + varint(3 << 3) + varint(p.type));
+  model += field_bytes(2, varint(3 << 3) + varint(1));  // trainer_spec: model_type UNIGRAM
+  // normalizer_spec: no charsmap (identity), dummy prefix, extra whitespace kept.
+  model += field_bytes(3, field_bytes(1, "identity") + varint(3 << 3) + varint(1) + varint(4 << 3) + varint(0));
+  return model;
+}
+
+TEST_CASE("SentencePiece unigram tokenizer on a model written here: 60000 pieces, UNUSED ones, ties, no charsmap") {
+  // Pieces cut from the docs' text (spaces as U+2581), scores from a few values so that
+  // paths tie, every 7th piece UNUSED (the library's trie holds them, its Viterbi skips
+  // them), every 97th USER_DEFINED.
+  std::mt19937 rng(7);
+  const std::string docs = docs_text();
+  std::vector<SyntheticPiece> pieces = {{"<unk>", 0, 2}, {"<s>", 0, 3}, {"</s>", 0, 3}};
+  std::set<std::string> seen = {"<unk>", "<s>", "</s>"};
+  while (pieces.size() < 60000) {
+    std::string text = docs.substr(rng() % docs.size(), 1 + rng() % 10), escaped;
+    for (const char c : text) escaped += c == ' ' ? std::string("\xe2\x96\x81") : std::string(1, c);
+    bool whole = true;  // whole UTF-8 characters only, as spm_train's pieces are
+    for (std::size_t i = 0; whole && i < escaped.size();) {
+      const auto lead = static_cast<unsigned char>(escaped[i]);
+      const std::size_t len = lead < 0x80 ? 1 : lead >= 0xf0 ? 4 : lead >= 0xe0 ? 3 : lead >= 0xc0 ? 2 : 0;
+      whole = len > 0 && i + len <= escaped.size();
+      for (std::size_t k = 1; whole && k < len; ++k) whole = (static_cast<unsigned char>(escaped[i + k]) & 0xc0) == 0x80;
+      i += len;
+    }
+    if (!whole || escaped.empty()) continue;
+    if (escaped.find('\0') != std::string::npos || !seen.insert(escaped).second) continue;
+    const int type = pieces.size() % 97 == 0 ? 4 : pieces.size() % 7 == 0 ? 5 : 1;
+    pieces.push_back({escaped, -0.5f * static_cast<float>(1 + rng() % 16), type});
+  }
+  const std::string model = synthetic_model(pieces);
+  sentencepiece::SentencePieceProcessor library;
+  REQUIRE(library.LoadFromSerializedProto(model).ok());
+  const auto ours = SentencePieceUnigram::from_model(model, nullptr);
+  REQUIRE(ours != nullptr);
+  std::size_t ids = 0;
+  std::vector<std::int32_t> got;
+  for (int i = 0; i < 1500; ++i) {
+    const std::string text = random_text(rng, docs, {});
+    std::vector<int> want;
+    REQUIRE(library.Encode(text, &want).ok());
+    got.clear();
+    ours->encode(text, &got);
+    CHECK(std::vector<int>(got.begin(), got.end()) == want);
+    ids += want.size();
+  }
+  CHECK(ids > 10000);
 }
 
 TEST_CASE("SentencePiece tokenizers: unigram models take mpipe's encoder, BPE models the library's, the same ids either way") {
