@@ -9,6 +9,7 @@
 #include <cfloat>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <unordered_map>
 #include <utility>
 
@@ -176,17 +177,17 @@ bool parse_proto(std::string_view bytes, Proto* proto) {
 struct TrieKey {
   std::string_view key;
   std::int32_t value;  // >= 0
-  float score;
+  double score;        // not NaN
   bool operator<(const TrieKey& o) const { return key < o.key; }
 };
 
 // A double-array trie over byte strings: child(node, byte) is one load and one compare,
-// and the node of a key holds its value and score.
+// and the node of a key holds its score (NaN at a node that ends no key) and value.
 class Trie {
  public:
   struct Unit {
-    std::int32_t base = 0, check = -1, value = -1;
-    float score = 0;
+    std::int32_t base = 0, check = -1;
+    double score = std::numeric_limits<double>::quiet_NaN();
   };
   // `keys`: distinct non-empty byte strings without NUL.
   void build(std::vector<TrieKey> keys) {
@@ -195,7 +196,7 @@ class Trie {
     struct Node {
       std::vector<std::pair<unsigned char, std::int32_t>> kids;
       std::int32_t value = -1;
-      float score = 0;
+      double score = std::numeric_limits<double>::quiet_NaN();
     };
     std::vector<Node> nodes(1);
     for (const auto& [key, value, score] : keys) {
@@ -216,7 +217,7 @@ class Trie {
     // array always reaches 256 past every base (a leaf's is 0), so base + byte is inside.
     units_.assign(256, Unit{});
     units_[0].check = -2;
-    units_[0].value = nodes[0].value;
+    values_.assign(units_.size(), -1);
     // Free slots found in order through `next`: next[i] == i marks i free, else points
     // further on (path-compressed), so a base search steps over the filled parts.
     std::vector<std::size_t> next(units_.size());
@@ -237,6 +238,7 @@ class Trie {
       const std::size_t old = units_.size();
       units_.resize(std::max(size, old + old / 2), Unit{});
       next.resize(units_.size());
+      values_.resize(units_.size(), -1);
       for (std::size_t i = old; i < next.size(); ++i) next[i] = i;
     };
     std::size_t last_used = 0;
@@ -264,8 +266,8 @@ class Trie {
       for (const auto& [c, child] : kids) {
         Unit& unit = units_[base + c];
         unit.check = u;
-        unit.value = nodes[static_cast<std::size_t>(child)].value;
         unit.score = nodes[static_cast<std::size_t>(child)].score;
+        values_[base + c] = nodes[static_cast<std::size_t>(child)].value;
         next[base + c] = base + c + 1;
         last_used = std::max(last_used, base + c);
         queue.emplace_back(child, static_cast<std::int32_t>(base + c));
@@ -278,7 +280,8 @@ class Trie {
     const std::size_t i = static_cast<std::size_t>(units_[static_cast<std::size_t>(node)].base) + c;
     return units_[i].check == node ? static_cast<std::int32_t>(i) : -1;
   }
-  std::int32_t value(std::int32_t node) const { return units_[static_cast<std::size_t>(node)].value; }
+  std::int32_t value(std::int32_t node) const { return values_[static_cast<std::size_t>(node)]; }
+  const std::int32_t* values() const { return values_.data(); }
   const Unit* units() const { return units_.data(); }
   // The longest key that is a prefix of s[0, n) among the first `max_results` prefixes
   // found (shortest first), as darts-clone's commonPrefixSearch reports them; 0 if none.
@@ -295,6 +298,7 @@ class Trie {
 
  private:
   std::vector<Unit> units_;
+  std::vector<std::int32_t> values_;  // per unit: the key's value, or -1
 };
 
 constexpr std::string_view kSpaceSymbol = "\xe2\x96\x81";  // U+2581, SentencePiece's escaped space
@@ -445,13 +449,12 @@ Scratch& scratch() {
   return s;
 }
 
-constexpr std::int32_t kUserDefinedBit = 1 << 30;  // in the pieces trie's values: id | this bit
 
 }  // namespace
 
 struct SentencePieceUnigram::Model {
   // Pieces.
-  Trie pieces;  // NORMAL and USER_DEFINED pieces (UNUSED ones, which the library skips, left out)
+  Trie pieces;  // NORMAL and USER_DEFINED pieces and their scores (UNUSED ones, which the library skips, left out)
   std::vector<std::uint8_t> type;
   float min_score = FLT_MAX, max_score = FLT_MIN;  // over NORMAL pieces, the library's initial values
   std::int32_t unk_id = -1;
@@ -559,6 +562,7 @@ struct SentencePieceUnigram::Model {
     s.best.assign(static_cast<std::size_t>(size) + 1, BestPath{0.0f, -1, -1});
     BestPath* const best = s.best.data();
     const Trie::Unit* const units = pieces.units();
+    const std::int32_t* const values = pieces.values();
     for (std::int32_t starts_at = 0; starts_at < size;) {
       const float till_here = best[starts_at].score;
       const std::int32_t mblen = std::min<std::int32_t>(one_char_len(bytes[starts_at]), size - starts_at);
@@ -568,20 +572,16 @@ struct SentencePieceUnigram::Model {
         const std::int32_t next = units[node].base + bytes[key_pos++];
         if (units[next].check != node) break;
         node = next;
-        const Trie::Unit& unit = units[node];
-        if (unit.value < 0) continue;
+        // The library's `IsUserDefined ? length * max_score_ - 0.1 : score` is a double (a
+        // user-defined piece's a float product then double, by its length: kept in the trie
+        // so), added to the float best score in double, compared in double, kept as float.
+        const double piece_score = units[node].score;
+        if (piece_score != piece_score) continue;  // NaN: no piece ends here
         BestPath& target = best[key_pos];
         const std::int32_t length = key_pos - starts_at;
-        // The library's `IsUserDefined ? length * max_score_ - 0.1 : score`: a double (the
-        // user-defined bonus a float product then double), added to the float best score
-        // in double, compared in double and kept as float.
-        const double piece_score =
-            unit.value & kUserDefinedBit
-                ? static_cast<double>(static_cast<float>(static_cast<std::size_t>(length)) * max_score) - 0.1
-                : static_cast<double>(unit.score);
         const double candidate = piece_score + static_cast<double>(till_here);
         if (target.starts_at == -1 || candidate > static_cast<double>(target.score))
-          target = BestPath{static_cast<float>(candidate), starts_at, unit.value & ~kUserDefinedBit};
+          target = BestPath{static_cast<float>(candidate), starts_at, values[node]};
         if (length == mblen) has_single_node = true;
       }
       if (!has_single_node) {
@@ -626,7 +626,7 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
 
   auto m = std::make_unique<Model>();
   const std::size_t n = proto.pieces.size();
-  if (n >= static_cast<std::size_t>(kUserDefinedBit)) return refuse("too many pieces");
+  if (n >= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max())) return refuse("too many pieces");
   m->type.resize(n);
   std::vector<TrieKey> trie_keys, user_keys;
   bool any_matchable = false;  // the library's trie holds UNUSED pieces too, and must not be empty
@@ -640,11 +640,8 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
     const bool is_normal = p.type == kNormal || p.type == kUserDefined || p.type == kUnused;
     if (!(is_normal ? normal : reserved).emplace(p.text, id).second) return refuse("a piece defined twice");
     any_matchable = any_matchable || is_normal;
-    if (p.type == kNormal) trie_keys.push_back({p.text, id, p.score});
-    if (p.type == kUserDefined) {
-      trie_keys.push_back({p.text, id | kUserDefinedBit, p.score});
-      user_keys.push_back({p.text, id, 0.0f});
-    }
+    if (p.score != p.score) return refuse("a piece scored NaN");
+    if (p.type == kUserDefined) user_keys.push_back({p.text, id, 0.0});
     if (p.type == kUnknown) {
       if (m->unk_id >= 0) return refuse("two unknown pieces");
       m->unk_id = id;
@@ -656,6 +653,13 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
   }
   if (m->unk_id < 0) return refuse("no unknown piece");
   if (!any_matchable) return refuse("no pieces to match");
+  for (std::size_t i = 0; i < n; ++i) {
+    const ProtoPiece& p = proto.pieces[i];
+    if (p.type == kNormal) trie_keys.push_back({p.text, static_cast<std::int32_t>(i), static_cast<double>(p.score)});
+    if (p.type == kUserDefined)  // the library's bonus, `length * max_score_ - 0.1`
+      trie_keys.push_back({p.text, static_cast<std::int32_t>(i),
+                           static_cast<double>(static_cast<float>(p.text.size()) * m->max_score) - 0.1});
+  }
   m->byte_fallback = proto.byte_fallback;
   for (int b = 0; b < 256; ++b) {
     char piece[8];
