@@ -464,6 +464,7 @@ struct SentencePieceUnigram::Model {
   Charsmap charsmap;
   Trie user_defined;  // the library's PrefixMatcher: user-defined pieces pass unnormalised
   bool add_dummy_prefix = true, remove_extra_whitespaces = true, escape_whitespaces = true;
+  bool whitespace_as_suffix = false;  // the trainer's treat_whitespace_as_suffix: the dummy space goes last
   bool plain[128] = {};       // ASCII bytes that normalise to themselves alone
   bool before_ascii[128] = {};  // ASCII bytes that do so before an ASCII byte or the end
 
@@ -515,7 +516,7 @@ struct SentencePieceUnigram::Model {
       std::memcpy(out + n, space, space_size);
       n += space_size;
     };
-    if (add_dummy_prefix) put_space();
+    if (add_dummy_prefix && !whitespace_as_suffix) put_space();
     bool prev_space = remove_extra_whitespaces;
     while (in < end) {
       const auto b = static_cast<unsigned char>(*in);
@@ -549,6 +550,7 @@ struct SentencePieceUnigram::Model {
     }
     if (remove_extra_whitespaces)
       while (n >= space_size && std::memcmp(out + n - space_size, space, space_size) == 0) n -= space_size;
+    if (add_dummy_prefix && whitespace_as_suffix) put_space();
     return n;
   }
 
@@ -621,7 +623,6 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
   };
   if (!parse_proto(bytes, &proto)) return refuse("the model file does not parse");
   if (proto.model_type != 1) return refuse("not a unigram model");
-  if (proto.treat_whitespace_as_suffix) return refuse("treat_whitespace_as_suffix");
   if (proto.pieces.empty()) return refuse("no pieces");
 
   auto m = std::make_unique<Model>();
@@ -677,6 +678,7 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
   m->add_dummy_prefix = proto.add_dummy_prefix;
   m->remove_extra_whitespaces = proto.remove_extra_whitespaces;
   m->escape_whitespaces = proto.escape_whitespaces;
+  m->whitespace_as_suffix = proto.treat_whitespace_as_suffix;
   for (int b = 0; b < 128; ++b) {
     const auto c = static_cast<unsigned char>(b);
     const bool no_symbol = m->user_defined.empty() || m->user_defined.child(0, c) < 0;

@@ -1,7 +1,7 @@
 // mpipe's SentencePiece unigram encoder (text/sentencepiece_unigram.hpp) against the
 // library it replaces: Debian's libsentencepiece, SentencePieceProcessor::Encode, on
 // models spm_train learns here from the docs' text (NFKC or identity normalisation, byte
-// fallback or not, user-defined symbols, no dummy prefix), on the docs' paragraphs and on
+// fallback or not, user-defined symbols, no dummy prefix, whitespace as suffix), on the docs' paragraphs and on
 // thousands of random strings made to hit normalisation's corners. Every id must be the
 // library's; the tests also check that the strings did reach those corners (unknown
 // pieces, byte pieces, user-defined pieces, text NFKC changes), so that equality means
@@ -196,13 +196,15 @@ TEST_CASE("SentencePiece unigram tokenizer with user-defined symbols: our ids ar
   CHECK(c.unknown > 500);
 }
 
-TEST_CASE("SentencePiece unigram tokenizer, Llama's settings (identity, spaces kept, byte fallback) and no dummy prefix") {
+TEST_CASE("SentencePiece unigram tokenizer, Llama's settings (identity, spaces kept, byte fallback), no dummy prefix, whitespace as suffix") {
   const Counts llama = compare(train("identity", "--model_type=unigram --normalization_rule_name=identity"
                                                  " --remove_extra_whitespaces=false --byte_fallback=true"),
                                3000);
   CHECK(llama.bytes > 1000);
   const Counts plain = compare(train("noprefix", "--model_type=unigram --add_dummy_prefix=false"), 2000);
   CHECK(plain.unknown > 500);
+  const Counts suffix = compare(train("suffix", "--model_type=unigram --treat_whitespace_as_suffix=true"), 2000);
+  CHECK(suffix.unknown > 500);
 }
 
 // A ModelProto written here, field by field (sentencepiece_model.proto): what spm_train

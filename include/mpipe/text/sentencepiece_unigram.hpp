@@ -19,7 +19,7 @@ class SentencePieceUnigram {
  public:
   // The encoder for the serialized ModelProto `bytes`, or nullptr (with *why) when the
   // file is not a unigram model this encoder reads: another model type (BPE, word, char),
-  // treat_whitespace_as_suffix, or a file that does not parse (the library then decides).
+  // or a file that does not parse or that the library would refuse (the library decides).
   static std::unique_ptr<SentencePieceUnigram> from_model(std::string_view bytes, std::string* why);
   ~SentencePieceUnigram();
 
