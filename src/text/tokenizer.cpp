@@ -9,7 +9,7 @@
 
 #include "mpipe/core/error.hpp"
 #include "mpipe/text/bpe.hpp"
-#include "mpipe/text/sentencepiece_unigram.hpp"
+#include "mpipe/text/sentencepiece_encoder.hpp"
 
 namespace mpipe {
 
@@ -25,16 +25,15 @@ class SentencePieceTokenizer final : public Tokenizer {
     const auto status = processor_.LoadFromSerializedProto(bytes);
     MPIPE_REQUIRE(status.ok() && processor_.GetPieceSize() > 0, kTokenizerHint, "'", path,
                   "' is not a tokenizer (neither JSON nor a SentencePiece model: ", status.ToString(), ")");
-    // Unigram models: mpipe's encoder (the library's ids, about 3x its speed); any other
-    // kind, and a file the encoder does not read, the library's.
-    unigram_ = SentencePieceUnigram::from_model(bytes, &library_why_);
+    // Unigram and BPE models: mpipe's encoder (the library's ids, faster); word and char
+    // models, and a file the encoder does not read, the library's.
+    encoder_ = SentencePieceEncoder::from_model(bytes, &library_why_);
   }
   std::vector<std::int32_t> encode(std::string_view text) const override {
-    if (unigram_) {
+    if (encoder_) {
       std::vector<std::int32_t> out;
       out.reserve(text.size() / 3 + 8);
-      unigram_->encode(text, &out);
-      return out;
+      if (encoder_->encode(text, &out)) return out;
     }
     std::vector<int> ids;
     const auto status = processor_.Encode(text, &ids);
@@ -58,7 +57,8 @@ class SentencePieceTokenizer final : public Tokenizer {
   std::optional<std::int32_t> bos_id() const override { return id_or_none(processor_.bos_id()); }
   std::string describe() const override {
     return cat("SentencePiece, ", vocab_size(), " tokens, ",
-               unigram_ ? "unigram, mpipe's encoder" : cat("libsentencepiece's encoder: ", library_why_));
+               encoder_ ? (encoder_->is_bpe() ? "BPE, mpipe's encoder" : "unigram, mpipe's encoder")
+                        : cat("libsentencepiece's encoder: ", library_why_));
   }
   std::string file_name() const override { return "tokenizer.model"; }
 
@@ -67,7 +67,7 @@ class SentencePieceTokenizer final : public Tokenizer {
     return id >= 0 ? std::optional<std::int32_t>(id) : std::nullopt;
   }
   sentencepiece::SentencePieceProcessor processor_;
-  std::unique_ptr<SentencePieceUnigram> unigram_;  // null: the library encodes
+  std::unique_ptr<SentencePieceEncoder> encoder_;  // null: the library encodes
   std::string library_why_;
   std::string path_;
 };

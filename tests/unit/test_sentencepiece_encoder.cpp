@@ -1,7 +1,8 @@
-// mpipe's SentencePiece unigram encoder (text/sentencepiece_unigram.hpp) against the
-// library it replaces: Debian's libsentencepiece, SentencePieceProcessor::Encode, on
+// mpipe's SentencePiece encoder (text/sentencepiece_encoder.hpp) against the library it
+// replaces: Debian's libsentencepiece, SentencePieceProcessor::Encode, on unigram and BPE
 // models spm_train learns here from the docs' text (NFKC or identity normalisation, byte
-// fallback or not, user-defined symbols, no dummy prefix, whitespace as suffix), on the docs' paragraphs and on
+// fallback or not, user-defined symbols, no dummy prefix, whitespace as suffix) and on
+// models written here (large, UNUSED pieces, tied scores), on the docs' paragraphs and on
 // thousands of random strings made to hit normalisation's corners. Every id must be the
 // library's; the tests also check that the strings did reach those corners (unknown
 // pieces, byte pieces, user-defined pieces, text NFKC changes), so that equality means
@@ -18,7 +19,7 @@
 #include <set>
 
 #include "mpipe/core/error.hpp"
-#include "mpipe/text/sentencepiece_unigram.hpp"
+#include "mpipe/text/sentencepiece_encoder.hpp"
 #include "mpipe/text/tokenizer.hpp"
 #include "temp_dir.hpp"
 
@@ -116,7 +117,7 @@ Counts compare(const std::string& model, int random, const std::vector<std::stri
   sentencepiece::SentencePieceProcessor library;
   REQUIRE(library.LoadFromSerializedProto(bytes).ok());
   std::string why;
-  const auto ours = SentencePieceUnigram::from_model(bytes, &why);
+  const auto ours = SentencePieceEncoder::from_model(bytes, &why);
   REQUIRE_MESSAGE(ours != nullptr, why);
 
   std::vector<std::string> texts = {"", " ", "   ", "\t", "\n", "a", " a", "a ", "  a  b  ", "a\tb", "a\xff b",
@@ -139,7 +140,7 @@ Counts compare(const std::string& model, int random, const std::vector<std::stri
     std::vector<int> want;
     REQUIRE(library.Encode(text, &want).ok());
     got.clear();
-    ours->encode(text, &got);
+    CHECK(ours->encode(text, &got));
     ++counts.texts;
     counts.ids += want.size();
     if (std::vector<int>(got.begin(), got.end()) != want) {
@@ -173,7 +174,7 @@ TEST_CASE("SentencePiece unigram tokenizer (NFKC, no byte fallback): our ids are
   CHECK(c.ids > 50000);
   CHECK(c.unknown > 1000);  // unknown characters, merged where they run on
   // NFKC reached: fullwidth letters, an ideographic space, a ligature, a tab; spaces collapsed.
-  const auto ours = SentencePieceUnigram::from_model(read_bytes(model), nullptr);
+  const auto ours = SentencePieceEncoder::from_model(read_bytes(model), nullptr);
   std::string normalized;
   ours->normalize("  \xef\xbd\x88\xef\xbd\x85\xe3\x80\x80\xef\xac\x81\tx  ", &normalized);
   CHECK(normalized == "\xe2\x96\x81he\xe2\x96\x81" "fi\xe2\x96\x81x");
@@ -227,25 +228,24 @@ struct SyntheticPiece {
   float score;
   int type;
 };
-std::string synthetic_model(const std::vector<SyntheticPiece>& pieces) {
+std::string synthetic_model(const std::vector<SyntheticPiece>& pieces, int model_type = 1) {
   std::string model;
   for (const auto& p : pieces)
     model += field_bytes(1, field_bytes(1, p.text) + field_float(2, p.score) + varint(3 << 3) + varint(p.type));
-  model += field_bytes(2, varint(3 << 3) + varint(1));  // trainer_spec: model_type UNIGRAM
+  model += field_bytes(2, varint(3 << 3) + varint(static_cast<std::uint64_t>(model_type)));  // 1 UNIGRAM, 2 BPE
   // normalizer_spec: no charsmap (identity), dummy prefix, extra whitespace kept.
   model += field_bytes(3, field_bytes(1, "identity") + varint(3 << 3) + varint(1) + varint(4 << 3) + varint(0));
   return model;
 }
 
-TEST_CASE("SentencePiece unigram tokenizer on a model written here: 60000 pieces, UNUSED ones, ties, no charsmap") {
-  // Pieces cut from the docs' text (spaces as U+2581), scores from a few values so that
-  // paths tie, every 7th piece UNUSED (the library's trie holds them, its Viterbi skips
-  // them), every 97th USER_DEFINED.
-  std::mt19937 rng(7);
+// Pieces cut from the docs' text (spaces as U+2581), scores from a few values so that
+// paths and merges tie, every 7th piece UNUSED (the unigram trie holds them and its Viterbi
+// skips them; BPE merges into them and splits them back), every 97th USER_DEFINED.
+std::vector<SyntheticPiece> synthetic_pieces(std::mt19937& rng, std::size_t count) {
   const std::string docs = docs_text();
   std::vector<SyntheticPiece> pieces = {{"<unk>", 0, 2}, {"<s>", 0, 3}, {"</s>", 0, 3}};
   std::set<std::string> seen = {"<unk>", "<s>", "</s>"};
-  while (pieces.size() < 60000) {
+  while (pieces.size() < count) {
     std::string text = docs.substr(rng() % docs.size(), 1 + rng() % 10), escaped;
     for (const char c : text) escaped += c == ' ' ? std::string("\xe2\x96\x81") : std::string(1, c);
     bool whole = true;  // whole UTF-8 characters only, as spm_train's pieces are
@@ -261,44 +261,92 @@ TEST_CASE("SentencePiece unigram tokenizer on a model written here: 60000 pieces
     const int type = pieces.size() % 97 == 0 ? 4 : pieces.size() % 7 == 0 ? 5 : 1;
     pieces.push_back({escaped, -0.5f * static_cast<float>(1 + rng() % 16), type});
   }
-  const std::string model = synthetic_model(pieces);
+  return pieces;
+}
+
+// Our ids against the library's on `model` for `count` random strings; the ids compared.
+std::size_t compare_synthetic(const std::string& model, std::mt19937& rng, int count) {
   sentencepiece::SentencePieceProcessor library;
   REQUIRE(library.LoadFromSerializedProto(model).ok());
-  const auto ours = SentencePieceUnigram::from_model(model, nullptr);
+  const auto ours = SentencePieceEncoder::from_model(model, nullptr);
   REQUIRE(ours != nullptr);
+  const std::string docs = docs_text();
   std::size_t ids = 0;
   std::vector<std::int32_t> got;
-  for (int i = 0; i < 1500; ++i) {
+  for (int i = 0; i < count; ++i) {
     const std::string text = random_text(rng, docs, {});
     std::vector<int> want;
     REQUIRE(library.Encode(text, &want).ok());
     got.clear();
-    ours->encode(text, &got);
+    CHECK(ours->encode(text, &got));
     CHECK(std::vector<int>(got.begin(), got.end()) == want);
     ids += want.size();
   }
-  CHECK(ids > 10000);
+  return ids;
 }
 
-TEST_CASE("SentencePiece tokenizers: unigram models take mpipe's encoder, BPE models the library's, the same ids either way") {
-  const std::string unigram = train("nfkc", "--model_type=unigram"), bpe = train("bpe", "--model_type=bpe");
-  const auto tok = load_tokenizer(unigram);
-  CHECK(tok->describe().find("mpipe's encoder") != std::string::npos);
-  std::string why;
-  CHECK(SentencePieceUnigram::from_model(read_bytes(bpe), &why) == nullptr);
-  CHECK(why == "not a unigram model");
-  const auto bpe_tok = load_tokenizer(bpe);
-  CHECK(bpe_tok->describe().find("libsentencepiece's encoder: not a unigram model") != std::string::npos);
+TEST_CASE("SentencePiece unigram tokenizer on a model written here: 60000 pieces, UNUSED ones, ties, no charsmap") {
+  std::mt19937 rng(7);
+  CHECK(compare_synthetic(synthetic_model(synthetic_pieces(rng, 60000)), rng, 1500) > 10000);
+}
+
+TEST_CASE("SentencePiece BPE tokenizer: our ids are the library's (NFKC; Llama's settings; user-defined symbols)") {
+  const Counts nfkc = compare(train("bpe", "--model_type=bpe"), 3000);
+  CHECK(nfkc.unknown > 500);
+  const Counts llama = compare(train("bpe-llama", "--model_type=bpe --byte_fallback=true --normalization_rule_name=identity"
+                                                  " --remove_extra_whitespaces=false --split_digits=true"),
+                               3000);
+  CHECK(llama.bytes > 1000);
+  const std::vector<std::string> symbols = {"<tag>", "<tag>x", "mpipe", "\xef\xbc\xa1z", "\xe2\x96\x81the"};
+  std::string list;
+  for (const auto& symbol : symbols) list += (list.empty() ? "" : ",") + symbol;
+  const Counts user = compare(train("bpe-user", "--model_type=bpe --user_defined_symbols='" + list + "'"), 3000, symbols);
+  CHECK(user.user_defined > 500);
+}
+
+TEST_CASE("SentencePiece BPE tokenizer on a model written here: 30000 pieces, UNUSED ones split back, tied scores") {
+  std::mt19937 rng(8);
+  CHECK(compare_synthetic(synthetic_model(synthetic_pieces(rng, 30000), 2), rng, 1500) > 10000);
+}
+
+TEST_CASE("SentencePiece BPE tokenizer: a control piece the text spells leaves the text to the library") {
+  // The library's Encode fails on such a text (its pieces do not cover the text); mpipe's
+  // encoder says so rather than give ids, and the tokenizer asks the library.
+  const std::string model = train("bpe-control", "--model_type=bpe --control_symbols='\xc2\xa7'");
+  const auto ours = SentencePieceEncoder::from_model(read_bytes(model), nullptr);
+  REQUIRE(ours != nullptr);
+  std::vector<std::int32_t> ids;
+  CHECK(ours->encode("a b", &ids));
+  CHECK_FALSE(ours->encode("a \xc2\xa7 b", &ids));
   sentencepiece::SentencePieceProcessor library;
-  REQUIRE(library.Load(unigram).ok());
-  const std::string text = docs_text();
+  REQUIRE(library.Load(model).ok());
   std::vector<int> want;
-  REQUIRE(library.Encode(text, &want).ok());
-  const std::vector<std::int32_t> got = tok->encode(text);
-  CHECK(std::vector<int>(got.begin(), got.end()) == want);
+  CHECK_FALSE(library.Encode("a \xc2\xa7 b", &want).ok());
+  CHECK_THROWS(load_tokenizer(model)->encode("a \xc2\xa7 b"));
+}
+
+TEST_CASE("SentencePiece tokenizers: unigram and BPE models take mpipe's encoder, char models the library's") {
+  const std::string unigram = train("nfkc", "--model_type=unigram"), bpe = train("bpe", "--model_type=bpe");
+  const std::string chars = train("char", "--model_type=char");
+  CHECK(load_tokenizer(unigram)->describe().find("unigram, mpipe's encoder") != std::string::npos);
+  CHECK(load_tokenizer(bpe)->describe().find("BPE, mpipe's encoder") != std::string::npos);
+  std::string why;
+  CHECK(SentencePieceEncoder::from_model(read_bytes(chars), &why) == nullptr);
+  CHECK(why == "neither a unigram nor a BPE model");
+  const auto char_tok = load_tokenizer(chars);
+  CHECK(char_tok->describe().find("libsentencepiece's encoder: neither a unigram nor a BPE model") != std::string::npos);
+  const std::string text = docs_text();
+  for (const std::string& model : {unigram, bpe, chars}) {
+    sentencepiece::SentencePieceProcessor library;
+    REQUIRE(library.Load(model).ok());
+    std::vector<int> want;
+    REQUIRE(library.Encode(text, &want).ok());
+    const std::vector<std::int32_t> got = load_tokenizer(model)->encode(text);
+    CHECK(std::vector<int>(got.begin(), got.end()) == want);
+  }
   // Files that are not models are refused as before (the library decides).
-  CHECK(SentencePieceUnigram::from_model("not a model", &why) == nullptr);
-  CHECK(SentencePieceUnigram::from_model("", &why) == nullptr);
+  CHECK(SentencePieceEncoder::from_model("not a model", &why) == nullptr);
+  CHECK(SentencePieceEncoder::from_model("", &why) == nullptr);
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
-// SentencePiece unigram models encoded by mpipe (include/mpipe/text/sentencepiece_unigram.hpp):
+// SentencePiece models encoded by mpipe (include/mpipe/text/sentencepiece_encoder.hpp):
 // the model file's protobuf read by hand, the normaliser over the precompiled charsmap,
-// the pieces in a double-array trie, and the library's optimised Viterbi. Each step
-// follows libsentencepiece 0.1.97 (normalizer.cc, unigram_model.cc EncodeOptimized,
-// sentencepiece_processor.cc PopulateSentencePieceText); the unit tests compare the ids.
-#include "mpipe/text/sentencepiece_unigram.hpp"
+// the pieces in double-array tries, the library's optimised Viterbi (unigram) and its
+// merge loop (BPE). Each step follows libsentencepiece 0.1.97 (normalizer.cc,
+// unigram_model.cc EncodeOptimized, bpe_model.cc SampleEncode, sentencepiece_processor.cc
+// PopulateSentencePieceText); the unit tests compare the ids.
+#include "mpipe/text/sentencepiece_encoder.hpp"
 
 #include <algorithm>
 #include <cfloat>
@@ -281,6 +282,13 @@ class Trie {
     return units_[i].check == node ? static_cast<std::int32_t>(i) : -1;
   }
   std::int32_t value(std::int32_t node) const { return values_[static_cast<std::size_t>(node)]; }
+  // The value of the key s[0, n), or -1.
+  std::int32_t exact(const char* s, std::size_t n) const {
+    if (units_.empty()) return -1;
+    std::int32_t node = 0;
+    for (std::size_t i = 0; i < n && node >= 0; ++i) node = child(node, static_cast<unsigned char>(s[i]));
+    return node >= 0 ? value(node) : -1;
+  }
   const std::int32_t* values() const { return values_.data(); }
   const Unit* units() const { return units_.data(); }
   // The longest key that is a prefix of s[0, n) among the first `max_results` prefixes
@@ -438,10 +446,27 @@ class Bytes {
 };
 
 // Each thread's work buffers, kept from call to call.
+struct Symbol {  // BPE: a run of the normalised text, merged or not
+  std::int32_t prev, next, start, size;
+  bool freeze;  // a user-defined piece: never merged
+};
+struct SymbolPair {  // BPE: two neighbours whose concatenation is a piece
+  std::int32_t left, right, size;
+  float score;
+};
+// bpe_model.cc's SymbolPairComparator: the highest score first, then the leftmost.
+inline bool pair_less(const SymbolPair& a, const SymbolPair& b) {
+  return a.score < b.score || (a.score == b.score && a.left > b.left);
+}
+
 struct Scratch {
   Bytes normalized;
   std::vector<BestPath> best;
   std::vector<std::pair<std::int32_t, std::int32_t>> path;  // (start, id), last piece first
+  std::vector<Symbol> symbols;
+  std::vector<SymbolPair> agenda;  // a heap by pair_less
+  // BPE's rev_merge: an UNUSED piece's last-seen halves, to split it back.
+  std::unordered_map<std::string_view, std::pair<std::string_view, std::string_view>> rev_merge;
 };
 
 Scratch& scratch() {
@@ -452,7 +477,7 @@ Scratch& scratch() {
 
 }  // namespace
 
-struct SentencePieceUnigram::Model {
+struct SentencePieceEncoder::Model {
   // Pieces.
   Trie pieces;  // NORMAL and USER_DEFINED pieces and their scores (UNUSED ones, which the library skips, left out)
   std::vector<std::uint8_t> type;
@@ -460,6 +485,11 @@ struct SentencePieceUnigram::Model {
   std::int32_t unk_id = -1;
   bool byte_fallback = false;
   std::int32_t byte_id[256] = {};
+  // BPE models (model_type BPE): merges by the pieces' scores.
+  bool bpe = false, has_unused = false;
+  Trie bpe_pieces;       // the library's pieces_: NORMAL, USER_DEFINED and UNUSED pieces, id values
+  Trie reserved_pieces;  // its reserved_id_map_: UNKNOWN, CONTROL and BYTE pieces
+  std::vector<float> score;  // per id
   // Normaliser.
   Charsmap charsmap;
   Trie user_defined;  // the library's PrefixMatcher: user-defined pieces pass unnormalised
@@ -596,33 +626,121 @@ struct SentencePieceUnigram::Model {
     s.path.clear();
     for (std::int32_t ends_at = size; ends_at > 0; ends_at = best[ends_at].starts_at)
       s.path.emplace_back(best[ends_at].starts_at, best[ends_at].id);
-    // Unknown pieces: their bytes' pieces with byte fallback, else a run of them is one.
     bool prev_unknown = false;
     for (auto it = s.path.rbegin(); it != s.path.rend(); ++it) {
-      const std::int32_t id = it->second;
-      const bool unknown = type[static_cast<std::size_t>(id)] == kUnknown;
-      if (unknown && byte_fallback) {
-        const std::int32_t end = it + 1 == s.path.rend() ? size : (it + 1)->first;
-        for (std::int32_t i = it->first; i < end; ++i) ids->push_back(byte_id[bytes[i]]);
-      } else if (!(unknown && prev_unknown)) {
-        ids->push_back(id);
-      }
-      prev_unknown = unknown;
+      const std::int32_t end = it + 1 == s.path.rend() ? size : (it + 1)->first;
+      emit(bytes + it->first, end - it->first, it->second, &prev_unknown, ids);
     }
+  }
+
+  // PopulateSentencePieceText's ids for one piece: an unknown piece's bytes' pieces with
+  // byte fallback, else a run of unknown pieces is one.
+  void emit(const unsigned char* piece, std::int32_t size, std::int32_t id, bool* prev_unknown,
+            std::vector<std::int32_t>* ids) const {
+    const bool unknown = type[static_cast<std::size_t>(id)] == kUnknown;
+    if (unknown && byte_fallback) {
+      for (std::int32_t i = 0; i < size; ++i) ids->push_back(byte_id[piece[i]]);
+    } else if (!(unknown && *prev_unknown)) {
+      ids->push_back(id);
+    }
+    *prev_unknown = unknown;
+  }
+
+  // ModelInterface::PieceToId.
+  std::int32_t piece_id(const char* piece, std::size_t size) const {
+    if (const std::int32_t id = reserved_pieces.exact(piece, size); id >= 0) return id;
+    if (const std::int32_t id = bpe_pieces.exact(piece, size); id >= 0) return id;
+    return unk_id;
+  }
+
+  // bpe::Model::SampleEncode without dropout (Encode), then the ids. False where a piece
+  // comes out a control symbol, which the library then refuses: the caller asks it.
+  bool encode_bpe(std::string_view text, std::vector<std::int32_t>* ids) const {
+    Scratch& s = scratch();
+    const auto size = static_cast<std::int32_t>(normalize(text, s.normalized));
+    if (size == 0) return true;
+    const char* const norm = s.normalized.data();
+    // One symbol per character, or per user-defined piece (frozen).
+    auto& symbols = s.symbols;
+    symbols.clear();
+    for (std::int32_t pos = 0; pos < size;) {
+      const auto rest = static_cast<std::size_t>(size - pos);
+      std::size_t len = user_defined.empty() ? 0 : user_defined.longest_prefix(norm + pos, rest, 64);
+      const bool freeze = len > 0;
+      if (!freeze) len = std::min<std::size_t>(one_char_len(static_cast<unsigned char>(norm[pos])), rest);
+      const auto index = static_cast<std::int32_t>(symbols.size());
+      symbols.push_back({index - 1, pos + static_cast<std::int32_t>(len) < size ? index + 1 : -1, pos,
+                         static_cast<std::int32_t>(len), freeze});
+      pos += static_cast<std::int32_t>(len);
+    }
+    auto& agenda = s.agenda;
+    agenda.clear();
+    if (has_unused) s.rev_merge.clear();
+    auto add_pair = [&](std::int32_t left, std::int32_t right) {
+      if (left == -1 || right == -1 || symbols[static_cast<std::size_t>(left)].freeze ||
+          symbols[static_cast<std::size_t>(right)].freeze)
+        return;
+      const Symbol& l = symbols[static_cast<std::size_t>(left)];
+      const Symbol& r = symbols[static_cast<std::size_t>(right)];
+      const std::int32_t id = bpe_pieces.exact(norm + l.start, static_cast<std::size_t>(l.size + r.size));
+      if (id < 0) return;
+      agenda.push_back({left, right, l.size + r.size, score[static_cast<std::size_t>(id)]});
+      std::push_heap(agenda.begin(), agenda.end(), pair_less);
+      if (type[static_cast<std::size_t>(id)] == kUnused)
+        s.rev_merge[std::string_view(norm + l.start, static_cast<std::size_t>(l.size + r.size))] = {
+            std::string_view(norm + l.start, static_cast<std::size_t>(l.size)),
+            std::string_view(norm + r.start, static_cast<std::size_t>(r.size))};
+    };
+    for (std::int32_t i = 1; i < static_cast<std::int32_t>(symbols.size()); ++i) add_pair(i - 1, i);
+    while (!agenda.empty()) {
+      std::pop_heap(agenda.begin(), agenda.end(), pair_less);
+      const SymbolPair top = agenda.back();
+      agenda.pop_back();
+      Symbol& l = symbols[static_cast<std::size_t>(top.left)];
+      Symbol& r = symbols[static_cast<std::size_t>(top.right)];
+      if (l.size == 0 || r.size == 0 || l.size + r.size != top.size) continue;  // no longer there
+      l.size += r.size;
+      l.next = r.next;
+      if (r.next >= 0) symbols[static_cast<std::size_t>(r.next)].prev = top.left;
+      r.size = 0;
+      add_pair(l.prev, top.left);
+      add_pair(top.left, symbols[static_cast<std::size_t>(top.left)].next);
+    }
+    // The symbols' ids; an UNUSED piece split back into the halves it was made of.
+    bool prev_unknown = false, control = false;
+    auto resegment = [&](auto& self, std::string_view piece) -> void {
+      const std::int32_t id = piece_id(piece.data(), piece.size());
+      if (type[static_cast<std::size_t>(id)] == kUnused) {
+        if (const auto it = s.rev_merge.find(piece); it != s.rev_merge.end()) {
+          const auto halves = it->second;
+          self(self, halves.first);
+          self(self, halves.second);
+          return;
+        }
+      }
+      control = control || type[static_cast<std::size_t>(id)] == kControl;
+      emit(reinterpret_cast<const unsigned char*>(piece.data()), static_cast<std::int32_t>(piece.size()), id,
+           &prev_unknown, ids);
+    };
+    for (std::int32_t i = 0; i != -1; i = symbols[static_cast<std::size_t>(i)].next) {
+      const Symbol& sym = symbols[static_cast<std::size_t>(i)];
+      resegment(resegment, std::string_view(norm + sym.start, static_cast<std::size_t>(sym.size)));
+    }
+    return !control;
   }
 };
 
-SentencePieceUnigram::SentencePieceUnigram(std::unique_ptr<Model> model) : model_(std::move(model)) {}
-SentencePieceUnigram::~SentencePieceUnigram() = default;
+SentencePieceEncoder::SentencePieceEncoder(std::unique_ptr<Model> model) : model_(std::move(model)) {}
+SentencePieceEncoder::~SentencePieceEncoder() = default;
 
-std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::string_view bytes, std::string* why) {
+std::unique_ptr<SentencePieceEncoder> SentencePieceEncoder::from_model(std::string_view bytes, std::string* why) {
   Proto proto;
   auto refuse = [&](const char* reason) {
     if (why) *why = reason;
-    return std::unique_ptr<SentencePieceUnigram>();
+    return std::unique_ptr<SentencePieceEncoder>();
   };
   if (!parse_proto(bytes, &proto)) return refuse("the model file does not parse");
-  if (proto.model_type != 1) return refuse("not a unigram model");
+  if (proto.model_type != 1 && proto.model_type != 2) return refuse("neither a unigram nor a BPE model");
   if (proto.pieces.empty()) return refuse("no pieces");
 
   auto m = std::make_unique<Model>();
@@ -653,7 +771,8 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
     }
   }
   if (m->unk_id < 0) return refuse("no unknown piece");
-  if (!any_matchable) return refuse("no pieces to match");
+  m->bpe = proto.model_type == 2;
+  if (!any_matchable && !m->bpe) return refuse("no pieces to match");
   for (std::size_t i = 0; i < n; ++i) {
     const ProtoPiece& p = proto.pieces[i];
     if (p.type == kNormal) trie_keys.push_back({p.text, static_cast<std::int32_t>(i), static_cast<double>(p.score)});
@@ -672,7 +791,21 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
     else
       m->byte_id[b] = m->unk_id;
   }
-  m->pieces.build(std::move(trie_keys));
+  if (m->bpe) {
+    std::vector<TrieKey> normal_keys, reserved_keys;
+    m->score.resize(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      const ProtoPiece& p = proto.pieces[i];
+      const bool is_normal = p.type == kNormal || p.type == kUserDefined || p.type == kUnused;
+      (is_normal ? normal_keys : reserved_keys).push_back({p.text, static_cast<std::int32_t>(i), 0.0});
+      m->score[i] = p.score;
+      m->has_unused = m->has_unused || p.type == kUnused;
+    }
+    m->bpe_pieces.build(std::move(normal_keys));
+    m->reserved_pieces.build(std::move(reserved_keys));
+  } else {
+    m->pieces.build(std::move(trie_keys));
+  }
   if (!user_keys.empty()) m->user_defined.build(std::move(user_keys));
   if (!m->charsmap.load(proto.charsmap)) return refuse("a broken precompiled charsmap");
   m->add_dummy_prefix = proto.add_dummy_prefix;
@@ -685,14 +818,18 @@ std::unique_ptr<SentencePieceUnigram> SentencePieceUnigram::from_model(std::stri
     m->plain[b] = !m->charsmap.starts_rule(c) && no_symbol;
     m->before_ascii[b] = m->charsmap.ascii_before_ascii_safe(c) && no_symbol;
   }
-  return std::unique_ptr<SentencePieceUnigram>(new SentencePieceUnigram(std::move(m)));
+  return std::unique_ptr<SentencePieceEncoder>(new SentencePieceEncoder(std::move(m)));
 }
 
-void SentencePieceUnigram::encode(std::string_view text, std::vector<std::int32_t>* ids) const {
+bool SentencePieceEncoder::encode(std::string_view text, std::vector<std::int32_t>* ids) const {
+  if (model_->bpe) return model_->encode_bpe(text, ids);
   model_->encode(text, ids);
+  return true;
 }
 
-void SentencePieceUnigram::normalize(std::string_view text, std::string* out) const {
+bool SentencePieceEncoder::is_bpe() const { return model_->bpe; }
+
+void SentencePieceEncoder::normalize(std::string_view text, std::string* out) const {
   Bytes buf;
   const std::size_t n = model_->normalize(text, buf);
   out->assign(n ? buf.data() : "", n);
