@@ -284,10 +284,14 @@ class Trie {
   std::int32_t value(std::int32_t node) const { return values_[static_cast<std::size_t>(node)]; }
   // The value of the key s[0, n), or -1.
   std::int32_t exact(const char* s, std::size_t n) const {
-    if (units_.empty()) return -1;
-    std::int32_t node = 0;
-    for (std::size_t i = 0; i < n && node >= 0; ++i) node = child(node, static_cast<unsigned char>(s[i]));
+    const std::int32_t node = walk(0, s, n);
     return node >= 0 ? value(node) : -1;
+  }
+  // The node reached from `node` by s[0, n), or -1.
+  std::int32_t walk(std::int32_t node, const char* s, std::size_t n) const {
+    if (units_.empty()) return -1;
+    for (std::size_t i = 0; i < n && node >= 0; ++i) node = child(node, static_cast<unsigned char>(s[i]));
+    return node;
   }
   const std::int32_t* values() const { return values_.data(); }
   const Unit* units() const { return units_.data(); }
@@ -448,10 +452,11 @@ class Bytes {
 // Each thread's work buffers, kept from call to call.
 struct Symbol {  // BPE: a run of the normalised text, merged or not
   std::int32_t prev, next, start, size;
-  bool freeze;  // a user-defined piece: never merged
+  std::int32_t node;  // its bytes' node in the pieces trie, or -1
+  bool freeze;        // a user-defined piece: never merged
 };
 struct SymbolPair {  // BPE: two neighbours whose concatenation is a piece
-  std::int32_t left, right, size;
+  std::int32_t left, right, size, node;
   float score;
 };
 // bpe_model.cc's SymbolPairComparator: the highest score first, then the leftmost.
@@ -670,7 +675,7 @@ struct SentencePieceEncoder::Model {
       if (!freeze) len = std::min<std::size_t>(one_char_len(static_cast<unsigned char>(norm[pos])), rest);
       const auto index = static_cast<std::int32_t>(symbols.size());
       symbols.push_back({index - 1, pos + static_cast<std::int32_t>(len) < size ? index + 1 : -1, pos,
-                         static_cast<std::int32_t>(len), freeze});
+                         static_cast<std::int32_t>(len), bpe_pieces.walk(0, norm + pos, len), freeze});
       pos += static_cast<std::int32_t>(len);
     }
     auto& agenda = s.agenda;
@@ -682,9 +687,11 @@ struct SentencePieceEncoder::Model {
         return;
       const Symbol& l = symbols[static_cast<std::size_t>(left)];
       const Symbol& r = symbols[static_cast<std::size_t>(right)];
-      const std::int32_t id = bpe_pieces.exact(norm + l.start, static_cast<std::size_t>(l.size + r.size));
+      if (l.node < 0) return;  // the concatenation's walk goes through the left symbol's node
+      const std::int32_t node = bpe_pieces.walk(l.node, norm + r.start, static_cast<std::size_t>(r.size));
+      const std::int32_t id = node >= 0 ? bpe_pieces.value(node) : -1;
       if (id < 0) return;
-      agenda.push_back({left, right, l.size + r.size, score[static_cast<std::size_t>(id)]});
+      agenda.push_back({left, right, l.size + r.size, node, score[static_cast<std::size_t>(id)]});
       std::push_heap(agenda.begin(), agenda.end(), pair_less);
       if (type[static_cast<std::size_t>(id)] == kUnused)
         s.rev_merge[std::string_view(norm + l.start, static_cast<std::size_t>(l.size + r.size))] = {
@@ -700,6 +707,7 @@ struct SentencePieceEncoder::Model {
       Symbol& r = symbols[static_cast<std::size_t>(top.right)];
       if (l.size == 0 || r.size == 0 || l.size + r.size != top.size) continue;  // no longer there
       l.size += r.size;
+      l.node = top.node;
       l.next = r.next;
       if (r.next >= 0) symbols[static_cast<std::size_t>(r.next)].prev = top.left;
       r.size = 0;
