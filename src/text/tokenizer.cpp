@@ -4,6 +4,7 @@
 
 #include <sentencepiece_processor.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
@@ -26,8 +27,13 @@ class SentencePieceTokenizer final : public Tokenizer {
     MPIPE_REQUIRE(status.ok() && processor_.GetPieceSize() > 0, kTokenizerHint, "'", path,
                   "' is not a tokenizer (neither JSON nor a SentencePiece model: ", status.ToString(), ")");
     // Unigram and BPE models: mpipe's encoder (the library's ids, faster); word and char
-    // models, and a file the encoder does not read, the library's.
-    encoder_ = SentencePieceEncoder::from_model(bytes, &library_why_);
+    // models, and a file the encoder does not read, the library's. MPIPE_SENTENCEPIECE=library
+    // asks for the library's everywhere (scripts/bench_tokenize.sh's baseline).
+    const char* const choice = std::getenv("MPIPE_SENTENCEPIECE");
+    if (choice && std::string_view(choice) == "library")
+      library_why_ = "MPIPE_SENTENCEPIECE=library";
+    else
+      encoder_ = SentencePieceEncoder::from_model(bytes, &library_why_);
   }
   std::vector<std::int32_t> encode(std::string_view text) const override {
     if (encoder_) {

@@ -344,6 +344,12 @@ TEST_CASE("SentencePiece tokenizers: unigram and BPE models take mpipe's encoder
     const std::vector<std::int32_t> got = load_tokenizer(model)->encode(text);
     CHECK(std::vector<int>(got.begin(), got.end()) == want);
   }
+  // MPIPE_SENTENCEPIECE=library: the library's encoder (the bench's baseline), the same ids.
+  ::setenv("MPIPE_SENTENCEPIECE", "library", 1);
+  const auto library_tok = load_tokenizer(unigram);
+  ::unsetenv("MPIPE_SENTENCEPIECE");
+  CHECK(library_tok->describe().find("libsentencepiece's encoder: MPIPE_SENTENCEPIECE=library") != std::string::npos);
+  CHECK(library_tok->encode(text) == load_tokenizer(unigram)->encode(text));
   // Files that are not models are refused as before (the library decides).
   CHECK(SentencePieceEncoder::from_model("not a model", &why) == nullptr);
   CHECK(SentencePieceEncoder::from_model("", &why) == nullptr);
