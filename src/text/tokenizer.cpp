@@ -1,5 +1,6 @@
 // Choosing a tokenizer by its file's content, the SentencePiece kind (the library's own
-// processor), reading text files to ids, and decoding a stream of ids.
+// processor; mpipe's encoder for unigram and BPE models), reading text files to ids, and
+// decoding a stream of ids.
 #include "mpipe/text/tokenizer.hpp"
 
 #include <sentencepiece_processor.h>
