@@ -474,6 +474,8 @@ struct Scratch {
   std::unordered_map<std::string_view, std::pair<std::string_view, std::string_view>> rev_merge;
 };
 
+constexpr std::size_t kMaxNormalized = static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()) - 1;
+
 Scratch& scratch() {
   thread_local Scratch s;
   return s;
@@ -590,10 +592,14 @@ struct SentencePieceEncoder::Model {
   }
 
   // unigram::Model::EncodeOptimized and PopulateSentencePieceText's ids.
-  void encode(std::string_view text, std::vector<std::int32_t>* ids) const {
+  // False (nothing appended) for a text whose normalised form passes 2^31 - 2 bytes: the
+  // library's int positions; left to it.
+  bool encode(std::string_view text, std::vector<std::int32_t>* ids) const {
     Scratch& s = scratch();
-    const auto size = static_cast<std::int32_t>(normalize(text, s.normalized));
-    if (size == 0) return;
+    const std::size_t normalized = normalize(text, s.normalized);
+    if (normalized > kMaxNormalized) return false;
+    const auto size = static_cast<std::int32_t>(normalized);
+    if (size == 0) return true;
     const auto* const bytes = reinterpret_cast<const unsigned char*>(s.normalized.data());
     const float unk_score = min_score - 10.0f;  // kUnkPenalty
     s.best.assign(static_cast<std::size_t>(size) + 1, BestPath{0.0f, -1, -1});
@@ -636,6 +642,7 @@ struct SentencePieceEncoder::Model {
       const std::int32_t end = it + 1 == s.path.rend() ? size : (it + 1)->first;
       emit(bytes + it->first, end - it->first, it->second, &prev_unknown, ids);
     }
+    return true;
   }
 
   // PopulateSentencePieceText's ids for one piece: an unknown piece's bytes' pieces with
@@ -662,7 +669,9 @@ struct SentencePieceEncoder::Model {
   // comes out a control symbol, which the library then refuses: the caller asks it.
   bool encode_bpe(std::string_view text, std::vector<std::int32_t>* ids) const {
     Scratch& s = scratch();
-    const auto size = static_cast<std::int32_t>(normalize(text, s.normalized));
+    const std::size_t normalized = normalize(text, s.normalized);
+    if (normalized > kMaxNormalized) return false;
+    const auto size = static_cast<std::int32_t>(normalized);
     if (size == 0) return true;
     const char* const norm = s.normalized.data();
     // One symbol per character, or per user-defined piece (frozen).
@@ -831,8 +840,7 @@ std::unique_ptr<SentencePieceEncoder> SentencePieceEncoder::from_model(std::stri
 
 bool SentencePieceEncoder::encode(std::string_view text, std::vector<std::int32_t>* ids) const {
   if (model_->bpe) return model_->encode_bpe(text, ids);
-  model_->encode(text, ids);
-  return true;
+  return model_->encode(text, ids);
 }
 
 bool SentencePieceEncoder::is_bpe() const { return model_->bpe; }

@@ -26,7 +26,8 @@ class SentencePieceEncoder {
 
   // Appends the ids of `text` to *ids (no BOS or EOS) and returns true; false (the ids
   // then partial) where the library must encode the text: a BPE symbol that is a control
-  // piece, which the library's Encode reports as an error. Safe from several threads at
+  // piece, which the library's Encode reports as an error, or a text whose normalised form
+  // passes 2^31 - 2 bytes (the library's int positions). Safe from several threads at
   // once: the work buffers are the calling thread's own, reused from call to call.
   bool encode(std::string_view text, std::vector<std::int32_t>* ids) const;
   // `text` normalised as the library's Normalizer does (for tests).
