@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# Tokenizer throughput: `mpipe tokenize` with a SentencePiece model and a byte-level BPE
-# tokenizer.json, on one thread (MB/s per core) and on every core, beside Debian's
-# python3-sentencepiece encoding the same documents with the same model on one thread.
+# Tokenizer throughput: `mpipe tokenize` with SentencePiece models (unigram and BPE) and a
+# byte-level BPE tokenizer.json, on one thread (MB/s per core) and on every core, beside
+# Debian's python3-sentencepiece encoding the same documents with the same models on one thread.
 # The text: docs/*.md and README.md repeated to SIZE_MB (default 50) MB, documents split
-# at blank lines. The models are learnt from the docs here: spm_train (unigram, VOCAB
+# at blank lines. The models are learnt from the docs here: spm_train (unigram and BPE, VOCAB
 # pieces, default 2000) and 2000 BPE merges by tests/reference/check_tokenizer.py's trainer.
 #   MPIPE=PATH   the binary (default: build/release/mpipe, built with the release preset)
+# "mpipe, library encoder" rows: the same binary with MPIPE_SENTENCEPIECE=library, which
+# encodes with libsentencepiece's SentencePieceProcessor::Encode (mpipe's encoder before).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z ${MPIPE:-} ]]; then
@@ -29,19 +31,21 @@ ref = c.ReferenceBpe(merges, c.GPT2_PATTERN, False)
 json.dump(ref.tokenizer_json(merges, False), open(os.path.join(d, "tokenizer.json"), "w", encoding="utf-8"), ensure_ascii=False)
 PY
 spm_train --input="$dir/docs.txt" --model_prefix="$dir/spm" --vocab_size="$vocab" --minloglevel=2 >/dev/null 2>&1
+spm_train --input="$dir/docs.txt" --model_prefix="$dir/spm-bpe" --model_type=bpe --vocab_size="$vocab" \
+  --minloglevel=2 >/dev/null 2>&1
 mb=$(stat -c %s "$dir/corpus.txt" | awk '{printf "%.1f", $1 / 1e6}')
 cores=$(nproc)
 
 # Wall seconds and MB/s from mpipe tokenize's own summary line ("... in S s: R MB/s on T
 # threads"); CPU seconds (user + system) of the whole process from GNU time.
-run_mpipe() {  # tokenizer threads
-  /usr/bin/time -f "cpu %U %S" "$MPIPE" tokenize --tokenizer "$1" --threads "$2" --progress off \
+run_mpipe() {  # tokenizer threads [MPIPE_SENTENCEPIECE value: "library" for the library's encoder]
+  MPIPE_SENTENCEPIECE=${3:-} /usr/bin/time -f "cpu %U %S" "$MPIPE" tokenize --tokenizer "$1" --threads "$2" --progress off \
     --document-separator $'\n\n' "$dir/corpus.txt" --out "$dir/shards" 2> "$dir/log"
   wall=$(sed -n 's/.* in \([0-9.]*\) s: \([0-9.]*\) MB\/s.*/\1 \2/p' "$dir/log")
   echo "$wall $(awk '/^cpu/ {printf "%.2f", $2 + $3}' "$dir/log")"
 }
-python_sp() {
-  /usr/bin/python3 - "$dir/spm.model" "$dir/corpus.txt" <<'PY'
+python_sp() {  # model
+  /usr/bin/python3 - "$1" "$dir/corpus.txt" <<'PY'
 import sys, time
 import sentencepiece as spm
 sp = spm.SentencePieceProcessor(model_file=sys.argv[1])
@@ -69,7 +73,11 @@ row() {  # tokenizer encoder threads "seconds rate cpu"
     "$(awk -v r="$rate" -v t="$3" 'BEGIN{printf "%.1f", r / t}')" "$cpu" "$(awk -v m="$mb" -v c="$cpu" 'BEGIN{printf "%.1f", m / c}')"
 }
 row "SentencePiece unigram $vocab" "mpipe tokenize" 1 "$(run_mpipe "$dir/spm.model" 1)"
-row "SentencePiece unigram $vocab" "python3-sentencepiece" 1 "$(python_sp)"
+row "SentencePiece unigram $vocab" "python3-sentencepiece" 1 "$(python_sp "$dir/spm.model")"
+row "SentencePiece unigram $vocab" "mpipe, library encoder" 1 "$(run_mpipe "$dir/spm.model" 1 library)"
 row "SentencePiece unigram $vocab" "mpipe tokenize" "$cores" "$(run_mpipe "$dir/spm.model" "$cores")"
+row "SentencePiece BPE $vocab" "mpipe tokenize" 1 "$(run_mpipe "$dir/spm-bpe.model" 1)"
+row "SentencePiece BPE $vocab" "python3-sentencepiece" 1 "$(python_sp "$dir/spm-bpe.model")"
+row "SentencePiece BPE $vocab" "mpipe, library encoder" 1 "$(run_mpipe "$dir/spm-bpe.model" 1 library)"
 row "byte-level BPE, 2000 merges" "mpipe tokenize" 1 "$(run_mpipe "$dir/tokenizer.json" 1)"
 row "byte-level BPE, 2000 merges" "mpipe tokenize" "$cores" "$(run_mpipe "$dir/tokenizer.json" "$cores")"

@@ -1,14 +1,17 @@
 // Choosing a tokenizer by its file's content, the SentencePiece kind (the library's own
-// processor), reading text files to ids, and decoding a stream of ids.
+// processor; mpipe's encoder for unigram and BPE models), reading text files to ids, and
+// decoding a stream of ids.
 #include "mpipe/text/tokenizer.hpp"
 
 #include <sentencepiece_processor.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 
 #include "mpipe/core/error.hpp"
 #include "mpipe/text/bpe.hpp"
+#include "mpipe/text/sentencepiece_encoder.hpp"
 
 namespace mpipe {
 
@@ -24,8 +27,21 @@ class SentencePieceTokenizer final : public Tokenizer {
     const auto status = processor_.LoadFromSerializedProto(bytes);
     MPIPE_REQUIRE(status.ok() && processor_.GetPieceSize() > 0, kTokenizerHint, "'", path,
                   "' is not a tokenizer (neither JSON nor a SentencePiece model: ", status.ToString(), ")");
+    // Unigram and BPE models: mpipe's encoder (the library's ids, faster); word and char
+    // models, and a file the encoder does not read, the library's. MPIPE_SENTENCEPIECE=library
+    // asks for the library's everywhere (scripts/bench_tokenize.sh's baseline).
+    const char* const choice = std::getenv("MPIPE_SENTENCEPIECE");
+    if (choice && std::string_view(choice) == "library")
+      library_why_ = "MPIPE_SENTENCEPIECE=library";
+    else
+      encoder_ = SentencePieceEncoder::from_model(bytes, &library_why_);
   }
   std::vector<std::int32_t> encode(std::string_view text) const override {
+    if (encoder_) {
+      std::vector<std::int32_t> out;
+      out.reserve(text.size() / 3 + 8);
+      if (encoder_->encode(text, &out)) return out;
+    }
     std::vector<int> ids;
     const auto status = processor_.Encode(text, &ids);
     MPIPE_CHECK(status.ok(), "SentencePiece encode: ", status.ToString());
@@ -46,7 +62,11 @@ class SentencePieceTokenizer final : public Tokenizer {
   std::int64_t vocab_size() const override { return processor_.GetPieceSize(); }
   std::optional<std::int32_t> eot_id() const override { return id_or_none(processor_.eos_id()); }
   std::optional<std::int32_t> bos_id() const override { return id_or_none(processor_.bos_id()); }
-  std::string describe() const override { return cat("SentencePiece, ", vocab_size(), " tokens"); }
+  std::string describe() const override {
+    return cat("SentencePiece, ", vocab_size(), " tokens, ",
+               encoder_ ? (encoder_->is_bpe() ? "BPE, mpipe's encoder" : "unigram, mpipe's encoder")
+                        : cat("libsentencepiece's encoder: ", library_why_));
+  }
   std::string file_name() const override { return "tokenizer.model"; }
 
  private:
@@ -54,6 +74,8 @@ class SentencePieceTokenizer final : public Tokenizer {
     return id >= 0 ? std::optional<std::int32_t>(id) : std::nullopt;
   }
   sentencepiece::SentencePieceProcessor processor_;
+  std::unique_ptr<SentencePieceEncoder> encoder_;  // null: the library encodes
+  std::string library_why_;
   std::string path_;
 };
 

@@ -2,7 +2,8 @@
 """mpipe's tokenizers against their twins, id for id and byte for byte.
 
 SentencePiece: models trained here by Debian's spm_train on the docs' text (a unigram
-model with the default NFKC normalisation, and a Llama-like BPE with byte fallback),
+model with the default NFKC normalisation, one with byte fallback too, and a Llama-like
+BPE with byte fallback; all three encoded by mpipe's own encoder, decoded by the library),
 compared with python3-sentencepiece on that text and on random Unicode, encode and
 decode. Byte-level BPE: merges learnt here from the same text by the published algorithm
 (Sennrich et al., GPT-2's byte-to-unicode map), written as Hugging Face tokenizer.json
@@ -197,8 +198,10 @@ def main():
     rng = random.Random(65)
     samples = [text, random_unicode(rng, 3000), "  leading and   runs of spaces\n\n\ttabs  ", "Ünïcödé ✓ 日本語 🙂 x²"]
 
-    # SentencePiece: two models, python3-sentencepiece the twin.
+    # SentencePiece: three models (mpipe's own encoder for each), python3-sentencepiece the twin.
     for name, options in [("unigram", ["--model_type=unigram", "--vocab_size=600"]),
+                          ("unigram-bytes", ["--model_type=unigram", "--vocab_size=600", "--byte_fallback=true",
+                                             "--character_coverage=0.99"]),
                           ("bpe-bytes", ["--model_type=bpe", "--vocab_size=600", "--byte_fallback=true",
                                          "--normalization_rule_name=identity", "--remove_extra_whitespaces=false",
                                          "--split_digits=true"])]:

@@ -1,6 +1,7 @@
 // Tokenizers behind one interface: text to token ids and back, for `mpipe tokenize`,
 // `generate --tokenizer` and text data. Two kinds are read: SentencePiece models
-// (tokenizer.model, through libsentencepiece) and Hugging Face byte-level BPE
+// (tokenizer.model: loaded and decoded by libsentencepiece, unigram and BPE models encoded
+// by text/sentencepiece_encoder.hpp with the library's ids) and Hugging Face byte-level BPE
 // (tokenizer.json: GPT-2's and Llama 3's kind, src/text/bpe.cpp). docs/tokenizers.md.
 #pragma once
 #include <cstdint>
