@@ -8,6 +8,7 @@
 #include "mpipe/text/sentencepiece_model.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cstdio>
 #include <cstring>
@@ -72,6 +73,9 @@ struct Scratch {
   std::vector<SymbolPair> agenda;  // a heap by pair_less
   // BPE's rev_merge: an UNUSED piece's last-seen halves, to split it back.
   std::unordered_map<std::string_view, std::pair<std::string_view, std::string_view>> rev_merge;
+  bool clamped = false;  // BPE: the last merge's text ended inside a character
+  WordCache words;       // BPE by words: the words' ids (the encoder's cache_owner's)
+  std::vector<std::int32_t> word_ids;
 };
 
 constexpr std::size_t kMaxNormalized = static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()) - 1;
@@ -93,6 +97,11 @@ struct SentencePieceEncoder::Model {
   std::int32_t byte_id[256] = {};
   // BPE models (model_type BPE): merges by the pieces' scores.
   bool bpe = false, has_unused = false;
+  // No merge's piece nor frozen symbol crosses a word's end (a run of U+2581 and what
+  // follows: by_words_safe), no UNUSED piece (their halves are the whole text's), spaces
+  // escaped: BPE word by word, each word's ids cached per thread under cache_owner.
+  bool by_words = false;
+  std::uint64_t cache_owner = 0;
   Trie bpe_pieces;       // the library's pieces_: NORMAL, USER_DEFINED and UNUSED pieces, id values
   Trie reserved_pieces;  // its reserved_id_map_: UNKNOWN, CONTROL and BYTE pieces
   std::vector<float> score;  // per id
@@ -264,25 +273,25 @@ struct SentencePieceEncoder::Model {
     return unk_id;
   }
 
-  // bpe::Model::SampleEncode without dropout (Encode), then the ids. False where a piece
-  // comes out a control symbol, which the library then refuses: the caller asks it.
-  bool encode_bpe(std::string_view text, std::vector<std::int32_t>* ids) const {
-    Scratch& s = scratch();
-    const std::size_t normalized = normalize(text, s.normalized);
-    if (normalized > kMaxNormalized) return false;
-    const auto size = static_cast<std::int32_t>(normalized);
-    if (size == 0) return true;
-    const char* const norm = s.normalized.data();
+  // bpe::Model::SampleEncode's symbols and merges (no dropout) over norm[begin, end) of a
+  // normalised text of `size` bytes: the symbols' list in s.symbols from index 0. False
+  // where a character or user-defined piece passes `end` (a word that is not one).
+  bool merge(Scratch& s, const char* norm, std::int32_t begin, std::int32_t end, std::int32_t size) const {
     // One symbol per character, or per user-defined piece (frozen).
     auto& symbols = s.symbols;
     symbols.clear();
-    for (std::int32_t pos = 0; pos < size;) {
+    s.clamped = false;
+    for (std::int32_t pos = begin; pos < end;) {
       const auto rest = static_cast<std::size_t>(size - pos);
       std::size_t len = user_defined.empty() ? 0 : user_defined.longest_prefix(norm + pos, rest, 64);
       const bool freeze = len > 0;
-      if (!freeze) len = std::min<std::size_t>(one_char_len(static_cast<unsigned char>(norm[pos])), rest);
+      if (!freeze) {
+        len = static_cast<std::size_t>(one_char_len(static_cast<unsigned char>(norm[pos])));
+        if (len > rest) len = rest, s.clamped = true;  // a character cut by the text's end
+      }
+      if (pos + static_cast<std::int32_t>(len) > end) return false;
       const auto index = static_cast<std::int32_t>(symbols.size());
-      symbols.push_back({index - 1, pos + static_cast<std::int32_t>(len) < size ? index + 1 : -1, pos,
+      symbols.push_back({index - 1, pos + static_cast<std::int32_t>(len) < end ? index + 1 : -1, pos,
                          static_cast<std::int32_t>(len), bpe_pieces.walk(0, norm + pos, len), freeze});
       pos += static_cast<std::int32_t>(len);
     }
@@ -322,8 +331,15 @@ struct SentencePieceEncoder::Model {
       add_pair(l.prev, top.left);
       add_pair(top.left, symbols[static_cast<std::size_t>(top.left)].next);
     }
-    // The symbols' ids; an UNUSED piece split back into the halves it was made of.
-    bool prev_unknown = false, control = false;
+    return true;
+  }
+
+  // The ids of s.symbols' list (an UNUSED piece split back into the halves it was made
+  // of), after *prev_unknown; false where a piece is a control symbol. *first_unknown:
+  // whether the first piece was unknown.
+  bool symbol_ids(Scratch& s, const char* norm, bool* prev_unknown, bool* first_unknown,
+                  std::vector<std::int32_t>* ids) const {
+    bool control = false, first = true;
     auto resegment = [&](auto& self, std::string_view piece) -> void {
       const std::int32_t id = piece_id(piece.data(), piece.size());
       if (type[static_cast<std::size_t>(id)] == kUnused) {
@@ -335,16 +351,104 @@ struct SentencePieceEncoder::Model {
         }
       }
       control = control || type[static_cast<std::size_t>(id)] == kControl;
+      if (first) *first_unknown = type[static_cast<std::size_t>(id)] == kUnknown;
+      first = false;
       emit(reinterpret_cast<const unsigned char*>(piece.data()), static_cast<std::int32_t>(piece.size()), id,
-           &prev_unknown, ids);
+           prev_unknown, ids);
     };
-    for (std::int32_t i = 0; i != -1; i = symbols[static_cast<std::size_t>(i)].next) {
-      const Symbol& sym = symbols[static_cast<std::size_t>(i)];
+    for (std::int32_t i = 0; i != -1 && !s.symbols.empty(); i = s.symbols[static_cast<std::size_t>(i)].next) {
+      const Symbol& sym = s.symbols[static_cast<std::size_t>(i)];
       resegment(resegment, std::string_view(norm + sym.start, static_cast<std::size_t>(sym.size)));
     }
     return !control;
   }
+
+  // Where the word at norm[begin, size) ends: with whitespace first (the default), a run
+  // of U+2581 and what follows up to the next U+2581; as a suffix, up to a U+2581 and the
+  // run it starts.
+  std::int32_t word_end(const char* norm, std::int32_t begin, std::int32_t size) const {
+    auto is_space = [&](std::int32_t p) { return size - p >= 3 && std::memcmp(norm + p, kSpaceSymbol.data(), 3) == 0; };
+    auto next_space = [&](std::int32_t p) {
+      while (p < size) {
+        const void* hit = std::memchr(norm + p, '\xe2', static_cast<std::size_t>(size - p));
+        if (!hit) return size;
+        p = static_cast<std::int32_t>(static_cast<const char*>(hit) - norm);
+        if (is_space(p)) return p;
+        ++p;
+      }
+      return size;
+    };
+    std::int32_t p = begin;
+    if (!whitespace_as_suffix) {
+      while (is_space(p)) p += 3;
+      return next_space(p);
+    }
+    p = next_space(p);
+    while (is_space(p)) p += 3;
+    return p;
+  }
+
+  // bpe::Model::SampleEncode without dropout (Encode), then the ids. False where a piece
+  // comes out a control symbol, which the library then refuses: the caller asks it.
+  // Where no merge can cross a word's end (by_words), word by word, each word's ids kept.
+  bool encode_bpe(std::string_view text, std::vector<std::int32_t>* ids) const {
+    Scratch& s = scratch();
+    const std::size_t normalized = normalize(text, s.normalized);
+    if (normalized > kMaxNormalized) return false;
+    const auto size = static_cast<std::int32_t>(normalized);
+    if (size == 0) return true;
+    const char* const norm = s.normalized.data();
+    bool prev_unknown = false, first_unknown = false;
+    if (by_words) {
+      const std::size_t before = ids->size();
+      s.words.claim(cache_owner);
+      for (std::int32_t begin = 0, end; begin < size; begin = end) {
+        end = word_end(norm, begin, size);
+        const std::string_view word(norm + begin, static_cast<std::size_t>(end - begin));
+        const bool cacheable = word.size() <= WordCache::kMaxKey;
+        const std::uint64_t h = cacheable ? WordCache::hash(word.data(), word.size()) : 0;
+        WordCache::Hit hit;
+        if (!cacheable || !s.words.find(word, h, &hit)) {
+          // A word's pieces cannot pass its end; a character (a malformed text) could.
+          if (!merge(s, norm, begin, end, size)) break;
+          s.word_ids.clear();
+          bool last_unknown = false;
+          if (!symbol_ids(s, norm, &last_unknown, &first_unknown, &s.word_ids)) return false;
+          hit = WordCache::Hit{s.word_ids.data(), static_cast<std::uint32_t>(s.word_ids.size()),
+                    static_cast<std::uint8_t>(first_unknown | last_unknown << 1)};
+          if (cacheable && s.word_ids.size() <= WordCache::kMaxKey && !s.clamped)
+            s.words.insert(word, h, hit.ids, hit.size, hit.flags);
+        }
+        // A run of unknown pieces across words is one unknown piece, as in the whole text.
+        const std::uint32_t skip = prev_unknown && (hit.flags & 1) && !byte_fallback ? 1 : 0;
+        ids->insert(ids->end(), hit.ids + skip, hit.ids + hit.size);
+        prev_unknown = (hit.flags & 2) != 0;
+        if (end == size) return true;
+      }
+      ids->resize(before);  // a character across a word's end: the whole text
+      prev_unknown = false;
+    }
+    merge(s, norm, 0, size, size);
+    return symbol_ids(s, norm, &prev_unknown, &first_unknown, ids);
+  }
 };
+
+namespace {
+
+// Whether `piece` cannot cross a word's end: U+2581 only in a run at its start (at its end
+// for whitespace as a suffix), and no part of one at the other end. A piece that crosses
+// the end of a word (its run of U+2581 and what follows, up to the next U+2581) holds a
+// U+2581 after another character, or a cut one at an end.
+bool by_words_safe(std::string_view piece, bool suffix) {
+  if (!suffix) {
+    while (piece.substr(0, 3) == kSpaceSymbol) piece.remove_prefix(3);
+    return piece.find(kSpaceSymbol) == std::string_view::npos && !piece.ends_with("\xe2") && !piece.ends_with("\xe2\x96");
+  }
+  while (piece.size() >= 3 && piece.substr(piece.size() - 3) == kSpaceSymbol) piece.remove_suffix(3);
+  return piece.find(kSpaceSymbol) == std::string_view::npos && !piece.starts_with("\x81") && !piece.starts_with("\x96\x81");
+}
+
+}  // namespace
 
 SentencePieceEncoder::SentencePieceEncoder(std::unique_ptr<Model> model) : model_(std::move(model)) {}
 SentencePieceEncoder::~SentencePieceEncoder() = default;
@@ -418,6 +522,14 @@ std::unique_ptr<SentencePieceEncoder> SentencePieceEncoder::from_model(std::stri
       m->has_unused = m->has_unused || p.type == kUnused;
     }
     m->bpe_pieces.build(std::move(normal_keys));
+    m->by_words = !m->has_unused && proto.escape_whitespaces;
+    for (std::size_t i = 0; i < n && m->by_words; ++i) {
+      const ProtoPiece& p = proto.pieces[i];
+      if (p.type == kNormal || p.type == kUserDefined || p.type == kUnused)
+        m->by_words = by_words_safe(p.text, proto.treat_whitespace_as_suffix);
+    }
+    static std::atomic<std::uint64_t> encoders{0};
+    m->cache_owner = ++encoders;
     m->reserved_pieces.build(std::move(reserved_keys));
   } else {
     m->pieces.build(std::move(trie_keys));
@@ -443,6 +555,8 @@ bool SentencePieceEncoder::encode(std::string_view text, std::vector<std::int32_
 }
 
 bool SentencePieceEncoder::is_bpe() const { return model_->bpe; }
+
+bool SentencePieceEncoder::bpe_by_words() const { return model_->bpe && model_->by_words; }
 
 void SentencePieceEncoder::normalize(std::string_view text, std::string* out) const {
   Bytes buf;

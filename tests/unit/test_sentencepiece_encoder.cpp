@@ -228,11 +228,12 @@ struct SyntheticPiece {
   float score;
   int type;
 };
-std::string synthetic_model(const std::vector<SyntheticPiece>& pieces, int model_type = 1) {
+std::string synthetic_model(const std::vector<SyntheticPiece>& pieces, int model_type = 1, bool whitespace_as_suffix = false) {
   std::string model;
   for (const auto& p : pieces)
     model += field_bytes(1, field_bytes(1, p.text) + field_float(2, p.score) + varint(3 << 3) + varint(p.type));
-  model += field_bytes(2, varint(3 << 3) + varint(static_cast<std::uint64_t>(model_type)));  // 1 UNIGRAM, 2 BPE
+  model += field_bytes(2, varint(3 << 3) + varint(static_cast<std::uint64_t>(model_type)) +  // 1 UNIGRAM, 2 BPE
+                              (whitespace_as_suffix ? varint(24 << 3) + varint(1) : std::string()));
   // normalizer_spec: no charsmap (identity), dummy prefix, extra whitespace kept.
   model += field_bytes(3, field_bytes(1, "identity") + varint(3 << 3) + varint(1) + varint(4 << 3) + varint(0));
   return model;
@@ -307,6 +308,132 @@ TEST_CASE("SentencePiece BPE tokenizer: our ids are the library's (NFKC; Llama's
 TEST_CASE("SentencePiece BPE tokenizer on a model written here: 30000 pieces, UNUSED ones split back, tied scores") {
   std::mt19937 rng(8);
   CHECK(compare_synthetic(synthetic_model(synthetic_pieces(rng, 30000), 2), rng, 1500) > 10000);
+}
+
+// Texts of words drawn from a few dozen (most words repeat, so a word's kept ids serve
+// again, within a text and across texts), between runs of spaces, tabs, newlines and
+// unknown characters, and words of unknown characters, U+2581 itself, user-defined symbols.
+std::vector<std::string> word_texts(std::mt19937& rng, int count) {
+  static const std::vector<std::string> words = {
+      "the", "pipeline", "stage", "stages", "s", "x", "mpipe's", "1000", "\xe4\xb8\xad", "\xe4\xb8\xad\xe6\x96\x87",
+      "\xf0\x9f\x98\x80", "a\xe4\xb8\xad", "\xe4\xb8\xad" "b", "\x01", "\xc3\xa9t\xc3\xa9", "\xef\xbd\x88", "\xe2\x96\x81",
+      "\xe2\x96\x81\xe2\x96\x81x", "<tag>", "<tag>x", "mpipe", "\xe2\x96\x81the", "\xff", "e\xcc\x81", "tensor", "rank",
+      "of", "and", "\xef\xbf\xbd", "(the)", "the,", "\xe2\x80\x94"};
+  static const std::vector<std::string> gaps = {" ", " ", " ", " ", "  ", "   ", "\t", "", "\n", " \xe4\xb8\xad ",
+                                                "\xe3\x80\x80", " \xe2\x96\x81 ", "\xe4\xb8\xad ", " \xf0\x9f\x98\x80"};
+  std::vector<std::string> texts;
+  for (int i = 0; i < count; ++i) {
+    std::string text = rng() % 3 == 0 ? gaps[rng() % gaps.size()] : "";
+    const int n = 1 + static_cast<int>(rng() % 40);
+    for (int k = 0; k < n; ++k) text += words[rng() % words.size()] + gaps[rng() % gaps.size()];
+    texts.push_back(text);
+  }
+  return texts;
+}
+
+// Our ids against the library's on `texts`, twice (the second time from kept words), each
+// text also encoded by `other` in between (another encoder on the same thread); the ids.
+std::size_t compare_texts(const std::string& model, const std::vector<std::string>& texts,
+                          const SentencePieceEncoder* other = nullptr) {
+  sentencepiece::SentencePieceProcessor library;
+  REQUIRE(library.LoadFromSerializedProto(model).ok());
+  const auto ours = SentencePieceEncoder::from_model(model, nullptr);
+  REQUIRE(ours != nullptr);
+  std::size_t ids = 0, wrong = 0;
+  std::vector<std::int32_t> got, scratch;
+  for (int pass = 0; pass < 2; ++pass)
+    for (const std::string& text : texts) {
+      std::vector<int> want;
+      REQUIRE(library.Encode(text, &want).ok());
+      got.clear();
+      CHECK(ours->encode(text, &got));
+      wrong += std::vector<int>(got.begin(), got.end()) != want;
+      if (other) other->encode(text, &scratch);
+      ids += want.size();
+    }
+  CHECK(wrong == 0);
+  return ids;
+}
+
+TEST_CASE("SentencePiece BPE by words: trained models' ids are the library's on texts of repeated words") {
+  std::mt19937 rng(9);
+  const std::vector<std::string> texts = word_texts(rng, 1500);
+  const auto other = SentencePieceEncoder::from_model(read_bytes(train("bpe-llama", "--model_type=bpe --byte_fallback=true"
+      " --normalization_rule_name=identity --remove_extra_whitespaces=false --split_digits=true")), nullptr);
+  REQUIRE(other != nullptr);
+  CHECK(other->bpe_by_words());
+  for (const std::string options : {"--model_type=bpe", "--model_type=bpe --add_dummy_prefix=false",
+                                    "--model_type=bpe --treat_whitespace_as_suffix=true",
+                                    "--model_type=bpe --byte_fallback=true --normalization_rule_name=identity"
+                                    " --remove_extra_whitespaces=false --split_digits=true",
+                                    "--model_type=bpe --remove_extra_whitespaces=false --allow_whitespace_only_pieces=true",
+                                    "--model_type=bpe --user_defined_symbols='<tag>,<tag>x,mpipe,\xe2\x96\x81the'"}) {
+    CAPTURE(options);
+    const std::string model = read_bytes(train("bpe-words" + std::to_string(std::hash<std::string>()(options)), options));
+    const auto ours = SentencePieceEncoder::from_model(model, nullptr);
+    REQUIRE(ours != nullptr);
+    CHECK(ours->bpe_by_words());
+    // Another model's encoder on the same thread between texts: each keeps its own words.
+    CHECK(compare_texts(model, texts, other.get()) > 50000);
+  }
+}
+
+// Synthetic pieces (tied scores) whose U+2581 are a run at the start (at the end: suffix),
+// without UNUSED ones and without "\u2581" alone, so that U+2581 between unknown
+// characters is unknown too and the library's run of unknown pieces spans words.
+std::vector<SyntheticPiece> word_pieces(std::mt19937& rng, bool suffix) {
+  std::vector<SyntheticPiece> pieces;
+  for (SyntheticPiece p : synthetic_pieces(rng, 20000)) {
+    std::string core = p.text;
+    const std::string space = "\xe2\x96\x81";
+    if (!suffix)
+      while (core.compare(0, 3, space) == 0) core.erase(0, 3);
+    else
+      while (core.size() >= 3 && core.compare(core.size() - 3, 3, space) == 0) core.erase(core.size() - 3);
+    if (core.find(space) != std::string::npos || p.text == space) continue;
+    if (p.type == 5) p.type = 1;
+    pieces.push_back(p);
+  }
+  return pieces;
+}
+
+TEST_CASE("SentencePiece BPE by words: models written here (ties, unknown runs across words, spaces as suffix)") {
+  std::mt19937 rng(10);
+  for (const bool suffix : {false, true}) {
+    CAPTURE(suffix);
+    const std::string model = synthetic_model(word_pieces(rng, suffix), 2, suffix);
+    const auto ours = SentencePieceEncoder::from_model(model, nullptr);
+    REQUIRE(ours != nullptr);
+    CHECK(ours->bpe_by_words());
+    CHECK(compare_texts(model, word_texts(rng, 1500)) > 50000);
+    CHECK(compare_synthetic(model, rng, 1500) > 10000);
+    // "中 文": U+2581 is unknown here, so the library gives one unknown piece for the two words.
+    sentencepiece::SentencePieceProcessor library;
+    REQUIRE(library.LoadFromSerializedProto(model).ok());
+    std::vector<int> want;
+    REQUIRE(library.Encode("\xe4\xb8\xad \xe6\x96\x87", &want).ok());
+    CHECK(want == std::vector<int>{0});
+  }
+}
+
+TEST_CASE("SentencePiece BPE: a model whose pieces hold U+2581 after other characters is encoded whole") {
+  // Merges may cross words ("a\u2581b" pieces): the whole text's merges, not the words'.
+  std::mt19937 rng(11);
+  std::vector<SyntheticPiece> pieces = synthetic_pieces(rng, 20000);
+  std::size_t crossing = 0;
+  for (SyntheticPiece& p : pieces) {
+    if (p.type == 5) p.type = 1;
+    std::size_t lead = 0;
+    while (p.text.compare(lead, 3, "\xe2\x96\x81") == 0) lead += 3;
+    crossing += p.text.find("\xe2\x96\x81", lead) != std::string::npos;
+  }
+  CHECK(crossing > 1000);
+  const std::string model = synthetic_model(pieces, 2);
+  const auto ours = SentencePieceEncoder::from_model(model, nullptr);
+  REQUIRE(ours != nullptr);
+  CHECK_FALSE(ours->bpe_by_words());
+  CHECK(compare_texts(model, word_texts(rng, 1000)) > 30000);
+  CHECK(compare_synthetic(model, rng, 1500) > 10000);
 }
 
 TEST_CASE("SentencePiece BPE tokenizer: a control piece the text spells leaves the text to the library") {

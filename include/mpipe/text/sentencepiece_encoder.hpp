@@ -34,6 +34,9 @@ class SentencePieceEncoder {
   void normalize(std::string_view text, std::string* out) const;
   // "unigram" or "BPE".
   bool is_bpe() const;
+  // A BPE model none of whose merges can cross a word's end (a run of U+2581 and what
+  // follows it): encoded word by word, each word's ids kept per thread (for tests).
+  bool bpe_by_words() const;
 
   struct Model;
 

@@ -147,7 +147,16 @@ class Charsmap {
   }
   // Normalizer::NormalizePrefix's search: the longest rule matching a prefix of s[0, n)
   // among the first 32 found; its length (0: none) and replacement in *out.
-  std::size_t longest(const char* s, std::size_t n, std::string_view* out) const {
+  std::size_t longest(const char* s, std::size_t n, std::string_view* out) const;
+
+ private:
+  static std::size_t offset(std::uint32_t unit) { return (unit >> 10) << ((unit & (1u << 9)) >> 6); }
+  static std::uint32_t label(std::uint32_t unit) { return unit & ((1u << 31) | 0xff); }
+  std::vector<std::uint32_t> units_;
+  std::string strings_;
+};
+
+inline std::size_t Charsmap::longest(const char* s, std::size_t n, std::string_view* out) const {
     constexpr std::size_t kMaxResults = 32;  // Normalizer::kMaxTrieResultsSize
     std::size_t longest = 0, found = 0, value = 0;
     if (units_.empty()) return 0;
@@ -177,13 +186,83 @@ class Charsmap {
                                          : strings_.size() - value);
     }
     return longest;
+}
+
+// A word's ids, kept from text to text (BPE models whose merges stay inside words): byte
+// strings of at most kMaxKey bytes to up to kMaxKey ids and a byte of flags, in an
+// open-addressing table that is emptied once it holds kMaxEntries words. One per thread.
+class WordCache {
+ public:
+  static constexpr std::size_t kMaxKey = 255, kMaxEntries = std::size_t{1} << 16;
+  struct Hit {
+    const std::int32_t* ids;
+    std::uint32_t size;
+    std::uint8_t flags;
+  };
+  static std::uint64_t hash(const char* s, std::size_t n) {
+    std::uint64_t h = 0x9e3779b97f4a7c15ull ^ (n * 0xff51afd7ed558ccdull);
+    for (; n >= 8; s += 8, n -= 8) {
+      std::uint64_t v;
+      std::memcpy(&v, s, 8);
+      h = (h ^ v) * 0xbf58476d1ce4e5b9ull;
+      h ^= h >> 29;
+    }
+    if (n) {
+      std::uint64_t v = 0;
+      std::memcpy(&v, s, n);
+      h = (h ^ v) * 0x94d049bb133111ebull;
+    }
+    h ^= h >> 32;
+    return h * 0xd6e8feb86659fd93ull;
+  }
+  // Empties the cache when it was another encoder's (`owner`: an encoder's number, never reused).
+  void claim(std::uint64_t owner) {
+    if (owner_ != owner) clear();
+    owner_ = owner;
+  }
+  bool find(std::string_view key, std::uint64_t h, Hit* hit) const {
+    if (slots_.empty()) return false;
+    for (std::size_t i = h & kMask;; i = (i + 1) & kMask) {
+      const Slot& slot = slots_[i];
+      if (slot.key_size == 0) return false;
+      if (slot.tag == static_cast<std::uint32_t>(h >> 32) && slot.key_size == key.size() &&
+          std::memcmp(keys_.data() + slot.key, key.data(), key.size()) == 0) {
+        *hit = Hit{ids_.data() + slot.ids, slot.ids_size, slot.flags};
+        return true;
+      }
+    }
+  }
+  // `key`: 1 to kMaxKey bytes, not in the cache; `n` <= kMaxKey ids.
+  void insert(std::string_view key, std::uint64_t h, const std::int32_t* ids, std::size_t n, std::uint8_t flags) {
+    if (slots_.empty()) slots_.resize(kMask + 1);
+    if (entries_ >= kMaxEntries) clear();
+    std::size_t i = h & kMask;
+    while (slots_[i].key_size != 0) i = (i + 1) & kMask;
+    slots_[i] = Slot{static_cast<std::uint32_t>(h >> 32), static_cast<std::uint32_t>(keys_.size()),
+                     static_cast<std::uint32_t>(ids_.size()), static_cast<std::uint8_t>(key.size()),
+                     static_cast<std::uint8_t>(n), flags};
+    keys_.append(key);
+    ids_.insert(ids_.end(), ids, ids + n);
+    ++entries_;
+  }
+  void clear() {
+    std::fill(slots_.begin(), slots_.end(), Slot{});
+    keys_.clear();
+    ids_.clear();
+    entries_ = 0;
   }
 
  private:
-  static std::size_t offset(std::uint32_t unit) { return (unit >> 10) << ((unit & (1u << 9)) >> 6); }
-  static std::uint32_t label(std::uint32_t unit) { return unit & ((1u << 31) | 0xff); }
-  std::vector<std::uint32_t> units_;
-  std::string strings_;
+  static constexpr std::size_t kMask = kMaxEntries * 2 - 1;  // at most half full
+  struct Slot {
+    std::uint32_t tag = 0, key = 0, ids = 0;
+    std::uint8_t key_size = 0, ids_size = 0, flags = 0;  // key_size 0: empty
+  };
+  std::vector<Slot> slots_;
+  std::string keys_;
+  std::vector<std::int32_t> ids_;
+  std::size_t entries_ = 0;
+  std::uint64_t owner_ = 0;
 };
 
 }  // namespace mpipe::spm
