@@ -5,7 +5,8 @@
 // darts-clone double array, read as it is stored); a unigram model's Viterbi is the
 // library's optimised one (its float and double arithmetic, user-defined pieces' bonus,
 // unknown characters, ties), a BPE model's merges are the library's (highest score, then
-// leftmost; UNUSED pieces split back); unknown pieces become byte pieces (byte fallback)
+// leftmost; UNUSED pieces split back), word by word where no merge can cross a word's
+// end (each word's ids kept per thread); unknown pieces become byte pieces (byte fallback)
 // or merge as the library does. docs/tokenizers.md.
 #pragma once
 #include <cstdint>
