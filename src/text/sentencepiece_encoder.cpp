@@ -97,10 +97,11 @@ struct SentencePieceEncoder::Model {
   std::int32_t byte_id[256] = {};
   // BPE models (model_type BPE): merges by the pieces' scores.
   bool bpe = false, has_unused = false;
-  // No merge's piece nor frozen symbol crosses a word's end (a run of U+2581 and what
-  // follows: by_words_safe), no UNUSED piece (their halves are the whole text's), spaces
-  // escaped: BPE word by word, each word's ids cached per thread under cache_owner.
+  // No UNUSED piece (their halves are the whole text's), spaces escaped, and not too many
+  // pieces that could cross a word's end (a run of U+2581 and what follows): BPE from cut
+  // to cut (word_ends), each span's ids cached per thread under cache_owner.
   bool by_words = false;
+  WordEnds word_ends;
   std::uint64_t cache_owner = 0;
   Trie bpe_pieces;       // the library's pieces_: NORMAL, USER_DEFINED and UNUSED pieces, id values
   Trie reserved_pieces;  // its reserved_id_map_: UNKNOWN, CONTROL and BYTE pieces
@@ -379,12 +380,15 @@ struct SentencePieceEncoder::Model {
       return size;
     };
     std::int32_t p = begin;
-    if (!whitespace_as_suffix) {
-      while (is_space(p)) p += 3;
-      return next_space(p);
-    }
-    p = next_space(p);
-    while (is_space(p)) p += 3;
+    do {  // to the next word's end that no piece spelt in the text crosses
+      if (!whitespace_as_suffix) {
+        while (is_space(p)) p += 3;
+        p = next_space(p);
+      } else {
+        p = next_space(p);
+        while (is_space(p)) p += 3;
+      }
+    } while (p < size && !word_ends.cut(norm, static_cast<std::size_t>(p), static_cast<std::size_t>(size)));
     return p;
   }
 
@@ -432,23 +436,6 @@ struct SentencePieceEncoder::Model {
     return symbol_ids(s, norm, &prev_unknown, &first_unknown, ids);
   }
 };
-
-namespace {
-
-// Whether `piece` cannot cross a word's end: U+2581 only in a run at its start (at its end
-// for whitespace as a suffix), and no part of one at the other end. A piece that crosses
-// the end of a word (its run of U+2581 and what follows, up to the next U+2581) holds a
-// U+2581 after another character, or a cut one at an end.
-bool by_words_safe(std::string_view piece, bool suffix) {
-  if (!suffix) {
-    while (piece.substr(0, 3) == kSpaceSymbol) piece.remove_prefix(3);
-    return piece.find(kSpaceSymbol) == std::string_view::npos && !piece.ends_with("\xe2") && !piece.ends_with("\xe2\x96");
-  }
-  while (piece.size() >= 3 && piece.substr(piece.size() - 3) == kSpaceSymbol) piece.remove_suffix(3);
-  return piece.find(kSpaceSymbol) == std::string_view::npos && !piece.starts_with("\x81") && !piece.starts_with("\x96\x81");
-}
-
-}  // namespace
 
 SentencePieceEncoder::SentencePieceEncoder(std::unique_ptr<Model> model) : model_(std::move(model)) {}
 SentencePieceEncoder::~SentencePieceEncoder() = default;
@@ -523,10 +510,10 @@ std::unique_ptr<SentencePieceEncoder> SentencePieceEncoder::from_model(std::stri
     }
     m->bpe_pieces.build(std::move(normal_keys));
     m->by_words = !m->has_unused && proto.escape_whitespaces;
+    m->word_ends = WordEnds(proto.treat_whitespace_as_suffix);
     for (std::size_t i = 0; i < n && m->by_words; ++i) {
       const ProtoPiece& p = proto.pieces[i];
-      if (p.type == kNormal || p.type == kUserDefined || p.type == kUnused)
-        m->by_words = by_words_safe(p.text, proto.treat_whitespace_as_suffix);
+      if (p.type == kNormal || p.type == kUserDefined || p.type == kUnused) m->by_words = m->word_ends.add(p.text);
     }
     static std::atomic<std::uint64_t> encoders{0};
     m->cache_owner = ++encoders;

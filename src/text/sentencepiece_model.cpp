@@ -246,4 +246,35 @@ bool Charsmap::load(std::string_view blob) {
   return true;
 }
 
+bool WordEnds::add(std::string_view piece) {
+  // With whitespace first a word ends before a U+2581 that follows another character; a
+  // piece crosses it at an offset where U+2581 (or its cut start, at the piece's end)
+  // begins. Conservatively every such offset past 0, the leading run's too; a piece with
+  // U+2581 only in a run at its start and no cut one at its end has none it can cross
+  // (nor, with whitespace as a suffix, one with them only in a run at its end).
+  std::string_view core = piece;
+  if (!suffix_) {
+    while (core.substr(0, 3) == kSpaceSymbol) core.remove_prefix(3);
+    if (core.find(kSpaceSymbol) == std::string_view::npos && !core.ends_with("\xe2") && !core.ends_with("\xe2\x96"))
+      return true;
+    for (std::size_t o = 1; o < piece.size(); ++o)
+      if (kSpaceSymbol.starts_with(piece.substr(o, 3))) {
+        if (++count_ > kMaxCrossings) return false;
+        by_byte_[static_cast<unsigned char>(piece[o - 1])].push_back({std::string(piece), o});
+      }
+    return true;
+  }
+  while (core.size() >= 3 && core.substr(core.size() - 3) == kSpaceSymbol) core.remove_suffix(3);
+  if (core.find(kSpaceSymbol) == std::string_view::npos && !core.starts_with("\x81") && !core.starts_with("\x96\x81"))
+    return true;
+  // A word ends after a U+2581 before another character: offsets where one (or its cut end,
+  // at the piece's start) ends.
+  for (std::size_t o = 1; o < piece.size(); ++o)
+    if (kSpaceSymbol.ends_with(piece.substr(o >= 3 ? o - 3 : 0, o >= 3 ? 3 : o))) {
+      if (++count_ > kMaxCrossings) return false;
+      by_byte_[static_cast<unsigned char>(piece[o])].push_back({std::string(piece), o});
+    }
+  return true;
+}
+
 }  // namespace mpipe::spm

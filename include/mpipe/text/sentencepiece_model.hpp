@@ -188,6 +188,39 @@ inline std::size_t Charsmap::longest(const char* s, std::size_t n, std::string_v
     return longest;
 }
 
+// BPE by words: the pieces that could cross a word's end (U+2581 after another character,
+// or a cut U+2581 at an end; with whitespace as a suffix, before one), each at the offsets
+// where a word's end would fall inside it, filed by the byte on the word's side of it. A
+// word's end in a text is a cut (no merge and no user-defined symbol crosses it) unless
+// one of them spells the text around it.
+class WordEnds {
+ public:
+  explicit WordEnds(bool suffix = false) : suffix_(suffix) {}
+  // Files `piece` where it could cross a word's end; false past kMaxCrossings offsets.
+  bool add(std::string_view piece);
+  bool suffix() const { return suffix_; }
+  std::size_t crossings() const { return count_; }
+  // Whether the word end at norm[e] (0 < e < size) is a cut.
+  bool cut(const char* norm, std::size_t e, std::size_t size) const {
+    if (count_ == 0) return true;
+    for (const Crossing& c : by_byte_[static_cast<unsigned char>(suffix_ ? norm[e] : norm[e - 1])])
+      if (c.offset <= e && e - c.offset + c.piece.size() <= size &&
+          std::memcmp(norm + e - c.offset, c.piece.data(), c.piece.size()) == 0)
+        return false;
+    return true;
+  }
+
+ private:
+  static constexpr std::size_t kMaxCrossings = 1 << 16;
+  struct Crossing {
+    std::string piece;  // a copy: the model file's bytes go when the encoder is made
+    std::size_t offset;
+  };
+  bool suffix_;
+  std::size_t count_ = 0;
+  std::vector<Crossing> by_byte_[256];
+};
+
 // A word's ids, kept from text to text (BPE models whose merges stay inside words): byte
 // strings of at most kMaxKey bytes to up to kMaxKey ids and a byte of flags, in an
 // open-addressing table that is emptied once it holds kMaxEntries words. One per thread.
