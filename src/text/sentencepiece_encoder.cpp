@@ -140,6 +140,15 @@ struct SentencePieceEncoder::Model {
 
   // Normalizer::Normalize, without the offsets back into the input: the normalised text
   // in buf, its length returned.
+  // `text` normalised into s.normalized, its size in *size; false (left to the library)
+  // past 2^31 - 2 bytes, the library's int positions.
+  bool normalize_into(std::string_view text, Scratch& s, std::int32_t* size) const {
+    const std::size_t normalized = normalize(text, s.normalized);
+    if (normalized > kMaxNormalized) return false;
+    *size = static_cast<std::int32_t>(normalized);
+    return true;
+  }
+
   std::size_t normalize(std::string_view input, Bytes& buf) const {
     if (input.empty()) return 0;
     std::size_t consumed = 0;
@@ -205,9 +214,8 @@ struct SentencePieceEncoder::Model {
   // library's int positions; left to it.
   bool encode(std::string_view text, std::vector<std::int32_t>* ids) const {
     Scratch& s = scratch();
-    const std::size_t normalized = normalize(text, s.normalized);
-    if (normalized > kMaxNormalized) return false;
-    const auto size = static_cast<std::int32_t>(normalized);
+    std::int32_t size = 0;
+    if (!normalize_into(text, s, &size)) return false;
     if (size == 0) return true;
     const auto* const bytes = reinterpret_cast<const unsigned char*>(s.normalized.data());
     const float unk_score = min_score - 10.0f;  // kUnkPenalty
@@ -397,9 +405,8 @@ struct SentencePieceEncoder::Model {
   // Where no merge can cross a word's end (by_words), word by word, each word's ids kept.
   bool encode_bpe(std::string_view text, std::vector<std::int32_t>* ids) const {
     Scratch& s = scratch();
-    const std::size_t normalized = normalize(text, s.normalized);
-    if (normalized > kMaxNormalized) return false;
-    const auto size = static_cast<std::int32_t>(normalized);
+    std::int32_t size = 0;
+    if (!normalize_into(text, s, &size)) return false;
     if (size == 0) return true;
     const char* const norm = s.normalized.data();
     bool prev_unknown = false, first_unknown = false;
