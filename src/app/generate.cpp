@@ -410,7 +410,7 @@ int run_generate(const GenerateOptions& o, const Communicator& world) {
   learn_hosts(world);
   Watchdog watchdog(world, rank_on_host(world.rank()), o.p2p_timeout);
   disarm_startup_deadline();  // the watchdog names a stopped rank from here on
-  std::optional<Watchdog::Guard> guard(watchdog.arm("loading the checkpoint", std::numeric_limits<double>::infinity()));
+  Watchdog::Guard guard = watchdog.arm("loading the checkpoint", std::numeric_limits<double>::infinity());
   // Every rank loads its layers; the lowest rank with a problem says it, once.
   // Rank 0 first: it picks the checkpoint (a directory's newest that verifies) and checks
   // it; the others then read the same file.

@@ -73,8 +73,11 @@ class Watchdog {
     explicit Guard(Watchdog& dog) : dog_(&dog) {}
     Guard(Guard&& other) noexcept : dog_(other.dog_) { other.dog_ = nullptr; }
     Guard(const Guard&) = delete;
-    ~Guard() {
+    ~Guard() { reset(); }
+    // Disarms now (the destructor then does nothing).
+    void reset() {
       if (dog_) dog_->disarm();
+      dog_ = nullptr;
     }
 
    private:
