@@ -382,16 +382,21 @@ TEST_CASE("prefetch: a batch read ahead is taken once by its key, its error come
 
 TEST_CASE("prefetch: take() stops the reader after its piece in flight and fills the rest on its own thread") {
   // The reader's first piece (sample 0) waits until take() has been called and a moment
-  // has passed; take() must not let it start another piece, and fills samples 1-3 itself.
+  // has passed; take() must not let it start another piece, and fills samples 1-3 itself,
+  // while the reader's piece is still in flight (not after it).
   std::atomic<bool> entered{false}, release{false};
   std::array<std::thread::id, 4> filled_by{};
+  std::array<bool, 4> before_release{};
   Prefetch reader(
       [&](std::int64_t, bool, const Tensor&, const Tensor&, std::int64_t begin, std::int64_t end) {
         if (begin == 0) {
           entered = true;
           while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
-        for (std::int64_t s = begin; s < end; ++s) filled_by[static_cast<std::size_t>(s)] = std::this_thread::get_id();
+        for (std::int64_t s = begin; s < end; ++s) {
+          filled_by[static_cast<std::size_t>(s)] = std::this_thread::get_id();
+          before_release[static_cast<std::size_t>(s)] = !release;
+        }
       },
       1, true, 1);
   std::vector<float> x(4);
@@ -407,5 +412,8 @@ TEST_CASE("prefetch: take() stops the reader after its piece in flight and fills
   CHECK(reader.read_ahead() == 1);
   CHECK(reader.read_late() == 3);
   CHECK(filled_by[0] != std::this_thread::get_id());
-  for (std::size_t s = 1; s < 4; ++s) CHECK(filled_by[s] == std::this_thread::get_id());
+  for (std::size_t s = 1; s < 4; ++s) {
+    CHECK(filled_by[s] == std::this_thread::get_id());
+    CHECK(before_release[s]);  // take() filled its samples while the reader's piece was in flight
+  }
 }

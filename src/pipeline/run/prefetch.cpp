@@ -52,17 +52,37 @@ void Prefetch::start(std::int64_t step, bool training, const Tensor& inputs, con
 
 bool Prefetch::take(std::int64_t step, bool training) {
   std::unique_lock lock(mutex_);
-  stop_read(lock);
   const bool hit = held_ && step_ == step && training_ == training;
-  held_ = false;
-  if (!hit) return false;
-  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  if (!hit || error_) {  // dropped, or a piece failed already (the samples after it are never read)
+    stop_read(lock);
+    held_ = false;
+    if (!hit) return false;
+    std::rethrow_exception(std::exchange(error_, nullptr));
+  }
+  // The reader takes no further piece (nor starts, if it never woke); the samples from
+  // next_ on are this thread's, filled with its OpenMP team (the counts are this thread's
+  // alone) while the reader ends its piece in flight: waiting for that piece first would
+  // leave the team idle for it (a reader of the idle class, starved by compute, may be
+  // anywhere in it).
+  claimed_ = true;
+  queued_ = false;
   const std::int64_t begin = next_, end = samples_;
   const Tensor inputs = inputs_, targets = targets_;
   lock.unlock();
-  // The samples the reader did not reach, here, with this thread's OpenMP team (the
-  // counts are this thread's alone).
-  if (begin < end) fill_(step, training, inputs, targets, begin, end);
+  std::exception_ptr mine;
+  if (begin < end) {
+    try {
+      fill_(step, training, inputs, targets, begin, end);
+    } catch (...) {
+      mine = std::current_exception();
+    }
+  }
+  lock.lock();
+  done_.wait(lock, [this] { return !busy_; });
+  held_ = false;
+  // The reader's error first: its samples come before this thread's.
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
+  if (mine) std::rethrow_exception(mine);
   ++taken_;
   read_ahead_ += begin;
   read_late_ += end - begin;
