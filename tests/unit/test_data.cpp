@@ -381,39 +381,39 @@ TEST_CASE("prefetch: a batch read ahead is taken once by its key, its error come
 }
 
 TEST_CASE("prefetch: take() stops the reader after its piece in flight and fills the rest on its own thread") {
-  // The reader's first piece (sample 0) waits until take() has been called and a moment
-  // has passed; take() must not let it start another piece, and fills samples 1-3 itself,
-  // while the reader's piece is still in flight (not after it).
-  std::atomic<bool> entered{false}, release{false};
+  // The reader's first piece (sample 0) is in flight when take() is called, and stays so
+  // until take() has filled the rest (or 10 s have passed: an order that waited for the
+  // piece first would wait here, then fill the rest after it). take() must not let the
+  // reader start another piece, fills samples 1-3 itself, and does so while the reader's
+  // piece is still in flight.
+  std::atomic<bool> entered{false}, rest_filled{false}, piece_done{false};
   std::array<std::thread::id, 4> filled_by{};
-  std::array<bool, 4> before_release{};
+  std::array<bool, 4> in_flight{};
   Prefetch reader(
       [&](std::int64_t, bool, const Tensor&, const Tensor&, std::int64_t begin, std::int64_t end) {
         if (begin == 0) {
           entered = true;
-          while (!release) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          for (int ms = 0; ms < 10000 && !rest_filled; ++ms) std::this_thread::sleep_for(std::chrono::milliseconds(1));
         }
         for (std::int64_t s = begin; s < end; ++s) {
           filled_by[static_cast<std::size_t>(s)] = std::this_thread::get_id();
-          before_release[static_cast<std::size_t>(s)] = !release;
+          in_flight[static_cast<std::size_t>(s)] = !piece_done;
         }
+        if (begin == 0) piece_done = true;
+        else if (end == 4) rest_filled = true;
       },
       1, true, 1);
   std::vector<float> x(4);
   std::vector<std::int32_t> y(4);
   reader.start(5, true, make_tensor(x.data(), Shape{4}), Tensor{y.data(), Shape{4}, DType::i32, Device::cpu}, 4);
   while (!entered) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    release = true;
-  });
   CHECK(reader.take(5, true));
-  releaser.join();
+  CHECK(piece_done);  // take() returned after the reader's piece
   CHECK(reader.read_ahead() == 1);
   CHECK(reader.read_late() == 3);
   CHECK(filled_by[0] != std::this_thread::get_id());
   for (std::size_t s = 1; s < 4; ++s) {
     CHECK(filled_by[s] == std::this_thread::get_id());
-    CHECK(before_release[s]);  // take() filled its samples while the reader's piece was in flight
+    CHECK(in_flight[s]);  // take() filled its samples while the reader's piece was in flight
   }
 }

@@ -7,10 +7,11 @@
 // One reader thread, made once and reused: a step's read is handed to it through a mutex
 // and condition variable, with nothing allocated per step. The reader fills the batch in
 // pieces of samples, in order; take() lets it take no further piece and fills the rest on
-// the calling thread with the rank's threads, while the reader ends its piece in flight. On the CPU, where the reader is of
-// the idle class and the ranks' threads may keep every core busy, a read that found no
-// idle time is then the synchronous read's work, not one idle thread's (the small CNN's
-// step at 2 threads on 2 cores had lost 4% to a whole read left to it). Each sample is a
+// the calling thread with the rank's threads, while the reader ends its piece in flight.
+// On the CPU, where the reader is of the idle class and the ranks' threads may keep every
+// core busy, a read that found no idle time is then the synchronous read's work, not one
+// idle thread's (the small CNN's step at 2 threads on 2 cores had lost 4% to a whole read
+// left to it). Each sample is a
 // pure function of (seed, step, sample), so the split changes no bit. A read that fails
 // keeps its error until that batch is asked for, and is said then as a synchronous read
 // would have said it; a batch read ahead but not asked for next (an evaluation between
@@ -50,7 +51,8 @@ class Prefetch {
   void start(std::int64_t step, bool training, const Tensor& inputs, const Tensor& targets, std::int64_t samples);
   // Whether batch (step, training) is the one read ahead: stops the reader after its piece
   // in flight, fills the samples it had not reached on the calling thread (while that
-  // piece is still being filled), waits for the piece and returns true, or rethrows the read's error (the reader's, or this thread's for the rest).
+  // piece is still being filled), waits for the piece and returns true, or rethrows the
+  // read's error (the reader's, or this thread's for the rest).
   // Any other read ahead is stopped and dropped (false), and so is none at all.
   bool take(std::int64_t step, bool training);
 
