@@ -140,15 +140,6 @@ struct SentencePieceEncoder::Model {
 
   // Normalizer::Normalize, without the offsets back into the input: the normalised text
   // in buf, its length returned.
-  // `text` normalised into s.normalized, its size in *size; false (left to the library)
-  // past 2^31 - 2 bytes, the library's int positions.
-  bool normalize_into(std::string_view text, Scratch& s, std::int32_t* size) const {
-    const std::size_t normalized = normalize(text, s.normalized);
-    if (normalized > kMaxNormalized) return false;
-    *size = static_cast<std::int32_t>(normalized);
-    return true;
-  }
-
   std::size_t normalize(std::string_view input, Bytes& buf) const {
     if (input.empty()) return 0;
     std::size_t consumed = 0;
@@ -207,6 +198,15 @@ struct SentencePieceEncoder::Model {
       while (n >= space_size && std::memcmp(out + n - space_size, space, space_size) == 0) n -= space_size;
     if (add_dummy_prefix && whitespace_as_suffix) put_space();
     return n;
+  }
+
+  // `text` normalised into s.normalized, its size in *size; false (left to the library)
+  // past 2^31 - 2 bytes, the library's int positions.
+  bool normalize_into(std::string_view text, Scratch& s, std::int32_t* size) const {
+    const std::size_t normalized = normalize(text, s.normalized);
+    if (normalized > kMaxNormalized) return false;
+    *size = static_cast<std::int32_t>(normalized);
+    return true;
   }
 
   // unigram::Model::EncodeOptimized and PopulateSentencePieceText's ids.

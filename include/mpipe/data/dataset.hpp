@@ -32,8 +32,10 @@ class Dataset {
   // labelled file, token windows: the last stage reads its labels, not its inputs).
   virtual bool targets_alone() const { return false; }
   // Whether fill() may run on a thread of its own while the rank computes and writes
-  // checkpoints (--prefetch): not where it calls HDF5, whose Debian build is not
-  // thread-safe, or BLAS, which the CPU's compute calls meanwhile.
+  // checkpoints (--prefetch), and on two threads at once for disjoint samples of one
+  // batch (the reader's piece in flight and take()'s rest): not where it calls HDF5, whose
+  // Debian build is not thread-safe, or BLAS, which the CPU's compute calls meanwhile, or
+  // where it keeps state of its own between calls.
   virtual bool fills_aside() const { return true; }
 };
 
